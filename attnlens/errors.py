@@ -1,0 +1,25 @@
+"""The errors attnlens raises: types a user can catch, messages that say what to do next."""
+
+
+class AttnlensError(Exception):
+    """Base class of attnlens's own errors."""
+
+
+class Unavailable(AttnlensError):
+    """A standardized value that cannot be read on this model, layer or engine; the message says why."""
+
+
+class OrderError(AttnlensError):
+    """Values were read in an order the forward pass cannot serve; the message names both values."""
+
+
+class LocationDrift(AttnlensError):
+    """A family's recorded location no longer matches the installed transformers: the value would be wrong."""
+
+
+class UnknownFamily(AttnlensError):
+    """No attnlens family is registered for this model type."""
+
+
+class EditError(AttnlensError):
+    """An edit that cannot land where it was written; the message says how to write it instead."""

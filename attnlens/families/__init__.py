@@ -1,0 +1,1 @@
+"""Built-in families, one module each; `attnlens.family.family_for` imports them lazily by model type."""

@@ -1,0 +1,38 @@
+"""GPT-2: one fused `c_attn` projection split into queries, keys and values; Conv1D projections; learned positions.
+
+Queries are a view of the split, so torch refuses in-place edits of them under autograd: assign them instead. The
+file-local eager function repeats no heads and does not upcast the softmax. With `reorder_and_upcast_attn` the
+attention bypasses the attention interface entirely.
+"""
+
+from ..family import Family, register
+
+
+@register
+class GPT2(Family):
+    model_types = ("gpt2",)
+    tiny = ("GPT2Config", "GPT2LMHeadModel", {"n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 128, "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None, "max_position_embeddings": None})
+    layers = "transformer.h"
+    embed_tokens = "transformer.wte"
+    final_norm = "transformer.ln_f"
+    attention = "attn"
+    attention_norm = "ln_1"
+    mlp_norm = "ln_2"
+    output_projection = "c_proj"
+    activation = "act"
+    down_projection = "c_proj"
+    probabilities_operation = ("attn_weights_4", "dropout(")
+    fused_views = ("attention_queries",)
+
+    def num_heads(self, module):
+        return module.num_heads
+
+    def unavailable(self, model, layer):
+        reasons = super().unavailable(model, layer)
+        if getattr(model.config, "reorder_and_upcast_attn", False):
+            for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+                         "attention_probabilities", "attention_head_outputs"):
+                reasons[name] = ("config.reorder_and_upcast_attn=True routes GPT-2 attention through "
+                                 "_upcast_and_reordered_attn, which attnlens does not read; load with "
+                                 "reorder_and_upcast_attn=False")
+        return reasons

@@ -1,0 +1,9 @@
+"""Llama: the common layout (shared attention interface, grouped-query heads, rotary embedding)."""
+
+from ..family import Family, register
+
+
+@register
+class Llama(Family):
+    model_types = ("llama",)
+    tiny = ("LlamaConfig", "LlamaForCausalLM", {})

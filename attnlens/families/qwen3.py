@@ -1,0 +1,10 @@
+"""Qwen3: Qwen2 with per-head RMSNorm on queries and keys before the rotary embedding (read after both)."""
+
+from ..family import register
+from .qwen2 import Qwen2
+
+
+@register
+class Qwen3(Qwen2):
+    model_types = ("qwen3",)
+    tiny = ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16})

@@ -1,0 +1,284 @@
+"""A family: where each standardized value lives in one architecture, its sizes, its score function, its limits.
+
+A family is mostly data (module names and the operations where values live) plus the few functions that truly
+differ. `Family` itself describes the common case, a transformers decoder whose attention calls the shared attention
+interface (`attention_interface_1`) with the eager function defined in the model's own file (Llama and most
+families since). A new family subclasses it, states how it differs, and registers:
+
+    @attnlens.register
+    class MyFamily(attnlens.Family):
+        model_types = ("my_model",)
+        mlp_norm = "pre_mlp_norm"
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from functools import cached_property
+from typing import Callable, ClassVar
+
+import torch
+
+from .errors import LocationDrift, UnknownFamily
+from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField
+from .values import ALL_VALUES, BY_NAME
+
+INTERFACE_CALL = "attention_interface_1"
+
+#: The sizes every tiny model shares: grouped heads (4 query, 2 key/value), three blocks, a wide initialisation so
+#: patterns are far from uniform.
+TINY_DEFAULTS = dict(
+    num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    vocab_size=128, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.2,
+)
+
+
+def operation_lines(function: Callable) -> dict[str, str]:
+    """The operations nnsight names inside `function` (decorators peeled), each with its source line."""
+    from nnsight.intervention.source import compiled, decorator_chain
+
+    innermost, _ = decorator_chain(function)
+    code = compiled(innermost)
+    lines = code.source.split("\n")
+    return {name: lines[code.lines[name] - 1].strip() for name in code.names}
+
+
+class Family:
+    """The common transformers decoder layout. Override attributes and methods to describe another."""
+
+    #: `config.model_type` values this family serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    # Module paths: from the wrapped model, from a block, from its attention, from its MLP.
+    layers = "model.layers"
+    embed_tokens = "model.embed_tokens"
+    final_norm = "model.norm"
+    attention = "self_attn"
+    mlp = "mlp"
+    attention_norm = "input_layernorm"
+    mlp_norm = "post_attention_layernorm"
+    output_projection = "o_proj"
+    activation = "act_fn"
+    down_projection = "down_proj"
+
+    #: `layer_input + attention_output == layer_mid` (false where a norm follows attention, as in Gemma 2 and 3).
+    residual_adds_attention_output = True
+    #: Values that exist only inside transformers' eager attention function.
+    eager_only: ClassVar[tuple[str, ...]] = ("attention_scores", "attention_probabilities")
+    #: The assignment in the eager function holding the masked scores, and the line it must be on.
+    scores_operation = ("attn_weights_1", "+ attention_mask")
+    #: The assignment holding the pattern after softmax and dropout.
+    probabilities_operation = ("attn_weights_3", "dropout(")
+    #: Values that are views of a fused projection's split: torch refuses in-place edits of them, assignment works.
+    fused_views: ClassVar[tuple[str, ...]] = ()
+
+    #: How to build a small random model of the family: (config class, model class, config keyword arguments),
+    #: the classes named in `transformers`. `attnlens.models.tiny` merges `TINY_DEFAULTS` under the arguments.
+    tiny: ClassVar[tuple[str, str, dict] | None] = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    # --- where each value lives ---------------------------------------------------------------------------
+
+    def locations(self) -> dict[str, Location]:
+        """Value name -> location, in forward order. Values missing here are unavailable on the family."""
+        scores, scores_anchor = self.scores_operation
+        probabilities, probabilities_anchor = self.probabilities_operation
+        return {
+            "embeddings": ModuleOutput(self.embed_tokens),
+            "layer_input": ModuleInput(),
+            "attention_norm_output": ModuleOutput(self.attention_norm),
+            "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
+            "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
+            "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
+            "attention_scores": Operation((INTERFACE_CALL, scores), anchor=scores_anchor),
+            "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
+            "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput("", 0),
+            "layer_mid": ModuleInput(self.mlp_norm),
+            "mlp_norm_output": ModuleOutput(self.mlp_norm),
+            "mlp_input": ModuleInput(self.mlp),
+            "mlp_activation": ModuleOutput(self.activation),
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": ModuleOutput(),
+            "layer_output": ModuleOutput(),
+            "final_norm_output": ModuleOutput(self.final_norm),
+            "logits": OutputField("logits"),  # after any final soft-cap, as the caller receives them
+        }
+
+    @cached_property
+    def _locations(self) -> dict[str, Location]:
+        return self.locations()
+
+    def location(self, name: str) -> Location | None:
+        return self._locations.get(name)
+
+    def drilled_functions(self, attention_module: torch.nn.Module) -> dict[str, Callable]:
+        """The functions the attention forward's calls run under eager, by call name, for load-time checks."""
+        module = sys.modules[type(attention_module).__module__]
+        return {INTERFACE_CALL: module.eager_attention_forward}
+
+    # --- sizes, read off the attention module and its config -----------------------------------------------
+
+    def num_heads(self, module) -> int:
+        return module.config.num_attention_heads
+
+    def num_kv_heads(self, module) -> int:
+        return getattr(module.config, "num_key_value_heads", None) or self.num_heads(module)
+
+    def head_dim(self, module) -> int:
+        return module.head_dim
+
+    def qk_head_dim(self, module) -> int:
+        return self.head_dim(module)
+
+    def scale(self, module) -> float:
+        return module.scaling
+
+    def softcap(self, config, layer: int) -> float | None:
+        """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
+        return None
+
+    def sliding_window(self, config, layer: int) -> int | None:
+        """How many keys back a query of `layer` sees (itself included), or None for full causal attention."""
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            return window if layer_types[layer] == "sliding_attention" else None
+        return window
+
+    # --- the score function ----------------------------------------------------------------------------------
+
+    def scores(
+        self,
+        module,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        layer: int,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scores entering the softmax, computed the way the family computes them.
+
+        `queries` [batch, num_heads, query, qk_head_dim], `keys` [batch, num_kv_heads, key, qk_head_dim] as read;
+        the queries are the last `query` positions of the keys (a prefill, or decode steps against a cache).
+        `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum.
+        """
+        groups = queries.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * self.scale(module)
+        cap = self.softcap(module.config, layer)
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        return scores + self.mask(queries.shape[2], keys.shape[2], module.config, layer, key_mask, scores.dtype)
+
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+        """The additive mask: 0 where a query sees a key, the dtype's minimum elsewhere. [batch or 1, 1, q, k]."""
+        key_positions = torch.arange(num_keys)
+        query_positions = key_positions[num_keys - num_queries:, None]
+        visible = key_positions[None, :] <= query_positions
+        window = self.sliding_window(config, layer)
+        if window is not None:
+            visible &= query_positions - key_positions[None, :] < window
+        visible = visible[None, None]
+        if key_mask is not None:
+            visible = visible & key_mask[:, None, None, :].bool()
+        zero = torch.zeros((), dtype=dtype)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+
+    # --- what cannot be read, and why --------------------------------------------------------------------------
+
+    def unavailable(self, model, layer: int) -> dict[str, str]:
+        """Value name -> reason, for `layer` of `model` (a transformers model). Called before anything runs."""
+        reasons = {}
+        implementation = model.config._attn_implementation
+        if implementation != "eager":
+            for name in self.eager_only:
+                reasons[name] = (
+                    f"read inside transformers' eager attention function, but this model runs "
+                    f"{implementation!r}, which never forms it; load with attn_implementation='eager'"
+                )
+        for value in ALL_VALUES:
+            if value.name not in self._locations and value.name not in reasons:
+                reasons[value.name] = f"the {self.name} family has no {value.name.replace('_', ' ')}"
+        return reasons
+
+    # --- load-time checks ----------------------------------------------------------------------------------------
+
+    def verify(self, model, layer_module, attention_module) -> None:
+        """Check every recorded operation against the installed transformers; raise `LocationDrift` if one moved."""
+        from transformers import __version__
+
+        scopes = {"attention": attention_module}
+        for name, location in self._locations.items():
+            while hasattr(location, "source") and isinstance(getattr(location, "source"), Location):
+                location = location.source
+            if not isinstance(location, Operation):
+                continue
+            scope = BY_NAME[name].scope if name in BY_NAME else "attention"
+            host = scopes.get(scope, layer_module)
+            for part in filter(None, location.module.split(".")):
+                host = getattr(host, part)
+            function = type(host).forward
+            where = f"{type(host).__name__}.forward"
+            for depth, op_name in enumerate(location.path):
+                lines = operation_lines(function)
+                if op_name not in lines or location.anchor and depth == len(location.path) - 1 \
+                        and location.anchor not in lines[op_name]:
+                    stem = op_name.rsplit("_", 1)[0]
+                    similar = {n: line for n, line in lines.items() if n.rsplit("_", 1)[0] == stem}
+                    found = "; ".join(f"{n}: `{line}`" for n, line in similar.items()) or "no operation of that name"
+                    expected = f"operation {op_name!r}" + (f" on a line containing {location.anchor!r}"
+                                                           if location.anchor else "")
+                    raise LocationDrift(
+                        f"family {self.name}, value {name}: expected {expected} in {where} "
+                        f"(transformers {__version__}), found {found}. The installed transformers moved this value; "
+                        f"update the family's location (see docs/extending.md)."
+                    )
+                if depth < len(location.path) - 1:
+                    drilled = self.drilled_functions(attention_module)
+                    if op_name not in drilled:
+                        break  # resolved only at run time; the identities in the test suite check it
+                    function = drilled[op_name]
+                    where = f"{getattr(function, '__qualname__', function)}"
+
+
+# --- the registry --------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Family]] = {}
+
+
+def register(family: type[Family]) -> type[Family]:
+    """Register a family for each of its `model_types` (usable as a class decorator). Later registrations win."""
+    if not family.model_types:
+        raise ValueError(f"{family.__name__} names no model_types; set model_types = ('your_model_type',)")
+    for model_type in family.model_types:
+        _REGISTRY[model_type] = family
+    return family
+
+
+def _import_builtin_families() -> None:
+    from . import families
+
+    for info in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{info.name}")
+
+
+def family_for(model_type: str) -> Family:
+    """The family registered for `model_type` (the built-in family modules register themselves on import)."""
+    if model_type not in _REGISTRY:
+        _import_builtin_families()
+    if model_type not in _REGISTRY:
+        raise UnknownFamily(model_type)
+    return _REGISTRY[model_type]()
+
+
+def registered() -> dict[str, type[Family]]:
+    """Every registered model type and its family, built-in ones included."""
+    _import_builtin_families()
+    return dict(_REGISTRY)

@@ -1,0 +1,173 @@
+"""Where a value lives in a forward pass, and how to read and write it there through nnsight.
+
+A location is resolved against an envoy (the model, a block, its attention or its MLP). Reading returns the tensor the
+forward holds, so in-place edits land; writing replaces that one value for the rest of the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _child(envoy, path: str):
+    for part in filter(None, path.split(".")):
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+    return envoy
+
+
+def _replace_item(container: Any, index: int, value: Any) -> Any:
+    items = list(container)
+    items[index] = value
+    return type(container)(items) if isinstance(container, tuple) else items
+
+
+@dataclass(frozen=True)
+class Location:
+    """Base class; `key` identifies the handoff point, so values sharing one get the same forward rank."""
+
+    @property
+    def key(self) -> str:
+        raise NotImplementedError
+
+    def read(self, envoy) -> Any:
+        raise NotImplementedError
+
+    def write(self, envoy, value: Any) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ModuleOutput(Location):
+    """A submodule's output (`module=""` is the envoy's own), or one item of a tuple output."""
+
+    module: str = ""
+    item: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.output"
+
+    def read(self, envoy):
+        output = _child(envoy, self.module).output
+        return output[self.item] if self.item is not None and isinstance(output, (tuple, list)) else output
+
+    def write(self, envoy, value):
+        target = _child(envoy, self.module)
+        if self.item is None:
+            target.output = value
+            return
+        output = target.output
+        target.output = _replace_item(output, self.item, value) if isinstance(output, (tuple, list)) else value
+
+
+@dataclass(frozen=True)
+class OutputField(Location):
+    """A field of a module's output object (`logits` of a `CausalLMOutputWithPast`): what the caller receives."""
+
+    field: str
+    module: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.output"
+
+    def read(self, envoy):
+        return getattr(_child(envoy, self.module).output, self.field)
+
+    def write(self, envoy, value):
+        target = _child(envoy, self.module)
+        output = target.output
+        setattr(output, self.field, value)
+        target.output = output
+
+
+@dataclass(frozen=True)
+class ModuleInput(Location):
+    """A submodule's first input (its first positional argument, else its first keyword argument)."""
+
+    module: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.input"
+
+    def read(self, envoy):
+        return _child(envoy, self.module).input
+
+    def write(self, envoy, value):
+        _child(envoy, self.module).input = value
+
+
+@dataclass(frozen=True)
+class Operation(Location):
+    """An operation inside a forward, reached through nnsight's `.source`.
+
+    `path` names the operation and the calls drilled into on the way, outermost first:
+    `("attention_interface_1", "attn_weights_1")` is the assignment `attn_weights_1` inside the function that the
+    call `attention_interface_1` runs. `part` is `"output"` (optionally one `item` of it) or `"arg"` (positional
+    argument `item`). `anchor` is text the operation's source line must contain; it is checked when a model loads,
+    so a renumbered operation fails loudly instead of serving another tensor.
+    """
+
+    path: tuple[str, ...]
+    part: str = "output"
+    item: int | None = None
+    anchor: str = ""
+    module: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.source.{'.source.'.join(self.path)}.{'input' if self.part == 'arg' else 'output'}"
+
+    def op(self, envoy):
+        source = _child(envoy, self.module).source
+        for name in self.path[:-1]:
+            source = getattr(source, name).source
+        return getattr(source, self.path[-1])
+
+    def read(self, envoy):
+        op = self.op(envoy)
+        if self.part == "arg":
+            args, _ = op.inputs
+            return args[self.item]
+        output = op.output
+        return output if self.item is None else output[self.item]
+
+    def write(self, envoy, value):
+        op = self.op(envoy)
+        if self.part == "arg":
+            args, kwargs = op.inputs
+            op.inputs = (_replace_item(args, self.item, value), kwargs)
+        elif self.item is None:
+            op.output = value
+        else:
+            op.output = _replace_item(op.output, self.item, value)
+
+
+@dataclass(frozen=True)
+class Derived(Location):
+    """A value computed from another location's value by a view (`view`) and written back by `unview`.
+
+    For layouts the forward never holds as one tensor (a fused projection's slice, heads of a flattened tensor).
+    In-place edits of the view do not reach the model; assign instead, which `unview` maps back.
+    """
+
+    source: Location
+    view: Callable[[Any, Any], Any]
+    unview: Callable[[Any, Any, Any], Any] | None = None
+    label: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.source.key
+
+    def read(self, envoy):
+        return self.view(envoy, self.source.read(envoy))
+
+    def write(self, envoy, value):
+        if self.unview is None:
+            from .errors import EditError
+
+            raise EditError(f"{self.label or 'this value'} is derived and read-only here")
+        self.source.write(envoy, self.unview(envoy, self.source.read(envoy), value))

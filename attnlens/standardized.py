@@ -1,0 +1,207 @@
+"""`StandardizedTransformer`: any transformers causal LM, with one vocabulary for the values inside it."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from greenlet import getcurrent
+from nnsight import TransformersModel
+from nnsight.intervention.interleaver import OutOfOrderError
+
+from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy, value_property
+from .errors import EditError, OrderError, Unavailable, UnknownFamily
+from .family import Family, family_for
+from .support import Support
+from .values import ALL_VALUES, BY_NAME, LAYER_VALUES
+
+
+def _model_type(model: Any, kwargs: dict) -> str:
+    if isinstance(model, torch.nn.Module):
+        return model.config.model_type
+    from transformers import AutoConfig
+
+    config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token") if k in kwargs}
+    return AutoConfig.from_pretrained(model, **config_kwargs).model_type
+
+
+def _unknown_family_message(model_type: str) -> str:
+    return (
+        f"attnlens has no family for model type {model_type!r}. Without one, only nnsight's own module paths work; "
+        f"to give this model the standardized values (layer inputs and outputs, logits, and the attention values), "
+        f"subclass attnlens.Family, set model_types = ({model_type!r},) and the module names that differ, and "
+        f"decorate it with @attnlens.register (docs/extending.md walks through it)."
+    )
+
+
+class StandardizedTransformer(TransformersModel):
+    """A transformers causal LM under nnsight, with the standardized values on `layers[i]`, `.self_attn`, `.mlp`.
+
+    `model` is a hub name, a local folder or a model object already loaded. `family` overrides the registered
+    family for the model's type (an instance or a subclass of `attnlens.Family`).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        attn_implementation: str | None = None,
+        family: Family | type[Family] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if family is None:
+            model_type = _model_type(model, kwargs)
+            try:
+                family = family_for(model_type)
+            except UnknownFamily:
+                raise UnknownFamily(_unknown_family_message(model_type)) from None
+        self.family: Family = family() if isinstance(family, type) else family
+        if attn_implementation is not None:
+            if isinstance(model, torch.nn.Module):
+                model.set_attn_implementation(attn_implementation)
+            else:
+                kwargs["attn_implementation"] = attn_implementation
+        if not isinstance(model, torch.nn.Module):
+            kwargs.setdefault("dispatch", True)
+            kwargs.setdefault("dtype", torch.float32)
+        f = self.family
+        rename = {f.layers: "layers", f.attention: "self_attn"} if f.attention != "self_attn" else {f.layers: "layers"}
+        envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, f"layers.*.{f.mlp}": MLPEnvoy}
+        super().__init__(model, tokenizer=tokenizer, rename=rename, envoys=envoys, **kwargs)
+        self._reasons_cache: dict[tuple[int | None, str], dict[str, str]] = {}
+        self._verify()
+
+    # --- introspection ---------------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _verify(self) -> None:
+        layer = self.layers[0]
+        self.family.verify(self._module, layer._module, layer.self_attn._module)
+
+    def _check_layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or not -self.num_layers <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}); got {layer!r}")
+        return layer % self.num_layers
+
+    def _reasons(self, layer: int | None) -> dict[str, str]:
+        key = (layer, self.config._attn_implementation)
+        if key not in self._reasons_cache:
+            self._reasons_cache[key] = self.family.unavailable(self._module, 0 if layer is None else layer)
+        return self._reasons_cache[key]
+
+    def support(self, layer: int = 0) -> Support:
+        """Which values `layer` serves and, for each it doesn't, why. Answers before anything runs."""
+        layer = self._check_layer(layer)
+        reasons = self._reasons(layer)
+        report = {v.key: reasons.get(v.name) for v in LAYER_VALUES}
+        report.update({v.name: reasons.get(v.name) for v in ALL_VALUES if v.scope == "model"})
+        notes = {BY_NAME[name].key: "a view of the fused projection: assign it, in-place edits fail"
+                 for name in self.family.fused_views}
+        return Support(family=self.family.name, layer=layer, reasons=report, notes=notes)
+
+    def order(self, layer: int = 0) -> dict[str, int]:
+        """Forward-order rank of every value of block `layer`; values read at one location share a rank."""
+        self._check_layer(layer)
+        ranks: dict[str, int] = {}
+        keys: list[str] = []
+        for value in LAYER_VALUES:
+            location = self.family.location(value.name)
+            if location is None:
+                continue
+            key = f"{value.scope}:{location.key}"
+            if key not in keys:
+                keys.append(key)
+            ranks[value.key] = keys.index(key)
+        return dict(sorted(ranks.items(), key=lambda item: item[1]))
+
+    # --- reading and writing values ----------------------------------------------------------------------------
+
+    def _position(self, name: str, layer: int | None) -> tuple[int, int]:
+        """Where a value falls in the whole forward: (block, rank), model values before and after the blocks."""
+        if layer is None:
+            return (-1, 0) if name == "embeddings" else (self.num_layers, ["final_norm_output", "logits"].index(name))
+        return (layer, self.order(layer)[BY_NAME[name].key])
+
+    @staticmethod
+    def _describe(name: str, layer: int | None) -> str:
+        return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
+
+    def _read_value(self, envoy, name: str, layer: int | None):
+        reason = self._reasons(layer).get(name)
+        if reason is not None:
+            raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
+        try:
+            value = self.family.location(name).read(envoy)
+        except OutOfOrderError as error:
+            raise self._order_error(name, layer) or error
+        self._log_read(name, layer)
+        return value
+
+    def _write_value(self, envoy, name: str, layer: int | None, new) -> None:
+        reason = self._reasons(layer).get(name)
+        if reason is not None:
+            raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
+        try:
+            self.family.location(name).write(envoy, new)
+        except OutOfOrderError as error:
+            raise self._order_error(name, layer) or error
+        self._log_read(name, layer)
+
+    @staticmethod
+    def _mediator():
+        reference = getattr(getcurrent(), "mediator", None)
+        return reference() if reference is not None else None
+
+    def _log_read(self, name: str, layer: int | None) -> None:
+        mediator = self._mediator()
+        if mediator is not None:
+            mediator.__dict__.setdefault("attnlens_reads", []).append((name, layer))
+
+    def _order_error(self, name: str, layer: int | None) -> OrderError | None:
+        """Name the two values when a read came after one the forward computes later (None if it was not that)."""
+        mediator = self._mediator()
+        if mediator is None or mediator.iteration != 0:
+            return None  # a `tracer.iter` loop that outran the run ends this way by design
+        position = self._position(name, layer)
+        later = [(n, l) for n, l in mediator.__dict__.get("attnlens_reads", []) if self._position(n, l) > position]
+        if not later:
+            return OrderError(
+                f"{self._describe(name, layer)} was requested after the forward pass had computed it; read values "
+                f"in forward order (model.order(layer) gives it)"
+            )
+        other = self._describe(*later[-1])
+        return OrderError(
+            f"{self._describe(name, layer)} was read after {other}, but the forward computes "
+            f"{self._describe(name, layer)} first; read {self._describe(name, layer)} before {other} "
+            f"(model.order(layer) gives the forward order)"
+        )
+
+    def interleave(self, *args, **kwargs):
+        try:
+            return super().interleave(*args, **kwargs)
+        except RuntimeError as error:
+            if self.family.fused_views and "is a view and is being modified inplace" in str(error):
+                names = ", ".join(self.family.fused_views)
+                raise EditError(
+                    f"an in-place edit hit a view of a fused projection: on {self.family.name}, {names} is a view of "
+                    f"one projection's split, which torch cannot edit in place. Assign it instead, e.g. "
+                    f"`attn.attention_queries = attn.attention_queries * 0` or a clone you edit."
+                ) from error
+            raise
+
+
+for _value in ALL_VALUES:
+    if _value.scope == "model":
+        setattr(StandardizedTransformer, _value.name, value_property(_value))
+
+
+def _model_layer(self) -> None:
+    return None
+
+
+# Model-scope values have no block; `value_property` asks the envoy for `_layer`.
+StandardizedTransformer._layer = property(_model_layer)

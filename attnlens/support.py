@@ -1,0 +1,58 @@
+"""`support()`'s report: which values a layer serves and, for each that it doesn't, why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from pydantic import BaseModel
+
+
+class Support(BaseModel, Mapping):
+    """Value key (`"self_attn.attention_probabilities"`, `"layer_input"`, `"logits"`) -> None or the reason.
+
+    Reads like a mapping (`report[key]`, iteration in forward order) and prints as a table.
+    """
+
+    family: str
+    layer: int
+    engine: str = "transformers"
+    reasons: dict[str, str | None]
+    notes: dict[str, str] = {}
+
+    def __getitem__(self, key: str) -> str | None:
+        if key not in self.reasons:
+            raise KeyError(f"{key!r} is not a standardized value; known: {', '.join(self.reasons)}")
+        return self.reasons[key]
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]  # a mapping iterates keys
+        return iter(self.reasons)
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    @property
+    def available(self) -> list[str]:
+        return [key for key, reason in self.reasons.items() if reason is None]
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        return {key: reason for key, reason in self.reasons.items() if reason is not None}
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=f"{self.family} · layer {self.layer} · {self.engine}", title_justify="left")
+        table.add_column("value")
+        table.add_column("status")
+        table.add_column("note or reason", overflow="fold")
+        for key, reason in self.reasons.items():
+            status = "[green]available[/]" if reason is None else "[red]unavailable[/]"
+            table.add_row(key, status, reason or self.notes.get(key, ""))
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=120, record=True, file=open("/dev/null", "w"))
+        console.print(self)
+        return console.export_text()

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+import attnlens
+
+CORE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+# 18 characters: longer than the tiny sliding windows (4), so window rows are tested.
+PROMPT = "Hello world, again"
+
+_models: dict = {}
+
+
+def tiny(family: str, **kwargs):
+    """One tiny model per (family, options) for the whole session; tests must not leave edits behind."""
+    key = (family, tuple(sorted(kwargs.items())))
+    if key not in _models:
+        _models[key] = attnlens.models.tiny(family, **kwargs)
+    return _models[key]
+
+
+@pytest.fixture(params=CORE_FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_grad_leak():
+    torch.set_grad_enabled(True)
+    yield

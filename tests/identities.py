@@ -1,0 +1,109 @@
+"""Checks that would catch a wrong wiring: each returns the identities that failed for one layer's saved values.
+
+They are written from transformers' and torch's side (the model's own modules, an independent causal mask), never
+from the location being checked, so a value read from the wrong place fails at least one of them.
+"""
+
+import torch
+
+import attnlens
+
+ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+             "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
+LAYER = ("layer_input", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
+MLP = ("mlp_activation", "mlp_neurons", "mlp_output")
+
+
+def read_everything(model, prompt):
+    """All values of every layer in one trace, in forward order; returns {(layer, name): tensor} and logits."""
+    saved = {}
+    with torch.no_grad(), model.trace(prompt):
+        saved["embeddings"] = model.embeddings.save()
+        for i, layer in enumerate(model.layers):
+            for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
+                host = layer
+                if name.startswith("self_attn."):
+                    host, name = layer.self_attn, name.split(".")[1]
+                elif name.startswith("mlp."):
+                    host, name = layer.mlp, name.split(".")[1]
+                saved[(i, name)] = getattr(host, name).save()
+        saved["final_norm_output"] = model.final_norm_output.save()
+        saved["logits"] = model.logits.save()
+    return saved
+
+
+def visible(config, family, layer, length):
+    """Which keys each query may see: causal, and within the sliding window where the layer has one."""
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    allowed = k <= q
+    window = family.sliding_window(config, layer)
+    if window is not None:
+        allowed &= q - k < window
+    return allowed
+
+
+def close(a, b, atol=1e-5):
+    return a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=1e-4)
+
+
+def failures(model, saved, layer):
+    """Names of the identities that fail for `layer`."""
+    f = model.family
+    attn = model.layers[layer].self_attn
+    module = attn._module
+    block = model.layers[layer]._module
+    v = {name: saved[(layer, name)] for name in ATTENTION + LAYER + MLP if (layer, name) in saved}
+    q, k, vals = v["attention_queries"], v["attention_keys"], v["attention_values"]
+    scores, probs, heads = v["attention_scores"], v["attention_probabilities"], v["attention_head_outputs"]
+    batch, length = saved["logits"].shape[:2]
+    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    bad = []
+
+    def check(name, ok):
+        if not ok:
+            bad.append(name)
+
+    check("queries shape", q.shape == (batch, h, length, attn.qk_head_dim))
+    check("keys shape", k.shape == (batch, kv, length, attn.qk_head_dim))
+    check("values shape", vals.shape == (batch, kv, length, d))
+    check("pattern shape", probs.shape == scores.shape == (batch, h, length, length))
+    check("head outputs shape", heads.shape == (batch, length, h, d))
+    check("softmax(scores) == probabilities", close(scores.softmax(-1), probs))
+    check("rows sum to one", close(probs.sum(-1), torch.ones_like(probs.sum(-1))))
+    allowed = visible(module.config, f, layer, length)
+    check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
+    check("visible entries positive", bool((probs[..., allowed] > 0).all()))
+    check("scores == family score function", close(f.scores(module, q, k, layer), scores))
+    groups = h // kv
+    mixed = (probs @ vals.repeat_interleave(groups, dim=1)).transpose(1, 2)
+    check("probabilities @ values == head outputs", close(mixed, heads))
+    check("merged head outputs == premix", close(heads.reshape(batch, length, h * d), v["attention_premix"]))
+    projection = getattr(module, f.output_projection)
+    check("output projection(premix) == attention output", close(projection(v["attention_premix"]),
+                                                                 v["attention_output"]))
+    residual = v["attention_output"] if f.residual_adds_attention_output else block.post_attention_layernorm(
+        v["attention_output"])
+    check("layer input + attention output == layer mid", close(v["layer_input"] + residual, v["layer_mid"]))
+    norm = getattr(block, f.mlp_norm)
+    check("mlp norm(layer mid) == mlp norm output", close(norm(v["layer_mid"]), v["mlp_norm_output"]))
+    check("mlp input == mlp norm output", close(v["mlp_input"], v["mlp_norm_output"]))
+    mlp = getattr(block, f.mlp)
+    check("mlp(mlp input) == mlp output", close(mlp(v["mlp_input"]), v["mlp_output"]))
+    check("down projection(neurons) == mlp output",
+          close(getattr(mlp, f.down_projection)(v["mlp_neurons"]), v["mlp_output"]))
+    check("activation(...) feeds the neurons", v["mlp_activation"].shape[-1] == v["mlp_neurons"].shape[-1])
+    after_mlp = v["mlp_output"] if f.residual_adds_attention_output else block.post_feedforward_layernorm(
+        v["mlp_output"])
+    check("layer mid + mlp output == layer output", close(v["layer_mid"] + after_mlp, v["layer_output"]))
+    nxt = saved.get((layer + 1, "layer_input"))
+    if nxt is not None:
+        check("layer output == next layer input", close(v["layer_output"], nxt))
+    return bad
+
+
+def keys_of(model):
+    return [name for name in model.order(0)]
+
+
+attnlens  # the identities use only the public values
