@@ -24,10 +24,10 @@ demo: install
 	$(PY) -m attnlens.demo
 
 test: install
-	$(PY) -m pytest -q tests docs
+	$(PY) -m pytest -q tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not real" tests docs
+	$(PY) -m pytest -q -m "not real" tests
 
 benchmark: install
 	$(PY) benchmarks/attention_overhead.py

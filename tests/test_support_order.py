@@ -1,0 +1,128 @@
+"""support(), Unavailable and order(): answered before anything runs, with reasons and names a user can act on."""
+
+import pytest
+import torch
+
+import attnlens
+from conftest import CORE_FAMILIES, PROMPT, tiny
+
+# Gemma 2 has no sdpa path in transformers: it loads eager only.
+SDPA_FAMILIES = [f for f in CORE_FAMILIES if f != "gemma2"]
+from identities import read_everything
+
+
+def count_forwards(model):
+    calls = []
+    handle = model._module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_sdpa_reports_eager_only_values_and_refuses_them_before_the_forward(family):
+    model = tiny(family, attn_implementation="sdpa")
+    report = model.support(layer=1)
+    for key in ("self_attn.attention_scores", "self_attn.attention_probabilities"):
+        assert "attn_implementation='eager'" in report[key] and "'sdpa'" in report[key]
+    for key in ("self_attn.attention_premix", "self_attn.attention_output", "self_attn.attention_queries",
+                "self_attn.attention_head_outputs", "layer_input", "logits"):
+        assert report[key] is None
+    calls, handle = count_forwards(model)
+    try:
+        with pytest.raises(attnlens.Unavailable, match="attn_implementation='eager'"):
+            with model.trace(PROMPT):
+                model.layers[1].self_attn.attention_probabilities.save()
+        assert calls == []
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_values_read_under_sdpa_equal_eager(family):
+    eager, sdpa = tiny(family), tiny(family, attn_implementation="sdpa")
+    got = {}
+    for name, model in (("eager", eager), ("sdpa", sdpa)):
+        attn = model.layers[1].self_attn
+        with torch.no_grad(), model.trace(PROMPT):
+            got[name] = (attn.attention_queries.save(), attn.attention_head_outputs.save(),
+                         attn.attention_premix.save())
+    for a, b in zip(got["eager"], got["sdpa"]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_support_is_a_mapping_and_prints_as_a_table():
+    report = tiny("llama").support(layer=0)
+    assert list(report)[0] == "layer_input" and len(report) == 20
+    assert report.available == list(report)
+    text = str(report)
+    assert "self_attn.attention_probabilities" in text and "available" in text
+    with pytest.raises(KeyError, match="not a standardized value"):
+        report["attention_probs"]
+
+
+def test_support_checks_the_layer():
+    with pytest.raises(IndexError, match=r"\[0, 3\)"):
+        tiny("llama").support(layer=7)
+
+
+def test_order_ranks_every_value(family):
+    order = tiny(family).order(1)
+    assert len(order) == 17
+    assert order["self_attn.attention_queries"] == order["self_attn.attention_keys"] \
+        == order["self_attn.attention_values"]
+    ranks = list(order.values())
+    assert ranks == sorted(ranks) and ranks[0] == 0
+    assert order["self_attn.attention_scores"] < order["self_attn.attention_probabilities"] \
+        < order["self_attn.attention_head_outputs"] < order["self_attn.attention_premix"] \
+        < order["self_attn.attention_output"] < order["layer_output"]
+
+
+def test_reading_in_order_succeeds_everywhere(family):
+    # read_everything walks model.order() over every layer in one trace: it raises if the order is wrong.
+    saved = read_everything(tiny(family), PROMPT)
+    assert len(saved) == 3 * 17 + 3
+
+
+@pytest.mark.parametrize("first,second", [
+    ("attention_output", "attention_probabilities"),
+    ("attention_head_outputs", "attention_scores"),
+    ("attention_premix", "attention_queries"),
+])
+def test_out_of_order_read_names_both_values(family, first, second):
+    model = tiny(family)
+    attn = model.layers[1].self_attn
+    with pytest.raises(attnlens.OrderError) as error:
+        with model.trace(PROMPT):
+            getattr(attn, first).save()
+            getattr(attn, second).save()
+    message = str(error.value)
+    assert f"layers[1].self_attn.{second} was read after layers[1].self_attn.{first}" in message
+    assert "source." not in message  # no nnsight-internal paths
+
+
+def test_out_of_order_across_layers():
+    model = tiny("llama")
+    with pytest.raises(attnlens.OrderError, match=r"layers\[0\].layer_output was read after layers\[2\].layer_input"):
+        with model.trace(PROMPT):
+            model.layers[2].layer_input.save()
+            model.layers[0].layer_output.save()
+
+
+def test_unknown_family_says_how_to_add_one():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    model = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=32, n_head=2, rotary_dim=8, vocab_size=128))
+    with pytest.raises(attnlens.UnknownFamily, match="attnlens.register"):
+        attnlens.StandardizedTransformer(model, tokenizer=attnlens.models.char_tokenizer())
+
+
+def test_a_moved_operation_fails_at_load_naming_family_and_value():
+    class Renumbered(attnlens.Family):
+        model_types = ("llama",)
+        scores_operation = ("attn_weights_0", "+ attention_mask")
+
+    with pytest.raises(attnlens.LocationDrift) as error:
+        attnlens.StandardizedTransformer(attnlens.models.tiny_model("llama"), family=Renumbered,
+                                         tokenizer=attnlens.models.char_tokenizer())
+    message = str(error.value)
+    assert "family Renumbered, value attention_scores" in message
+    assert "attn_weights_1: `attn_weights = attn_weights + attention_mask`" in message
