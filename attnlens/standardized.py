@@ -62,6 +62,7 @@ class StandardizedTransformer(TransformersModel):
                 model.set_attn_implementation(attn_implementation)
             else:
                 kwargs["attn_implementation"] = attn_implementation
+        kwargs.setdefault("task", "text-generation")  # a causal LM; never ask the hub to infer it
         if not isinstance(model, torch.nn.Module):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
