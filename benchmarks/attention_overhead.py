@@ -1,0 +1,99 @@
+"""What reading attention costs, on SmolLM2 in one process: ms and peak memory, as ratios to a plain sdpa forward.
+
+    python benchmarks/attention_overhead.py [--lengths 128 1024] [--repeats 5]
+
+Rows: a plain forward with sdpa, a plain forward with eager, and a trace that saves all eight attention values of
+every layer (eager). Peak memory is the process's resident-set peak during the run above what it held before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+
+from attnlens import models
+
+ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+             "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
+
+
+class PeakMemory:
+    """Samples this process's resident memory every millisecond; `peak` is the most above the starting level."""
+
+    def __enter__(self):
+        self.process = psutil.Process()
+        self.start = self.process.memory_info().rss
+        self.high = self.start
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.high = max(self.high, self.process.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = self.high - self.start
+
+
+def plain(model, ids):
+    model._module(ids)
+
+
+def trace_all(model, ids):
+    with model.trace(ids):
+        saved = list().save()
+        for layer in model.layers:
+            for name in ATTENTION:
+                saved.append(getattr(layer.self_attn, name))
+    return saved
+
+
+def measure(fn, repeats):
+    fn()  # warm-up (instrumentation, allocator)
+    times, peaks = [], []
+    for _ in range(repeats):
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - start)
+        del result
+        peaks.append(memory.peak)
+    return statistics.median(times) * 1000, max(peaks) / 2**20
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model = models.smollm2(attn_implementation="eager")
+    vocab = model.config.vocab_size
+    print(f"SmolLM2-135M fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}")
+    print(f"{'tokens':>6}  {'run':<34}{'ms':>9}{'x sdpa':>8}{'x eager':>9}{'peak MiB':>10}")
+    for length in args.lengths:
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+        rows = {}
+        model._module.set_attn_implementation("sdpa")
+        rows["plain forward, sdpa"] = measure(lambda: plain(model, ids), args.repeats)
+        model._module.set_attn_implementation("eager")
+        rows["plain forward, eager"] = measure(lambda: plain(model, ids), args.repeats)
+        rows["trace saving 8 values x 30 layers"] = measure(lambda: trace_all(model, ids), args.repeats)
+        sdpa, eager = rows["plain forward, sdpa"][0], rows["plain forward, eager"][0]
+        for name, (ms, peak) in rows.items():
+            print(f"{length:>6}  {name:<34}{ms:>9.1f}{ms / sdpa:>8.2f}{ms / eager:>9.2f}{peak:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()

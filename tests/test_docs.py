@@ -1,0 +1,45 @@
+"""The docs run: every ```python block of each page executes, in order, in one namespace per page.
+
+A line `# expected` after a `print(...)` states what it prints; the test compares it.
+"""
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def expected_output(block: str) -> list[str]:
+    """The `# ...` comment lines that directly follow a print(), in order."""
+    out, lines = [], block.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("print(") and i + 1 < len(lines) and lines[i + 1].startswith("# "):
+            out.append(lines[i + 1][2:])
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_page_runs(page, tmp_path):
+    namespace = {"__name__": f"docs_{page.stem}"}
+    for number, block in enumerate(BLOCK.findall(page.read_text())):
+        # nnsight reads a trace's body back from its source file, so each block runs from a real file
+        script = tmp_path / f"{page.stem}_{number}.py"
+        script.write_text(block)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            exec(compile(block, str(script), "exec"), namespace)
+        printed = buffer.getvalue().splitlines()
+        for want in expected_output(block):
+            assert any(line.strip() == want.strip() for line in printed), f"{page.name}: expected {want!r}, got {printed}"
+
+
+def test_family_table_is_current():
+    from attnlens.tables import family_table
+
+    assert (DOCS / "families.md").read_text() == family_table(), "regenerate: python -m attnlens.tables > docs/families.md"
