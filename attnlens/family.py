@@ -119,6 +119,24 @@ class Family:
     def location(self, name: str) -> Location | None:
         return self._locations.get(name)
 
+    def ordered_locations(self) -> dict[str, Location]:
+        """Value name -> location in the order the forward reaches them (the order `locations()` lists them)."""
+        return dict(self._locations)
+
+    def notes(self, config, layer: int) -> dict[str, str]:
+        """Value name -> what is special about it on this family and layer (shown by `support()`)."""
+        notes = {name: "a view of the fused projection: assign it, in-place edits fail" for name in self.fused_views}
+        window = self.sliding_window(config, layer)
+        if window is not None:
+            notes["attention_probabilities"] = (f"sliding window: each query sees its last {window} keys; under "
+                                                f"generate the cache keeps only the window")
+        cap = self.softcap(config, layer)
+        if cap is not None:
+            notes["attention_scores"] = f"soft-capped before the mask: tanh(s / {cap}) * {cap}"
+        if not self.residual_adds_attention_output:
+            notes["layer_mid"] = "layer_input + post_attention_layernorm(attention_output): a norm follows attention"
+        return notes
+
     def drilled_functions(self, attention_module: torch.nn.Module) -> dict[str, Callable]:
         """The functions the attention forward's calls run under eager, by call name, for load-time checks."""
         module = sys.modules[type(attention_module).__module__]

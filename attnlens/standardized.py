@@ -100,8 +100,7 @@ class StandardizedTransformer(TransformersModel):
         reasons = self._reasons(layer)
         report = {v.key: reasons.get(v.name) for v in LAYER_VALUES}
         report.update({v.name: reasons.get(v.name) for v in ALL_VALUES if v.scope == "model"})
-        notes = {BY_NAME[name].key: "a view of the fused projection: assign it, in-place edits fail"
-                 for name in self.family.fused_views}
+        notes = {BY_NAME[name].key: note for name, note in self.family.notes(self.config, layer).items()}
         return Support(family=self.family.name, layer=layer, reasons=report, notes=notes)
 
     def order(self, layer: int = 0) -> dict[str, int]:
@@ -109,9 +108,9 @@ class StandardizedTransformer(TransformersModel):
         self._check_layer(layer)
         ranks: dict[str, int] = {}
         keys: list[str] = []
-        for value in LAYER_VALUES:
-            location = self.family.location(value.name)
-            if location is None:
+        for name, location in self.family.ordered_locations().items():
+            value = BY_NAME[name]
+            if value.scope == "model":
                 continue
             key = f"{value.scope}:{location.key}"
             if key not in keys:
@@ -132,25 +131,22 @@ class StandardizedTransformer(TransformersModel):
         return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
 
     def _read_value(self, envoy, name: str, layer: int | None):
-        reason = self._reasons(layer).get(name)
-        if reason is not None:
-            raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
-        try:
-            value = self.family.location(name).read(envoy)
-        except OutOfOrderError as error:
-            raise self._order_error(name, layer) or error
-        self._log_read(name, layer)
-        return value
+        return self._access(name, layer, lambda location: location.read(envoy))
 
     def _write_value(self, envoy, name: str, layer: int | None, new) -> None:
+        self._access(name, layer, lambda location: location.write(envoy, new))
+
+    def _access(self, name: str, layer: int | None, act):
+        """Refuse an unavailable value before nnsight is asked; translate nnsight's order error into ours."""
         reason = self._reasons(layer).get(name)
         if reason is not None:
             raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
         try:
-            self.family.location(name).write(envoy, new)
+            result = act(self.family.location(name))
         except OutOfOrderError as error:
             raise self._order_error(name, layer) or error
         self._log_read(name, layer)
+        return result
 
     @staticmethod
     def _mediator():
