@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -195,10 +194,5 @@ for _value in ALL_VALUES:
     if _value.scope == "model":
         setattr(StandardizedTransformer, _value.name, value_property(_value))
 
-
-def _model_layer(self) -> None:
-    return None
-
-
 # Model-scope values have no block; `value_property` asks the envoy for `_layer`.
-StandardizedTransformer._layer = property(_model_layer)
+StandardizedTransformer._layer = property(lambda self: None)

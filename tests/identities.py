@@ -6,8 +6,6 @@ from the location being checked, so a value read from the wrong place fails at l
 
 import torch
 
-import attnlens
-
 ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
              "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
 LAYER = ("layer_input", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
@@ -92,7 +90,12 @@ def failures(model, saved, layer):
     check("mlp(mlp input) == mlp output", close(mlp(v["mlp_input"]), v["mlp_output"]))
     check("down projection(neurons) == mlp output",
           close(getattr(mlp, f.down_projection)(v["mlp_neurons"]), v["mlp_output"]))
-    check("activation(...) feeds the neurons", v["mlp_activation"].shape[-1] == v["mlp_neurons"].shape[-1])
+    activation, neurons = v["mlp_activation"], v["mlp_neurons"]
+    if hasattr(mlp, "up_proj"):  # gated: neurons = act(gate(x)) * up(x)
+        check("activation == act(gate(mlp input))", close(mlp.act_fn(mlp.gate_proj(v["mlp_input"])), activation))
+        check("activation * up(mlp input) == neurons", close(activation * mlp.up_proj(v["mlp_input"]), neurons))
+    else:
+        check("activation == neurons", close(activation, neurons))
     after_mlp = v["mlp_output"] if f.residual_adds_attention_output else block.post_feedforward_layernorm(
         v["mlp_output"])
     check("layer mid + mlp output == layer output", close(v["layer_mid"] + after_mlp, v["layer_output"]))
@@ -101,9 +104,3 @@ def failures(model, saved, layer):
         check("layer output == next layer input", close(v["layer_output"], nxt))
     return bad
 
-
-def keys_of(model):
-    return [name for name in model.order(0)]
-
-
-attnlens  # the identities use only the public values
