@@ -64,8 +64,10 @@ class Family:
     activation = "act_fn"
     down_projection = "down_proj"
 
-    #: `layer_input + attention_output == layer_mid` (false where a norm follows attention, as in Gemma 2 and 3).
-    residual_adds_attention_output = True
+    #: Norms applied to the attention and MLP outputs before the residual add (Gemma 2 and 3), or None; without
+    #: them `layer_input + attention_output == layer_mid` and `layer_mid + mlp_output == layer_output`.
+    attention_post_norm: str | None = None
+    mlp_post_norm: str | None = None
     #: Values that exist only inside transformers' eager attention function.
     eager_only: ClassVar[tuple[str, ...]] = ("attention_scores", "attention_probabilities")
     #: The assignment in the eager function holding the masked scores, and the line it must be on.
@@ -133,8 +135,8 @@ class Family:
         cap = self.softcap(config, layer)
         if cap is not None:
             notes["attention_scores"] = f"soft-capped before the mask: tanh(s / {cap}) * {cap}"
-        if not self.residual_adds_attention_output:
-            notes["layer_mid"] = "layer_input + post_attention_layernorm(attention_output): a norm follows attention"
+        if self.attention_post_norm is not None:
+            notes["layer_mid"] = f"layer_input + {self.attention_post_norm}(attention_output): a norm follows attention"
         return notes
 
     def drilled_functions(self, attention_module: torch.nn.Module) -> dict[str, Callable]:

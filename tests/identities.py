@@ -80,8 +80,10 @@ def failures(model, saved, layer):
     projection = getattr(module, f.output_projection)
     check("output projection(premix) == attention output", close(projection(v["attention_premix"]),
                                                                  v["attention_output"]))
-    residual = v["attention_output"] if f.residual_adds_attention_output else block.post_attention_layernorm(
-        v["attention_output"])
+    def post_norm(name, x):
+        return x if name is None else getattr(block, name)(x)
+
+    residual = post_norm(f.attention_post_norm, v["attention_output"])
     check("layer input + attention output == layer mid", close(v["layer_input"] + residual, v["layer_mid"]))
     norm = getattr(block, f.mlp_norm)
     check("mlp norm(layer mid) == mlp norm output", close(norm(v["layer_mid"]), v["mlp_norm_output"]))
@@ -96,8 +98,7 @@ def failures(model, saved, layer):
         check("activation * up(mlp input) == neurons", close(activation * mlp.up_proj(v["mlp_input"]), neurons))
     else:
         check("activation == neurons", close(activation, neurons))
-    after_mlp = v["mlp_output"] if f.residual_adds_attention_output else block.post_feedforward_layernorm(
-        v["mlp_output"])
+    after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
     check("layer mid + mlp output == layer output", close(v["layer_mid"] + after_mlp, v["layer_output"]))
     nxt = saved.get((layer + 1, "layer_input"))
     if nxt is not None:

@@ -15,7 +15,8 @@ class Gemma2(Llama):
     model_types = ("gemma2",)
     tiny = ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16})
     mlp_norm = "pre_feedforward_layernorm"
-    residual_adds_attention_output = False
+    attention_post_norm = "post_attention_layernorm"
+    mlp_post_norm = "post_feedforward_layernorm"
     scores_operation = ("attn_weights_4", "+ attention_mask")
     probabilities_operation = ("attn_weights_6", "dropout(")
 
