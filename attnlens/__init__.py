@@ -1,7 +1,8 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
 from .editing import keep_masked, masked
-from .errors import AttnlensError, EditError, LocationDrift, OrderError, Unavailable, UnknownFamily
+from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavailable, UnknownFamily,
+                     UnknownFamilyWarning)
 from .family import Family, family_for, register, registered
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .standardized import StandardizedTransformer
@@ -13,5 +14,5 @@ from . import models  # noqa: E402  (after StandardizedTransformer, which it bui
 __all__ = [
     "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "Location", "LocationDrift", "ModuleInput",
     "ModuleOutput", "Operation", "OutputField", "OrderError", "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily",
-    "Value", "family_for", "keep_masked", "masked", "models", "register", "registered",
+    "UnknownFamilyWarning",    "Value", "family_for", "keep_masked", "masked", "models", "register", "registered",
 ]

@@ -21,5 +21,9 @@ class UnknownFamily(AttnlensError):
     """No attnlens family is registered for this model type."""
 
 
+class UnknownFamilyWarning(UserWarning):
+    """A model loaded without a family: only the block inputs and outputs, embeddings and logits are served."""
+
+
 class EditError(AttnlensError):
     """An edit that cannot land where it was written; the message says how to write it instead."""

@@ -76,10 +76,17 @@ class Family:
     probabilities_operation = ("attn_weights_3", "dropout(")
     #: Values that are views of a fused projection's split: torch refuses in-place edits of them, assignment works.
     fused_views: ClassVar[tuple[str, ...]] = ()
+    #: Why a value missing from `locations()` is missing, where the generic "has no ..." would not say enough.
+    absent: ClassVar[dict[str, str]] = {
+        "attention_sinks": "no sink logit: every row of the pattern sums to one",
+        "attention_gate": "no output gate: the merged head outputs are the premix",
+    }
 
     #: How to build a small random model of the family: (config class, model class, config keyword arguments),
     #: the classes named in `transformers`. `attnlens.models.tiny` merges `TINY_DEFAULTS` under the arguments.
     tiny: ClassVar[tuple[str, str, dict] | None] = None
+    #: Other layouts of the family worth testing: name -> config overrides on top of `tiny` (`"falcon:alibi"`).
+    tiny_layouts: ClassVar[dict[str, dict]] = {}
 
     @property
     def name(self) -> str:
@@ -118,12 +125,28 @@ class Family:
     def _locations(self) -> dict[str, Location]:
         return self.locations()
 
-    def location(self, name: str) -> Location | None:
-        return self._locations.get(name)
+    def locations_for(self, config, layer: int | None) -> dict[str, Location]:
+        """The locations of `layer` (None: the model's own values). Override where layers differ in kind, such as
+        the linear-attention layers of a hybrid model; the default is `locations()` on every layer."""
+        return self._locations
 
-    def ordered_locations(self) -> dict[str, Location]:
+    def location(self, name: str, config=None, layer: int | None = None) -> Location | None:
+        return self.locations_for(config, layer).get(name)
+
+    def ordered_locations(self, config=None, layer: int | None = None) -> dict[str, Location]:
         """Value name -> location in the order the forward reaches them (the order `locations()` lists them)."""
-        return dict(self._locations)
+        return dict(self.locations_for(config, layer))
+
+    def renames(self) -> dict[str, str]:
+        """nnsight's `rename=`: module names -> the standardized `layers` and `self_attn`."""
+        renames = {self.layers: "layers"}
+        if self.attention != "self_attn":
+            renames[self.attention] = "self_attn"
+        return renames
+
+    def project_output(self, module, premix: torch.Tensor) -> torch.Tensor:
+        """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
+        return getattr(module, self.output_projection)(premix)
 
     def notes(self, config, layer: int) -> dict[str, str]:
         """Value name -> what is special about it on this family and layer (shown by `support()`)."""
@@ -223,19 +246,22 @@ class Family:
                     f"read inside transformers' eager attention function, but this model runs "
                     f"{implementation!r}, which never forms it; load with attn_implementation='eager'"
                 )
+        locations = self.locations_for(model.config, layer)
         for value in ALL_VALUES:
-            if value.name not in self._locations and value.name not in reasons:
-                reasons[value.name] = f"the {self.name} family has no {value.name.replace('_', ' ')}"
+            if value.name not in locations and value.name not in reasons:
+                reasons[value.name] = self.absent.get(value.name) or Family.absent.get(value.name) or \
+                    f"the {self.name} family has no {value.name.replace('_', ' ')}"
         return reasons
 
     # --- load-time checks ----------------------------------------------------------------------------------------
 
-    def verify(self, model, layer_module, attention_module) -> None:
-        """Check every recorded operation against the installed transformers; raise `LocationDrift` if one moved."""
+    def verify(self, model, layer: int, layer_module, attention_module) -> None:
+        """Check every recorded operation of `layer` against the installed transformers; raise `LocationDrift` if one
+        moved."""
         from transformers import __version__
 
         scopes = {"attention": attention_module}
-        for name, location in self._locations.items():
+        for name, location in self.locations_for(model.config, layer).items():
             while hasattr(location, "source") and isinstance(getattr(location, "source"), Location):
                 location = location.source
             if not isinstance(location, Operation):
@@ -266,6 +292,40 @@ class Family:
                         break  # resolved only at run time; the identities in the test suite check it
                     function = drilled[op_name]
                     where = f"{getattr(function, '__qualname__', function)}"
+
+
+class UnknownLayout(Family):
+    """What attnlens serves on a model whose family it does not know: the block inputs and outputs, the embeddings
+    and the logits, found from the model's structure. Every other value is unavailable with a reason saying how to
+    add the family."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model_type = model.config.model_type
+        depth = model.config.get_text_config().num_hidden_layers
+        names = {id(m): n for n, m in model.named_modules()}
+        self.layers = next((n for n, m in model.named_modules()
+                            if isinstance(m, torch.nn.ModuleList) and len(m) == depth), None)
+        if self.layers is None:
+            raise UnknownFamily(f"attnlens has no family for model type {self.model_type!r} and found no list of "
+                                f"{depth} blocks in it; add the family (docs/extending.md)")
+        self.embed_tokens = names.get(id(model.get_input_embeddings()))
+
+    @property
+    def name(self) -> str:
+        return f"unknown ({self.model_type})"
+
+    def locations(self):
+        found = {"embeddings": ModuleOutput(self.embed_tokens)} if self.embed_tokens else {}
+        return {**found, "layer_input": ModuleInput(), "layer_output": ModuleOutput("", 0),
+                "logits": OutputField("logits")}
+
+    def unavailable(self, model, layer):
+        reason = (f"attnlens has no family for model type {self.model_type!r}; subclass attnlens.Family with this "
+                  f"model's module names and register it (docs/extending.md)")
+        return {value.name: reason for value in ALL_VALUES if value.name not in self._locations}
+
+    def verify(self, model, layer, layer_module, attention_module):
+        pass
 
 
 # --- the registry --------------------------------------------------------------------------------------------

@@ -108,16 +108,24 @@ def char_tokenizer(vocab_size: int = 128):
 
 
 def tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
-    """A small randomly initialised transformers model of `family` (a model type), seeded, in float32, eager."""
+    """A small randomly initialised transformers model of `family`, seeded, in float32, eager.
+
+    `family` is a model type, optionally with one of the family's `tiny_layouts`: `"falcon:alibi"`.
+    """
     import transformers
 
     from .family import TINY_DEFAULTS, family_for
 
-    recipe = family_for(family).tiny
-    if recipe is None:
-        raise ValueError(f"the {family!r} family records no tiny configuration (Family.tiny)")
-    config_class, model_class, kwargs = recipe
-    merged = {k: v for k, v in {**TINY_DEFAULTS, **kwargs, **config_overrides}.items() if v is not None}
+    model_type, _, layout = family.partition(":")
+    recipe = family_for(model_type)
+    if recipe.tiny is None:
+        raise ValueError(f"the {model_type!r} family records no tiny configuration (Family.tiny)")
+    if layout and layout not in recipe.tiny_layouts:
+        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny_layouts)}")
+    config_class, model_class, kwargs = recipe.tiny
+    layout_kwargs = recipe.tiny_layouts.get(layout, {})
+    merged = {k: v for k, v in {**TINY_DEFAULTS, **kwargs, **layout_kwargs, **config_overrides}.items()
+              if v is not None}
     config = getattr(transformers, config_class)(**merged)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -10,8 +11,8 @@ from nnsight import TransformersModel
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy, value_property
-from .errors import EditError, OrderError, Unavailable, UnknownFamily
-from .family import Family, family_for
+from .errors import EditError, OrderError, Unavailable, UnknownFamily, UnknownFamilyWarning
+from .family import Family, UnknownLayout, family_for
 from .support import Support
 from .values import ALL_VALUES, BY_NAME, LAYER_VALUES
 
@@ -27,11 +28,23 @@ def _model_type(model: Any, kwargs: dict) -> str:
 
 def _unknown_family_message(model_type: str) -> str:
     return (
-        f"attnlens has no family for model type {model_type!r}. Without one, only nnsight's own module paths work; "
-        f"to give this model the standardized values (layer inputs and outputs, logits, and the attention values), "
-        f"subclass attnlens.Family, set model_types = ({model_type!r},) and the module names that differ, and "
-        f"decorate it with @attnlens.register (docs/extending.md walks through it)."
+        f"attnlens has no family for model type {model_type!r}. Without one, layers[i].layer_input, "
+        f"layers[i].layer_output, embeddings and logits work, and nnsight's own module paths; the attention, MLP "
+        f"and norm values raise attnlens.Unavailable. To add them, subclass attnlens.Family, set "
+        f"model_types = ({model_type!r},) and the module names and locations that differ, and decorate it with "
+        f"@attnlens.register (docs/extending.md walks through it)."
     )
+
+
+def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
+    """The model object, loading a hub name or folder (its structure is needed to find the blocks)."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    loader_kwargs = {k: v for k, v in kwargs.items() if k not in ("task", "dispatch")}
+    loader_kwargs.setdefault("dtype", torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model, **loader_kwargs)
 
 
 class StandardizedTransformer(TransformersModel):
@@ -54,7 +67,9 @@ class StandardizedTransformer(TransformersModel):
             try:
                 family = family_for(model_type)
             except UnknownFamily:
-                raise UnknownFamily(_unknown_family_message(model_type)) from None
+                model = _loaded(model, kwargs)
+                family = UnknownLayout(model)
+                warnings.warn(_unknown_family_message(model_type), UnknownFamilyWarning, stacklevel=2)
         self.family: Family = family() if isinstance(family, type) else family
         if attn_implementation is not None:
             if isinstance(model, torch.nn.Module):
@@ -66,9 +81,8 @@ class StandardizedTransformer(TransformersModel):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
         f = self.family
-        rename = {f.layers: "layers", f.attention: "self_attn"} if f.attention != "self_attn" else {f.layers: "layers"}
         envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, f"layers.*.{f.mlp}": MLPEnvoy}
-        super().__init__(model, tokenizer=tokenizer, rename=rename, envoys=envoys, **kwargs)
+        super().__init__(model, tokenizer=tokenizer, rename=f.renames(), envoys=envoys, **kwargs)
         self._reasons_cache: dict[tuple[int | None, str], dict[str, str]] = {}
         self._verify()
 
@@ -79,8 +93,15 @@ class StandardizedTransformer(TransformersModel):
         return len(self.layers)
 
     def _verify(self) -> None:
-        layer = self.layers[0]
-        self.family.verify(self._module, layer._module, layer.self_attn._module)
+        """Check the family's operations once per kind of layer (hybrids mix attention and linear-attention layers)."""
+        checked = set()
+        for i, layer in enumerate(self.layers):
+            attention = getattr(layer, "self_attn", None)
+            attention_module = attention._module if attention is not None else None
+            kind = (type(layer._module), type(attention_module), id(self.family.locations_for(self.config, i)))
+            if kind not in checked:
+                checked.add(kind)
+                self.family.verify(self._module, i, layer._module, attention_module)
 
     def _check_layer(self, layer: int) -> int:
         if not isinstance(layer, int) or not -self.num_layers <= layer < self.num_layers:
@@ -104,10 +125,10 @@ class StandardizedTransformer(TransformersModel):
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer`; values read at one location share a rank."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         ranks: dict[str, int] = {}
         keys: list[str] = []
-        for name, location in self.family.ordered_locations().items():
+        for name, location in self.family.ordered_locations(self.config, layer).items():
             value = BY_NAME[name]
             if value.scope == "model":
                 continue
@@ -141,7 +162,7 @@ class StandardizedTransformer(TransformersModel):
         if reason is not None:
             raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
         try:
-            result = act(self.family.location(name))
+            result = act(self.family.location(name, self.config, layer))
         except OutOfOrderError as error:
             raise self._order_error(name, layer) or error
         self._log_read(name, layer)

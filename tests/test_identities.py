@@ -1,9 +1,9 @@
-"""Every core family, every layer: the identities that pin each value to its place in the forward."""
+"""Every family and layout, every layer: the identities that pin each value to its place in the forward."""
 
 import pytest
 import torch
 
-from conftest import CORE_FAMILIES, PROMPT, tiny
+from conftest import ALL_CASES, CORE_FAMILIES, PROMPT, tiny
 from identities import failures, read_everything
 
 _saved = {}
@@ -15,13 +15,25 @@ def saved_for(family):
     return _saved[family]
 
 
-@pytest.mark.parametrize("layer", [0, 1, 2])
-def test_identities_hold(family, layer):
-    model = tiny(family)
-    assert failures(model, saved_for(family), layer) == []
+#: Values every family must serve on at least one layer: a family that declared them away would pass the identities.
+ESSENTIAL = ("layer_input", "self_attn.attention_queries", "self_attn.attention_keys", "self_attn.attention_values",
+             "self_attn.attention_probabilities", "self_attn.attention_head_outputs", "self_attn.attention_premix",
+             "self_attn.attention_output", "layer_output", "logits")
 
 
-def test_model_values(family):
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_identities_hold(case):
+    model = tiny(case)
+    saved = saved_for(case)
+    bad = {layer: failures(model, saved, layer) for layer in range(model.num_layers)}
+    assert {layer: names for layer, names in bad.items() if names} == {}
+    served = [[key for key in ESSENTIAL if model.support(layer)[key] is None] for layer in range(model.num_layers)]
+    assert max(served, key=len) == list(ESSENTIAL)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_model_values(case):
+    family = case
     model = tiny(family)
     saved = saved_for(family)
     inner = model._module
@@ -64,20 +76,30 @@ def test_soft_capping_bounds_the_scores():
     assert scores.max() <= cap and scores.max() > cap * 0.5  # the cap binds on these weights
 
 
-@pytest.mark.parametrize("family", CORE_FAMILIES)
-def test_a_miswired_family_fails_the_identities(family):
-    """The identities must catch a value read from the wrong place: rewire three values and expect failures."""
-    model = tiny(family)
-    wrong = dict(model.family._locations)
-    swaps = {"attention_scores": wrong["attention_probabilities"],
-             "attention_keys": wrong["attention_values"],
-             "layer_mid": wrong["layer_input"]}
-    original = model.family.__dict__.get("_locations")
-    model.family.__dict__["_locations"] = {**wrong, **swaps}
+#: Rewirings that must be caught: value -> the value whose location it is given, and words a failing check names.
+MISWIRINGS = {
+    "attention_scores": ("attention_probabilities", ("scores", "softmax")),
+    "attention_keys": ("attention_values", ("keys", "score")),
+    "layer_mid": ("layer_input", ("layer mid",)),
+    "attention_head_outputs": ("attention_premix", ("head outputs",)),
+}
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("value", list(MISWIRINGS))
+def test_a_miswired_family_fails_the_identities(case, value):
+    """The identities must catch a value read from the wrong place: rewire it and expect a named failure."""
+    model = tiny(case)
+    layer = next(i for i in range(model.num_layers) if model.support(i)["self_attn.attention_probabilities"] is None)
+    locations = model.family.locations_for(model.config, layer)
+    other, words = MISWIRINGS[value]
+    if value not in locations or other not in locations:
+        pytest.skip(f"{case} has no {value} or {other} at layer {layer}")
+    family = model.family
+    original = family.locations_for
+    family.locations_for = lambda config, i: {**original(config, i), value: original(config, i)[other]}
     try:
-        bad = failures(model, read_everything(model, PROMPT), 1)
+        bad = failures(model, read_everything(model, PROMPT), layer)
     finally:
-        model.family.__dict__["_locations"] = original
-    assert "softmax(scores) == probabilities" in bad
-    assert "layer input + attention output == layer mid" in bad
-    assert any("keys" in name or "score" in name for name in bad)
+        del family.locations_for
+    assert any(word in name for name in bad for word in words), bad

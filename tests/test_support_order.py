@@ -51,8 +51,10 @@ def test_values_read_under_sdpa_equal_eager(family):
 
 def test_support_is_a_mapping_and_prints_as_a_table():
     report = tiny("llama").support(layer=0)
-    assert list(report)[0] == "layer_input" and len(report) == 20
-    assert report.available == list(report)
+    assert list(report)[0] == "layer_input" and len(report) == len(attnlens.values.ALL_VALUES)
+    absent = ["self_attn.attention_sinks", "self_attn.attention_gate"]  # Llama has neither
+    assert report.available == [key for key in report if key not in absent]
+    assert "sums to one" in report["self_attn.attention_sinks"]
     text = str(report)
     assert "self_attn.attention_probabilities" in text and "available" in text
     with pytest.raises(KeyError, match="not a standardized value"):
@@ -107,12 +109,29 @@ def test_out_of_order_across_layers():
             model.layers[0].layer_output.save()
 
 
-def test_unknown_family_says_how_to_add_one():
-    from transformers import GPTJConfig, GPTJForCausalLM
+def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it():
+    from transformers import XGLMConfig, XGLMForCausalLM
 
-    model = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=32, n_head=2, rotary_dim=8, vocab_size=128))
-    with pytest.raises(attnlens.UnknownFamily, match="attnlens.register"):
-        attnlens.StandardizedTransformer(model, tokenizer=attnlens.models.char_tokenizer())
+    torch.manual_seed(0)
+    inner = XGLMForCausalLM(XGLMConfig(num_layers=2, d_model=32, attention_heads=2, ffn_dim=64, vocab_size=128)).eval()
+    with pytest.warns(attnlens.UnknownFamilyWarning, match="attnlens.register") as warned:
+        model = attnlens.StandardizedTransformer(inner, tokenizer=attnlens.models.char_tokenizer())
+    assert "layers[i].layer_input" in str(warned[0].message)
+    report = model.support(1)
+    assert report.available == ["layer_input", "layer_output", "embeddings", "logits"]
+    assert "docs/extending.md" in report["self_attn.attention_probabilities"]
+    with torch.no_grad(), model.trace(PROMPT):
+        block_in = model.layers[0].layer_input.save()
+        block_out = model.layers[0].layer_output.save()
+        logits = model.logits.save()
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        states = inner(ids, output_hidden_states=True)
+    assert torch.allclose(block_in, states.hidden_states[0]) and torch.allclose(block_out, states.hidden_states[1])
+    assert torch.allclose(logits, states.logits)
+    with pytest.raises(attnlens.Unavailable, match="docs/extending.md"):
+        with model.trace(PROMPT):
+            model.layers[0].self_attn.attention_queries.save()
 
 
 def test_a_moved_operation_fails_at_load_naming_family_and_value():
