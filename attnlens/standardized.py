@@ -81,7 +81,7 @@ class StandardizedTransformer(TransformersModel):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
         f = self.family
-        envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, f"layers.*.{f.mlp}": MLPEnvoy}
+        envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, "layers.*.mlp": MLPEnvoy}
         super().__init__(model, tokenizer=tokenizer, rename=f.renames(), envoys=envoys, **kwargs)
         self._reasons_cache: dict[tuple[int | None, str], dict[str, str]] = {}
         self._verify()

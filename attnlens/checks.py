@@ -1,0 +1,162 @@
+"""Identities that would catch a wrong wiring, for any family: run them on a family you add.
+
+    saved = attnlens.checks.read_everything(model, "some prompt")
+    attnlens.checks.failures(model, saved, layer)   # [] when every identity holds
+
+They are written from transformers' and torch's side (the model's own modules, an independent causal mask, the
+family's score function), never from the location being checked, so a value read from the wrong place fails at least
+one of them. A value the family reports unavailable skips the checks that need it.
+"""
+
+import torch
+
+ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+             "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
+LAYER = ("layer_input", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
+MLP = ("mlp_activation", "mlp_neurons", "mlp_output")
+EXTRA = ("attention_sinks", "attention_gate")
+
+
+def read_everything(model, prompt):
+    """All values of every layer in one trace, in forward order; returns {(layer, name): tensor} and logits."""
+    saved = {}
+    with torch.no_grad(), model.trace(prompt):
+        saved["embeddings"] = model.embeddings.save()
+        for i, layer in enumerate(model.layers):
+            report = model.support(i)
+            for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
+                if report[name] is not None:
+                    continue
+                host = layer
+                if name.startswith("self_attn."):
+                    host, name = layer.self_attn, name.split(".")[1]
+                elif name.startswith("mlp."):
+                    host, name = layer.mlp, name.split(".")[1]
+                saved[(i, name)] = getattr(host, name).save()
+        saved["final_norm_output"] = model.final_norm_output.save()
+        saved["logits"] = model.logits.save()
+    return saved
+
+
+def visible(config, family, layer, length):
+    """Which keys each query may see: causal, and within the sliding window where the layer has one."""
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    allowed = k <= q
+    window = family.sliding_window(config, layer)
+    if window is not None:
+        allowed &= q - k < window
+    return allowed
+
+
+def close(a, b, atol=1e-5):
+    return a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=1e-4)
+
+
+def failures(model, saved, layer):
+    """Names of the identities that fail for `layer`; a value the family reports unavailable skips its checks."""
+    f = model.family
+    attn = model.layers[layer].self_attn
+    module = attn._module
+    block = model.layers[layer]._module
+    v = {name: saved[(layer, name)] for name in ATTENTION + EXTRA + LAYER + MLP if (layer, name) in saved}
+    batch, length = saved["logits"].shape[:2]
+    bad = []
+
+    def check(name, ok):
+        if not ok:
+            bad.append(name)
+
+    def has(*names):
+        return all(name in v for name in names)
+
+    if has("attention_queries", "attention_keys", "attention_values", "attention_probabilities"):
+        bad += _attention_failures(model, module, layer, v, batch, length)
+    if has("attention_head_outputs", "attention_premix"):
+        heads = v["attention_head_outputs"]
+        if "attention_gate" in v:  # gated heads: the gate multiplies each head's output before the merge
+            heads = heads * v["attention_gate"]
+        check("merged head outputs == premix", close(heads.reshape(batch, length, -1), v["attention_premix"]))
+    if has("attention_premix", "attention_output"):
+        check("output projection(premix) == attention output",
+              close(f.project_output(module, v["attention_premix"]), v["attention_output"]))
+
+    def post_norm(name, x):
+        return x if name is None else getattr(block, name)(x)
+
+    if has("layer_input", "attention_output", "layer_mid"):
+        residual = f.residual(block, post_norm(f.attention_post_norm, v["attention_output"]))
+        check("layer input + attention output == layer mid", close(v["layer_input"] + residual, v["layer_mid"]))
+    if has("layer_mid", "mlp_norm_output"):
+        norm = getattr(block, f.mlp_norm)
+        check("mlp norm(layer mid) == mlp norm output", close(norm(v["layer_mid"]), v["mlp_norm_output"]))
+    if has("mlp_input", "mlp_norm_output"):
+        check("mlp input == mlp norm output", close(v["mlp_input"], v["mlp_norm_output"]))
+    mlp = getattr(block, f.mlp)
+    if has("mlp_input", "mlp_output"):
+        out = mlp(v["mlp_input"])
+        check("mlp(mlp input) == mlp output", close(out[0] if isinstance(out, tuple) else out, v["mlp_output"]))
+    if has("mlp_neurons", "mlp_output"):
+        check("down projection(neurons) == mlp output",
+              close(getattr(mlp, f.down_projection)(v["mlp_neurons"]), v["mlp_output"]))
+    if has("mlp_activation", "mlp_neurons", "mlp_input"):
+        activation, neurons = v["mlp_activation"], v["mlp_neurons"]
+        if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):  # gated: neurons = act(gate(x)) * up(x)
+            act = getattr(mlp, f.activation)
+            check("activation == act(gate(mlp input))", close(act(mlp.gate_proj(v["mlp_input"])), activation))
+            check("activation * up(mlp input) == neurons", close(activation * mlp.up_proj(v["mlp_input"]), neurons))
+        elif not hasattr(mlp, "gate_up_proj"):
+            check("activation == neurons", close(activation, neurons))
+    if has("layer_mid", "mlp_output", "layer_output"):
+        after_mlp = f.residual(block, post_norm(f.mlp_post_norm, v["mlp_output"]))
+        check("layer mid + mlp output == layer output", close(v["layer_mid"] + after_mlp, v["layer_output"]))
+    elif has("layer_input", "attention_output", "mlp_output", "layer_output"):  # a parallel block
+        check("layer input + attention output + mlp output == layer output",
+              close(v["layer_input"] + f.residual(block, v["attention_output"]) + f.residual(block, v["mlp_output"]),
+                    v["layer_output"]))
+    nxt = saved.get((layer + 1, "layer_input"))
+    if nxt is not None and "layer_output" in v:
+        check("layer output == next layer input", close(v["layer_output"], nxt))
+    return bad
+
+
+def _attention_failures(model, module, layer, v, batch, length):
+    f = model.family
+    attn = model.layers[layer].self_attn
+    q, k, vals = v["attention_queries"], v["attention_keys"], v["attention_values"]
+    probs = v["attention_probabilities"]
+    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    bad = []
+
+    def check(name, ok):
+        if not ok:
+            bad.append(name)
+
+    check("queries shape", q.shape == (batch, h, length, attn.qk_head_dim))
+    check("keys shape", k.shape == (batch, kv, length, attn.qk_head_dim))
+    check("values shape", vals.shape == (batch, kv, length, d))
+    check("pattern shape", probs.shape == (batch, h, length, length))
+    row_sums = probs.sum(-1)
+    if "attention_sinks" in v:  # the sink takes the rest of each row's mass
+        sinks = v["attention_sinks"]
+        check("sinks shape", sinks.shape == (batch, h, length))
+        check("rows + sink share sum to one", close(row_sums + sinks, torch.ones_like(row_sums)))
+        check("sink shares in (0, 1)", bool(((sinks > 0) & (sinks < 1)).all()))
+        renormalised = probs / row_sums[..., None]
+    else:
+        check("rows sum to one", close(row_sums, torch.ones_like(row_sums)))
+        renormalised = probs
+    allowed = visible(model.config, f, layer, length)
+    check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
+    check("visible entries positive", bool((probs[..., allowed] > 0).all()))
+    if "attention_scores" in v:
+        scores = v["attention_scores"]
+        check("scores shape", scores.shape == probs.shape)
+        check("softmax(scores) == probabilities (renormalised with a sink)", close(scores.softmax(-1), renormalised))
+        check("scores == family score function", close(f.scores(module, q, k, layer), scores))
+    if "attention_head_outputs" in v:
+        heads = v["attention_head_outputs"]
+        check("head outputs shape", heads.shape == (batch, length, h, d))
+        mixed = (probs @ vals.repeat_interleave(h // kv, dim=1)).transpose(1, 2)
+        check("probabilities @ values == head outputs", close(mixed, heads))
+    return bad
