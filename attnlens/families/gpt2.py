@@ -6,6 +6,7 @@ attention bypasses the attention interface entirely.
 """
 
 from ..family import Family, register
+from ..fused import FusedQKV
 
 
 @register
@@ -23,6 +24,7 @@ class GPT2(Family):
     down_projection = "c_proj"
     probabilities_operation = ("attn_weights_4", "dropout(")
     fused_views = ("attention_queries",)
+    fused_qkv = FusedQKV("c_attn", "blocks")
 
     def num_heads(self, module):
         return module.num_heads

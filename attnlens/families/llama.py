@@ -7,3 +7,4 @@ from ..family import Family, register
 class Llama(Family):
     model_types = ("llama",)
     tiny = ("LlamaConfig", "LlamaForCausalLM", {})
+    vllm_supported = True  # vLLM keeps these names for Llama and the families built on it here

@@ -1,0 +1,178 @@
+"""Bloom: ALiBi, its own attention arithmetic on heads folded into the batch, and an attention module that adds the
+residual itself.
+
+`BloomAttention` splits the fused `query_key_value` per head, reshapes queries, keys and values to
+[batch * heads, seq, head_dim] (keys transposed) and computes `alibi.baddbmm(q, k^T, beta=1, alpha=1/sqrt(d))`: the
+scores are `q @ k^T / sqrt(d) + slope * key position`, then `+ attention_mask`. The queries, keys and values are
+views of those [batch * heads] tensors as [batch, heads, seq, head_dim] (true views: in-place edits land); the
+head outputs are a view of `torch.bmm(probs, values)`.
+
+The attention module returns `residual + dense(heads merged)`, so `attention_output` is the output projection's
+output (not the module's) and `layer_mid` is the module's output. Likewise `BloomMLP` adds the residual:
+`mlp_output` is its down projection's output. With `config.apply_residual_connection_post_layernorm` the block adds
+each sublayer's output to its norm's output, not to the stream: `layer_mid = attention_norm_output +
+attention_output` and `layer_output = mlp_norm_output + mlp_output` (`residual_add`). With `pretraining_tp > 1` and `slow_but_exact`
+the projections run as sliced `F.linear` calls and `dense` is never called.
+"""
+
+import math
+
+import torch
+
+from ..family import Family, register
+from ..fused import FusedQKV
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Bloom's (and Falcon's) per-head ALiBi slopes, float32: a geometric series from the nearest lower power of two,
+    then every other slope of the next power of two for the remaining heads."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest != num_heads:
+        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        remaining = min(closest, num_heads - closest)
+        slopes = torch.cat([slopes, torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
+    return slopes
+
+
+def key_positions(num_keys: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """The position ALiBi gives each key, [batch or 1, key]: padding is skipped, padded keys get 0."""
+    if key_mask is None:
+        return torch.arange(num_keys)[None]
+    key_mask = key_mask.long()
+    return (key_mask.cumsum(dim=-1) - 1) * key_mask
+
+
+def _split(envoy, folded):
+    """[batch * heads, seq, dim] -> [batch, heads, seq, dim], a view."""
+    heads = envoy._module.num_heads
+    return folded.view(folded.shape[0] // heads, heads, *folded.shape[1:])
+
+
+def _fold(envoy, old, new):
+    return new.reshape(old.shape)
+
+
+def _split_keys(envoy, folded_transposed):
+    return _split(envoy, folded_transposed.transpose(-1, -2))
+
+
+def _fold_keys(envoy, old, new):
+    return new.reshape(-1, *new.shape[2:]).transpose(-1, -2)
+
+
+def _heads(envoy, mix):
+    return _split(envoy, mix).transpose(1, 2)
+
+
+def _unheads(envoy, old, new):
+    return new.transpose(1, 2).reshape(old.shape)
+
+
+@register
+class Bloom(Family):
+    model_types = ("bloom",)
+    tiny = ("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
+                                                "max_position_embeddings": None})
+    tiny_layouts = {"post_norm_residual": {"apply_residual_connection_post_layernorm": True}}
+    layers = "transformer.h"
+    embed_tokens = "transformer.word_embeddings"
+    final_norm = "transformer.ln_f"
+    attention = "self_attention"
+    output_projection = "dense"
+    fused_qkv = FusedQKV("query_key_value", "groups")
+    activation = "gelu_impl"
+    down_projection = "dense_4h_to_h"
+
+    def locations(self):
+        return {
+            "embeddings": ModuleOutput(self.embed_tokens),
+            "layer_input": ModuleInput(),
+            "attention_norm_output": ModuleOutput(self.attention_norm),
+            "attention_queries": Derived(Operation(("query_layer_0",), anchor="query_layer.reshape("),
+                                         _split, _fold, "attention_queries"),
+            "attention_keys": Derived(Operation(("key_layer_0",), anchor="key_layer.reshape("),
+                                      _split_keys, _fold_keys, "attention_keys"),
+            "attention_values": Derived(Operation(("value_layer_0",), anchor="value_layer.reshape("),
+                                        _split, _fold, "attention_values"),
+            "attention_scores": Operation(("attn_weights_1",), anchor="+ attention_mask"),
+            "attention_probabilities": Operation(("attention_probs_1",), anchor="self.attention_dropout("),
+            "attention_head_outputs": Derived(Operation(("torch_bmm_0",), anchor="torch.bmm("),
+                                              _heads, _unheads, "attention_head_outputs"),
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput(self.output_projection),
+            "layer_mid": ModuleInput(self.mlp_norm),
+            "mlp_norm_output": ModuleOutput(self.mlp_norm),
+            "mlp_input": ModuleInput(self.mlp),
+            "mlp_activation": ModuleOutput(self.activation),
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": ModuleOutput(self.down_projection),
+            "layer_output": ModuleOutput("", 0),
+            "final_norm_output": ModuleOutput(self.final_norm),
+            "logits": OutputField("logits"),
+        }
+
+    def num_heads(self, module):
+        return module.num_heads
+
+    def num_kv_heads(self, module):
+        return module.num_heads
+
+    def scale(self, module):
+        return module.inv_norm_factor
+
+    def sliding_window(self, config, layer):
+        return None
+
+    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+        """The bias added to each head's scores, [batch or 1, heads, 1, key]: slope * key position."""
+        bias = alibi_slopes(num_heads)[None, :, None] * key_positions(num_keys, key_mask)[:, None, :]
+        return bias.to(dtype)[:, :, None]
+
+    def scores(self, module, queries, keys, layer, key_mask=None):
+        batch, heads, num_queries, dim = queries.shape
+        num_keys = keys.shape[2]
+        alibi = self.alibi(heads, num_keys, key_mask, queries.dtype).expand(batch, heads, 1, num_keys)
+        folded_queries = queries.reshape(batch * heads, num_queries, dim)
+        folded_keys = keys.reshape(batch * heads, num_keys, dim).transpose(1, 2)
+        scores = alibi.reshape(batch * heads, 1, num_keys).baddbmm(folded_queries, folded_keys, beta=1.0,
+                                                                    alpha=self.scale(module))
+        mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype)  # no window
+        return scores.view(batch, heads, num_queries, num_keys) + mask
+
+    def residual_add(self, block, sublayer, stream, update):
+        if block.apply_residual_connection_post_layernorm:  # the block adds to the norm's output, not to the stream
+            norm = block.input_layernorm if sublayer == "attention" else block.post_attention_layernorm
+            return norm(stream) + update
+        return stream + update
+
+    def mlp_forward(self, mlp, mlp_input):
+        # BloomMLP adds the residual it is given; with a zero one its output is the down projection's.
+        return mlp(mlp_input, torch.zeros_like(mlp_input))
+
+    def unavailable(self, model, layer):
+        reasons = super().unavailable(model, layer)
+        config = model.config
+        if config.pretraining_tp > 1 and config.slow_but_exact:
+            why = (f"config.pretraining_tp={config.pretraining_tp} with slow_but_exact=True runs the {{}} as sliced "
+                   f"F.linear calls, so `{{}}` is never called; load with slow_but_exact=False")
+            reasons["attention_premix"] = reasons["attention_output"] = why.format("output projection", "dense")
+            reasons["mlp_neurons"] = reasons["mlp_output"] = why.format("MLP's down projection", "dense_4h_to_h")
+        return reasons
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        notes["embeddings"] = "the token embedding's output; word_embeddings_layernorm follows it before block 0"
+        notes["attention_scores"] = ("q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens "
+                                     "only), + the causal mask")
+        notes["attention_output"] = ("the output projection's output: the attention module itself returns "
+                                     "residual + this")
+        notes["mlp_output"] = "the down projection's output: BloomMLP itself returns residual + this"
+        if config.apply_residual_connection_post_layernorm:
+            notes["layer_mid"] = ("apply_residual_connection_post_layernorm: attention_norm_output + attention_output "
+                                  "(the block adds attention to the normed input, not to layer_input)")
+            notes["layer_output"] = ("apply_residual_connection_post_layernorm: mlp_norm_output + mlp_output (the "
+                                     "block adds the MLP to the normed stream, not to layer_mid)")
+        return notes

@@ -1,0 +1,63 @@
+"""DeepSeek-V2: multi-head latent attention (MLA), and a mixture-of-experts MLP after the first dense layers.
+
+Queries and keys have `qk_head_dim = qk_nope_head_dim + qk_rope_head_dim` channels per head, the rotary embedding on
+the trailing `qk_rope_head_dim`; values, head outputs and the premix have `v_head_dim` per head (`head_dim`). Keys
+and values are expanded per head from one compressed latent by `kv_b_proj`, so they reach the attention function
+with one head per query head (`num_kv_heads == num_heads`, nothing repeated); the rotary part of every head's key is
+one shared slice. The latent itself (what the cache stores) is not a standardized value. The scores are scaled by
+`qk_head_dim ** -0.5`, times yarn's mscale squared where the rope is yarn-scaled with `mscale_all_dim`.
+
+Layers from `first_k_dense_replace` on route each token to a few experts: the experts apply the activation in a loop
+over experts, each to its own tokens, so those layers have no activation or neuron tensor.
+"""
+
+from functools import cached_property
+
+from ..family import Family, register
+
+MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
+              "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
+              "mlp.shared_experts, is one part of the sum); the dense layers before first_k_dense_replace serve it")
+
+
+@register
+class DeepseekV2(Family):
+    model_types = ("deepseek_v2",)
+    tiny = ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
+    absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+
+    def is_moe(self, config, layer: int) -> bool:
+        return layer >= config.first_k_dense_replace
+
+    def locations_for(self, config, layer):
+        if layer is None or not self.is_moe(config, layer):
+            return self._locations
+        return self._moe_locations
+
+    @cached_property
+    def _moe_locations(self):
+        return {k: v for k, v in self._locations.items() if k not in ("mlp_activation", "mlp_neurons")}
+
+    def num_kv_heads(self, module):
+        return module.num_heads  # kv_b_proj expands the latent to every query head
+
+    def head_dim(self, module):
+        return module.v_head_dim
+
+    def qk_head_dim(self, module):
+        return module.qk_head_dim
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
+                                   f"{config.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
+                                   f"{config.qk_rope_head_dim} rotary channels shared by every head")
+        notes["attention_values"] = "expanded per head from the latent by kv_b_proj; v_head_dim channels"
+        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+        notes["attention_scores"] = f"scaled by qk_head_dim ** -0.5 = {scale:.6g}"
+        if config.rope_parameters.get("mscale_all_dim") and config.rope_parameters.get("rope_type") != "default":
+            notes["attention_scores"] += ", times yarn's mscale squared (the model's scaling attribute)"
+        return notes

@@ -1,0 +1,271 @@
+"""Falcon: four layouts of one attention module with its own arithmetic, and parallel blocks.
+
+The fused `query_key_value` splits three ways: multi-query (`multi_query=True`, the default: one key/value head),
+the old multi-head layout (`multi_query=False`: per head [q, k, v]) and the new decoder architecture
+(`new_decoder_architecture=True`: `num_kv_heads` groups of [q..., k, v]). In the new architecture `_split_heads`
+broadcasts each key/value head to its group before anything is held, so the forward never holds the keys and values
+before repetition: they are a de-duplicated copy of the broadcast tensors (the first head of each group), and
+assigning them re-broadcasts to every head of the group.
+
+Scores are built in place with `@`, `/=` and `*=`, none of them an nnsight operation, so the scores are read where
+they are final: the softmax's input (`scores + attention_mask`, formed inline). Rotary layouts: `q @ k^T`, divided
+in place by sqrt(d), plus the mask; no dropout. ALiBi (`alibi=True`, no rotary): `(q @ k^T + alibi)`, multiplied in
+place by 1/sqrt(d), plus a mask into which `FalconModel` has folded `alibi / sqrt(d)` a second time; the slopes are
+Bloom's, rounded to bfloat16 (`slopes.bfloat16() * position`). The two branches bind different operations (queries
+after the rotary embedding or straight from the split; `F_softmax_0` or `F_softmax_1`; the pattern without or with
+dropout; the mix per head or folded into the batch), but the same catalogue order: the keys and values come from the
+cache update, after the queries, in both. What reorders `order()` is the block: no `layer_mid` on parallel blocks,
+and the new architecture's MLP norm runs before attention.
+
+Keys and values are read from the cache update, so they are the whole cache under generate; a forward run with
+`use_cache=False` skips the update and cannot serve them. `parallel_attn` (and always the new architecture) runs
+attention and MLP side by side on the block input: there is no residual stream between them, and the block adds the
+attention output to the MLP's output in place (`mlp_output += attention_output`), so `mlp_output` is a snapshot
+taken before that add.
+"""
+
+import math
+
+import torch
+
+from ..family import Family, register
+from ..fused import FusedQKV
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from .bloom import alibi_slopes, key_positions
+from .phi import PARALLEL_NO_MID, shared_norm_note
+
+
+def _groups(envoy):
+    module = envoy._module
+    return module.num_heads // module.num_kv_heads
+
+
+def _first_of_group(envoy, broadcast):
+    # a copy: a view of the first head alone would take in-place edits on one head of each group only
+    return broadcast[:, :: _groups(envoy)].clone()
+
+
+def _rebroadcast(envoy, old, new):
+    return new.repeat_interleave(_groups(envoy), dim=1)
+
+
+def _snapshot(envoy, output):
+    return output.clone()
+
+
+def _replace(envoy, old, new):
+    return new.clone()
+
+
+def _merged_heads(envoy, flat):
+    """The eager ALiBi mix, [batch * heads, seq, dim], as [batch, seq, heads, dim] (a view)."""
+    heads = envoy._module.num_heads
+    return flat.view(flat.shape[0] // heads, heads, *flat.shape[1:]).transpose(1, 2)
+
+
+def _unmerged_heads(envoy, old, new):
+    return new.transpose(1, 2).reshape(old.shape)
+
+
+def _keys_values(config):
+    update = Operation(("layer_past_update_0",), item=0, anchor="layer_past.update(")
+    values = Operation(("layer_past_update_0",), item=1, anchor="layer_past.update(")
+    if config.new_decoder_architecture:
+        return (Derived(update, _first_of_group, _rebroadcast, "attention_keys"),
+                Derived(values, _first_of_group, _rebroadcast, "attention_values"))
+    return update, values
+
+
+@register
+class Falcon(Family):
+    model_types = ("falcon",)
+    tiny = ("FalconConfig", "FalconForCausalLM", {"ffn_hidden_size": 128, "num_key_value_heads": None,
+                                                  "intermediate_size": None})
+    tiny_layouts = {
+        "multihead": {"multi_query": False, "parallel_attn": False},
+        "new_architecture": {"new_decoder_architecture": True, "num_kv_heads": 2},
+        "alibi": {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
+    }
+    layers = "transformer.h"
+    embed_tokens = "transformer.word_embeddings"
+    final_norm = "transformer.ln_f"
+    attention = "self_attention"
+    output_projection = "dense"
+    fused_qkv = FusedQKV("query_key_value", "groups")  # all three splits: kv groups of [q..., k, v]
+    activation = "act"
+    down_projection = "dense_4h_to_h"
+    mlp_norm = "post_attention_layernorm"  # on sequential blocks, the only ones with a layer_mid
+
+    def __init__(self):
+        self._by_layout = {}
+
+    @staticmethod
+    def parallel(config) -> bool:
+        return bool(config.parallel_attn or config.new_decoder_architecture)
+
+    @staticmethod
+    def norms(config) -> tuple[str, str]:
+        """The norm in front of attention and the one in front of the MLP (the same one on a one-norm parallel
+        block)."""
+        if config.new_decoder_architecture and config.num_ln_in_parallel_attn in (None, 2):
+            return "ln_attn", "ln_mlp"
+        if Falcon.parallel(config):
+            return "input_layernorm", "input_layernorm"
+        return "input_layernorm", "post_attention_layernorm"
+
+    def locations(self):
+        """The default layout's (multi-query, rotary, parallel, eager); every layout's: `locations_for`."""
+        from transformers import FalconConfig
+
+        config = FalconConfig()
+        config._attn_implementation = "eager"
+        return self._layout_locations(config)
+
+    def locations_for(self, config, layer):
+        layout = (config.alibi, config.new_decoder_architecture, self.parallel(config),
+                  self.norms(config), config._attn_implementation)
+        if layout not in self._by_layout:
+            self._by_layout[layout] = self._layout_locations(config)
+        return self._by_layout[layout]
+
+    def _layout_locations(self, config):
+        attention_norm, mlp_norm = self.norms(config)
+        keys, values = _keys_values(config)
+        eager = config._attn_implementation == "eager"
+        if config.alibi:
+            attention = {
+                "attention_queries": Operation(("query_layer_0",), anchor="query_layer.transpose(1, 2)"),
+                "attention_keys": keys,
+                "attention_values": values,
+                "attention_scores": Operation(("F_softmax_1",), "arg", 0, anchor="attention_logits + attention_mask"),
+                "attention_probabilities": Operation(("attention_probs_2",), anchor="self.attention_dropout("),
+                "attention_head_outputs": (
+                    Derived(Operation(("attn_output_10",), anchor="attention_probs_reshaped @ value_layer"),
+                            _merged_heads, _unmerged_heads, "attention_head_outputs") if eager else
+                    Operation(("attn_output_7",), anchor="attn_output.transpose(1, 2)")),  # sdpa's branch
+            }
+        else:
+            queries = Operation(("apply_rotary_pos_emb_0",), item=0, anchor="apply_rotary_pos_emb(")
+            attention = {
+                "attention_queries": queries,
+                "attention_keys": keys,
+                "attention_values": values,
+                "attention_scores": Operation(("F_softmax_0",), "arg", 0, anchor="attention_scores + attention_mask"),
+                "attention_probabilities": Operation(("attention_scores_2",), anchor="F.softmax("),
+                "attention_head_outputs": Operation(("attn_output_3",), anchor="permute(0, 2, 1, 3)"),
+            }
+        before = {
+            "embeddings": ModuleOutput(self.embed_tokens),
+            "layer_input": ModuleInput(),
+            "attention_norm_output": ModuleOutput(attention_norm),
+        }
+        if not self.parallel(config):
+            mlp_output = ModuleOutput()
+            middle = {"layer_mid": ModuleInput(mlp_norm), "mlp_norm_output": ModuleOutput(mlp_norm)}
+        else:
+            # the block adds the attention output to the MLP's output in place: snapshot it
+            mlp_output = Derived(ModuleOutput(), _snapshot, _replace, "mlp_output")
+            if mlp_norm == attention_norm:  # one shared norm: read as the MLP receives it (as Phi does)
+                middle = {"mlp_norm_output": ModuleInput(self.mlp)}
+            else:  # the new architecture's own MLP norm runs before attention
+                before["mlp_norm_output"] = ModuleOutput(mlp_norm)
+                middle = {}
+        return {
+            **before,
+            **attention,
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput("", 0),
+            **middle,
+            "mlp_input": ModuleInput(self.mlp),
+            "mlp_activation": ModuleOutput(self.activation),
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": mlp_output,
+            "layer_output": ModuleOutput("", 0),
+            "final_norm_output": ModuleOutput(self.final_norm),
+            "logits": OutputField("logits"),
+        }
+
+    def num_heads(self, module):
+        return module.num_heads
+
+    def num_kv_heads(self, module):
+        return module.num_kv_heads
+
+    def scale(self, module):
+        return module.inv_norm_factor
+
+    def sliding_window(self, config, layer):
+        return None
+
+    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+        """FalconModel's ALiBi, [batch or 1, heads, 1, key]: Bloom's slopes in bfloat16 times the key position."""
+        positions = key_positions(num_keys, key_mask)
+        return (alibi_slopes(num_heads)[:, None].bfloat16() * positions[:, None, :]).to(dtype)[:, :, None]
+
+    def scores(self, module, queries, keys, layer, key_mask=None):
+        config = module.config
+        groups = queries.shape[1] // keys.shape[1]
+        scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
+        num_queries, num_keys = scores.shape[-2:]
+        visible = self.mask(num_queries, num_keys, config, layer, key_mask, queries.dtype) == 0
+        minimum = torch.finfo(queries.dtype).min  # FalconModel's mask, in the model's dtype
+        if not config.alibi:
+            scores = scores / math.sqrt(module.head_dim)
+            return scores + torch.where(visible, torch.zeros((), dtype=queries.dtype), minimum)
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            scores = scores.to(torch.float32)
+        alibi = self.alibi(queries.shape[1], num_keys, key_mask, queries.dtype)
+        scores = (scores + alibi) * module.inv_norm_factor
+        # FalconModel folds alibi / sqrt(d) into the mask as well
+        return scores + torch.masked_fill(alibi / math.sqrt(module.head_dim), ~visible, minimum)
+
+    def unavailable(self, model, layer):
+        reasons = super().unavailable(model, layer)
+        config = model.config
+        if self.parallel(config):
+            attention_norm, mlp_norm = self.norms(config)
+            norms = (f"one shared {attention_norm}" if attention_norm == mlp_norm else
+                     f"{attention_norm} and {mlp_norm} respectively")
+            reasons["layer_mid"] = PARALLEL_NO_MID.format(norms=norms)
+        implementation = config._attn_implementation
+        if implementation not in ("eager", "sdpa"):
+            for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
+                reasons[name] = (f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
+                                 f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
+                                 f"load with attn_implementation='eager' or 'sdpa'")
+        if not config.use_cache:
+            for name in ("attention_keys", "attention_values"):
+                reasons[name] = ("read at the cache update, which config.use_cache=False skips; load with "
+                                 "use_cache=True (the default)")
+        return reasons
+
+    def verify(self, model, layer, layer_module, attention_module):
+        if model.config._attn_implementation in ("eager", "sdpa"):  # both run FalconAttention.forward
+            super().verify(model, layer, layer_module, attention_module)
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        cache = ("read at the cache update (the whole cache under generate); a forward called with use_cache=False "
+                 "never forms it")
+        notes["attention_keys"] = notes["attention_values"] = cache
+        if config.new_decoder_architecture:
+            dedup = ("a de-duplicated copy: _split_heads broadcasts each key/value head to its group, so the forward "
+                     "never holds them before repetition; this is the first head of each group. Assign it (it is "
+                     "re-broadcast to the group); in-place edits do not land")
+            notes["attention_keys"] = notes["attention_values"] = f"{dedup}; {cache}"
+        if config.alibi:
+            notes["attention_scores"] = ("(q·k + alibi) / sqrt(d) + alibi / sqrt(d) + mask: the ALiBi bias enters "
+                                         "twice under eager (FalconModel also folds it into the mask); sdpa adds it "
+                                         "once. Slopes are Bloom's, rounded to bfloat16; float32 in a "
+                                         "half-precision model")
+            notes["attention_head_outputs"] = "a view of the mix transformers holds as batch*heads, seq, head_dim"
+        else:
+            notes["attention_scores"] = "q·k / sqrt(d) + mask; the softmax's input (the scores are scaled in place)"
+            notes["attention_probabilities"] = "the softmax's output: Falcon applies no attention dropout with rotary"
+        if self.parallel(config):
+            notes["mlp_output"] = ("a snapshot (copy) of the MLP's output, taken before the block adds the attention "
+                                   "output to it in place: assign it, in-place edits do not land")
+            attention_norm, mlp_norm = self.norms(config)
+            if attention_norm == mlp_norm:
+                notes["mlp_norm_output"] = shared_norm_note(attention_norm)
+        return notes

@@ -1,0 +1,27 @@
+"""GLM-4: partial, interleaved rotary embedding; a norm after attention and after the MLP; a fused gate/up MLP
+projection.
+
+The rotary embedding turns only the first `partial_rotary_factor` of each head's query and key dimensions, in
+interleaved pairs (0-1, 2-3, ...); the rest pass unrotated. The queries and keys are read after it. The block adds
+`post_self_attn_layernorm(attention_output)` to the residual, normalises that with `post_attention_layernorm` for the
+MLP (the norm in front of the MLP, despite its name) and adds `post_mlp_layernorm(mlp_output)`. The MLP splits
+`gate_up_proj` into gate and up; `mlp_activation` is `activation_fn(gate)`, `mlp_neurons` is `up * activation`.
+"""
+
+from ..family import register
+from .llama import Llama
+
+
+@register
+class Glm4(Llama):
+    model_types = ("glm4",)
+    tiny = ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
+    attention_post_norm = "post_self_attn_layernorm"
+    mlp_post_norm = "post_mlp_layernorm"
+    activation = "activation_fn"
+
+    def notes(self, config, layer):
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        rotary = f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
+        return {**super().notes(config, layer), "attention_queries": rotary, "attention_keys": rotary,
+                "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}

@@ -1,0 +1,32 @@
+"""GPT-BigCode (SantaCoder, StarCoder 1): GPT-2's module names, with multi-query attention by default.
+
+With `multi_query=True` one fused `c_attn` output is split into [queries (all heads) | one key head | one value head]:
+`attention_keys` and `attention_values` have a single head ([batch, 1, seq, head_dim]), which the eager function
+repeats over the query heads. With `multi_query=False` the split is per head ([q|k|v] for each head in turn) and
+every head has its own keys and values. Either way the queries are a view of a view of that split, which torch
+refuses to edit in place (assign them instead); the keys and values edit in place. With `scale_attn_weights=False`
+the scores are not scaled at all.
+"""
+
+from ..family import Family, register
+from ..fused import FusedQKV
+from .gpt2 import GPT2
+
+
+@register
+class GPTBigCode(GPT2):
+    model_types = ("gpt_bigcode",)
+    tiny = ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True})
+    tiny_layouts = {"multi_head": {"multi_query": False}}
+    probabilities_operation = Family.probabilities_operation
+    fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
+
+    def num_kv_heads(self, module):
+        return module.kv_heads
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        if config.multi_query:
+            for name in ("attention_keys", "attention_values"):
+                notes[name] = "multi-query: one head shared by every query head (repeated inside the eager function)"
+        return notes

@@ -1,0 +1,61 @@
+"""GPT-OSS: a learned sink logit per head, alternating sliding and full layers, a mixture-of-experts MLP everywhere.
+
+The eager function concatenates each head's sink logit to the masked scores as one extra key column, subtracts the
+row maximum, takes the softmax over `key + 1` columns and drops the sink column, so each row of the pattern sums to
+`1 - sink share`. `attention_scores` are the masked scores before the sink column is added (their softmax is the
+pattern renormalised); `attention_sinks` is the dropped column's probability, a read-only view of the softmax
+output. The MLP returns `(output, router scores)`; `mlp_output` is the first item. Every layer routes tokens to
+experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
+"""
+
+from ..family import INTERFACE_CALL, Family, register
+from ..locations import Derived, ModuleOutput, Operation
+
+MOE_REASON = ("a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
+              "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists")
+SINK_NOTE = ("the softmax probability of the head's sink logit, the key column the eager function concatenates "
+             "and drops after the softmax: 1 - the pattern's row sum; read-only (a view of the softmax output, "
+             "whose sink column is discarded, so an edit could change nothing)")
+
+
+def sink_share(operation: str) -> Derived:
+    """`attention_sinks`: the last column of the softmax over [scores | sink] (assignment `operation`)."""
+    return Derived(Operation((INTERFACE_CALL, operation), anchor="softmax("),
+                   view=lambda envoy, probs: probs[..., -1], label="attention_sinks")
+
+
+def with_sinks(locations: dict, sinks: Derived) -> dict:
+    """`locations` with `attention_sinks` placed where the forward computes it: between scores and pattern."""
+    ordered = {}
+    for name, location in locations.items():
+        if name == "attention_probabilities":
+            ordered["attention_sinks"] = sinks
+        ordered[name] = location
+    return ordered
+
+
+@register
+class GptOss(Family):
+    model_types = ("gpt_oss",)
+    tiny = ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        # GPT-OSS's yarn rope, scaled to the tiny context (the default's 4096 original positions would warn)
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}})
+    probabilities_operation = ("attn_weights_2", "dropout(")
+    sink_operation = "probs_0"
+    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+
+    def locations(self):
+        locations = {k: v for k, v in super().locations().items() if k not in ("mlp_activation", "mlp_neurons")}
+        locations["mlp_output"] = ModuleOutput("", 0)  # the MLP returns (output, router scores)
+        return with_sinks(locations, sink_share(self.sink_operation))
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        notes["attention_sinks"] = SINK_NOTE
+        notes["attention_probabilities"] = ("rows sum to 1 - attention_sinks: the sink column is dropped after "
+                                            "the softmax. " + notes.get("attention_probabilities", "")).strip()
+        return notes

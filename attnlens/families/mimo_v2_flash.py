@@ -1,0 +1,68 @@
+"""MiMo-V2-Flash: sinks and more key/value heads on its sliding-window layers only; values narrower than keys.
+
+Queries and keys have `head_dim` channels per head (`qk_head_dim`), values and head outputs `v_head_dim`. Sliding
+layers have twice `config.num_key_value_heads` key/value heads and a learned sink logit per head (the pattern's rows
+sum to `1 - attention_sinks`, as on GPT-OSS); full layers have neither. The forward multiplies the values by
+`config.attention_value_scale` before the attention function, so `attention_values` are `v_proj`'s output times that
+scale, the tensor the heads mix. The eager function always subtracts the row maximum before the softmax;
+`attention_scores` are the masked scores before that (and before any sink column). `mlp_layer_types` chooses a dense
+MLP or a routed mixture of experts (no shared experts) per layer.
+"""
+
+from functools import cached_property
+
+from ..family import Family, register
+from .gpt_oss import SINK_NOTE, sink_share, with_sinks
+
+MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
+              "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "
+              "the 'dense' layers serve it")
+
+
+@register
+class MiMoV2Flash(Family):
+    model_types = ("mimo_v2_flash",)
+    tiny = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {
+        "head_dim": 16, "v_head_dim": 8, "attention_value_scale": 0.5, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse"]})
+    probabilities_operation = ("attn_weights_4", "dropout(")
+    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    absent = {"attention_sinks": "a full-attention layer: MiMo-V2-Flash gives sink logits only to its sliding-window "
+                                 "layers, so every row of this layer's pattern sums to one",
+              "mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+
+    @cached_property
+    def _variants(self):
+        common = {k: v for k, v in self._locations.items()}
+        dense = {"sliding": with_sinks(common, sink_share("probs_0")), "full": common}
+        moe = {kind: {k: v for k, v in locations.items() if k not in ("mlp_activation", "mlp_neurons")}
+               for kind, locations in dense.items()}
+        return {"dense": dense, "sparse": moe}
+
+    def locations_for(self, config, layer):
+        if layer is None:
+            return self._locations
+        kind = "sliding" if config.layer_types[layer] == "sliding_attention" else "full"
+        return self._variants[config.mlp_layer_types[layer]][kind]
+
+    def num_kv_heads(self, module):
+        return self.num_heads(module) // module.num_key_value_groups  # doubled on sliding layers
+
+    def head_dim(self, module):
+        return module.v_head_dim
+
+    def qk_head_dim(self, module):
+        return module.head_dim
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        scale = config.attention_value_scale if config.attention_value_scale is not None else 1.0
+        notes["attention_values"] = (f"v_proj's output times attention_value_scale={scale}: the forward scales the "
+                                     f"values before the attention function, so these are what the heads mix")
+        if config.layer_types[layer] == "sliding_attention":
+            notes["attention_sinks"] = SINK_NOTE
+            notes["attention_keys"] = (f"{2 * config.num_key_value_heads} key/value heads on this sliding layer "
+                                       f"(twice config.num_key_value_heads)")
+        return notes

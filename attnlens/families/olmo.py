@@ -1,0 +1,27 @@
+"""OLMo: the Llama layout with weightless LayerNorms and an optional `clip_qkv` that clamps the projections in place.
+
+With `config.clip_qkv` set, the attention forward clamps the q/k/v projections' outputs in place
+(`clamp_(-clip, clip)`) before the head split and the rotary embedding, so the queries, keys and values read at the
+attention function are already clipped (queries and keys then rotated); an edit there is not clipped again.
+"""
+
+from ..family import register
+from .llama import Llama
+
+
+@register
+class Olmo(Llama):
+    model_types = ("olmo",)
+    # A clip that binds: with these weights the projections reach well past 1.
+    tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
+    tiny_layouts = {"noclip": {"clip_qkv": None}}
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        clip = getattr(config, "clip_qkv", None)
+        if clip is not None:
+            for name, after in (("attention_queries", " and rotated"), ("attention_keys", " and rotated"),
+                                ("attention_values", "")):
+                notes[name] = f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are " \
+                              f"not clamped again"
+        return notes

@@ -1,0 +1,47 @@
+"""Phi: a parallel block, partial rotary embedding, a `dense` output projection, optional QK LayerNorm.
+
+Attention and the MLP both read the same `input_layernorm` output, and the block adds both outputs to its input at
+once, so there is no residual stream between them (`layer_mid` is unavailable) and no norm in front of the MLP of its
+own: `mlp_norm_output` is the shared norm output as the MLP receives it (the MLP module's input, the same tensor as
+`attention_norm_output`). Reading it there keeps it in forward order after attention, and assigning it changes only
+what the MLP reads. Rotary embedding covers the first `partial_rotary_factor` of each head; with `qk_layernorm`, a
+LayerNorm over each head's queries and keys runs before it. The queries and keys are read after both.
+"""
+
+from ..family import Family, register
+from ..locations import Location, ModuleInput
+
+#: Why a parallel block has no `layer_mid`.
+PARALLEL_NO_MID = ("a parallel block: attention and the MLP both read the block input (through {norms}) and the "
+                   "block adds both outputs to it at once, so no residual stream exists between attention and the "
+                   "MLP; layer_input + attention_output + mlp_output == layer_output")
+
+
+def parallel_locations(locations: dict[str, Location], mlp_norm_output: Location) -> dict[str, Location]:
+    """A parallel block's locations from a sequential one's: no `layer_mid`, the MLP's norm output at `mlp_norm_output`
+    (kept at its place in forward order)."""
+    return {name: (mlp_norm_output if name == "mlp_norm_output" else location)
+            for name, location in locations.items() if name != "layer_mid"}
+
+
+def shared_norm_note(norm: str) -> str:
+    return (f"a parallel block: attention and the MLP read the same {norm} output, so this is that tensor as the MLP "
+            f"receives it (equal to attention_norm_output; assigning it changes only the MLP's input)")
+
+
+@register
+class Phi(Family):
+    model_types = ("phi",)
+    tiny = ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5})
+    tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}}
+    final_norm = "model.final_layernorm"
+    output_projection = "dense"
+    activation = "activation_fn"
+    down_projection = "fc2"
+    absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}
+
+    def locations(self):
+        return parallel_locations(super().locations(), ModuleInput(self.mlp))
+
+    def notes(self, config, layer):
+        return {**super().notes(config, layer), "mlp_norm_output": shared_norm_note(self.attention_norm)}

@@ -1,0 +1,29 @@
+"""Qwen2-MoE: Qwen2's attention (biased q/k/v, sliding windows where `layer_types` says) with a sparse MoE MLP that
+adds a sigmoid-gated shared expert.
+
+On MoE layers `mlp_activation` and `mlp_neurons` are unavailable (the routed experts form them per expert, inside
+`mlp.experts`; the shared expert is a dense MLP of its own, `mlp.shared_expert`), and `mlp_output` is the block's
+combined output: the routed experts' weighted sum plus `sigmoid(shared_expert_gate(x)) * shared_expert(x)`. Layers in
+`config.mlp_only_layers`, or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP value.
+"""
+
+from ..family import register
+from .mixtral import SparseMoE, moe_absent
+from .qwen2 import Qwen2
+
+
+@register
+class Qwen2Moe(SparseMoE, Qwen2):
+    model_types = ("qwen2_moe",)
+    # Layer 1 keeps a dense MLP, so both kinds of layer are tested; layer 0 slides over 4 keys.
+    tiny = ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
+             "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    absent = moe_absent("Qwen2MoeExperts", ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP "
+                                           "reading the same input)")
+
+    def moe_layer(self, config, layer):
+        # Qwen2MoeDecoderLayer's own rule for building a sparse block.
+        return layer not in config.mlp_only_layers and config.num_experts > 0 \
+            and (layer + 1) % config.decoder_sparse_step == 0

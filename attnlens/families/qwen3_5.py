@@ -1,0 +1,25 @@
+"""Qwen3.5 (text): Qwen3-Next's hybrid of sigmoid-gated softmax attention and Gated DeltaNet linear attention, with a
+dense MLP on every layer.
+
+The text model is `Qwen3_5ForCausalLM` on a `Qwen3_5TextConfig` (`model_type` "qwen3_5_text"); a full Qwen3.5
+checkpoint ("qwen3_5", with a `text_config`) loads as the same class through `AutoModelForCausalLM`, so both types
+map here. Full-attention layers gate their heads by `sigmoid(gate)` exactly as Qwen3-Next does; by default every
+fourth layer is full attention (`full_attention_interval`), the rest linear attention (see Qwen3-Next).
+"""
+
+from ..family import register
+from .qwen3_next import Qwen3Next
+
+
+@register
+class Qwen3_5(Qwen3Next):
+    model_types = ("qwen3_5_text", "qwen3_5")
+    # full_attention_interval=3: layers 0 and 1 are linear attention, layer 2 full attention.
+    tiny = ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": 16, "full_attention_interval": 3, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+    })
+    label = "Qwen3.5"
+
+    def is_moe(self, config, layer):
+        return False

@@ -1,0 +1,195 @@
+"""Qwen3-Next: a hybrid of gated softmax attention and Gated DeltaNet linear attention, with sparse mixture-of-experts
+MLPs.
+
+Full-attention layers (`config.layer_types[i] == "full_attention"`) are Qwen3's attention (per-head RMSNorm with a
+1 + w scale on queries and keys, then a partial rotary embedding; queries and keys are read after both) with a sigmoid
+output gate inside the heads: `q_proj` gives each head its query and its gate side by side, and the eager function's
+output is multiplied by `torch.sigmoid(gate)` before `o_proj`. `attention_head_outputs` is that output before the
+gate; `attention_gate` is the sigmoid's output, the very tensor the forward multiplies by, viewed per head, so
+`head_outputs * gate` merged is the premix and edits of the gate (in place or assigned) land.
+
+Every other layer is linear attention (`linear_attn`, a Gated DeltaNet): a recurrent state updated by a gated delta
+rule, with no query-key pattern. attnlens renames `linear_attn` to `self_attn`, so `layers[i].self_attn` exists on
+every layer; there it serves what the layer truly has (its output, and what its `out_proj` receives as the premix) and
+reports queries, keys, values, scores, the pattern, head outputs and the gate unavailable with the reason.
+
+Layers whose MLP is a sparse mixture of experts (all but `mlp_only_layers`, every `decoder_sparse_step`-th) have no
+single activation or neuron tensor: each expert activates only its routed tokens.
+"""
+
+from __future__ import annotations
+
+from ..family import Family, register
+from ..locations import Derived, Location, ModuleInput, Operation
+
+#: Values a linear-attention layer cannot serve: it never forms a softmax attention over positions.
+LINEAR_ABSENT = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
+                 "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate")
+MOE_ABSENT = ("mlp_activation", "mlp_neurons")
+
+
+def _per_head(envoy, gate):
+    # The forward holds the gate flat, [batch, seq, heads * head_dim]; unflatten is a view, so in-place edits land.
+    return gate.unflatten(-1, (-1, envoy._module.head_dim))
+
+
+def _flat(envoy, old, new):
+    return new.flatten(-2)
+
+
+@register
+class Qwen3Next(Family):
+    model_types = ("qwen3_next",)
+    tiny = ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+        # layer 0 keeps a dense MLP so both kinds of MLP are exercised
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "mlp_only_layers": [0],
+    })
+    #: How `support()` names the family in its reasons.
+    label = "Qwen3-Next"
+    linear_attention = "linear_attn"
+    linear_output_projection = "out_proj"
+    gate_operation = ("torch_sigmoid_0", "torch.sigmoid(gate)")
+
+    def renames(self):
+        return {**super().renames(), self.linear_attention: "self_attn"}
+
+    # --- which kind each layer is ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _text(config):
+        return config.get_text_config()
+
+    def is_linear(self, config, layer: int) -> bool:
+        return self._text(config).layer_types[layer] == "linear_attention"
+
+    def is_moe(self, config, layer: int) -> bool:
+        config = self._text(config)
+        return (layer not in (config.mlp_only_layers or []) and config.num_experts > 0
+                and (layer + 1) % config.decoder_sparse_step == 0)
+
+    # --- where each value lives -------------------------------------------------------------------------------
+
+    def locations(self) -> dict[str, Location]:
+        """The full-attention layer's locations; the gate sits between the head outputs and the premix."""
+        common = super().locations()
+        name, anchor = self.gate_operation
+        gate = Derived(Operation((name,), anchor=anchor), _per_head, _flat, label="attention_gate")
+        ordered = {}
+        for key, location in common.items():
+            ordered[key] = location
+            if key == "attention_head_outputs":
+                ordered["attention_gate"] = gate
+        return ordered
+
+    def locations_for(self, config, layer):
+        if layer is None:
+            return self._locations
+        kind = (self.is_linear(config, layer), self.is_moe(config, layer))
+        cache = self.__dict__.setdefault("_by_kind", {})
+        if kind not in cache:  # one dict per kind, so the load-time check runs once per kind
+            linear, moe = kind
+            locations = dict(self._locations)
+            if linear:
+                for name in LINEAR_ABSENT:
+                    locations.pop(name, None)
+                locations["attention_premix"] = ModuleInput(self.linear_output_projection)
+            if moe:
+                for name in MOE_ABSENT:
+                    locations.pop(name, None)
+            cache[kind] = locations
+        return cache[kind]
+
+    def project_output(self, module, premix):
+        name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \
+            else self.output_projection
+        return getattr(module, name)(premix)
+
+    # --- sizes: on a linear layer, the heads its premix merges ----------------------------------------------------
+
+    @staticmethod
+    def _is_delta_net(module) -> bool:
+        return hasattr(module, "num_v_heads")
+
+    def num_heads(self, module):
+        return module.num_v_heads if self._is_delta_net(module) else super().num_heads(module)
+
+    def num_kv_heads(self, module):
+        return module.num_k_heads if self._is_delta_net(module) else super().num_kv_heads(module)
+
+    def head_dim(self, module):
+        return module.head_v_dim if self._is_delta_net(module) else super().head_dim(module)
+
+    def qk_head_dim(self, module):
+        return module.head_k_dim if self._is_delta_net(module) else super().qk_head_dim(module)
+
+    def scale(self, module):
+        # The delta rule scales its queries by head_k_dim ** -0.5 inside the kernel.
+        return module.head_k_dim ** -0.5 if self._is_delta_net(module) else super().scale(module)
+
+    # --- what each layer lacks, and what is special -------------------------------------------------------------
+
+    def unavailable(self, model, layer):
+        reasons = super().unavailable(model, layer)
+        config = model.config
+        if self.is_linear(config, layer):
+            kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer ({self.linear_attention}): "
+                    f"it keeps a recurrent state, updated by a gated delta rule, and forms no query-key softmax pattern")
+            why = {
+                "attention_queries": "; its queries, keys and values (convolved, L2-normalised inside the kernel) "
+                                     "write and read that state instead of entering softmax attention",
+                "attention_head_outputs": "; each head's readout of the state is RMS-normalised and gated by silu(z) "
+                                          f"({self.linear_attention}.norm) before the merge, so there is no per-head "
+                                          "mix of values; attention_premix is the merged, gated readout",
+                "attention_gate": f"; its gate is silu(z) inside the gated RMSNorm ({self.linear_attention}.norm), "
+                                  "not a sigmoid multiplying head outputs",
+                "attention_sinks": "; there is no pattern whose rows a sink could shorten",
+            }
+            why["attention_keys"] = why["attention_values"] = why["attention_queries"]
+            for name in LINEAR_ABSENT:
+                reasons[name] = kind + why.get(name, "")
+        if self.is_moe(config, layer):
+            for name in MOE_ABSENT:
+                reasons[name] = (f"layer {layer} of {self.label} has a sparse mixture-of-experts MLP: each routed expert "
+                                 "(and the gated shared expert) applies its activation to its own tokens, so no "
+                                 "[batch, seq, intermediate] tensor exists; mlp_input and mlp_output are the whole "
+                                 "block's")
+        return reasons
+
+    def vllm_unavailable(self, config, layer):
+        reasons = super().vllm_unavailable(config, layer)
+        if self.is_moe(config, layer):  # the experts' reason stands, not the dense MLP's fused activation
+            reasons = {k: v for k, v in reasons.items() if k not in MOE_ABSENT}
+        if self.is_linear(config, layer):
+            for name in ("attention_premix", "attention_output"):
+                reasons[name] = "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers"
+        else:
+            reasons["attention_head_outputs"] = ("vLLM's output projection receives the heads already multiplied by "
+                                                 "the sigmoid gate, so the mix before the gate is not read there; "
+                                                 "attention_premix is that gated input")
+        return reasons
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        text = self._text(config)
+        if self.is_linear(config, layer):
+            notes["attention_premix"] = (
+                f"what {self.linear_attention}.out_proj receives: each of the {text.linear_num_value_heads} value "
+                f"heads' readout of the recurrent state, RMS-normalised and gated by silu(z), merged; the envoy's "
+                f"num_heads and head_dim are the linear value heads'")
+            notes["attention_output"] = f"{self.linear_attention}'s output (Gated DeltaNet, no softmax)"
+            return notes
+        # transformers 5.24 keeps the factor in rope_parameters; 5.19 also as an attribute
+        factor = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+            or getattr(text, "partial_rotary_factor", 1.0)
+        rotary = int(text.head_dim * factor)
+        notes["attention_queries"] = (f"after q_norm (RMSNorm, scale 1 + w) and a partial rotary embedding on the "
+                                      f"first {rotary} of {text.head_dim} dims; q_proj's other half is the gate")
+        notes["attention_keys"] = "after k_norm (RMSNorm, scale 1 + w) and the partial rotary embedding"
+        notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the premix"
+        notes["attention_gate"] = ("sigmoid of each head's gate half of q_proj, as the forward multiplies the heads "
+                                   "by it; a view of that tensor, so in-place edits land, and assignment lands too")
+        return notes

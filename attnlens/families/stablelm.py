@@ -1,0 +1,36 @@
+"""StableLM: partial rotary embedding, optional per-head QK LayerNorm, and a block that is sequential by default and
+parallel with `use_parallel_residual`.
+
+The rotary embedding covers the first `partial_rotary_factor` of each head; with `qk_layernorm` one LayerNorm per head
+normalises its queries and keys before it, and the queries and keys are read after both. With `use_parallel_residual`
+the block has no `post_attention_layernorm`: attention and the MLP read the same `input_layernorm` output and both
+outputs join the block input in one sum, so `layer_mid` is unavailable and `mlp_norm_output` is the shared norm
+output as the MLP receives it.
+"""
+
+from functools import cached_property
+
+from ..family import Family, register
+from ..locations import ModuleInput
+from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+
+
+@register
+class StableLm(Family):
+    model_types = ("stablelm",)
+    tiny = ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25})
+    tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}}
+    absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
+
+    @cached_property
+    def _parallel_locations(self):
+        return parallel_locations(self.locations(), ModuleInput(self.mlp))
+
+    def locations_for(self, config, layer):
+        return self._parallel_locations if getattr(config, "use_parallel_residual", False) else self._locations
+
+    def notes(self, config, layer):
+        notes = super().notes(config, layer)
+        if getattr(config, "use_parallel_residual", False):
+            notes["mlp_norm_output"] = shared_norm_note(self.attention_norm)
+        return notes
