@@ -1,9 +1,11 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
+from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
 from .editing import keep_masked, masked
 from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavailable, UnknownFamily,
                      UnknownFamilyWarning)
 from .family import Family, family_for, register, registered
+from .fused import FusedQKV
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .standardized import StandardizedTransformer
 from .support import Support
@@ -11,8 +13,20 @@ from .values import ALL_VALUES, Value
 
 from . import models  # noqa: E402  (after StandardizedTransformer, which it builds)
 
+
+def __getattr__(name: str):
+    # vLLM is optional and heavy: imported only when StandardizedVLLM is first asked for.
+    if name == "StandardizedVLLM":
+        from .vllm import StandardizedVLLM
+
+        return StandardizedVLLM
+    raise AttributeError(f"module 'attnlens' has no attribute {name!r}")
+
+
 __all__ = [
     "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "Location", "LocationDrift", "ModuleInput",
     "ModuleOutput", "Operation", "OutputField", "OrderError", "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily",
     "UnknownFamilyWarning",    "Value", "family_for", "keep_masked", "masked", "models", "register", "registered",
+    # capture (attnlens/capture.py)
+    "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
 ]

@@ -12,6 +12,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 
 from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy, value_property
 from .errors import EditError, OrderError, Unavailable, UnknownFamily, UnknownFamilyWarning
+from . import rebuild
 from .family import Family, UnknownLayout, family_for
 from .support import Support
 from .values import ALL_VALUES, BY_NAME, LAYER_VALUES
@@ -60,6 +61,7 @@ class StandardizedTransformer(TransformersModel):
         tokenizer: Any = None,
         attn_implementation: str | None = None,
         family: Family | type[Family] | None = None,
+        rebuild_patterns: bool = False,
         **kwargs: Any,
     ) -> None:
         if family is None:
@@ -83,7 +85,10 @@ class StandardizedTransformer(TransformersModel):
         f = self.family
         envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, "layers.*.mlp": MLPEnvoy}
         super().__init__(model, tokenizer=tokenizer, rename=f.renames(), envoys=envoys, **kwargs)
-        self._reasons_cache: dict[tuple[int | None, str], dict[str, str]] = {}
+        self._reasons_cache: dict[tuple, dict[str, str]] = {}
+        #: Opt-in: on a non-eager model, serve the scores and the pattern rebuilt from the queries and keys
+        #: (read-only, noted by support()); see attnlens/rebuild.py. Without it they stay unavailable.
+        self.rebuild_patterns = rebuild_patterns
         self._verify()
 
     # --- introspection ---------------------------------------------------------------------------------------
@@ -109,9 +114,12 @@ class StandardizedTransformer(TransformersModel):
         return layer % self.num_layers
 
     def _reasons(self, layer: int | None) -> dict[str, str]:
-        key = (layer, self.config._attn_implementation)
+        key = (layer, self.config._attn_implementation, self.rebuild_patterns)
         if key not in self._reasons_cache:
-            self._reasons_cache[key] = self.family.unavailable(self._module, 0 if layer is None else layer)
+            reasons = self.family.unavailable(self._module, 0 if layer is None else layer)
+            if self.rebuild_patterns and layer is not None:
+                reasons = rebuild.adjust(self, layer, reasons)
+            self._reasons_cache[key] = reasons
         return self._reasons_cache[key]
 
     def support(self, layer: int = 0) -> Support:
@@ -120,7 +128,8 @@ class StandardizedTransformer(TransformersModel):
         reasons = self._reasons(layer)
         report = {v.key: reasons.get(v.name) for v in LAYER_VALUES}
         report.update({v.name: reasons.get(v.name) for v in ALL_VALUES if v.scope == "model"})
-        notes = {BY_NAME[name].key: note for name, note in self.family.notes(self.config, layer).items()}
+        notes = {**self.family.notes(self.config, layer), **rebuild.notes(self, layer)}
+        notes = {BY_NAME[name].key: note for name, note in notes.items()}
         return Support(family=self.family.name, layer=layer, reasons=report, notes=notes)
 
     def order(self, layer: int = 0) -> dict[str, int]:
@@ -162,7 +171,7 @@ class StandardizedTransformer(TransformersModel):
         if reason is not None:
             raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
         try:
-            result = act(self.family.location(name, self.config, layer))
+            result = act(rebuild.location(self, name, layer) or self.family.location(name, self.config, layer))
         except OutOfOrderError as error:
             raise self._order_error(name, layer) or error
         self._log_read(name, layer)

@@ -1,0 +1,191 @@
+"""Patterns without eager: `attention_scores` and `attention_probabilities` rebuilt from the queries and keys.
+
+A model running sdpa (transformers' default) never forms the scores or the pattern. With
+`StandardizedTransformer(..., rebuild_patterns=True)` they are computed from the queries and keys the attention
+function receives, with the family's own score function and the very mask the model passed to that function
+(causal, sliding window, padding), then softmaxed in float32 as the eager functions do. They are read-only: an edit
+would change nothing the model uses. `support()` notes them as rebuilt.
+
+`pattern_rows` computes any subset of query rows and heads in chunks of rows, so a long context never needs the full
+`heads x query x key` matrix (nor its float32 softmax copy) at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import AttnlensError, EditError
+from .family import INTERFACE_CALL, Family
+from .locations import Location, Operation
+
+REBUILT = ("attention_scores", "attention_probabilities")
+NOTE = ("rebuilt, read-only: computed from the queries and keys with the family's score function and the model's "
+        "own mask (the model runs {implementation}, which never forms it); edits would not reach the model")
+#: Elements of one chunk of scores (all heads, a few query rows, every key): 64 MiB in float32.
+CHUNK_ELEMENTS = 2 ** 24
+
+
+def _interface_queries(family: Family, config, layer: int) -> Operation | None:
+    location = family.location("attention_queries", config, layer)
+    if isinstance(location, Operation) and location.path == (INTERFACE_CALL,) and location.part == "arg":
+        return location
+    return None
+
+
+def why_not(model, layer: int, reasons: dict[str, str]) -> str | None:
+    """Why `layer` of `model` cannot have its pattern rebuilt (None: it can). `reasons` are the family's."""
+    family, config = model.family, model.config
+    if config._attn_implementation == "eager":
+        return "the model runs eager, which forms the pattern itself"
+    if any(name in reasons for name in ("attention_queries", "attention_keys")):
+        return "the queries and keys are unavailable on this layer"
+    if not all(name in family.locations_for(config, layer) for name in REBUILT):
+        return f"the {family.name} family has no softmax pattern on this layer"
+    if "attention_sinks" in family.locations_for(config, layer):
+        return ("the softmax also takes each head's sink logit, which attnlens does not rebuild; load with "
+                "attn_implementation='eager'")
+    if _interface_queries(family, config, layer) is None:
+        return (f"the {family.name} family reads its queries outside the attention function's call, where the mask "
+                f"is not at hand; load with attn_implementation='eager'")
+    return None
+
+
+def adjust(model, layer: int, reasons: dict[str, str]) -> dict[str, str]:
+    """The family's reasons for `layer`, with the rebuilt values made available (or told why they can't be)."""
+    blocker = why_not(model, layer, reasons)
+    reasons = dict(reasons)
+    for name in REBUILT:
+        if name not in reasons:
+            continue
+        if blocker is None:
+            del reasons[name]
+        elif model.config._attn_implementation != "eager":
+            reasons[name] += f"; rebuild_patterns cannot rebuild it here: {blocker}"
+    return reasons
+
+
+def rebuilds(model, name: str, layer: int | None) -> bool:
+    """Whether `model` serves `name` on `layer` rebuilt (opted in, not eager, and nothing stands in the way)."""
+    return (model.rebuild_patterns and name in REBUILT and layer is not None
+            and model.config._attn_implementation != "eager" and name not in model._reasons(layer))
+
+
+def notes(model, layer: int) -> dict[str, str]:
+    """support()'s notes for the values `layer` serves rebuilt."""
+    note = NOTE.format(implementation=repr(model.config._attn_implementation))
+    return {name: note for name in REBUILT if rebuilds(model, name, layer)}
+
+
+def interface_inputs(envoy, family: Family, config, layer: int):
+    """(queries, keys, the mask the attention function received) of the attention `envoy`, read in a trace."""
+    args, kwargs = _interface_queries(family, config, layer).op(envoy).inputs
+    mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
+    return args[1], args[2], mask
+
+
+def visible(mask) -> torch.Tensor | None:
+    """The model's mask as booleans, True where a query sees a key (None: no mask, plain causal)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise AttnlensError(f"rebuilding the pattern needs the attention mask as a tensor (or None); the model passed "
+                            f"a {type(mask).__name__}; load with attn_implementation='sdpa' or 'eager'")
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def key_mask(seen: torch.Tensor | None, offset: int) -> torch.Tensor | None:
+    """[batch, key], False for padding: a real key is visible to its own query (the diagonal), and a cached key
+    (before the queries) to the first query, as far as any query sees it."""
+    if seen is None:
+        return None
+    square = seen[:, 0, :, offset:].diagonal(dim1=-2, dim2=-1)
+    return torch.cat([seen[:, 0, 0, :offset], square], dim=-1)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of `rows` as (position in rows, first row, length)."""
+    runs = []
+    for i, row in enumerate(rows):
+        if runs and row == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, row, 1))
+    return runs
+
+
+def pattern_rows(family: Family, module, layer: int, queries: torch.Tensor, keys: torch.Tensor, mask=None, *,
+                 rows: list[int] | None = None, heads: list[int] | None = None, chunk_rows: int | None = None,
+                 scores: bool = True, probabilities: bool = True) -> dict[str, torch.Tensor]:
+    """Scores and/or probabilities of the query `rows` and `heads` (all by default), [batch, heads, rows, key].
+
+    Rows are computed in chunks of `chunk_rows` consecutive rows (by default as many as fit `CHUNK_ELEMENTS`), each
+    against only the keys up to its last row: causal attention masks the rest, whose entries are filled in (the
+    dtype's minimum, probability 0). All heads of a chunk are computed, then `heads` are kept: a family's score
+    function may treat heads differently (slopes, groups), so it always sees them all.
+    """
+    batch, num_heads, num_queries, _ = queries.shape
+    num_keys, offset = keys.shape[2], keys.shape[2] - queries.shape[2]  # query i sits at key position offset + i
+    rows = list(range(num_queries)) if rows is None else rows
+    heads = list(range(num_heads)) if heads is None else heads
+    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys))
+    seen = visible(mask)
+    real = key_mask(seen, offset)  # for score functions that place keys by position (ALiBi)
+    dtype, minimum = queries.dtype, torch.finfo(queries.dtype).min
+    shape = (batch, len(heads), len(rows), num_keys)
+    out = {}
+    if scores:
+        out["scores"] = queries.new_empty(shape)
+    if probabilities:
+        out["probabilities"] = queries.new_empty(shape)
+    pick = None if heads == list(range(num_heads)) else torch.tensor(heads)
+    for at, first, length in _runs(rows):
+        for start in range(first, first + length, chunk_rows):
+            stop = min(start + chunk_rows, first + length)
+            width = offset + stop  # the keys these rows can see
+            chunk = family.scores(module, queries[:, :, start:stop], keys[:, :, :width], layer,
+                                  None if real is None else real[:, :width])
+            if seen is not None:
+                chunk = torch.where(seen[:, :, start:stop, :width], chunk, minimum)
+            full = chunk.new_full((batch, num_heads, stop - start, num_keys), minimum)
+            full[..., :width] = chunk
+            if pick is not None:
+                full = full[:, pick]
+            where = slice(at + start - first, at + stop - first)
+            if scores:
+                out["scores"][:, :, where] = full
+            if probabilities:
+                out["probabilities"][:, :, where] = full.softmax(-1, dtype=torch.float32).to(dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class Rebuilt(Location):
+    """`attention_scores` or `attention_probabilities` rebuilt where the attention function is called."""
+
+    name: str
+    queries: Operation
+
+    @property
+    def key(self) -> str:
+        return self.queries.key
+
+    def read(self, envoy):
+        family, config, layer = envoy.root.family, envoy.root.config, envoy._layer
+        queries, keys, mask = interface_inputs(envoy, family, config, layer)
+        kind = "scores" if self.name == "attention_scores" else "probabilities"
+        return pattern_rows(family, envoy._module, layer, queries, keys, mask, scores=kind == "scores",
+                            probabilities=kind == "probabilities")[kind]
+
+    def write(self, envoy, value):
+        raise EditError(f"{self.name} is rebuilt from the queries and keys (rebuild_patterns=True) and read-only: the "
+                        f"model never forms it, so an edit could not reach it. Edit the queries or keys, or load with "
+                        f"attn_implementation='eager'")
+
+
+def location(model, name: str, layer: int | None) -> Rebuilt | None:
+    """The rebuilt location of `name` on `layer` where `model` rebuilds it, else None."""
+    if not rebuilds(model, name, layer):
+        return None
+    return Rebuilt(name, _interface_queries(model.family, model.config, layer))
