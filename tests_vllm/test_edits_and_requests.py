@@ -1,0 +1,122 @@
+"""Edits reach vLLM's forward as they reach eager's; several invokes keep separate histories, freed at the end."""
+
+import pytest
+import torch
+
+import attnlens
+from test_equal_to_eager import close
+
+LAYER = 1
+
+
+def next_logits(model, prompt, edit=None, layer=LAYER):
+    """The next-token logits with `edit(attn)` applied on the prompt's forward, on either engine."""
+    attn = model.layers[layer].self_attn
+    with torch.no_grad(), model.trace(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0):
+        if edit is not None:
+            edit(attn)
+        logits = model.logits[:, -1].clone().save()
+    return logits
+
+
+def ablate_head(attn):
+    attn.attention_head_outputs[:, :, 1] = 0
+
+
+def head0_copies_head1_pattern(attn):
+    pattern = attn.attention_probabilities
+    pattern[:, 0] = pattern[:, 1]
+
+
+def uniform_scores(attn):
+    attn.attention_scores = attnlens.keep_masked(attn.attention_scores, 0.0)
+
+
+def scaled_values(attn):
+    attn.attention_values = attn.attention_values * 2
+
+
+def zero_queries(attn):
+    attn.attention_queries = attn.attention_queries * 0
+
+
+EDITS = [ablate_head, head0_copies_head1_pattern, uniform_scores, scaled_values, zero_queries]
+
+
+@pytest.mark.parametrize("edit", EDITS, ids=[e.__name__ for e in EDITS])
+def test_an_edit_changes_next_token_logits_the_same_on_both_engines(llama, edit):
+    clean = next_logits(llama.vllm, llama.prompt)
+    assert close(clean, next_logits(llama.eager, llama.prompt))
+    edited = next_logits(llama.vllm, llama.prompt, edit)
+    assert not close(edited, clean)
+    assert close(edited, next_logits(llama.eager, llama.prompt, edit))
+
+
+def test_one_head_ablation_on_smollm2_matches_eager(smollm2):
+    def ablate(attn):
+        attn.attention_head_outputs[:, :, 4] = 0
+
+    vllm, eager = (next_logits(m, smollm2.prompt, ablate, layer=10) - next_logits(m, smollm2.prompt, layer=10)
+                   for m in (smollm2.vllm, smollm2.eager))
+    assert vllm.abs().max() > 1e-2 and close(eager, vllm)
+
+
+def test_editing_an_earlier_row_on_a_decode_step_is_refused(llama):
+    attn = llama.vllm.layers[LAYER].self_attn
+    with pytest.raises(Exception, match="only this step's rows can be edited"):
+        with torch.no_grad(), llama.vllm.generate(llama.prompt, max_new_tokens=2, temperature=0.0) as tracer:
+            for step in tracer.iter[:2]:
+                if step == 1:
+                    attn.attention_keys = attn.attention_keys * 0
+
+
+def test_several_invokes_keep_separate_histories_freed_at_the_end(llama):
+    model = llama.vllm
+    prompts = [llama.prompt, "Short", llama.prompt[::-1] + "!!"]
+    attn = model.layers[2].self_attn
+
+    def patterns(*invoked):
+        with torch.no_grad(), model.trace(max_tokens=3, temperature=0.0) as tracer:
+            for prompt in invoked:
+                with tracer.invoke(prompt):
+                    steps = list().save()
+                    for _ in tracer.iter[:3]:
+                        steps.append(attn.attention_probabilities.clone())
+        return steps if len(invoked) > 1 else [steps]  # a name saved by several requests comes back as a list
+
+    together = patterns(*prompts)
+    assert model.kept() == [{"requests": 0, "bytes": 0}]
+    for prompt, steps in zip(prompts, together):
+        alone = patterns(prompt)[0]
+        n = len(model.tokenizer(prompt).input_ids)
+        assert [p.shape[-1] for p in steps] == [n, n + 1, n + 2]
+        assert all(close(a, b) for a, b in zip(alone, steps))
+
+
+def test_support_says_what_is_rebuilt_and_why_values_are_missing(llama):
+    report = llama.vllm.support(layer=1)
+    assert report.engine == "vllm"
+    assert report["self_attn.attention_probabilities"] is None
+    assert "rebuilt" in report.notes["self_attn.attention_probabilities"]
+    assert "fuses" in report["mlp.mlp_activation"]
+    assert report["self_attn.attention_sinks"] is not None
+    model = llama.vllm  # a trace's body travels to the worker: let it name the engine, not the pair holding both
+    with pytest.raises(Exception, match="Unavailable"):
+        with model.trace(llama.prompt, temperature=0.0):
+            model.layers[1].mlp.mlp_activation.save()
+
+
+def test_a_late_read_names_the_value(llama):
+    attn = llama.vllm.layers[1].self_attn
+    with pytest.raises(Exception, match=r"OrderError: layers\[1\].self_attn.attention_queries"):
+        with llama.vllm.trace(llama.prompt, temperature=0.0):
+            attn.attention_output.save()
+            attn.attention_queries.save()
+
+
+def test_importing_attnlens_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, attnlens; assert 'vllm' not in sys.modules; attnlens.StandardizedVLLM; assert 'vllm' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

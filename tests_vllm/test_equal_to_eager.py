@@ -1,0 +1,96 @@
+"""Every value on vLLM equals the eager engine's on the same weights and prompt, on prefill and decode steps."""
+
+import torch
+
+STEPS = 3  # the prefill and two decode steps
+#: fp32 tolerance, relative to the largest entry: SmolLM2's last blocks carry entries near 40, where kernels that add
+#: in another order differ by 1e-5 relative.
+TOLERANCE = 1e-4
+
+
+def close(a, b):
+    return a.shape == b.shape and torch.allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE * max(1.0, a.abs().max().item()))
+
+
+def plan(model, layers):
+    """(layer, host, name) for every value both engines serve, in the vLLM engine's forward order."""
+    out = []
+    for i in layers:
+        for key in model.order(i):
+            host, _, name = key.rpartition(".")
+            out.append((i, host, name))
+    return out
+
+
+def read_steps(model, prompt, reads, steps=STEPS):
+    """The same analysis code on either engine: every planned value, on each step of a greedy generation."""
+    with torch.no_grad(), model.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0) as tracer:
+        saved = list().save()
+        for _ in tracer.iter[:steps]:
+            step = {"embeddings": model.embeddings.clone()}
+            for i, host, name in reads:
+                envoy = model.layers[i]
+                if host:
+                    envoy = getattr(envoy, host)
+                step[(i, name)] = getattr(envoy, name).clone()
+            step["logits"] = model.logits[:, -1].clone()
+            saved.append(step)
+    return saved
+
+
+def aligned(name, eager, vllm):
+    """Eager keeps only a sliding window's keys in its cache on decode steps; vLLM's pattern spans the context.
+    Compare the trailing keys, and check the pattern is zero before them."""
+    if name in ("attention_keys", "attention_values"):
+        return eager, vllm[:, :, -eager.shape[2]:]
+    if name in ("attention_scores", "attention_probabilities") and vllm.shape[-1] > eager.shape[-1]:
+        if name == "attention_probabilities":
+            assert (vllm[..., :-eager.shape[-1]] == 0).all()
+        return eager, vllm[..., -eager.shape[-1]:]
+    return eager, vllm
+
+
+def test_every_value_equals_eager_on_prefill_and_decode_steps(models):
+    layers = range(models.vllm.num_layers) if models.name != "smollm2" else (0, 10, 29)
+    reads = plan(models.vllm, layers)
+    on_vllm = read_steps(models.vllm, models.prompt, reads)
+    on_eager = read_steps(models.eager, models.prompt, reads)
+    assert len(on_vllm) == len(on_eager) == STEPS
+    n = len(models.eager.tokenizer(models.prompt).input_ids)
+    worst = {}
+    for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager)):
+        for key, e in e_step.items():
+            name = key[1] if isinstance(key, tuple) else key
+            e, v = aligned(name, e, v_step[key])
+            assert e.shape == v.shape, (step, key, e.shape, v.shape)
+            error = (e - v).abs().max().item() / max(1.0, e.abs().max().item())
+            worst[name] = max(worst.get(name, 0.0), error)
+            assert close(e, v), (models.name, step, key, error)
+        pattern = v_step[(layers[-1], "attention_probabilities")]
+        assert pattern.shape[-1] == n + step  # a decode step's pattern covers the whole context
+    print(models.name, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_probabilities_times_values_are_head_outputs_every_step(models):
+    model = models.vllm
+    layers = range(model.num_layers) if models.name != "smollm2" else (0, 15, 29)
+    reads = [(i, "self_attn", name) for i in layers
+             for name in ("attention_values", "attention_probabilities", "attention_head_outputs")]
+    steps = read_steps(model, models.prompt, reads, steps=4)
+    attn = model.layers[0].self_attn
+    groups = attn.num_heads // attn.num_kv_heads
+    for step in steps:
+        for i in layers:
+            mixed = (step[(i, "attention_probabilities")]
+                     @ step[(i, "attention_values")].repeat_interleave(groups, dim=1)).transpose(1, 2)
+            assert torch.allclose(mixed, step[(i, "attention_head_outputs")], atol=1e-5)
+
+
+def test_greedy_tokens_equal_transformers(models):
+    tokenizer = models.eager.tokenizer
+    ids = tokenizer(models.prompt, return_tensors="pt").input_ids
+    length = 16 if models.name == "smollm2" else 8
+    with torch.no_grad():
+        expected = models.eager._module.generate(ids, max_new_tokens=length, do_sample=False, pad_token_id=0)
+    outputs = models.vllm.generate(models.prompt, max_tokens=length, temperature=0.0)
+    assert list(outputs[0].outputs[0].token_ids) == expected[0, ids.shape[1]:].tolist()
