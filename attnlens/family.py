@@ -17,13 +17,16 @@ import importlib
 import pkgutil
 import sys
 from functools import cached_property
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
 from .errors import LocationDrift, UnknownFamily
 from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .values import ALL_VALUES, BY_NAME
+
+if TYPE_CHECKING:
+    from .fused import FusedQKV
 
 INTERFACE_CALL = "attention_interface_1"
 
@@ -113,16 +116,24 @@ class Family:
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
+            **self.after_attention(),
+        }
+
+    def after_attention(self, **replaced: Location) -> dict[str, Location]:
+        """The locations from `layer_mid` to `logits` in the common block, some `replaced`: families that spell out
+        their own attention locations end with these."""
+        tail = {
             "layer_mid": ModuleInput(self.mlp_norm),
             "mlp_norm_output": ModuleOutput(self.mlp_norm),
             "mlp_input": ModuleInput(self.mlp),
             "mlp_activation": ModuleOutput(self.activation),
             "mlp_neurons": ModuleInput(self.down_projection),
             "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput(),
+            "layer_output": ModuleOutput("", 0),
             "final_norm_output": ModuleOutput(self.final_norm),
             "logits": OutputField("logits"),  # after any final soft-cap, as the caller receives them
         }
+        return {**tail, **replaced}
 
     @cached_property
     def _locations(self) -> dict[str, Location]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ALL_CASES, CORE_FAMILIES, PROMPT, tiny
+from conftest import ALL_CASES, PROMPT, tiny
 from identities import failures, read_everything
 
 _saved = {}

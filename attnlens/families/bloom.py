@@ -21,7 +21,7 @@ import torch
 
 from ..family import Family, register
 from ..fused import FusedQKV
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -103,15 +103,7 @@ class Bloom(Family):
                                               _heads, _unheads, "attention_head_outputs"),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput(self.output_projection),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(self.down_projection),
-            "layer_output": ModuleOutput("", 0),
-            "final_norm_output": ModuleOutput(self.final_norm),
-            "logits": OutputField("logits"),
+            **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
 
     def num_heads(self, module):

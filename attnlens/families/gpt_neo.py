@@ -12,7 +12,7 @@ head_dim] (a true view: in-place edits land).
 import torch
 
 from ..family import Family, register
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 ATTN = "self__attn_0"
 OWN_ARITHMETIC = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
@@ -57,15 +57,7 @@ class GPTNeo(Family):
                                               _heads_view, _heads_unview, "attention_head_outputs"),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput("", 0),
-            "final_norm_output": ModuleOutput(self.final_norm),
-            "logits": OutputField("logits"),
+            **self.after_attention(),
         }
 
     def unavailable(self, model, layer):

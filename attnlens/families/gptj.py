@@ -14,7 +14,7 @@ function (scores multiplied by `head_dim ** -0.5`). The family reads whichever t
 
 import torch
 
-from ..family import INTERFACE_CALL, Family, register
+from ..family import Family, register
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 

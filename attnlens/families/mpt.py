@@ -19,7 +19,7 @@ import torch
 
 from ..family import Family, register
 from ..fused import FusedQKV
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 ALIBI_BIAS_MAX = 8  # MptModel.forward calls build_mpt_alibi_tensor without the config's value
 
@@ -74,15 +74,7 @@ class MPT(Family):
             "attention_head_outputs": Operation(("context_states_permute_0",), anchor="permute(0, 2, 1, 3)"),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(self.down_projection),
-            "layer_output": ModuleOutput("", 0),
-            "final_norm_output": ModuleOutput(self.final_norm),
-            "logits": OutputField("logits"),
+            **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
 
     def num_heads(self, module):
