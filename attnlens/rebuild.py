@@ -43,6 +43,10 @@ def why_not(model, layer: int, reasons: dict[str, str]) -> str | None:
         return "the queries and keys are unavailable on this layer"
     if not all(name in family.locations_for(config, layer) for name in REBUILT):
         return f"the {family.name} family has no softmax pattern on this layer"
+    if family.softcap(config, layer) is not None:
+        return (f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
+                f"model's pattern is not the one the family's score function gives; load with "
+                f"attn_implementation='eager'")
     if "attention_sinks" in family.locations_for(config, layer):
         return ("the softmax also takes each head's sink logit, which attnlens does not rebuild; load with "
                 "attn_implementation='eager'")

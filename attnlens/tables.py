@@ -58,8 +58,10 @@ def _layout_table(case: str) -> list[str]:
 
 
 def family_table() -> str:
+    from transformers import __version__
+
     families = _families()
-    lines = [HEADER, "| family | model types | layouts tested | in short |", "|---|---|---|---|"]
+    lines = [HEADER + f"\nGenerated with transformers {__version__}.\n", "| family | model types | layouts tested | in short |", "|---|---|---|---|"]
     for family, model_types in families.items():
         layouts = ", ".join(["default", *family.tiny_layouts])
         types = ", ".join(f"`{t}`" for t in model_types)

@@ -39,7 +39,20 @@ def test_page_runs(page, tmp_path):
             assert any(line.strip() == want.strip() for line in printed), f"{page.name}: expected {want!r}, got {printed}"
 
 
+def _availability(table: str) -> list[str]:
+    """Each line of the table with every cell cut to its mark (✓ or ✗), and the version line dropped."""
+    lines = [line for line in table.splitlines() if not line.startswith("Generated with transformers")]
+    return [re.sub(r"\| ([✓✗])[^|]*", r"| \1", line) for line in lines]
+
+
 def test_family_table_is_current():
+    import transformers
+
     from attnlens.tables import family_table
 
-    assert (DOCS / "families.md").read_text() == family_table(), "regenerate: python -m attnlens.tables > docs/families.md"
+    written, now = (DOCS / "families.md").read_text(), family_table()
+    hint = "regenerate: python -m attnlens.tables > docs/families.md"
+    if f"Generated with transformers {transformers.__version__}." in written:
+        assert written == now, hint
+    else:  # another supported transformers: what is available must agree; notes may word a version's code
+        assert _availability(written) == _availability(now), hint

@@ -22,7 +22,7 @@ from ..errors import EditError, OrderError, Unavailable, UnknownFamily
 from ..family import Family, family_for
 from ..support import Support
 from ..values import ALL_VALUES, BY_NAME, LAYER_VALUES, Value
-from . import worker
+from . import static, worker
 
 #: Where each value is read, as (role in `Family.vllm_modules()` or "" for the envoy itself, side), in forward order.
 #: Values sharing a place share an `order()` rank.
@@ -331,7 +331,8 @@ class StandardizedVLLM(VLLM):
     `tensor_parallel_size`, ...). Each `tracer.invoke(prompt)` is one request, with a batch axis of one.
     """
 
-    def __init__(self, model: Any, family: Family | type[Family] | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: Any, family: Family | type[Family] | None = None, static_points: Any = None,
+                 **kwargs: Any) -> None:
         from transformers import AutoConfig
 
         path = str(model)
@@ -355,6 +356,9 @@ class StandardizedVLLM(VLLM):
         family_class = type(self.family)
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}),
                                        "attnlens_family": f"{family_class.__module__}:{family_class.__qualname__}"}
+        self.static_points = static.declare(self, static_points) if static_points is not None else []
+        if self.static_points:  # checked before the engine is built; the worker hooks them (static.py)
+            kwargs["additional_config"][static.CONFIG_KEY] = self.static_points
         kwargs.setdefault("dispatch", True)
         f = self.family
         modules = f.vllm_modules()
@@ -420,6 +424,10 @@ class StandardizedVLLM(VLLM):
     def kept(self) -> list[dict]:
         """Per worker: how many requests' keys and values attnlens keeps, and their bytes (0 once all ended)."""
         return self.vllm_entrypoint.collective_rpc("attnlens_stats")
+
+    def static_generate(self, prompts: Any, **kwargs: Any) -> Any:
+        """Plain vLLM requests with the static captures declared at load (`static.generate`)."""
+        return static.generate(self, prompts, **kwargs)
 
     # --- requests ------------------------------------------------------------------------------------------
 

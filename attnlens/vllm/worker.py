@@ -284,10 +284,15 @@ class AttnlensRunner:
         interleaver = self.nnsight_model.interleaver
         interleaver.__class__ = _recording(type(interleaver))
         interleaver.attnlens = self.attnlens = WorkerValues(self)
+        from . import static
+
+        self.attnlens_static = static.install(self)
 
     def _update_states(self, scheduler_output: Any) -> None:
         super()._update_states(scheduler_output)
         self.attnlens.schedule(self, scheduler_output)
+        if self.attnlens_static is not None:
+            self.attnlens_static.schedule(scheduler_output)
 
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
         collected = super().collect_nnsight(*args, **kwargs)
@@ -303,6 +308,10 @@ class _WorkerRPC:
     def attnlens_stats(self) -> dict:
         """Live request histories and their bytes, for `StandardizedVLLM.kept()` (via `collective_rpc`)."""
         return self.model_runner.attnlens.stats()
+
+    def attnlens_static_take(self, tags: list | None = None) -> dict:
+        """The static captures of these requests (`static.generate`, via `collective_rpc`), freed in the worker."""
+        return self.model_runner.attnlens_static.take(tags)
 
 
 class GPUWorker(_WorkerRPC, NNsightGPUWorker):
