@@ -10,39 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
-import psutil
 import torch
+from peak_memory import PeakMemory
 
 from attnlens import models
 
 ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
              "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
-
-
-class PeakMemory:
-    """Samples this process's resident memory every millisecond; `peak` is the most above the starting level."""
-
-    def __enter__(self):
-        self.process = psutil.Process()
-        self.start = self.process.memory_info().rss
-        self.high = self.start
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.high = max(self.high, self.process.memory_info().rss)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = self.high - self.start
 
 
 def plain(model, ids):

@@ -24,38 +24,15 @@ import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
-import psutil
 import torch
 
 import attnlens
 from attnlens import models
+from peak_memory import PeakMemory
 
 LAYER = 10
-
-
-class PeakMemory:
-    """Samples this process's resident memory every millisecond while in the block."""
-
-    def __enter__(self):
-        self.process = psutil.Process()
-        self.start = self.high = self.process.memory_info().rss
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.high = max(self.high, self.process.memory_info().rss)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.high = max(self.high, self.process.memory_info().rss)
 
 
 def ids_of(length: int, vocab: int) -> torch.Tensor:
