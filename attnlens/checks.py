@@ -33,7 +33,8 @@ def read_everything(model, prompt):
                 elif name.startswith("mlp."):
                     host, name = layer.mlp, name.split(".")[1]
                 saved[(i, name)] = getattr(host, name).save()
-        saved["final_norm_output"] = model.final_norm_output.save()
+        if model.support()["final_norm_output"] is None:
+            saved["final_norm_output"] = model.final_norm_output.save()
         saved["logits"] = model.logits.save()
     return saved
 

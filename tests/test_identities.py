@@ -49,7 +49,8 @@ def test_model_values(case):
         for part in final_norm:
             module = getattr(module, part)
         last = model.family.residual_read(inner, "final", last)  # collapses hyper-connection streams
-        assert torch.allclose(module(last), saved["final_norm_output"], atol=1e-6)
+        if "final_norm_output" in saved:  # OPT's post-norm layout has none
+            assert torch.allclose(module(last), saved["final_norm_output"], atol=1e-6)
 
 
 def test_grouped_heads_are_read_before_repetition():
