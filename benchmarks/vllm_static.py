@@ -13,28 +13,15 @@ best of `--repeats` rounds is reported with its ratio to plain vLLM. Every promp
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+from vllm_capture import ENGINE as _CAPTURE_ENGINE, PROMPTS  # first: it sets vLLM's in-process environment
 
 import torch
 
 import attnlens
 
-PROMPTS = [
-    "The capital of France is",
-    "When Mary and John went to the store, John gave a drink to",
-    "Write a short poem about the sea.",
-    "The three primary colours are",
-    "In 1969 the first people to walk on the Moon were",
-    "A good way to learn a new language is",
-    "def fibonacci(n):",
-    "The opposite of hot is",
-]
-ENGINE = dict(dtype="float32", distributed_executor_backend="uni", max_model_len=512, kv_cache_memory_bytes=128 * 2**20,
-              seed=0)
+ENGINE = {**_CAPTURE_ENGINE, "kv_cache_memory_bytes": 128 * 2**20}
 
 
 def interleaved(runs: dict, repeats: int) -> dict:
