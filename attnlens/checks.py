@@ -97,7 +97,7 @@ def failures(model, saved, layer):
         return x if name is None else getattr(block, name)(x)
 
     if has("layer_input", "attention_output", "layer_mid"):
-        residual = f.residual(block, post_norm(f.attention_post_norm, v["attention_output"]))
+        residual = post_norm(f.attention_post_norm, v["attention_output"])
         check("layer input + attention output == layer mid",
               close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
@@ -121,12 +121,13 @@ def failures(model, saved, layer):
         elif not hasattr(mlp, "gate_up_proj"):
             check("activation == neurons", close(activation, neurons))
     if has("layer_mid", "mlp_output", "layer_output"):
-        after_mlp = f.residual(block, post_norm(f.mlp_post_norm, v["mlp_output"]))
+        after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
         check("layer mid + mlp output == layer output",
               close(f.residual_add(block, "mlp", v["layer_mid"], after_mlp), v["layer_output"]))
     elif has("layer_input", "attention_output", "mlp_output", "layer_output"):  # a parallel block
         check("layer input + attention output + mlp output == layer output",
-              close(v["layer_input"] + f.residual(block, v["attention_output"]) + f.residual(block, v["mlp_output"]),
+              close(f.residual_add(block, "mlp", f.residual_add(block, "attention", v["layer_input"],
+                                                                v["attention_output"]), v["mlp_output"]),
                     v["layer_output"]))
     nxt = saved.get((layer + 1, "layer_input"))
     if nxt is not None and "layer_output" in v:

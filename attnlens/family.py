@@ -175,15 +175,10 @@ class Family:
         MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
         return getattr(block, self.mlp)
 
-    def residual(self, block, x: torch.Tensor) -> torch.Tensor:
-        """What the residual add receives from a sublayer's output `x` (after any post-norm) in `block`: `x` itself,
-        unless the family scales its residual branches (Granite's `residual_multiplier`)."""
-        return x
-
     def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (what `residual`
-        returns) to `stream`: their sum, unless the residual is several mixed streams (DeepSeek-V4's
-        hyper-connections)."""
+        """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (the sublayer's output,
+        after any post-norm) to `stream`: their sum, unless the family scales the update (Granite's
+        `residual_multiplier`) or the residual is several mixed streams (DeepSeek-V4's hyper-connections)."""
         return stream + update
 
     def residual_read(self, owner, sublayer: str, stream: torch.Tensor) -> torch.Tensor:

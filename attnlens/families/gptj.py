@@ -15,7 +15,7 @@ function (scores multiplied by `head_dim ** -0.5`). The family reads whichever t
 import torch
 
 from ..family import Family, register
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..locations import Derived, ModuleInput, Operation
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
@@ -47,7 +47,6 @@ class GPTJ(Family):
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
-        locations["layer_output"] = ModuleOutput("", 0)  # 5.19's block returns (hidden, weights)
         if _own_attn():
             locations.update({
                 "attention_queries": Operation((OWN_ATTN,), "arg", 0),

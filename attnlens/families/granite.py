@@ -20,8 +20,8 @@ class Granite(Llama):
             {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
              "logits_scaling": 4.0})
 
-    def residual(self, block, x):
-        return x * block.residual_multiplier
+    def residual_add(self, block, sublayer, stream, update):
+        return stream + update * block.residual_multiplier
 
     def notes(self, config, layer):
         r = config.residual_multiplier

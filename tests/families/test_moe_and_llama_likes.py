@@ -259,14 +259,14 @@ def test_granite_residual_embedding_and_logit_multipliers():
 
 
 def test_granite_identities_need_the_residual_hook():
-    """The shared identities use `Family.residual`; without Granite's multiplier they must fail."""
+    """The shared identities use `Family.residual_add`; without Granite's multiplier they must fail."""
     model = tiny("granite")
     family = model.family
-    family.residual = lambda block, x: x
+    family.residual_add = lambda block, sublayer, stream, update: stream + update
     try:
         bad = failures(model, saved_for("granite"), 1)
     finally:
-        del family.residual
+        del family.residual_add
     assert "layer input + attention output == layer mid" in bad and "layer mid + mlp output == layer output" in bad
     assert failures(model, saved_for("granite"), 1) == []
 
