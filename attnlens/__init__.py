@@ -1,17 +1,25 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
+from . import models  # noqa: E402  (after StandardizedTransformer, which it builds)
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
 from .editing import keep_masked, masked
-from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavailable, UnknownFamily,
-                     UnknownFamilyWarning)
-from .family import Family, family_for, register, registered
+from .errors import (
+    AttnlensError,
+    EditError,
+    LocationDrift,
+    OrderError,
+    Unavailable,
+    UnknownFamily,
+    UnknownFamilyWarning,
+)
+from .family import Family
 from .fused import FusedQKV
+from .geometry import HeadGeometry
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
+from .registry import family_for, register, registered
 from .standardized import StandardizedTransformer
 from .support import Support
 from .values import ALL_VALUES, Value
-
-from . import models  # noqa: E402  (after StandardizedTransformer, which it builds)
 
 
 def __getattr__(name: str):
@@ -24,9 +32,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "Location", "LocationDrift", "ModuleInput",
-    "ModuleOutput", "Operation", "OutputField", "OrderError", "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily",
-    "UnknownFamilyWarning",    "Value", "family_for", "keep_masked", "masked", "models", "register", "registered",
-    # capture (attnlens/capture.py)
+    "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "Location", "LocationDrift",
+    "ModuleInput", "ModuleOutput", "Operation", "OutputField", "OrderError", "StandardizedTransformer", "Support",
+    "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for", "keep_masked", "masked", "models",
+    "register", "registered",
+    # capture (attnlens/capture/)
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
 ]

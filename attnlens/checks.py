@@ -10,11 +10,10 @@ one of them. A value the family reports unavailable skips the checks that need i
 
 import torch
 
-ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-             "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
-LAYER = ("layer_input", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-MLP = ("mlp_activation", "mlp_neurons", "mlp_output")
-EXTRA = ("attention_sinks", "attention_gate")
+from .values import of_scope
+
+#: Every block value, in forward order.
+BLOCK = of_scope("layer", "attention", "mlp")
 
 
 def read_everything(model, prompt):
@@ -69,7 +68,7 @@ def failures(model, saved, layer):
     attn = model.layers[layer].self_attn
     module = attn._module
     block = model.layers[layer]._module
-    v = {name: saved[(layer, name)] for name in ATTENTION + EXTRA + LAYER + MLP if (layer, name) in saved}
+    v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
     batch, length = saved["logits"].shape[:2]
     bad = []
 
@@ -168,7 +167,8 @@ def _attention_failures(model, module, layer, v, batch, length):
         scores = v["attention_scores"]
         check("scores shape", scores.shape == probs.shape)
         check("softmax(scores) == probabilities (renormalised with a sink)", close(scores.softmax(-1), renormalised))
-        check("scores == family score function", close(rebuilt(f.scores, module, q, k, layer), scores))
+        check("scores == family score function", close(rebuilt(f.scores, attn.heads, model.config, q, k, layer),
+                                                        scores))
     if "attention_head_outputs" in v:
         heads = v["attention_head_outputs"]
         check("head outputs shape", heads.shape == (batch, length, h, d))

@@ -1,57 +1,105 @@
-"""The envoys that carry the standardized values: the model's blocks, their attention and their MLP.
+"""The envoys that carry the standardized values, on both engines: the blocks, their attention and their MLP.
 
-Each value is a property generated from the catalogue; reading and writing go through the model, which checks support
-and order before it touches nnsight.
+Each value is a property generated from the catalogue; reading and writing go through the model's `Access`
+(`envoy.interleaver.attnlens`, the same object for every envoy of a model), which checks support, order and layout
+before it touches nnsight.
 """
 
 from __future__ import annotations
 
 from nnsight.intervention.envoy import Envoy
 
-from .values import ALL_VALUES, Value
+from .geometry import HeadGeometry
+from .values import ALL_VALUES, HOSTS, Value, closest
 
 
 def value_property(value: Value) -> property:
+    def layer(envoy):
+        return None if value.scope == "model" else envoy.interleaver.attnlens.layer_of(envoy)
+
     def read(envoy):
-        return envoy.root._read_value(envoy, value.name, envoy._layer)
+        return envoy.interleaver.attnlens.read(envoy, value.name, layer(envoy))
 
     def write(envoy, new):
-        envoy.root._write_value(envoy, value.name, envoy._layer, new)
+        envoy.interleaver.attnlens.write(envoy, value.name, layer(envoy), new)
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
 
 
-class _LayerScoped(Envoy):
-    @property
-    def _layer(self) -> int:
-        envoy = self
-        while not isinstance(envoy, LayerEnvoy):
-            envoy = envoy.parent
-        return int(envoy.path.rsplit(".", 1)[1])
+class Helpful:
+    """An unknown attribute's error names the nearest standardized values and where they live."""
+
+    scope = "model"
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            if name.startswith("_"):
+                raise
+            hint = closest(name)
+            misplaced = next((v for v in ALL_VALUES if v.name == name and v.scope != self.scope), None)
+            if misplaced is not None:
+                hint = f" {name} is read on {HOSTS[misplaced.scope]}, not on {HOSTS[self.scope]}."
+            if not hint:
+                raise
+            raise AttributeError(f"{error}.{hint}") from None
 
 
-class LayerEnvoy(_LayerScoped):
+class LayersEnvoy(Envoy):
+    """`model.layers`: indexing checks the range (negative indices count from the end, as Python's do)."""
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and not isinstance(key, bool):
+            key = self.interleaver.attnlens.check_layer(key)
+        return super().__getitem__(key)
+
+
+class LayerEnvoy(Helpful, Envoy):
     """`model.layers[i]`: the block's residual-stream values."""
 
-
-class AttentionEnvoy(_LayerScoped):
-    """`model.layers[i].self_attn`: the attention sublayer's values and sizes."""
-
-    def _sizes(self, name):
-        return getattr(self.root.family, name)(self._module)
-
-    num_heads = property(lambda self: self._sizes("num_heads"), doc="query heads")
-    num_kv_heads = property(lambda self: self._sizes("num_kv_heads"), doc="key/value heads (before repetition)")
-    head_dim = property(lambda self: self._sizes("head_dim"), doc="size of one head's values and outputs")
-    qk_head_dim = property(lambda self: self._sizes("qk_head_dim"), doc="size of one head's queries and keys")
-    scale = property(lambda self: self._sizes("scale"), doc="the factor the scores are multiplied by")
+    scope = "layer"
 
 
-class MLPEnvoy(_LayerScoped):
+class AttentionEnvoy(Helpful, Envoy):
+    """`model.layers[i].self_attn`: the attention sublayer's values and its heads' sizes."""
+
+    scope = "attention"
+
+    @property
+    def heads(self) -> HeadGeometry:
+        """The heads' sizes and scale (what the family's score function takes)."""
+        access = self.interleaver.attnlens
+        return access.geometry(access.layer_of(self))
+
+    num_heads = property(lambda self: self.heads.num_heads, doc="query heads")
+    num_kv_heads = property(lambda self: self.heads.num_kv_heads, doc="key/value heads (before repetition)")
+    head_dim = property(lambda self: self.heads.head_dim, doc="size of one head's values and outputs")
+    qk_head_dim = property(lambda self: self.heads.qk_head_dim, doc="size of one head's queries and keys")
+    scale = property(lambda self: self.heads.scale, doc="the factor the scores are multiplied by")
+
+
+class MLPEnvoy(Helpful, Envoy):
     """`model.layers[i].mlp`: the MLP's values."""
+
+    scope = "mlp"
 
 
 for _value in ALL_VALUES:
     _host = {"layer": LayerEnvoy, "attention": AttentionEnvoy, "mlp": MLPEnvoy}.get(_value.scope)
     if _host is not None:
         setattr(_host, _value.name, value_property(_value))
+
+
+def envoy_classes(layers: str = "layers", attention: str = "self_attn", mlp: str = "mlp") -> dict[str, type]:
+    """nnsight's `envoys=` for a model whose blocks, attention and MLP have these (renamed) paths."""
+    return {layers: LayersEnvoy, f"{layers}.*": LayerEnvoy, f"{layers}.*.{attention}": AttentionEnvoy,
+            f"{layers}.*.{mlp}": MLPEnvoy}
+
+
+def add_model_values(cls: type) -> type:
+    """Give a model class the model-scope values (`embeddings`, `final_norm_output`, `logits`)."""
+    for value in ALL_VALUES:
+        if value.scope == "model":
+            setattr(cls, value.name, value_property(value))
+    return cls

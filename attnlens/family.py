@@ -13,17 +13,18 @@ families since). A new family subclasses it, states how it differs, and register
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import sys
-from functools import cached_property
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
 from .errors import LocationDrift, UnknownFamily
+from .geometry import HeadGeometry
 from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .values import ALL_VALUES, BY_NAME
+
+#: The engines a family describes: transformers' own modules, and vLLM's.
+ENGINES = ("eager", "vllm")
 
 if TYPE_CHECKING:
     from .fused import FusedQKV
@@ -135,21 +136,29 @@ class Family:
         }
         return {**tail, **replaced}
 
-    @cached_property
-    def _locations(self) -> dict[str, Location]:
-        return self.locations()
+    # --- layers of different kinds ---------------------------------------------------------------------------
 
-    def locations_for(self, config, layer: int | None) -> dict[str, Location]:
-        """The locations of `layer` (None: the model's own values). Override where layers differ in kind, such as
-        the linear-attention layers of a hybrid model; the default is `locations()` on every layer."""
-        return self._locations
+    def layer_kind(self, config, layer: int) -> frozenset[str]:
+        """Tags that set `layer`'s locations apart from another layer's: a hybrid's linear-attention layers, MoE
+        layers, a config's block layout. Layers of one kind share their locations (and their load-time check)."""
+        return frozenset()
 
-    def location(self, name: str, config=None, layer: int | None = None) -> Location | None:
-        return self.locations_for(config, layer).get(name)
+    def kind_locations(self, kind: frozenset[str], config, engine: str) -> dict[str, Location]:
+        """The locations of a layer of `kind` on `engine`, in forward order. Override to adjust per kind (call
+        super first); `kind` must determine the result, `config` only supplies what `kind` names."""
+        return self.locations() if engine == "eager" else self.vllm_locations()
 
-    def ordered_locations(self, config=None, layer: int | None = None) -> dict[str, Location]:
-        """Value name -> location in the order the forward reaches them (the order `locations()` lists them)."""
-        return dict(self.locations_for(config, layer))
+    def locations_for(self, config, layer: int | None, engine: str = "eager") -> dict[str, Location]:
+        """Value name -> location on `layer` (None: the model's own values, as on layer 0), in forward order.
+        Values missing here are unavailable there."""
+        kind = self.layer_kind(config, 0 if layer is None else layer)
+        cache = self.__dict__.setdefault("_by_kind", {})
+        if (kind, engine) not in cache:
+            cache[kind, engine] = self.kind_locations(kind, config, engine)
+        return cache[kind, engine]
+
+    def location(self, name: str, config=None, layer: int | None = None, engine: str = "eager") -> Location | None:
+        return self.locations_for(config, layer, engine).get(name)
 
     def renames(self) -> dict[str, str]:
         """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
@@ -191,13 +200,17 @@ class Family:
         the heads concatenated, unless the family transforms each head's output first (DeepSeek-V4 rotates it back)."""
         return heads.reshape(*heads.shape[:2], -1)
 
-    def notes(self, config, layer: int) -> dict[str, str]:
-        """Value name -> what is special about it on this family and layer (shown by `support()`)."""
-        notes = {name: "a view of the fused projection: assign it, in-place edits fail" for name in self.fused_views}
+    def notes(self, config, layer: int, engine: str = "eager") -> dict[str, str]:
+        """Value name -> what is special about it on this family and layer (shown by `support()`, which adds what
+        the value's location says about it on `engine`)."""
+        notes = {}
+        if engine == "eager":
+            notes = dict.fromkeys(self.fused_views, "a view of the fused projection: assign it, in-place edits fail")
         window = self.sliding_window(config, layer)
         if window is not None:
-            notes["attention_probabilities"] = (f"sliding window: each query sees its last {window} keys; under "
-                                                f"generate the cache keeps only the window")
+            kept = ("under generate the cache keeps only the window" if engine == "eager" else
+                    "rebuilt over the whole context (zeros outside the window)")
+            notes["attention_probabilities"] = f"sliding window: each query sees its last {window} keys; {kept}"
         cap = self.softcap(config, layer)
         if cap is not None:
             notes["attention_scores"] = f"soft-capped before the mask: tanh(s / {cap}) * {cap}"
@@ -227,6 +240,11 @@ class Family:
     def scale(self, module) -> float:
         return module.scaling
 
+    def geometry(self, module) -> HeadGeometry:
+        """The heads of the attention `module` (transformers'), read with the size methods above."""
+        return HeadGeometry(self.num_heads(module), self.num_kv_heads(module), self.head_dim(module),
+                            self.qk_head_dim(module), self.scale(module))
+
     def softcap(self, config, layer: int) -> float | None:
         """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
         return None
@@ -243,7 +261,8 @@ class Family:
 
     def scores(
         self,
-        module,
+        heads: HeadGeometry,
+        config,
         queries: torch.Tensor,
         keys: torch.Tensor,
         layer: int,
@@ -253,19 +272,22 @@ class Family:
 
         `queries` [batch, num_heads, query, qk_head_dim], `keys` [batch, num_kv_heads, key, qk_head_dim] as read;
         the queries are the last `query` positions of the keys (a prefill, or decode steps against a cache).
-        `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum.
+        `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum. Every
+        tensor made here is made on the queries' device.
         """
         groups = queries.shape[1] // keys.shape[1]
         keys = keys.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(queries, keys.transpose(2, 3)) * self.scale(module)
-        cap = self.softcap(module.config, layer)
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * heads.scale
+        cap = self.softcap(config, layer)
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
-        return scores + self.mask(queries.shape[2], keys.shape[2], module.config, layer, key_mask, scores.dtype)
+        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
+                                  scores.device)
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
+             device=None) -> torch.Tensor:
         """The additive mask: 0 where a query sees a key, the dtype's minimum elsewhere. [batch or 1, 1, q, k]."""
-        key_positions = torch.arange(num_keys)
+        key_positions = torch.arange(num_keys, device=device)
         query_positions = key_positions[num_keys - num_queries:, None]
         visible = key_positions[None, :] <= query_positions
         window = self.sliding_window(config, layer)
@@ -273,27 +295,34 @@ class Family:
             visible &= query_positions - key_positions[None, :] < window
         visible = visible[None, None]
         if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :].bool()
-        zero = torch.zeros((), dtype=dtype)
-        return torch.where(visible, zero, torch.finfo(dtype).min)
+            visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
+        return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), torch.finfo(dtype).min)
 
     # --- what cannot be read, and why --------------------------------------------------------------------------
 
-    def unavailable(self, model, layer: int) -> dict[str, str]:
-        """Value name -> reason, for `layer` of `model` (a transformers model). Called before anything runs."""
+    def unavailable(self, config, layer: int, engine: str = "eager") -> dict[str, str]:
+        """Value name -> why `layer` cannot serve it on `engine`, for a model of `config`. Called before anything
+        runs. A value missing from the layer's locations gets the family's `absent` reason; one the family has but
+        vLLM's implementation lacks gets `vllm_absent`'s."""
         reasons = {}
-        implementation = model.config._attn_implementation
-        if implementation != "eager":
+        implementation = getattr(config, "_attn_implementation", "eager")
+        if engine == "eager" and implementation != "eager":
             for name in self.eager_only:
                 reasons[name] = (
                     f"read inside transformers' eager attention function, but this model runs "
                     f"{implementation!r}, which never forms it; load with attn_implementation='eager'"
                 )
-        locations = self.locations_for(model.config, layer)
+        family_has = self.locations_for(config, layer)
+        here = self.locations_for(config, layer, engine)
         for value in ALL_VALUES:
-            if value.name not in locations and value.name not in reasons:
+            if value.name in reasons:
+                continue
+            if value.name not in family_has:
                 reasons[value.name] = self.absent.get(value.name) or Family.absent.get(value.name) or \
                     f"the {self.name} family has no {value.name.replace('_', ' ')}"
+            elif value.name not in here:
+                reasons[value.name] = self.vllm_absent.get(value.name) or \
+                    "not read by attnlens's vLLM backend on this family"
         return reasons
 
     # --- load-time checks ----------------------------------------------------------------------------------------
@@ -305,7 +334,7 @@ class Family:
 
         scopes = {"attention": attention_module}
         for name, location in self.locations_for(model.config, layer).items():
-            while hasattr(location, "source") and isinstance(getattr(location, "source"), Location):
+            while hasattr(location, "source") and isinstance(location.source, Location):
                 location = location.source
             if not isinstance(location, Operation):
                 continue
@@ -337,30 +366,47 @@ class Family:
                     where = f"{getattr(function, '__qualname__', function)}"
 
     # --- vLLM ---
-    # What `attnlens.StandardizedVLLM` needs to know about vLLM's implementation of the family
-    # (vllm/model_executor/models/*.py). vLLM keeps transformers' module names for the common layout, so the
-    # defaults reuse the names above; a family whose vLLM modules differ overrides `vllm_modules`.
+    # Where the values live in vLLM's implementation of the family (vllm/model_executor/models/*.py). vLLM keeps
+    # transformers' module names for the common layout, so the defaults reuse the names above.
 
-    #: The model types whose vLLM implementation the names below were checked against; `StandardizedVLLM` refuses
+    #: The model types whose vLLM implementation these locations were checked against; `StandardizedVLLM` refuses
     #: the others rather than guess. Not inherited in effect: a subclass serves other model types, so it lists its own.
     vllm_model_types: ClassVar[tuple[str, ...]] = ()
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"
+    #: Why a value the family has is missing from `vllm_locations()`.
+    vllm_absent: ClassVar[dict[str, str]] = {
+        "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "
+                          "activation alone is never formed; mlp_neurons is its output",
+    }
 
-    def vllm_modules(self) -> dict[str, str]:
-        """Role -> vLLM module path (from the causal LM for `layers`/`final_norm`, else from a block)."""
+    def vllm_locations(self) -> dict[str, Location]:
+        """Value name -> location in vLLM's implementation of the common layout, in forward order."""
+        from .vllm.locations import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
+
+        kernel = self.vllm_kernel
         return {
-            "layers": self.layers, "final_norm": self.final_norm, "attention": self.attention,
-            "attention_norm": self.attention_norm, "kernel": f"{self.attention}.{self.vllm_kernel}",
-            "output_projection": f"{self.attention}.{self.output_projection}", "mlp_norm": self.mlp_norm,
-            "mlp": self.mlp, "down_projection": f"{self.mlp}.{self.down_projection}",
+            "embeddings": ResidualPair(f"{self.layers}.0", "input", first=1),  # (positions, hidden, residual)
+            "layer_input": ResidualPair("", "input", first=1),
+            "attention_norm_output": batched(ModuleOutput(self.attention_norm, 0)),
+            "attention_queries": KernelInput(kernel, 0),
+            "attention_keys": KernelInput(kernel, 1),
+            "attention_values": KernelInput(kernel, 2),
+            "attention_scores": RebuiltPattern(kernel, "scores"),
+            "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
+            "attention_head_outputs": heads_of(ModuleInput(self.output_projection)),
+            "attention_premix": batched(ModuleInput(self.output_projection)),
+            "attention_output": copied(ModuleOutput("", 0)),
+            "layer_mid": ResidualPair(self.mlp_norm, "input"),
+            "mlp_norm_output": batched(ModuleInput(self.mlp)),
+            "mlp_input": batched(ModuleInput(self.mlp)),
+            "mlp_neurons": batched(ModuleInput(self.down_projection)),
+            "mlp_output": copied(ModuleOutput()),
+            "layer_output": ResidualPair("", "output"),
+            "final_norm_output": batched(ModuleOutput(self.final_norm, 0)),
+            "logits": SampledLogits(),
         }
-
-    def vllm_unavailable(self, config, layer: int) -> dict[str, str]:
-        """Value name -> why vLLM's implementation of the family never forms it (beyond what the family lacks)."""
-        return {"mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), "
-                                  "so the activation alone is never formed; mlp_neurons is its output"}
 
 
 class UnknownLayout(Family):
@@ -388,46 +434,10 @@ class UnknownLayout(Family):
         return {**found, "layer_input": ModuleInput(), "layer_output": ModuleOutput("", 0),
                 "logits": OutputField("logits")}
 
-    def unavailable(self, model, layer):
+    def unavailable(self, config, layer, engine="eager"):
         reason = (f"attnlens has no family for model type {self.model_type!r}; subclass attnlens.Family with this "
                   f"model's module names and register it (docs/extending.md)")
-        return {value.name: reason for value in ALL_VALUES if value.name not in self._locations}
+        return {value.name: reason for value in ALL_VALUES if value.name not in self.locations()}
 
     def verify(self, model, layer, layer_module, attention_module):
         pass
-
-
-# --- the registry --------------------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, type[Family]] = {}
-
-
-def register(family: type[Family]) -> type[Family]:
-    """Register a family for each of its `model_types` (usable as a class decorator). Later registrations win."""
-    if not family.model_types:
-        raise ValueError(f"{family.__name__} names no model_types; set model_types = ('your_model_type',)")
-    for model_type in family.model_types:
-        _REGISTRY[model_type] = family
-    return family
-
-
-def _import_builtin_families() -> None:
-    from . import families
-
-    for info in pkgutil.iter_modules(families.__path__):
-        importlib.import_module(f"{families.__name__}.{info.name}")
-
-
-def family_for(model_type: str) -> Family:
-    """The family registered for `model_type` (the built-in family modules register themselves on import)."""
-    if model_type not in _REGISTRY:
-        _import_builtin_families()
-    if model_type not in _REGISTRY:
-        raise UnknownFamily(model_type)
-    return _REGISTRY[model_type]()
-
-
-def registered() -> dict[str, type[Family]]:
-    """Every registered model type and its family, built-in ones included."""
-    _import_builtin_families()
-    return dict(_REGISTRY)

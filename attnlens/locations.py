@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def _child(envoy, path: str):
+def child(envoy, path: str):
+    """The envoy at the dotted `path` below `envoy` (`""`: itself); digits index a module list."""
     for part in filter(None, path.split(".")):
         envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
     return envoy
@@ -25,6 +26,15 @@ def _replace_item(container: Any, index: int, value: Any) -> Any:
 @dataclass(frozen=True)
 class Location:
     """Base class; `key` identifies the handoff point, so values sharing one get the same forward rank."""
+
+    #: What `support()` says of a value read here, beside the family's note ("" for nothing).
+    note = ""
+    #: Whether an in-place edit of what `read` returns reaches the model (False: it is a copy, or discarded).
+    in_place = True
+    #: Whether assigning the value reaches the model.
+    writable = True
+    #: Why an in-place edit or an assignment here cannot reach the model, where one cannot.
+    why_not = ""
 
     @property
     def key(self) -> str:
@@ -49,11 +59,11 @@ class ModuleOutput(Location):
         return f"{self.module}.output"
 
     def read(self, envoy):
-        output = _child(envoy, self.module).output
+        output = child(envoy, self.module).output
         return output[self.item] if self.item is not None and isinstance(output, (tuple, list)) else output
 
     def write(self, envoy, value):
-        target = _child(envoy, self.module)
+        target = child(envoy, self.module)
         if self.item is None:
             target.output = value
             return
@@ -73,10 +83,10 @@ class OutputField(Location):
         return f"{self.module}.output"
 
     def read(self, envoy):
-        return getattr(_child(envoy, self.module).output, self.field)
+        return getattr(child(envoy, self.module).output, self.field)
 
     def write(self, envoy, value):
-        target = _child(envoy, self.module)
+        target = child(envoy, self.module)
         output = target.output
         setattr(output, self.field, value)
         target.output = output
@@ -93,10 +103,10 @@ class ModuleInput(Location):
         return f"{self.module}.input"
 
     def read(self, envoy):
-        return _child(envoy, self.module).input
+        return child(envoy, self.module).input
 
     def write(self, envoy, value):
-        _child(envoy, self.module).input = value
+        child(envoy, self.module).input = value
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ class Operation(Location):
         return f"{self.module}.source.{'.source.'.join(self.path)}.{'input' if self.part == 'arg' else 'output'}"
 
     def op(self, envoy):
-        source = _child(envoy, self.module).source
+        source = child(envoy, self.module).source
         for name in self.path[:-1]:
             source = getattr(source, name).source
         return getattr(source, self.path[-1])
@@ -150,24 +160,28 @@ class Derived(Location):
     """A value computed from another location's value by a view (`view`) and written back by `unview`.
 
     For layouts the forward never holds as one tensor (a fused projection's slice, heads of a flattened tensor).
-    In-place edits of the view do not reach the model; assign instead, which `unview` maps back.
+    Where `view` returns a view of the held tensor, in-place edits land; where it copies (`in_place=False`), they
+    cannot, and attnlens refuses them. Assignments go through `unview`; without one the value is read-only.
     """
 
     source: Location
     view: Callable[[Any, Any], Any]
     unview: Callable[[Any, Any, Any], Any] | None = None
     label: str = ""
+    in_place: bool = True  #: False where `view` copies (or its result is discarded)
+    note: str = ""
+    why_not: str = ""
 
     @property
     def key(self) -> str:
         return self.source.key
 
+    @property
+    def writable(self) -> bool:
+        return self.unview is not None
+
     def read(self, envoy):
         return self.view(envoy, self.source.read(envoy))
 
     def write(self, envoy, value):
-        if self.unview is None:
-            from .errors import EditError
-
-            raise EditError(f"{self.label or 'this value'} is derived and read-only here")
         self.source.write(envoy, self.unview(envoy, self.source.read(envoy), value))

@@ -79,7 +79,7 @@ def gemma3_270m_path() -> Path:
 
 
 def smollm2(**kwargs):
-    """SmolLM2-135M-Instruct (Llama family; 30 layers, 9 query heads, 3 key/value heads) as a StandardizedTransformer."""
+    """SmolLM2-135M-Instruct (Llama family; 30 layers, 9 query heads, 3 key/value heads), a StandardizedTransformer."""
     from .standardized import StandardizedTransformer
 
     kwargs.setdefault("attn_implementation", "eager")
@@ -96,7 +96,8 @@ def gemma3_270m(**kwargs):
 
 def char_tokenizer(vocab_size: int = 128):
     """A hub-free tokenizer for tiny models: one token per printable character, ids 0-2 for pad, bos and eos."""
-    from tokenizers import Regex, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tokenizer_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
@@ -114,7 +115,8 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
     """
     import transformers
 
-    from .family import TINY_DEFAULTS, family_for
+    from .family import TINY_DEFAULTS
+    from .registry import family_for
 
     model_type, _, layout = family.partition(":")
     recipe = family_for(model_type)

@@ -18,6 +18,7 @@ import torch
 
 from .errors import AttnlensError, EditError
 from .family import INTERFACE_CALL, Family
+from .geometry import HeadGeometry
 from .locations import Location, Operation
 
 REBUILT = ("attention_scores", "attention_probabilities")
@@ -34,9 +35,9 @@ def _interface_queries(family: Family, config, layer: int) -> Operation | None:
     return None
 
 
-def why_not(model, layer: int, reasons: dict[str, str]) -> str | None:
-    """Why `layer` of `model` cannot have its pattern rebuilt (None: it can). `reasons` are the family's."""
-    family, config = model.family, model.config
+def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
+    """Why `layer` cannot have its pattern rebuilt (None: it can). `reasons` are the family's."""
+    family, config = access.family, access.config
     if config._attn_implementation == "eager":
         return "the model runs eager, which forms the pattern itself"
     if any(name in reasons for name in ("attention_queries", "attention_keys")):
@@ -56,30 +57,25 @@ def why_not(model, layer: int, reasons: dict[str, str]) -> str | None:
     return None
 
 
-def adjust(model, layer: int, reasons: dict[str, str]) -> dict[str, str]:
+def adjust(access, layer: int, reasons: dict[str, str]) -> dict[str, str]:
     """The family's reasons for `layer`, with the rebuilt values made available (or told why they can't be)."""
-    blocker = why_not(model, layer, reasons)
+    blocker = why_not(access, layer, reasons)
     reasons = dict(reasons)
     for name in REBUILT:
         if name not in reasons:
             continue
         if blocker is None:
             del reasons[name]
-        elif model.config._attn_implementation != "eager":
+        elif access.config._attn_implementation != "eager":
             reasons[name] += f"; rebuild_patterns cannot rebuild it here: {blocker}"
     return reasons
 
 
-def rebuilds(model, name: str, layer: int | None) -> bool:
-    """Whether `model` serves `name` on `layer` rebuilt (opted in, not eager, and nothing stands in the way)."""
-    return (model.rebuild_patterns and name in REBUILT and layer is not None
-            and model.config._attn_implementation != "eager" and name not in model._reasons(layer))
-
-
-def notes(model, layer: int) -> dict[str, str]:
-    """support()'s notes for the values `layer` serves rebuilt."""
-    note = NOTE.format(implementation=repr(model.config._attn_implementation))
-    return {name: note for name in REBUILT if rebuilds(model, name, layer)}
+def rebuilds(access, name: str, layer: int | None) -> bool:
+    """Whether `name` is served rebuilt on `layer` (opted in, eager engine, not eager attention, nothing in the
+    way)."""
+    return (access.rebuild_patterns and name in REBUILT and layer is not None and access.engine == "eager"
+            and access.config._attn_implementation != "eager" and name not in access.reasons(layer))
 
 
 def interface_inputs(envoy, family: Family, config, layer: int):
@@ -119,7 +115,8 @@ def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def pattern_rows(family: Family, module, layer: int, queries: torch.Tensor, keys: torch.Tensor, mask=None, *,
+def pattern_rows(family: Family, geometry: HeadGeometry, config, layer: int, queries: torch.Tensor,
+                 keys: torch.Tensor, mask=None, *,
                  rows: list[int] | None = None, heads: list[int] | None = None, chunk_rows: int | None = None,
                  scores: bool = True, probabilities: bool = True) -> dict[str, torch.Tensor]:
     """Scores and/or probabilities of the query `rows` and `heads` (all by default), [batch, heads, rows, key].
@@ -143,12 +140,12 @@ def pattern_rows(family: Family, module, layer: int, queries: torch.Tensor, keys
         out["scores"] = queries.new_empty(shape)
     if probabilities:
         out["probabilities"] = queries.new_empty(shape)
-    pick = None if heads == list(range(num_heads)) else torch.tensor(heads)
+    pick = None if heads == list(range(num_heads)) else torch.tensor(heads, device=queries.device)
     for at, first, length in _runs(rows):
         for start in range(first, first + length, chunk_rows):
             stop = min(start + chunk_rows, first + length)
             width = offset + stop  # the keys these rows can see
-            chunk = family.scores(module, queries[:, :, start:stop], keys[:, :, :width], layer,
+            chunk = family.scores(geometry, config, queries[:, :, start:stop], keys[:, :, :width], layer,
                                   None if real is None else real[:, :width])
             if seen is not None:
                 chunk = torch.where(seen[:, :, start:stop, :width], chunk, minimum)
@@ -166,30 +163,43 @@ def pattern_rows(family: Family, module, layer: int, queries: torch.Tensor, keys
 
 @dataclass(frozen=True)
 class Rebuilt(Location):
-    """`attention_scores` or `attention_probabilities` rebuilt where the attention function is called."""
+    """`attention_scores` or `attention_probabilities` rebuilt where the attention function is called; read-only."""
 
     name: str
     queries: Operation
+    implementation: str
+
+    in_place = False
+    writable = False
+
+    @property
+    def note(self) -> str:
+        return NOTE.format(implementation=repr(self.implementation))
+
+    @property
+    def why_not(self) -> str:
+        return (f"it is rebuilt from the queries and keys (rebuild_patterns=True) and read-only: the model runs "
+                f"{self.implementation!r}, which never forms it. Edit the queries or keys, or load with "
+                f"attn_implementation='eager' to edit it")
 
     @property
     def key(self) -> str:
         return self.queries.key
 
     def read(self, envoy):
-        family, config, layer = envoy.root.family, envoy.root.config, envoy._layer
-        queries, keys, mask = interface_inputs(envoy, family, config, layer)
+        access = envoy.interleaver.attnlens
+        layer = access.layer_of(envoy)
+        queries, keys, mask = interface_inputs(envoy, access.family, access.config, layer)
         kind = "scores" if self.name == "attention_scores" else "probabilities"
-        return pattern_rows(family, envoy._module, layer, queries, keys, mask, scores=kind == "scores",
-                            probabilities=kind == "probabilities")[kind]
+        return pattern_rows(access.family, access.geometry(layer), access.config, layer, queries, keys, mask,
+                            scores=kind == "scores", probabilities=kind == "probabilities")[kind]
 
     def write(self, envoy, value):
-        raise EditError(f"{self.name} is rebuilt from the queries and keys (rebuild_patterns=True) and read-only: the "
-                        f"model never forms it, so an edit could not reach it. Edit the queries or keys, or load with "
-                        f"attn_implementation='eager'")
+        raise EditError(self.why_not)
 
 
-def location(model, name: str, layer: int | None) -> Rebuilt | None:
-    """The rebuilt location of `name` on `layer` where `model` rebuilds it, else None."""
-    if not rebuilds(model, name, layer):
+def location(access, name: str, layer: int | None) -> Rebuilt | None:
+    """The rebuilt location of `name` on `layer` where `access` rebuilds it, else None."""
+    if not rebuilds(access, name, layer):
         return None
-    return Rebuilt(name, _interface_queries(model.family, model.config, layer))
+    return Rebuilt(name, _interface_queries(access.family, access.config, layer), access.config._attn_implementation)

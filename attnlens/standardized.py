@@ -6,16 +6,15 @@ import warnings
 from typing import Any
 
 import torch
-from greenlet import getcurrent
 from nnsight import TransformersModel
-from nnsight.intervention.interleaver import OutOfOrderError
 
-from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy, value_property
-from .errors import EditError, OrderError, Unavailable, UnknownFamily, UnknownFamilyWarning
-from . import rebuild
-from .family import Family, UnknownLayout, family_for
+from .access import Access
+from .envoys import Helpful, add_model_values, envoy_classes
+from .errors import EditError, UnknownFamily, UnknownFamilyWarning
+from .family import Family, UnknownLayout
+from .inputs import check_inputs
+from .registry import family_for, resolve_family
 from .support import Support
-from .values import ALL_VALUES, BY_NAME, LAYER_VALUES
 
 
 def _model_type(model: Any, kwargs: dict) -> str:
@@ -48,11 +47,13 @@ def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model, **loader_kwargs)
 
 
-class StandardizedTransformer(TransformersModel):
+@add_model_values
+class StandardizedTransformer(Helpful, TransformersModel):
     """A transformers causal LM under nnsight, with the standardized values on `layers[i]`, `.self_attn`, `.mlp`.
 
     `model` is a hub name, a local folder or a model object already loaded. `family` overrides the registered
-    family for the model's type (an instance or a subclass of `attnlens.Family`).
+    family for the model's type: a registered model type's name (`"llama"`), an `attnlens.Family` subclass or an
+    instance. `torch_dtype=` is accepted as transformers' older spelling of `dtype=`.
     """
 
     def __init__(
@@ -60,10 +61,14 @@ class StandardizedTransformer(TransformersModel):
         model: Any,
         tokenizer: Any = None,
         attn_implementation: str | None = None,
-        family: Family | type[Family] | None = None,
+        family: Family | type[Family] | str | None = None,
         rebuild_patterns: bool = False,
         **kwargs: Any,
     ) -> None:
+        if "torch_dtype" in kwargs:
+            if "dtype" in kwargs:
+                raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
+            kwargs["dtype"] = kwargs.pop("torch_dtype")
         if family is None:
             model_type = _model_type(model, kwargs)
             try:
@@ -72,7 +77,7 @@ class StandardizedTransformer(TransformersModel):
                 model = _loaded(model, kwargs)
                 family = UnknownLayout(model)
                 warnings.warn(_unknown_family_message(model_type), UnknownFamilyWarning, stacklevel=2)
-        self.family: Family = family() if isinstance(family, type) else family
+        self.family: Family = resolve_family(family)
         if attn_implementation is not None:
             if isinstance(model, torch.nn.Module):
                 model.set_attn_implementation(attn_implementation)
@@ -82,133 +87,60 @@ class StandardizedTransformer(TransformersModel):
         if not isinstance(model, torch.nn.Module):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
-        f = self.family
-        envoys = {"layers.*": LayerEnvoy, "layers.*.self_attn": AttentionEnvoy, "layers.*.mlp": MLPEnvoy}
-        super().__init__(model, tokenizer=tokenizer, rename=f.renames(), envoys=envoys, **kwargs)
-        self._reasons_cache: dict[tuple, dict[str, str]] = {}
-        #: Opt-in: on a non-eager model, serve the scores and the pattern rebuilt from the queries and keys
-        #: (read-only, noted by support()); see attnlens/rebuild.py. Without it they stay unavailable.
-        self.rebuild_patterns = rebuild_patterns
+        renames = self.family.renames()
+        super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
+        layers = self._module.get_submodule(self.family.layers)
+        self.access = Access(self.family, self.config, len(layers), "eager", self._geometry, rebuild_patterns)
+        self.interleaver.attnlens = self.access
         self._verify()
+
+    def _geometry(self, layer: int):
+        return self.family.geometry(self.layers[layer].self_attn._module)
 
     # --- introspection ---------------------------------------------------------------------------------------
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return self.access.num_layers
+
+    @property
+    def rebuild_patterns(self) -> bool:
+        """Opt-in: on a non-eager model, serve the scores and the pattern rebuilt from the queries and keys."""
+        return self.access.rebuild_patterns
+
+    @rebuild_patterns.setter
+    def rebuild_patterns(self, value: bool) -> None:
+        self.access.rebuild_patterns = value
 
     def _verify(self) -> None:
         """Check the family's operations once per kind of layer (hybrids mix attention and linear-attention layers)."""
         checked = set()
         for i, layer in enumerate(self.layers):
-            attention = getattr(layer, "self_attn", None)
-            attention_module = attention._module if attention is not None else None
-            kind = (type(layer._module), type(attention_module), id(self.family.locations_for(self.config, i)))
+            attention = getattr(layer, "self_attn", None)  # renamed: a hybrid's other mixer too
+            attention = attention._module if attention is not None else None
+            kind = (type(layer._module), type(attention), self.family.layer_kind(self.config, i))
             if kind not in checked:
                 checked.add(kind)
-                self.family.verify(self._module, i, layer._module, attention_module)
-
-    def _check_layer(self, layer: int) -> int:
-        if not isinstance(layer, int) or not -self.num_layers <= layer < self.num_layers:
-            raise IndexError(f"layer must be an int in [0, {self.num_layers}); got {layer!r}")
-        return layer % self.num_layers
-
-    def _reasons(self, layer: int | None) -> dict[str, str]:
-        key = (layer, self.config._attn_implementation, self.rebuild_patterns)
-        if key not in self._reasons_cache:
-            reasons = self.family.unavailable(self._module, 0 if layer is None else layer)
-            if self.rebuild_patterns and layer is not None:
-                reasons = rebuild.adjust(self, layer, reasons)
-            self._reasons_cache[key] = reasons
-        return self._reasons_cache[key]
+                self.family.verify(self._module, i, layer._module, attention)
 
     def support(self, layer: int = 0) -> Support:
         """Which values `layer` serves and, for each it doesn't, why. Answers before anything runs."""
-        layer = self._check_layer(layer)
-        reasons = self._reasons(layer)
-        report = {v.key: reasons.get(v.name) for v in LAYER_VALUES}
-        report.update({v.name: reasons.get(v.name) for v in ALL_VALUES if v.scope == "model"})
-        notes = {**self.family.notes(self.config, layer), **rebuild.notes(self, layer)}
-        notes = {BY_NAME[name].key: note for name, note in notes.items()}
-        return Support(family=self.family.name, layer=layer, reasons=report, notes=notes)
+        return self.access.support(layer)
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer`; values read at one location share a rank."""
-        layer = self._check_layer(layer)
-        ranks: dict[str, int] = {}
-        keys: list[str] = []
-        for name, location in self.family.ordered_locations(self.config, layer).items():
-            value = BY_NAME[name]
-            if value.scope == "model":
-                continue
-            key = f"{value.scope}:{location.key}"
-            if key not in keys:
-                keys.append(key)
-            ranks[value.key] = keys.index(key)
-        return dict(sorted(ranks.items(), key=lambda item: item[1]))
+        return self.access.order(layer)
 
-    # --- reading and writing values ----------------------------------------------------------------------------
+    # --- runs ------------------------------------------------------------------------------------------------------
 
-    def _position(self, name: str, layer: int | None) -> tuple[int, int]:
-        """Where a value falls in the whole forward: (block, rank), model values before and after the blocks."""
-        if layer is None:
-            return (-1, 0) if name == "embeddings" else (self.num_layers, ["final_norm_output", "logits"].index(name))
-        return (layer, self.order(layer)[BY_NAME[name].key])
-
-    @staticmethod
-    def _describe(name: str, layer: int | None) -> str:
-        return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
-
-    def _read_value(self, envoy, name: str, layer: int | None):
-        return self._access(name, layer, lambda location: location.read(envoy))
-
-    def _write_value(self, envoy, name: str, layer: int | None, new) -> None:
-        self._access(name, layer, lambda location: location.write(envoy, new))
-
-    def _access(self, name: str, layer: int | None, act):
-        """Refuse an unavailable value before nnsight is asked; translate nnsight's order error into ours."""
-        reason = self._reasons(layer).get(name)
-        if reason is not None:
-            raise Unavailable(f"{self._describe(name, layer)} on {self.family.name}: {reason}")
-        try:
-            result = act(rebuild.location(self, name, layer) or self.family.location(name, self.config, layer))
-        except OutOfOrderError as error:
-            raise self._order_error(name, layer) or error
-        self._log_read(name, layer)
-        return result
-
-    @staticmethod
-    def _mediator():
-        reference = getattr(getcurrent(), "mediator", None)
-        return reference() if reference is not None else None
-
-    def _log_read(self, name: str, layer: int | None) -> None:
-        mediator = self._mediator()
-        if mediator is not None:
-            mediator.__dict__.setdefault("attnlens_reads", []).append((name, layer))
-
-    def _order_error(self, name: str, layer: int | None) -> OrderError | None:
-        """Name the two values when a read came after one the forward computes later (None if it was not that)."""
-        mediator = self._mediator()
-        if mediator is None or mediator.iteration != 0:
-            return None  # a `tracer.iter` loop that outran the run ends this way by design
-        position = self._position(name, layer)
-        later = [(n, l) for n, l in mediator.__dict__.get("attnlens_reads", []) if self._position(n, l) > position]
-        if not later:
-            return OrderError(
-                f"{self._describe(name, layer)} was requested after the forward pass had computed it; read values "
-                f"in forward order (model.order(layer) gives it)"
-            )
-        other = self._describe(*later[-1])
-        return OrderError(
-            f"{self._describe(name, layer)} was read after {other}, but the forward computes "
-            f"{self._describe(name, layer)} first; read {self._describe(name, layer)} before {other} "
-            f"(model.order(layer) gives the forward order)"
-        )
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        check_inputs(inputs, kwargs)
+        return super()._batch_size(*inputs, **kwargs)
 
     def interleave(self, *args, **kwargs):
+        self.access.run_copies = []
         try:
-            return super().interleave(*args, **kwargs)
+            result = super().interleave(*args, **kwargs)
         except RuntimeError as error:
             if self.family.fused_views and "is a view and is being modified inplace" in str(error):
                 names = ", ".join(self.family.fused_views)
@@ -218,11 +150,7 @@ class StandardizedTransformer(TransformersModel):
                     f"`attn.attention_queries = attn.attention_queries * 0` or a clone you edit."
                 ) from error
             raise
-
-
-for _value in ALL_VALUES:
-    if _value.scope == "model":
-        setattr(StandardizedTransformer, _value.name, value_property(_value))
-
-# Model-scope values have no block; `value_property` asks the envoy for `_layer`.
-StandardizedTransformer._layer = property(lambda self: None)
+        finally:
+            copies, self.access.run_copies = self.access.run_copies, None
+        self.access.check_copies(copies)
+        return result

@@ -5,15 +5,20 @@ Reading, `support()`, `order()` and the docs table are all derived from this lis
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
 
 Scope = Literal["model", "layer", "attention", "mlp"]
+#: The envoy that carries each scope's values.
+HOSTS = {"model": "model", "layer": "model.layers[i]", "attention": "model.layers[i].self_attn",
+         "mlp": "model.layers[i].mlp"}
 
 
 @dataclass(frozen=True)
 class Value:
     name: str  #: the attribute name on its envoy
+    short: str  #: the cache name (`run_with_cache`, static taps): TransformerLens-like, as the capture spec writes
     scope: Scope  #: which envoy carries it: the model, `layers[i]`, `layers[i].self_attn` or `layers[i].mlp`
     layout: str  #: axis names, in order
     meaning: str
@@ -24,53 +29,76 @@ class Value:
         prefix = {"attention": "self_attn.", "mlp": "mlp."}.get(self.scope, "")
         return prefix + self.name
 
-
-def _v(name: str, scope: Scope, layout: str, meaning: str) -> Value:
-    return Value(name, scope, layout, meaning)
+    @property
+    def axes(self) -> list[str]:
+        return self.layout.split()
 
 
 MODEL_VALUES_BEFORE = (
-    _v("embeddings", "model", "batch seq hidden", "the token embedding module's output"),
+    Value("embeddings", "embed", "model", "batch seq hidden", "the token embedding module's output"),
 )
 
 LAYER_VALUES = (
-    _v("layer_input", "layer", "batch seq hidden", "the residual stream entering the block"),
-    _v("attention_norm_output", "layer", "batch seq hidden", "the normalised residual the attention reads"),
-    _v("attention_queries", "attention", "batch num_heads seq qk_head_dim",
-       "the queries entering attention, after the projection, rotary embedding and any QK-norm"),
-    _v("attention_keys", "attention", "batch num_kv_heads seq qk_head_dim",
-       "the keys entering attention, before grouped heads are repeated; under generate, as long as the cache"),
-    _v("attention_values", "attention", "batch num_kv_heads seq head_dim",
-       "the values entering attention, before grouped heads are repeated"),
-    _v("attention_scores", "attention", "batch num_heads query key",
-       "the scaled scores entering the softmax, soft-capped and masked (masked entries hold the dtype's minimum)"),
-    _v("attention_probabilities", "attention", "batch num_heads query key",
-       "the pattern the values are mixed with: after the softmax and its dropout"),
-    _v("attention_sinks", "attention", "batch num_heads query",
-       "the share of each query's softmax mass taken by the head's sink logit (1 - the pattern's row sum)"),
-    _v("attention_head_outputs", "attention", "batch seq num_heads head_dim",
-       "each head's mix of the values, before the heads are merged (and before any output gate)"),
-    _v("attention_gate", "attention", "batch seq num_heads head_dim",
-       "the output gate multiplying each head's output (after its sigmoid): head outputs * gate, merged, is the premix"),
-    _v("attention_premix", "attention", "batch seq num_heads*head_dim",
-       "what the output projection receives: the heads merged"),
-    _v("attention_output", "attention", "batch seq hidden", "the attention sublayer's output"),
-    _v("layer_mid", "layer", "batch seq hidden", "the residual stream after attention, entering the MLP's norm"),
-    _v("mlp_norm_output", "layer", "batch seq hidden", "the output of the norm in front of the MLP"),
-    _v("mlp_input", "layer", "batch seq hidden", "what the MLP module receives"),
-    _v("mlp_activation", "mlp", "batch seq intermediate", "the activation function's output"),
-    _v("mlp_neurons", "mlp", "batch seq intermediate",
-       "what the MLP's down projection receives (the activation times the up projection where gated)"),
-    _v("mlp_output", "mlp", "batch seq hidden", "the MLP's output"),
-    _v("layer_output", "layer", "batch seq hidden", "the residual stream leaving the block"),
+    Value("layer_input", "resid_pre", "layer", "batch seq hidden", "the residual stream entering the block"),
+    Value("attention_norm_output", "attn_norm", "layer", "batch seq hidden",
+          "the normalised residual the attention reads"),
+    Value("attention_queries", "query", "attention", "batch num_heads seq qk_head_dim",
+          "the queries entering attention, after the projection, rotary embedding and any QK-norm"),
+    Value("attention_keys", "key", "attention", "batch num_kv_heads seq qk_head_dim",
+          "the keys entering attention, before grouped heads are repeated; under generate, as long as the cache"),
+    Value("attention_values", "value", "attention", "batch num_kv_heads seq head_dim",
+          "the values entering attention, before grouped heads are repeated"),
+    Value("attention_scores", "attn_scores", "attention", "batch num_heads query key",
+          "the scaled scores entering the softmax, soft-capped and masked (masked entries hold the dtype's minimum)"),
+    Value("attention_probabilities", "attn_probs", "attention", "batch num_heads query key",
+          "the pattern the values are mixed with: after the softmax and its dropout"),
+    Value("attention_sinks", "attn_sinks", "attention", "batch num_heads query",
+          "the share of each query's softmax mass taken by the head's sink logit (1 - the pattern's row sum)"),
+    Value("attention_head_outputs", "z", "attention", "batch seq num_heads head_dim",
+          "each head's mix of the values, before the heads are merged (and before any output gate)"),
+    Value("attention_gate", "attn_gate", "attention", "batch seq num_heads head_dim",
+          "the output gate multiplying each head's output (after its sigmoid): head outputs * gate, merged, is the "
+          "premix"),
+    Value("attention_premix", "premix", "attention", "batch seq num_heads*head_dim",
+          "what the output projection receives: the heads merged"),
+    Value("attention_output", "attn_out", "attention", "batch seq hidden", "the attention sublayer's output"),
+    Value("layer_mid", "resid_mid", "layer", "batch seq hidden",
+          "the residual stream after attention, entering the MLP's norm"),
+    Value("mlp_norm_output", "mlp_norm", "layer", "batch seq hidden", "the output of the norm in front of the MLP"),
+    Value("mlp_input", "mlp_in", "layer", "batch seq hidden", "what the MLP module receives"),
+    Value("mlp_activation", "mlp_act", "mlp", "batch seq intermediate", "the activation function's output"),
+    Value("mlp_neurons", "mlp_neurons", "mlp", "batch seq intermediate",
+          "what the MLP's down projection receives (the activation times the up projection where gated)"),
+    Value("mlp_output", "mlp_out", "mlp", "batch seq hidden", "the MLP's output"),
+    Value("layer_output", "resid_post", "layer", "batch seq hidden", "the residual stream leaving the block"),
 )
 
 MODEL_VALUES_AFTER = (
-    _v("final_norm_output", "model", "batch seq hidden", "the final norm's output"),
-    _v("logits", "model", "batch seq vocab", "the language-model head's output"),
+    Value("final_norm_output", "final_norm", "model", "batch seq hidden", "the final norm's output"),
+    Value("logits", "logits", "model", "batch seq vocab", "the language-model head's output"),
 )
 
 ALL_VALUES = MODEL_VALUES_BEFORE + LAYER_VALUES + MODEL_VALUES_AFTER
 BY_NAME = {value.name: value for value in ALL_VALUES}
-BY_KEY = {value.key: value for value in LAYER_VALUES}
-ATTENTION_VALUES = tuple(v for v in LAYER_VALUES if v.scope == "attention")
+BY_SHORT = {value.short: value for value in ALL_VALUES}
+
+
+def of_scope(*scopes: Scope) -> tuple[str, ...]:
+    """The names of the values carried by these scopes, in forward order."""
+    return tuple(value.name for value in ALL_VALUES if value.scope in scopes)
+
+
+def model_position(name: str, num_layers: int) -> tuple[int, int]:
+    """Where a model value falls in the whole forward, as (block, rank): before the first block or after the last."""
+    index = [value.name for value in ALL_VALUES if value.scope == "model"].index(name)
+    return (-1, index) if BY_NAME[name] in MODEL_VALUES_BEFORE else (num_layers, index)
+
+
+def closest(name: str) -> str:
+    """A hint for a misspelled value name: the nearest standardized values (by name or cache name), and where each
+    lives; "" when none is near."""
+    near = difflib.get_close_matches(name, [*BY_NAME, *BY_SHORT], n=3, cutoff=0.5)
+    found = [BY_NAME.get(n) or BY_SHORT[n] for n in near]
+    if not found:
+        return ""
+    return " Did you mean " + " or ".join(dict.fromkeys(f"{HOSTS[v.scope]}.{v.name}" for v in found)) + "?"

@@ -17,8 +17,10 @@ from peak_memory import PeakMemory
 
 from attnlens import models
 
-ATTENTION = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-             "attention_probabilities", "attention_head_outputs", "attention_premix", "attention_output")
+
+def attention_values(model) -> list[str]:
+    """Every attention value the model serves (eight on SmolLM2), in forward order."""
+    return [key.split(".", 1)[1] for key in model.order(0) if key.startswith("self_attn.")]
 
 
 def plain(model, ids):
@@ -26,21 +28,22 @@ def plain(model, ids):
 
 
 def trace_all(model, ids):
+    names = attention_values(model)
     with model.trace(ids):
         saved = list().save()
         for layer in model.layers:
-            for name in ATTENTION:
+            for name in names:
                 saved.append(getattr(layer.self_attn, name))
     return saved
 
 
-def measure(fn, repeats):
-    fn()  # warm-up (instrumentation, allocator)
+def measure(fn, repeats, *args):
+    fn(*args)  # warm-up (instrumentation, allocator)
     times, peaks = [], []
     for _ in range(repeats):
         with PeakMemory() as memory:
             start = time.perf_counter()
-            result = fn()
+            result = fn(*args)
             times.append(time.perf_counter() - start)
         del result
         peaks.append(memory.peak)
@@ -62,10 +65,11 @@ def main():
         ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
         rows = {}
         model._module.set_attn_implementation("sdpa")
-        rows["plain forward, sdpa"] = measure(lambda: plain(model, ids), args.repeats)
+        rows["plain forward, sdpa"] = measure(plain, args.repeats, model, ids)
         model._module.set_attn_implementation("eager")
-        rows["plain forward, eager"] = measure(lambda: plain(model, ids), args.repeats)
-        rows["trace saving 8 values x 30 layers"] = measure(lambda: trace_all(model, ids), args.repeats)
+        rows["plain forward, eager"] = measure(plain, args.repeats, model, ids)
+        read = f"trace saving {len(attention_values(model))} values x {model.num_layers} layers"
+        rows[read] = measure(trace_all, args.repeats, model, ids)
         sdpa, eager = rows["plain forward, sdpa"][0], rows["plain forward, eager"][0]
         for name, (ms, peak) in rows.items():
             print(f"{length:>6}  {name:<34}{ms:>9.1f}{ms / sdpa:>8.2f}{ms / eager:>9.2f}{peak:>10.0f}")

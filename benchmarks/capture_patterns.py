@@ -27,10 +27,10 @@ import sys
 import time
 
 import torch
+from peak_memory import PeakMemory
 
 import attnlens
 from attnlens import models
-from peak_memory import PeakMemory
 
 LAYER = 10
 

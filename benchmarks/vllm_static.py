@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from vllm_capture import ENGINE as _CAPTURE_ENGINE, PROMPTS  # first: it sets vLLM's in-process environment
-
 import torch
+from vllm_capture import ENGINE as _CAPTURE_ENGINE  # first: it sets vLLM's in-process environment
+from vllm_capture import PROMPTS
 
 import attnlens
 

@@ -1,11 +1,12 @@
-"""capture_attention, run_with_cache and their helpers on the eager engine: equal to the trace values, on every family."""
+"""capture_attention, run_with_cache and their helpers on the eager engine: equal to the trace values, on every
+family."""
 
 import pytest
 import torch
+from conftest import ALL_CASES, PROMPT, tiny
 
 import attnlens
-from attnlens.capture import CACHE_NAMES, FUSED, SHORT
-from conftest import ALL_CASES, PROMPT, tiny
+from attnlens.capture import CACHE_NAMES, FUSED
 
 PROMPTS = ["Hello world, again", "Hi", "The cat sat on the mat"]  # lengths 18, 2, 22: padding in every batch
 
@@ -170,7 +171,6 @@ def test_a_progress_bar_on_long_runs(capsys):
 
 def test_every_standardized_value_has_one_cache_name():
     assert set(CACHE_NAMES) == {value.name for value in attnlens.ALL_VALUES}
-    assert set(SHORT) == set(CACHE_NAMES), "a new catalogue value falls back to its own name: give it a short one"
     assert len(set(CACHE_NAMES.values()) | {FUSED}) == len(CACHE_NAMES) + 1
     assert (CACHE_NAMES["attention_probabilities"], CACHE_NAMES["attention_values"],
             CACHE_NAMES["attention_gate"]) == ("attn_probs", "value", "attn_gate")
@@ -227,7 +227,7 @@ def test_unknown_and_unavailable_names_fail_before_the_model_runs():
         handle.remove()
 
 
-# --- helpers ------------------------------------------------------------------------------------------------------------
+# --- helpers ----------------------------------------------------------------------------------------------------------
 
 def test_gated_families_are_found():
     assert all(attention_layer(tiny(case), "attention_gate") is not None for case in ("qwen3_next", "qwen3_5_text"))

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import ALL_CASES, PROMPT, tiny
 
 import attnlens
 from attnlens import rebuild
 from attnlens.models import char_tokenizer, tiny_model
-from conftest import ALL_CASES, PROMPT, tiny
 
 PROMPTS = ["Hello world, again", "Hi there"]
 PATTERNS = ("attention_scores", "attention_probabilities")
@@ -100,9 +100,9 @@ def test_a_sink_family_is_not_rebuilt_and_says_why():
     """GPT-OSS's softmax takes a sink logit per head; transformers runs it eager only, so ask as if it ran sdpa."""
     model = attnlens.models.tiny("gpt_oss")
     model.config._attn_implementation = "sdpa"  # nothing runs: only the reasons are asked for
-    reasons = model.family.unavailable(model._module, 1)
-    assert "sink logit" in rebuild.why_not(model, 1, reasons)
-    assert "sink logit" in rebuild.adjust(model, 1, reasons)["attention_probabilities"]
+    reasons = model.family.unavailable(model.config, 1)
+    assert "sink logit" in rebuild.why_not(model.access, 1, reasons)
+    assert "sink logit" in rebuild.adjust(model.access, 1, reasons)["attention_probabilities"]
 
 
 # --- long contexts ----------------------------------------------------------------------------------------------------
@@ -131,9 +131,9 @@ def test_subsets_never_form_the_full_matrix(monkeypatch):
     shapes = []
     scores = model.family.scores
 
-    def recording(module, queries, keys, layer, key_mask=None):
+    def recording(heads, config, queries, keys, layer, key_mask=None):
         shapes.append((queries.shape[2], keys.shape[2]))
-        return scores(module, queries, keys, layer, key_mask)
+        return scores(heads, config, queries, keys, layer, key_mask)
 
     monkeypatch.setattr(model.family, "scores", recording)
     attnlens.capture_attention(model, PROMPT, [0, 1, 2], keep="probs", rows=-1)

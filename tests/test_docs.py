@@ -36,13 +36,21 @@ def test_page_runs(page, tmp_path):
             exec(compile(block, str(script), "exec"), namespace)
         printed = buffer.getvalue().splitlines()
         for want in expected_output(block):
-            assert any(line.strip() == want.strip() for line in printed), f"{page.name}: expected {want!r}, got {printed}"
+            assert any(line.strip() == want.strip() for line in printed), \
+                f"{page.name}: expected {want!r}, got {printed}"
 
 
 def _availability(table: str) -> list[str]:
     """Each line of the table with every cell cut to its mark (✓ or ✗), and the version line dropped."""
     lines = [line for line in table.splitlines() if not line.startswith("Generated with transformers")]
     return [re.sub(r"\| ([✓✗])[^|]*", r"| \1", line) for line in lines]
+
+
+def test_values_table_is_current():
+    from attnlens.tables import values_table
+
+    assert values_table() in (DOCS / "values.md").read_text(), \
+        "regenerate the table between the markers: python -m attnlens.tables values"
 
 
 def test_family_table_is_current():

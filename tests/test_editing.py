@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import PROMPT, tiny
 
 import attnlens
-from conftest import PROMPT, tiny
 
 LAYER = 1
 

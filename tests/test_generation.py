@@ -1,7 +1,6 @@
 """Under generate each forward call has its own values: decode steps have one query row and the whole cache."""
 
 import torch
-
 from conftest import PROMPT, tiny
 
 
@@ -24,7 +23,7 @@ def test_each_decode_step_sees_the_whole_cache(family):
         rows = n if step == 0 else 1
         keys = n if step == 0 else n + step if window is None else min(n + step, window)
         assert q.shape[2] == rows and k.shape[2] == keys and probs.shape[2:] == (rows, keys)
-        assert torch.allclose(model.family.scores(attn._module, q, k, layer), scores, atol=1e-5)
+        assert torch.allclose(model.family.scores(attn.heads, model.config, q, k, layer), scores, atol=1e-5)
         mixed = (probs @ v.repeat_interleave(groups, dim=1)).transpose(1, 2)
         assert torch.allclose(mixed, heads, atol=1e-5)
     # the decode step's keys extend the prefill's (or its window's tail): the cache is what the step attends over

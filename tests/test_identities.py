@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import ALL_CASES, PROMPT, tiny
 from identities import failures, read_everything
 
@@ -104,10 +103,10 @@ def test_a_miswired_family_fails_the_identities(case, value):
     family = model.family
     original = family.locations_for
 
-    def rewired(config, i):
+    def rewired(config, i, engine="eager"):
         # Only `layer` is rewired (on a hybrid, other layers may lack both values), and the rewired value moves to
         # its new place in the forward order, so a value between the two (a gate) is still read in order.
-        locations = original(config, i)
+        locations = original(config, i, engine)
         if i != layer:
             return locations
         moved = {}

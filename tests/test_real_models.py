@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from identities import failures, read_everything
 
 import attnlens
-from identities import failures, read_everything
 
 pytestmark = pytest.mark.real
 

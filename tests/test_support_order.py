@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import CORE_FAMILIES, PROMPT, tiny
+from identities import read_everything
 
 import attnlens
-from conftest import CORE_FAMILIES, PROMPT, tiny
 
 # Gemma 2 has no sdpa path in transformers: it loads eager only.
 SDPA_FAMILIES = [f for f in CORE_FAMILIES if f != "gemma2"]
-from identities import read_everything
 
 
 def count_forwards(model):

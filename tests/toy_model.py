@@ -43,8 +43,9 @@ class ToyAttention(nn.Module):
 class ToyBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.norm_a, self.mix, self.norm_b = nn.LayerNorm(config.width), ToyAttention(config), nn.LayerNorm(config.width)
-        self.ff = nn.Sequential(nn.Linear(config.width, 4 * config.width), nn.GELU(), nn.Linear(4 * config.width, config.width))
+        width = config.width
+        self.norm_a, self.mix, self.norm_b = nn.LayerNorm(width), ToyAttention(config), nn.LayerNorm(width)
+        self.ff = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x):
         x = x + self.mix(self.norm_a(x))

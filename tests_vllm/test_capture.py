@@ -1,10 +1,11 @@
-"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the eager engine on the same weights."""
+"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the eager engine on the same
+weights."""
 
 import pytest
 import torch
+from conftest import pair
 
 import attnlens
-from conftest import pair
 
 PROMPTS = ["Hello world, again", "Hi there"]
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from test_equal_to_eager import close
 
 import attnlens
-from test_equal_to_eager import close
 
 LAYER = 1
 
@@ -101,14 +101,15 @@ def test_support_says_what_is_rebuilt_and_why_values_are_missing(llama):
     assert "fuses" in report["mlp.mlp_activation"]
     assert report["self_attn.attention_sinks"] is not None
     model = llama.vllm  # a trace's body travels to the worker: let it name the engine, not the pair holding both
-    with pytest.raises(Exception, match="Unavailable"):
+    with pytest.raises(attnlens.Unavailable, match=r"layers\[1\].mlp.mlp_activation on Llama \(vllm\): vLLM fuses"):
         with model.trace(llama.prompt, temperature=0.0):
             model.layers[1].mlp.mlp_activation.save()
 
 
 def test_a_late_read_names_the_value(llama):
     attn = llama.vllm.layers[1].self_attn
-    with pytest.raises(Exception, match=r"OrderError: layers\[1\].self_attn.attention_queries"):
+    with pytest.raises(attnlens.OrderError, match=r"layers\[1\].self_attn.attention_queries was read after "
+                                                  r"layers\[1\].self_attn.attention_output"):
         with llama.vllm.trace(llama.prompt, temperature=0.0):
             attn.attention_output.save()
             attn.attention_queries.save()
@@ -118,5 +119,6 @@ def test_importing_attnlens_does_not_import_vllm():
     import subprocess
     import sys
 
-    code = "import sys, attnlens; assert 'vllm' not in sys.modules; attnlens.StandardizedVLLM; assert 'vllm' in sys.modules"
+    code = ("import sys, attnlens; assert 'vllm' not in sys.modules; attnlens.StandardizedVLLM; "
+            "assert 'vllm' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

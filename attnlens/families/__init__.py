@@ -1,1 +1,2 @@
-"""Built-in families, one module each; `attnlens.family.family_for` imports them lazily by model type."""
+"""Built-in families, one module each; `attnlens.registry` imports them lazily and serves each family's
+`model_types`."""

@@ -11,15 +11,15 @@ The attention module returns `residual + dense(heads merged)`, so `attention_out
 output (not the module's) and `layer_mid` is the module's output. Likewise `BloomMLP` adds the residual:
 `mlp_output` is its down projection's output. With `config.apply_residual_connection_post_layernorm` the block adds
 each sublayer's output to its norm's output, not to the stream: `layer_mid = attention_norm_output +
-attention_output` and `layer_output = mlp_norm_output + mlp_output` (`residual_add`). With `pretraining_tp > 1` and `slow_but_exact`
-the projections run as sliced `F.linear` calls and `dense` is never called.
+attention_output` and `layer_output = mlp_norm_output + mlp_output` (`residual_add`). With `pretraining_tp > 1`
+and `slow_but_exact` the projections run as sliced `F.linear` calls and `dense` is never called.
 """
 
 import math
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
@@ -37,10 +37,10 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
-def key_positions(num_keys: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+def key_positions(num_keys: int, key_mask: torch.Tensor | None, device=None) -> torch.Tensor:
     """The position ALiBi gives each key, [batch or 1, key]: padding is skipped, padded keys get 0."""
     if key_mask is None:
-        return torch.arange(num_keys)[None]
+        return torch.arange(num_keys, device=device)[None]
     key_mask = key_mask.long()
     return (key_mask.cumsum(dim=-1) - 1) * key_mask
 
@@ -71,7 +71,6 @@ def _unheads(envoy, old, new):
     return new.transpose(1, 2).reshape(old.shape)
 
 
-@register
 class Bloom(Family):
     model_types = ("bloom",)
     tiny = ("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
@@ -118,21 +117,23 @@ class Bloom(Family):
     def sliding_window(self, config, layer):
         return None
 
-    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """The bias added to each head's scores, [batch or 1, heads, 1, key]: slope * key position."""
-        bias = alibi_slopes(num_heads)[None, :, None] * key_positions(num_keys, key_mask)[:, None, :]
+        positions = key_positions(num_keys, key_mask, device)
+        bias = alibi_slopes(num_heads).to(positions.device)[None, :, None] * positions[:, None, :]
         return bias.to(dtype)[:, :, None]
 
-    def scores(self, module, queries, keys, layer, key_mask=None):
-        batch, heads, num_queries, dim = queries.shape
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
+        batch, num_heads, num_queries, dim = queries.shape
         num_keys = keys.shape[2]
-        alibi = self.alibi(heads, num_keys, key_mask, queries.dtype).expand(batch, heads, 1, num_keys)
-        folded_queries = queries.reshape(batch * heads, num_queries, dim)
-        folded_keys = keys.reshape(batch * heads, num_keys, dim).transpose(1, 2)
-        scores = alibi.reshape(batch * heads, 1, num_keys).baddbmm(folded_queries, folded_keys, beta=1.0,
-                                                                    alpha=self.scale(module))
-        mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype)  # no window
-        return scores.view(batch, heads, num_queries, num_keys) + mask
+        alibi = self.alibi(num_heads, num_keys, key_mask, queries.dtype, queries.device)
+        alibi = alibi.expand(batch, num_heads, 1, num_keys)
+        folded_queries = queries.reshape(batch * num_heads, num_queries, dim)
+        folded_keys = keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2)
+        scores = alibi.reshape(batch * num_heads, 1, num_keys).baddbmm(folded_queries, folded_keys, beta=1.0,
+                                                                        alpha=heads.scale)
+        mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device)  # no window
+        return scores.view(batch, num_heads, num_queries, num_keys) + mask
 
     def residual_add(self, block, sublayer, stream, update):
         if block.apply_residual_connection_post_layernorm:  # the block adds to the norm's output, not to the stream
@@ -144,9 +145,8 @@ class Bloom(Family):
         # BloomMLP adds the residual it is given; with a zero one its output is the down projection's.
         return mlp(mlp_input, torch.zeros_like(mlp_input))
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        config = model.config
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
         if config.pretraining_tp > 1 and config.slow_but_exact:
             why = (f"config.pretraining_tp={config.pretraining_tp} with slow_but_exact=True runs the {{}} as sliced "
                    f"F.linear calls, so `{{}}` is never called; load with slow_but_exact=False")
@@ -154,8 +154,8 @@ class Bloom(Family):
             reasons["mlp_neurons"] = reasons["mlp_output"] = why.format("MLP's down projection", "dense_4h_to_h")
         return reasons
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; word_embeddings_layernorm follows it before block 0"
         notes["attention_scores"] = ("q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens "
                                      "only), + the causal mask")

@@ -8,12 +8,11 @@ and keys runs before it, and the queries and keys are read after both. `logits` 
 language-model head's output times `logit_scale`.
 """
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import ModuleInput
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
-@register
 class Cohere(Family):
     model_types = ("cohere",)
     tiny = ("CohereConfig", "CohereForCausalLM", {})
@@ -23,6 +22,6 @@ class Cohere(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def notes(self, config, layer):
-        return {**super().notes(config, layer), "mlp_norm_output": shared_norm_note(self.attention_norm),
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                 "logits": f"the language-model head's output times config.logit_scale ({config.logit_scale})"}

@@ -11,17 +11,15 @@ Layers from `first_k_dense_replace` on route each token to a few experts: the ex
 over experts, each to its own tokens, so those layers have no activation or neuron tensor.
 """
 
-from functools import cached_property
-
-from ..family import Family, register
+from ..family import Family
+from .moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
               "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
               "mlp.shared_experts, is one part of the sum); the dense layers before first_k_dense_replace serve it")
 
 
-@register
-class DeepseekV2(Family):
+class DeepseekV2(SparseMoE, Family):
     model_types = ("deepseek_v2",)
     tiny = ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
@@ -29,17 +27,8 @@ class DeepseekV2(Family):
         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
 
-    def is_moe(self, config, layer: int) -> bool:
+    def moe_layer(self, config, layer: int) -> bool:
         return layer >= config.first_k_dense_replace
-
-    def locations_for(self, config, layer):
-        if layer is None or not self.is_moe(config, layer):
-            return self._locations
-        return self._moe_locations
-
-    @cached_property
-    def _moe_locations(self):
-        return {k: v for k, v in self._locations.items() if k not in ("mlp_activation", "mlp_neurons")}
 
     def num_kv_heads(self, module):
         return module.num_heads  # kv_b_proj expands the latent to every query head
@@ -50,8 +39,8 @@ class DeepseekV2(Family):
     def qk_head_dim(self, module):
         return module.qk_head_dim
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
                                    f"{config.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
                                    f"{config.qk_rope_head_dim} rotary channels shared by every head")

@@ -4,11 +4,9 @@ Nothing a standardized value depends on differs from DeepSeek-V2: the rotary emb
 applied before the keys are expanded, and the routing only decides which experts run.
 """
 
-from ..family import register
 from .deepseek_v2 import DeepseekV2
 
 
-@register
 class DeepseekV3(DeepseekV2):
     model_types = ("deepseek_v3",)
     tiny = ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DeepseekV2.tiny[2], "n_group": 1, "topk_group": 1})

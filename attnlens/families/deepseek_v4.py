@@ -21,13 +21,13 @@ projection and hyper-connections in place of a single residual stream.
 """
 
 import sys
-from functools import cached_property
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Derived, ModuleInput
 from .gpt_oss import SINK_NOTE, sink_share, with_sinks
+from .moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer (every DeepSeek-V4 layer): the routed experts apply their clamped gated "
               "activation inside a loop over experts, each to the tokens routed to it, so no [batch, seq, "
@@ -52,8 +52,7 @@ def _unflatten_groups(envoy, grouped, premix):
     return premix.reshape(grouped.shape)
 
 
-@register
-class DeepseekV4(Family):
+class DeepseekV4(SparseMoE, Family):
     model_types = ("deepseek_v4",)
     tiny = ("DeepseekV4Config", "DeepseekV4ForCausalLM", {
         "num_key_value_heads": 1, "head_dim": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
@@ -71,24 +70,25 @@ class DeepseekV4(Family):
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
 
     def locations(self):
-        locations = {k: v for k, v in super().locations().items() if k not in ("mlp_activation", "mlp_neurons")}
+        locations = super().locations()
         locations["attention_premix"] = Derived(ModuleInput(self.output_projection), _flatten_groups,
                                                 _unflatten_groups, "attention_premix")
         locations["layer_mid"] = ModuleInput(self.mlp_streams)
         return with_sinks(locations, sink_share("probs_0"))
 
-    @cached_property
-    def _compressed_locations(self):
-        return {k: v for k, v in self._locations.items() if k not in KEY_AXIS}
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind if config.layer_types[layer] == "sliding_attention" else kind | {"compressed"}
 
-    def locations_for(self, config, layer):
-        if layer is None or config.layer_types[layer] == "sliding_attention":
-            return self._locations
-        return self._compressed_locations
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "compressed" in kind:
+            locations = {name: location for name, location in locations.items() if name not in KEY_AXIS}
+        return locations
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        layer_type = model.config.layer_types[layer]
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        layer_type = config.layer_types[layer]
         if layer_type != "sliding_attention":
             reasons.update({name: _compressed_reason(layer_type) for name in KEY_AXIS})
         return reasons
@@ -124,8 +124,8 @@ class DeepseekV4(Family):
             return owner(stream)
         return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[2]
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         notes.pop("attention_probabilities", None)
         shared = ("the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, "
                   f"with the rotary embedding on its trailing {config.qk_rope_head_dim} channels; an in-place edit "

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from .bloom import alibi_slopes, key_positions
@@ -67,16 +67,19 @@ def _unmerged_heads(envoy, old, new):
     return new.transpose(1, 2).reshape(old.shape)
 
 
+DEDUPLICATED = ("it is a de-duplicated copy (the forward holds each key/value head broadcast to its whole group, "
+                "never one per group)")
+
+
 def _keys_values(config):
     update = Operation(("layer_past_update_0",), item=0, anchor="layer_past.update(")
     values = Operation(("layer_past_update_0",), item=1, anchor="layer_past.update(")
     if config.new_decoder_architecture:
-        return (Derived(update, _first_of_group, _rebroadcast, "attention_keys"),
-                Derived(values, _first_of_group, _rebroadcast, "attention_values"))
+        return tuple(Derived(source, _first_of_group, _rebroadcast, name, in_place=False, why_not=DEDUPLICATED)
+                     for source, name in ((update, "attention_keys"), (values, "attention_values")))
     return update, values
 
 
-@register
 class Falcon(Family):
     model_types = ("falcon",)
     tiny = ("FalconConfig", "FalconForCausalLM", {"ffn_hidden_size": 128, "num_key_value_heads": None,
@@ -96,9 +99,6 @@ class Falcon(Family):
     down_projection = "dense_4h_to_h"
     mlp_norm = "post_attention_layernorm"  # on sequential blocks, the only ones with a layer_mid
 
-    def __init__(self):
-        self._by_layout = {}
-
     @staticmethod
     def parallel(config) -> bool:
         return bool(config.parallel_attn or config.new_decoder_architecture)
@@ -114,19 +114,21 @@ class Falcon(Family):
         return "input_layernorm", "post_attention_layernorm"
 
     def locations(self):
-        """The default layout's (multi-query, rotary, parallel, eager); every layout's: `locations_for`."""
+        """The default layout's (multi-query, rotary, parallel, eager); every layout's: `kind_locations`."""
         from transformers import FalconConfig
 
         config = FalconConfig()
         config._attn_implementation = "eager"
         return self._layout_locations(config)
 
-    def locations_for(self, config, layer):
-        layout = (config.alibi, config.new_decoder_architecture, self.parallel(config),
-                  self.norms(config), config._attn_implementation)
-        if layout not in self._by_layout:
-            self._by_layout[layout] = self._layout_locations(config)
-        return self._by_layout[layout]
+    def layer_kind(self, config, layer):
+        """Falcon's layout is the config's: which of these hold, and which norms the block has."""
+        flags = {"alibi": config.alibi, "new_architecture": config.new_decoder_architecture,
+                 "parallel": self.parallel(config), "eager": config._attn_implementation == "eager"}
+        return frozenset({name for name, on in flags.items() if on} | {"norms=" + "+".join(self.norms(config))})
+
+    def kind_locations(self, kind, config, engine):
+        return self._layout_locations(config) if engine == "eager" else super().kind_locations(kind, config, engine)
 
     def _layout_locations(self, config):
         attention_norm, mlp_norm = self.norms(config)
@@ -164,7 +166,9 @@ class Falcon(Family):
             middle = {"layer_mid": ModuleInput(mlp_norm), "mlp_norm_output": ModuleOutput(mlp_norm)}
         else:
             # the block adds the attention output to the MLP's output in place: snapshot it
-            mlp_output = Derived(ModuleOutput(), _snapshot, _replace, "mlp_output")
+            mlp_output = Derived(ModuleOutput(), _snapshot, _replace, "mlp_output", in_place=False,
+                                 why_not="it is a snapshot: the block adds the attention output to the MLP's output "
+                                         "in place right after, so the live tensor is not the MLP's output")
             if mlp_norm == attention_norm:  # one shared norm: read as the MLP receives it (as Phi does)
                 middle = {"mlp_norm_output": ModuleInput(self.mlp)}
             else:  # the new architecture's own MLP norm runs before attention
@@ -197,31 +201,30 @@ class Falcon(Family):
     def sliding_window(self, config, layer):
         return None
 
-    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32) -> torch.Tensor:
+    def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """FalconModel's ALiBi, [batch or 1, heads, 1, key]: Bloom's slopes in bfloat16 times the key position."""
-        positions = key_positions(num_keys, key_mask)
-        return (alibi_slopes(num_heads)[:, None].bfloat16() * positions[:, None, :]).to(dtype)[:, :, None]
+        positions = key_positions(num_keys, key_mask, device)
+        slopes = alibi_slopes(num_heads).to(positions.device)[:, None].bfloat16()
+        return (slopes * positions[:, None, :]).to(dtype)[:, :, None]
 
-    def scores(self, module, queries, keys, layer, key_mask=None):
-        config = module.config
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
         groups = queries.shape[1] // keys.shape[1]
         scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
         num_queries, num_keys = scores.shape[-2:]
-        visible = self.mask(num_queries, num_keys, config, layer, key_mask, queries.dtype) == 0
+        visible = self.mask(num_queries, num_keys, config, layer, key_mask, queries.dtype, queries.device) == 0
         minimum = torch.finfo(queries.dtype).min  # FalconModel's mask, in the model's dtype
         if not config.alibi:
-            scores = scores / math.sqrt(module.head_dim)
+            scores = scores / math.sqrt(heads.head_dim)
             return scores + torch.where(visible, torch.zeros((), dtype=queries.dtype), minimum)
         if scores.dtype in (torch.float16, torch.bfloat16):
             scores = scores.to(torch.float32)
-        alibi = self.alibi(queries.shape[1], num_keys, key_mask, queries.dtype)
-        scores = (scores + alibi) * module.inv_norm_factor
+        alibi = self.alibi(queries.shape[1], num_keys, key_mask, queries.dtype, queries.device)
+        scores = (scores + alibi) * heads.scale
         # FalconModel folds alibi / sqrt(d) into the mask as well
-        return scores + torch.masked_fill(alibi / math.sqrt(module.head_dim), ~visible, minimum)
+        return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        config = model.config
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
         if self.parallel(config):
             attention_norm, mlp_norm = self.norms(config)
             norms = (f"one shared {attention_norm}" if attention_norm == mlp_norm else
@@ -243,8 +246,8 @@ class Falcon(Family):
         if model.config._attn_implementation in ("eager", "sdpa"):  # both run FalconAttention.forward
             super().verify(model, layer, layer_module, attention_module)
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         cache = ("read at the cache update (the whole cache under generate); a forward called with use_cache=False "
                  "never forms it")
         notes["attention_keys"] = notes["attention_values"] = cache

@@ -8,11 +8,9 @@ MLP (the norm in front of the MLP, despite its name) and adds `post_mlp_layernor
 `gate_up_proj` into gate and up; `mlp_activation` is `activation_fn(gate)`, `mlp_neurons` is `up * activation`.
 """
 
-from ..family import register
 from .llama import Llama
 
 
-@register
 class Glm4(Llama):
     model_types = ("glm4",)
     tiny = ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
@@ -20,8 +18,8 @@ class Glm4(Llama):
     mlp_post_norm = "post_mlp_layernorm"
     activation = "activation_fn"
 
-    def notes(self, config, layer):
+    def notes(self, config, layer, engine="eager"):
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rotary = f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
-        return {**super().notes(config, layer), "attention_queries": rotary, "attention_keys": rotary,
+        return {**super().notes(config, layer, engine), "attention_queries": rotary, "attention_keys": rotary,
                 "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}

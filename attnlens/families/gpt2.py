@@ -5,14 +5,16 @@ file-local eager function repeats no heads and does not upcast the softmax. With
 attention bypasses the attention interface entirely.
 """
 
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 
 
-@register
 class GPT2(Family):
     model_types = ("gpt2",)
-    tiny = ("GPT2Config", "GPT2LMHeadModel", {"n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 128, "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None, "max_position_embeddings": None})
+    tiny = ("GPT2Config", "GPT2LMHeadModel", {
+        "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 128, "num_hidden_layers": None,
+        "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
+        "max_position_embeddings": None})
     layers = "transformer.h"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.ln_f"
@@ -29,9 +31,9 @@ class GPT2(Family):
     def num_heads(self, module):
         return module.num_heads
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        if getattr(model.config, "reorder_and_upcast_attn", False):
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        if getattr(config, "reorder_and_upcast_attn", False):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
                          "attention_probabilities", "attention_head_outputs"):
                 reasons[name] = ("config.reorder_and_upcast_attn=True routes GPT-2 attention through "

@@ -8,12 +8,11 @@ refuses to edit in place (assign them instead); the keys and values edit in plac
 the scores are not scaled at all.
 """
 
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 from .gpt2 import GPT2
 
 
-@register
 class GPTBigCode(GPT2):
     model_types = ("gpt_bigcode",)
     tiny = ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True})
@@ -24,8 +23,8 @@ class GPTBigCode(GPT2):
     def num_kv_heads(self, module):
         return module.kv_heads
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         if config.multi_query:
             for name in ("attention_keys", "attention_values"):
                 notes[name] = "multi-query: one head shared by every query head (repeated inside the eager function)"

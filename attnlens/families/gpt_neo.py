@@ -11,7 +11,7 @@ head_dim] (a true view: in-place edits land).
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 ATTN = "self__attn_0"
@@ -27,7 +27,6 @@ def _heads_unview(envoy, mix, heads):
     return heads.transpose(1, 2)
 
 
-@register
 class GPTNeo(Family):
     model_types = ("gpt_neo",)
     tiny = ("GPTNeoConfig", "GPTNeoForCausalLM", {
@@ -60,9 +59,9 @@ class GPTNeo(Family):
             **self.after_attention(),
         }
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        implementation = model.config._attn_implementation
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        implementation = config._attn_implementation
         if implementation != "eager":
             for name in OWN_ARITHMETIC:
                 reasons[name] = (f"read in GPTNeoSelfAttention._attn, which the {implementation!r} attention never "
@@ -88,24 +87,24 @@ class GPTNeo(Family):
     def sliding_window(self, config, layer):
         return config.window_size if config.attention_layers[layer] == "local" else None
 
-    def scores(self, module, queries, keys, layer, key_mask=None):
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
         # `_attn`: a float32 matmul, the layer's causal (or local) buffer through torch.where, then the model's
         # additive mask (causal and padding only, in the model's dtype).
         scores = torch.matmul(queries.to(torch.float32), keys.to(torch.float32).transpose(-1, -2))
         num_queries, num_keys = scores.shape[-2:]
-        key_positions = torch.arange(num_keys)[None, :]
+        key_positions = torch.arange(num_keys, device=scores.device)[None, :]
         back = key_positions.T[num_keys - num_queries:] - key_positions  # how far back each key is
-        window = self.sliding_window(module.config, layer)
+        window = self.sliding_window(config, layer)
         in_buffer = (back >= 0) & (back < (window or num_keys))
-        scores = torch.where(in_buffer, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
+        scores = torch.where(in_buffer, scores, torch.finfo(scores.dtype).min)
         visible = (back >= 0)[None, None]
         if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :].bool()
-        zero = torch.zeros((), dtype=queries.dtype)
+            visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
+        zero = torch.zeros((), dtype=queries.dtype, device=scores.device)
         return scores + torch.where(visible, zero, torch.finfo(queries.dtype).min)
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; block 0's input also holds the position embeddings"
         window = self.sliding_window(config, layer)
         where = (f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else "")

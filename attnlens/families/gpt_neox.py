@@ -10,15 +10,12 @@ both outputs join `x` in one sum: `layer_mid` is unavailable and `mlp_norm_outpu
 output. With `use_parallel_residual=False` the block is sequential and `layer_mid` is what that norm receives.
 """
 
-from functools import cached_property
-
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 from ..locations import ModuleOutput
 from .phi import PARALLEL_NO_MID, parallel_locations
 
 
-@register
 class GPTNeoX(Family):
     model_types = ("gpt_neox",)
     tiny = ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None})
@@ -34,12 +31,12 @@ class GPTNeoX(Family):
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="input_layernorm for attention, post_attention_layernorm "
                                                         "for the MLP")}  # parallel layout only
 
-    @cached_property
-    def _parallel_locations(self):
-        return parallel_locations(self.locations(), ModuleOutput(self.mlp_norm))
+    def layer_kind(self, config, layer):
+        return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", True) else frozenset()
 
-    def locations_for(self, config, layer):
-        return self._parallel_locations if getattr(config, "use_parallel_residual", True) else self._locations
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        return parallel_locations(locations, ModuleOutput(self.mlp_norm)) if "parallel" in kind else locations
 
     def num_kv_heads(self, module):
         return module.config.num_attention_heads
@@ -47,8 +44,8 @@ class GPTNeoX(Family):
     def head_dim(self, module):
         return module.head_size
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         if getattr(config, "use_parallel_residual", True):
             notes["mlp_norm_output"] = ("a parallel block: post_attention_layernorm of the block input (not of a "
                                         "residual after attention)")

@@ -8,8 +8,9 @@ output. The MLP returns `(output, router scores)`; `mlp_output` is the first ite
 experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
 """
 
-from ..family import INTERFACE_CALL, Family, register
-from ..locations import Derived, ModuleOutput, Operation
+from ..family import INTERFACE_CALL, Family
+from ..locations import Derived, Operation
+from .moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
               "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists")
@@ -21,7 +22,9 @@ SINK_NOTE = ("the softmax probability of the head's sink logit, the key column t
 def sink_share(operation: str) -> Derived:
     """`attention_sinks`: the last column of the softmax over [scores | sink] (assignment `operation`)."""
     return Derived(Operation((INTERFACE_CALL, operation), anchor="softmax("),
-                   view=lambda envoy, probs: probs[..., -1], label="attention_sinks")
+                   view=lambda envoy, probs: probs[..., -1], label="attention_sinks", in_place=False,
+                   why_not="it is the softmax's sink column, which the forward drops right after the softmax, so "
+                           "nothing reads it; edit attention_scores or attention_probabilities instead")
 
 
 def with_sinks(locations: dict, sinks: Derived) -> dict:
@@ -34,8 +37,7 @@ def with_sinks(locations: dict, sinks: Derived) -> dict:
     return ordered
 
 
-@register
-class GptOss(Family):
+class GptOss(SparseMoE, Family):
     model_types = ("gpt_oss",)
     tiny = ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -49,12 +51,10 @@ class GptOss(Family):
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
 
     def locations(self):
-        locations = {k: v for k, v in super().locations().items() if k not in ("mlp_activation", "mlp_neurons")}
-        locations["mlp_output"] = ModuleOutput("", 0)  # the MLP returns (output, router scores)
-        return with_sinks(locations, sink_share(self.sink_operation))
+        return with_sinks(super().locations(), sink_share(self.sink_operation))
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         notes["attention_sinks"] = SINK_NOTE
         notes["attention_probabilities"] = ("rows sum to 1 - attention_sinks: the sink column is dropped after "
                                             "the softmax. " + notes.get("attention_probabilities", "")).strip()

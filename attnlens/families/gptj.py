@@ -14,7 +14,7 @@ function (scores multiplied by `head_dim ** -0.5`). The family reads whichever t
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Derived, ModuleInput, Operation
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
@@ -31,10 +31,12 @@ def _heads_last(envoy, per_head):
     return per_head.transpose(1, 2)  # [batch, heads, seq, dim] -> [batch, seq, heads, dim], a view of the same storage
 
 
-@register
 class GPTJ(Family):
     model_types = ("gptj",)
-    tiny = ("GPTJConfig", "GPTJForCausalLM", {"n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "rotary_dim": 8, "n_positions": 128, "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None, "max_position_embeddings": None})
+    tiny = ("GPTJConfig", "GPTJForCausalLM", {
+        "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "rotary_dim": 8, "n_positions": 128,
+        "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None,
+        "intermediate_size": None, "max_position_embeddings": None})
     layers = "transformer.h"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.ln_f"
@@ -74,15 +76,16 @@ class GPTJ(Family):
     def scale(self, module):
         return 1 / module.scale_attn if hasattr(module, "scale_attn") else module.scaling
 
-    def scores(self, module, queries, keys, layer, key_mask=None):
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
         # 5.19 divides by sqrt(head_dim), later versions multiply by its inverse: not always the same float
-        scores = scores / module.scale_attn if hasattr(module, "scale_attn") else scores * module.scaling
+        scores = scores * heads.scale
         # the mask is built in the model's dtype and added to the float32 scores
-        return scores + self.mask(queries.shape[2], keys.shape[2], module.config, layer, key_mask, queries.dtype)
+        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype,
+                                   queries.device)
 
-    def notes(self, config, layer):
-        notes = {**super().notes(config, layer), "mlp_norm_output": shared_norm_note(self.attention_norm),
+    def notes(self, config, layer, engine="eager"):
+        notes = {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                  "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
                                      "q @ k^T; masked entries are the score plus the model dtype's minimum"}
         if _own_attn():

@@ -8,11 +8,9 @@ the first block receives it times `embedding_multiplier`. `logits` are the LM he
 `logits_scaling`, as the caller receives them.
 """
 
-from ..family import register
 from .llama import Llama
 
 
-@register
 class Granite(Llama):
     model_types = ("granite",)
     # Multipliers far from 1 (and a score scale unlike 1/sqrt(16)), so a family ignoring one fails the identities.
@@ -23,9 +21,9 @@ class Granite(Llama):
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_multiplier
 
-    def notes(self, config, layer):
+    def notes(self, config, layer, engine="eager"):
         r = config.residual_multiplier
-        notes = {**super().notes(config, layer),
+        notes = {**super().notes(config, layer, engine),
                  "attention_scores": f"scaled by config.attention_multiplier ({config.attention_multiplier:g}), "
                                      f"not 1/sqrt(head_dim)",
                  "layer_mid": f"layer_input + residual_multiplier ({r:g}) * attention_output",

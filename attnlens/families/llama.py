@@ -1,9 +1,8 @@
 """Llama: the common layout (shared attention interface, grouped-query heads, rotary embedding)."""
 
-from ..family import Family, register
+from ..family import Family
 
 
-@register
 class Llama(Family):
     model_types = ("llama",)
     tiny = ("LlamaConfig", "LlamaForCausalLM", {})

@@ -9,18 +9,16 @@ scale, the tensor the heads mix. The eager function always subtracts the row max
 MLP or a routed mixture of experts (no shared experts) per layer.
 """
 
-from functools import cached_property
-
-from ..family import Family, register
+from ..family import Family
 from .gpt_oss import SINK_NOTE, sink_share, with_sinks
+from .moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
               "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "
               "the 'dense' layers serve it")
 
 
-@register
-class MiMoV2Flash(Family):
+class MiMoV2Flash(SparseMoE, Family):
     model_types = ("mimo_v2_flash",)
     tiny = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {
         "head_dim": 16, "v_head_dim": 8, "attention_value_scale": 0.5, "n_routed_experts": 4,
@@ -33,19 +31,16 @@ class MiMoV2Flash(Family):
                                  "layers, so every row of this layer's pattern sums to one",
               "mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
 
-    @cached_property
-    def _variants(self):
-        common = {k: v for k, v in self._locations.items()}
-        dense = {"sliding": with_sinks(common, sink_share("probs_0")), "full": common}
-        moe = {kind: {k: v for k, v in locations.items() if k not in ("mlp_activation", "mlp_neurons")}
-               for kind, locations in dense.items()}
-        return {"dense": dense, "sparse": moe}
+    def moe_layer(self, config, layer):
+        return config.mlp_layer_types[layer] == "sparse"
 
-    def locations_for(self, config, layer):
-        if layer is None:
-            return self._locations
-        kind = "sliding" if config.layer_types[layer] == "sliding_attention" else "full"
-        return self._variants[config.mlp_layer_types[layer]][kind]
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"sinks"} if config.layer_types[layer] == "sliding_attention" else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        return with_sinks(locations, sink_share("probs_0")) if "sinks" in kind and engine == "eager" else locations
 
     def num_kv_heads(self, module):
         return self.num_heads(module) // module.num_key_value_groups  # doubled on sliding layers
@@ -56,8 +51,8 @@ class MiMoV2Flash(Family):
     def qk_head_dim(self, module):
         return module.head_dim
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         scale = config.attention_value_scale if config.attention_value_scale is not None else 1.0
         notes["attention_values"] = (f"v_proj's output times attention_value_scale={scale}: the forward scales the "
                                      f"values before the attention function, so these are what the heads mix")

@@ -1,10 +1,8 @@
 """Mistral: the Llama layout; `config.sliding_window` limits every layer's keys (through the mask only)."""
 
-from ..family import register
 from .llama import Llama
 
 
-@register
 class Mistral(Llama):
     model_types = ("mistral",)
     tiny = ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4})

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..family import Family, register
+from ..family import Family
 from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
@@ -42,7 +42,6 @@ def _untransposed(envoy, old, new):
     return new.transpose(-1, -2)
 
 
-@register
 class MPT(Family):
     model_types = ("mpt",)
     tiny = ("MptConfig", "MptForCausalLM", {"expansion_ratio": 2, "max_seq_len": 128, "num_key_value_heads": None,
@@ -89,25 +88,25 @@ class MPT(Family):
     def sliding_window(self, config, layer):
         return None
 
-    def alibi(self, num_heads, num_keys) -> torch.Tensor:
+    def alibi(self, num_heads, num_keys, device=None) -> torch.Tensor:
         """The bias added to each head's scores, [heads, 1, key]: slope * (key position - last key position). Float32
         whatever the model's dtype, as MptModel builds it (so half-precision scores are promoted to float32)."""
-        distance = torch.arange(1 - num_keys, 1, dtype=torch.int32)
-        return distance[None, None, :] * alibi_slopes(num_heads)[:, None, None]
+        distance = torch.arange(1 - num_keys, 1, dtype=torch.int32, device=device)
+        return distance[None, None, :] * alibi_slopes(num_heads).to(distance.device)[:, None, None]
 
-    def scores(self, module, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scale(module)
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) * heads.scale
         num_queries, num_keys = scores.shape[-2:]
-        scores = scores + self.alibi(queries.shape[1], num_keys)
-        visible = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype) == 0
+        scores = scores + self.alibi(queries.shape[1], num_keys, scores.device)
+        visible = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device) == 0
         return scores.masked_fill(~visible, torch.finfo(queries.dtype).min)
 
     def mlp_forward(self, mlp, mlp_input):
         # MptMLP adds the residual it is given; with a zero one its output is the down projection's.
         return mlp(mlp_input, torch.zeros_like(mlp_input))
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         clip = config.attn_config.clip_qkv
         notes["attention_scores"] = ("q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
                                      "masked with masked_fill(finfo.min); float32 in a half-precision model (the "

@@ -5,19 +5,17 @@ With `config.clip_qkv` set, the attention forward clamps the q/k/v projections' 
 attention function are already clipped (queries and keys then rotated); an edit there is not clipped again.
 """
 
-from ..family import register
 from .llama import Llama
 
 
-@register
 class Olmo(Llama):
     model_types = ("olmo",)
     # A clip that binds: with these weights the projections reach well past 1.
     tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
     tiny_layouts = {"noclip": {"clip_qkv": None}}
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         clip = getattr(config, "clip_qkv", None)
         if clip is not None:
             for name, after in (("attention_queries", " and rotated"), ("attention_keys", " and rotated"),

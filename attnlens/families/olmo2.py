@@ -8,12 +8,10 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 `layer_mid + post_feedforward_layernorm(mlp_output)`.
 """
 
-from ..family import register
 from ..locations import ModuleInput
 from .llama import Llama
 
 
-@register
 class Olmo2(Llama):
     model_types = ("olmo2",)
     tiny = ("Olmo2Config", "Olmo2ForCausalLM", {})
@@ -35,8 +33,8 @@ class Olmo2(Llama):
         # The MLP's input is the residual stream after attention: one tensor, two names.
         return {**locations, "layer_mid": ModuleInput(self.mlp)}
 
-    def notes(self, config, layer):
-        return {**super().notes(config, layer),
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine),
                 "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
                                      "before the head split, then rotated",
                 "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "

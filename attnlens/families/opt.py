@@ -15,7 +15,7 @@ With `do_layer_norm_before=False` (OPT-350m) the norms follow the sublayers inst
 serves the attention values and the block's input and output there, and reports the norm-placed values unavailable.
 """
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
@@ -26,11 +26,11 @@ POST_NORM = ("OPT with do_layer_norm_before=False normalises after each sublayer
 
 def _rows():
     """(the combined batch size, this invoke's [start, size] rows when nnsight batches several invokes, else None)."""
-    from ..standardized import StandardizedTransformer
+    from ..access import mediator
 
-    mediator = StandardizedTransformer._mediator()
-    batcher = mediator.interleaver.batcher
-    return batcher.total, (mediator.batch_group if batcher.batching else None)
+    running = mediator()
+    batcher = running.interleaver.batcher
+    return batcher.total, (running.batch_group if batcher.batching else None)
 
 
 def _unflatten(envoy, flat):
@@ -54,10 +54,10 @@ def _flat(source, label):
     return Derived(source, _unflatten, _flatten, label)
 
 
-@register
 class OPT(Family):
     model_types = ("opt",)
-    tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None, "intermediate_size": None})
+    tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
+                                            "intermediate_size": None})
     layers = "model.decoder.layers"
     embed_tokens = "model.decoder.embed_tokens"
     final_norm = "model.decoder.final_layer_norm"
@@ -95,9 +95,9 @@ class OPT(Family):
     def scale(self, module):
         return 1.0  # the queries carry head_dim ** -0.5 already
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        if not model.config.do_layer_norm_before:
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        if not config.do_layer_norm_before:
             reasons.update({
                 "attention_norm_output": POST_NORM.format(what="attention reads the block input itself"),
                 "layer_mid": POST_NORM.format(what="the residual entering the MLP is self_attn_layer_norm(layer_input "
@@ -107,7 +107,7 @@ class OPT(Family):
             })
         return reasons
 
-    def notes(self, config, layer):
+    def notes(self, config, layer, engine="eager"):
         notes = {name: FLAT for name in ("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
                                          "mlp_output")}
         notes.update({
@@ -116,4 +116,4 @@ class OPT(Family):
             "mlp_activation": "activation_fn's output, read as what fc2 receives (the same tensor); " + FLAT,
             "mlp_neurons": "what fc2 receives, equal to mlp_activation (no gate); " + FLAT,
         })
-        return {**super().notes(config, layer), **notes}
+        return {**super().notes(config, layer, engine), **notes}

@@ -8,7 +8,7 @@ what the MLP reads. Rotary embedding covers the first `partial_rotary_factor` of
 LayerNorm over each head's queries and keys runs before it. The queries and keys are read after both.
 """
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Location, ModuleInput
 
 #: Why a parallel block has no `layer_mid`.
@@ -29,7 +29,6 @@ def shared_norm_note(norm: str) -> str:
             f"receives it (equal to attention_norm_output; assigning it changes only the MLP's input)")
 
 
-@register
 class Phi(Family):
     model_types = ("phi",)
     tiny = ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5})
@@ -43,5 +42,5 @@ class Phi(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def notes(self, config, layer):
-        return {**super().notes(config, layer), "mlp_norm_output": shared_norm_note(self.attention_norm)}
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm)}

@@ -7,19 +7,17 @@ viewed per head, so an in-place edit of them writes into that output, which noth
 `mlp_neurons` is the product the down projection receives; neither the gate nor the up projection alone is a value.
 """
 
-from ..family import register
 from ..fused import FusedQKV
 from .llama import Llama
 
 
-@register
 class Phi3(Llama):
     model_types = ("phi3",)
     tiny = ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 4})
     activation = "activation_fn"
     fused_qkv = FusedQKV("qkv_proj", "blocks")
 
-    def notes(self, config, layer):
-        return {**super().notes(config, layer),
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine),
                 "mlp_activation": "activation_fn(gate), gate the first half of the fused gate_up_proj output",
                 "mlp_neurons": "up * activation_fn(gate), up the second half of the fused gate_up_proj output"}

@@ -1,13 +1,12 @@
 """Qwen2: the Llama layout with biased q/k/v projections; sliding windows only where `layer_types` says so."""
 
-from ..family import register
 from .llama import Llama
 
 
-@register
 class Qwen2(Llama):
     model_types = ("qwen2",)
-    tiny = ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    tiny = ("Qwen2Config", "Qwen2ForCausalLM",
+            {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
 
     def sliding_window(self, config, layer):
         # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.

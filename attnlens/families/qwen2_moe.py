@@ -7,12 +7,10 @@ combined output: the routed experts' weighted sum plus `sigmoid(shared_expert_ga
 `config.mlp_only_layers`, or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP value.
 """
 
-from ..family import register
-from .mixtral import SparseMoE, moe_absent
+from .moe import SparseMoE, moe_absent
 from .qwen2 import Qwen2
 
 
-@register
 class Qwen2Moe(SparseMoE, Qwen2):
     model_types = ("qwen2_moe",)
     # Layer 1 keeps a dense MLP, so both kinds of layer are tested; layer 0 slides over 4 keys.

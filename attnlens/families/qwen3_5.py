@@ -7,11 +7,9 @@ map here. Full-attention layers gate their heads by `sigmoid(gate)` exactly as Q
 fourth layer is full attention (`full_attention_interval`), the rest linear attention (see Qwen3-Next).
 """
 
-from ..family import register
 from .qwen3_next import Qwen3Next
 
 
-@register
 class Qwen3_5(Qwen3Next):
     model_types = ("qwen3_5_text", "qwen3_5")
     # full_attention_interval=3: layers 0 and 1 are linear attention, layer 2 full attention.
@@ -21,5 +19,5 @@ class Qwen3_5(Qwen3Next):
     })
     label = "Qwen3.5"
 
-    def is_moe(self, config, layer):
+    def moe_layer(self, config, layer):
         return False

@@ -5,11 +5,9 @@ sparse mixture-of-experts MLP (routed experts plus a gated shared expert) on eve
 the same class. No layer has a single activation or neuron tensor (see Qwen3-Next).
 """
 
-from ..family import register
 from .qwen3_next import Qwen3Next
 
 
-@register
 class Qwen3_5Moe(Qwen3Next):
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     # layers 0 and 2 linear attention, layer 1 full attention
@@ -21,5 +19,5 @@ class Qwen3_5Moe(Qwen3Next):
     })
     label = "Qwen3.5-MoE"
 
-    def is_moe(self, config, layer):
+    def moe_layer(self, config, layer):
         return True

@@ -7,12 +7,10 @@ or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP val
 layer's window.
 """
 
-from ..family import register
-from .mixtral import SparseMoE, moe_absent
+from .moe import SparseMoE, moe_absent
 from .qwen3 import Qwen3
 
 
-@register
 class Qwen3Moe(SparseMoE, Qwen3):
     model_types = ("qwen3_moe",)
     # Layer 0 keeps a dense MLP, so both kinds of layer are tested.

@@ -19,13 +19,13 @@ single activation or neuron tensor: each expert activates only its routed tokens
 
 from __future__ import annotations
 
-from ..family import Family, register
+from ..family import Family
 from ..locations import Derived, Location, ModuleInput, Operation
+from .moe import PER_EXPERT, SparseMoE
 
 #: Values a linear-attention layer cannot serve: it never forms a softmax attention over positions.
 LINEAR_ABSENT = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
                  "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate")
-MOE_ABSENT = ("mlp_activation", "mlp_neurons")
 
 
 def _per_head(envoy, gate):
@@ -37,8 +37,7 @@ def _flat(envoy, old, new):
     return new.flatten(-2)
 
 
-@register
-class Qwen3Next(Family):
+class Qwen3Next(SparseMoE, Family):
     model_types = ("qwen3_next",)
     tiny = ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
         "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
@@ -53,6 +52,14 @@ class Qwen3Next(Family):
     linear_attention = "linear_attn"
     linear_output_projection = "out_proj"
     gate_operation = ("torch_sigmoid_0", "torch.sigmoid(gate)")
+    vllm_absent = {
+        **Family.vllm_absent,
+        "attention_premix": "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers",
+        "attention_output": "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers",
+        "attention_head_outputs": "vLLM's output projection receives the heads already multiplied by the sigmoid "
+                                  "gate, so the mix before the gate is not read there; attention_premix is that gated "
+                                  "input",
+    }
 
     def renames(self):
         return {**super().renames(), self.linear_attention: "self_attn"}
@@ -66,7 +73,7 @@ class Qwen3Next(Family):
     def is_linear(self, config, layer: int) -> bool:
         return self._text(config).layer_types[layer] == "linear_attention"
 
-    def is_moe(self, config, layer: int) -> bool:
+    def moe_layer(self, config, layer: int) -> bool:
         config = self._text(config)
         return (layer not in (config.mlp_only_layers or []) and config.num_experts > 0
                 and (layer + 1) % config.decoder_sparse_step == 0)
@@ -85,23 +92,22 @@ class Qwen3Next(Family):
                 ordered["attention_gate"] = gate
         return ordered
 
-    def locations_for(self, config, layer):
-        if layer is None:
-            return self._locations
-        kind = (self.is_linear(config, layer), self.is_moe(config, layer))
-        cache = self.__dict__.setdefault("_by_kind", {})
-        if kind not in cache:  # one dict per kind, so the load-time check runs once per kind
-            linear, moe = kind
-            locations = dict(self._locations)
-            if linear:
-                for name in LINEAR_ABSENT:
-                    locations.pop(name, None)
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"linear"} if self.is_linear(config, layer) else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "linear" in kind:
+            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
+            if engine == "eager":
                 locations["attention_premix"] = ModuleInput(self.linear_output_projection)
-            if moe:
-                for name in MOE_ABSENT:
-                    locations.pop(name, None)
-            cache[kind] = locations
-        return cache[kind]
+            else:  # not read on vLLM's Gated DeltaNet layers (vllm_absent says why)
+                locations = {name: location for name, location in locations.items()
+                             if name not in ("attention_premix", "attention_output")}
+        elif engine == "vllm":  # vLLM's output projection receives the heads already gated
+            locations = {name: location for name, location in locations.items() if name != "attention_head_outputs"}
+        return locations
 
     def project_output(self, module, premix):
         name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \
@@ -132,12 +138,12 @@ class Qwen3Next(Family):
 
     # --- what each layer lacks, and what is special -------------------------------------------------------------
 
-    def unavailable(self, model, layer):
-        reasons = super().unavailable(model, layer)
-        config = model.config
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
         if self.is_linear(config, layer):
-            kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer ({self.linear_attention}): "
-                    f"it keeps a recurrent state, updated by a gated delta rule, and forms no query-key softmax pattern")
+            kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer "
+                    f"({self.linear_attention}): it keeps a recurrent state, updated by a gated delta rule, and forms "
+                    f"no query-key softmax pattern")
             why = {
                 "attention_queries": "; its queries, keys and values (convolved, L2-normalised inside the kernel) "
                                      "write and read that state instead of entering softmax attention",
@@ -151,29 +157,17 @@ class Qwen3Next(Family):
             why["attention_keys"] = why["attention_values"] = why["attention_queries"]
             for name in LINEAR_ABSENT:
                 reasons[name] = kind + why.get(name, "")
-        if self.is_moe(config, layer):
-            for name in MOE_ABSENT:
-                reasons[name] = (f"layer {layer} of {self.label} has a sparse mixture-of-experts MLP: each routed expert "
+        if self.moe_layer(config, layer):
+            for name in PER_EXPERT:
+                reasons[name] = (f"layer {layer} of {self.label} has a sparse mixture-of-experts MLP: each routed "
+                                 f"expert "
                                  "(and the gated shared expert) applies its activation to its own tokens, so no "
                                  "[batch, seq, intermediate] tensor exists; mlp_input and mlp_output are the whole "
                                  "block's")
         return reasons
 
-    def vllm_unavailable(self, config, layer):
-        reasons = super().vllm_unavailable(config, layer)
-        if self.is_moe(config, layer):  # the experts' reason stands, not the dense MLP's fused activation
-            reasons = {k: v for k, v in reasons.items() if k not in MOE_ABSENT}
-        if self.is_linear(config, layer):
-            for name in ("attention_premix", "attention_output"):
-                reasons[name] = "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers"
-        else:
-            reasons["attention_head_outputs"] = ("vLLM's output projection receives the heads already multiplied by "
-                                                 "the sigmoid gate, so the mix before the gate is not read there; "
-                                                 "attention_premix is that gated input")
-        return reasons
-
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         text = self._text(config)
         if self.is_linear(config, layer):
             notes["attention_premix"] = (

@@ -8,29 +8,26 @@ outputs join the block input in one sum, so `layer_mid` is unavailable and `mlp_
 output as the MLP receives it.
 """
 
-from functools import cached_property
-
-from ..family import Family, register
+from ..family import Family
 from ..locations import ModuleInput
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
-@register
 class StableLm(Family):
     model_types = ("stablelm",)
     tiny = ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25})
     tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}}
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
 
-    @cached_property
-    def _parallel_locations(self):
-        return parallel_locations(self.locations(), ModuleInput(self.mlp))
+    def layer_kind(self, config, layer):
+        return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", False) else frozenset()
 
-    def locations_for(self, config, layer):
-        return self._parallel_locations if getattr(config, "use_parallel_residual", False) else self._locations
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        return parallel_locations(locations, ModuleInput(self.mlp)) if "parallel" in kind else locations
 
-    def notes(self, config, layer):
-        notes = super().notes(config, layer)
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
         if getattr(config, "use_parallel_residual", False):
             notes["mlp_norm_output"] = shared_norm_note(self.attention_norm)
         return notes

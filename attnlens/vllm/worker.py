@@ -1,10 +1,10 @@
-"""What runs inside vLLM's worker: the runner and worker classes, the kept keys and values, the CPU adapter.
+"""What runs inside vLLM's worker: the runner and worker classes, the per-request state, the CPU adapter.
 
 nnsight's vLLM integration runs a trace's body inside the worker, on the real weights, through its model runner.
-attnlens adds one thing to that runner: for every request an attnlens trace submitted, it keeps the keys and values
-vLLM's attention kernel receives, layer by layer and step by step, so that a decode step's pattern can be rebuilt
-over the whole context. vLLM's own KV cache holds them too, but paged and in a backend-specific layout; a copy in
-the kernel's own layout is simple and the same on every backend. They are freed when the request ends.
+attnlens adds its `Access` there (the same reads, checks and errors as on the eager engine, through the family's
+vLLM locations), and one thing to the runner: for every request an attnlens trace submitted, it keeps the keys and
+values vLLM's attention kernel receives, layer by layer and step by step (`kept.History`), so that a decode step's
+pattern can be rebuilt over the whole context. They are freed when the request ends.
 
 The recording sits in the interleaver's handoff (`handle`), after the trace's body has seen the kernel's inputs, so
 what is kept is what the kernel received, edits included.
@@ -13,15 +13,19 @@ what is kept is what the kernel received, edits included.
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-from ..errors import LocationDrift
-from ..family import Family, family_for
+from ..access import Access, mediator
+from ..errors import AttnlensError, LocationDrift
+from ..family import Family
+from ..locations import child
+from ..registry import family_for
+from . import kept, static
+from .locations import handoffs
 
 WORKER_CPU = "attnlens.vllm.worker.CPUWorker"
 WORKER_GPU = "attnlens.vllm.worker.GPUWorker"
@@ -42,119 +46,56 @@ def adapt_client_for_cpu() -> None:
     _set_torch_accelerator_to_noop()
 
 
-class History:
-    """One request's kept keys and values: per layer, rows in the kernel's layout `[tokens, heads * dim]`.
-
-    Buffers double when full, so keeping a decode step's row costs a copy of that row, not of the whole context.
-    """
-
-    def __init__(self) -> None:
-        self.layers: dict[int, list[torch.Tensor]] = {}
-        self.filled: dict[int, int] = {}
-
-    def keep(self, layer: int, position: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        end = position + keys.shape[0]
-        kept = self.layers.get(layer)
-        if kept is None or kept[0].shape[0] < end:
-            capacity = max(end, 2 * (kept[0].shape[0] if kept else 0), 16)
-            grown = [x.new_empty((capacity, x.shape[1])) for x in (keys, values)]
-            if kept is not None:
-                for new, old in zip(grown, kept):
-                    new[:position] = old[:position]
-            self.layers[layer] = kept = grown
-        kept[0][position:end] = keys
-        kept[1][position:end] = values
-        self.filled[layer] = end
-
-    def before(self, layer: int, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows of the tokens before `position` (None before any was kept)."""
-        if position == 0:
-            return None
-        if self.filled.get(layer, 0) < position:
-            raise RuntimeError(
-                f"attnlens kept {self.filled.get(layer, 0)} of the {position} earlier tokens' keys at layer {layer}: "
-                f"the kernel never received the others (prefix caching serves them from vLLM's cache without a "
-                f"forward); leave enable_prefix_caching off, as nnsight does by default"
-            )
-        kept = self.layers[layer]
-        return kept[0][:position], kept[1][:position]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for kept in self.layers.values() for x in kept)
-
-    def free(self) -> None:
-        self.layers.clear()
-        self.filled.clear()
+def family_of(config: Any, additional: dict | None) -> Family:
+    """The family the client chose (named in the engine's `additional_config`), else the registered one."""
+    named = (additional or {}).get("attnlens_family")
+    if named:
+        module, _, qualname = named.partition(":")
+        return getattr(importlib.import_module(module), qualname)()
+    return family_for(config.model_type)
 
 
 class RequestState:
-    """What attnlens keeps for one request in the worker: its history, this step's first position, and the
-    patterns handed out this step (to recompute head outputs from if they were edited)."""
+    """What attnlens keeps for one request in the worker: its history, this step's first position, and this step's
+    patterns (to recompute head outputs from if they were edited)."""
 
     def __init__(self) -> None:
-        self.history = History()
+        self.history = kept.History()
         self.position = 0
         self.patterns: dict[int, dict] = {}
 
 
-def _gather_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
-    """Under tensor parallelism each rank's kernel sees its own heads; gather them all (every rank runs the block,
-    so every rank reaches this collective). Key/value heads replicated across ranks are taken once."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-
-    ranks = get_tensor_model_parallel_world_size()
-    if ranks == 1:
-        return x
-    x = tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
-    if x.shape[dim] > total:  # replicated: rank r holds head r // (ranks // total)
-        x = x.unflatten(dim, (total, -1)).select(dim + 1, 0)
-    return x
-
-
-def _local_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
-    """This rank's heads of a whole tensor (the inverse of `_gather_heads`, for writes)."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    ranks = get_tensor_model_parallel_world_size()
-    if ranks == 1:
-        return x
-    rank = get_tensor_model_parallel_rank()
-    if total < ranks:
-        return x.narrow(dim, rank // (ranks // total), 1)
-    local = total // ranks
-    return x.narrow(dim, rank * local, local)
-
-
 class WorkerValues:
-    """The worker's side of attnlens: per-layer facts, the kept histories, and the handoff hooks."""
+    """The worker's side of attnlens: the `Access`, per-layer heads, the kept histories, and the handoff hooks."""
 
     def __init__(self, runner: Any) -> None:
         config = runner.model_config.hf_config
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        named = (runner.vllm_config.additional_config or {}).get("attnlens_family")
-        if named:
-            module, _, qualname = named.partition(":")
-            self.family: Family = getattr(importlib.import_module(module), qualname)()
-        else:
-            self.family = family_for(self.config.model_type)
+        self.family = family_of(self.config, runner.vllm_config.additional_config)
         root = runner.nnsight_model
-        modules = self.family.vllm_modules()
-        layers = _child(root, modules["layers"])
+        layers = child(root, self.family.layers)
         self.kernels: dict[str, int] = {}
         self.projections: dict[str, int] = {}
-        self.shims: dict[int, SimpleNamespace] = {}
+        self.geometry = {}
         for index, layer in enumerate(layers):
-            kernel = _child(layer, modules["kernel"])
-            self.kernels[f"{kernel.path}.input"] = index
-            self.projections[f"{_child(layer, modules['output_projection']).path}.input"] = index
-            self.shims[index] = self._shim(kernel._module, index)
+            kernel, projection = handoffs(self.family, self.config, index)
+            attention = child(layer, self.family.attention)
+            if kernel is not None:
+                envoy = child(attention, kernel)
+                self.kernels[f"{envoy.path}.input"] = index
+                self.geometry[index] = kept.kernel_geometry(envoy._module, self.config)
+                self._check_kernel(envoy._module, index)
+            if projection is not None:
+                self.projections[f"{child(attention, projection).path}.input"] = index
+        self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
+        root.interleaver.attnlens = self.access
+        root.interleaver.attnlens_worker = self
         self.states: dict[str, RequestState] = {}
         self.spans: list[tuple[RequestState, int, int]] = []
 
-    def _shim(self, kernel: torch.nn.Module, layer: int) -> SimpleNamespace:
-        """What the family's score function reads off an attention module, from vLLM's kernel and the config;
-        checked against the kernel so a family that disagrees with vLLM fails at load, not with a wrong pattern."""
+    def _check_kernel(self, kernel: torch.nn.Module, layer: int) -> None:
+        """The family's window and soft-cap against vLLM's kernel, so a family that disagrees with vLLM fails at
+        load, not with a wrong pattern."""
         impl = kernel.impl
         facts = {
             "sliding window": (self.family.sliding_window(self.config, layer), _none_if(impl.sliding_window, -1)),
@@ -166,11 +107,48 @@ class WorkerValues:
                     f"family {self.family.name}, layer {layer}: the family's {what} is {family_says!r} but vLLM's "
                     f"kernel uses {vllm_says!r}; the rebuilt pattern would be wrong. Fix the family's {what}."
                 )
-        heads = self.config.num_attention_heads
-        return SimpleNamespace(
-            config=self.config, scaling=float(impl.scale), head_dim=kernel.head_size,
-            num_heads=heads, num_kv_heads=getattr(self.config, "num_key_value_heads", None) or heads,
-        )
+
+    # --- the request a trace body runs for ----------------------------------------------------------------------
+
+    def state(self) -> RequestState:
+        found = mediator()
+        state = getattr(found, "attnlens_state", None)
+        if state is None:
+            raise RuntimeError("attnlens keeps no history for this request; trace it through StandardizedVLLM")
+        return state
+
+    def kernel_heads(self, envoy, kernel: str, which: int) -> tuple[torch.Tensor, bool]:
+        """Queries (0), keys (1) or values (2) entering `kernel` (from the attention `envoy`), `[1, heads, tokens,
+        dim]`; keys and values over the whole context. Also whether that is a new tensor (kept rows joined)."""
+        layer = self.access.layer_of(envoy)
+        heads = self.geometry[layer]
+        total = heads.num_heads if which == 0 else heads.num_kv_heads
+        dim = heads.qk_head_dim if which < 2 else heads.head_dim
+        args, kwargs = child(envoy, kernel).inputs
+        current = kept.split_heads(kept.kernel_arg(args, kwargs, which), dim, total)
+        if which == 0:
+            return current, False
+        state = self.state()
+        before = state.history.before(layer, state.position)
+        if before is None:
+            return current, False
+        return torch.cat([kept.split_heads(before[which - 1], dim, total), current], dim=2), True
+
+    def pattern(self, envoy, kernel: str) -> dict:
+        """This step's rebuilt scores and probabilities of `layer` (computed once per step), noting their versions
+        so an in-place edit is noticed at the output projection."""
+        layer = self.access.layer_of(envoy)
+        queries, _ = self.kernel_heads(envoy, kernel, 0)  # waits for the kernel's handoff, where the step is known
+        handed = self.state().patterns.setdefault(layer, {})
+        if "scores" not in handed:
+            keys, _ = self.kernel_heads(envoy, kernel, 1)
+            # outside inference mode, so the tensors count in-place edits (`_version`)
+            with torch.inference_mode(False), torch.no_grad():
+                scores = self.family.scores(self.geometry[layer], self.config, queries.clone(), keys.clone(), layer)
+                probabilities = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+            handed.update(scores=scores, scores_version=scores._version, probabilities=probabilities,
+                          probabilities_version=probabilities._version)
+        return handed
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
 
@@ -208,8 +186,7 @@ class WorkerValues:
 
     def after_kernel_input(self, layer: int, value: Any) -> None:
         args, kwargs = value
-        keys = args[1] if len(args) > 1 else kwargs["key"]
-        values = args[2] if len(args) > 2 else kwargs["value"]
+        keys, values = kept.kernel_arg(args, kwargs, 1), kept.kernel_arg(args, kwargs, 2)
         for state, start, count in self.spans:
             state.history.keep(layer, state.position, keys[start:start + count].reshape(count, -1),
                                values[start:start + count].reshape(count, -1))
@@ -230,16 +207,17 @@ class WorkerValues:
             if pattern is None:
                 continue
             heads = self.heads_from_pattern(state, layer, pattern)
-            premix = value[0][0]  # (args, kwargs) of the output projection
+            premix = value[0][0]  # (args, kwargs) of the output projection: this rank's heads, before nnsight gathers
             premix[start:start + count] = heads.reshape(count, -1).to(premix.dtype)
 
     def heads_from_pattern(self, state: RequestState, layer: int, pattern: torch.Tensor) -> torch.Tensor:
-        """`pattern @ values` over the kept values, this rank's heads: [tokens, heads, head_dim]."""
-        shim = self.shims[layer]
+        """`pattern @ values` over the kept values (this rank's, as its kernel received them), this rank's heads:
+        [tokens, heads, head_dim]."""
+        heads = self.geometry[layer]
         end = state.position + pattern.shape[2]
-        values = state.history.layers[layer][1][:end]
-        values = values.view(end, -1, shim.head_dim).transpose(0, 1)[None]  # [1, local kv heads, keys, dim]
-        pattern = _local_heads(pattern, shim.num_heads, 1)
+        values = state.history.upto(layer, end, 1)
+        values = values.view(end, -1, heads.head_dim).transpose(0, 1)[None]  # [1, local kv heads, keys, dim]
+        pattern = kept.local_heads(pattern, heads.num_heads, 1)
         groups = pattern.shape[1] // values.shape[1]
         return (pattern.to(values.dtype) @ values.repeat_interleave(groups, dim=1))[0].transpose(0, 1)
 
@@ -248,18 +226,12 @@ def _none_if(value: Any, sentinel: Any) -> Any:
     return None if value is None or value == sentinel else value
 
 
-def _child(envoy: Any, path: str) -> Any:
-    for part in filter(None, path.split(".")):
-        envoy = getattr(envoy, part)
-    return envoy
-
-
 def _recording(base: type) -> type:
     """The runner's interleaver class, with attnlens's two handoff hooks."""
 
     class RecordingInterleaver(base):
         def handle(self, provider: str, value: Any) -> Any:
-            values = self.attnlens
+            values = self.attnlens_worker
             if values.spans:
                 layer = values.projections.get(provider)
                 if layer is not None:
@@ -276,6 +248,21 @@ def _recording(base: type) -> type:
     return RecordingInterleaver
 
 
+class AttnlensRequests(Requests):
+    """nnsight's request table, with attnlens's check that no copy it handed out was edited in place: run when each
+    step's saves and errors are recorded, so the request goes home with an `EditError` rather than a silent no-op."""
+
+    access: Access
+
+    def record(self, found: Any) -> None:
+        if found.exception is None:
+            try:
+                self.access.check_copies(found.__dict__.get("attnlens_copies", []))
+            except AttnlensError as error:
+                found.exception = error
+        super().record(found)
+
+
 class AttnlensRunner:
     """Mixed in front of nnsight's model runner: builds `WorkerValues` and keeps it told what each step holds."""
 
@@ -283,9 +270,9 @@ class AttnlensRunner:
         super().load_model(*args, **kwargs)
         interleaver = self.nnsight_model.interleaver
         interleaver.__class__ = _recording(type(interleaver))
-        interleaver.attnlens = self.attnlens = WorkerValues(self)
-        from . import static
-
+        self.attnlens = WorkerValues(self)
+        self.nnsight_requests.__class__ = AttnlensRequests
+        self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
 
     def _update_states(self, scheduler_output: Any) -> None:

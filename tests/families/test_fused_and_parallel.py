@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from conftest import PROMPT, tiny
+from identities import close, read_everything, visible
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-from conftest import PROMPT, tiny
-from identities import close, read_everything, visible
 
 FAMILIES = ("gpt_bigcode", "gptj", "gpt_neox", "phi", "phi3", "opt", "cohere", "stablelm")
 #: Parallel blocks where attention and the MLP read one norm output -> that norm.
@@ -352,7 +352,7 @@ def test_gptj_scores_are_float32_in_a_bfloat16_model():
         q, k = attn.attention_queries.save(), attn.attention_keys.save()
         scores, probs = attn.attention_scores.save(), attn.attention_probabilities.save()
     assert q.dtype == torch.bfloat16 and scores.dtype == torch.float32 and probs.dtype == torch.bfloat16
-    assert torch.equal(model.family.scores(attn._module, q, k, LAYER), scores)
+    assert torch.equal(model.family.scores(attn.heads, model.config, q, k, LAYER), scores)
     masked = ~visible(model.config, model.family, LAYER, q.shape[2])
     assert (scores[..., masked] < torch.finfo(torch.bfloat16).min / 2).all()
     assert "float32" in model.support(LAYER).notes["self_attn.attention_scores"]

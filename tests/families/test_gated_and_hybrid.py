@@ -11,13 +11,13 @@ import sys
 
 import pytest
 import torch
+from conftest import PROMPT, tiny
+from identities import close, read_everything
 
 import attnlens
 from attnlens.families.qwen3_next import Qwen3Next
 from attnlens.locations import Operation
 from attnlens.models import char_tokenizer, tiny_model
-from conftest import PROMPT, tiny
-from identities import close, read_everything
 
 #: case -> (its full-attention layer, a linear-attention layer, the label its reasons use)
 CASES = {
@@ -220,8 +220,8 @@ class _DriftOn(Qwen3Next):
     def __init__(self, linear: bool):
         self.drift_linear = linear
 
-    def locations_for(self, config, layer):
-        locations = super().locations_for(config, layer)
+    def locations_for(self, config, layer, engine="eager"):
+        locations = super().locations_for(config, layer, engine)
         if layer is None or self.is_linear(config, layer) != self.drift_linear:
             return locations
         name = "attention_premix" if self.drift_linear else "attention_head_outputs"
@@ -304,6 +304,6 @@ def test_generate_serves_both_kinds_of_layer_per_step():
 def test_the_vllm_backend_is_told_the_gated_output_projection_input_is_no_head_output():
     model = tiny("qwen3_next")
     family = model.family
-    assert "sigmoid gate" in family.vllm_unavailable(model.config, 1)["attention_head_outputs"]
-    assert "Gated DeltaNet" in family.vllm_unavailable(model.config, 0)["attention_premix"]
-    assert "mlp_activation" not in family.vllm_unavailable(model.config, 2)  # MoE: the family's own reason stands
+    assert "sigmoid gate" in family.unavailable(model.config, 1, "vllm")["attention_head_outputs"]
+    assert "Gated DeltaNet" in family.unavailable(model.config, 0, "vllm")["attention_premix"]
+    assert "mixture-of-experts" in family.unavailable(model.config, 2, "vllm")["mlp_activation"]  # the family's own

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from conftest import PROMPT, tiny
 
 import attnlens
-from conftest import PROMPT, tiny
 
 
 def trace(model, read):
@@ -149,7 +149,7 @@ def test_score_function_serves_decode_queries_against_a_sliding_window():
                                   "k": m.layers[0].self_attn.attention_keys,
                                   "s": m.layers[0].self_attn.attention_scores})
     module = model.layers[0].self_attn._module
-    last = model.family.scores(module, got["q"][:, :, -3:], got["k"], 0)
+    last = model.family.scores(model.family.geometry(module), model.config, got["q"][:, :, -3:], got["k"], 0)
     assert torch.equal(last == torch.finfo(last.dtype).min, got["s"][:, :, -3:] == torch.finfo(last.dtype).min)
     assert torch.allclose(last, got["s"][:, :, -3:], atol=1e-5)
     assert model.family.sliding_window(model.config, 0) == 4 and model.family.sliding_window(model.config, 1) is None

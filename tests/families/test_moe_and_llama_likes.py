@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-
-import attnlens
 from conftest import PROMPT, tiny
 from identities import close, failures, read_everything
+
+import attnlens
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo:noclip", "olmo2", "starcoder2", "granite", "glm4")
 #: MoE family -> (a sparse MoE layer, a dense layer or None).

@@ -1,0 +1,260 @@
+"""`support()`, `order()` and every read and write of a standardized value, for one model on one engine.
+
+Both model classes hold an `Access` (and vLLM's worker holds one of its own, where the reads run), so what is served,
+the order, the checks on writes and the error text are the same on both engines. A value is found through the
+family's locations for the engine; everything here is derived from the catalogue (`values.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+from greenlet import getcurrent
+from nnsight.intervention.interleaver import OutOfOrderError
+
+from .errors import EditError, OrderError, Unavailable
+from .family import Family
+from .geometry import HeadGeometry
+from .locations import Location
+from .support import Support
+from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
+
+
+def mediator():
+    """The nnsight mediator running the current trace body (None outside one)."""
+    reference = getattr(getcurrent(), "mediator", None)
+    return reference() if reference is not None else None
+
+
+def describe(name: str, layer: int | None) -> str:
+    return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
+
+
+class Access:
+    """What one model serves on one engine, and the one path every read and write takes."""
+
+    def __init__(self, family: Family, config: Any, num_layers: int, engine: str,
+                 geometry: Callable[[int], HeadGeometry], rebuild_patterns: bool = False):
+        self.family, self.config, self.num_layers, self.engine = family, config, num_layers, engine
+        self._geometry = geometry
+        self._reasons: dict[int | None, dict[str, str]] = {}
+        self._rebuild_patterns = rebuild_patterns
+        self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.layers)}\.(\d+)(?:\.|$)")
+        #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
+        self.run_copies: list | None = None
+
+    # --- layers ------------------------------------------------------------------------------------------------
+
+    def check_layer(self, layer: Any) -> int:
+        """`layer` as a non-negative index; negative ones count from the end, as Python's do."""
+        n = self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"a layer index is an int; got {layer!r}")
+        if not -n <= layer < n:
+            raise IndexError(f"layer {layer} is out of range: this model has {n} layers, so a layer index is in "
+                             f"[0, {n}), or [-{n}, -1] counting from the end")
+        return layer % n
+
+    def layer_of(self, envoy) -> int:
+        found = self._layer_path.search(envoy.path)
+        if found is None:
+            raise RuntimeError(f"{envoy.path} is not inside a block of {self.family.layers}")
+        return int(found.group(1))
+
+    def geometry(self, layer: int) -> HeadGeometry:
+        try:
+            return self._geometry(layer)
+        except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
+            raise RuntimeError(f"the heads of layer {layer} on {self.family.name}: {error}") from error
+
+    # --- what is served, and in what order --------------------------------------------------------------------
+
+    @property
+    def rebuild_patterns(self) -> bool:
+        """Eager engine, opt-in: serve the scores and the pattern of a non-eager model rebuilt (rebuild.py)."""
+        return self._rebuild_patterns
+
+    @rebuild_patterns.setter
+    def rebuild_patterns(self, value: bool) -> None:
+        self._rebuild_patterns = value
+        self._reasons.clear()
+
+    def reasons(self, layer: int | None) -> dict[str, str]:
+        """Value name -> why it is unavailable on `layer` (None: the model's own values)."""
+        if layer not in self._reasons:
+            from . import rebuild
+
+            reasons = self.family.unavailable(self.config, 0 if layer is None else layer, self.engine)
+            if self.rebuild_patterns and layer is not None:
+                reasons = rebuild.adjust(self, layer, reasons)
+            self._reasons[layer] = reasons
+        return self._reasons[layer]
+
+    def locations(self, layer: int | None) -> dict[str, Location]:
+        return self.family.locations_for(self.config, layer, self.engine)
+
+    def location(self, name: str, layer: int | None) -> Location:
+        """Where `name` is read on `layer`; `Unavailable` with the reason where it is not served."""
+        reason = self.reasons(layer).get(name)
+        if reason is not None:
+            engine = "" if self.engine == "eager" else f" ({self.engine})"
+            raise Unavailable(f"{describe(name, layer)} on {self.family.name}{engine}: {reason}")
+        from . import rebuild
+
+        return rebuild.location(self, name, layer) or self.locations(layer)[name]
+
+    def support(self, layer: int = 0) -> Support:
+        layer = self.check_layer(layer)
+        reasons = self.reasons(layer)
+        report = {value.key: reasons.get(value.name) for value in LAYER_VALUES}
+        report.update({value.name: self.reasons(None).get(value.name) for value in ALL_VALUES
+                       if value.scope == "model"})
+        notes = self.family.notes(self.config, layer, self.engine)
+        for name in report:  # the location's own word on a value (a copy, a rebuilt pattern) joins the family's
+            value = BY_NAME[name.rpartition(".")[2]]
+            if report[name] is None:
+                location = self.location(value.name, None if value.scope == "model" else layer)
+                said = [note for note in (notes.get(value.name), location.note) if note]
+                if said:
+                    notes[value.name] = "; ".join(said)
+        keyed = {BY_NAME[name].key: note for name, note in notes.items() if name in BY_NAME}
+        return Support(family=self.family.name, layer=layer, engine=self.engine, reasons=report,
+                       notes={key: note for key, note in keyed.items() if report.get(key) is None})
+
+    def order(self, layer: int = 0) -> dict[str, int]:
+        """Forward-order rank of every value `layer` serves; values read at one location share a rank."""
+        layer = self.check_layer(layer)
+        reasons = self.reasons(layer)
+        ranks: dict[str, int] = {}
+        keys: list[str] = []
+        for name in self.locations(layer):
+            value = BY_NAME[name]
+            if value.scope == "model" or name in reasons:
+                continue
+            key = f"{value.scope}:{self.location(name, layer).key}"
+            if key not in keys:
+                keys.append(key)
+            ranks[value.key] = keys.index(key)
+        return dict(sorted(ranks.items(), key=lambda item: item[1]))
+
+    def position(self, name: str, layer: int | None) -> tuple[int, int]:
+        """Where a value falls in the whole forward: (block, rank), the model's values before and after the blocks."""
+        if layer is None:
+            return model_position(name, self.num_layers)
+        return layer, self.order(layer).get(BY_NAME[name].key, -1)
+
+    # --- reading and writing -------------------------------------------------------------------------------------
+
+    def read(self, envoy, name: str, layer: int | None) -> Any:
+        location = self.location(name, layer)
+        self.check_copies()
+        value = self._at(name, layer, lambda: location.read(envoy))
+        if not location.in_place and isinstance(value, torch.Tensor):
+            self.guard(value, name, layer, location.why_not or "it is a copy of what the forward holds")
+        return value
+
+    def write(self, envoy, name: str, layer: int | None, new: Any) -> None:
+        location = self.location(name, layer)
+        registry = self._registry()  # assigning a value settles in-place edits of its copies: they land now
+        registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
+        self.check_copies()
+        if not location.writable:
+            raise EditError(f"{describe(name, layer)} is read-only on {self.family.name}: {location.why_not}")
+        current = self._at(name, layer, lambda: location.read(envoy))
+        new = self.conform(name, layer, current, new)
+        self._at(name, layer, lambda: location.write(envoy, new))
+
+    def _at(self, name: str, layer: int | None, act: Callable[[], Any]) -> Any:
+        try:
+            result = act()
+        except OutOfOrderError as error:
+            raise (self.order_error(name, layer) or error) from error
+        except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
+            raise RuntimeError(f"reading {describe(name, layer)} on {self.family.name}: {error}") from error
+        found = mediator()
+        if found is not None:
+            found.__dict__.setdefault("attnlens_reads", []).append((name, layer))
+        return result
+
+    def order_error(self, name: str, layer: int | None) -> OrderError | None:
+        """Name the two values when a read came after one the forward computes later (None if it was not that)."""
+        found = mediator()
+        if found is None or getattr(found, "iteration", 0) != 0:
+            return None  # a `tracer.iter` loop that outran the run ends this way by design
+        position = self.position(name, layer)
+        later = [(n, i) for n, i in found.__dict__.get("attnlens_reads", []) if self.position(n, i) > position]
+        this = describe(name, layer)
+        if not later:
+            return OrderError(f"{this} was requested after the forward pass had computed it; read values in forward "
+                              f"order (model.order(layer) gives it)")
+        other = describe(*later[-1])
+        return OrderError(f"{this} was read after {other}, but the forward computes {this} first; read {this} "
+                          f"before {other} (model.order(layer) gives the forward order)")
+
+    # --- writes that cannot mislead -----------------------------------------------------------------------------
+
+    def conform(self, name: str, layer: int | None, current: Any, new: Any) -> Any:
+        """`new` checked against the value's layout with this run's sizes (`current`'s shape): a number fills it,
+        a tensor must have exactly its shape (it is moved to its device and dtype). Nothing is reshaped."""
+        if not isinstance(current, torch.Tensor):
+            return new
+        if isinstance(new, (int, float)) or isinstance(new, torch.Tensor) and new.dim() == 0:
+            return torch.full_like(current, float(new))
+        if not isinstance(new, torch.Tensor):
+            raise EditError(f"{describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "
+                            f"or a number; got {type(new).__name__}")
+        if tuple(new.shape) != tuple(current.shape):
+            raise EditError(f"{describe(name, layer)} expects a tensor of layout "
+                            f"{self.layout(name, layer, current)}; got shape {list(new.shape)}."
+                            f"{self.shape_hint(name, layer, current, new)} Nothing was written.")
+        return new.to(device=current.device, dtype=current.dtype)
+
+    def layout(self, name: str, layer: int | None, current: torch.Tensor) -> str:
+        axes = BY_NAME[name].axes
+        if len(axes) != current.dim():  # a family whose tensor differs from the catalogue (noted in support())
+            return str(list(current.shape))
+        return "[" + ", ".join(f"{axis}={size}" for axis, size in zip(axes, current.shape)) + "]"
+
+    def shape_hint(self, name: str, layer: int | None, current: torch.Tensor, new: torch.Tensor) -> str:
+        have, want = list(new.shape), list(current.shape)
+        axes = BY_NAME[name].axes
+        if have == want[1:]:
+            return " It has no batch axis: add one with new[None]."
+        if layer is not None and name in ("attention_keys", "attention_values") and len(have) == len(want) > 1:
+            heads = self.geometry(layer)
+            if have[1] == heads.num_heads != heads.num_kv_heads:
+                return (f" Layer {layer} groups its {heads.num_heads} query heads over {heads.num_kv_heads} "
+                        f"key/value heads, and keys and values are read before the repetition: write "
+                        f"num_kv_heads={heads.num_kv_heads} heads (of a repeated tensor, new[:, ::{heads.groups}]).")
+        if sorted(have) == sorted(want) and len(axes) == len(have):
+            order = [axes[want.index(size)] if want.count(size) == 1 else "?" for size in have]
+            return (f" It has the right sizes in another order (it looks like [{', '.join(order)}]): permute it to "
+                    f"[{', '.join(axes)}].")
+        if len(have) == len(want) - 1 and have[:-1] == want[:-2] and have[-1] == want[-2] * want[-1]:
+            return (f" Its last axis holds {want[-2]} x {want[-1]} merged: unflatten it with "
+                    f"new.unflatten(-1, ({want[-2]}, {want[-1]})).")
+        return ""
+
+    def guard(self, tensor: torch.Tensor, name: str, layer: int | None, why: str) -> None:
+        """Hand `tensor` out as a copy: an in-place edit of it could not reach the model, so the next read, write or
+        the end of the run raises `EditError` if one happened."""
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor keeps no version: it cannot be edited outside inference mode
+            return
+        self._registry().append((tensor, version, name, layer, why))
+
+    def _registry(self) -> list:
+        if self.run_copies is not None:
+            return self.run_copies
+        found = mediator()
+        return found.__dict__.setdefault("attnlens_copies", []) if found is not None else []
+
+    def check_copies(self, registry: list | None = None) -> None:
+        for tensor, version, name, layer, why in (self._registry() if registry is None else registry):
+            if tensor._version != version:
+                raise EditError(f"{describe(name, layer)} was edited in place, but on {self.family.name} "
+                                f"({self.engine}) {why}, so the edit could not reach the model. Assign it instead: "
+                                f"`... .{name} = edited` with an edited tensor or a clone you edit.")

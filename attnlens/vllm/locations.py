@@ -1,0 +1,241 @@
+"""Where values live in vLLM's implementation of a family: the location kinds a family's `vllm_locations()` uses.
+
+They read and write through nnsight inside vLLM's worker, like the eager kinds in `attnlens/locations.py`, and give
+values in the eager layouts, with a batch axis of one (each invoke is one request). Importing this module does not
+import vLLM, so families can declare their vLLM locations anywhere.
+
+- `ResidualPair`: vLLM carries the residual stream as a `(hidden, residual)` pair that its fused norms add.
+- `KernelInput`: what the attention kernel receives, flat `[tokens, heads * dim]`; keys and values of a decode step
+  span the whole context (the rows attnlens keeps, then this step's).
+- `RebuiltPattern`: the scores or the pattern, rebuilt with the family's score function over the kept keys.
+- `SampledLogits`: the logits vLLM samples from (the last position).
+- `batched`, `copied`, `heads_of`: a module's input or output with the batch axis added, copied, or split in heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import EditError
+from ..locations import Derived, Location, ModuleInput, child
+from . import kept
+
+if TYPE_CHECKING:
+    from ..family import Family
+
+
+def worker_of(envoy):
+    """The worker's attnlens state (`worker.WorkerValues`), which the engine's interleaver carries."""
+    return envoy.interleaver.attnlens_worker
+
+
+@dataclass(frozen=True)
+class ResidualPair(Location):
+    """The sum of the `(hidden, residual)` pair a module receives (`side="input"`, the hidden state at argument
+    `first`) or returns (`side="output"`). Written as `(new, 0)`: the fused norm that adds them then gives `new`."""
+
+    module: str = ""
+    side: str = "input"
+    first: int = 0
+
+    in_place = False
+    note = ("vLLM carries the residual stream as a (hidden, residual) pair its fused norms add: this is their sum, "
+            "a new tensor; assign it to edit (the pair becomes (new, 0))")
+    why_not = "it is the sum of vLLM's (hidden, residual) pair, a new tensor"
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.{self.side}"
+
+    def _pair(self, envoy):
+        target = child(envoy, self.module)
+        if self.side == "output":
+            hidden, residual = target.output
+            return hidden, residual
+        args, kwargs = target.inputs
+        hidden = args[self.first] if len(args) > self.first else kwargs["hidden_states"]
+        residual = args[self.first + 1] if len(args) > self.first + 1 else kwargs.get("residual")
+        return hidden, residual
+
+    def read(self, envoy):
+        hidden, residual = self._pair(envoy)
+        return (hidden if residual is None else hidden + residual)[None]
+
+    def write(self, envoy, value):
+        new = value[0]
+        target = child(envoy, self.module)
+        if self.side == "output":
+            target.output = (new, torch.zeros_like(new))
+            return
+        args, kwargs = target.inputs
+        args, kwargs = list(args), dict(kwargs)
+        if len(args) > self.first:
+            args[self.first] = new
+        else:
+            kwargs["hidden_states"] = new
+        if len(args) > self.first + 1:
+            args[self.first + 1] = None if args[self.first + 1] is None else torch.zeros_like(new)
+        elif kwargs.get("residual") is not None:
+            kwargs["residual"] = torch.zeros_like(new)
+        target.inputs = (tuple(args), kwargs)
+
+
+@dataclass(frozen=True)
+class KernelInput(Location):
+    """Query (0), key (1) or value (2) entering the attention kernel `kernel` (from the attention block), as
+    `[1, heads, tokens, dim]` over every tensor-parallel rank. On a decode step keys and values span the whole
+    context: the rows kept from earlier steps (a new tensor), then this step's."""
+
+    kernel: str
+    which: int
+
+    @property
+    def note(self) -> str:
+        if self.which == 0:
+            return "what vLLM's attention kernel receives (after rotary embedding and any QK-norm)"
+        return ("the kernel's; on a decode step the whole context: the rows attnlens kept from earlier steps, then "
+                "this step's (a new tensor there: assign it). Edits reach the forward for this step's rows only")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}.input"
+
+    def _sizes(self, envoy):
+        worker = worker_of(envoy)
+        layer = worker.access.layer_of(envoy)
+        heads = worker.geometry[layer]
+        total = heads.num_heads if self.which == 0 else heads.num_kv_heads
+        return worker, layer, total, heads.qk_head_dim if self.which < 2 else heads.head_dim
+
+    def read(self, envoy):
+        worker, layer, total, dim = self._sizes(envoy)
+        args, kwargs = child(envoy, self.kernel).inputs
+        current = kept.split_heads(kept.kernel_arg(args, kwargs, self.which), dim, total)
+        if self.which == 0:
+            return current
+        state = worker.state()
+        before = state.history.before(layer, state.position)
+        if before is None:
+            return current
+        context = torch.cat([kept.split_heads(before[self.which - 1], dim, total), current], dim=2)
+        worker.access.guard(context, ("attention_keys", "attention_values")[self.which - 1], layer,
+                            "on a decode step it is a new tensor (the kept rows, then this step's)")
+        return context
+
+    def write(self, envoy, value):
+        worker, layer, total, dim = self._sizes(envoy)
+        kernel = child(envoy, self.kernel)
+        args, kwargs = kernel.inputs
+        count = kept.kernel_arg(args, kwargs, self.which).shape[0]
+        if value.shape[2] > count:  # a decode step's whole context: only this step's rows reach the kernel
+            name = ("attention_queries", "attention_keys", "attention_values")[self.which]
+            earlier = self.read(envoy)[:, :, :-count]
+            if not torch.equal(value[:, :, :-count], earlier.to(value.dtype)):
+                raise EditError(
+                    f"layers[{layer}].self_attn.{name}: only this step's rows can be edited on a decode step; "
+                    f"earlier rows are in vLLM's KV cache already. Edit them on the step that computed them.")
+            value = value[:, :, -count:]
+        kernel.inputs = kept.with_kernel_arg(args, kwargs, self.which, kept.merge_local(value, total))
+
+
+@dataclass(frozen=True)
+class RebuiltPattern(Location):
+    """`kind` "scores" or "probabilities" of the request's queries against its kept keys, rebuilt in the worker with
+    the family's score function. Editing it (in place or assigned) recomputes this layer's head outputs from the
+    edited pattern and the kept values (`worker.WorkerValues.before_output_projection`)."""
+
+    kernel: str
+    kind: str
+
+    @property
+    def note(self) -> str:
+        if self.kind == "scores":
+            return ("rebuilt in vLLM's worker with the family's score function over the kept keys; editing them "
+                    "recomputes this layer's head outputs from softmax(edited scores) and the kept values")
+        return ("rebuilt in vLLM's worker (softmax of the rebuilt scores); editing them recomputes this layer's head "
+                "outputs as edited pattern @ kept values")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}.input"
+
+    def read(self, envoy):
+        return worker_of(envoy).pattern(envoy, self.kernel)[self.kind]
+
+    def write(self, envoy, value):
+        worker = worker_of(envoy)
+        worker.pattern(envoy, self.kernel)  # at the kernel's handoff, as a read would be
+        pattern = value if self.kind == "probabilities" else value.softmax(-1, dtype=torch.float32).to(value.dtype)
+        worker.state().patterns.setdefault(worker.access.layer_of(envoy), {})["assigned"] = pattern
+
+
+@dataclass(frozen=True)
+class SampledLogits(Location):
+    """The logits vLLM samples from: the last position only, `[1, 1, vocab]` per step."""
+
+    note = "the sampled position only: [1, 1, vocab] per step"
+
+    @property
+    def key(self) -> str:
+        return "logits.output"
+
+    def read(self, envoy):
+        from nnsight.modeling.vllm import VLLM
+
+        return VLLM.logits.__get__(envoy)[:, None]
+
+    def write(self, envoy, value):
+        from nnsight.modeling.vllm import VLLM
+
+        VLLM.logits.__set__(envoy, value[:, -1])
+
+
+def _add_batch(envoy, value):
+    return value[None]
+
+
+def _drop_batch(envoy, old, new):
+    return new[0]
+
+
+def batched(source: Location) -> Derived:
+    """`source`'s tensor with a batch axis of one; a view, so in-place edits land."""
+    return Derived(source, _add_batch, _drop_batch)
+
+
+def copied(source: Location) -> Derived:
+    """`source`'s tensor with a batch axis, copied: vLLM's fused residual norm overwrites the buffer in place later."""
+    return Derived(source, lambda envoy, value: value[None].clone(), _drop_batch, in_place=False,
+                   note="a copy (vLLM's fused residual norm overwrites the buffer later); assign it to edit",
+                   why_not="it is a copy (vLLM's fused residual norm overwrites the buffer in place later)")
+
+
+def _heads(envoy, flat):
+    access = envoy.interleaver.attnlens
+    return flat.unflatten(-1, (-1, access.geometry(access.layer_of(envoy)).head_dim))[None]
+
+
+def _merged(envoy, old, new):
+    return new[0].flatten(-2)
+
+
+def heads_of(source: Location) -> Derived:
+    """`source`'s flat `[tokens, heads * head_dim]` (the output projection's input, whole across ranks) split in
+    heads, `[1, tokens, heads, head_dim]`; a view, so in-place edits land."""
+    return Derived(source, _heads, _merged, note="the output projection's input, split into heads")
+
+
+def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
+    """(the attention kernel, the output projection) of `layer`, from the attention block, read off the family's vLLM
+    locations: where keys are kept and where an edited pattern's head outputs are recomputed."""
+    locations = family.locations_for(config, layer, "vllm")
+    queries = locations.get("attention_queries")
+    premix = locations.get("attention_premix")
+    while isinstance(premix, Derived):
+        premix = premix.source
+    kernel = queries.kernel if isinstance(queries, KernelInput) else None
+    projection = premix.module if isinstance(premix, ModuleInput) else None
+    return kernel, projection
