@@ -40,10 +40,13 @@ class Access:
         self.family, self.config, self.num_layers, self.engine = family, config, num_layers, engine
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
+        self._orders: dict[int, dict[str, int]] = {}
         self._rebuild_patterns = rebuild_patterns
         self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.layers)}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
         self.run_copies: list | None = None
+        #: Tokens the running forward has seen, this step's included (eager; None where keys span the context).
+        self.tokens_seen: int | None = None
 
     # --- layers ------------------------------------------------------------------------------------------------
 
@@ -79,7 +82,12 @@ class Access:
     @rebuild_patterns.setter
     def rebuild_patterns(self, value: bool) -> None:
         self._rebuild_patterns = value
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Forget the reasons and orders worked out so far (after the family's locations changed)."""
         self._reasons.clear()
+        self._orders.clear()
 
     def reasons(self, layer: int | None) -> dict[str, str]:
         """Value name -> why it is unavailable on `layer` (None: the model's own values)."""
@@ -126,6 +134,11 @@ class Access:
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value `layer` serves; values read at one location share a rank."""
         layer = self.check_layer(layer)
+        if layer not in self._orders:
+            self._orders[layer] = self._order(layer)
+        return dict(self._orders[layer])
+
+    def _order(self, layer: int) -> dict[str, int]:
         reasons = self.reasons(layer)
         ranks: dict[str, int] = {}
         keys: list[str] = []
@@ -143,7 +156,9 @@ class Access:
         """Where a value falls in the whole forward: (block, rank), the model's values before and after the blocks."""
         if layer is None:
             return model_position(name, self.num_layers)
-        return layer, self.order(layer).get(BY_NAME[name].key, -1)
+        if layer not in self._orders:
+            self.order(layer)
+        return layer, self._orders[layer].get(BY_NAME[name].key, -1)
 
     # --- reading and writing -------------------------------------------------------------------------------------
 
@@ -167,31 +182,46 @@ class Access:
         self._at(name, layer, lambda: location.write(envoy, new))
 
     def _at(self, name: str, layer: int | None, act: Callable[[], Any]) -> Any:
+        self._in_order(name, layer)
         try:
-            result = act()
+            return act()
         except OutOfOrderError as error:
             raise (self.order_error(name, layer) or error) from error
         except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
             raise RuntimeError(f"reading {describe(name, layer)} on {self.family.name}: {error}") from error
+
+    def _in_order(self, name: str, layer: int | None) -> None:
+        """Refuse a value the forward computes before the one read last in this step, before nnsight is asked: it
+        would fail, or under generate serve the value from a later step."""
         found = mediator()
-        if found is not None:
-            found.__dict__.setdefault("attnlens_reads", []).append((name, layer))
-        return result
+        if found is None:
+            return
+        reads = found.__dict__.setdefault("attnlens_reads", [])
+        step = found.iteration if found.iteration is not None else found.__dict__.get("attnlens_step", 0)
+        found.attnlens_step = step  # nnsight relaxes a pinned step to None once served: it is still this step
+        position = self.position(name, layer)
+        if reads and reads[-1][2] == step and reads[-1][3] > position:
+            raise OrderError(self._order_message(name, layer, *reads[-1][:2]))
+        reads.append((name, layer, step, position))
 
     def order_error(self, name: str, layer: int | None) -> OrderError | None:
-        """Name the two values when a read came after one the forward computes later (None if it was not that)."""
+        """nnsight's out-of-order error, naming the values (None where it was a `tracer.iter` loop outrunning the
+        run, which ends that way by design)."""
         found = mediator()
         if found is None or getattr(found, "iteration", 0) != 0:
-            return None  # a `tracer.iter` loop that outran the run ends this way by design
+            return None
         position = self.position(name, layer)
-        later = [(n, i) for n, i in found.__dict__.get("attnlens_reads", []) if self.position(n, i) > position]
-        this = describe(name, layer)
-        if not later:
-            return OrderError(f"{this} was requested after the forward pass had computed it; read values in forward "
-                              f"order (model.order(layer) gives it)")
-        other = describe(*later[-1])
-        return OrderError(f"{this} was read after {other}, but the forward computes {this} first; read {this} "
-                          f"before {other} (model.order(layer) gives the forward order)")
+        later = [read[:2] for read in found.__dict__.get("attnlens_reads", []) if read[3] > position]
+        if later:
+            return OrderError(self._order_message(name, layer, *later[-1]))
+        return OrderError(f"{describe(name, layer)} was requested after the forward pass had computed it; read "
+                          f"values in forward order (model.order(layer) gives it)")
+
+    @staticmethod
+    def _order_message(name: str, layer: int | None, other_name: str, other_layer: int | None) -> str:
+        this, other = describe(name, layer), describe(other_name, other_layer)
+        return (f"{this} was read after {other}, but the forward computes {this} first; read {this} before {other} "
+                f"(model.order(layer) gives the forward order)")
 
     # --- writes that cannot mislead -----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 
 from .errors import LocationDrift, UnknownFamily
 from .geometry import HeadGeometry
-from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField
+from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .values import ALL_VALUES, BY_NAME
 
 #: The engines a family describes: transformers' own modules, and vLLM's.
@@ -154,7 +154,7 @@ class Family:
         kind = self.layer_kind(config, 0 if layer is None else layer)
         cache = self.__dict__.setdefault("_by_kind", {})
         if (kind, engine) not in cache:
-            cache[kind, engine] = self.kind_locations(kind, config, engine)
+            cache[kind, engine] = with_key_positions(self.kind_locations(kind, config, engine))
         return cache[kind, engine]
 
     def location(self, name: str, config=None, layer: int | None = None, engine: str = "eager") -> Location | None:

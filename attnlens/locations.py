@@ -156,6 +156,48 @@ class Operation(Location):
 
 
 @dataclass(frozen=True)
+class KeyPositions(Location):
+    """Each key's position in the sequence, `[batch, key]`, for the keys read at `keys`: the last `key` positions of
+    the tokens seen so far (the engine's `Access.tokens_seen`, or the keys' own count where they span the whole
+    context). Labels a sliding window's columns, whose keys are only the window's."""
+
+    keys: Location
+
+    in_place = False
+    writable = False
+    why_not = "positions are derived from the keys and the tokens seen; the forward never uses them"
+
+    @property
+    def key(self) -> str:
+        return self.keys.key
+
+    def read(self, envoy):
+        import torch
+
+        keys = self.keys.read(envoy)
+        count = keys.shape[2]
+        total = envoy.interleaver.attnlens.tokens_seen or count
+        return torch.arange(total - count, total, device=keys.device).expand(keys.shape[0], count)
+
+    def write(self, envoy, value):
+        raise NotImplementedError  # read-only: Access refuses writes first
+
+
+def with_key_positions(locations: dict[str, Location]) -> dict[str, Location]:
+    """`locations` with `attention_key_positions` after the keys and values, where the keys are read."""
+    keys = locations.get("attention_keys")
+    if keys is None or "attention_key_positions" in locations:
+        return locations
+    after = "attention_values" if "attention_values" in locations else "attention_keys"
+    ordered = {}
+    for name, location in locations.items():
+        ordered[name] = location
+        if name == after:
+            ordered["attention_key_positions"] = KeyPositions(keys)
+    return ordered
+
+
+@dataclass(frozen=True)
 class Derived(Location):
     """A value computed from another location's value by a view (`view`) and written back by `unview`.
 

@@ -92,7 +92,17 @@ class StandardizedTransformer(Helpful, TransformersModel):
         layers = self._module.get_submodule(self.family.layers)
         self.access = Access(self.family, self.config, len(layers), "eager", self._geometry, rebuild_patterns)
         self.interleaver.attnlens = self.access
+        self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self._verify()
+
+    def _count_tokens(self, module, args, kwargs) -> None:
+        """Before each forward: how many tokens the sequence holds once it has run (the cache's, then this step's)."""
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 spells it `cache`
+        seen = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        self.access.tokens_seen = None if tokens is None else seen + tokens.shape[1]
 
     def _geometry(self, layer: int):
         return self.family.geometry(self.layers[layer].self_attn._module)

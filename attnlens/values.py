@@ -48,6 +48,9 @@ LAYER_VALUES = (
           "the keys entering attention, before grouped heads are repeated; under generate, as long as the cache"),
     Value("attention_values", "value", "attention", "batch num_kv_heads seq head_dim",
           "the values entering attention, before grouped heads are repeated"),
+    Value("attention_key_positions", "key_pos", "attention", "batch key",
+          "each key's position in the sequence (read-only): 0..seq-1 on a prefill; under generate, the positions of "
+          "the keys the step attends over (on a sliding-window layer, the window's)"),
     Value("attention_scores", "attn_scores", "attention", "batch num_heads query key",
           "the scaled scores entering the softmax, soft-capped and masked (masked entries hold the dtype's minimum)"),
     Value("attention_probabilities", "attn_probs", "attention", "batch num_heads query key",

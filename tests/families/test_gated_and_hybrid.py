@@ -176,10 +176,10 @@ def test_mixture_of_experts_layers_have_no_single_activation():
 # --- order ---------------------------------------------------------------------------------------------------------
 
 FULL_ORDER = ["layer_input", "attention_norm_output", "self_attn.attention_queries", "self_attn.attention_keys",
-              "self_attn.attention_values", "self_attn.attention_scores", "self_attn.attention_probabilities",
-              "self_attn.attention_head_outputs", "self_attn.attention_gate", "self_attn.attention_premix",
-              "self_attn.attention_output", "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_activation",
-              "mlp.mlp_neurons", "mlp.mlp_output", "layer_output"]
+              "self_attn.attention_values", "self_attn.attention_key_positions", "self_attn.attention_scores",
+              "self_attn.attention_probabilities", "self_attn.attention_head_outputs", "self_attn.attention_gate",
+              "self_attn.attention_premix", "self_attn.attention_output", "layer_mid", "mlp_norm_output", "mlp_input",
+              "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output", "layer_output"]
 LINEAR_ORDER = ["layer_input", "attention_norm_output", "self_attn.attention_premix", "self_attn.attention_output",
                 "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons",
                 "mlp.mlp_output", "layer_output"]
