@@ -6,6 +6,7 @@ from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavai
                      UnknownFamilyWarning)
 from .family import Family, family_for, register, registered
 from .fused import FusedQKV
+from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .standardized import StandardizedTransformer
 from .support import Support
@@ -29,4 +30,6 @@ __all__ = [
     "UnknownFamilyWarning",    "Value", "family_for", "keep_masked", "masked", "models", "register", "registered",
     # capture (attnlens/capture.py)
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
+    # seeing and summarising attention (attnlens/heads.py, show.py, plot.py)
+    "HeadSummaries", "head_summaries",
 ]
