@@ -7,6 +7,8 @@ from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavai
 from .family import Family, family_for, register, registered
 from .fused import FusedQKV
 from .heads import HeadSummaries, head_summaries
+from .plot import plot
+from .show import View, show
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .standardized import StandardizedTransformer
 from .support import Support
@@ -31,5 +33,5 @@ __all__ = [
     # capture (attnlens/capture.py)
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
     # seeing and summarising attention (attnlens/heads.py, show.py, plot.py)
-    "HeadSummaries", "head_summaries",
+    "HeadSummaries", "View", "head_summaries", "plot", "show",
 ]

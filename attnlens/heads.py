@@ -403,7 +403,8 @@ def _top_entries(model, texts, sums, rows) -> list[dict]:
 
 def model_name(model) -> str:
     """A short name for titles: the checkpoint's folder or hub name, with the family."""
-    path = str(getattr(model.config, "_name_or_path", "") or "")
+    config = getattr(model, "config", None) or getattr(model, "text_config", None)
+    path = str(getattr(config, "_name_or_path", "") or "")
     name = path.rstrip("/").rsplit("/", 1)[-1] if path else ""
     family = model.family.name
     return f"{name} ({family})" if name else f"a {family} model"
