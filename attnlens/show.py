@@ -199,8 +199,10 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
 # --- the page ---------------------------------------------------------------------------------------------------------
 
 def _encode(pattern: LayerPattern) -> dict:
-    """One layer for the page: weights as bytes on a square-root scale, each row up to its last non-zero byte."""
-    q = (pattern.probs.clamp(0, 1).sqrt() * 255).round().to(torch.uint8)  # [heads, query, key]
+    """One layer for the page: weights as bytes on a square-root scale, each row up to its last non-zero byte. Byte 0
+    is a weight of exactly zero (masked); any positive weight is at least byte 1, so it is never drawn as masked."""
+    probs = pattern.probs.clamp(0, 1)
+    q = (probs.sqrt() * 255).round().clamp(min=1).where(probs > 0, 0).to(torch.uint8)  # [heads, query, key]
     num_keys = q.shape[2]
     nonzero = (q != 0).any(0)  # [query, key]
     last = torch.where(nonzero, torch.arange(num_keys), -1).max(-1).values
@@ -295,7 +297,7 @@ _SCRIPT = r"""
   const page = JSON.parse(document.getElementById("ROOT_ID-data").textContent);
   const $ = (selector) => root.querySelector(selector);
   const grid = $(".al-grid"), big = $(".al-big"), tip = $(".al-tip");
-  const THUMB = 160, LARGE = 720;
+  const THUMB = 160, LARGE = 720, SMALLEST = (1.5 / 255) ** 2;  // byte 1 holds every weight below SMALLEST
   // ColorBrewer Blues, as matplotlib's "Blues" (attnlens.plot uses it too)
   const ANCHORS = [[247,251,255],[222,235,247],[198,219,239],[158,202,225],[107,174,214],[66,146,198],[33,113,181],
                    [8,81,156],[8,48,107]];
@@ -310,7 +312,7 @@ _SCRIPT = r"""
       const s = v / 255, [r, g, b] = colour(mode === "sqrt" ? s : s * s);
       lut[v] = ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;  // RGBA bytes, little-endian
     }
-    lut[0] = 0xffffffff;  // exactly zero (masked, or below half a step): white
+    lut[0] = 0xffffffff;  // exactly zero (masked): white
     LUTS[mode] = lut;
   }
   const state = {layer: 0, head: 0, mode: "linear", geometry: null};
@@ -331,7 +333,7 @@ _SCRIPT = r"""
   const current = () => prepare(page.layers[state.layer]);
   function weight(layer, head, row, column) {
     const byte = column < layer.lengths[row] ? layer.bytes[head][layer.offsets[row] + column] : 0;
-    return (byte / 255) * (byte / 255);
+    return byte < 2 ? byte * SMALLEST / 2 : (byte / 255) * (byte / 255);  // byte 1: somewhere below SMALLEST
   }
   function image(layer, head) {  // the pattern at one pixel per cell, cached per head and colour scale
     const key = head + ":" + state.mode;
@@ -360,9 +362,10 @@ _SCRIPT = r"""
     const layer = current();
     if (row < 0 || column < 0 || row >= layer.queries.length || column >= layer.keys.length) return hide();
     const q = layer.queries[row], k = layer.keys[column], w = weight(layer, head, row, column);
+    const shown = w === 0 ? "0" : w < SMALLEST ? "< " + SMALLEST.toExponential(1) : w >= 0.001 ? w.toFixed(3) :
+      w.toExponential(1);
     tip.textContent = "layer " + layer.layer + " \u00b7 head " + layer.heads[head] + "\nquery " + q + " " +
-      JSON.stringify(page.tokens[q]) + "\nkey   " + k + " " + JSON.stringify(page.tokens[k]) + "\nweight " +
-      (w >= 0.001 || w === 0 ? w.toFixed(3) : w.toExponential(1));
+      JSON.stringify(page.tokens[q]) + "\nkey   " + k + " " + JSON.stringify(page.tokens[k]) + "\nweight " + shown;
     Object.assign(tip.dataset, {head: layer.heads[head], query: q, key: k, weight: w});
     tip.style.display = "block";
     tip.style.left = (event.clientX + 14) + "px";

@@ -15,8 +15,9 @@ from attnlens.show import patterns, show
 from conftest import PROMPT, tiny
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-#: One byte per weight on a square-root scale: a weight is known to half a step of its square root.
-HALF_STEP = 0.5 / 255
+#: One byte per weight on a square-root scale: a weight is known to half a step of its square root; byte 0 is exactly
+#: zero, byte 1 any weight below SMALLEST (shown as its middle).
+HALF_STEP, SMALLEST = 0.5 / 255, (1.5 / 255) ** 2
 
 
 def page_data(html: str) -> dict:
@@ -30,14 +31,19 @@ def page_data(html: str) -> dict:
             assert len(raw) == sum(lengths)
             at = 0
             for r, n in enumerate(lengths):
-                weights[h, r, :n] = (raw[at:at + n] / 255) ** 2
+                part = raw[at:at + n]
+                weights[h, r, :n] = torch.where(part == 1, SMALLEST / 2, (part / 255) ** 2)
                 at += n
         layer["weights"] = weights
     return data
 
 
 def close(shown, true) -> bool:
-    return bool(((torch.as_tensor(shown).sqrt() - torch.as_tensor(true).sqrt()).abs() <= HALF_STEP + 1e-6).all())
+    """Whether weights shown by the page are the true ones, as far as one byte each can say."""
+    shown, true = torch.as_tensor(shown, dtype=torch.float32), torch.as_tensor(true, dtype=torch.float32)
+    near = (shown.sqrt() - true.sqrt()).abs() <= HALF_STEP + 1e-6
+    tiny = (shown == SMALLEST / 2) & (true > 0) & (true < SMALLEST)
+    return bool(((near | tiny) & ((shown == 0) == (true == 0))).all())
 
 
 # --- what show() takes ----------------------------------------------------------------------------------------------
@@ -142,6 +148,8 @@ def test_the_page_is_self_contained_and_escapes_its_text(tmp_path):
     assert "</script>\"" not in page and page.count("</script>") == 2    # the JSON's tokens cannot end the script
     assert not re.search(r"(src|href)\s*=|<link|@import|https?:", page)   # nothing fetched
     assert page_data(page)["tokens"] == tokens
+    tiny = page_data(show(torch.tensor([[[1.0, 0], [1 - 1e-9, 1e-9]]])).html())["layers"][0]
+    assert tiny["lengths"] == [1, 2] and tiny["weights"][0, 1, 1] == SMALLEST / 2   # tiny, but not masked
     fragment = view._repr_html_()
     assert fragment.startswith("<style>") and view.id in fragment and "<html" not in fragment
     assert show(torch.rand(1, 3, 3)).id != view.id                        # two views on one notebook page
