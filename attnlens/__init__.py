@@ -7,9 +7,9 @@ from .errors import (AttnlensError, EditError, LocationDrift, OrderError, Unavai
 from .family import Family, family_for, register, registered
 from .fused import FusedQKV
 from .heads import HeadSummaries, head_summaries
+from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .plot import plot
 from .show import View, show
-from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .standardized import StandardizedTransformer
 from .support import Support
 from .values import ALL_VALUES, Value

@@ -73,7 +73,7 @@ def load_model(spec: str, engine: str = "eager"):
     folder = _folder(spec)
     try:
         return StandardizedTransformer(str(folder or spec), attn_implementation="eager")
-    except Exception as error:  # the hub, a broken folder: one line saying which
+    except Exception as error:  # noqa: BLE001  the hub, a broken folder: one line saying which
         where = f"the folder {folder}" if folder else "a hub name"
         raise CommandError(f"could not load {spec!r} as {where} (bundled: {', '.join(BUNDLED)}; or tiny:FAMILY): "
                            f"{_line(error)}") from None

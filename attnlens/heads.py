@@ -20,8 +20,8 @@ import csv
 import io
 import json
 import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -297,7 +297,8 @@ def _collect(model, layers, pads, options, results) -> None:
         for i, pad in enumerate(pads):
             queries = read["attention_queries"][i:i + 1, :, pad:]
             keys = read["attention_keys"][i:i + 1, :, pad:]
-            results[i][layer] = {k: v.detach().cpu() for k, v in summarize(scores, queries, keys, **options(i)).items()}
+            sums = summarize(scores, queries, keys, **options[i])
+            results[i][layer] = {name: value.detach().cpu() for name, value in sums.items()}
 
 
 def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, description) -> list[dict]:
@@ -311,7 +312,7 @@ def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, 
         pads = [max(lengths) - length for length in lengths]
         # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids
         batch_input = texts[batch[0]][None] if len(batch) == 1 else [texts[i] for i in batch]
-        found = _summarise_batch(model, layers, batch_input, pads, lambda j: options(batch[j]))
+        found = _summarise_batch(model, layers, batch_input, pads, [options(i) for i in batch])
         for i, sums in zip(batch, found):
             results[i] = sums
         bar.advance(task, len(batch))

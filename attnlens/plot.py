@@ -50,7 +50,7 @@ def figure(source, prompt=None, layer: int | None = None, *, columns: int | None
     pattern = shown.layer(layer if len(shown.layers) > 1 else None)
     probs, num_heads = pattern.probs.numpy(), len(pattern.heads)
     num_queries, num_keys = probs.shape[1:]
-    columns = columns or math.ceil(math.sqrt(num_heads))
+    columns = columns or (num_heads if num_heads <= 3 else math.ceil(math.sqrt(num_heads)))
     rows = math.ceil(num_heads / columns)
     side = min(7.0, max(2.6, 0.17 * max(num_queries, num_keys) + 1.4))
     height = side * min(1.0, max(0.3, num_queries / num_keys))
@@ -68,7 +68,7 @@ def figure(source, prompt=None, layer: int | None = None, *, columns: int | None
             continue
         image = ax.imshow(probs[index], cmap="Blues", vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
         ax.set_title(f"head {pattern.heads[index]}", fontsize=9)
-        row, column = divmod(index, columns)
+        column = index % columns
         bottom = index + columns >= num_heads  # nothing drawn below this panel
         ax.set_xticks(x_ticks, x_labels if bottom else [], rotation=90, fontsize=small)
         ax.set_yticks(y_ticks, y_labels if column == 0 else [], fontsize=small)

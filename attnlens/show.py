@@ -374,12 +374,14 @@ _SCRIPT = r"""
   function hide() { tip.style.display = "none"; }
   function pointer(canvas, event) {  // canvas pixels under the pointer
     const box = canvas.getBoundingClientRect();
-    return [(event.clientX - box.left) * canvas.width / box.width, (event.clientY - box.top) * canvas.height / box.height];
+    return [(event.clientX - box.left) * canvas.width / box.width,
+            (event.clientY - box.top) * canvas.height / box.height];
   }
 
   function renderGrid() {
     const layer = current(), Q = layer.queries.length, K = layer.keys.length;
-    const [w, h] = K >= Q ? [THUMB, Math.max(6, Math.round(THUMB * Q / K))] : [Math.max(6, Math.round(THUMB * K / Q)), THUMB];
+    const [w, h] = K >= Q ? [THUMB, Math.max(6, Math.round(THUMB * Q / K))]
+                          : [Math.max(6, Math.round(THUMB * K / Q)), THUMB];
     grid.textContent = "";
     layer.heads.forEach((name, i) => {
       const figure = document.createElement("figure"), canvas = document.createElement("canvas");

@@ -1,7 +1,7 @@
 """How fast the viewer page loads and draws, and the screenshot in docs/viewing.md.
 
     python benchmarks/viewer.py [--tokens 1000] [--repeats 5]
-    python benchmarks/viewer.py --screenshot docs/images/viewer.png
+    python benchmarks/viewer.py --screenshot docs/images/viewer.png --plot docs/images/plot.png
 
 Times one layer of SmolLM2-135M (layer 10, all 9 heads) on a prompt of `--tokens` tokens, in headless Chromium
 (Debian's chromium through Selenium): the page's own load time (navigation start to the end of the load event, which
@@ -89,16 +89,32 @@ def screenshot(path: Path) -> None:
     print(f"{path}: {image.size[0]}x{image.size[1]}, {path.stat().st_size / 1024:.0f} KiB")
 
 
+def plot_image(path: Path) -> None:
+    """attnlens.plot of the same layer and prompt, as a small palette PNG."""
+    from PIL import Image
+
+    model = attnlens.models.smollm2()
+    prompt = "When Mary and John went to the store, John gave a drink to"
+    with tempfile.TemporaryDirectory() as folder:
+        written = attnlens.plot(model, prompt, LAYER, heads=[1, 4, 8], dpi=100, out=Path(folder) / "plot.png")
+        image = Image.open(written).convert("RGB")
+    image.quantize(colors=128).save(path, optimize=True)
+    print(f"{path}: {image.size[0]}x{image.size[1]}, {path.stat().st_size / 1024:.0f} KiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--screenshot", type=Path, help="write the docs screenshot here instead of timing")
+    parser.add_argument("--plot", type=Path, help="write the docs PNG example here instead of timing")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     if args.screenshot is not None:
         screenshot(args.screenshot)
-    else:
+    if args.plot is not None:
+        plot_image(args.plot)
+    if args.screenshot is None and args.plot is None:
         timing(args.tokens, args.repeats)
 
 

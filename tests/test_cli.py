@@ -1,5 +1,5 @@
-"""The `attnlens` command line, run as a user runs it: `python -m attnlens` in a subprocess (the runs start together,
-so the two cores import torch in parallel), its errors included; and every command's --help."""
+"""The `attnlens` command line, run as a user runs it: `python -m attnlens` in a subprocess (one per core at a time),
+its errors included; the rarer errors and every command's --help in this process."""
 
 import csv
 import importlib.util
@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -45,18 +46,19 @@ def commands(tmp: pathlib.Path) -> dict[str, tuple[list[str], str | None]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every run of `commands`, as many at a time as there are cores."""
     tmp = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "ATTNLENS_CACHE": os.environ.get("ATTNLENS_CACHE") or str(pathlib.Path.home() / ".cache" / "attnlens")}
-    started = {}
-    for name, (args, stdin) in commands(tmp).items():
-        process = subprocess.Popen([sys.executable, "-m", "attnlens", *args], cwd=ROOT, env=env, text=True,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        started[name] = (process, stdin)
-    done = {}
-    for name, (process, stdin) in started.items():
-        out, err = process.communicate(stdin, timeout=600)
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+    def run(item):
+        args, stdin = item
+        return subprocess.run([sys.executable, "-m", "attnlens", *args], cwd=ROOT, env=env, text=True, input=stdin,
+                              capture_output=True, timeout=600, check=False)
+
+    planned = commands(tmp)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = dict(zip(planned, pool.map(run, planned.values())))
     done["tmp"] = tmp
     return done
 
