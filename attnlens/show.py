@@ -112,6 +112,49 @@ def _tokens(model, prompt) -> tuple[list[str] | None, str]:
         tokenizer.decode(ids[0])
 
 
+def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:
+    """({layer: [heads, query, key]}, the head numbers kept) of `prompt` on `model`, captured now."""
+    from .capture import capture_attention
+
+    if prompt is None or layers is None:
+        raise ValueError("show(model, prompt, layers): name the prompt and the layers to capture")
+    if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+        raise ValueError("a picture shows one prompt; pass one (a string or 1-D token ids)")
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    for layer in layers:
+        if not isinstance(layer, int) or not -model.num_layers <= layer < model.num_layers:
+            raise IndexError(f"layer must be an int in [0, {model.num_layers}); got {layer!r}")
+    picked = None if heads is None else _index_list(heads, model.layers[layers[0]].self_attn.num_heads, "head")
+    captured = capture_attention(model, prompt, layers, keep="probs", heads=picked, progress=False)
+    return {layer: captured[layer]["probs"] for layer in captured}, picked
+
+
+def _given(source, layers) -> dict:
+    """{layer: [heads, query, key]} of a capture result or a tensor."""
+    if isinstance(source, Mapping):
+        data = {}
+        for layer, entry in source.items():
+            if not isinstance(entry, Mapping) or "probs" not in entry:
+                raise ValueError(f"layer {layer!r} of this capture holds no 'probs'; capture with keep including "
+                                 f"'probs'")
+            data[layer] = entry["probs"]
+        if layers is None:
+            return data
+        wanted = [layers] if isinstance(layers, int) else list(layers)
+        missing = [layer for layer in wanted if layer not in data]
+        if missing:
+            raise IndexError(f"layers {missing} are not in this capture; it holds {list(data)}")
+        return {layer: data[layer] for layer in wanted}
+    if isinstance(source, (list, tuple)) and source and isinstance(source[0], Mapping):
+        raise ValueError(f"this is a capture of {len(source)} prompts; a picture shows one: pass out[i]")
+    if isinstance(source, torch.Tensor):
+        if layers is not None and not isinstance(layers, int):
+            raise ValueError("a tensor is one layer's pattern: layers= labels it with one int")
+        return {layers: source}
+    raise TypeError(f"show and plot take a model, a capture_attention result or a [heads, query, key] tensor; got "
+                    f"{type(source).__name__}")
+
+
 def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[str] | None = None, heads=None,
              head_labels: Sequence[int] | None = None, key_positions=None, query_positions=None,
              title: str | None = None) -> Patterns:
@@ -127,49 +170,16 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
     pattern's heads where it holds a subset. `tokens` is the text of every position of the context (else the model's
     tokenizer on `prompt`, else numbers). A pattern's keys are the last of those positions unless `key_positions`
     says which they are (a sliding window's keys on a decode step), and likewise its queries (`query_positions`).
+    `model` (given a capture or a tensor) decodes the tokens and names the model; `title` names it instead.
     """
     if _is_model(source):
         model = source
-        if prompt is None or layers is None:
-            raise ValueError("show(model, prompt, layers): name the prompt and the layers to capture")
-        from .capture import capture_attention
-
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
-            raise ValueError("a picture shows one prompt; pass one (a string or 1-D token ids)")
-        layer_list = [layers] if isinstance(layers, int) else list(layers)
-        for layer in layer_list:
-            if not isinstance(layer, int) or not -model.num_layers <= layer < model.num_layers:
-                raise IndexError(f"layer must be an int in [0, {model.num_layers}); got {layer!r}")
-        size = model.layers[layer_list[0] if layer_list else 0].self_attn.num_heads
-        picked = None if heads is None else _index_list(heads, size, "head")
-        captured = capture_attention(model, prompt, layer_list, keep="probs", heads=picked, progress=False)
-        data = {layer: captured[layer]["probs"] for layer in captured}
-        head_labels, heads = picked, None
-    elif isinstance(source, Mapping):
-        data = {}
-        for layer, entry in source.items():
-            if not isinstance(entry, Mapping) or "probs" not in entry:
-                raise ValueError(f"layer {layer!r} of this capture holds no 'probs'; capture with keep including "
-                                 f"'probs'")
-            data[layer] = entry["probs"]
-        if layers is not None:
-            wanted = [layers] if isinstance(layers, int) else list(layers)
-            missing = [layer for layer in wanted if layer not in data]
-            if missing:
-                raise IndexError(f"layers {missing} are not in this capture; it holds {list(data)}")
-            data = {layer: data[layer] for layer in wanted}
-    elif isinstance(source, (list, tuple)) and source and isinstance(source[0], Mapping):
-        raise ValueError(f"this is a capture of {len(source)} prompts; a picture shows one: pass out[i]")
-    elif isinstance(source, torch.Tensor):
-        if layers is not None and not isinstance(layers, int):
-            raise ValueError("a tensor is one layer's pattern: layers= labels it with one int")
-        data = {layers: source}
+        data, head_labels = _captured(model, prompt, layers, heads)
+        heads = None
     else:
-        raise TypeError(f"show and plot take a model, a capture_attention result or a [heads, query, key] tensor; "
-                        f"got {type(source).__name__}")
+        data = _given(source, layers)
     if not data:
         raise ValueError("nothing to show: no layers")
-
     found, text = _tokens(model, prompt)
     tokens = list(tokens) if tokens is not None else found
     key_positions, query_positions = (None if p is None else [int(i) for i in torch.as_tensor(p).flatten().tolist()]
@@ -177,23 +187,22 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
     out = []
     for layer, tensor in data.items():
         probs = _as_pattern(tensor, f"layer {layer}")
-        if heads is not None:
-            probs = probs[_index_list(heads, probs.shape[0], "head")]
-        labels = list(head_labels) if head_labels is not None else \
-            _index_list(heads, tensor.shape[-3], "head") if heads is not None else list(range(probs.shape[0]))
+        labels = list(head_labels) if head_labels is not None else list(range(probs.shape[0]))
         if len(labels) != probs.shape[0]:
             raise ValueError(f"head_labels names {len(labels)} heads for a pattern of {probs.shape[0]}")
+        if heads is not None:
+            picked = _index_list(heads, probs.shape[0], "head")
+            probs, labels = probs[picked], [labels[i] for i in picked]
         num_queries, num_keys = probs.shape[1:]
         known = len(tokens) if tokens is not None else max([num_keys, *(1 + p for p in key_positions or []),
                                                               *(1 + p for p in query_positions or [])])
         out.append(LayerPattern(layer, probs, [int(h) for h in labels],
                                 _positions(query_positions, num_queries, known, "query"),
                                 _positions(key_positions, num_keys, known, "key")))
-    total = max(max(p.key_positions + p.query_positions) for p in out) + 1
     if tokens is None:
-        tokens = [str(i) for i in range(total)]
+        tokens = [str(i) for i in range(max(max(p.key_positions + p.query_positions) for p in out) + 1)]
     name = title if title is not None else model_name(model) if model is not None else ""
-    return Patterns(model=name, prompt=text if text else "".join(tokens), tokens=[str(t) for t in tokens], layers=out)
+    return Patterns(model=name, prompt=text or "".join(tokens), tokens=[str(t) for t in tokens], layers=out)
 
 
 # --- the page ---------------------------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ def test_heads_subsets_and_their_labels():
     full = attnlens.capture_attention(model, PROMPT, 1, keep="probs")
     one = patterns(full, PROMPT, model=model, heads=[2]).layers[0]         # indexes into the pattern's heads
     assert one.heads == [2] and torch.equal(one.probs, full[1]["probs"][[2]])
+    again = patterns(kept, PROMPT, model=model, head_labels=[3, 1], heads=[1]).layers[0]   # a subset of a subset
+    assert again.heads == [1] and torch.equal(again.probs, full[1]["probs"][[1]])
+    with pytest.raises(ValueError, match="head_labels names 3 heads for a pattern of 2"):
+        patterns(kept, PROMPT, model=model, head_labels=[3, 1, 0])
 
 
 def test_rebuilt_patterns_on_sdpa():
@@ -289,3 +293,15 @@ def test_a_thousand_tokens_and_every_head_load_fast(browser, tmp_path):
     assert float(view.get_attribute("data-render-ms")) < 5000 and seconds < 10
     _, data = hover_cell(browser, view, 999, 998)
     assert (data["query"], data["key"]) == ("999", "998") and close(float(data["weight"]), probs[0, 999, 998])
+
+
+def test_two_views_in_one_notebook_page(browser, tmp_path):
+    """A notebook shows each view's fragment in one document: each draws its own, neither disturbs the other."""
+    one = show(torch.rand(2, 3, 3).softmax(-1), tokens=list("abc"))
+    two = show(torch.rand(3, 5, 5).softmax(-1), tokens=list("vwxyz"))
+    path = tmp_path / "notebook.html"
+    path.write_text(f"<!DOCTYPE html><html><body>{one._repr_html_()}<p>text</p>{two._repr_html_()}</body></html>")
+    open_page(browser, path)
+    views = browser.find_elements("css selector", ".attnlens-view")
+    assert [(v.get_attribute("data-heads"), v.get_attribute("data-tokens")) for v in views] == [("2", "3"), ("3", "5")]
+    assert [len(v.find_elements("css selector", "canvas.al-thumb")) for v in views] == [2, 3]
