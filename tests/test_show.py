@@ -166,17 +166,23 @@ def _browser_missing() -> str | None:
         import selenium  # noqa: F401
     except ModuleNotFoundError:
         return "selenium is not installed (pip install selenium)"
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        return (f"{CHROMIUM} and {CHROMEDRIVER} are missing: Debian's chromium and chromium-driver packages "
-                f"(`make install` installs them when it runs as root)")
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
+    if missing:
+        return (f"{' and '.join(missing)} missing: Debian's chromium and chromium-driver packages (`make install` "
+                f"installs them when it runs as root)")
     return None
+
+
+def _browser_required() -> bool:
+    return os.environ.get("ATTNLENS_REQUIRE_BROWSER") == "1" or \
+        os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 
 @pytest.fixture(scope="module")
 def browser():
     reason = _browser_missing()
     if reason is not None:
-        if os.environ.get("ATTNLENS_REQUIRE_BROWSER") == "1" or os.environ.get("CI"):
+        if _browser_required():
             pytest.fail(f"the browser tests must run here (ATTNLENS_REQUIRE_BROWSER=1 or CI is set): {reason}")
         pytest.skip(reason)
     from selenium import webdriver
