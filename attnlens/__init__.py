@@ -1,6 +1,6 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
-from . import models  # noqa: E402  (after StandardizedTransformer, which it builds)
+from . import models
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
 from .editing import keep_masked, masked
 from .errors import (
@@ -15,8 +15,11 @@ from .errors import (
 from .family import Family
 from .fused import FusedQKV
 from .geometry import HeadGeometry
+from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
+from .plot import plot
 from .registry import family_for, register, registered
+from .show import View, show
 from .standardized import StandardizedTransformer
 from .support import Support
 from .values import ALL_VALUES, Value
@@ -38,4 +41,6 @@ __all__ = [
     "register", "registered",
     # capture (attnlens/capture/)
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
+    # seeing and summarising (show.py, plot.py, heads.py)
+    "HeadSummaries", "View", "head_summaries", "plot", "show",
 ]

@@ -15,7 +15,7 @@ from greenlet import getcurrent
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .errors import EditError, OrderError, Unavailable
-from .family import Family
+from .family import ENGINES, Family
 from .geometry import HeadGeometry
 from .locations import Location
 from .support import Support
@@ -128,7 +128,7 @@ class Access:
                 if said:
                     notes[value.name] = "; ".join(said)
         keyed = {BY_NAME[name].key: note for name, note in notes.items() if name in BY_NAME}
-        return Support(family=self.family.name, layer=layer, engine=self.engine, reasons=report,
+        return Support(family=self.family.name, layer=layer, engine=ENGINES[self.engine], reasons=report,
                        notes={key: note for key, note in keyed.items() if report.get(key) is None})
 
     def order(self, layer: int = 0) -> dict[str, int]:

@@ -1,21 +1,26 @@
-"""`make demo`: on SmolLM2, the support table for one layer and where each head of that layer attends most."""
+"""`make demo`: on SmolLM2, the support table for one layer, where each head of that layer attends most, and the
+layer's pattern as a viewer page and a PNG (in `demo-output/`)."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from . import models
+from .plot import plot
+from .show import show
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--prompt", default="When Mary and John went to the store, John gave a drink to")
+    parser.add_argument("--out", type=Path, default=Path("demo-output"), help="where the page and the PNG go")
     args = parser.parse_args(argv)
     console = Console()
 
@@ -43,7 +48,14 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(str(head), str(head // groups), *cells)
     console.print(table)
     next_token = model.tokenizer.decode([int(logits[0, -1].argmax())])
-    console.print(f"next token: {next_token!r}; demo took {time.perf_counter() - start:.1f} s")
+    console.print(f"next token: {next_token!r}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    page = show(pattern, args.prompt, args.layer, model=model).save(args.out / f"layer{args.layer}.html")
+    png = plot(pattern, args.prompt, args.layer, model=model, out=args.out / f"layer{args.layer}.png")
+    console.print(f"the pattern of layer {args.layer}, every head: {page.resolve()} (open it in a browser; hover a "
+                  f"cell for its weight)\nthe same as a PNG: {png.resolve()}")
+    console.print(f"demo took {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from .geometry import HeadGeometry
 from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .values import ALL_VALUES, BY_NAME
 
-#: The engines a family describes: transformers' own modules, and vLLM's.
-ENGINES = ("eager", "vllm")
+#: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
+#: its attention implementation), and vLLM's (`StandardizedVLLM`).
+ENGINES = {"eager": "transformers", "vllm": "vllm"}
 
 if TYPE_CHECKING:
     from .fused import FusedQKV

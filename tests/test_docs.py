@@ -1,18 +1,24 @@
 """The docs run: every ```python block of each page executes, in order, in one namespace per page.
 
-A line `# expected` after a `print(...)` states what it prints; the test compares it.
+A line `# expected` after a `print(...)` states what it prints; the test compares it. In ```console blocks each
+`$ ` line runs in bash (`attnlens` being `python -m attnlens`), in order, in one folder per page; the lines after it
+are what it prints, compared with runs of spaces collapsed ("..." skips a line).
 """
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+CONSOLE = re.compile(r"```console\n(.*?)```", re.S)
 
 
 def expected_output(block: str) -> list[str]:
@@ -64,3 +70,33 @@ def test_family_table_is_current():
         assert written == now, hint
     else:  # another supported transformers: what is available must agree; notes may word a version's code
         assert _availability(written) == _availability(now), hint
+
+
+def console_steps(block: str) -> list[tuple[str, list[str]]]:
+    """(command, the lines it prints) of each `$ ` line of a console block."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif steps and line.strip() not in ("", "..."):
+            steps[-1][1].append(" ".join(line.split()))
+    return steps
+
+
+CONSOLE_PAGES = [page for page in PAGES if CONSOLE.search(page.read_text())]
+
+
+@pytest.mark.parametrize("page", CONSOLE_PAGES, ids=[p.name for p in CONSOLE_PAGES])
+def test_page_commands_run(page, tmp_path):
+    root = str(DOCS.parent)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    prelude = f'attnlens() {{ "{sys.executable}" -m attnlens "$@"; }}\n'
+    for block in CONSOLE.findall(page.read_text()):
+        for command, expected in console_steps(block):
+            run = subprocess.run(["bash", "-c", prelude + command], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=600)
+            assert run.returncode == 0, f"{page.name}: `{command}` failed: {run.stderr}"
+            printed = [" ".join(line.split()) for line in run.stdout.splitlines()]
+            for want in expected:
+                assert want in printed, f"{page.name}: `{command}` should print {want!r}; printed {printed}"

