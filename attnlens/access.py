@@ -66,6 +66,11 @@ class Access:
             raise RuntimeError(f"{envoy.path} is not inside a block of {self.family.layers}")
         return int(found.group(1))
 
+    @property
+    def where(self) -> str:
+        """The family, and the engine where it is not the eager one: how error messages name the model."""
+        return self.family.name if self.engine == "eager" else f"{self.family.name} ({self.engine})"
+
     def geometry(self, layer: int) -> HeadGeometry:
         try:
             return self._geometry(layer)
@@ -107,8 +112,7 @@ class Access:
         """Where `name` is read on `layer`; `Unavailable` with the reason where it is not served."""
         reason = self.reasons(layer).get(name)
         if reason is not None:
-            engine = "" if self.engine == "eager" else f" ({self.engine})"
-            raise Unavailable(f"{describe(name, layer)} on {self.family.name}{engine}: {reason}")
+            raise Unavailable(f"{describe(name, layer)} on {self.where}: {reason}")
         from . import rebuild
 
         return rebuild.location(self, name, layer) or self.locations(layer)[name]
@@ -167,7 +171,7 @@ class Access:
         self.check_copies()
         value = self._at(name, layer, lambda: location.read(envoy))
         if not location.in_place and isinstance(value, torch.Tensor):
-            self.guard(value, name, layer, location.why_not or "it is a copy of what the forward holds")
+            value = self.guard(value, name, layer, location.why_not or "it is a copy of what the forward holds")
         return value
 
     def write(self, envoy, name: str, layer: int | None, new: Any) -> None:
@@ -176,7 +180,7 @@ class Access:
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
         self.check_copies()
         if not location.writable:
-            raise EditError(f"{describe(name, layer)} is read-only on {self.family.name}: {location.why_not}")
+            raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {location.why_not}")
         current = self._at(name, layer, lambda: location.read(envoy))
         new = self.conform(name, layer, current, new)
         self._at(name, layer, lambda: location.write(envoy, new))
@@ -267,14 +271,15 @@ class Access:
                     f"new.unflatten(-1, ({want[-2]}, {want[-1]})).")
         return ""
 
-    def guard(self, tensor: torch.Tensor, name: str, layer: int | None, why: str) -> None:
-        """Hand `tensor` out as a copy: an in-place edit of it could not reach the model, so the next read, write or
-        the end of the run raises `EditError` if one happened."""
-        try:
-            version = tensor._version
-        except RuntimeError:  # an inference tensor keeps no version: it cannot be edited outside inference mode
-            return
-        self._registry().append((tensor, version, name, layer, why))
+    def guard(self, tensor: torch.Tensor, name: str, layer: int | None, why: str) -> torch.Tensor:
+        """`tensor`, handed out as a copy: an in-place edit of it could not reach the model, so the next read, write
+        or the end of the step raises `EditError` if one happened. An inference tensor counts no edits, so it is
+        handed out as a normal one."""
+        if tensor.is_inference():
+            with torch.inference_mode(False):
+                tensor = tensor.clone()
+        self._registry().append((tensor, tensor._version, name, layer, why))
+        return tensor
 
     def _registry(self) -> list:
         if self.run_copies is not None:
@@ -282,9 +287,20 @@ class Access:
         found = mediator()
         return found.__dict__.setdefault("attnlens_copies", []) if found is not None else []
 
+    def gradient_error(self, message: str, registry: list) -> Unavailable | None:
+        """nnsight's error for a gradient that never came, when it was asked of a tensor handed out as a copy: the
+        loss never flows through it."""
+        asked = re.search(r"'(\d+)\.grad", message)
+        for tensor, _, name, layer, why in registry if asked else ():
+            if id(tensor) == int(asked.group(1)):
+                return Unavailable(f"the gradient of {describe(name, layer)} on {self.where} is unavailable: {why}, "
+                                   f"computed beside the forward, so no gradient from the loss reaches it. Take the "
+                                   f"gradient of a value the forward uses (the queries and keys, the head outputs)")
+        return None
+
     def check_copies(self, registry: list | None = None) -> None:
         for tensor, version, name, layer, why in (self._registry() if registry is None else registry):
             if tensor._version != version:
-                raise EditError(f"{describe(name, layer)} was edited in place, but on {self.family.name} "
-                                f"({self.engine}) {why}, so the edit could not reach the model. Assign it instead: "
+                raise EditError(f"{describe(name, layer)} was edited in place, but on {self.where} {why}, so the edit "
+                                f"could not reach the model. Assign it instead: "
                                 f"`... .{name} = edited` with an edited tensor or a clone you edit.")

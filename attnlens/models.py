@@ -142,9 +142,11 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
     return model
 
 
-def tiny(family: str, *, attn_implementation: str = "eager", seed: int = 0, **config_overrides):
+def tiny(family: str, *, attn_implementation: str = "eager", seed: int = 0, rebuild_patterns: bool = False,
+         **config_overrides):
     """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
     from .standardized import StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    return StandardizedTransformer(model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation)
+    return StandardizedTransformer(model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation,
+                                   rebuild_patterns=rebuild_patterns)

@@ -178,9 +178,9 @@ class Rebuilt(Location):
 
     @property
     def why_not(self) -> str:
-        return (f"it is rebuilt from the queries and keys (rebuild_patterns=True) and read-only: the model runs "
-                f"{self.implementation!r}, which never forms it. Edit the queries or keys, or load with "
-                f"attn_implementation='eager' to edit it")
+        return (f"it is rebuilt from the queries and keys (rebuild_patterns=True), because the model runs "
+                f"{self.implementation!r}, which never forms it (edit the queries or keys, or load with "
+                f"attn_implementation='eager' to edit it)")
 
     @property
     def key(self) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from nnsight import TransformersModel
+from nnsight.intervention.interleaver import OutOfOrderError
 
 from .access import Access
 from .envoys import Helpful, add_model_values, envoy_classes
@@ -151,6 +152,8 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self.access.run_copies = []
         try:
             result = super().interleave(*args, **kwargs)
+        except OutOfOrderError as error:  # a gradient asked of a copy never comes: say which value, and why
+            raise (self.access.gradient_error(str(error), self.access.run_copies) or error) from error
         except RuntimeError as error:
             if self.family.fused_views and "is a view and is being modified inplace" in str(error):
                 names = ", ".join(self.family.fused_views)

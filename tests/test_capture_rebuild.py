@@ -55,6 +55,34 @@ def test_support_says_rebuilt_read_only():
             model.layers[1].self_attn.attention_scores = torch.zeros(1)
 
 
+#: How far a rebuilt pattern may be from an eager model's, by dtype: sdpa and eager compute the earlier layers in
+#: another order, so the queries and keys already differ (docs/patterns-without-eager.md has the measurements).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_rebuilt_patterns_per_dtype(dtype):
+    """Exact against the eager function on the same queries and keys; within the dtype's tolerance of eager."""
+    prompt = "When Mary and John went to the store, John gave a drink to"
+    models = {}
+    for implementation in ("sdpa", "eager"):
+        inner = tiny_model("llama", attn_implementation=implementation).to(dtype)
+        models[implementation] = attnlens.StandardizedTransformer(
+            inner, tokenizer=char_tokenizer(), attn_implementation=implementation, rebuild_patterns=True)
+    got = {}
+    for implementation, model in models.items():
+        attn = model.layers[1].self_attn
+        with torch.no_grad(), model.trace(prompt):
+            got[implementation] = (attn.attention_queries.save(), attn.attention_keys.save(),
+                                   attn.attention_probabilities.save())
+    queries, keys, rebuilt = got["sdpa"]
+    sdpa = models["sdpa"]
+    scores = sdpa.family.scores(sdpa.layers[1].self_attn.heads, sdpa.config, queries, keys, 1)
+    assert rebuilt.dtype == dtype
+    assert torch.equal(rebuilt, scores.softmax(-1, dtype=torch.float32).to(dtype))
+    assert (rebuilt.float() - got["eager"][2].float()).abs().max() <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_rebuilt_patterns_equal_eager(case):
     """Every family sdpa can run: rebuilt scores and pattern (in a trace, and captured from a padded batch) equal the

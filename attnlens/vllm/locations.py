@@ -103,41 +103,33 @@ class KernelInput(Location):
     def key(self) -> str:
         return f"{self.kernel}.input"
 
-    def _sizes(self, envoy):
-        worker = worker_of(envoy)
-        layer = worker.access.layer_of(envoy)
-        heads = worker.geometry[layer]
-        total = heads.num_heads if self.which == 0 else heads.num_kv_heads
-        return worker, layer, total, heads.qk_head_dim if self.which < 2 else heads.head_dim
+    @property
+    def name(self) -> str:
+        return ("attention_queries", "attention_keys", "attention_values")[self.which]
 
     def read(self, envoy):
-        worker, layer, total, dim = self._sizes(envoy)
-        args, kwargs = child(envoy, self.kernel).inputs
-        current = kept.split_heads(kept.kernel_arg(args, kwargs, self.which), dim, total)
-        if self.which == 0:
-            return current
-        state = worker.state()
-        before = state.history.before(layer, state.position)
-        if before is None:
-            return current
-        context = torch.cat([kept.split_heads(before[self.which - 1], dim, total), current], dim=2)
-        worker.access.guard(context, ("attention_keys", "attention_values")[self.which - 1], layer,
-                            "on a decode step it is a new tensor (the kept rows, then this step's)")
-        return context
+        worker = worker_of(envoy)
+        heads, joined = worker.kernel_heads(envoy, self.kernel, self.which)
+        if not joined:
+            return heads
+        return worker.access.guard(heads, self.name, worker.access.layer_of(envoy),
+                                   "on a decode step it is a new tensor (the kept rows, then this step's)")
 
     def write(self, envoy, value):
-        worker, layer, total, dim = self._sizes(envoy)
+        worker = worker_of(envoy)
+        layer = worker.access.layer_of(envoy)
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
         count = kept.kernel_arg(args, kwargs, self.which).shape[0]
         if value.shape[2] > count:  # a decode step's whole context: only this step's rows reach the kernel
-            name = ("attention_queries", "attention_keys", "attention_values")[self.which]
-            earlier = self.read(envoy)[:, :, :-count]
+            earlier = worker.kernel_heads(envoy, self.kernel, self.which)[0][:, :, :-count]
             if not torch.equal(value[:, :, :-count], earlier.to(value.dtype)):
                 raise EditError(
-                    f"layers[{layer}].self_attn.{name}: only this step's rows can be edited on a decode step; "
+                    f"layers[{layer}].self_attn.{self.name}: only this step's rows can be edited on a decode step; "
                     f"earlier rows are in vLLM's KV cache already. Edit them on the step that computed them.")
             value = value[:, :, -count:]
+        heads = worker.geometry[layer]
+        total = heads.num_heads if self.which == 0 else heads.num_kv_heads
         kernel.inputs = kept.with_kernel_arg(args, kwargs, self.which, kept.merge_local(value, total))
 
 
