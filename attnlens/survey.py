@@ -515,9 +515,9 @@ CONFIG_FEATURES = ("layer_types", "sliding_window", "attention_chunk_size", "no_
 
 
 def features(model, layers_path: str, attention: dict[int, str]) -> dict[str, str]:
-    """What the attention layers do beyond the common arithmetic, names found in the model and its config: QK norms,
-    fused projections, output gates, sinks, soft-caps, norms after the sublayers, expert MLPs, windows, chunks,
-    layers without rotary embedding."""
+    """What the attention layers do beyond the common arithmetic, names found in the model and its config: norms in
+    the attention module (QK norms mostly), fused projections, output gates, sinks, soft-caps, other norms in the
+    block, expert MLPs, windows, chunks, layers without rotary embedding, latent ranks."""
     found: dict[str, str] = {}
     blocks = model.get_submodule(layers_path)
     for layer, path in attention.items():
@@ -525,8 +525,8 @@ def features(model, layers_path: str, attention: dict[int, str]) -> dict[str, st
         module = _attention_module(model, block, path)
         kind = type(module).__name__
         norms = _children(module, "norm")
-        if norms:
-            found.setdefault("qk_norm", f"{kind}: {', '.join(norms)}")
+        if norms:  # QK norms mostly; also latent and sub-layer norms
+            found.setdefault("attention_norms", f"{kind}: {', '.join(norms)}")
         if not all(_module(module, p) is not None for p in ("q_proj", "k_proj", "v_proj")):
             found.setdefault("projections", f"{kind}: {', '.join(_children(module))}")
         call = interface_call(type(module))
@@ -678,9 +678,9 @@ def survey_type(model_type: str) -> dict:
         model = build(model_type)
         layers_path = find_layers(model)
         logits, softmaxes = run(model, layers_path)
-        record["build"] = {"ok": True, "seconds": round(time.perf_counter() - start, 2), "error": None}
+        record["build"] = {"ok": True, "seconds": round(time.perf_counter() - start, 1), "error": None}
     except BaseException as error:  # noqa: BLE001  (the survey's worker turns a timeout into an exception)
-        record["build"] = {"ok": False, "seconds": round(time.perf_counter() - start, 2), "error": _first_line(error)}
+        record["build"] = {"ok": False, "seconds": round(time.perf_counter() - start, 1), "error": _first_line(error)}
         return record
     try:
         _inspect(model_type, record, model, layers_path, logits, softmaxes, family)
@@ -776,7 +776,7 @@ def first_difference(common: dict) -> str | None:
     blocking = [d for d in common["differences"] if d["blocking"]]
     if blocking:
         d = blocking[0]
-        return f"{d['role']}: {d['found']} (expected {d['expected']})"
+        return f"{d['role']}: {d['found'] or 'the block itself'} (expected {d['expected']})"
     check = common["check"] or {}
     if check.get("error"):
         return f"probe: {check['error']}"
@@ -877,6 +877,9 @@ NOTES = {
     "xlnet": "a permutation language model: bidirectional unless given a perm_mask",
     "mllama": "its cross-attention blocks (block 1 here) run only with image inputs; on text alone they are skipped",
     "dory": "its recurrent blocks run more than once per forward",
+    "nanochat": "model.norm runs twice: on the embeddings before the first block, and after the last",
+    "xlm": "no block modules: parallel lists (transformer.attentions, layer_norm1, ffns, layer_norm2), so the "
+           "attention modules are the blocks found",
     "zamba": "one transformer block is shared by the hybrid layers",
     "zamba2": "transformer blocks are shared by the hybrid layers",
 }
@@ -1093,8 +1096,9 @@ FIELDS = """## How each column is found
   every operation's name and anchor, and `attnlens.checks` runs the identities on each softmax block. It *fits*
   when nothing blocking differs and the identities hold; otherwise the column gives the first blocking difference,
   the probe's error, or the first failing identity. Each record also lists `features`: what the attention does
-  beyond the common arithmetic (QK norms, fused projections, output gates, sinks, soft-caps, other norms in the
-  block, expert MLPs, and the config's windows, chunks, layers without rotary embedding, latent ranks).
+  beyond the common arithmetic (norms in the attention module, QK norms mostly; fused projections, output gates,
+  sinks, soft-caps, other norms in the block, expert MLPs, and the config's windows, chunks, layers without rotary
+  embedding, latent ranks).
 - **notes**: why a type does not build or needs more than token ids, whether it is an encoder (built once more
   without `is_decoder`/`causal` to see whether it is causal without them) or an encoder-decoder's decoder, whether
   it is causal as built (changing the last token leaves the earlier logits alone), its other towers or non-text
