@@ -627,8 +627,8 @@ def check(model, family: Family, layers: list[int]) -> dict:
 
 # --- one type ------------------------------------------------------------------------------------------------------
 
-#: Forward parameters that carry something other than text, by the words in their names.
-MODALITY_WORDS = ("pixel", "image", "video", "audio", "speech", "input_features", "input_values")
+#: Forward parameters and sub-configs that carry something other than text, by the words in their names.
+MODALITY_WORDS = ("pixel", "image", "vision", "video", "audio", "speech", "input_features", "input_values")
 
 
 def classes(model_type: str) -> tuple[str, str]:
@@ -928,8 +928,7 @@ def categories(data: dict) -> dict[str, list[str]]:
         "attention-free": having(lambda r: r.get("layout") == "attention-free"),
         "encoder-style: an encoder run as a decoder, or an encoder-decoder's decoder": having(
             lambda r: r.get("encoder_style") or r.get("encoder_decoder")),
-        "multimodal: other towers in the config, or non-text inputs": having(
-            lambda r: r.get("sub_configs") or r.get("modality_inputs")),
+        "multimodal: a vision or audio tower, or non-text inputs": having(_multimodal),
         "not causal as built": having(lambda r: r.get("causal") is False),
         "registered in attnlens": having(lambda r: r["registered"]),
         "… whose family's checks pass on the survey's model": having(
@@ -940,6 +939,12 @@ def categories(data: dict) -> dict[str, list[str]]:
         **({f"in transformers {other['versions']['transformers']} too": [t for t in records if t in other["records"]]}
            if other else {}),
     }
+
+
+def _multimodal(record: dict) -> list[str]:
+    """The record's vision and audio sub-configs and non-text forward inputs."""
+    towers = [n for n in record.get("sub_configs", []) if any(w in n for w in MODALITY_WORDS)]
+    return towers + record.get("modality_inputs", [])
 
 
 def _candidate(record: dict) -> bool:
@@ -1006,9 +1011,8 @@ def _notes(record: dict, other: dict | None) -> str:
         notes.append("decoder of an encoder-decoder")
     if record.get("causal") is False:
         notes.append("not causal as built")
-    towers = record.get("sub_configs") or []
-    if towers or record.get("modality_inputs"):
-        notes.append("multimodal: " + ", ".join(towers + record.get("modality_inputs", [])))
+    if _multimodal(record):
+        notes.append("multimodal: " + ", ".join(_multimodal(record)))
     if record.get("same_class_as"):
         notes.append(f"same class as registered {', '.join(record['same_class_as'])}")
     return "; ".join(notes).replace("|", "\\|")
@@ -1101,8 +1105,9 @@ FIELDS = """## How each column is found
   embedding, latent ranks).
 - **notes**: why a type does not build or needs more than token ids, whether it is an encoder (built once more
   without `is_decoder`/`causal` to see whether it is causal without them) or an encoder-decoder's decoder, whether
-  it is causal as built (changing the last token leaves the earlier logits alone), its other towers or non-text
-  inputs, and registered types served by the same causal-LM class."""
+  it is causal as built (changing the last token leaves the earlier logits alone), whether it is multimodal (vision
+  or audio sub-configs, forward parameters for pixels or audio), and registered types served by the same
+  causal-LM class."""
 
 
 def dump(data: dict) -> str:
