@@ -649,7 +649,7 @@ def static_facts(model_type: str) -> dict:
     default = default_config(model_type)
     text = default.get_text_config(decoder=True)
     towers = [n for n in getattr(type(default), "sub_configs", {}) if getattr(default, n, None) is not text]
-    forward = getattr(getattr(transformers, model_class), "forward")
+    forward = getattr(transformers, model_class).forward
     inputs = [p for p in inspect.signature(forward).parameters if any(w in p for w in MODALITY_WORDS)]
     same = sorted(t for t in _registered() if t != model_type and classes(t)[1] == model_class)
     return {"config_class": config_class, "causal_lm_class": model_class, "sub_configs": towers,
