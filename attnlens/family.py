@@ -376,6 +376,10 @@ class Family:
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"
+    #: Config overrides on top of `tiny` for a checkpoint vLLM's CPU kernels accept (head sizes of 32 and up), and
+    #: the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family with `vllm_model_types`.
+    vllm_tiny: ClassVar[dict] = {"head_dim": 32}
+    vllm_dtype: ClassVar[str] = "float32"
     #: Why a value the family has is missing from `vllm_locations()`.
     vllm_absent: ClassVar[dict[str, str]] = {
         "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "

@@ -10,33 +10,38 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes below
 
 import pytest
+import torch
 
 import attnlens
 
 PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4)
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 
-#: Tiny random checkpoints vLLM's CPU kernel accepts (head sizes of 32 or more), one per family under test.
-TINY = {
-    "llama": {"head_dim": 32},
-    "qwen3": {"head_dim": 32},  # QK-norm
-    "gemma2": {"head_dim": 32},  # soft-capped scores, alternating sliding windows of 4
-    "gemma3": {"head_dim": 32},  # QK-norm, sliding windows of 4 from layer_types
-}
+def _vllm_families() -> dict:
+    """One tiny checkpoint per family the vLLM backend serves (`Family.vllm_model_types`), by its first model type."""
+    cases = {}
+    for model_type, family in sorted(attnlens.registered().items()):
+        if model_type in family.vllm_model_types and family.tiny is not None and family not in cases.values():
+            cases[model_type] = family
+    return cases
 
 
-def engine_args(max_model_len: int, kv_bytes: int) -> dict:
-    return dict(dtype="float32", distributed_executor_backend="uni", max_model_len=max_model_len,
+#: model type -> family, for every family served on vLLM; its tiny checkpoint takes `Family.vllm_tiny`.
+FAMILIES = _vllm_families()
+
+
+def engine_args(max_model_len: int, kv_bytes: int, dtype: str = "float32") -> dict:
+    return dict(dtype=dtype, distributed_executor_backend="uni", max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_bytes, seed=0)
 
 
 class Pair:
-    """One checkpoint on both engines."""
+    """One checkpoint on both engines, in one dtype."""
 
-    def __init__(self, name, path, prompt, max_model_len, kv_bytes):
-        self.name, self.path, self.prompt = name, path, prompt
-        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes))
-        self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager")
+    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32"):
+        self.name, self.path, self.prompt, self.dtype = name, path, prompt, getattr(torch, dtype)
+        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype))
+        self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
 
 
 _pairs: dict = {}
@@ -47,14 +52,15 @@ def pair(name: str, tmp_path_factory) -> Pair:
         if name == "smollm2":
             _pairs[name] = Pair(name, attnlens.models.smollm2_path(), SMOLLM2_PROMPT, 256, 64 * 2**20)
         else:
+            family = FAMILIES[name]
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
-            attnlens.models.tiny_model(name, **TINY[name]).save_pretrained(folder)
+            attnlens.models.tiny_model(name, **family.vllm_tiny).save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype)
     return _pairs[name]
 
 
-@pytest.fixture(scope="session", params=["smollm2", *TINY])
+@pytest.fixture(scope="session", params=["smollm2", *FAMILIES])
 def models(request, tmp_path_factory):
     return pair(request.param, tmp_path_factory)
 
