@@ -45,6 +45,12 @@ class StandardizedVLLM(Helpful, VLLM):
         from transformers import AutoConfig
 
         path = str(model)
+        if int(kwargs.get("pipeline_parallel_size") or 1) > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={kwargs['pipeline_parallel_size']}: attnlens reads values inside vLLM's "
+                f"workers through nnsight, which runs every trace body on every worker; under pipeline parallelism a "
+                f"worker holds only its stage's blocks, so a body reading blocks of another stage waits for values "
+                f"that never reach it. Use tensor_parallel_size to spread a model over devices instead.")
         if "torch_dtype" in kwargs:
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")

@@ -250,9 +250,14 @@ def _recording(base: type) -> type:
 
 class AttnlensRequests(Requests):
     """nnsight's request table, with attnlens's check that no copy it handed out was edited in place: run when each
-    step's saves and errors are recorded, so the request goes home with an `EditError` rather than a silent no-op."""
+    step's saves and errors are recorded, so the request goes home with an `EditError` rather than a silent no-op.
+    Chunked prefill is served (nnsight refuses it): each step holds one chunk of the prompt, whose rows attnlens
+    rebuilds against the keys kept from the earlier chunks and this chunk's own."""
 
     access: Access
+
+    def refuse_chunked(self, spans: list, states: dict) -> None:
+        pass
 
     def record(self, found: Any) -> None:
         if found.exception is None:

@@ -1,0 +1,141 @@
+"""At scale: chunked prefill, many requests in one trace, tensor parallelism on two CPU ranks, and the refusal of
+pipeline parallelism. Each is checked against the eager engine on the same weights (or against each request alone)."""
+
+import os
+
+import pytest
+import torch
+from conftest import engine_args, pair
+from test_equal_to_eager import aligned, close, plan, read_steps
+from vllm import envs
+
+import attnlens
+
+LONG = "The quick brown fox jumps over the lazy dog, again and again and again!"  # 71 tokens: five chunks of 16
+
+
+def joined(steps, name, layer, prompt_length):
+    """The prefill's rows of `name`, joined from the chunk steps along the query axis (the keys a chunk cannot see yet
+    filled in as masked)."""
+    rows = []
+    for step in steps:
+        tensor = step[(layer, name)]
+        if sum(r.shape[2] for r in rows) >= prompt_length:
+            break
+        fill = torch.finfo(tensor.dtype).min if name == "attention_scores" else 0.0
+        rows.append(torch.nn.functional.pad(tensor, (0, prompt_length - tensor.shape[-1]), value=fill))
+    return torch.cat(rows, dim=2)
+
+
+def test_chunked_prefill_gives_each_chunks_rows_against_every_earlier_key(llama):
+    model = attnlens.StandardizedVLLM(str(llama.path), enable_chunked_prefill=True, max_num_batched_tokens=16,
+                                      max_num_seqs=2, **engine_args(128, 16 * 2**20))
+    n = len(llama.eager.tokenizer(LONG).input_ids)
+    names = ("attention_scores", "attention_probabilities", "attention_head_outputs")
+    reads = [(1, "self_attn", name) for name in names]
+    chunks = -(-n // 16)
+    steps = read_steps(model, LONG, reads, steps=chunks + 2)
+    assert [step[(1, "attention_probabilities")].shape[2:] for step in steps] == \
+        [(16, 16), (16, 32), (16, 48), (16, 64), (n - 64, n), (1, n + 1), (1, n + 2)]
+    eager = read_steps(llama.eager, LONG, reads, steps=1)[0]
+    for name in ("attention_scores", "attention_probabilities"):
+        assert close(joined(steps, name, 1, n), eager[(1, name)]), name
+    heads = torch.cat([step[(1, "attention_head_outputs")] for step in steps[:chunks]], dim=1)
+    assert close(heads, eager[(1, "attention_head_outputs")])
+    # decode steps after a chunked prefill are the unchunked engine's
+    tokens = model.generate(LONG, max_tokens=6, temperature=0.0)[0].outputs[0].token_ids
+    assert tokens == llama.vllm.generate(LONG, max_tokens=6, temperature=0.0)[0].outputs[0].token_ids
+
+
+def test_32_requests_in_one_trace_each_equal_its_run_alone(llama):
+    model = llama.vllm
+    prompts = [LONG[: 5 + 2 * i] for i in range(32)]
+    attn = model.layers[1].self_attn
+
+    def read(*invoked):
+        with torch.no_grad(), model.trace(max_tokens=2, temperature=0.0) as tracer:
+            for prompt in invoked:
+                with tracer.invoke(prompt):
+                    steps = list().save()
+                    for _ in tracer.iter[:2]:
+                        steps.append((attn.attention_probabilities.clone(), model.logits.clone()))
+        return steps if len(invoked) > 1 else [steps]  # a name saved by several requests comes back as a list
+
+    together = read(*prompts)
+    assert len(together) == 32 and model.kept() == [{"requests": 0, "bytes": 0}]
+    for prompt, steps in zip(prompts, together):
+        alone = read(prompt)[0]
+        assert [p.shape for p, _ in steps] == [p.shape for p, _ in alone]
+        for (p, logits), (p_alone, logits_alone) in zip(steps, alone):
+            assert close(p, p_alone) and close(logits, logits_alone)
+
+
+def test_pipeline_parallelism_is_refused_before_an_engine_starts(llama):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: .*every trace body on every worker"):
+        attnlens.StandardizedVLLM(str(llama.path), pipeline_parallel_size=2)
+
+
+# --- tensor parallelism: two CPU ranks, one core each, in one engine for every test below ----------------------------
+
+STATIC = ["query.1", "attn_probs.1", "value.1", "z.1"]
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    llama = pair("llama", tmp_path_factory)  # 4 query heads, 2 key/value heads: both divide over two ranks
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
+    envs.disable_envs_cache()  # vLLM froze its environment when the first engine started
+    try:
+        model = attnlens.StandardizedVLLM(str(llama.path), tensor_parallel_size=2, static_points=STATIC,
+                                          **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"})
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return model, llama
+
+
+def test_tensor_parallel_values_equal_eager_on_prefill_and_decode_steps(tp):
+    model, llama = tp
+    reads = plan(model, range(model.num_layers))
+    on_tp, on_eager = read_steps(model, llama.prompt, reads), read_steps(llama.eager, llama.prompt, reads)
+    for step, (t, e) in enumerate(zip(on_tp, on_eager)):
+        for key, want in e.items():
+            name = key[1] if isinstance(key, tuple) else key
+            want, got = aligned(name, want, t[key])
+            assert close(got, want), (step, key)
+    assert model.kept() == [{"requests": 0, "bytes": 0}] * 2
+
+
+@pytest.mark.parametrize("edit", [
+    lambda attn: attn.attention_head_outputs.__setitem__((slice(None), slice(None), 3), 0),  # a head of rank 1
+    lambda attn: setattr(attn, "attention_queries", attn.attention_queries * 0),
+    lambda attn: attn.attention_probabilities[:, 2].__setitem__(slice(None), 0),  # recomputed from kept values
+], ids=["ablate head 3", "zero the queries", "zero head 2's pattern"])
+def test_tensor_parallel_edits_land_on_the_right_rank(tp, edit):
+    model, llama = tp
+
+    def logits(engine, with_edit):
+        attn = engine.layers[1].self_attn
+        with torch.no_grad(), engine.trace(llama.prompt, max_new_tokens=1, do_sample=False):
+            if with_edit:
+                edit(attn)
+            out = engine.logits[:, -1].clone().save()
+        return out
+
+    edited = logits(model, True)
+    assert not close(edited, logits(model, False))
+    assert close(edited, logits(llama.eager, True))
+
+
+def test_tensor_parallel_static_captures_equal_eager(tp):
+    model, llama = tp
+    result = model.static_generate(llama.prompt, max_new_tokens=3, do_sample=False)
+    ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
+    want = attnlens.run_with_cache(llama.eager, ids, STATIC)
+    p = len(result.output.prompt_token_ids)
+    for step, got in enumerate(result.steps):
+        rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
+        end = p + step
+        assert close(got["query.1"], want["query.1"][:, :, rows])
+        assert close(got["value.1"], want["value.1"][:, :, :end])
+        assert close(got["attn_probs.1"], want["attn_probs.1"][:, :, rows, :end])
+        assert close(got["z.1"], want["z.1"][:, rows])
