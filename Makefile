@@ -84,8 +84,7 @@ test-eager-vllm: install-vllm
 	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider -m "not real" tests
 
 benchmark-vllm: install-vllm
-	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py
-	$(VLLM_ENV) $(VPY) benchmarks/vllm_static.py
+	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py --tp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info demo-output

@@ -42,7 +42,7 @@ class Access:
         self._reasons: dict[int | None, dict[str, str]] = {}
         self._orders: dict[int, dict[str, int]] = {}
         self._rebuild_patterns = rebuild_patterns
-        self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.layers)}\.(\d+)(?:\.|$)")
+        self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.path('layers', engine))}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
         self.run_copies: list | None = None
         #: Tokens the running forward has seen, this step's included (eager; None where keys span the context).
@@ -63,7 +63,7 @@ class Access:
     def layer_of(self, envoy) -> int:
         found = self._layer_path.search(envoy.path)
         if found is None:
-            raise RuntimeError(f"{envoy.path} is not inside a block of {self.family.layers}")
+            raise RuntimeError(f"{envoy.path} is not inside a block of {self.family.path('layers', self.engine)}")
         return int(found.group(1))
 
     @property

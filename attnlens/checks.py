@@ -38,10 +38,10 @@ def read_everything(model, prompt):
     return saved
 
 
-def visible(config, family, layer, length):
+def visible(config, family, layer, length, device=None):
     """Which keys each query may see: causal, and within the sliding window where the layer has one."""
-    q = torch.arange(length)[:, None]
-    k = torch.arange(length)[None, :]
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
     allowed = k <= q
     window = family.sliding_window(config, layer)
     if window is not None:
@@ -160,7 +160,7 @@ def _attention_failures(model, module, layer, v, batch, length):
     else:
         check("rows sum to one", close(row_sums, torch.ones_like(row_sums)))
         renormalised = probs
-    allowed = visible(model.config, f, layer, length)
+    allowed = visible(model.config, f, layer, length, probs.device)
     check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
     check("visible entries positive", bool((probs[..., allowed] > 0).all()))
     if "attention_scores" in v:

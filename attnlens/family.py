@@ -161,13 +161,18 @@ class Family:
     def location(self, name: str, config=None, layer: int | None = None, engine: str = "eager") -> Location | None:
         return self.locations_for(config, layer, engine).get(name)
 
-    def renames(self) -> dict[str, str]:
+    def path(self, role: str, engine: str = "eager") -> str:
+        """The module path of `role` ("layers", "attention", "mlp", "output_projection", ...) on `engine`: the
+        attribute above, or its `vllm_names` entry in vLLM's implementation."""
+        return self.vllm_names.get(role, getattr(self, role)) if engine == "vllm" else getattr(self, role)
+
+    def renames(self, engine: str = "eager") -> dict[str, str]:
         """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
-        renames = {self.layers: "layers"}
-        if self.attention != "self_attn":
-            renames[self.attention] = "self_attn"
-        if self.mlp and self.mlp != "mlp":
-            renames[self.mlp] = "mlp"
+        renames = {self.path("layers", engine): "layers"}
+        for role, standard in (("attention", "self_attn"), ("mlp", "mlp")):
+            name = self.path(role, engine)
+            if name and name != standard:
+                renames[name] = standard
         return renames
 
     def project_output(self, module, premix: torch.Tensor) -> torch.Tensor:
@@ -285,6 +290,19 @@ class Family:
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
                                   scores.device)
 
+    def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pattern from the scores, in float32 as the eager functions compute it, and each query's sink share
+        where the layer's heads have sink logits (`sinks` [heads]; None without): the softmax over the keys and one
+        sink column, the column dropped (GPT-OSS's eager function), so each row sums to one less the share."""
+        if sinks is None:
+            return scores.softmax(-1, dtype=torch.float32).to(scores.dtype), None
+        column = sinks.to(scores)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        joined = torch.cat([scores, column], dim=-1)
+        joined = joined - joined.max(dim=-1, keepdim=True).values
+        probabilities = joined.softmax(-1, dtype=joined.dtype)
+        return probabilities[..., :-1], probabilities[..., -1]
+
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
              device=None) -> torch.Tensor:
         """The additive mask: 0 where a query sees a key, the dtype's minimum elsewhere. [batch or 1, 1, q, k]."""
@@ -373,6 +391,8 @@ class Family:
     #: The model types whose vLLM implementation these locations were checked against; `StandardizedVLLM` refuses
     #: the others rather than guess. Not inherited in effect: a subclass serves other model types, so it lists its own.
     vllm_model_types: ClassVar[tuple[str, ...]] = ()
+    #: Module names (role -> path, as the attributes above) where vLLM's implementation names them otherwise.
+    vllm_names: ClassVar[dict[str, str]] = {}
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"
@@ -390,26 +410,26 @@ class Family:
         """Value name -> location in vLLM's implementation of the common layout, in forward order."""
         from .vllm.locations import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
 
-        kernel = self.vllm_kernel
+        kernel, path = self.vllm_kernel, lambda role: self.path(role, "vllm")
         return {
-            "embeddings": ResidualPair(f"{self.layers}.0", "input", first=1),  # (positions, hidden, residual)
+            "embeddings": ResidualPair(f"{path('layers')}.0", "input", first=1),  # (positions, hidden, residual)
             "layer_input": ResidualPair("", "input", first=1),
-            "attention_norm_output": batched(ModuleOutput(self.attention_norm, 0)),
+            "attention_norm_output": batched(ModuleOutput(path("attention_norm"), 0)),
             "attention_queries": KernelInput(kernel, 0),
             "attention_keys": KernelInput(kernel, 1),
             "attention_values": KernelInput(kernel, 2),
             "attention_scores": RebuiltPattern(kernel, "scores"),
             "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
-            "attention_head_outputs": heads_of(ModuleInput(self.output_projection)),
-            "attention_premix": batched(ModuleInput(self.output_projection)),
+            "attention_head_outputs": heads_of(ModuleInput(path("output_projection"))),
+            "attention_premix": batched(ModuleInput(path("output_projection"))),
             "attention_output": copied(ModuleOutput("", 0)),
-            "layer_mid": ResidualPair(self.mlp_norm, "input"),
-            "mlp_norm_output": batched(ModuleInput(self.mlp)),
-            "mlp_input": batched(ModuleInput(self.mlp)),
-            "mlp_neurons": batched(ModuleInput(self.down_projection)),
+            "layer_mid": ResidualPair(path("mlp_norm"), "input"),
+            "mlp_norm_output": batched(ModuleInput(path("mlp"))),
+            "mlp_input": batched(ModuleInput(path("mlp"))),
+            "mlp_neurons": batched(ModuleInput(path("down_projection"))),
             "mlp_output": copied(ModuleOutput()),
             "layer_output": ResidualPair("", "output"),
-            "final_norm_output": batched(ModuleOutput(self.final_norm, 0)),
+            "final_norm_output": batched(ModuleOutput(path("final_norm"), 0)),
             "logits": SampledLogits(),
         }
 

@@ -210,7 +210,7 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
 def _encode(pattern: LayerPattern) -> dict:
     """One layer for the page: weights as bytes on a square-root scale, each row up to its last non-zero byte. Byte 0
     is a weight of exactly zero (masked); any positive weight is at least byte 1, so it is never drawn as masked."""
-    probs = pattern.probs.clamp(0, 1)
+    probs = pattern.probs.detach().float().cpu().clamp(0, 1)
     q = (probs.sqrt() * 255).round().clamp(min=1).where(probs > 0, 0).to(torch.uint8)  # [heads, query, key]
     num_keys = q.shape[2]
     nonzero = (q != 0).any(0)  # [query, key]

@@ -88,7 +88,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         if not isinstance(model, torch.nn.Module):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
-        renames = self.family.renames()
+        renames = self.family.renames("eager")
         super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
         layers = self._module.get_submodule(self.family.layers)
         self.access = Access(self.family, self.config, len(layers), "eager", self._geometry, rebuild_patterns)

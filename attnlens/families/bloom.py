@@ -24,16 +24,17 @@ from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
+def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     """Bloom's (and Falcon's) per-head ALiBi slopes, float32: a geometric series from the nearest lower power of two,
     then every other slope of the next power of two for the remaining heads."""
     closest = 2 ** math.floor(math.log2(num_heads))
-    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
-    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, device=device)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, device=device))
     if closest != num_heads:
-        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device=device)
         remaining = min(closest, num_heads - closest)
-        slopes = torch.cat([slopes, torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
+        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device=device))
+        slopes = torch.cat([slopes, extra])
     return slopes
 
 
@@ -120,7 +121,7 @@ class Bloom(Family):
     def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """The bias added to each head's scores, [batch or 1, heads, 1, key]: slope * key position."""
         positions = key_positions(num_keys, key_mask, device)
-        bias = alibi_slopes(num_heads).to(positions.device)[None, :, None] * positions[:, None, :]
+        bias = alibi_slopes(num_heads, positions.device)[None, :, None] * positions[:, None, :]
         return bias.to(dtype)[:, :, None]
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):

@@ -106,7 +106,7 @@ class DeepseekV4(SparseMoE, Family):
     def merge_heads(self, module, heads):
         """Rotate each head's output back at its query's position (positions 0.. of a prefill), then merge."""
         transformers_module = sys.modules[type(module).__module__]
-        positions = torch.arange(heads.shape[1])[None]
+        positions = torch.arange(heads.shape[1], device=heads.device)[None]
         cos, sin = transformers_module.DeepseekV4RotaryEmbedding(module.config)(
             heads, positions, layer_type=module.rope_layer_type)
         rotated = transformers_module.apply_rotary_pos_emb(heads.transpose(1, 2), cos, -sin).transpose(1, 2)

@@ -204,7 +204,7 @@ class Falcon(Family):
     def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """FalconModel's ALiBi, [batch or 1, heads, 1, key]: Bloom's slopes in bfloat16 times the key position."""
         positions = key_positions(num_keys, key_mask, device)
-        slopes = alibi_slopes(num_heads).to(positions.device)[:, None].bfloat16()
+        slopes = alibi_slopes(num_heads, positions.device)[:, None].bfloat16()
         return (slopes * positions[:, None, :]).to(dtype)[:, :, None]
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
@@ -215,7 +215,7 @@ class Falcon(Family):
         minimum = torch.finfo(queries.dtype).min  # FalconModel's mask, in the model's dtype
         if not config.alibi:
             scores = scores / math.sqrt(heads.head_dim)
-            return scores + torch.where(visible, torch.zeros((), dtype=queries.dtype), minimum)
+            return scores + torch.where(visible, torch.zeros((), dtype=queries.dtype, device=scores.device), minimum)
         if scores.dtype in (torch.float16, torch.bfloat16):
             scores = scores.to(torch.float32)
         alibi = self.alibi(queries.shape[1], num_keys, key_mask, queries.dtype, queries.device)

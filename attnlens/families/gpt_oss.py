@@ -50,8 +50,22 @@ class GptOss(SparseMoE, Family):
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
 
+    # vLLM (model_executor/models/gpt_oss.py): the attention block is `attn`, and the decoder block takes
+    # (hidden, positions, residual); the kernel applies the sink logits itself, and attnlens's rebuilt softmax too.
+    vllm_model_types = ("gpt_oss",)
+    vllm_names = {"attention": "attn"}
+
     def locations(self):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
+
+    def vllm_locations(self):
+        from ..vllm.locations import RebuiltPattern, ResidualPair
+
+        locations = super().vllm_locations()
+        block_input = {"first": 0, "second": 2}
+        locations["embeddings"] = ResidualPair(f"{self.path('layers', 'vllm')}.0", "input", **block_input)
+        locations["layer_input"] = ResidualPair("", "input", **block_input)
+        return with_sinks(locations, RebuiltPattern(self.vllm_kernel, "sinks"))
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

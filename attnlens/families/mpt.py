@@ -24,10 +24,10 @@ from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 ALIBI_BIAS_MAX = 8  # MptModel.forward calls build_mpt_alibi_tensor without the config's value
 
 
-def alibi_slopes(num_heads: int, alibi_bias_max: int = ALIBI_BIAS_MAX) -> torch.Tensor:
+def alibi_slopes(num_heads: int, alibi_bias_max: int = ALIBI_BIAS_MAX, device=None) -> torch.Tensor:
     """MPT's per-head ALiBi slopes, float32 (as `build_mpt_alibi_tensor` orders them for any head count)."""
     power = 2 ** math.ceil(math.log2(num_heads))
-    base = torch.arange(1, power + 1, dtype=torch.int64).float() * (alibi_bias_max / power)
+    base = torch.arange(1, power + 1, dtype=torch.int64, device=device).float() * (alibi_bias_max / power)
     slopes = 1.0 / torch.pow(2, base)
     if power != num_heads:
         slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
@@ -92,7 +92,7 @@ class MPT(Family):
         """The bias added to each head's scores, [heads, 1, key]: slope * (key position - last key position). Float32
         whatever the model's dtype, as MptModel builds it (so half-precision scores are promoted to float32)."""
         distance = torch.arange(1 - num_keys, 1, dtype=torch.int32, device=device)
-        return distance[None, None, :] * alibi_slopes(num_heads).to(distance.device)[:, None, None]
+        return distance[None, None, :] * alibi_slopes(num_heads, device=distance.device)[:, None, None]
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries, keys.transpose(-1, -2)) * heads.scale

@@ -61,8 +61,8 @@ class Qwen3Next(SparseMoE, Family):
                                   "input",
     }
 
-    def renames(self):
-        return {**super().renames(), self.linear_attention: "self_attn"}
+    def renames(self, engine="eager"):
+        return {**super().renames(engine), self.linear_attention: "self_attn"}
 
     # --- which kind each layer is ----------------------------------------------------------------------------
 

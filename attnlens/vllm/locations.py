@@ -34,12 +34,14 @@ def worker_of(envoy):
 
 @dataclass(frozen=True)
 class ResidualPair(Location):
-    """The sum of the `(hidden, residual)` pair a module receives (`side="input"`, the hidden state at argument
-    `first`) or returns (`side="output"`). Written as `(new, 0)`: the fused norm that adds them then gives `new`."""
+    """The sum of the `(hidden, residual)` pair a module receives (`side="input"`: the hidden state at argument
+    `first`, the residual at `second`, by default the one after it) or returns (`side="output"`). Written as
+    `(new, 0)`: the fused norm that adds them then gives `new`."""
 
     module: str = ""
     side: str = "input"
     first: int = 0
+    second: int | None = None
 
     in_place = False
     note = ("vLLM carries the residual stream as a (hidden, residual) pair its fused norms add: this is their sum, "
@@ -57,8 +59,12 @@ class ResidualPair(Location):
             return hidden, residual
         args, kwargs = target.inputs
         hidden = args[self.first] if len(args) > self.first else kwargs["hidden_states"]
-        residual = args[self.first + 1] if len(args) > self.first + 1 else kwargs.get("residual")
+        residual = args[self.residual] if len(args) > self.residual else kwargs.get("residual")
         return hidden, residual
+
+    @property
+    def residual(self) -> int:
+        return self.first + 1 if self.second is None else self.second
 
     def read(self, envoy):
         hidden, residual = self._pair(envoy)
@@ -76,8 +82,8 @@ class ResidualPair(Location):
             args[self.first] = new
         else:
             kwargs["hidden_states"] = new
-        if len(args) > self.first + 1:
-            args[self.first + 1] = None if args[self.first + 1] is None else torch.zeros_like(new)
+        if len(args) > self.residual:
+            args[self.residual] = None if args[self.residual] is None else torch.zeros_like(new)
         elif kwargs.get("residual") is not None:
             kwargs["residual"] = torch.zeros_like(new)
         target.inputs = (tuple(args), kwargs)
@@ -135,15 +141,28 @@ class KernelInput(Location):
 
 @dataclass(frozen=True)
 class RebuiltPattern(Location):
-    """`kind` "scores" or "probabilities" of the request's queries against its kept keys, rebuilt in the worker with
-    the family's score function. Editing it (in place or assigned) recomputes this layer's head outputs from the
-    edited pattern and the kept values (`worker.WorkerValues.before_output_projection`)."""
+    """`kind` "scores", "probabilities" or "sinks" of the request's queries against its kept keys, rebuilt in the
+    worker with the family's score function and softmax (with the kernel's sink logits where it has them). Editing
+    the scores or the pattern (in place or assigned) recomputes this layer's head outputs from the edited pattern and
+    the kept values (`worker.WorkerValues.before_output_projection`); the sink share is read-only."""
 
     kernel: str
     kind: str
 
     @property
+    def in_place(self) -> bool:
+        return self.kind != "sinks"
+
+    @property
+    def writable(self) -> bool:
+        return self.kind != "sinks"
+
+    why_not = "it is the share of the softmax the sink column took, which nothing downstream reads"
+
+    @property
     def note(self) -> str:
+        if self.kind == "sinks":
+            return "rebuilt in vLLM's worker: the softmax share of the kernel's sink logit, 1 - the pattern's row sum"
         if self.kind == "scores":
             return ("rebuilt in vLLM's worker with the family's score function over the kept keys; editing them "
                     "recomputes this layer's head outputs from softmax(edited scores) and the kept values")
@@ -159,9 +178,10 @@ class RebuiltPattern(Location):
 
     def write(self, envoy, value):
         worker = worker_of(envoy)
-        worker.pattern(envoy, self.kernel)  # at the kernel's handoff, as a read would be
-        pattern = value if self.kind == "probabilities" else value.softmax(-1, dtype=torch.float32).to(value.dtype)
-        worker.state().patterns.setdefault(worker.access.layer_of(envoy), {})["assigned"] = pattern
+        handed = worker.pattern(envoy, self.kernel)  # at the kernel's handoff, as a read would be
+        layer = worker.access.layer_of(envoy)
+        pattern = value if self.kind == "probabilities" else worker.family.softmax(value, worker.sinks.get(layer))[0]
+        handed["assigned"] = pattern
 
 
 @dataclass(frozen=True)

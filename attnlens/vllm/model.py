@@ -78,10 +78,21 @@ class StandardizedVLLM(Helpful, VLLM):
         kwargs.setdefault("dispatch", True)
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        rename = {name: standard for name, standard in self.family.renames().items() if name != self.family.mlp}
-        envoys = {**parallel_envoys(), **envoy_classes(mlp=self.family.mlp)}
-        super().__init__(path, rename=rename, envoys=envoys, **kwargs)
+        envoys = {**parallel_envoys(), **envoy_classes()}
+        super().__init__(path, rename=self.family.renames("vllm"), envoys=envoys, **kwargs)
         self.interleaver.attnlens = self.access
+
+    def _load_meta(self, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's meta model of vLLM's modules, in the client, without processing weights it does not hold
+        (repacking MoE experts for the CPU kernel fails on meta tensors; the worker processes the real ones)."""
+        from vllm.model_executor.model_loader import base_loader
+
+        process = base_loader.process_weights_after_loading
+        base_loader.process_weights_after_loading = lambda *_, **__: None
+        try:
+            return super()._load_meta(*args, **kwargs)
+        finally:
+            base_loader.process_weights_after_loading = process
 
     @property
     def _WORKER_CLS(self) -> str:  # read by nnsight when it builds the engine
@@ -96,7 +107,8 @@ class StandardizedVLLM(Helpful, VLLM):
         kernel, _ = handoffs(self.family, self.text_config, layer)
         module = getattr(self, "_module", None)
         if module is not None and kernel is not None:
-            for part in f"{self.family.layers}.{layer}.{self.family.attention}.{kernel}".split("."):
+            path = self.family.path
+            for part in f"{path('layers', 'vllm')}.{layer}.{path('attention', 'vllm')}.{kernel}".split("."):
                 module = module[int(part)] if part.isdigit() else getattr(module, part)
             return kept.kernel_geometry(module, self.text_config)
         c = self.text_config

@@ -29,7 +29,7 @@ from . import kept
 from .locations import KernelInput, RebuiltPattern, handoffs
 
 #: Rebuilt names -> the taps they are rebuilt from.
-SOURCES = {"attn_scores": ("query", "key"), "attn_probs": ("query", "key")}
+SOURCES = dict.fromkeys(("attn_scores", "attn_probs", "attn_sinks"), ("query", "key"))
 CONFIG_KEY = "attnlens_static"
 
 
@@ -122,11 +122,11 @@ class StaticRecorder:
         self.spans: list[tuple[_Request, int, int, int]] | None = []
         self.handles = []
         family, config = self.values.family, self.values.config
-        layers = child(runner.nnsight_model, family.layers)
+        layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
             where = taps(family, config, layer)
             kernel, projection = handoffs(family, config, layer)
-            attention = child(layers[layer], family.attention)
+            attention = child(layers[layer], family.path("attention", "vllm"))
             if any(where.get(short) == "kernel" for short in shorts):
                 module = child(attention, kernel)._module
                 self.handles.append(module.register_forward_pre_hook(self._kernel_hook(layer), with_kwargs=True))
@@ -171,7 +171,7 @@ class StaticRecorder:
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        keep_keys = bool(shorts & {"key", "value", "attn_scores", "attn_probs"})
+        keep_keys = bool(shorts & {"key", "value", *SOURCES})
 
         def hook(module, args, kwargs):
             queries, keys, values = (kept.kernel_arg(args, kwargs, which) for which in range(3))
@@ -180,7 +180,7 @@ class StaticRecorder:
                 if keep_keys:
                     request.history.keep(layer, position, keys[rows].reshape(count, -1),
                                          values[rows].reshape(count, -1))
-                if "query" in shorts or "attn_scores" in shorts or "attn_probs" in shorts:
+                if "query" in shorts:  # every rebuilt name taps its queries (SOURCES)
                     request.steps[-1][f"q.{layer}"] = queries[rows].reshape(count, -1).clone()
         return hook
 
@@ -212,7 +212,7 @@ class StaticRecorder:
             short, _, layer = key.rpartition(".")
             layer = int(layer)
             heads = self.values.geometry.get(layer)
-            if short in ("key", "value", "attn_scores", "attn_probs"):
+            if short in ("key", "value", *SOURCES):
                 request.history.before(layer, position)  # raises if the kernel never saw earlier tokens
                 keys, values = (kept.split_heads(request.history.upto(layer, position + count, which), dim,
                                                  heads.num_kv_heads)
@@ -228,8 +228,8 @@ class StaticRecorder:
             else:
                 queries = kept.split_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
                 scores = self.values.family.scores(heads, self.values.config, queries, keys, layer)
-                out[key] = scores if short == "attn_scores" else \
-                    scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+                probabilities, sinks = self.values.family.softmax(scores, self.values.sinks.get(layer))
+                out[key] = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}[short]
         return out
 
     def stats(self) -> dict:

@@ -73,18 +73,23 @@ class WorkerValues:
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.family = family_of(self.config, runner.vllm_config.additional_config)
         root = runner.nnsight_model
-        layers = child(root, self.family.layers)
+        layers = child(root, self.family.path("layers", "vllm"))
         self.kernels: dict[str, int] = {}
         self.projections: dict[str, int] = {}
         self.geometry = {}
+        self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
         for index, layer in enumerate(layers):
             kernel, projection = handoffs(self.family, self.config, index)
-            attention = child(layer, self.family.attention)
+            attention = child(layer, self.family.path("attention", "vllm"))
             if kernel is not None:
                 envoy = child(attention, kernel)
                 self.kernels[f"{envoy.path}.input"] = index
                 self.geometry[index] = kept.kernel_geometry(envoy._module, self.config)
                 self._check_kernel(envoy._module, index)
+                sinks = getattr(envoy._module.impl, "sinks", None)
+                if sinks is not None:  # this rank's heads: every rank gathers them, here, once
+                    self.sinks[index] = kept.gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads,
+                                                          1)[0]
             if projection is not None:
                 self.projections[f"{child(attention, projection).path}.input"] = index
         self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
@@ -145,9 +150,9 @@ class WorkerValues:
             # outside inference mode, so the tensors count in-place edits (`_version`)
             with torch.inference_mode(False), torch.no_grad():
                 scores = self.family.scores(self.geometry[layer], self.config, queries.clone(), keys.clone(), layer)
-                probabilities = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+                probabilities, sinks = self.family.softmax(scores, self.sinks.get(layer))
             handed.update(scores=scores, scores_version=scores._version, probabilities=probabilities,
-                          probabilities_version=probabilities._version)
+                          probabilities_version=probabilities._version, sinks=sinks)
         return handed
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
@@ -203,7 +208,7 @@ class WorkerValues:
                 if probabilities is not None and probabilities._version != handed["probabilities_version"]:
                     pattern = probabilities
                 elif scores is not None and scores._version != handed["scores_version"]:
-                    pattern = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+                    pattern = self.family.softmax(scores, self.sinks.get(layer))[0]
             if pattern is None:
                 continue
             heads = self.heads_from_pattern(state, layer, pattern)
@@ -312,6 +317,16 @@ class GPUWorker(_WorkerRPC, NNsightGPUWorker):
         self.model_runner.__class__ = AttnlensGPURunner
 
 
+def _fresh_single_rank_groups() -> None:
+    """vLLM's model-parallel groups are process-wide, built by the first engine of a process: a dense model builds no
+    expert-parallel group, which a mixture-of-experts model built later in the same process (the `uni` executor)
+    needs. A single rank has nothing to coordinate, so each engine there gets its groups built afresh."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_world_group().world_size == 1:
+        parallel_state.destroy_model_parallel()
+
+
 def _cpu_runner() -> type:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -336,6 +351,7 @@ if _VLLMCPUWorker is not None:
         """
 
         def init_device(self) -> None:
+            _fresh_single_rank_groups()
             _VLLMCPUWorker.init_device(self)
             runner = self.model_runner
             if type(runner).__name__ != "CPUModelRunner":
