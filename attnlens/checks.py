@@ -49,8 +49,19 @@ def visible(config, family, layer, length, device=None):
     return allowed
 
 
-def close(a, b, atol=1e-5):
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=1e-4)
+#: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision
+#: makes coarse (one bfloat16 step is 2^-8 of the value; sums of a few hundred terms add a few).
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-5, 1e-4), torch.float16: (1e-2, 1e-2),
+             torch.bfloat16: (5e-2, 5e-2)}
+
+
+def close(a, b, atol: float | None = None):
+    """Equal up to the rounding of the coarser dtype (`TOLERANCE`), or within `atol` where given."""
+    if a is None or a.shape != b.shape:
+        return False
+    coarse = max((a.dtype, b.dtype), key=lambda dtype: torch.finfo(dtype).eps if dtype.is_floating_point else 0)
+    default_atol, rtol = TOLERANCE.get(coarse, TOLERANCE[torch.float32])
+    return torch.allclose(a.float(), b.float(), atol=default_atol if atol is None else atol, rtol=rtol)
 
 
 def rebuilt(function, *args):

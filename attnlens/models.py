@@ -108,6 +108,20 @@ def char_tokenizer(vocab_size: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def tiny_cases() -> list[str]:
+    """Every registered family with a tiny recipe, by its first model type, and each of its other layouts
+    (`"falcon:alibi"`): what the test suites build a tiny model of."""
+    from .registry import registered
+
+    cases, seen = [], set()
+    for model_type, family in registered().items():
+        if family.tiny is None or family in seen:
+            continue
+        seen.add(family)
+        cases += [model_type] + [f"{model_type}:{layout}" for layout in family.tiny_layouts]
+    return sorted(cases)
+
+
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", **config_overrides) -> torch.nn.Module:
     """A small randomly initialised transformers model of `family`, seeded, in float32, eager unless asked.
 

@@ -6,19 +6,8 @@ import attnlens
 CORE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 
 
-def _all_cases() -> list[str]:
-    """Every registered family with a tiny recipe, by its first model type, and each of its other layouts."""
-    cases, seen = [], set()
-    for model_type, family in attnlens.registered().items():
-        if family.tiny is None or family in seen:
-            continue
-        seen.add(family)
-        cases += [model_type] + [f"{model_type}:{layout}" for layout in family.tiny_layouts]
-    return sorted(cases)
-
-
 #: "model_type" or "model_type:layout", one per family and layout (see `Family.tiny_layouts`).
-ALL_CASES = _all_cases()
+ALL_CASES = attnlens.models.tiny_cases()
 # 18 characters: longer than the tiny sliding windows (4), so window rows are tested.
 PROMPT = "Hello world, again"
 
