@@ -106,10 +106,13 @@ def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, 
     return out
 
 
-def score_function(model, layer: int) -> ScoreFunction:
-    """`layer`'s score function as `summarize` takes it: the family's own (scale, grouped heads, soft-cap, mask,
-    sliding window), on unpadded queries and keys. The one place attnlens.heads calls `Family.scores`."""
-    family, heads, config = model.family, model.access.geometry(layer), model.access.config
+def score_function(attn) -> ScoreFunction:
+    """The score function of the attention envoy `attn` as `summarize` takes it: the family's own (scale, grouped
+    heads, soft-cap, mask, sliding window), on unpadded queries and keys. It reads the model's `Access` through the
+    envoy, so it works in vLLM's worker too. The one place attnlens.heads calls `Family.scores`."""
+    access = attn.interleaver.attnlens
+    layer = access.layer_of(attn)
+    family, heads, config = access.family, access.geometry(layer), access.config
     return lambda queries, keys: family.scores(heads, config, queries, keys, layer, None)
 
 
@@ -132,7 +135,7 @@ def why_not(model, layer: int) -> str | None:
 def bos_id(model) -> int | None:
     tokenizer = getattr(model, "tokenizer", None)
     found = getattr(tokenizer, "bos_token_id", None)
-    return found if found is not None else getattr(model.config.get_text_config(), "bos_token_id", None)
+    return found if found is not None else getattr(model.access.config, "bos_token_id", None)
 
 
 def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> torch.Tensor:
@@ -140,7 +143,7 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
     from the vocabulary without special tokens: [count, 1 + 2 * length]."""
     if length < 2 or count < 1:
         raise ValueError(f"repeated sequences need length >= 2 and count >= 1; got length={length}, count={count}")
-    config = model.config.get_text_config()
+    config = model.access.config
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     total = 2 * length + (bos_id(model) is not None)
     if limit is not None and total > limit:
@@ -261,9 +264,7 @@ def _layers(model, layers) -> tuple[list[int], dict[int, str]]:
         return kept, {layer: reason for layer, reason in reasons.items() if reason is not None}
     chosen = []
     for layer in [layers] if isinstance(layers, int) else list(layers):
-        if not isinstance(layer, int) or not -model.num_layers <= layer < model.num_layers:
-            raise IndexError(f"layer must be an int in [0, {model.num_layers}); got {layer!r}")
-        layer %= model.num_layers
+        layer = model.access.check_layer(layer)
         reason = why_not(model, layer)
         if reason is not None:
             raise Unavailable(f"head_summaries: layer {layer} on {model.family.name}: {reason}")
@@ -280,8 +281,16 @@ def _progress(show: bool | None, total: int):
 
 
 def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int, dict]]:
-    """One forward over a left-padded batch; per prompt, per layer, `summarize`'s sums (computed inside the forward,
-    as each layer's queries and keys are formed)."""
+    """One forward over a left-padded batch (on vLLM, one request per prompt); per prompt, per layer, `summarize`'s
+    sums (computed inside the forward, as each layer's queries and keys are formed)."""
+    if model.access.engine == "vllm":
+        found = []
+        for ids, option in zip(batch_input if isinstance(batch_input, list) else list(batch_input), options):
+            with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
+                results = [{}].save()
+                _collect(model, layers, [0], [option], results)
+            found += results
+        return found
     results: list[dict[int, dict]] = [{} for _ in pads]
     with torch.no_grad(), model.trace(batch_input):
         _collect(model, layers, pads, options, results)
@@ -289,11 +298,13 @@ def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int
 
 
 def _collect(model, layers, pads, options, results) -> None:
+    """Inside a trace (on vLLM, inside its worker, so only the sums leave it): each layer's sums per prompt."""
     for layer in layers:
         attn = model.layers[layer].self_attn
-        names = sorted(("attention_queries", "attention_keys"), key=lambda n: model.order(layer)[f"self_attn.{n}"])
+        order = attn.interleaver.attnlens.order(layer)
+        names = sorted(("attention_queries", "attention_keys"), key=lambda name: order[f"self_attn.{name}"])
         read = {name: getattr(attn, name) for name in names}
-        scores = score_function(model, layer)
+        scores = score_function(attn)
         for i, pad in enumerate(pads):
             queries = read["attention_queries"][i:i + 1, :, pad:]
             keys = read["attention_keys"][i:i + 1, :, pad:]
@@ -340,14 +351,10 @@ def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = Non
     - `chunk_rows`: query rows scored at a time (default: as many as fit 64 MiB); `batch_size`: prompts per forward;
       `progress`: a rich progress bar on stderr (default: when there is more than one forward).
 
-    Runs on `StandardizedTransformer` (eager or sdpa: only the queries and keys are read).
+    Runs on `StandardizedTransformer` (eager or sdpa: only the queries and keys are read) and on `StandardizedVLLM`,
+    where the sums are computed inside vLLM's worker, one request per prompt, and only they leave it.
     """
     from .capture import prompts_of
-    from .standardized import StandardizedTransformer
-
-    if not isinstance(model, StandardizedTransformer):
-        raise Unavailable("head_summaries runs on StandardizedTransformer; on vLLM, run attnlens.heads.summarize "
-                          "in the worker (not wired yet) or load the model with StandardizedTransformer")
     if top_k < 0 or batch_size < 1:
         raise ValueError(f"top_k must be >= 0 and batch_size >= 1; got top_k={top_k}, batch_size={batch_size}")
     chosen, skipped = _layers(model, layers)
