@@ -393,6 +393,16 @@ class Family:
     vllm_model_types: ClassVar[tuple[str, ...]] = ()
     #: Module names (role -> path, as the attributes above) where vLLM's implementation names them otherwise.
     vllm_names: ClassVar[dict[str, str]] = {}
+    #: Why vLLM cannot run the family at all (vLLM's own reason), where it cannot.
+    vllm_refusal: ClassVar[str | None] = None
+
+    def vllm_reason(self, model_type: str) -> str | None:
+        """Why `StandardizedVLLM` does not serve `model_type` on this family (None: it does)."""
+        if model_type in self.vllm_model_types:
+            return None
+        return self.vllm_refusal or (f"the {self.name} family's vLLM locations are not checked for model type "
+                                     f"{model_type!r}; check them against vLLM's implementation, override "
+                                     f"Family.vllm_locations if they differ, and add the type to vllm_model_types")
     #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
     #: after rotary embedding and any QK-norm.
     vllm_kernel = "attn"

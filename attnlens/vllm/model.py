@@ -59,12 +59,9 @@ class StandardizedVLLM(Helpful, VLLM):
         self.text_config = config.get_text_config()
         model_type = self.text_config.model_type
         self.family: Family = family_for(model_type) if family is None else resolve_family(family)
-        if model_type not in self.family.vllm_model_types:
-            raise UnknownFamily(
-                f"the {self.family.name} family's vLLM locations are not checked for model type {model_type!r}; "
-                f"check them against vLLM's implementation, override Family.vllm_locations if they differ, and add "
-                f"the type to vllm_model_types"
-            )
+        refused = self.family.vllm_reason(model_type)
+        if refused is not None:
+            raise UnknownFamily(f"StandardizedVLLM does not serve {model_type!r} on {self.family.name}: {refused}")
         if not worker.has_accelerator():
             worker.adapt_client_for_cpu()
         family_class = type(self.family)
