@@ -41,7 +41,11 @@ class Access:
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
         self._orders: dict[int, dict[str, int]] = {}
-        self._resolved: dict[tuple[str, int | None], Location] = {}  # reads resolve once: they run per layer per step
+        # A read resolves its location, its place in the forward and its envoy's layer once: reads run per layer,
+        # per step, and nnsight's own handoff is the cost that should remain.
+        self._resolved: dict[tuple[str, int | None], Location] = {}
+        self._positions: dict[tuple[str, int | None], tuple[int, int]] = {}
+        self._layers: dict[str, int] = {}
         self._rebuild_patterns = rebuild_patterns
         self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.path('layers', engine))}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
@@ -62,10 +66,13 @@ class Access:
         return layer % n
 
     def layer_of(self, envoy) -> int:
-        found = self._layer_path.search(envoy.path)
-        if found is None:
-            raise RuntimeError(f"{envoy.path} is not inside a block of {self.family.path('layers', self.engine)}")
-        return int(found.group(1))
+        path = envoy.path
+        if path not in self._layers:
+            found = self._layer_path.search(path)
+            if found is None:
+                raise RuntimeError(f"{path} is not inside a block of {self.family.path('layers', self.engine)}")
+            self._layers[path] = int(found.group(1))
+        return self._layers[path]
 
     @property
     def where(self) -> str:
@@ -95,6 +102,7 @@ class Access:
         self._reasons.clear()
         self._orders.clear()
         self._resolved.clear()
+        self._positions.clear()
 
     def reasons(self, layer: int | None) -> dict[str, str]:
         """Value name -> why it is unavailable on `layer` (None: the model's own values)."""
@@ -163,18 +171,20 @@ class Access:
 
     def position(self, name: str, layer: int | None) -> tuple[int, int]:
         """Where a value falls in the whole forward: (block, rank), the model's values before and after the blocks."""
-        if layer is None:
-            return model_position(name, self.num_layers)
-        if layer not in self._orders:
-            self.order(layer)
-        return layer, self._orders[layer].get(BY_NAME[name].key, -1)
+        found = self._positions.get((name, layer))
+        if found is None:
+            if layer is None:
+                found = model_position(name, self.num_layers)
+            else:
+                found = (layer, self.order(layer).get(BY_NAME[name].key, -1))
+            self._positions[name, layer] = found
+        return found
 
     # --- reading and writing -------------------------------------------------------------------------------------
 
     def read(self, envoy, name: str, layer: int | None) -> Any:
         location = self.location(name, layer)
-        self.check_copies()
-        value = self._at(name, layer, lambda: location.read(envoy))
+        value = self._at(name, layer, location.read, envoy)
         if not location.in_place and isinstance(value, torch.Tensor):
             value = self.guard(value, name, layer, location.why_not or "it is a copy of what the forward holds")
         return value
@@ -183,28 +193,30 @@ class Access:
         location = self.location(name, layer)
         registry = self._registry()  # assigning a value settles in-place edits of its copies: they land now
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
-        self.check_copies()
         if not location.writable:
             raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {location.why_not}")
-        current = self._at(name, layer, lambda: location.read(envoy))
-        new = self.conform(name, layer, current, new)
-        self._at(name, layer, lambda: location.write(envoy, new))
+        current = self._at(name, layer, location.read, envoy)
+        self._at(name, layer, location.write, envoy, self.conform(name, layer, current, new))
 
-    def _at(self, name: str, layer: int | None, act: Callable[[], Any]) -> Any:
-        self._in_order(name, layer)
+    def _at(self, name: str, layer: int | None, act: Callable[..., Any], *args: Any) -> Any:
+        """`act(*args)` at `name` of `layer`, after the checks every access makes: no copy handed out was edited in
+        place, and the forward has not passed the value in this step."""
+        running = mediator()
+        if running is not None:
+            copies = self.run_copies if self.run_copies is not None else running.__dict__.get("attnlens_copies")
+            if copies:
+                self.check_copies(copies)
+            self._in_order(running, name, layer)
         try:
-            return act()
+            return act(*args)
         except OutOfOrderError as error:
             raise (self.order_error(name, layer) or error) from error
         except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
             raise RuntimeError(f"reading {describe(name, layer)} on {self.family.name}: {error}") from error
 
-    def _in_order(self, name: str, layer: int | None) -> None:
+    def _in_order(self, found, name: str, layer: int | None) -> None:
         """Refuse a value the forward computes before the one read last in this step, before nnsight is asked: it
         would fail, or under generate serve the value from a later step."""
-        found = mediator()
-        if found is None:
-            return
         reads = found.__dict__.setdefault("attnlens_reads", [])
         step = found.iteration if found.iteration is not None else found.__dict__.get("attnlens_step", 0)
         found.attnlens_step = step  # nnsight relaxes a pinned step to None once served: it is still this step

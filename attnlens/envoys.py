@@ -14,14 +14,15 @@ from .values import ALL_VALUES, HOSTS, Value, closest
 
 
 def value_property(value: Value) -> property:
-    def layer(envoy):
-        return None if value.scope == "model" else envoy.interleaver.attnlens.layer_of(envoy)
+    name, per_layer = value.name, value.scope != "model"
 
     def read(envoy):
-        return envoy.interleaver.attnlens.read(envoy, value.name, layer(envoy))
+        access = envoy.interleaver.attnlens
+        return access.read(envoy, name, access.layer_of(envoy) if per_layer else None)
 
     def write(envoy, new):
-        envoy.interleaver.attnlens.write(envoy, value.name, layer(envoy), new)
+        access = envoy.interleaver.attnlens
+        access.write(envoy, name, access.layer_of(envoy) if per_layer else None, new)
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
 

@@ -120,10 +120,7 @@ def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:
         raise ValueError("show(model, prompt, layers): name the prompt and the layers to capture")
     if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
         raise ValueError("a picture shows one prompt; pass one (a string or 1-D token ids)")
-    layers = [layers] if isinstance(layers, int) else list(layers)
-    for layer in layers:
-        if not isinstance(layer, int) or not -model.num_layers <= layer < model.num_layers:
-            raise IndexError(f"layer must be an int in [0, {model.num_layers}); got {layer!r}")
+    layers = [model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
     picked = None if heads is None else _index_list(heads, model.layers[layers[0]].self_attn.num_heads, "head")
     captured = capture_attention(model, prompt, layers, keep="probs", heads=picked, progress=False)
     return {layer: captured[layer]["probs"] for layer in captured}, picked

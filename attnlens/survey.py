@@ -240,7 +240,7 @@ def build(model_type: str, **overrides):
 
 
 def _registered() -> dict:
-    from .family import registered
+    from .registry import registered
 
     return registered()
 

@@ -132,7 +132,7 @@ def test_vllm_engine(runs):
 
 @pytest.mark.parametrize("name, status, message", [
     ("unknown model", 1, "could not load 'no-such-model' as a hub name"),
-    ("layer out of range", 1, r"layer must be an int in [0, 3); got 7"),
+    ("layer out of range", 1, r"layer 7 is out of range: this model has 3 layers"),
     ("bad heads", 2, "argument --heads: 'two' is not a list like"),
 ])
 def test_errors_are_one_line(runs, name, status, message):

@@ -91,7 +91,7 @@ def test_rebuilt_sdpa_model_gives_the_same_summaries():
 def test_summarize_never_forms_the_full_pattern():
     model = tiny("llama")
     shapes = []
-    score = heads.score_function(model, 1)
+    score = heads.score_function(model.layers[1].self_attn)
     queries, keys = torch.randn(1, 4, 10, 16), torch.randn(1, 2, 10, 16)
 
     def recording(q, k):
@@ -110,7 +110,7 @@ def test_summarize_never_forms_the_full_pattern():
 def test_summarize_on_a_decode_step():
     """Queries fewer than keys (a decode step): row i sits at key offset + i."""
     model = tiny("mistral")  # sliding window 4
-    score = heads.score_function(model, 0)
+    score = heads.score_function(model.layers[0].self_attn)
     queries, keys = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 9, 16)
     out = heads.summarize(score, queries, keys, targets={"previous": torch.tensor([6, 7])}, top_rows=[0], top_k=9)
     probs = score(queries, keys).softmax(-1)
@@ -137,7 +137,7 @@ def test_result_formats():
 
 def test_errors_name_what_was_wrong():
     model = tiny("llama")
-    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 3\)"):
+    with pytest.raises(IndexError, match=r"layer 5 is out of range.*\[0, 3\)"):
         heads.head_summaries(model, layers=[5])
     with pytest.raises(IndexError, match="row 30 is out of range"):
         heads.head_summaries(model, "Hello", rows=30, length=LENGTH)

@@ -128,7 +128,7 @@ def test_errors_name_what_was_wrong(tmp_path):
         show(captured[0], layers=[2])
     with pytest.raises(IndexError, match="head 4 is out of range: there are 4"):
         show(model, PROMPT, 1, heads=[4])
-    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 3\)"):
+    with pytest.raises(IndexError, match=r"layer 5 is out of range.*\[0, 3\)"):
         show(model, PROMPT, 5)
     with pytest.raises(ValueError, match="name the prompt and the layers"):
         show(model, PROMPT)
