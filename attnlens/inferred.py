@@ -12,6 +12,7 @@ and the model falls back to `UnknownLayout`. A missing activation, down projecti
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from typing import Callable
 
@@ -548,23 +549,28 @@ class Inferred(SparseMoE, Family):
         """Source of a family registering what was inferred: the names found, the MoE layers, what is dropped."""
         title = "".join(part.capitalize() for part in self.model_type.replace("-", "_").split("_"))
         bases = "SparseMoE, attnlens.Family" if self.experts else "attnlens.Family"
-        lines = ["import attnlens"]
-        if self.experts:
-            lines.append("from attnlens.families.moe import SparseMoE, moe_absent")
-        lines += ["", "", "@attnlens.register", f"class {title}({bases}):", f'    model_types = ("{self.model_type}",)']
-        lines += [f"    {role} = " + (f'"{name}"' if name else "None") for role, name in self.found().items()]
-        if self.experts:
-            moe = [layer for layer, kind in self.kinds.items() if "moe" in kind]
-            lines.append(f'    absent = moe_absent("{self.experts}")')
-            if len(moe) < len(self.kinds):
-                lines += ["", "    def moe_layer(self, config, layer):",
-                          f"        return layer in {moe}  # in this model: state the config's rule"]
+        lines = ["import attnlens"] + (["from attnlens.families.moe import SparseMoE, moe_absent"] if self.experts
+                                       else [])
+        lines += ["", "", "@attnlens.register", f"class {title}({bases}):",
+                  f"    model_types = ({json.dumps(self.model_type)},)"]
+        lines += [f"    {role} = {json.dumps(name) if name else None}" for role, name in self.found().items()]
         if self.mixers:
             mixers = sorted({f"{name} ({kind})" for name, kind in self.mixers.values()})
             lines.append(f"    # layers {sorted(self.mixers)} run {', '.join(mixers)}, not softmax attention: "
                          f"describe them with layer_kind and kind_locations")
-        for name in self.dropped:
-            lines.append(f"    # {name} is left out: {self.dropped[name]}")
+        absent = f"moe_absent({json.dumps(self.experts)})" if self.experts else "attnlens.Family.absent"
+        if self.dropped:
+            lines += [f"    absent = {{**{absent},", *(f"              {json.dumps(name)}: {json.dumps(reason)},"
+                                                       for name, reason in self.dropped.items()), "    }"]
+            lines += ["", "    def locations(self):", "        locations = super().locations()",
+                      f"        for name in ({', '.join(map(json.dumps, self.dropped))},):",
+                      "            del locations[name]", "        return locations"]
+        elif self.experts:
+            lines.append(f"    absent = {absent}")
+        moe = [layer for layer, kind in self.kinds.items() if "moe" in kind]
+        if self.experts and len(moe) < len(self.kinds):
+            lines += ["", "    def moe_layer(self, config, layer):",
+                      f"        return layer in {moe}  # in this model: state the config's rule"]
         return "\n".join(lines) + "\n"
 
     def advice(self) -> str:

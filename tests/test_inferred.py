@@ -216,15 +216,20 @@ def test_names_are_found_not_assumed():
     saved = read_everything(model, PROMPT)
     assert [failures(model, saved, layer) for layer in range(model.num_layers)] == [[], [], []]
     assert len(model.support(1).available) == 21
-    namespace = {}
-    exec(model.family.registration(), namespace)  # the family the warning prints registers and serves the same
+    assert str(warned[0].message).endswith(model.family.registration())
+
+
+@pytest.mark.parametrize("model_type", ["glm", "dots1"])  # a dropped activation; dense and sparse-MoE layers
+def test_the_printed_registration_serves_what_was_inferred(model_type):
+    inferred = _load(_build(model_type))
+    exec(inferred.family.registration(), {})
     try:
-        registered = _load(altered(layer=RenamedLayer))
-        assert type(registered.family).__name__ == "AlteredLlama"
-        assert registered.support(1).available == model.support(1).available
-        assert str(warned[0].message).endswith(model.family.registration())
+        registered = _load(_build(model_type))
+        assert type(registered.family).__name__ == model_type.capitalize()
+        for layer in range(registered.num_layers):
+            assert registered.support(layer).reasons == inferred.support(layer).reasons
     finally:
-        _REGISTERED.pop("altered_llama")
+        _REGISTERED.pop(model_type)
 
 
 REFUSALS = {
