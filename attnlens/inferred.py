@@ -12,6 +12,7 @@ and the model falls back to `UnknownLayout`. A missing activation, down projecti
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import sys
 from typing import Callable
@@ -92,6 +93,7 @@ def _forward_tree(function: Callable) -> tuple[Callable, ast.FunctionDef]:
                                                                                  ast.AsyncFunctionDef)))
 
 
+@functools.cache
 def interface_call(cls) -> dict | None:
     """How `cls.forward` calls the shared attention interface (`ALL_ATTENTION_FUNCTIONS`): the operation nnsight names
     for the call, its positional arguments and keywords (as source), the name it is called by, and the eager function
@@ -309,8 +311,15 @@ class Inferred(SparseMoE, Family):
             blocks = model.get_submodule(self.layers)
             self._find_blocks(blocks)
             self._check_mask(model)
-            for layer in self.attention_layers:
-                self._check_attention(model, layer, blocks[layer])
+            checked = set()
+            for layer in self.attention_layers:  # the source once per kind of block, the sizes on every layer
+                attention = getattr(blocks[layer], self.attention)
+                kind = (type(blocks[layer]), type(attention), self.kinds[layer])
+                if kind not in checked:
+                    checked.add(kind)
+                    self._check_attention(model, layer, blocks[layer])
+                self.checking = "sizes"
+                self._check_sizes(attention)
         except NotCommonLayout:
             raise
         except Exception as error:  # noqa: BLE001  (a forward whose source cannot be read fails the check reading it)
@@ -371,7 +380,12 @@ class Inferred(SparseMoE, Family):
 
     def _find_blocks(self, blocks) -> None:
         self.checking = "block_forward"
-        found = [block_names(block) for block in blocks]
+        by_kind = {}  # blocks of one class with the same modules read the same
+        for block in blocks:
+            kind = type(block), tuple(block._modules)
+            if kind not in by_kind:
+                by_kind[kind] = block_names(block)
+        found = [by_kind[type(block), tuple(block._modules)] for block in blocks]
         self.checking = "attention_module"
         self.attention_layers = [i for i, (names, block) in enumerate(zip(found, blocks))
                                  if interface_call(type(getattr(block, names["mixer"]))) is not None]
@@ -391,18 +405,21 @@ class Inferred(SparseMoE, Family):
         self.attention, self.mlp = first["mixer"], first["mlp"]
         self.attention_norm, self.mlp_norm = first["attention_norm"], first["mlp_norm"]
         self.attention_post_norm, self.mlp_post_norm = first["attention_post_norm"], first["mlp_post_norm"]
+        mlps = {}
         for layer, block in enumerate(blocks):
-            self.kinds[layer] = frozenset() if layer in self.attention_layers else frozenset({"mixer"})
-            self._find_mlp(layer, getattr(block, self.mlp))
+            mlp = getattr(block, self.mlp)
+            kind = type(mlp), tuple(mlp._modules)
+            if kind not in mlps:
+                mlps[kind] = self._find_mlp(mlp)
+            self.kinds[layer] = frozenset({"mixer"} if layer not in self.attention_layers else ()) | mlps[kind]
 
-    def _find_mlp(self, layer: int, mlp: torch.nn.Module) -> None:
-        """A sparse MoE (an `experts` module) makes `layer` of kind "moe"; otherwise the MLP's activation (`act_fn`,
+    def _find_mlp(self, mlp: torch.nn.Module) -> frozenset[str]:
+        """A sparse MoE (an `experts` module) makes its layers of kind "moe"; otherwise the MLP's activation (`act_fn`,
         called once) and down projection (`down_proj`, whose output the MLP returns), each dropped where missing."""
         experts = getattr(mlp, "experts", None)
         if isinstance(experts, torch.nn.Module):
-            self.kinds[layer] |= {"moe"}
             self.experts = type(experts).__name__
-            return
+            return frozenset({"moe"})
         kind = type(mlp).__name__
         children = ", ".join(name for name, _ in mlp.named_children())
         returned = Flow(mlp).run(type(mlp).forward)
@@ -417,6 +434,7 @@ class Inferred(SparseMoE, Family):
             self.dropped["mlp_activation"] = (
                 f"{kind} has no activation module {self.activation!r} used once in its forward (its modules: "
                 f"{children}); register the family to name its activation")
+        return frozenset()
 
     # --- verifying the attention ------------------------------------------------------------------------------------
 
@@ -464,8 +482,6 @@ class Inferred(SparseMoE, Family):
             _refuse("anchors", str(drift).split(". The installed")[0])
         self.checking = "eager_function"
         self._check_eager(attention, call["eager"])
-        self.checking = "sizes"
-        self._check_sizes(attention)
 
     def _check_eager(self, attention, eager) -> None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as common

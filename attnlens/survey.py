@@ -725,14 +725,17 @@ def _layers(model, layers_path: str | None, softmaxes: dict[int, list[str]]) -> 
 
 def _inferred(model, depth: int) -> dict:
     """What the inferred common layout (`attnlens.inferred`) makes of an unregistered type: the family and the
-    identities on every block, with the values it leaves out; else the first check that refused it."""
+    identities on every block, with the values it leaves out on some attention layer; else the first check that
+    refused it."""
     from .inferred import Inferred, NotCommonLayout
 
     try:
         family = Inferred(model)
     except NotCommonLayout as refusal:
         return {"inferred": None, "refused": {"check": refusal.check, "detail": refusal.detail[:300]}}
-    return {"inferred": family.name, "dropped": sorted(family.dropped),
+    common = set(Family().locations_for(model.config, 0))  # what a common-layout attention layer serves
+    served = [set(family.locations_for(model.config, layer)) for layer in family.attention_layers]
+    return {"inferred": family.name, "dropped": sorted(common - set.intersection(*served)),
             "check": check(model, family, list(range(depth)))}
 
 

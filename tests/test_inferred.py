@@ -3,6 +3,7 @@ serves the full vocabulary less what the survey drops, and passes every identity
 from the common layout are refused, naming the first check that fails."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -275,3 +276,9 @@ def test_a_config_without_num_hidden_layers_degrades_to_the_block_values():
         block_input = model.layers[0].layer_input.save()
         logits = model.logits.save()
     assert block_input.ndim == 3 and logits.shape[-1] == model.config.vocab_size
+
+
+def test_the_docs_list_every_check_in_order_and_print_the_registration():
+    page = (survey.ROOT / "docs" / "inferred.md").read_text()
+    assert re.findall(r"^\| `(\w+)` \|", page, re.M) == list(CHECKS)
+    assert page.split("```text\n")[1].split("```")[0] == Inferred(_build("apertus")).registration()
