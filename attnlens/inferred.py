@@ -93,11 +93,23 @@ def _forward_tree(function: Callable) -> tuple[Callable, ast.FunctionDef]:
                                                                                  ast.AsyncFunctionDef)))
 
 
-@functools.cache
 def interface_call(cls) -> dict | None:
     """How `cls.forward` calls the shared attention interface (`ALL_ATTENTION_FUNCTIONS`): the operation nnsight names
-    for the call, its positional arguments and keywords (as source), the name it is called by, and the eager function
-    it falls back to; None where it never calls it."""
+    for the call, its positional arguments and keywords (as source), the names it is called by, and the eager function
+    it falls back to (looked up now: a module's function may be replaced); None where it never calls it."""
+    found = _interface(cls)
+    if found is None:
+        return None
+    function, fallbacks, call = found
+    eager = next((function.__globals__[n] for n in fallbacks if callable(function.__globals__.get(n))
+                  and n != "ALL_ATTENTION_FUNCTIONS" and hasattr(function.__globals__[n], "__code__")), None)
+    return {**call, "eager": eager}
+
+
+@functools.cache
+def _interface(cls) -> tuple[Callable, list[str], dict] | None:
+    """`interface_call`'s reading of the source, once per class: the forward, the names the eager function may be
+    under, and the call."""
     function, code = compiled(cls.forward)
     tree = ast.parse(code.source)
     names, fallbacks = set(), []
@@ -118,11 +130,9 @@ def interface_call(cls) -> dict | None:
     call = min(calls, key=lambda node: node.lineno)
     operation = next((name for name, line in code.lines.items()
                       if line == call.lineno and name.rsplit("_", 1)[0] == call.func.id), None)
-    eager = next((function.__globals__[n] for n in fallbacks if callable(function.__globals__.get(n))
-                  and n != "ALL_ATTENTION_FUNCTIONS" and hasattr(function.__globals__[n], "__code__")), None)
-    return {"operation": operation, "arguments": [ast.unparse(a) for a in call.args],
-            "keywords": {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg}, "names": names,
-            "eager": eager}
+    return function, fallbacks, {"operation": operation, "arguments": [ast.unparse(a) for a in call.args],
+                                 "keywords": {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg},
+                                 "names": frozenset(names)}
 
 
 class Flow:
