@@ -6,6 +6,7 @@ from .editing import keep_masked, masked
 from .errors import (
     AttnlensError,
     EditError,
+    InferredFamilyWarning,
     LocationDrift,
     OrderError,
     Unavailable,
@@ -35,10 +36,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "Location", "LocationDrift",
-    "ModuleInput", "ModuleOutput", "Operation", "OutputField", "OrderError", "StandardizedTransformer", "Support",
-    "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for", "keep_masked", "masked", "models",
-    "register", "registered",
+    "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "InferredFamilyWarning",
+    "Location", "LocationDrift", "ModuleInput", "ModuleOutput", "Operation", "OutputField", "OrderError",
+    "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for",
+    "keep_masked", "masked", "models", "register", "registered",
     # capture (attnlens/capture/)
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
     # seeing and summarising (show.py, plot.py, heads.py)

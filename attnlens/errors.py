@@ -25,5 +25,10 @@ class UnknownFamilyWarning(UserWarning):
     """A model loaded without a family: only the block inputs and outputs, embeddings and logits are served."""
 
 
+class InferredFamilyWarning(UserWarning):
+    """A model loaded without a registered family, served by the common layout inferred from its structure and
+    verified (`attnlens.inferred`); the message prints the family to register."""
+
+
 class EditError(AttnlensError):
     """An edit that cannot land where it was written; the message says how to write it instead."""

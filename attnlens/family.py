@@ -444,20 +444,37 @@ class Family:
         }
 
 
+def block_list(model: torch.nn.Module) -> str | None:
+    """The path of the model's list of blocks: a ModuleList as long as the text config's `num_hidden_layers` (the
+    decoder's where several are); where the config gives no depth (Blt's), the first list of two or more blocks of one
+    class, the decoder's first. None where there is none."""
+    depth = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    try:
+        decoder = {id(m) for m in model.get_decoder().modules()}
+    except Exception:  # noqa: BLE001  (no decoder to prefer)
+        decoder = set()
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    fit = [(name, m) for name, m in lists if len(m) == depth] if depth is not None else \
+        [(name, m) for name, m in lists if len(m) >= 2 and len({type(block) for block in m}) == 1]
+    ranked = [name for name, m in fit if id(m) in decoder] + [name for name, _ in fit]
+    return ranked[0] if ranked else None
+
+
 class UnknownLayout(Family):
     """What attnlens serves on a model whose family it does not know: the block inputs and outputs, the embeddings
     and the logits, found from the model's structure. Every other value is unavailable with a reason saying how to
-    add the family."""
+    add the family (and, where given, why the common layout was refused: `refusal`)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, refusal: str = ""):
         self.model_type = model.config.model_type
-        depth = model.config.get_text_config().num_hidden_layers
+        self.refusal = refusal
+        depth = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
         names = {id(m): n for n, m in model.named_modules()}
-        self.layers = next((n for n, m in model.named_modules()
-                            if isinstance(m, torch.nn.ModuleList) and len(m) == depth), None)
+        self.layers = block_list(model)
         if self.layers is None:
             raise UnknownFamily(f"attnlens has no family for model type {self.model_type!r} and found no list of "
-                                f"{depth} blocks in it; add the family (docs/extending.md)")
+                                f"{depth or 'several'} blocks in it; add the family (docs/extending.md)")
+        self.depth_given = depth is not None
         self.embed_tokens = names.get(id(model.get_input_embeddings()))
 
     @property
@@ -469,9 +486,16 @@ class UnknownLayout(Family):
         return {**found, "layer_input": ModuleInput(), "layer_output": ModuleOutput("", 0),
                 "logits": OutputField("logits")}
 
+    def notes(self, config, layer, engine="eager"):
+        if self.depth_given:
+            return {}
+        return {"layer_input": f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the "
+                               f"first list of blocks of one class"}
+
     def unavailable(self, config, layer, engine="eager"):
-        reason = (f"attnlens has no family for model type {self.model_type!r}; subclass attnlens.Family with this "
-                  f"model's module names and register it (docs/extending.md)")
+        reason = (f"attnlens has no family for model type {self.model_type!r}"
+                  + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
+                  + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)")
         return {value.name: reason for value in ALL_VALUES if value.name not in self.locations()}
 
     def verify(self, model, layer, layer_module, attention_module):

@@ -11,7 +11,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 
 from .access import Access
 from .envoys import Helpful, add_model_values, envoy_classes
-from .errors import EditError, UnknownFamily, UnknownFamilyWarning
+from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout
 from .inputs import check_inputs
 from .registry import family_for, resolve_family
@@ -27,14 +27,30 @@ def _model_type(model: Any, kwargs: dict) -> str:
     return AutoConfig.from_pretrained(model, **config_kwargs).model_type
 
 
-def _unknown_family_message(model_type: str) -> str:
+def _unknown_family_message(model_type: str, refusal: str = "") -> str:
     return (
-        f"attnlens has no family for model type {model_type!r}. Without one, layers[i].layer_input, "
+        f"attnlens has no family for model type {model_type!r}"
+        + (f", and its blocks are not the common layout (check {refusal}; see docs/inferred.md)" if refusal else "")
+        + ". Without one, layers[i].layer_input, "
         f"layers[i].layer_output, embeddings and logits work, and nnsight's own module paths; the attention, MLP "
         f"and norm values raise attnlens.Unavailable. To add them, subclass attnlens.Family, set "
         f"model_types = ({model_type!r},) and the module names and locations that differ, and decorate it with "
         f"@attnlens.register (docs/extending.md walks through it)."
     )
+
+
+def _inferred(model: torch.nn.Module, model_type: str) -> Family:
+    """The common layout inferred and verified on `model` (`attnlens.inferred`), else `UnknownLayout` naming the first
+    check that failed; either warns."""
+    from .inferred import Inferred, NotCommonLayout
+
+    try:
+        family = Inferred(model)
+    except NotCommonLayout as refusal:
+        warnings.warn(_unknown_family_message(model_type, str(refusal)), UnknownFamilyWarning, stacklevel=3)
+        return UnknownLayout(model, refusal=str(refusal))
+    warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=3)
+    return family
 
 
 def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
@@ -76,8 +92,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
                 family = family_for(model_type)
             except UnknownFamily:
                 model = _loaded(model, kwargs)
-                family = UnknownLayout(model)
-                warnings.warn(_unknown_family_message(model_type), UnknownFamilyWarning, stacklevel=2)
+                family = _inferred(model, model_type)
         self.family: Family = resolve_family(family)
         if attn_implementation is not None:
             if isinstance(model, torch.nn.Module):

@@ -15,7 +15,6 @@ Each type is surveyed in a worker process (a crash or a hang costs that type onl
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -358,41 +357,22 @@ def is_causal(model, logits: torch.Tensor) -> bool:
 
 
 def _compiled(function):
-    from nnsight.intervention.source import compiled, decorator_chain
+    from .inferred import compiled
 
-    innermost, _ = decorator_chain(function)
-    return innermost, compiled(innermost)
+    return compiled(function)
 
 
 def interface_call(cls) -> dict | None:
-    """How `cls.forward` calls the shared attention interface (`ALL_ATTENTION_FUNCTIONS`): the operation nnsight names
-    for the call, its positional arguments and keywords, and the eager function it falls back to; None where it
-    never calls it."""
-    function, code = _compiled(cls.forward)
-    tree = ast.parse(code.source)
-    names, fallbacks = set(), []
-    assignments = [node for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))]
-    for node in assignments:
-        if node.value is not None and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
-            fallbacks += [n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)]
-    for node in assignments:  # `attention_interface = eager_attention_forward`, then the interface if not eager
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        if isinstance(node.value, ast.Name) and any(isinstance(t, ast.Name) and t.id in names for t in targets):
-            fallbacks.append(node.value.id)
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-             and node.func.id in names]
-    if not calls:
+    """`attnlens.inferred.interface_call`, with the keywords' names, the eager function's qualified name and what it
+    does (`eager_operations`), as the records keep them."""
+    from . import inferred
+
+    call = inferred.interface_call(cls)
+    if call is None:
         return None
-    call = min(calls, key=lambda node: node.lineno)
-    operation = next((name for name, line in code.lines.items()
-                      if line == call.lineno and name.rsplit("_", 1)[0] == call.func.id), None)
-    eager = next((function.__globals__[n] for n in fallbacks if callable(function.__globals__.get(n))
-                  and n != "ALL_ATTENTION_FUNCTIONS" and hasattr(function.__globals__[n], "__code__")), None)
-    return {"operation": operation, "arguments": [ast.unparse(a) for a in call.args],
-            "keywords": [k.arg for k in call.keywords if k.arg], "eager": _qualname(eager) if eager else None,
-            **(eager_operations(eager) if eager else {})}
+    eager = call["eager"]
+    return {"operation": call["operation"], "arguments": call["arguments"], "keywords": list(call["keywords"]),
+            "eager": _qualname(eager) if eager else None, **(eager_operations(eager) if eager else {})}
 
 
 def _qualname(function) -> str:
@@ -599,7 +579,7 @@ class CommonLayoutProbe(Family):
     def name(self):
         return self.name_
 
-    def locations_for(self, config, layer):
+    def locations_for(self, config, layer, engine="eager"):
         return self.model_locations if layer is None else self.by_layer[layer]
 
 
@@ -700,7 +680,7 @@ def _inspect(model_type, record, model, layers_path, logits, softmaxes, family) 
         served = check(model, family(), list(range(len(record["layers"]))))
         record["serves"] = {"family": family.__name__, "check": served}
     else:
-        record["serves"] = {"family": None, **_unknown(model)}
+        record["serves"] = {"family": None, **_unknown(model), **_inferred(model, len(record["layers"]))}
     if attention and layers_path is not None:
         record["common_layout"] = _common(model, layers_path, attention)
 
@@ -741,6 +721,22 @@ def _layers(model, layers_path: str | None, softmaxes: dict[int, list[str]]) -> 
                   **({"softmax_modules": softmaxes[layers[0]]} if len(softmaxes.get(layers[0], [])) > 1 else {})}
                  for (kind, block, path, cls), layers in groups.items()]
     return {"layers": kinds, "layout": layout(kinds), "kinds": described}
+
+
+def _inferred(model, depth: int) -> dict:
+    """What the inferred common layout (`attnlens.inferred`) makes of an unregistered type: the family and the
+    identities on every block, with the values it leaves out on some attention layer; else the first check that
+    refused it."""
+    from .inferred import Inferred, NotCommonLayout
+
+    try:
+        family = Inferred(model)
+    except NotCommonLayout as refusal:
+        return {"inferred": None, "refused": {"check": refusal.check, "detail": refusal.detail[:300]}}
+    common = set(Family().locations_for(model.config, 0))  # what a common-layout attention layer serves
+    served = [set(family.locations_for(model.config, layer)) for layer in family.attention_layers]
+    return {"inferred": family.name, "dropped": sorted(common - set.intersection(*served)),
+            "check": check(model, family, list(range(depth)))}
 
 
 def _unknown(model) -> dict:
@@ -933,11 +929,16 @@ def categories(data: dict) -> dict[str, list[str]]:
         "registered in attnlens": having(lambda r: r["registered"]),
         "… whose family's checks pass on the survey's model": having(
             lambda r: r["registered"] and (r.get("serves") or {}).get("check", {}).get("ok")),
+        "served by the inferred common layout (unregistered, every check of `attnlens.inferred` passes)": having(
+            lambda r: (r.get("serves") or {}).get("inferred")),
+        "… whose identities pass on the survey's model": having(
+            lambda r: (r.get("serves") or {}).get("inferred") and r["serves"]["check"]["ok"]),
         "attention-bearing, not registered": having(lambda r: _attention_bearing(r) and not r["registered"]),
         "common-layout candidates: not registered, the common layout fits": having(_candidate),
         "… without dropping a value": having(lambda r: _candidate(r) and not r["common_layout"]["dropped"]),
-        **({f"in transformers {other['versions']['transformers']} too": [t for t in records if t in other["records"]]}
-           if other else {}),
+        **({f"in transformers {other['versions']['transformers']} too": [t for t in records if t in other["records"]],
+            f"served by the inferred common layout in transformers {other['versions']['transformers']}": [
+                t for t, r in other["records"].items() if r.get("inferred")]} if other else {}),
     }
 
 
@@ -978,8 +979,12 @@ def _serves(record: dict) -> str:
     if serves["family"]:
         check = serves["check"]
         return f"{serves['family']}" + ("" if check["ok"] else f" (checks fail: {_check_text(check)})")
+    if serves.get("inferred"):
+        check = serves["check"]
+        return f"{serves['inferred']}" + ("" if check["ok"] else f" (checks fail: {_check_text(check)})")
+    refused = f"; not inferred: {serves['refused']['check']}" if serves.get("refused") else ""
     if serves["unknown_layout"]:
-        return f"unknown layout (blocks `{serves['unknown_layout']}`)"
+        return f"unknown layout (blocks `{serves['unknown_layout']}`){refused}"
     return f"nothing: {serves['error']}"
 
 
@@ -1026,7 +1031,14 @@ def _other_text(model_type: str, record: dict, other: dict | None) -> str:
         return "absent"
     if not there["build"]:
         return "fails"
-    return "builds" if there["layout"] == record.get("layout") else f"builds, {there['layout']}"
+    built = "builds" if there["layout"] == record.get("layout") else f"builds, {there['layout']}"
+    return built + (", inferred" if there.get("inferred") else "")
+
+
+def _checks() -> list[str]:
+    from .inferred import CHECKS
+
+    return list(CHECKS)
 
 
 def render(data: dict) -> str:
@@ -1056,6 +1068,19 @@ def render(data: dict) -> str:
     for label in sorted(grouped, key=lambda g: (not g.startswith("fits"), g)):
         lines += [f"- {label} ({len(grouped[label])}): " + ", ".join(
             f"`{t}`" + (" (hybrid)" if records[t]["layout"] == "hybrid" else "") for t in grouped[label])]
+    lines += ["", "## Attention-bearing types attnlens does not register, by what the inferred common layout makes of "
+                  "them", "", "Served where every check of `attnlens.inferred.CHECKS` passes, else refused at the "
+                  "first check that fails (docs/inferred.md):", ""]
+    inferred: dict[str, list[str]] = {}
+    for model_type, record in records.items():
+        serves = record.get("serves") or {}
+        if _attention_bearing(record) and not record["registered"]:
+            label = "inferred" if serves.get("inferred") else f"refused at `{serves['refused']['check']}`" \
+                if serves.get("refused") else "not tried"
+            inferred.setdefault(label, []).append(model_type)
+    order = ["inferred", *(f"refused at `{c}`" for c in _checks()), "not tried"]
+    for label in sorted(inferred, key=order.index):
+        lines.append(f"- {label} ({len(inferred[label])}): " + ", ".join(f"`{t}`" for t in inferred[label]))
     version = other["versions"]["transformers"] if other else "other"
     lines += ["", "## Every type", "",
               f"| type | builds | layout | softmax blocks | attnlens serves | {version} | common layout | notes |",
@@ -1086,8 +1111,12 @@ FIELDS = """## How each column is found
   linear attention, convolutions, recurrent blocks), `attention-free` when none has.
 - **softmax blocks**: how many blocks have one, and which where not all.
 - **attnlens serves**: the registered family, with the outcome of `attnlens.checks` on every block of the survey's
-  model; else what `UnknownLayout` finds (block inputs and outputs, embeddings, logits).
-- **the other transformers**: whether the type exists there, builds, and with which layout where it differs.
+  model; else the inferred common layout (`Inferred(type)`, `attnlens.inferred`: the names found from the model's
+  structure and the source of its forwards, every check of `attnlens.inferred.CHECKS` passed before it serves), with
+  the outcome of `attnlens.checks` on every block; else what `UnknownLayout` finds (block inputs and outputs,
+  embeddings, logits) and the first check of the inferred layout that failed.
+- **the other transformers**: whether the type exists there, builds, with which layout where it differs, and
+  whether the inferred common layout serves it there.
 - **common layout**: the common layout (`attnlens.Family`) against the model. First by name, on the first block of
   each kind (`differences`: the attention module at `self_attn` with `o_proj`; `input_layernorm`,
   `post_attention_layernorm` and `mlp` with `act_fn` and `down_proj` in the block; the attention interface called
@@ -1130,6 +1159,7 @@ def compact(record: dict) -> dict:
     return {"build": record["build"]["ok"], "error": record["build"]["error"], "layout": record.get("layout"),
             "layers": record.get("layers"), "registered": record.get("registered"),
             "serves_ok": (record.get("serves") or {}).get("check", {}).get("ok"),
+            "inferred": (record.get("serves") or {}).get("inferred"),
             "fits": (record.get("common_layout") or {}).get("fits")}
 
 
