@@ -93,14 +93,14 @@ def failures(model, saved, layer):
               close(f.project_output(module, v["attention_premix"]), v["attention_output"]))
 
     def post_norm(name, x):
-        return x if name is None else getattr(block, name)(x)
+        return x if name is None else block.get_submodule(name)(x)
 
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm(f.attention_post_norm, v["attention_output"])
         check("layer input + attention output == layer mid",
               close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
-        norm = getattr(block, f.mlp_norm)
+        norm = block.get_submodule(f.mlp_norm)
         check("mlp norm(layer mid) == mlp norm output",
               close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]))
     if has("mlp_input", "mlp_norm_output"):
