@@ -65,8 +65,8 @@ def rebuilt(function, *args):
 def failures(model, saved, layer):
     """Names of the identities that fail for `layer`; a value the family reports unavailable skips its checks."""
     f = model.family
-    attn = model.layers[layer].self_attn
-    module = attn._module
+    attn = getattr(model.layers[layer], "self_attn", None)  # None on a block without attention (Nemotron-H's MLPs)
+    module = attn._module if attn is not None else None
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
     batch, length = saved["logits"].shape[:2]
