@@ -27,6 +27,9 @@ class MixerLayers:
     #: What its output projection receives, and why that is not a premix (None: it has none).
     mixer_premix = ("what its out_proj receives is the gated scan output, not attention heads merged (on the fused "
                     "CUDA-kernel path it is never formed as a tensor)")
+    #: Whether the mixer is renamed `self_attn`; not where the block keeps a `self_attn = None` attribute on those
+    #: layers (nnsight refuses an alias that shadows one), and then its output is not served either.
+    mixer_renamed = True
 
     @staticmethod
     def text_config(config):
@@ -36,7 +39,7 @@ class MixerLayers:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
     def renames(self):
-        return {**super().renames(), self.mixer: "self_attn"}
+        return {**super().renames(), self.mixer: "self_attn"} if self.mixer_renamed else super().renames()
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)
@@ -45,7 +48,8 @@ class MixerLayers:
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         if "mixer" in kind:
-            locations = {name: location for name, location in locations.items() if name not in NO_SOFTMAX}
+            dropped = NO_SOFTMAX if self.mixer_renamed else (*NO_SOFTMAX, "attention_output")
+            locations = {name: location for name, location in locations.items() if name not in dropped}
         return locations
 
     def sliding_window(self, config, layer):
@@ -61,11 +65,16 @@ class MixerLayers:
             if self.mixer_premix:
                 reasons["attention_premix"] = f"{what}; {self.mixer_premix}"
             reasons["attention_head_outputs"] = f"{what}, so no head mixes values by a pattern"
+            if not self.mixer_renamed:
+                reasons["attention_output"] = (f"{what}; its output is layers[{layer}].{self.mixer}'s, which attnlens "
+                                               f"cannot name self_attn (the block keeps self_attn = None there): read "
+                                               f"it with nnsight as model.layers[{layer}].{self.mixer}.output")
         return reasons
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             notes = {name: note for name, note in notes.items() if not name.startswith("attention_")}
-            notes["attention_output"] = f"{self.mixer}'s output: {self.mixer_kind}"
+            if self.mixer_renamed:
+                notes["attention_output"] = f"{self.mixer}'s output: {self.mixer_kind}"
         return notes
