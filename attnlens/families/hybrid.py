@@ -39,7 +39,9 @@ class MixerLayers:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
     def renames(self):
-        return {**super().renames(), self.mixer: "self_attn"} if self.mixer_renamed else super().renames()
+        if not self.mixer_renamed or self.mixer == "self_attn":  # nothing to rename, or already its name
+            return super().renames()
+        return {**super().renames(), self.mixer: "self_attn"}
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)

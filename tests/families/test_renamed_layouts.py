@@ -280,3 +280,22 @@ def test_granitemoeshared_mlp_output_is_the_sum_no_module_returns():
         x = saved[(0, "mlp_input")]
         update = (block.block_sparse_moe(x) + block.shared_mlp(x)) * block.residual_multiplier
     assert close(saved[(0, "layer_mid")] + update, saved[(0, "layer_output")])
+
+
+def test_moshi_prefill_is_full_causal_beyond_its_configured_window():
+    model, saved = tiny("moshi"), saved_for("moshi")
+    assert model.config.sliding_window == 4 < len(PROMPT)
+    assert (saved[(0, "attention_probabilities")][0, :, -1] > 0).all()  # the last query sees all 18 keys
+    assert "ignores config.sliding_window (4)" in model.support(0).notes["self_attn.attention_probabilities"]
+
+
+def test_minimax_adds_attention_to_the_normalised_stream():
+    model, saved = tiny("minimax"), saved_for("minimax")
+    for layer in (0, 1):  # a softmax layer and a lightning layer
+        block = model.layers[layer]._module
+        with torch.no_grad():
+            mid = block.input_layernorm(saved[(layer, "layer_input")]) * block.attn_alpha_factor + \
+                saved[(layer, "attention_output")] * block.attn_beta_factor
+        assert close(mid, saved[(layer, "layer_mid")])
+        assert not close(saved[(layer, "layer_input")] + saved[(layer, "attention_output")], mid, atol=1e-2)
+    assert "a lightning-attention layer" in model.support(1)["self_attn.attention_scores"]
