@@ -40,7 +40,8 @@ def merged(heads):
 #: Families whose score function is more than the common one (own masks, own order of mask and scale) or whose queries
 #: and keys are read from an unusual place; each with a layer that has softmax attention.
 SCORES = {"openai-gpt": 1, "codegen": 1, "dbrx": 1, "persimmon": 1, "ctrl": 1, "diffllama": 1, "granite_swa": 0,
-          "laguna": 1, "jamba": 1, "recurrent_gemma": 1, "nemotron_h": 2, "falcon_h1": 1}
+          "laguna": 1, "jamba": 1, "recurrent_gemma": 1, "nemotron_h": 2, "falcon_h1": 1, "flint": 1, "beam": 1,
+          "minimax": 0, "moshi": 1, "olmo_hybrid": 1, "modernbert-decoder": 0}
 
 
 @pytest.mark.parametrize("case", SCORES)
@@ -299,3 +300,30 @@ def test_minimax_adds_attention_to_the_normalised_stream():
         assert close(mid, saved[(layer, "layer_mid")])
         assert not close(saved[(layer, "layer_input")] + saved[(layer, "attention_output")], mid, atol=1e-2)
     assert "a lightning-attention layer" in model.support(1)["self_attn.attention_scores"]
+
+
+def test_flint_sinks_are_the_dropped_softmax_column():
+    model, saved = tiny("flint"), saved_for("flint")
+    module = model.layers[1].self_attn._module
+    scores = saved[(1, "attention_scores")]
+    with_sink = torch.cat([scores, module.sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1).softmax(-1)
+    assert close(saved[(1, "attention_sinks")], with_sink[..., -1])
+    assert close(saved[(1, "attention_probabilities")], with_sink[..., :-1])
+
+
+def test_olmo_hybrid_blocks_normalise_on_opposite_sides():
+    model = tiny("olmo_hybrid")
+    attention, linear = model.support(1), model.support(0)
+    assert attention["attention_norm_output"].startswith("no norm in front of attention")
+    assert linear["attention_norm_output"] is None and linear["mlp_norm_output"] is None
+    assert "Gated DeltaNet" in linear["self_attn.attention_scores"]
+    assert "post_attention_layernorm(attention_output)" in attention.notes["layer_mid"]
+
+
+def test_lfm3_gate_is_one_sigmoid_per_head():
+    model, saved = tiny("lfm3"), saved_for("lfm3")
+    module = model.layers[1].self_attn._module
+    with torch.no_grad():
+        gate = torch.sigmoid(module.g_proj(saved[(1, "attention_norm_output")]))
+    assert close(saved[(1, "attention_gate")], gate[..., None].expand(-1, -1, -1, module.head_dim))
+    assert model.support(0)["self_attn.attention_gate"].startswith("layer 0 of Lfm3 is a short gated convolution")
