@@ -76,8 +76,8 @@ def rebuilt(function, *args):
 def failures(model, saved, layer):
     """Names of the identities that fail for `layer`; a value the family reports unavailable skips its checks."""
     f = model.family
-    attn = model.layers[layer].self_attn
-    module = attn._module
+    attn = getattr(model.layers[layer], "self_attn", None)  # None on a block without attention (Nemotron-H's MLPs)
+    module = attn._module if attn is not None else None
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
     batch, length = saved["logits"].shape[:2]
@@ -104,14 +104,14 @@ def failures(model, saved, layer):
               close(f.project_output(module, v["attention_premix"]), v["attention_output"]))
 
     def post_norm(name, x):
-        return x if name is None else getattr(block, name)(x)
+        return x if name is None else block.get_submodule(name)(x)
 
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm(f.attention_post_norm, v["attention_output"])
         check("layer input + attention output == layer mid",
               close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
-        norm = getattr(block, f.mlp_norm)
+        norm = block.get_submodule(f.mlp_norm)
         check("mlp norm(layer mid) == mlp norm output",
               close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]))
     if has("mlp_input", "mlp_norm_output"):

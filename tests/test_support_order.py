@@ -110,10 +110,12 @@ def test_out_of_order_across_layers():
 
 
 def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it():
-    from transformers import XGLMConfig, XGLMForCausalLM
+    from transformers import DogeConfig, DogeForCausalLM  # a type attnlens has no family for
 
     torch.manual_seed(0)
-    inner = XGLMForCausalLM(XGLMConfig(num_layers=2, d_model=32, attention_heads=2, ffn_dim=64, vocab_size=128)).eval()
+    config = DogeConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=128)
+    inner = DogeForCausalLM(config).eval()
     with pytest.warns(attnlens.UnknownFamilyWarning, match="attnlens.register") as warned:
         model = attnlens.StandardizedTransformer(inner, tokenizer=attnlens.models.char_tokenizer())
     assert "layers[i].layer_input" in str(warned[0].message)

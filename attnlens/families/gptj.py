@@ -12,6 +12,8 @@ before the transpose, no sdpa path); 5.20 and later call the shared attention in
 function (scores multiplied by `head_dim ** -0.5`). The family reads whichever the installed transformers has.
 """
 
+import importlib
+
 import torch
 
 from ..family import Family
@@ -19,12 +21,6 @@ from ..locations import Derived, ModuleInput, Operation
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
-
-
-def _own_attn() -> bool:
-    from transformers.models.gptj.modeling_gptj import GPTJAttention
-
-    return hasattr(GPTJAttention, "_attn")
 
 
 def _heads_last(envoy, per_head):
@@ -46,15 +42,24 @@ class GPTJ(Family):
     activation = "act"
     down_projection = "fc_out"
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared ln_1")}
+    #: The attention class (module under transformers.models, class): its `_attn` method, where it has one
+    #: (transformers <= 5.19), runs instead of the attention interface.
+    attention_class = ("gptj.modeling_gptj", "GPTJAttention")
+    #: The assignment in `_attn` holding the masked scores, and the line it must be on.
+    own_scores = ("attn_weights_2", "+ attention_mask")
+
+    def own_attn(self) -> bool:
+        module, name = self.attention_class
+        return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), "_attn")
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
-        if _own_attn():
+        if self.own_attn():
             locations.update({
                 "attention_queries": Operation((OWN_ATTN,), "arg", 0),
                 "attention_keys": Operation((OWN_ATTN,), "arg", 1),
                 "attention_values": Operation((OWN_ATTN,), "arg", 2),
-                "attention_scores": Operation((OWN_ATTN, "attn_weights_2"), anchor="+ attention_mask"),
+                "attention_scores": Operation((OWN_ATTN, self.own_scores[0]), anchor=self.own_scores[1]),
                 "attention_probabilities": Operation((OWN_ATTN, "attn_weights_5"), anchor="attn_dropout("),
                 "attention_head_outputs": Derived(Operation((OWN_ATTN,), "output", 0), _heads_last,
                                                   lambda envoy, old, new: new.transpose(1, 2),
@@ -63,7 +68,7 @@ class GPTJ(Family):
         return locations
 
     def drilled_functions(self, attention_module):
-        if _own_attn():
+        if self.own_attn():
             return {OWN_ATTN: type(attention_module)._attn}
         return super().drilled_functions(attention_module)
 
@@ -88,7 +93,7 @@ class GPTJ(Family):
         notes = {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                  "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
                                      "q @ k^T; masked entries are the score plus the model dtype's minimum"}
-        if _own_attn():
+        if self.own_attn():
             notes["attention_head_outputs"] = ("transposed from _attn's (batch, heads, seq, dim) output: a view, so "
                                                "in-place edits land; assignment is transposed back")
         return notes

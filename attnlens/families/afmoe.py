@@ -1,0 +1,55 @@
+"""AFMoE: a sigmoid output gate per head, per-head QK RMSNorm, rotary embedding on sliding layers only, norms before
+and after each sublayer, and mixture-of-experts MLPs after `num_dense_layers` dense ones.
+
+`gate_proj` (in the attention) gives each head a gate; the attention function's merged output is multiplied by its
+sigmoid before `o_proj`: `attention_head_outputs` is the mix before the gate, `attention_gate` the sigmoid's output
+viewed per head (edits land), and `head_outputs * gate`, merged, the premix. Queries and keys are RMS-normalised per
+head; on sliding layers (`config.layer_types`) they are then rotated, on full layers not at all. The block adds
+`post_attention_layernorm(attention_output)` to its input, normalises that with `pre_mlp_layernorm` for the MLP and
+adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receives the embeddings times
+`sqrt(hidden_size)`.
+"""
+
+from ..family import Family
+from ..locations import Derived, Operation
+from .moe import SparseMoE, moe_absent
+from .qwen3_next import _flat, _per_head
+
+
+class Afmoe(SparseMoE, Family):
+    model_types = ("afmoe",)
+    tiny = ("AfmoeConfig", "AfmoeForCausalLM", {
+        "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "num_dense_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    mlp_norm = "pre_mlp_layernorm"
+    attention_post_norm = "post_attention_layernorm"
+    mlp_post_norm = "post_mlp_layernorm"
+    absent = {**moe_absent("AfmoeExperts"), "attention_sinks": Family.absent["attention_sinks"]}
+
+    def moe_layer(self, config, layer):
+        return layer >= config.num_dense_layers
+
+    def locations(self):
+        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), _per_head, _flat,
+                       label="attention_gate")
+        ordered = {}
+        for name, location in super().locations().items():
+            ordered[name] = location
+            if name == "attention_head_outputs":
+                ordered["attention_gate"] = gate
+        return ordered
+
+    def notes(self, config, layer, engine="eager"):
+        local = config.layer_types[layer] == "sliding_attention"
+        rotated = "then rotated" if local else "not rotated (full-attention layers have no positional encoding)"
+        notes = {**super().notes(config, layer, engine),
+                 "attention_queries": f"RMS-normalised per head (q_norm), {rotated}",
+                 "attention_keys": f"RMS-normalised per head (k_norm), {rotated}",
+                 "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
+                                           "premix",
+                 "attention_gate": "sigmoid of gate_proj(x) per head, as the forward multiplies the merged heads by "
+                                   "it; a view of that tensor, so edits land",
+                 "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}
+        if config.mup_enabled:
+            notes["embeddings"] = "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size)"
+        return notes

@@ -1,0 +1,35 @@
+"""CodeGen: GPT-J's block and attention with a fused projection interleaved over four model-parallel shards.
+
+`qkv_proj` is viewed as [batch, seq, 4 shards, 3 * hidden / 4] and each shard split as (query, value, key), so the
+fused output follows no layout `attnlens.fused` knows; the queries, keys and values are read where attention
+receives them, after the partial interleaved rotary embedding. transformers 5.19 runs CodeGen's own `_attn`, which adds
+the mask *before* dividing by `sqrt(head_dim)` (masked scores are `(s + min) / sqrt(d)`); later versions call the
+shared attention interface (scale, then mask), as GPT-J does.
+"""
+
+import torch
+
+from .gptj import GPTJ
+
+
+class CodeGen(GPTJ):
+    model_types = ("codegen",)
+    tiny = ("CodeGenConfig", "CodeGenForCausalLM", {**GPTJ.tiny[2], "bos_token_id": 1, "eos_token_id": 2,
+                                                     "pad_token_id": None})
+    attention_class = ("codegen.modeling_codegen", "CodeGenAttention")
+    own_scores = ("attn_weights_2", "/ self.scale_attn")
+
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
+        if not self.own_attn():
+            return super().scores(heads, config, queries, keys, layer, key_mask)
+        scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
+        mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device)
+        return (scores + mask) * heads.scale
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if self.own_attn():
+            notes["attention_scores"] = ("float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the "
+                                         "scale, so masked entries are (score + the model dtype's minimum) / "
+                                         "sqrt(head_dim)")
+        return notes

@@ -1,0 +1,48 @@
+"""Falcon-H1: attention and a Mamba-2 mixer side by side in every block, and muP multipliers throughout.
+
+Each block normalises its input once (`input_layernorm`); the Mamba-2 mixer (`mamba`) reads that output, the attention
+reads it times `attention_in_multiplier`, and the block adds `ssm_out_multiplier * mamba + attention_out_multiplier *
+attention` to its input: `layer_mid` (what `pre_ff_layernorm` receives) is that sum, so it holds the Mamba branch too
+(`residual_add` recomputes it for the identities). The keys are `k_proj`'s output times `key_multiplier`, then rotated;
+`attention_output` is the attention module's output, before `attention_out_multiplier`. The MLP (`feed_forward`) is
+`down_proj(up_proj(x) * act(gate_proj(x) * gate_multiplier)) * down_multiplier` (`config.mlp_multipliers`). The first
+block receives the embeddings times `embedding_multiplier`; `logits` are the LM head's output times
+`lm_head_multiplier`.
+"""
+
+from ..family import Family
+
+
+class FalconH1(Family):
+    model_types = ("falcon_h1",)
+    # multipliers away from 1, so a family ignoring one fails the identities (the MLP's stay at 1: see notes)
+    tiny = ("FalconH1Config", "FalconH1ForCausalLM", {
+        "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128,
+        "key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
+        "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5})
+    final_norm = "model.final_layernorm"
+    mlp = "feed_forward"
+    mlp_norm = "pre_ff_layernorm"
+
+    def residual_add(self, block, sublayer, stream, update):
+        if sublayer == "mlp":
+            return stream + update
+        mamba = block.mamba(hidden_states=block.input_layernorm(stream))
+        return stream + update * block.attn_out_multiplier + mamba * block.ssm_out_multiplier
+
+    def notes(self, config, layer, engine="eager"):
+        gate, down = config.mlp_multipliers
+        return {**super().notes(config, layer, engine),
+                "attention_norm_output": "input_layernorm's output, read by the Mamba-2 mixer as it is and by the "
+                                         f"attention times attention_in_multiplier "
+                                         f"({config.attention_in_multiplier:g})",
+                "attention_keys": f"k_proj's output times key_multiplier ({config.key_multiplier:g}), then rotated",
+                "attention_output": "the attention module's output, before attention_out_multiplier "
+                                    f"({config.attention_out_multiplier:g})",
+                "layer_mid": f"layer_input + {config.attention_out_multiplier:g} * attention_output + "
+                             f"{config.ssm_out_multiplier:g} * the Mamba-2 mixer's output (the two run side by side)",
+                "mlp_activation": f"act(gate_proj(x) * gate_multiplier ({gate:g}))",
+                "mlp_output": f"down_proj(mlp_neurons) * down_multiplier ({down:g})",
+                "embeddings": f"the token embedding's output; layers[0].layer_input is it times embedding_multiplier "
+                              f"({config.embedding_multiplier:g})",
+                "logits": f"the LM head's output times lm_head_multiplier ({config.lm_head_multiplier:g})"}

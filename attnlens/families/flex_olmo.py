@@ -1,0 +1,12 @@
+"""FlexOlmo: OLMo 2's block (norms after each sublayer, QK-norm over the whole projection) with a mixture of experts
+as every MLP, so no activation or neuron tensor exists.
+"""
+
+from .moe import SparseMoE, moe_absent
+from .olmo2 import Olmo2
+
+
+class FlexOlmo(SparseMoE, Olmo2):
+    model_types = ("flex_olmo",)
+    tiny = ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
+    absent = {**Olmo2.absent, **moe_absent("FlexOlmoExperts")}

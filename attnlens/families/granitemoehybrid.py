@@ -1,0 +1,65 @@
+"""Granite 4.0 hybrid (GraniteMoeHybrid): Mamba-2 layers and attention layers with Granite's multipliers, a shared MLP
+in every block and, where `num_local_experts > 0`, routed experts beside it.
+
+Layers whose `config.layers_block_type` entry is `"linear_attention"` run a Mamba-2 mixer (`mamba`; the block keeps
+`self_attn = None` there, so attnlens cannot name the mixer `self_attn` and serves none of the mixer's values, see
+`families/hybrid.py`); the others Granite's attention (scores scaled by `attention_multiplier`, a
+rotary embedding only with `position_embedding_type="rope"`). Both add `residual_multiplier` times their output to the
+stream. The MLP is `shared_mlp` (renamed `mlp`): `output_linear(act(a) * b)` with `a, b` the two halves of
+`input_linear(x)`. With experts, the block adds the routed experts' output (`block_sparse_moe`, reading the same norm
+output) to the shared MLP's itself, so no module returns the MLP's output and no single activation or neuron tensor
+exists: those are unavailable; `mlp_input` is what both receive.
+"""
+
+from .granite import Granite
+from .hybrid import MixerLayers
+
+ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only its own tokens) plus shared_mlp, "
+          "summed in the block itself: no module returns the sum and no [batch, seq, intermediate] tensor covers both; "
+          "layer_output - layer_mid is residual_multiplier times it")
+CHUNKED = ("shared_mlp applies its activation to one half of input_linear's output and multiplies it by the other "
+           "half; attnlens serves what output_linear receives (mlp_neurons), not the activation alone, whose identity "
+           "it checks against gate_proj/up_proj names this MLP does not have")
+
+
+class GraniteMoeHybrid(MixerLayers, Granite):
+    model_types = ("granitemoehybrid",)
+    tiny = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+        **Granite.tiny[2], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "shared_intermediate_size": 64,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    tiny_layouts = {"dense": {"num_local_experts": 0}}
+    mlp = "shared_mlp"
+    down_projection = "output_linear"
+    absent = {**Granite.absent, "mlp_activation": CHUNKED}
+    mixer_renamed = False  # the block sets self_attn = None on Mamba-2 layers
+    mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
+                  "before out_proj")
+
+    def is_mixer_layer(self, config, layer):
+        return config.layers_block_type[layer] == "linear_attention"
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"routed"} if config.num_local_experts else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        dropped = ("mlp_activation", "mlp_neurons", "mlp_output") if "routed" in kind else ("mlp_activation",)
+        return {name: location for name, location in locations.items() if name not in dropped}
+
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        if config.num_local_experts:
+            reasons.update(dict.fromkeys(("mlp_activation", "mlp_neurons", "mlp_output"), ROUTED))
+        return reasons
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if self.is_mixer_layer(config, layer):
+            notes["layer_mid"] = f"layer_input + residual_multiplier ({config.residual_multiplier:g}) * mamba's output"
+        if config.num_local_experts:
+            notes["mlp_input"] = "what shared_mlp and the routed experts (block_sparse_moe) both receive"
+        else:
+            notes["mlp_neurons"] = "what output_linear receives: act(a) * b, the halves of input_linear(x)"
+        return notes

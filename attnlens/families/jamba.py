@@ -1,0 +1,36 @@
+"""Jamba: Mamba layers with a few attention layers among them, and mixture-of-experts MLPs on every other layer.
+
+Layers with `i % attn_layer_period == attn_layer_offset` run the common attention (no rotary embedding: Jamba's
+attention has no positional encoding, the Mamba layers carry order); the others run a Mamba mixer (`mamba`, renamed
+`self_attn`; see `families/hybrid.py`). Every block has `input_layernorm`, then `pre_ff_layernorm` in front of the
+MLP (`feed_forward`, renamed `mlp`), which on `i % expert_layer_period == expert_layer_offset` layers is a sparse
+mixture of experts: no activation or neuron tensor exists there.
+"""
+
+from ..family import Family
+from .hybrid import MixerLayers
+from .moe import SparseMoE, moe_absent
+
+
+class Jamba(MixerLayers, SparseMoE, Family):
+    model_types = ("jamba",)
+    tiny = ("JambaConfig", "JambaForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_dt_rank": 4, "attn_layer_period": 2,
+        "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0})
+    final_norm = "model.final_layernorm"
+    mlp = "feed_forward"
+    mlp_norm = "pre_ff_layernorm"
+    mixer_kind = "a Mamba layer: a selective state-space scan over a recurrent state, convolved inputs, no heads"
+    absent = moe_absent("JambaExperts")
+
+    def is_mixer_layer(self, config, layer):
+        return config.layers_block_type[layer] == "mamba"
+
+    def moe_layer(self, config, layer):
+        return config.layers_num_experts[layer] > 1
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if not self.is_mixer_layer(config, layer):
+            notes["attention_queries"] = notes["attention_keys"] = "no positional encoding: Jamba rotates nothing"
+        return notes

@@ -1,0 +1,22 @@
+"""Kolibri 1: per-head QK RMSNorm before the rotary embedding, GLM-4's norms after each sublayer
+(`post_self_attn_layernorm`, `post_mlp_layernorm`; `post_attention_layernorm` is the norm in front of the MLP), and a
+mixture of experts as every MLP, so no activation or neuron tensor exists.
+"""
+
+from ..family import Family
+from .moe import SparseMoE, moe_absent
+
+
+class Kolibri1(SparseMoE, Family):
+    model_types = ("kolibri1",)
+    tiny = ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                                      "moe_intermediate_size": 32})
+    attention_post_norm = "post_self_attn_layernorm"
+    mlp_post_norm = "post_mlp_layernorm"
+    absent = moe_absent("Kolibri1Experts")
+
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine),
+                "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+                "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+                "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}

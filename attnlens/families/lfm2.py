@@ -1,0 +1,45 @@
+"""LFM2: short gated convolutions with a few attention layers among them, under Liquid's names.
+
+Every block normalises with `operator_norm` in front of its token mixer and `ffn_norm` in front of the MLP
+(`feed_forward`, renamed `mlp`). Layers whose `config.layer_types` entry is `"conv"` mix tokens with `conv`
+(renamed `self_attn`, see `families/hybrid.py`): `in_proj` gives B, C and x, and the output is `C * conv(B * x)`, a
+depthwise causal convolution over `conv_L_cache` tokens. The others run the common attention with a per-head RMSNorm
+on queries and keys (`q_layernorm`, `k_layernorm`) before the rotary embedding, and `out_proj` as output projection.
+The MLP is `w2(silu(w1(x)) * w3(x))`, its activation a function call, not a module; the final norm is named
+`embedding_norm`.
+"""
+
+from ..family import Family
+from .hybrid import MixerLayers
+
+SILU = ("LFM2's MLP applies F.silu(w1(x)) inline and multiplies it by w3(x); attnlens serves what w2 receives "
+        "(mlp_neurons) and not the activation alone, whose identity it checks against gate_proj/up_proj names LFM2 "
+        "does not have")
+
+
+class Lfm2(MixerLayers, Family):
+    model_types = ("lfm2",)
+    tiny = ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention", "conv"]})
+    final_norm = "model.embedding_norm"
+    attention_norm = "operator_norm"
+    mlp_norm = "ffn_norm"
+    mlp = "feed_forward"
+    output_projection = "out_proj"
+    down_projection = "w2"
+    mixer = "conv"
+    mixer_kind = "a short gated convolution: C * conv(B * x), depthwise and causal over conv_L_cache tokens"
+    mixer_premix = "what its out_proj receives is the gated convolution's output, not attention heads merged"
+    absent = {**Family.absent, "mlp_activation": SILU}
+
+    def locations(self):
+        locations = super().locations()
+        del locations["mlp_activation"]
+        return locations
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if not self.is_mixer_layer(config, layer):
+            notes["attention_queries"] = "RMS-normalised per head (q_layernorm), then rotated"
+            notes["attention_keys"] = "RMS-normalised per head (k_layernorm), then rotated"
+        notes["mlp_neurons"] = "what w2 receives: silu(w1(x)) * w3(x)"
+        return notes

@@ -1,0 +1,48 @@
+"""LFM3: LFM2's hybrid of short convolutions and attention, with sliding-window layers, norms after each sublayer
+(`post_operator_norm`, `post_ffn_norm`; the identity without `use_sandwich_norm`), `o_proj` as output projection and,
+with `use_attention_gate`, a sigmoid gate per head.
+
+The gate is `sigmoid(g_proj(x))`, one factor per head and position, multiplying each head's output before the merge:
+`attention_gate` is it repeated over `head_dim` (a read-only copy: the forward holds one number per head),
+`attention_head_outputs` the mix before it. Everything else is LFM2's (transformers 5.24 and later).
+"""
+
+from ..locations import Derived, Operation
+from .laguna import _per_head_repeated
+from .lfm2 import Lfm2
+
+
+class Lfm3(Lfm2):
+    model_types = ("lfm3",)
+    tiny = ("Lfm3Config", "Lfm3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]})
+    tiny_layouts = {"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}}
+    output_projection = "o_proj"
+    attention_post_norm = "post_operator_norm"
+    mlp_post_norm = "post_ffn_norm"
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"gated"} if config.use_attention_gate and not self.is_mixer_layer(config, layer) else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "gated" not in kind:
+            return locations
+        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(self.g_proj(hidden_states))"),
+                       _per_head_repeated, None, "attention_gate", in_place=False,
+                       why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
+                               "outputs or the premix instead")
+        ordered = {}
+        for name, location in locations.items():
+            ordered[name] = location
+            if name == "attention_head_outputs":
+                ordered["attention_gate"] = gate
+        return ordered
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if config.use_attention_gate and not self.is_mixer_layer(config, layer):
+            notes["attention_gate"] = "sigmoid(g_proj(x)), one per head and position, repeated over head_dim"
+            notes["attention_head_outputs"] = "the mix before the gate: times attention_gate, merged, is the premix"
+        return notes

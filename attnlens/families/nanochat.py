@@ -1,0 +1,28 @@
+"""NanoChat: one weightless RMSNorm module (`model.norm`) run on the embeddings before the first block as well as
+after the last, QK RMSNorm after the rotary embedding, and a non-gated MLP (`fc2(act(fc1(x)))`).
+
+Because `model.norm` runs twice per forward, its output is ambiguous; `final_norm_output` is read where the LM head
+receives it (the second run: the same tensor, sliced to the positions whose logits are kept). `embeddings` is the
+token embedding's output; `layers[0].layer_input` is its normalised form.
+"""
+
+from ..family import Family
+from ..locations import ModuleInput
+
+
+class NanoChat(Family):
+    model_types = ("nanochat",)
+    tiny = ("NanoChatConfig", "NanoChatForCausalLM", {})
+    activation = "activation_fn"
+    down_projection = "fc2"
+
+    def locations(self):
+        return {**super().locations(), "final_norm_output": ModuleInput("lm_head")}
+
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine),
+                "attention_queries": "rotated, then RMS-normalised per head (q_norm)",
+                "attention_keys": "rotated, then RMS-normalised per head (k_norm)",
+                "embeddings": "the token embedding's output; layers[0].layer_input is model.norm of it",
+                "final_norm_output": "what the LM head receives: model.norm's second run, on the last block's output "
+                                     "(under generate, only the positions whose logits are kept)"}

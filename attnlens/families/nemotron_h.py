@@ -1,0 +1,100 @@
+"""Nemotron-H: blocks of one sublayer each, Mamba-2, attention, MLP or mixture of experts, behind one norm.
+
+Each block is `layer_input + mixer(norm(layer_input))`, and `config.layers_block_type` says what its `mixer` is.
+attnlens names the mixer `self_attn` on attention and Mamba-2 blocks and `mlp` on MLP and MoE blocks (a block has only
+the one), and serves on each block the values its one sublayer has:
+
+- `full_attention` blocks: the common attention (grouped heads, no positional encoding), read after `norm`; the
+  stream after attention is the block's output, so `layer_mid` is `layer_output`.
+- `linear_attention` blocks: a Mamba-2 mixer, with no queries, keys or pattern; `attention_output` is its output and
+  `layer_mid` the block's output.
+- `mlp` blocks: `down_proj(relu2(up_proj(x)))` after `norm` (`mlp_norm_output`); the stream entering that norm is the
+  block input, so `layer_mid` is `layer_input`.
+- `moe` blocks: routed non-gated experts plus a shared expert, so no activation or neuron tensor exists.
+
+What a block lacks (the MLP on a mixing block, attention on an MLP block) is unavailable with the reason.
+"""
+
+from ..family import Family
+from ..locations import ModuleInput, ModuleOutput
+from .hybrid import NO_SOFTMAX
+from .moe import PER_EXPERT
+
+MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
+ATTENTION_VALUES = ("attention_norm_output", *NO_SOFTMAX, "attention_output")
+KINDS = {
+    "full_attention": "an attention block",
+    "linear_attention": "a Mamba-2 block (a selective state-space scan over a recurrent state, gated and "
+                        "RMS-normalised before out_proj)",
+    "mlp": "an MLP block",
+    "moe": "a mixture-of-experts block",
+}
+
+
+class NemotronH(Family):
+    model_types = ("nemotron_h",)
+    tiny = ("NemotronHConfig", "NemotronHForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
+    embed_tokens = "model.embeddings"
+    final_norm = "model.norm_f"
+    attention = mlp = "mixer"
+    attention_norm = mlp_norm = "norm"
+
+    def renames(self):
+        # by the mixer's class: one envoy cannot be both an attention and an MLP
+        from transformers.models.nemotron_h import modeling_nemotron_h as nh
+
+        return {self.layers: "layers", nh.NemotronHAttention: "self_attn", nh.NemotronHMamba2Mixer: "self_attn",
+                nh.NemotronHMLP: "mlp", nh.NemotronHMoE: "mlp"}
+
+    @staticmethod
+    def block_type(config, layer) -> str:
+        return config.layers_block_type[layer]
+
+    def layer_kind(self, config, layer):
+        return frozenset({self.block_type(config, layer)})
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if kind & {"full_attention", "linear_attention"}:
+            dropped = MLP_VALUES + (NO_SOFTMAX if "linear_attention" in kind else ())
+            mid = ModuleOutput("", 0)  # the stream after attention leaves the block
+        else:
+            dropped = ATTENTION_VALUES + (PER_EXPERT if "moe" in kind else ())
+            mid = ModuleInput(self.mlp_norm)  # the stream entering the MLP's norm is the block input
+        return {name: (mid if name == "layer_mid" else location) for name, location in locations.items()
+                if name not in dropped}
+
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        kind = self.block_type(config, layer)
+        what = f"layer {layer} of Nemotron-H is {KINDS.get(kind, kind)}"
+        if kind in ("full_attention", "linear_attention"):
+            reasons.update(dict.fromkeys(MLP_VALUES, f"{what}: it has no MLP (the MLPs are blocks of their own)"))
+            if kind == "linear_attention":
+                reasons.update(dict.fromkeys(NO_SOFTMAX, f"{what}, not softmax attention: it forms no queries, "
+                                                         f"keys or pattern"))
+        else:
+            reasons.update(dict.fromkeys(ATTENTION_VALUES, f"{what}: it has no attention (attention and Mamba-2 "
+                                                           f"layers are blocks of their own)"))
+            if kind == "moe":
+                reasons.update(dict.fromkeys(PER_EXPERT, f"{what}: each routed expert applies relu2 to its own "
+                                                         f"tokens inside mlp.experts, and a shared expert is added, so "
+                                                         f"no [batch, seq, intermediate] tensor exists"))
+        return reasons
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        kind = self.block_type(config, layer)
+        if kind in ("full_attention", "linear_attention"):
+            notes["layer_mid"] = "the block's output: the block runs only its mixer, no MLP"
+            if kind == "full_attention":
+                notes["attention_queries"] = notes["attention_keys"] = "no positional encoding: nothing is rotated"
+            else:
+                notes["attention_output"] = f"the mixer's output: {KINDS[kind]}"
+        else:
+            notes["layer_mid"] = "the block's input: the block runs only its MLP"
+        return notes

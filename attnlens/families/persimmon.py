@@ -1,0 +1,39 @@
+"""Persimmon: one fused `query_key_value` projection laid out per head ([q|k|v] for each head in turn), per-head QK
+LayerNorm, partial rotary embedding, and a `dense` output projection.
+
+The fused projection is viewed as [batch, seq, heads, 3, head_dim] and split into queries, keys and values; with
+`qk_layernorm` (the default) a LayerNorm over each head's queries and keys runs next, then the rotary embedding over
+the first `partial_rotary_factor` of each head. The queries and keys are read where the attention function receives
+them, after both. Every head has its own key and value (no grouping).
+"""
+
+from ..family import Family
+from ..fused import FusedQKV
+
+
+class Persimmon(Family):
+    model_types = ("persimmon",)
+    tiny = ("PersimmonConfig", "PersimmonForCausalLM", {"num_key_value_heads": None})
+    tiny_layouts = {"no_qk_layernorm": {"qk_layernorm": False}}
+    final_norm = "model.final_layernorm"
+    output_projection = "dense"
+    activation = "act"
+    down_projection = "dense_4h_to_h"
+    fused_qkv = FusedQKV("query_key_value", "groups")
+
+    def num_kv_heads(self, module):
+        return self.num_heads(module)
+
+    def notes(self, config, layer, engine="eager"):
+        text = config.get_text_config()
+        normed = "LayerNorm over each head (q_layernorm), then " if text.qk_layernorm else ""
+        rotary = int(self.rotary_fraction(text) * text.hidden_size // text.num_attention_heads)
+        return {**super().notes(config, layer, engine),
+                "attention_queries": f"{normed}a rotary embedding on the first {rotary} dims of each head",
+                "attention_keys": f"{normed.replace('q_', 'k_')}a rotary embedding on the first {rotary} dims"}
+
+    @staticmethod
+    def rotary_fraction(text) -> float:
+        # transformers 5.24 keeps the factor in rope_parameters; 5.19 also as an attribute
+        return (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+            or getattr(text, "partial_rotary_factor", 1.0)

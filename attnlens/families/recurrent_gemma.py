@@ -1,0 +1,50 @@
+"""RecurrentGemma (Griffin): RG-LRU recurrent blocks with local sliding-window attention blocks among them, under
+Griffin's names.
+
+Each block runs a temporal block (`temporal_block`, renamed `self_attn`) after `temporal_pre_norm` and an MLP
+(`mlp_block`, renamed `mlp`) after `channel_pre_norm`. On attention blocks the temporal block is the common attention
+(grouped heads, a rotary embedding over the first half of each head) masked to the last `attention_window_size`
+keys; on recurrent blocks it is an RG-LRU: a short convolution and a gated linear recurrence multiplied by a GeLU
+branch, with no queries, keys or pattern (see `families/hybrid.py`). The first block receives the embeddings times
+`sqrt(hidden_size)` (rounded to bfloat16), and `logits` are soft-capped: `tanh(l / logits_soft_cap) *
+logits_soft_cap`, as the caller receives them.
+"""
+
+from ..family import Family
+from .hybrid import MixerLayers
+
+
+class RecurrentGemma(MixerLayers, Family):
+    model_types = ("recurrent_gemma",)
+    tiny = ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
+        "head_dim": 16, "sliding_window": 4, "block_types": ["recurrent", "attention", "recurrent"]})
+    final_norm = "model.final_norm"
+    attention = "temporal_block"
+    attention_norm = "temporal_pre_norm"
+    mlp = "mlp_block"
+    mlp_norm = "channel_pre_norm"
+    mixer = "temporal_block"  # one name for both kinds: the rename is the attention's
+    mixer_kind = ("an RG-LRU recurrent block: a short convolution and a gated linear recurrence, multiplied by a GeLU "
+                  "branch")
+    mixer_premix = ("what its linear_out receives is the recurrence's output times the GeLU branch, not attention "
+                    "heads merged")
+
+    def is_mixer_layer(self, config, layer):
+        # transformers 5.24 names the kinds "linear_attention"/"sliding_attention", 5.19 "recurrent"/"attention"
+        return config.layers_block_type[layer] not in ("attention", "sliding_attention")
+
+    def sliding_window(self, config, layer):
+        return None if self.is_mixer_layer(config, layer) else config.attention_window_size
+
+    def num_heads(self, module):
+        return module.num_attention_heads
+
+    def notes(self, config, layer, engine="eager"):
+        notes = {**super().notes(config, layer, engine),
+                 "embeddings": "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size), "
+                               "rounded to bfloat16",
+                 "logits": f"soft-capped: tanh(l / {config.logits_soft_cap}) * {config.logits_soft_cap}"}
+        if not self.is_mixer_layer(config, layer):
+            notes["attention_queries"] = notes["attention_keys"] = ("rotated over the first "
+                                                                    f"{int(config.head_dim * 0.5)} dims of each head")
+        return notes

@@ -1,0 +1,13 @@
+"""VaultGemma: Gemma 2's soft-capped attention and alternating sliding windows, with Gemma's single norm in front of
+each sublayer (no norm after attention or the MLP); the MLP's norm is `pre_feedforward_layernorm`.
+"""
+
+from .gemma2 import Gemma2
+
+
+class VaultGemma(Gemma2):
+    model_types = ("vaultgemma",)
+    vllm_model_types = ()
+    tiny = ("VaultGemmaConfig", "VaultGemmaForCausalLM", Gemma2.tiny[2])
+    attention_post_norm = None
+    mlp_post_norm = None
