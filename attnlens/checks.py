@@ -39,14 +39,15 @@ def read_everything(model, prompt):
 
 
 def visible(config, family, layer, length):
-    """Which keys each query may see: causal, and within the sliding window where the layer has one."""
+    """Which keys each query may see: causal, within the sliding window where the layer has one, and where the
+    family's own mask lets it (a chunked layer's chunks): never more than the independent causal window."""
     q = torch.arange(length)[:, None]
     k = torch.arange(length)[None, :]
     allowed = k <= q
     window = family.sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
-    return allowed
+    return allowed & (family.mask(length, length, config, layer)[0, 0] == 0)
 
 
 def close(a, b, atol=1e-5):
