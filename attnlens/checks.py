@@ -101,7 +101,7 @@ def failures(model, saved, layer):
         check("layer input + attention output == layer mid",
               close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
-        norm = getattr(block, f.mlp_norm)
+        norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check("mlp norm(layer mid) == mlp norm output",
               close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]))
     if has("mlp_input", "mlp_norm_output"):

@@ -24,6 +24,9 @@ class LatentAttention(Family):
     """The sizes, notes and latent-attention facts every MLA family shares (DeepSeek-V2's attention): keys and values
     expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
 
+    def num_heads(self, module):
+        return module.num_heads
+
     def num_kv_heads(self, module):
         return module.num_heads  # kv_b_proj expands the latent to every query head
 
@@ -33,13 +36,18 @@ class LatentAttention(Family):
     def qk_head_dim(self, module):
         return module.qk_head_dim
 
+    def sizes(self, config, layer: int):
+        """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
+        return config
+
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
+        sizes = self.sizes(config, layer)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
-                                   f"{config.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
-                                   f"{config.qk_rope_head_dim} rotary channels shared by every head")
+                                   f"{sizes.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
+                                   f"{sizes.qk_rope_head_dim} rotary channels shared by every head")
         notes["attention_values"] = "expanded per head from the latent by kv_b_proj; v_head_dim channels"
-        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+        scale = (sizes.qk_nope_head_dim + sizes.qk_rope_head_dim) ** -0.5
         notes["attention_scores"] = f"scaled by qk_head_dim ** -0.5 = {scale:.6g}"
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("mscale_all_dim") and rope.get("rope_type") != "default":

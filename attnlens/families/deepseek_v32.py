@@ -26,8 +26,14 @@ class Indexed:
                 f"scores, exactly 0 in the pattern). The family's score function applies the causal mask only, so it "
                 f"equals these scores on the chosen keys, and everywhere while a query has at most index_topk keys")
 
+    def indexed(self, config, layer: int) -> bool:
+        """Whether `layer`'s attention is made sparse by an indexer (every layer unless the layer types say)."""
+        return True
+
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
+        if not self.indexed(config, layer):
+            return notes
         sparse = self.indexer_note(config, layer)
         notes["attention_scores"] = f"{notes['attention_scores']}; {sparse}" if "attention_scores" in notes else sparse
         notes["attention_probabilities"] = sparse
