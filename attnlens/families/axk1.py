@@ -7,6 +7,7 @@ from .deepseek_v3 import DeepseekV3
 class AXK1(DeepseekV3):
     model_types = ("axk1",)
     tiny = ("AXK1Config", "AXK1ForCausalLM", DeepseekV3.tiny[2])
+    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

@@ -26,6 +26,13 @@ class Indexed:
                 f"scores, exactly 0 in the pattern). The family's score function applies the causal mask only, so it "
                 f"equals these scores on the chosen keys, and everywhere while a query has at most index_topk keys")
 
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, *args, **kwargs):
+        """The causal mask, without `key_mask` on indexed layers: rebuilt patterns read padding off the model's mask
+        as the keys each query sees of itself, and an indexer need not choose a query's own key, so that would mask
+        real keys; the rebuild applies the model's own mask (padding and the indexer's choice) on top anyway."""
+        key_mask = None if self.indexed(config, layer) else key_mask
+        return super().mask(num_queries, num_keys, config, layer, key_mask, *args, **kwargs)
+
     def indexed(self, config, layer: int) -> bool:
         """Whether `layer`'s attention is made sparse by an indexer (every layer unless the layer types say)."""
         return True
@@ -43,3 +50,4 @@ class Indexed:
 class DeepseekV32(Indexed, DeepseekV3):
     model_types = ("deepseek_v32",)
     tiny = ("DeepseekV32Config", "DeepseekV32ForCausalLM", {**DeepseekV3.tiny[2], **INDEXER_TINY})
+    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there

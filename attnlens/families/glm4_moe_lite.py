@@ -7,3 +7,4 @@ from .deepseek_v3 import DeepseekV3
 class Glm4MoeLite(DeepseekV3):
     model_types = ("glm4_moe_lite",)
     tiny = ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", DeepseekV3.tiny[2])
+    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
