@@ -9,6 +9,8 @@ from conftest import PROMPT, missing_classes, tiny
 
 import attnlens
 from attnlens.checks import failures, read_everything
+from attnlens.families.llama4 import Llama4
+from attnlens.family import TINY_DEFAULTS
 from attnlens.models import char_tokenizer, tiny_model
 
 N = len(PROMPT)
@@ -101,7 +103,7 @@ def test_llama4_moe_output_is_read_and_assigned_per_token():
 
 
 def test_llama4_composite_type_loads_as_the_text_model():
-    config = transformers.Llama4Config(text_config={**attnlens.families.llama4.Llama4.tiny[2], **TINY_TEXT},
+    config = transformers.Llama4Config(text_config={**TINY_DEFAULTS, **Llama4.tiny[2]},
                                        vision_config={"num_hidden_layers": 1, "hidden_size": 32,
                                                       "num_attention_heads": 2, "intermediate_size": 64})
     assert config.model_type == "llama4" and attnlens.registered()["llama4"] is attnlens.registered()["llama4_text"]
@@ -112,9 +114,6 @@ def test_llama4_composite_type_loads_as_the_text_model():
     assert type(model._module).__name__ == "Llama4ForCausalLM"
     saved = read_everything(model, PROMPT)
     assert [failures(model, saved, layer) for layer in range(model.num_layers)] == [[], [], []]
-
-
-TINY_TEXT = {key: value for key, value in attnlens.family.TINY_DEFAULTS.items()}
 
 
 # --- Gemma 4 ------------------------------------------------------------------------------------------------------
@@ -266,6 +265,7 @@ def test_hybrid_linear_layers_say_why(case, linear):
 
 
 def test_head_scalar_gates_take_only_constant_assignments():
+    needs("dots3_note_text")
     model = tiny("dots3_note_text")
     got = trace(model, lambda m: {"g": m.layers[0].self_attn.attention_gate})
     assert got["g"].shape == (1, N, 4, 16) and torch.equal(got["g"], got["g"][..., :1].expand_as(got["g"]))
@@ -278,7 +278,8 @@ def test_head_scalar_gates_take_only_constant_assignments():
 def test_longcat_serves_the_first_of_each_blocks_two_attentions():
     model = tiny("longcat_flash")
     block = model._module.model.layers[0]
-    got = trace(model, lambda m: {"x": m.layers[0].attention_norm_output, "out": m.layers[0].self_attn.attention_output})
+    got = trace(model, lambda m: {"x": m.layers[0].attention_norm_output,
+                                  "out": m.layers[0].self_attn.attention_output})
     with torch.no_grad():
         rotary = type(model._module.model.rotary_emb)(model.config)
         mask = model.family.mask(N, N, model.config, 0)
