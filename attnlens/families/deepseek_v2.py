@@ -7,8 +7,11 @@ with one head per query head (`num_kv_heads == num_heads`, nothing repeated); th
 one shared slice. The latent itself (what the cache stores) is not a standardized value. The scores are scaled by
 `qk_head_dim ** -0.5`, times yarn's mscale squared where the rope is yarn-scaled with `mscale_all_dim`.
 
-Layers from `first_k_dense_replace` on route each token to a few experts: the experts apply the activation in a loop
-over experts, each to its own tokens, so those layers have no activation or neuron tensor.
+Layers from `first_k_dense_replace` on (or those a newer config's `mlp_layer_types` marks "sparse") route each token
+to a few experts: the experts apply the activation in a loop over experts, each to its own tokens, so those layers
+have no activation or neuron tensor.
+
+`LatentAttention` holds the latent-attention facts alone, for the MLA families built on it (see their modules).
 """
 
 from ..family import Family

@@ -45,7 +45,12 @@ class LanguageModelOf:
         return super().scores(heads, _text(config), queries, keys, layer, key_mask)
 
     def notes(self, config, layer, engine="eager"):
-        return super().notes(_text(config), layer, engine)
+        notes = super().notes(_text(config), layer, engine)
+        media = ("with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
+                 "other in both directions; the pattern read is the model's, the family's score function is causal "
+                 "(text)")
+        notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
+        return notes
 
     def unavailable(self, config, layer, engine="eager"):
         return super().unavailable(_text(config), layer, engine)

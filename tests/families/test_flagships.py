@@ -195,7 +195,9 @@ def test_multimodal_types_serve_their_language_model(case, text):
     assert model.family.layers == "model.language_model.layers"
     assert [model.family.sliding_window(model.config, i) for i in range(3)] == \
         [plain.family.sliding_window(plain.config, i) for i in range(3)] != [None] * 3
-    assert model.support(0).notes == plain.support(0).notes
+    notes, text_notes = model.support(0).notes, plain.support(0).notes
+    assert notes["self_attn.attention_probabilities"].startswith(text_notes["self_attn.attention_probabilities"])
+    assert "media" in notes["self_attn.attention_probabilities"]
 
 
 # --- latent attention -----------------------------------------------------------------------------------------------
