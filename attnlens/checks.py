@@ -39,14 +39,15 @@ def read_everything(model, prompt):
 
 
 def visible(config, family, layer, length, device=None):
-    """Which keys each query may see: causal, and within the sliding window where the layer has one."""
+    """Which keys each query may see: causal, within the sliding window where the layer has one, and where the
+    family's own mask lets it (a chunked layer's chunks): never more than the independent causal window."""
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     allowed = k <= q
     window = family.sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
-    return allowed
+    return allowed & (family.mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
 
 
 #: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision
@@ -111,7 +112,7 @@ def failures(model, saved, layer):
         check("layer input + attention output == layer mid",
               close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
-        norm = block.get_submodule(f.mlp_norm)
+        norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check("mlp norm(layer mid) == mlp norm output",
               close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]))
     if has("mlp_input", "mlp_norm_output"):

@@ -18,13 +18,30 @@ _models: dict = {}
 def tiny(family: str, **kwargs):
     """One tiny model per (family, options) for the whole session; tests must not leave edits behind. Skips where the
     installed transformers lacks the family's config class (a type newer than it)."""
-    recipe = attnlens.registered()[family.partition(":")[0]].tiny
-    if recipe is not None and not hasattr(transformers, recipe[0]):
-        pytest.skip(f"transformers {transformers.__version__} has no {recipe[0]}")
+    reason = missing_classes(family)
+    if reason:
+        pytest.skip(reason)
     key = (family, tuple(sorted(kwargs.items())))
     if key not in _models:
         _models[key] = attnlens.models.tiny(family, **kwargs)
     return _models[key]
+
+
+def missing_classes(case: str) -> str | None:
+    """Why the installed transformers cannot build `case`'s tiny model (its config or model class is newer), or None."""
+    recipe = attnlens.registered()[case.partition(":")[0]].tiny or ()
+    missing = [name for name in recipe[:2] if not hasattr(transformers, name)]
+    return f"transformers {transformers.__version__} has no {', '.join(missing)}" if missing else None
+
+
+def pytest_collection_modifyitems(items):
+    """Cases whose model type the installed transformers lacks are skipped, saying so, wherever they are used."""
+    for item in items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        if isinstance(case, str) and case.partition(":")[0] in attnlens.registered():
+            reason = missing_classes(case)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(params=CORE_FAMILIES)

@@ -7,8 +7,11 @@ with one head per query head (`num_kv_heads == num_heads`, nothing repeated); th
 one shared slice. The latent itself (what the cache stores) is not a standardized value. The scores are scaled by
 `qk_head_dim ** -0.5`, times yarn's mscale squared where the rope is yarn-scaled with `mscale_all_dim`.
 
-Layers from `first_k_dense_replace` on route each token to a few experts: the experts apply the activation in a loop
-over experts, each to its own tokens, so those layers have no activation or neuron tensor.
+Layers from `first_k_dense_replace` on (or those a newer config's `mlp_layer_types` marks "sparse") route each token
+to a few experts: the experts apply the activation in a loop over experts, each to its own tokens, so those layers
+have no activation or neuron tensor.
+
+`LatentAttention` holds the latent-attention facts alone, for the MLA families built on it (see their modules).
 """
 
 from ..family import Family
@@ -16,19 +19,16 @@ from .moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
               "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
-              "mlp.shared_experts, is one part of the sum); the dense layers before first_k_dense_replace serve it")
+              "mlp.shared_experts, is one part of the sum); the dense layers (before first_k_dense_replace, or "
+              "\"dense\" in config.mlp_layer_types) serve it")
 
 
-class DeepseekV2(SparseMoE, Family):
-    model_types = ("deepseek_v2",)
-    tiny = ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
-        "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
-    absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+class LatentAttention(Family):
+    """The sizes, notes and latent-attention facts every MLA family shares (DeepSeek-V2's attention): keys and values
+    expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
 
-    def moe_layer(self, config, layer: int) -> bool:
-        return layer >= config.first_k_dense_replace
+    def num_heads(self, module):
+        return module.num_heads
 
     def num_kv_heads(self, module):
         return module.num_heads  # kv_b_proj expands the latent to every query head
@@ -39,14 +39,33 @@ class DeepseekV2(SparseMoE, Family):
     def qk_head_dim(self, module):
         return module.qk_head_dim
 
+    def sizes(self, config, layer: int):
+        """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
+        return config
+
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
+        sizes = self.sizes(config, layer)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
-                                   f"{config.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
-                                   f"{config.qk_rope_head_dim} rotary channels shared by every head")
+                                   f"{sizes.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
+                                   f"{sizes.qk_rope_head_dim} rotary channels shared by every head")
         notes["attention_values"] = "expanded per head from the latent by kv_b_proj; v_head_dim channels"
-        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+        scale = (sizes.qk_nope_head_dim + sizes.qk_rope_head_dim) ** -0.5
         notes["attention_scores"] = f"scaled by qk_head_dim ** -0.5 = {scale:.6g}"
-        if config.rope_parameters.get("mscale_all_dim") and config.rope_parameters.get("rope_type") != "default":
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("mscale_all_dim") and rope.get("rope_type") != "default":
             notes["attention_scores"] += ", times yarn's mscale squared (the model's scaling attribute)"
         return notes
+
+
+class DeepseekV2(SparseMoE, LatentAttention):
+    model_types = ("deepseek_v2",)
+    tiny = ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
+    absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+
+    def moe_layer(self, config, layer: int) -> bool:
+        kinds = getattr(config, "mlp_layer_types", None)  # the newer configs name each layer's MLP
+        return kinds[layer] == "sparse" if kinds else layer >= config.first_k_dense_replace

@@ -1,0 +1,39 @@
+"""Bailing Hybrid (Ling 2.5): Kimi Linear's hybrid of Kimi Delta Attention and latent attention, with a rotary
+embedding on the latent-attention layers and a sigmoid gate per head and token on their output.
+
+Full-attention layers are DeepSeek-V3's latent attention (interleaved rotary embedding on the shared key slice);
+each head's output is multiplied by `sigmoid(g_proj(hidden))`, one scalar per head and token, before `o_proj`:
+`attention_gate` is that sigmoid broadcast over the head's `v_head_dim` channels. Linear-attention layers are Kimi
+Delta Attention (see Kimi Linear), whose output gate lives inside `o_norm`.
+"""
+
+from .deepseek_v2 import DeepseekV2
+from .dots3_note import head_scalar_gate
+from .kimi_linear import MOE, DeltaHybrid
+from .youtu import LATENT_TINY
+
+
+class BailingHybrid(DeltaHybrid, DeepseekV2):
+    model_types = ("bailing_hybrid",)
+    tiny = ("BailingHybridConfig", "BailingHybridForCausalLM", {
+        **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    label = "Bailing Hybrid"
+
+    def locations(self):
+        ordered = {}
+        for name, location in super().locations().items():
+            ordered[name] = location
+            if name == "attention_head_outputs":
+                ordered["attention_gate"] = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj",
+                                                             trailing=False)
+        return ordered
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if not self.is_linear(config, layer):
+            notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the " \
+                                              "premix"
+            notes["attention_gate"] = "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the " \
+                                      "head's v_head_dim channels"
+        return notes

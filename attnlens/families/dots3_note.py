@@ -1,0 +1,78 @@
+"""dots.3 Note: DeepSeek-V3.2's latent attention on indexed layers, alternating with sliding-window latent attention
+of other sizes, with a sigmoid gate per head and token, and normed, rescaled latents.
+
+- `config.layer_types`: `indexed_attention` layers are sparse (a lightning indexer chooses `index_topk` keys per
+  query, see DeepSeek-V3.2); `sliding_attention` layers see their last `sliding_window` keys and have their own head
+  count and sizes (`per_layer_config`, the checkpoint's `swa_*`), read per layer from each attention module.
+- The query and key/value latents are normed, then multiplied by `sqrt(hidden_size / rank)`; the shared rotary slice
+  of the keys is normed too (`k_rope_only_layernorm`) before the interleaved rotary embedding. Queries and keys are
+  read after all of it, as the attention function receives them.
+- Each head's output is multiplied by `sigmoid(g_proj(hidden))`, one scalar per head and token, before `o_proj`:
+  `attention_gate` is that sigmoid broadcast over the head's `v_head_dim` channels (read-only in place; an assigned
+  gate must be constant along the channels).
+
+"dots3_note" (with vision and audio towers) loads through `AutoModelForCausalLM` as the same text class, so both
+types map here.
+"""
+
+import torch
+
+from ..errors import EditError
+from ..locations import Derived, Operation
+from .deepseek_v32 import INDEXER_TINY, DeepseekV32
+from .youtu import LATENT_TINY
+
+SLIDING = {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16,
+           "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 8}
+
+
+def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
+    """`attention_gate` where the forward gates each head by one scalar per token: the sigmoid's output (`[batch, seq,
+    heads, 1]` where `trailing`, else `[batch, seq, heads]`) broadcast over the head's `v_head_dim` channels."""
+
+    def channels(envoy, gate):
+        gate = gate if trailing else gate.unsqueeze(-1)
+        return gate.expand(*gate.shape[:3], envoy._module.v_head_dim)
+
+    def per_head(envoy, old, new):
+        if not torch.equal(new, new[..., :1].expand_as(new)):
+            raise EditError("this family gates each head by one scalar per token: an assigned attention_gate must be "
+                            "constant along the head's channels")
+        return new[..., :1] if trailing else new[..., 0]
+
+    return Derived(Operation((operation,), anchor=anchor), channels, per_head, label="attention_gate", in_place=False,
+                   why_not="the forward holds one gate value per head and token, broadcast over the channels; "
+                           "assign a gate constant along them")
+
+
+class Dots3Note(DeepseekV32):
+    model_types = ("dots3_note_text", "dots3_note")
+    tiny = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
+        **LATENT_TINY, **INDEXER_TINY, **SLIDING, "head_dim": 24, "sliding_window": 4, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
+        "mlp_layer_types": ["dense", "sparse", "dense"]})
+
+    def sizes(self, config, layer):
+        return config.per_layer_config[layer]
+
+    def indexed(self, config, layer):
+        return config.layer_types[layer] == "indexed_attention"
+
+    def locations(self):
+        gate = head_scalar_gate("gate_sigmoid_0", "gate.sigmoid()", trailing=True)
+        ordered = {}
+        for name, location in super().locations().items():
+            ordered[name] = location
+            if name == "attention_head_outputs":
+                ordered["attention_gate"] = gate
+        return ordered
+
+    def notes(self, config, layer, engine="eager"):
+        return {**super().notes(config, layer, engine),
+                "attention_queries": "from the normed query latent times sqrt(hidden_size / q_lora_rank); the "
+                                     "rotary slice after the interleaved rotary embedding",
+                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
+                                          "premix",
+                "attention_gate": "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the "
+                                  "head's v_head_dim channels"}

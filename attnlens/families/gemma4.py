@@ -1,0 +1,120 @@
+"""Gemma 4: Gemma 3's block (QK-norm, sliding and full layers, norms after attention and the MLP), with unscaled
+scores, normed values, per-layer head sizes, keys and values shared across layers, a scalar on each block's output,
+and optionally per-layer inputs and a mixture-of-experts branch beside the MLP.
+
+- Scores are `queries @ keys^T` unscaled (`scaling = 1.0`): q_norm and k_norm (RMSNorms) set their scale. Values are
+  read after `v_norm`, an RMSNorm without weights. The eager function could soft-cap, but the attention never passes a
+  cap, so the masked scores are its fifth assignment (`attn_weights_4`), as on Gemma 2 and 3.
+- Full-attention layers have their own head size (`global_head_dim`) and, with `attention_k_eq_v`, their own number
+  of key/value heads (`num_global_key_value_heads`) and no `v_proj`: the values are the key projection, v-normed
+  (the keys are the same projection, k-normed and rotated). Sizes are read per layer from each attention module.
+- The last `num_kv_shared_layers` layers compute no keys or values: each reuses those of the last earlier layer of its
+  type. Their `attention_keys` and `attention_values` are those reused tensors, as the attention function receives
+  them.
+- Each block ends `layer_output = (layer_mid + post_feedforward_layernorm(mlp part)) * layer_scalar`. With
+  `enable_moe_block` the MLP part is `post_feedforward_layernorm_1(mlp_output)` plus a routed-experts branch on
+  `layer_mid` (`router`, `pre_feedforward_layernorm_2`, `experts`, `post_feedforward_layernorm_2`): `mlp_output` is
+  the dense MLP's alone. With per-layer inputs (`hidden_size_per_layer_input`, PLE) the block then adds a gated
+  projection of its layer's slice of the per-layer embeddings before the scalar; that branch is no standardized value
+  (the identity `layer_mid + mlp part == layer_output` holds only without it).
+
+Gemma 4 Unified is this layout without per-layer inputs and without the experts branch. "gemma4" and
+"gemma4_unified" checkpoints load as `...ForConditionalGeneration`, the language model under
+`model.language_model` (`multimodal.LanguageModelOf`).
+"""
+
+from ..family import TINY_DEFAULTS
+from .gemma3 import Gemma3
+from .multimodal import LanguageModelOf
+
+#: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
+#: be full) of one shared key/value head of 32 with values from the key projection; no per-layer inputs (see above).
+TINY = {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+        "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0}
+SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
+
+
+class Gemma4Text(Gemma3):
+    model_types = ("gemma4_text",)
+    vllm_model_types = ()
+    tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
+    # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
+    # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
+    # leave out (tests/families/test_flagships.py runs both).
+    tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                            "moe_intermediate_size": 32}}
+    # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
+    mlp_post_norm = None
+
+    def num_kv_heads(self, module):
+        return self.num_heads(module) // module.num_key_value_groups  # per layer: full layers may have fewer
+
+    def residual_add(self, block, sublayer, stream, update):
+        if sublayer != "mlp":
+            return super().residual_add(block, sublayer, stream, update)
+        if getattr(block, "enable_moe_block", False):
+            flat = stream.reshape(-1, stream.shape[-1])
+            _, weights, index = block.router(flat)
+            experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(stream.shape)
+            update = block.post_feedforward_layernorm_1(update) + block.post_feedforward_layernorm_2(experts)
+        return (stream + block.post_feedforward_layernorm(update)) * block.layer_scalar
+
+    @staticmethod
+    def shared_from(config, layer: int) -> int | None:
+        """The layer whose keys and values `layer` reuses, or None where it computes its own."""
+        first = config.num_hidden_layers - getattr(config, "num_kv_shared_layers", 0)
+        if layer < first:
+            return None
+        return max(i for i in range(first) if config.layer_types[i] == config.layer_types[layer])
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        full = config.layer_types[layer] == "full_attention"
+        notes["attention_queries"] = "after q_norm (RMSNorm) and the rotary embedding"
+        notes["attention_keys"] = "after k_norm (RMSNorm) and the rotary embedding"
+        notes["attention_values"] = "after v_norm (an RMSNorm without weights)"
+        if full and config.attention_k_eq_v:
+            notes["attention_values"] += "; the key projection's output (this layer has no v_proj), not rotated"
+        source = self.shared_from(config, layer)
+        if source is not None:
+            reused = (f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values); "
+                      f"in generate's prefill transformers runs this layer on the last position only")
+            notes["attention_keys"] = notes["attention_values"] = reused
+        notes["attention_scores"] = "not scaled (scaling 1.0): q_norm and k_norm set the scale"
+        if getattr(config, "use_bidirectional_attention", None) == "all":
+            notes["attention_scores"] += ("; use_bidirectional_attention='all': the model attends in both directions, "
+                                          "the family's score function is causal and does not reproduce it")
+        parts = "post_feedforward_layernorm(mlp_output)"
+        if getattr(config, "enable_moe_block", False):
+            parts = ("post_feedforward_layernorm(post_feedforward_layernorm_1(mlp_output) + the experts branch: "
+                     "post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(layer_mid))), routed by router)")
+            notes["mlp_output"] = ("the dense MLP's output only: the experts branch beside it (on layer_mid) is no "
+                                   "standardized value; layer_output's note has how they join")
+        ple = ""
+        if getattr(config, "hidden_size_per_layer_input", 0):
+            ple = (" + post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(h)) * per_layer_input"
+                   "))) with h the sum so far: the per-layer-input branch, no standardized value")
+        notes["layer_output"] = f"(layer_mid + {parts}{ple}) * layer_scalar"
+        return notes
+
+
+class Gemma4UnifiedText(Gemma4Text):
+    model_types = ("gemma4_unified_text",)
+    tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
+    tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
+
+
+class Gemma4(LanguageModelOf, Gemma4Text):
+    model_types = ("gemma4",)
+    tiny = ("Gemma4Config", "Gemma4ForConditionalGeneration",
+            {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
+    tiny_layouts = {}
+
+
+class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
+    model_types = ("gemma4_unified",)
+    tiny = ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
+            {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
+    tiny_layouts = {}

@@ -1,0 +1,74 @@
+"""HY-V4: GLM-MoE-DSA's sparse latent attention (an indexer on "full" layers, its choice reused on "shared" ones) with
+a sink logit per head, a sigmoid output gate inside the heads, and hyper-connections in place of one residual stream.
+
+- Sinks as on GPT-OSS: the eager function softmaxes the masked scores beside each head's sink logit and drops the
+  sink column, so the pattern's rows sum to `1 - attention_sinks`.
+- `gate_proj` gives each head a gate of `v_head_dim` channels; the attention function's output is multiplied by its
+  sigmoid before the merge. `attention_head_outputs` is that output before the gate; `attention_gate` is the sigmoid,
+  the very tensor the forward multiplies by.
+- Hyper-connections (DeepSeek-V4's form without its stream mixing): the residual is `hc_mult` streams `[batch, seq,
+  hc_mult, hidden]`. Each sublayer reads a learned weighted sum of the streams (`attn_hc`, `ffn_hc`) and writes
+  `post * output + streams` back; the model collapses the last streams with `hc_head` before the final norm.
+  `layer_input`, `layer_mid` and `layer_output` are the streams.
+"""
+
+from ..locations import ModuleInput, Operation
+from .deepseek_v32 import INDEXER_TINY
+from .glm_moe_dsa import GlmMoeDsa
+from .gpt_oss import SINK_NOTE, sink_share, with_sinks
+from .youtu import LATENT_TINY
+
+STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
+
+
+class HYV4(GlmMoeDsa):
+    model_types = ("hy_v4",)
+    tiny = ("HYV4Config", "HYV4ForCausalLM", {
+        **LATENT_TINY, **INDEXER_TINY, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse",
+                                                                                                 "dense"],
+        "indexer_types": ["full", "shared", "full"]})
+    probabilities_operation = ("attn_weights_2", "dropout(")
+    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
+
+    def locations(self):
+        locations = with_sinks(super().locations(), sink_share("probs_0"))
+        ordered = {}
+        for name, location in locations.items():
+            ordered[name] = location
+            if name == "attention_head_outputs":
+                ordered["attention_gate"] = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)")
+        ordered["layer_mid"] = ModuleInput(self.mlp_streams)
+        return ordered
+
+    def residual_add(self, block, sublayer, stream, update):
+        post, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)
+        return (post.float().unsqueeze(-1) * update.float().unsqueeze(-2) + stream.float()).to(stream.dtype)
+
+    def residual_read(self, owner, sublayer, stream):
+        if sublayer == "final":
+            for part in self.final_streams.split("."):
+                owner = getattr(owner, part)
+            return owner(stream)
+        return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[1]
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        notes.update({
+            "layer_input": STREAMS.format(config.hc_mult, "entering the block; attn_hc's weighted sum of them is "
+                                                          "what input_layernorm reads"),
+            "layer_mid": STREAMS.format(config.hc_mult, "after attention: post * attention_output + layer_input "
+                                                        "(attn_hc's post weights); ffn_hc's input"),
+            "layer_output": STREAMS.format(config.hc_mult, "leaving the block: post * mlp_output + layer_mid "
+                                                           "(ffn_hc's post weights)"),
+            "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
+            "attention_sinks": SINK_NOTE,
+            "attention_probabilities": f"rows sum to 1 - attention_sinks; {notes['attention_probabilities']}",
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid of each head's gate_proj slice, the tensor the forward multiplies the heads "
+                              "by; edits land (in place and assigned)",
+        })
+        return notes
+
+

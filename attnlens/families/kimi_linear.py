@@ -1,0 +1,79 @@
+"""Kimi Linear: a hybrid of Kimi Delta Attention (KDA) linear-attention layers and NoPE latent-attention layers, with
+DeepSeek-V3's dense-then-MoE MLP (`config.mlp_layer_types`).
+
+Layers with `config.layer_types[i] == "full_attention"` are DeepSeek-V2's multi-head latent attention without any
+rotary embedding: the `qk_rope_head_dim` slice of every key is the latent's shared slice, unrotated. The other layers
+are KDA (`self_attn` too): a recurrent state updated by a gated delta rule with a channel-wise forget gate, read out,
+RMS-normed and gated (`o_norm`) per head before `o_proj`; they form no query-key pattern, so there `self_attn`
+serves only what it has: its output and what `o_proj` receives (`attention_premix`), with the linear heads' sizes.
+"""
+
+from .deepseek_v2 import DeepseekV2
+from .qwen3_next import LINEAR_ABSENT
+from .youtu import LATENT_TINY
+
+MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+       "n_group": 1, "topk_group": 1, "mlp_layer_types": ["dense", "sparse", "dense"]}
+
+
+class DeltaHybrid:
+    """Mixin for a family whose `linear_attention` layers are Kimi Delta Attention modules under `self_attn`."""
+
+    label = "Kimi Linear"
+
+    def is_linear(self, config, layer: int) -> bool:
+        return config.layer_types[layer] == "linear_attention"
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"linear"} if self.is_linear(config, layer) else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "linear" in kind:
+            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
+        return locations
+
+    # sizes: a KDA module's heads are its linear heads (its premix merges them)
+    def head_dim(self, module):
+        return super().head_dim(module) if hasattr(module, "v_head_dim") else module.head_dim
+
+    def qk_head_dim(self, module):
+        return super().qk_head_dim(module) if hasattr(module, "qk_head_dim") else module.head_dim
+
+    def scale(self, module):
+        return super().scale(module) if hasattr(module, "scaling") else module.head_dim ** -0.5
+
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        if self.is_linear(config, layer):
+            why = (f"layer {layer} of {self.label} is a Kimi Delta Attention linear-attention layer: a recurrent state "
+                   f"updated by a gated delta rule with a channel-wise forget gate; its queries, keys and values "
+                   f"(convolved, L2-normalised inside the kernel) write and read that state, and no query-key softmax "
+                   f"pattern, per-head mix of values or sink exists. attention_premix is its readout, RMS-normed and "
+                   f"gated per head (o_norm), merged")
+            reasons.update(dict.fromkeys(LINEAR_ABSENT, why))
+        return reasons
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if self.is_linear(config, layer):
+            return {"attention_premix": f"what self_attn.o_proj receives: each of the {config.linear_num_heads} "
+                                        f"linear heads' readout of the recurrent state, RMS-normed and gated by "
+                                        f"o_norm, merged; the envoy's num_heads and head_dim are the linear heads'",
+                    "attention_output": "the Kimi Delta Attention layer's output (no softmax)"}
+        return notes
+
+
+class KimiLinear(DeltaHybrid, DeepseekV2):
+    model_types = ("kimi_linear",)
+    tiny = ("KimiLinearConfig", "KimiLinearForCausalLM", {
+        **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if not self.is_linear(config, layer):
+            notes["attention_keys"] += "; no rotary embedding (NoPE): the shared slice is unrotated"
+            notes["attention_queries"] = "no rotary embedding (NoPE)"
+        return notes

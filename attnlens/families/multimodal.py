@@ -1,0 +1,56 @@
+"""The causal LM transformers builds for a multimodal model type: its text model's blocks under
+`model.language_model`, and its facts in the text config.
+
+`AutoModelForCausalLM` maps some multimodal types (Gemma 3's "gemma3", Gemma 4's "gemma4") to their
+`...ForConditionalGeneration` class: a vision (and audio) tower beside the language model, whose blocks are
+`model.language_model.layers`. The model's config is the composite one; the layer types, windows and sizes a family
+reads live in its `text_config`. `LanguageModelOf` moves the paths and hands the family's config-reading methods the
+text config, so a text family serves the composite model unchanged. On text-only prompts the language model runs as
+the text model does.
+"""
+
+from __future__ import annotations
+
+
+def _text(config):
+    return config.get_text_config() if config is not None else None
+
+
+class LanguageModelOf:
+    """Mixin, before a text family: the same family, on the language model inside a multimodal causal LM."""
+
+    layers = "model.language_model.layers"
+    embed_tokens = "model.language_model.embed_tokens"
+    final_norm = "model.language_model.norm"
+    #: vLLM runs these types as its own multimodal classes, whose paths (language_model.model.layers) differ from
+    #: transformers' (a family has one set of paths for both engines): not served there.
+    vllm_model_types: tuple[str, ...] = ()
+
+    def layer_kind(self, config, layer):
+        return super().layer_kind(_text(config), layer)
+
+    def kind_locations(self, kind, config, engine):
+        return super().kind_locations(kind, _text(config), engine)
+
+    def sliding_window(self, config, layer):
+        return super().sliding_window(_text(config), layer)
+
+    def softcap(self, config, layer):
+        return super().softcap(_text(config), layer)
+
+    def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
+        return super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
+
+    def scores(self, heads, config, queries, keys, layer, key_mask=None):
+        return super().scores(heads, _text(config), queries, keys, layer, key_mask)
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(_text(config), layer, engine)
+        media = ("with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
+                 "other in both directions; the pattern read is the model's, the family's score function is causal "
+                 "(text)")
+        notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
+        return notes
+
+    def unavailable(self, config, layer, engine="eager"):
+        return super().unavailable(_text(config), layer, engine)

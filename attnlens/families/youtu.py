@@ -1,0 +1,13 @@
+"""Youtu: DeepSeek-V2's multi-head latent attention (`attnlens.families.deepseek_v2.LatentAttention`) in a block with
+a dense MLP on every layer."""
+
+from .deepseek_v2 import LatentAttention
+
+#: The latent sizes every tiny MLA recipe shares (the survey's, DeepSeek-V2's).
+LATENT_TINY = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+               "qk_rope_head_dim": 8, "v_head_dim": 16}
+
+
+class Youtu(LatentAttention):
+    model_types = ("youtu",)
+    tiny = ("YoutuConfig", "YoutuForCausalLM", LATENT_TINY)
