@@ -7,6 +7,8 @@ class Qwen2(Llama):
     model_types = ("qwen2",)
     tiny = ("Qwen2Config", "Qwen2ForCausalLM",
             {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    vllm_model_types = ("qwen2",)
+    vllm_tiny = {"hidden_size": 128, "head_dim": 32, "max_window_layers": 0}
 
     def sliding_window(self, config, layer):
         # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.
