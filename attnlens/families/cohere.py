@@ -6,11 +6,29 @@ Attention and the MLP read the same `input_layernorm` output and their outputs j
 embedding rotates adjacent pairs of dimensions (not halves); with `use_qk_norm` a LayerNorm over each head's queries
 and keys runs before it, and the queries and keys are read after both. `logits` are what the caller receives: the
 language-model head's output times `logit_scale`.
+
+vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`, the whole residual stream, and return
+`(layer output, their own input)`: `layer_input` and `layer_output` are the first items there, not the pair's sum.
 """
 
+from dataclasses import dataclass
+
 from ..family import Family
-from ..locations import ModuleInput
+from ..locations import ModuleInput, ModuleOutput
+from ..vllm.locations import ResidualPair, batched
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+
+
+@dataclass(frozen=True)
+class HiddenOnly(ResidualPair):
+    """The `hidden` item of the pair a vLLM block receives, alone: for blocks that carry the whole residual stream in
+    it and ignore the `residual` item. Written as `(new, 0)`, like the pair."""
+
+    in_place = True
+    note = "the hidden state a vLLM block receives (its residual item is ignored there)"
+
+    def read(self, envoy):
+        return self._pair(envoy)[0][None]
 
 
 class Cohere(Family):
@@ -18,9 +36,18 @@ class Cohere(Family):
     tiny = ("CohereConfig", "CohereForCausalLM", {})
     tiny_layouts = {"qk_norm": {"use_qk_norm": True}}
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}
+    vllm_model_types = ("cohere",)
+    vllm_tiny = {"head_dim": 32, "use_qk_norm": True}  # the harder layout; its locations are the plain one's
 
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
+
+    def vllm_locations(self):
+        locations = parallel_locations(super().vllm_locations(), batched(ModuleInput(self.mlp)))
+        # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
+        return {**locations, "layer_input": HiddenOnly("", "input", first=1),
+                "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
+                "layer_output": batched(ModuleOutput("", 0))}
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),

@@ -6,3 +6,4 @@ from .llama import Llama
 class Gemma(Llama):
     model_types = ("gemma",)
     tiny = ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16})
+    vllm_model_types = ("gemma",)

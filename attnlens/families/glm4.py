@@ -14,6 +14,7 @@ from .llama import Llama
 class Glm4(Llama):
     model_types = ("glm4",)
     tiny = ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
+    vllm_model_types = ("glm4",)  # vLLM's post-norms sit outside its fused (hidden, residual) norms: the defaults hold
     attention_post_norm = "post_self_attn_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
     activation = "activation_fn"

@@ -6,3 +6,4 @@ from .llama import Llama
 class Mistral(Llama):
     model_types = ("mistral",)
     tiny = ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4})
+    vllm_model_types = ("mistral",)  # vLLM's MistralForCausalLM is its Llama

@@ -7,7 +7,8 @@ The MLP module (`MixtralSparseMoeBlock`) routes each token to its top-k experts.
 not part of that output (transformers records them with a hook on the router); where a block returns a tuple,
 `mlp_output` is its first item.
 
-`SparseMoE` (moe.py) is the layer kind every MoE family shares.
+`SparseMoE` (moe.py) is the layer kind every MoE family shares. vLLM names the MoE block `block_sparse_moe` (a
+`FusedMoE` over the stacked experts); it is renamed `mlp` there too.
 """
 
 from .mistral import Mistral
@@ -19,3 +20,7 @@ class Mixtral(SparseMoE, Mistral):
     tiny = ("MixtralConfig", "MixtralForCausalLM",
             {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("MixtralExperts")
+    vllm_model_types = ("mixtral",)
+
+    def renames(self, *engine):
+        return {**super().renames(*engine), "block_sparse_moe": "mlp"}  # vLLM's name; transformers' has none

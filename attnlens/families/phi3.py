@@ -14,6 +14,7 @@ from .llama import Llama
 class Phi3(Llama):
     model_types = ("phi3",)
     tiny = ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 4})
+    vllm_model_types = ("phi3",)  # vLLM's Phi3ForCausalLM is its Llama, loading the fused projections as they are
     activation = "activation_fn"
     fused_qkv = FusedQKV("qkv_proj", "blocks")
 

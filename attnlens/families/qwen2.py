@@ -1,4 +1,9 @@
-"""Qwen2: the Llama layout with biased q/k/v projections; sliding windows only where `layer_types` says so."""
+"""Qwen2: the Llama layout with biased q/k/v projections; sliding windows only where `layer_types` says so.
+
+vLLM's Qwen2 sizes its heads as `hidden_size // num_attention_heads` (whatever `head_dim` says) and refuses, when it
+loads, a config that slides on some layers only ("Sliding window for some but all layers is not supported"), so its
+tiny checkpoint is 128 wide and slides on every layer.
+"""
 
 from .llama import Llama
 
@@ -7,6 +12,8 @@ class Qwen2(Llama):
     model_types = ("qwen2",)
     tiny = ("Qwen2Config", "Qwen2ForCausalLM",
             {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    vllm_model_types = ("qwen2",)
+    vllm_tiny = {"hidden_size": 128, "head_dim": 32, "max_window_layers": 0}  # layers from 0 on slide
 
     def sliding_window(self, config, layer):
         # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.

@@ -5,6 +5,12 @@ On MoE layers `mlp_activation` and `mlp_neurons` are unavailable (the routed exp
 `mlp.experts`; the shared expert is a dense MLP of its own, `mlp.shared_expert`), and `mlp_output` is the block's
 combined output: the routed experts' weighted sum plus `sigmoid(shared_expert_gate(x)) * shared_expert(x)`. Layers in
 `config.mlp_only_layers`, or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP value.
+
+vLLM's Qwen2-MoE passes no per-layer window to its kernels, and vLLM sets a model-wide one only when every layer
+slides: where `layer_types` mixes sliding and full layers (what `use_sliding_window` gives), every layer attends to
+the whole context on vLLM. attnlens serves what vLLM computes there, and `support()` on vLLM says so. On a tiny
+model that mixes them, vLLM's first-step log-probabilities are up to 10.3 apart from transformers' (its greedy tokens
+differ from the first), and within 1.1e-5 of transformers' run without the window.
 """
 
 from .moe import SparseMoE, moe_absent
@@ -20,8 +26,28 @@ class Qwen2Moe(SparseMoE, Qwen2):
              "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
     absent = moe_absent("Qwen2MoeExperts", ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP "
                                            "reading the same input)")
+    vllm_model_types = ("qwen2_moe",)
+    vllm_tiny = {**Qwen2.vllm_tiny, "layer_types": ["sliding_attention"] * 3}  # every layer slides on both engines
 
     def moe_layer(self, config, layer):
         # Qwen2MoeDecoderLayer's own rule for building a sparse block.
         return layer not in config.mlp_only_layers and config.num_experts > 0 \
             and (layer + 1) % config.decoder_sparse_step == 0
+
+    def sliding_window(self, config, layer, engine="eager"):
+        if engine == "vllm" and self.mixed_windows(config):
+            return None
+        return super().sliding_window(config, layer)
+
+    @staticmethod
+    def mixed_windows(config):
+        return len(set(getattr(config, "layer_types", None) or ())) > 1
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        window = super().sliding_window(config, layer)
+        if engine == "vllm" and window is not None and self.mixed_windows(config):
+            notes["attention_probabilities"] = (
+                f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's Qwen2-MoE "
+                f"passes no per-layer window and slides only when every layer does")
+        return notes

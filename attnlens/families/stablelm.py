@@ -6,10 +6,14 @@ normalises its queries and keys before it, and the queries and keys are read aft
 the block has no `post_attention_layernorm`: attention and the MLP read the same `input_layernorm` output and both
 outputs join the block input in one sum, so `layer_mid` is unavailable and `mlp_norm_output` is the shared norm
 output as the MLP receives it.
+
+vLLM's StableLM implements the sequential block without QK LayerNorm only, passing the residual stream between blocks
+as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' checkpoints when it loads them.
 """
 
 from ..family import Family
 from ..locations import ModuleInput
+from .granite import unpaired_locations
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
@@ -18,6 +22,11 @@ class StableLm(Family):
     tiny = ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25})
     tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}}
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
+    vllm_model_types = ("stablelm",)
+    vllm_tiny = {"hidden_size": 128, "head_dim": 32}  # vLLM's head size is hidden_size // num_attention_heads
+
+    def vllm_locations(self):
+        return unpaired_locations(self, super().vllm_locations())
 
     def layer_kind(self, config, layer):
         return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", False) else frozenset()

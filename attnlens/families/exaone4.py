@@ -1,0 +1,56 @@
+"""EXAONE 4: OLMo 2's block (no norm in front of attention or the MLP, RMSNorms after each), per-head QK-norm, and
+sliding-window layers from `layer_types` whose full-attention layers have no rotary embedding.
+
+Attention reads the residual stream itself, so `attention_norm_output` and `mlp_norm_output` do not exist; `layer_mid`
+is `layer_input + post_attention_layernorm(attention_output)` and is the MLP's input; `layer_output` is
+`layer_mid + post_feedforward_layernorm(mlp_output)`. The queries and keys are RMS-normalised per head, then rotated
+on sliding-window layers only (with no sliding window at all, on every layer), and read after both.
+
+vLLM's EXAONE 4 blocks receive its `(hidden, residual)` pair but use only `hidden` and return `(layer output,
+layer_mid)`: `layer_input` and `layer_output` are the first items there.
+"""
+
+from ..locations import ModuleInput, ModuleOutput
+from ..vllm.locations import batched
+from .cohere import HiddenOnly
+from .llama import Llama
+
+
+class Exaone4(Llama):
+    model_types = ("exaone4",)
+    tiny = ("Exaone4Config", "Exaone4ForCausalLM",
+            {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    attention_norm = None
+    mlp_norm = None
+    attention_post_norm = "post_attention_layernorm"
+    mlp_post_norm = "post_feedforward_layernorm"
+    absent = {
+        **Llama.absent,
+        "attention_norm_output": "no norm in front of attention: the attention reads the residual stream "
+                                 "(layer_input) itself; post_attention_layernorm normalises its output instead",
+        "mlp_norm_output": "no norm in front of the MLP: the MLP reads the residual stream (layer_mid) itself; "
+                           "post_feedforward_layernorm normalises its output instead",
+    }
+    vllm_model_types = ("exaone4",)
+
+    def locations(self):
+        locations = super().locations()
+        del locations["attention_norm_output"], locations["mlp_norm_output"]
+        return {**locations, "layer_mid": ModuleInput(self.mlp)}  # the MLP's input: one tensor, two names
+
+    def vllm_locations(self):
+        locations = super().vllm_locations()
+        del locations["attention_norm_output"], locations["mlp_norm_output"]
+        # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
+        return {**locations, "layer_input": HiddenOnly("", "input", first=1),
+                "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(self.mlp)),
+                "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
+
+    def notes(self, config, layer, engine="eager"):
+        rotated = getattr(config, "sliding_window", None) is None or self.sliding_window(config, layer) is not None
+        normed = "RMS-normalised per head (q_norm/k_norm over head_dim), then " + \
+                 ("rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary "
+                                            "embedding")
+        return {**super().notes(config, layer, engine), "attention_queries": normed, "attention_keys": normed,
+                "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
+                "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP"}
