@@ -13,10 +13,14 @@ out of the flattened tokens (and spliced back on assignment).
 
 With `do_layer_norm_before=False` (OPT-350m) the norms follow the sublayers instead of preceding them; attnlens
 serves the attention values and the block's input and output there, and reports the norm-placed values unavailable.
+
+vLLM's OPT holds tokens flat and fuses the projections into `qkv_proj`; its kernel receives the queries unscaled and
+scales them itself, so on vLLM `attention_queries` are the kernel's times its scale: pre-scaled, as on eager.
 """
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput
+from .vllm_transformers import mirrored
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
         "in-place edits land)")
@@ -54,6 +58,19 @@ def _flat(source, label):
     return Derived(source, _unflatten, _flatten, label)
 
 
+def _kernel_scale(envoy):
+    access = envoy.interleaver.attnlens
+    return access.geometry(access.layer_of(envoy)).scale
+
+
+def _prescaled(envoy, queries):
+    return queries * _kernel_scale(envoy)
+
+
+def _unscaled(envoy, old, new):
+    return new / _kernel_scale(envoy)
+
+
 class OPT(Family):
     model_types = ("opt",)
     tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
@@ -67,6 +84,8 @@ class OPT(Family):
     mlp = "fc2"  # no MLP module: its last step carries the MLP's values (renamed `mlp`)
     activation = "activation_fn"
     down_projection = "fc2"  # on the block, which runs the MLP (see `mlp_module`)
+    vllm_model_types = ("opt",)  # vLLM's own OPTForCausalLM
+    vllm_tiny = {"hidden_size": 128, "word_embed_proj_dim": 128}  # head size 32
 
     def locations(self):
         locations = super().locations()
@@ -79,6 +98,16 @@ class OPT(Family):
             "mlp_output": _flat(ModuleOutput(), "mlp_output"),
         })
         return locations
+
+    def vllm_locations(self):
+        from ..vllm.locations import KernelInput
+
+        # vLLM's block holds tokens flat already; its kernel receives unscaled queries and applies the scale itself
+        eager = {name: location.source if isinstance(location, Derived) else location
+                 for name, location in self.locations().items()}
+        queries = Derived(KernelInput(self.vllm_kernel, 0), _prescaled, _unscaled, in_place=False,
+                          why_not="it is a copy: vLLM's kernel receives the queries unscaled")
+        return {**mirrored(self, eager, own_port=True), "attention_queries": queries}
 
     def mlp_module(self, block):
         return block  # the block calls fc1, activation_fn and fc2 itself
@@ -108,6 +137,11 @@ class OPT(Family):
         return reasons
 
     def notes(self, config, layer, engine="eager"):
+        if engine == "vllm":
+            return {**super().notes(config, layer, engine),
+                    "attention_queries": "pre-scaled as on eager: vLLM's kernel receives q_proj(x) unscaled and "
+                                         "applies head_dim ** -0.5 itself, so this is the kernel's queries times that "
+                                         "scale (a copy: assign it)"}
         notes = {name: FLAT for name in ("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
                                          "mlp_output")}
         notes.update({
