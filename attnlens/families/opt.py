@@ -15,7 +15,8 @@ With `do_layer_norm_before=False` (OPT-350m) the norms follow the sublayers inst
 serves the attention values and the block's input and output there, and reports the norm-placed values unavailable.
 
 vLLM's OPT holds tokens flat and fuses the projections into `qkv_proj`; its kernel receives the queries unscaled and
-scales them itself, so on vLLM `attention_queries` are the kernel's times its scale: pre-scaled, as on eager.
+scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.scale` is `head_dim ** -0.5`
+(`VLLM_QUERIES`): each engine's queries and scale give the same scores.
 """
 
 from ..family import Family
@@ -24,6 +25,10 @@ from .vllm_transformers import mirrored
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
         "in-place edits land)")
+VLLM_QUERIES = ("not pre-scaled: vLLM's kernel receives q_proj(x) and applies head_dim ** -0.5 itself, so attn.scale "
+                "is that factor here, where on eager the queries carry it and attn.scale is 1.0: these are the eager "
+                "engine's attention_queries divided by head_dim ** -0.5, and queries @ keys^T * attn.scale are the "
+                "same scores on both engines")
 POST_NORM = ("OPT with do_layer_norm_before=False normalises after each sublayer, not before it: {what}; attnlens does "
              "not serve it on this layout")
 
@@ -58,19 +63,6 @@ def _flat(source, label):
     return Derived(source, _unflatten, _flatten, label)
 
 
-def _kernel_scale(envoy):
-    access = envoy.interleaver.attnlens
-    return access.geometry(access.layer_of(envoy)).scale
-
-
-def _prescaled(envoy, queries):
-    return queries * _kernel_scale(envoy)
-
-
-def _unscaled(envoy, old, new):
-    return new / _kernel_scale(envoy)
-
-
 class OPT(Family):
     model_types = ("opt",)
     tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
@@ -100,14 +92,9 @@ class OPT(Family):
         return locations
 
     def vllm_locations(self):
-        from ..vllm.locations import KernelInput
-
-        # vLLM's block holds tokens flat already; its kernel receives unscaled queries and applies the scale itself
-        eager = {name: location.source if isinstance(location, Derived) else location
-                 for name, location in self.locations().items()}
-        queries = Derived(KernelInput(self.vllm_kernel, 0), _prescaled, _unscaled, in_place=False,
-                          why_not="it is a copy: vLLM's kernel receives the queries unscaled")
-        return {**mirrored(self, eager, own_port=True), "attention_queries": queries}
+        # vLLM's block holds tokens flat already: the eager values' sources, with a batch axis
+        return mirrored(self, {name: location.source if isinstance(location, Derived) else location
+                               for name, location in self.locations().items()}, own_port=True)
 
     def mlp_module(self, block):
         return block  # the block calls fc1, activation_fn and fc2 itself
@@ -138,10 +125,8 @@ class OPT(Family):
 
     def notes(self, config, layer, engine="eager"):
         if engine == "vllm":
-            return {**super().notes(config, layer, engine),
-                    "attention_queries": "pre-scaled as on eager: vLLM's kernel receives q_proj(x) unscaled and "
-                                         "applies head_dim ** -0.5 itself, so this is the kernel's queries times that "
-                                         "scale (a copy: assign it)"}
+            return {**super().notes(config, layer, engine), "attention_queries": VLLM_QUERIES,
+                    "attention_scores": "queries @ keys^T * head_dim ** -0.5 (attn.scale), masked: eager's scores"}
         notes = {name: FLAT for name in ("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
                                          "mlp_output")}
         notes.update({
