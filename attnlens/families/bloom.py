@@ -13,6 +13,10 @@ output (not the module's) and `layer_mid` is the module's output. Likewise `Bloo
 each sublayer's output to its norm's output, not to the stream: `layer_mid = attention_norm_output +
 attention_output` and `layer_output = mlp_norm_output + mlp_output` (`residual_add`). With `pretraining_tp > 1`
 and `slow_but_exact` the projections run as sliced `F.linear` calls and `dense` is never called.
+
+vLLM's Bloom keeps these module names without the residual inside the modules, hands its kernel the same ALiBi slopes
+(`alibi_slopes`), and computes a different MLP: the exact GELU where transformers' Bloom uses its tanh approximation
+(`VLLM_GELU`).
 """
 
 import math
@@ -22,6 +26,12 @@ import torch
 from ..family import Family
 from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from .vllm_transformers import HiddenArgument, mirrored
+
+VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
+             "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
+             "values differ from the eager engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny random "
+             "checkpoint)")
 
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
@@ -85,6 +95,10 @@ class Bloom(Family):
     fused_qkv = FusedQKV("query_key_value", "groups")
     activation = "gelu_impl"
     down_projection = "dense_4h_to_h"
+    vllm_model_types = ("bloom",)  # vLLM's own BloomForCausalLM
+    vllm_tiny = {"hidden_size": 128}  # head size 32
+    #: How far vLLM's values may be from the eager engine's: vLLM's exact GELU (VLLM_GELU) moves them by up to 1e-3.
+    vllm_tolerance = 2e-3
 
     def locations(self):
         return {
@@ -105,6 +119,16 @@ class Bloom(Family):
             "attention_output": ModuleOutput(self.output_projection),
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
+
+    def vllm_locations(self):
+        from ..vllm.locations import batched
+
+        # vLLM's block is called as layer(positions, hidden_states)
+        return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
+
+    def alibi_slopes(self, config, layer: int) -> torch.Tensor:
+        """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""
+        return alibi_slopes(config.num_attention_heads)
 
     def num_heads(self, module):
         return module.num_heads
@@ -160,9 +184,14 @@ class Bloom(Family):
         notes["embeddings"] = "the token embedding's output; word_embeddings_layernorm follows it before block 0"
         notes["attention_scores"] = ("q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens "
                                      "only), + the causal mask")
-        notes["attention_output"] = ("the output projection's output: the attention module itself returns "
-                                     "residual + this")
-        notes["mlp_output"] = "the down projection's output: BloomMLP itself returns residual + this"
+        if engine == "vllm":
+            notes["attention_scores"] += ("; vLLM's kernel adds slope_h * (key - query position) instead, which "
+                                          "shifts each row by a constant: the same pattern")
+            notes["mlp_activation"] = VLLM_GELU
+        else:
+            notes["attention_output"] = ("the output projection's output: the attention module itself returns "
+                                         "residual + this")
+            notes["mlp_output"] = "the down projection's output: BloomMLP itself returns residual + this"
         if config.apply_residual_connection_post_layernorm:
             notes["layer_mid"] = ("apply_residual_connection_post_layernorm: attention_norm_output + attention_output "
                                   "(the block adds attention to the normed input, not to layer_input)")

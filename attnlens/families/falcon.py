@@ -22,6 +22,12 @@ Keys and values are read from the cache update, so they are the whole cache unde
 attention and MLP side by side on the block input: there is no residual stream between them, and the block adds the
 attention output to the MLP's output in place (`mlp_output += attention_output`), so `mlp_output` is a snapshot
 taken before that add.
+
+On vLLM (its own FalconForCausalLM, both architectures): attention and the MLP return `(output, bias)` and the block
+adds the bias later, so `attention_output` and `mlp_output` are copies with the bias added; a sequential block adds
+the attention output to its input in place, so the residual stream is read as copies there. vLLM's kernel adds ALiBi
+once, with float32 slopes (`vllm_scores`), not as transformers' eager attention does: the pattern is not rebuilt
+there.
 """
 
 import math
@@ -33,6 +39,7 @@ from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from .bloom import alibi_slopes, key_positions
 from .phi import PARALLEL_NO_MID, shared_norm_note
+from .vllm_transformers import HiddenArgument, mirrored
 
 
 def _groups(envoy):
@@ -71,6 +78,31 @@ DEDUPLICATED = ("it is a de-duplicated copy (the forward holds each key/value he
                 "never one per group)")
 
 
+VLLM_ALIBI = ("attnlens rebuilds a pattern on vLLM with the family's score function, which is transformers' eager "
+              "arithmetic: ALiBi added twice (FalconModel folds alibi / sqrt(d) into the mask as well) with slopes "
+              "rounded to bfloat16, where vLLM's kernel adds it once, with float32 slopes times 1 / sqrt(d) "
+              "(Falcon.vllm_scores); a pattern rebuilt with it would not be vLLM's")
+
+
+def _plus_bias(envoy, output):
+    """vLLM's Falcon returns (output, bias) from attention and the MLP (`skip_bias_add`), adding the bias later."""
+    out, bias = output
+    return (out.clone() if bias is None else out + bias)[None]
+
+
+def _minus_bias(envoy, old, new):
+    bias = old[1]
+    return (new[0] if bias is None else new[0] - bias, bias)
+
+
+def _stream_copy(source):
+    """The residual stream of vLLM's sequential block, which adds the attention output to it in place: a copy."""
+    return Derived(source, lambda envoy, value: value[None].clone(), lambda envoy, old, new: new[0], in_place=False,
+                   note="a copy: vLLM's sequential Falcon block adds the attention output to this tensor in place "
+                        "(assign it to edit)",
+                   why_not="it is a copy: vLLM's sequential Falcon block adds the attention output to it in place")
+
+
 def _keys_values(config):
     update = Operation(("layer_past_update_0",), item=0, anchor="layer_past.update(")
     values = Operation(("layer_past_update_0",), item=1, anchor="layer_past.update(")
@@ -98,6 +130,8 @@ class Falcon(Family):
     activation = "act"
     down_projection = "dense_4h_to_h"
     mlp_norm = "post_attention_layernorm"  # on sequential blocks, the only ones with a layer_mid
+    vllm_model_types = ("falcon",)  # vLLM's own FalconForCausalLM
+    vllm_tiny = {"hidden_size": 128, "ffn_hidden_size": 512}  # head size 32; vLLM builds the MLP at 4 x hidden
 
     @staticmethod
     def parallel(config) -> bool:
@@ -128,7 +162,26 @@ class Falcon(Family):
         return frozenset({name for name, on in flags.items() if on} | {"norms=" + "+".join(self.norms(config))})
 
     def kind_locations(self, kind, config, engine):
-        return self._layout_locations(config) if engine == "eager" else super().kind_locations(kind, config, engine)
+        return self._layout_locations(config) if engine == "eager" else self._vllm_layout_locations(config)
+
+    def _vllm_layout_locations(self, config):
+        """vLLM's FalconDecoderLayer has the same modules; it returns (output, bias) from attention and the MLP, and on
+        a sequential block adds attention's output to its input in place (`residual += attention_output`)."""
+        from ..vllm.locations import batched
+
+        eager = {**self._layout_locations(config), "mlp_output": ModuleOutput()}
+        stream = batched if self.parallel(config) else _stream_copy
+        with_bias = {"in_place": False, "note": "the module's output plus its bias, which vLLM's Falcon adds after the "
+                                                "module returns (a copy: assign it)",
+                     "why_not": "it is a copy: vLLM's Falcon adds the bias after the module returns"}
+        return {
+            **mirrored(self, eager, own_port=True),
+            "embeddings": stream(ModuleOutput(self.embed_tokens)),
+            "layer_input": stream(HiddenArgument("", 1)),
+            "attention_output": Derived(ModuleOutput(""), _plus_bias, _minus_bias, **with_bias),
+            "mlp_output": Derived(ModuleOutput(""), _plus_bias, _minus_bias, **with_bias),
+            "layer_output": stream(ModuleOutput("", 0)),
+        }
 
     def _layout_locations(self, config):
         attention_norm, mlp_norm = self.norms(config)
@@ -189,6 +242,13 @@ class Falcon(Family):
             "logits": OutputField("logits"),
         }
 
+    def _vllm_notes(self, config):
+        notes = {"attention_scores": "q·k / sqrt(d) + mask"}
+        attention_norm, mlp_norm = self.norms(config)
+        if self.parallel(config) and attention_norm == mlp_norm:
+            notes["mlp_norm_output"] = shared_norm_note(attention_norm)
+        return notes
+
     def num_heads(self, module):
         return module.num_heads
 
@@ -223,6 +283,28 @@ class Falcon(Family):
         # FalconModel folds alibi / sqrt(d) into the mask as well
         return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
 
+    def vllm_scores(self, heads, config, queries, keys, layer, key_mask=None):
+        """The scores vLLM's kernel takes the softmax of: as on eager with rotary; with ALiBi, `q·k / sqrt(d)` plus the
+        bias once, Bloom's float32 slopes times 1 / sqrt(d) times the key position (vLLM's kernel counts it from the
+        query, which shifts each row by a constant: the same pattern)."""
+        if not config.alibi:
+            return self.scores(heads, config, queries, keys, layer, key_mask)
+        groups = queries.shape[1] // keys.shape[1]
+        scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * heads.scale
+        slopes = self.alibi_slopes(config, layer).to(queries.device)
+        bias = slopes[:, None] * key_positions(keys.shape[2], key_mask, queries.device)[:, None, :]
+        scores = scores + bias[:, :, None].to(scores.dtype)
+        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
+                                  scores.device)
+
+    def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
+        """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
+        Bloom's times 1 / sqrt(d); None without ALiBi."""
+        if not config.alibi:
+            return None
+        return alibi_slopes(config.num_attention_heads) * (1.0 / math.sqrt(config.hidden_size //
+                                                                          config.num_attention_heads))
+
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
         if self.parallel(config):
@@ -231,15 +313,18 @@ class Falcon(Family):
                      f"{attention_norm} and {mlp_norm} respectively")
             reasons["layer_mid"] = PARALLEL_NO_MID.format(norms=norms)
         implementation = config._attn_implementation
-        if implementation not in ("eager", "sdpa"):
+        if engine == "eager" and implementation not in ("eager", "sdpa"):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
                 reasons[name] = (f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
                                  f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
                                  f"load with attn_implementation='eager' or 'sdpa'")
-        if not config.use_cache:
+        if engine == "eager" and not config.use_cache:
             for name in ("attention_keys", "attention_values"):
                 reasons[name] = ("read at the cache update, which config.use_cache=False skips; load with "
                                  "use_cache=True (the default)")
+        if engine == "vllm" and config.alibi:
+            for name in ("attention_scores", "attention_probabilities"):
+                reasons[name] = VLLM_ALIBI
         return reasons
 
     def verify(self, model, layer, layer_module, attention_module):
@@ -248,6 +333,8 @@ class Falcon(Family):
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
+        if engine == "vllm":
+            return {**notes, **self._vllm_notes(config)}
         cache = ("read at the cache update (the whole cache under generate); a forward called with use_cache=False "
                  "never forms it")
         notes["attention_keys"] = notes["attention_values"] = cache

@@ -7,6 +7,7 @@ attention bypasses the attention interface entirely.
 
 from ..family import Family
 from ..fused import FusedQKV
+from .vllm_transformers import mirrored
 
 
 class GPT2(Family):
@@ -27,6 +28,11 @@ class GPT2(Family):
     probabilities_operation = ("attn_weights_4", "dropout(")
     fused_views = ("attention_queries",)
     fused_qkv = FusedQKV("c_attn", "blocks")
+    vllm_model_types = ("gpt2",)  # vLLM's own GPT2LMHeadModel
+    vllm_tiny = {"n_embd": 128}  # head size 32
+
+    def vllm_locations(self):
+        return mirrored(self, self.locations(), own_port=True)
 
     def num_heads(self, module):
         return module.num_heads

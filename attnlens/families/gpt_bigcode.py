@@ -11,10 +11,13 @@ the scores are not scaled at all.
 from ..family import Family
 from ..fused import FusedQKV
 from .gpt2 import GPT2
+from .vllm_transformers import VLLMTransformersBackend
 
 
-class GPTBigCode(GPT2):
+class GPTBigCode(VLLMTransformersBackend, GPT2):
     model_types = ("gpt_bigcode",)
+    vllm_model_types = ("gpt_bigcode",)  # vLLM's Transformers backend
+    vllm_tiny = {"n_embd": 128}  # head size 32
     tiny = ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True})
     tiny_layouts = {"multi_head": {"multi_query": False}}
     probabilities_operation = Family.probabilities_operation

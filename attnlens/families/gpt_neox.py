@@ -14,10 +14,13 @@ from ..family import Family
 from ..fused import FusedQKV
 from ..locations import ModuleOutput
 from .phi import PARALLEL_NO_MID, parallel_locations
+from .vllm_transformers import VLLMTransformersBackend
 
 
-class GPTNeoX(Family):
+class GPTNeoX(VLLMTransformersBackend, Family):
     model_types = ("gpt_neox",)
+    vllm_model_types = ("gpt_neox",)  # vLLM's Transformers backend
+    vllm_tiny = {"hidden_size": 128}  # head size 32
     tiny = ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None})
     tiny_layouts = {"sequential": {"use_parallel_residual": False}}
     layers = "gpt_neox.layers"

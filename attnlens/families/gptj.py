@@ -19,6 +19,7 @@ import torch
 from ..family import Family
 from ..locations import Derived, ModuleInput, Operation
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from .vllm_transformers import HiddenArgument, mirrored
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
 
@@ -51,6 +52,8 @@ class GPTJ(Family):
     def own_attn(self) -> bool:
         module, name = self.attention_class
         return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), "_attn")
+    vllm_model_types = ("gptj",)  # vLLM's own GPTJForCausalLM
+    vllm_tiny = {"n_embd": 128}  # head size 32
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
@@ -66,6 +69,12 @@ class GPTJ(Family):
                                                   "attention_head_outputs (GPT-J's _attn returns heads first)"),
             })
         return locations
+
+    def vllm_locations(self):
+        from ..vllm.locations import batched
+
+        # vLLM's block is called as layer(positions, hidden_states)
+        return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
 
     def drilled_functions(self, attention_module):
         if self.own_attn():
@@ -93,7 +102,7 @@ class GPTJ(Family):
         notes = {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                  "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
                                      "q @ k^T; masked entries are the score plus the model dtype's minimum"}
-        if self.own_attn():
+        if self.own_attn() and engine == "eager":
             notes["attention_head_outputs"] = ("transposed from _attn's (batch, heads, seq, dim) output: a view, so "
                                                "in-place edits land; assignment is transposed back")
         return notes

@@ -6,10 +6,13 @@ attention function are already clipped (queries and keys then rotated); an edit 
 """
 
 from .llama import Llama
+from .vllm_transformers import VLLMTransformersBackend
 
 
-class Olmo(Llama):
+class Olmo(VLLMTransformersBackend, Llama):
     model_types = ("olmo",)
+    vllm_model_types = ("olmo",)  # vLLM's Transformers backend
+    vllm_fused_activation = True
     # A clip that binds: with these weights the projections reach well past 1.
     tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
     tiny_layouts = {"noclip": {"clip_qkv": None}}

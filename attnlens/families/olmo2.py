@@ -10,10 +10,13 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 
 from ..locations import ModuleInput
 from .llama import Llama
+from .vllm_transformers import VLLMTransformersBackend
 
 
-class Olmo2(Llama):
+class Olmo2(VLLMTransformersBackend, Llama):
     model_types = ("olmo2",)
+    vllm_model_types = ("olmo2",)  # vLLM's Transformers backend
+    vllm_fused_activation = True
     tiny = ("Olmo2Config", "Olmo2ForCausalLM", {})
     attention_norm = None
     mlp_norm = None

@@ -13,13 +13,22 @@ out of the flattened tokens (and spliced back on assignment).
 
 With `do_layer_norm_before=False` (OPT-350m) the norms follow the sublayers instead of preceding them; attnlens
 serves the attention values and the block's input and output there, and reports the norm-placed values unavailable.
+
+vLLM's OPT holds tokens flat and fuses the projections into `qkv_proj`; its kernel receives the queries unscaled and
+scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.scale` is `head_dim ** -0.5`
+(`VLLM_QUERIES`): each engine's queries and scale give the same scores.
 """
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput
+from .vllm_transformers import mirrored
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
         "in-place edits land)")
+VLLM_QUERIES = ("not pre-scaled: vLLM's kernel receives q_proj(x) and applies head_dim ** -0.5 itself, so attn.scale "
+                "is that factor here, where on eager the queries carry it and attn.scale is 1.0: these are the eager "
+                "engine's attention_queries divided by head_dim ** -0.5, and queries @ keys^T * attn.scale are the "
+                "same scores on both engines")
 POST_NORM = ("OPT with do_layer_norm_before=False normalises after each sublayer, not before it: {what}; attnlens does "
              "not serve it on this layout")
 
@@ -67,6 +76,8 @@ class OPT(Family):
     mlp = "fc2"  # no MLP module: its last step carries the MLP's values (renamed `mlp`)
     activation = "activation_fn"
     down_projection = "fc2"  # on the block, which runs the MLP (see `mlp_module`)
+    vllm_model_types = ("opt",)  # vLLM's own OPTForCausalLM
+    vllm_tiny = {"hidden_size": 128, "word_embed_proj_dim": 128}  # head size 32
 
     def locations(self):
         locations = super().locations()
@@ -79,6 +90,11 @@ class OPT(Family):
             "mlp_output": _flat(ModuleOutput(), "mlp_output"),
         })
         return locations
+
+    def vllm_locations(self):
+        # vLLM's block holds tokens flat already: the eager values' sources, with a batch axis
+        return mirrored(self, {name: location.source if isinstance(location, Derived) else location
+                               for name, location in self.locations().items()}, own_port=True)
 
     def mlp_module(self, block):
         return block  # the block calls fc1, activation_fn and fc2 itself
@@ -108,6 +124,9 @@ class OPT(Family):
         return reasons
 
     def notes(self, config, layer, engine="eager"):
+        if engine == "vllm":
+            return {**super().notes(config, layer, engine), "attention_queries": VLLM_QUERIES,
+                    "attention_scores": "queries @ keys^T * head_dim ** -0.5 (attn.scale), masked: eager's scores"}
         notes = {name: FLAT for name in ("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
                                          "mlp_output")}
         notes.update({

@@ -10,6 +10,7 @@ LayerNorm over each head's queries and keys runs before it. The queries and keys
 
 from ..family import Family
 from ..locations import Location, ModuleInput
+from .vllm_transformers import VLLMTransformersBackend
 
 #: Why a parallel block has no `layer_mid`.
 PARALLEL_NO_MID = ("a parallel block: attention and the MLP both read the block input (through {norms}) and the "
@@ -29,8 +30,9 @@ def shared_norm_note(norm: str) -> str:
             f"receives it (equal to attention_norm_output; assigning it changes only the MLP's input)")
 
 
-class Phi(Family):
+class Phi(VLLMTransformersBackend, Family):
     model_types = ("phi",)
+    vllm_model_types = ("phi",)  # vLLM's Transformers backend
     tiny = ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5})
     tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}}
     final_norm = "model.final_layernorm"

@@ -7,10 +7,12 @@ dropouts are the identity.
 """
 
 from .mistral import Mistral
+from .vllm_transformers import VLLMTransformersBackend
 
 
-class Starcoder2(Mistral):
+class Starcoder2(VLLMTransformersBackend, Mistral):
     model_types = ("starcoder2",)
+    vllm_model_types = ("starcoder2",)  # vLLM's Transformers backend
     # Dropouts set so that the identities would catch them acting outside training.
     tiny = ("Starcoder2Config", "Starcoder2ForCausalLM",
             {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1})

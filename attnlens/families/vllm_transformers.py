@@ -1,0 +1,142 @@
+"""vLLM locations mirrored from a family's eager ones, where vLLM keeps transformers' module names: vLLM's
+Transformers backend, and vLLM's own ports of the older LayerNorm families (GPT-2, GPT-J, OPT, Bloom, Falcon).
+
+vLLM's Transformers backend (`TransformersForCausalLM`) runs the family's own transformers modules, built as `model`
+(the base model, whatever the eager class calls it: `gpt_neox`, `transformer`), with vLLM's attention kernel as the
+attention function: each attention module gets the kernel as `attn`, and transformers' attention interface hands it
+q, k and v flat (`vllm_attention_forward`). It fuses separate q/k/v projections into `qkv_proj`, a GLU's gate and up
+projections into `gate_up_proj` with the activation (`SiluAndMul`), and swaps in vLLM's linear layers and norms, all
+under the names the family reads; the forward keeps a batch axis of one. So every module input and output the family
+reads on eager is read at the same place there, with no change of layout.
+
+vLLM's own ports hold tokens flat (`[tokens, hidden]`: a batch axis is added), return `(output, bias)` from their
+linear layers and some blocks, and run LayerNorm blocks with a plain residual stream (no `(hidden, residual)` pair):
+`HiddenArgument` reads a block's hidden states where positions come first.
+
+On both, the attention's values are read at the kernel, as on vLLM's Llama-like models: queries, keys and values as
+the kernel receives them (keys over the whole context on decode steps), the pattern rebuilt with the family's score
+function, each head's output from the output projection's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from ..family import Family
+from ..locations import Derived, Location, ModuleInput, ModuleOutput, OutputField, child
+from ..values import BY_NAME
+
+
+@dataclass(frozen=True)
+class HiddenArgument(Location):
+    """The hidden states a module receives as positional argument `index` (else as the keyword `hidden_states`): a
+    vLLM block called as `layer(positions, hidden_states)` with a plain residual stream."""
+
+    module: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.input"
+
+    def read(self, envoy):
+        args, kwargs = child(envoy, self.module).inputs
+        return args[self.index] if len(args) > self.index else kwargs["hidden_states"]
+
+    def write(self, envoy, value):
+        target = child(envoy, self.module)
+        args, kwargs = target.inputs
+        if len(args) > self.index:
+            args = (*args[:self.index], value, *args[self.index + 1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": value}
+        target.inputs = (tuple(args), kwargs)
+
+
+def _split_heads(envoy, flat):
+    access = envoy.interleaver.attnlens
+    return flat.unflatten(-1, (-1, access.geometry(access.layer_of(envoy)).head_dim))
+
+
+def _merge_heads(envoy, old, new):
+    return new.flatten(-2)
+
+
+def _add_batch(envoy, value):
+    return value[None]
+
+
+def _drop_batch(envoy, old, new):
+    return new[0]
+
+
+def mirrored(family: Family, eager: dict[str, Location], own_port: bool) -> dict[str, Location]:
+    """`eager`'s locations on vLLM, in the same order: the attention's values at the kernel (`family.vllm_kernel`),
+    the logits vLLM samples from, and every module input and output where it is, as the first item of a tuple.
+
+    On vLLM's `own_port` of the family, tokens are flat (a batch axis is added) and one activation module serves every
+    layer (`get_act_fn` caches it), so `mlp_activation` is read as what the down projection receives (the same tensor,
+    with no gate). Any other kind is the family's to state: it raises."""
+    from ..vllm.locations import KernelInput, RebuiltPattern, SampledLogits, batched, heads_of
+
+    kernel, projection = family.vllm_kernel, family.output_projection
+    replaced = {
+        "attention_queries": KernelInput(kernel, 0),
+        "attention_keys": KernelInput(kernel, 1),
+        "attention_values": KernelInput(kernel, 2),
+        "attention_scores": RebuiltPattern(kernel, "scores"),
+        "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
+        "attention_head_outputs": heads_of(ModuleInput(projection)) if own_port else
+        Derived(ModuleInput(projection), _split_heads, _merge_heads, note="the output projection's input, split "
+                                                                          "into heads"),
+    }
+    if own_port and "mlp_activation" in eager:
+        replaced["mlp_activation"] = Derived(
+            eager["mlp_neurons"], _add_batch, _drop_batch,
+            note="read as what the down projection receives (the same tensor: no gate): vLLM shares one activation "
+                 "module between every layer")
+    out = {}
+    for name, location in eager.items():
+        if name in replaced:
+            out[name] = replaced[name]
+        elif isinstance(location, OutputField) and name == "logits":
+            out[name] = SampledLogits()
+        elif isinstance(location, (ModuleInput, ModuleOutput)):
+            if isinstance(location, ModuleOutput) and location.item is None:
+                location = ModuleOutput(location.module, 0)  # a tensor is read whole; a tuple's first item
+            out[name] = batched(location) if own_port else location
+        else:
+            raise ValueError(f"family {family.name}, value {name}: no vLLM location mirrors {location!r}; state it "
+                             f"in the family's vllm_locations")
+    return out
+
+
+class VLLMTransformersBackend:
+    """Mixed in front of a family vLLM runs through its Transformers backend: its vLLM locations are its eager ones
+    (`mirrored`), under vLLM's `model` where the eager model names its base model otherwise."""
+
+    #: Whether vLLM fuses the MLP's activation into a GLU's `gate_up_proj` (`SiluAndMul`), so it is never formed.
+    vllm_fused_activation: ClassVar[bool] = False
+
+    @property
+    def vllm_names(self) -> dict[str, str]:
+        """The model's module paths in vLLM's model (`Family.path`), where its base model is named otherwise."""
+        paths = {role: getattr(self, role) for role in ("layers", "embed_tokens", "final_norm")}
+        return {role: self._in_vllm_model(path) for role, path in paths.items() if self._in_vllm_model(path) != path}
+
+    def vllm_locations(self) -> dict[str, Location]:
+        eager = {}
+        for name, location in self.locations().items():
+            if name == "mlp_activation" and self.vllm_fused_activation:
+                continue
+            if BY_NAME[name].scope == "model" and isinstance(location, (ModuleInput, ModuleOutput)):
+                location = replace(location, module=self._in_vllm_model(location.module))
+            eager[name] = location
+        return mirrored(self, eager, own_port=False)
+
+    def _in_vllm_model(self, path: str) -> str:
+        """A module path of the eager model in vLLM's: the base model is `model` there."""
+        base = self.layers.split(".")[0]
+        return "model" + path[len(base):] if path.split(".")[0] == base else path
+
