@@ -142,7 +142,8 @@ def test_identities_hold_on_vllms_own_tensors_every_step(models):
                 mixed = (probs.float() @ v["attention_values"].float().repeat_interleave(heads.groups, dim=1))
                 assert torch.allclose(mixed.transpose(1, 2), v["attention_head_outputs"].float(), atol=tolerance), i
             if "attention_head_outputs" in v:
-                merged = model.family.merge_heads(None, v["attention_head_outputs"])
+                gate = v.get("attention_gate", 1)  # a gated layer multiplies each head's output before the merge
+                merged = model.family.merge_heads(None, v["attention_head_outputs"] * gate)
                 assert torch.equal(merged, v["attention_premix"]), i
             if "projected" in v:
                 assert torch.allclose(v["projected"], v["attention_output"], atol=tolerance), i
