@@ -7,6 +7,8 @@ before it touches nnsight.
 
 from __future__ import annotations
 
+import functools
+
 from nnsight.intervention.envoy import Envoy
 
 from .geometry import HeadGeometry
@@ -90,6 +92,22 @@ for _value in ALL_VALUES:
     _host = {"layer": LayerEnvoy, "attention": AttentionEnvoy, "mlp": MLPEnvoy}.get(_value.scope)
     if _host is not None:
         setattr(_host, _value.name, value_property(_value))
+
+
+def adopt_hosts(model) -> None:
+    """Give each block's attention and MLP envoy its host class where nnsight chose another: a module class key wins
+    over a path key, so where the MLP *is* one of vLLM's parallel layers (OPT's fc2) it got `ParallelEnvoy` alone."""
+    for index in range(model.num_layers):
+        block = model.layers[index]
+        for name, host in (("self_attn", AttentionEnvoy), ("mlp", MLPEnvoy)):
+            envoy = getattr(block, name, None)
+            if isinstance(envoy, Envoy) and not isinstance(envoy, host):
+                envoy.__class__ = _combined(host, type(envoy))
+
+
+@functools.cache
+def _combined(host: type, chosen: type) -> type:
+    return type(f"{host.__name__[:-5]}{chosen.__name__}", (host, chosen), {})
 
 
 def envoy_classes(layers: str = "layers", attention: str = "self_attn", mlp: str = "mlp") -> dict[str, type]:

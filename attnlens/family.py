@@ -212,7 +212,7 @@ class Family:
         notes = {}
         if engine == "eager":
             notes = dict.fromkeys(self.fused_views, "a view of the fused projection: assign it, in-place edits fail")
-        window = self.sliding_window(config, layer)
+        window = self.window(config, layer, engine)
         if window is not None:
             kept = ("under generate the cache keeps only the window" if engine == "eager" else
                     "rebuilt over the whole context (zeros outside the window)")
@@ -251,17 +251,32 @@ class Family:
         return HeadGeometry(self.num_heads(module), self.num_kv_heads(module), self.head_dim(module),
                             self.qk_head_dim(module), self.scale(module))
 
+    def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
+        """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked
+        against the kernel at load."""
+        return None
+
     def softcap(self, config, layer: int) -> float | None:
         """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
         return None
 
     def sliding_window(self, config, layer: int) -> int | None:
-        """How many keys back a query of `layer` sees (itself included), or None for full causal attention."""
+        """How many keys back a query of `layer` sees (itself included) in transformers, or None for full causal
+        attention."""
         layer_types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         if layer_types is not None:
             return window if layer_types[layer] == "sliding_attention" else None
         return window
+
+    def vllm_sliding_window(self, config, layer: int) -> int | None:
+        """The window vLLM's implementation gives `layer`'s kernel (checked against the kernel at load): transformers'
+        unless the family says vLLM differs."""
+        return self.sliding_window(config, layer)
+
+    def window(self, config, layer: int, engine: str = "eager") -> int | None:
+        """The sliding window `engine` applies to `layer`."""
+        return self.vllm_sliding_window(config, layer) if engine == "vllm" else self.sliding_window(config, layer)
 
     # --- the score function ----------------------------------------------------------------------------------
 
@@ -288,7 +303,7 @@ class Family:
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device)
+                                  scores.device, engine=heads.engine)
 
     def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -304,12 +319,13 @@ class Family:
         return probabilities[..., :-1], probabilities[..., -1]
 
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
-             device=None) -> torch.Tensor:
-        """The additive mask: 0 where a query sees a key, the dtype's minimum elsewhere. [batch or 1, 1, q, k]."""
+             device=None, engine="eager") -> torch.Tensor:
+        """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
+        [batch or 1, 1, q, k]."""
         key_positions = torch.arange(num_keys, device=device)
         query_positions = key_positions[num_keys - num_queries:, None]
         visible = key_positions[None, :] <= query_positions
-        window = self.sliding_window(config, layer)
+        window = self.window(config, layer, engine)
         if window is not None:
             visible &= query_positions - key_positions[None, :] < window
         visible = visible[None, None]
@@ -410,6 +426,9 @@ class Family:
     #: the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family with `vllm_model_types`.
     vllm_tiny: ClassVar[dict] = {"head_dim": 32}
     vllm_dtype: ClassVar[str] = "float32"
+    #: How far (relative) vLLM's values may be from the eager engine's on the same weights, where vLLM computes a
+    #: part of the model otherwise (Bloom's exact GELU); None: the dtype's rounding.
+    vllm_tolerance: ClassVar[float | None] = None
     #: Why a value the family has is missing from `vllm_locations()`.
     vllm_absent: ClassVar[dict[str, str]] = {
         "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "

@@ -533,8 +533,8 @@ class Inferred(SparseMoE, Family):
     def layer_kind(self, config, layer):
         return super().layer_kind(config, layer) | self.kinds[layer]
 
-    def renames(self):
-        return {**super().renames(), **{mixer: "self_attn" for mixer, _ in self.mixers.values()}}
+    def renames(self, engine="eager"):
+        return {**super().renames(engine), **{mixer: "self_attn" for mixer, _ in self.mixers.values()}}
 
     def locations(self):
         return {name: location for name, location in super().locations().items() if name not in self.dropped}

@@ -184,15 +184,15 @@ class KeyPositions(Location):
 
 
 def with_key_positions(locations: dict[str, Location]) -> dict[str, Location]:
-    """`locations` with `attention_key_positions` after the keys and values, where the keys are read."""
+    """`locations` with `attention_key_positions` right after the keys: it is read where they are (Bloom binds its
+    values at a later operation)."""
     keys = locations.get("attention_keys")
     if keys is None or "attention_key_positions" in locations:
         return locations
-    after = "attention_values" if "attention_values" in locations else "attention_keys"
     ordered = {}
     for name, location in locations.items():
         ordered[name] = location
-        if name == after:
+        if name == "attention_keys":
             ordered["attention_key_positions"] = KeyPositions(keys)
     return ordered
 

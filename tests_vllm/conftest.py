@@ -54,7 +54,9 @@ def pair(name: str, tmp_path_factory) -> Pair:
         else:
             family = FAMILIES[name]
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
-            attnlens.models.tiny_model(name, **family.vllm_tiny).save_pretrained(folder)
+            tiny = attnlens.models.tiny_model(name, **family.vllm_tiny)
+            tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
+            tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
             _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype)
     return _pairs[name]

@@ -46,24 +46,28 @@ def test_falcon_layouts_equal_eager(falcon):
 
 def test_falcon_alibi_is_vllms_own_arithmetic(tmp_path_factory):
     """vLLM adds Falcon's ALiBi once, with float32 slopes times 1/sqrt(d), where transformers' eager attention adds
-    it twice with bfloat16 slopes: on vLLM's own tensors, softmax(Falcon.vllm_scores) @ values is the head outputs
-    on every step, the eager score function's is not, and the pattern is unavailable with that reason."""
+    it twice with bfloat16 slopes: on vLLM the pattern served is the vLLM kernel's (its @ values is the head outputs
+    on every step), and the eager arithmetic on the same tensors is not."""
+    import dataclasses
+
     models = layout("falcon:alibi", tmp_path_factory)
     model, family = models.vllm, models.vllm.family
-    assert "ALiBi added twice" in model.support(0)["self_attn.attention_probabilities"]
     assert torch.equal(kernel_slopes(model)[0], family.alibi_slopes(model.text_config, 0))
     with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
         steps = list().save()
         for _ in tracer.iter[:3]:
             attn = model.layers[1].self_attn
             steps.append([attn.attention_queries.clone(), attn.attention_keys.clone(), attn.attention_values.clone(),
-                          attn.attention_head_outputs.clone()])
+                          attn.attention_probabilities.clone(), attn.attention_head_outputs.clone()])
     heads = model.layers[1].self_attn.heads
-    for queries, keys, values, outputs in steps:
+    assert heads.engine == "vllm"
+    eager_arithmetic = dataclasses.replace(heads, engine="eager")
+    for queries, keys, values, pattern, outputs in steps:
         values = values.repeat_interleave(heads.groups, dim=1)
-        for scores, reproduces in ((family.vllm_scores, True), (family.scores, False)):
-            mixed = (scores(heads, model.text_config, queries, keys, 1).softmax(-1) @ values).transpose(1, 2)
-            assert equal.close(mixed, outputs) == reproduces
+        assert equal.close((pattern @ values).transpose(1, 2), outputs)
+        assert equal.close(family.scores(heads, model.text_config, queries, keys, 1).softmax(-1), pattern)
+        eager_pattern = family.scores(eager_arithmetic, model.text_config, queries, keys, 1).softmax(-1)
+        assert not equal.close((eager_pattern @ values).transpose(1, 2), outputs)
 
 
 # --- Bloom: ALiBi slopes, and vLLM's exact GELU --------------------------------------------------------------------

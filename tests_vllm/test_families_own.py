@@ -3,18 +3,12 @@ one key more (vLLM passes `sliding_window + 1`), and Qwen2-MoE's layers attend t
 mixes sliding and full layers (vLLM passes no per-layer window). Each engine is checked against transformers on the
 same weights, run with the window vLLM runs: every value on the prefill and two decode steps, and greedy tokens."""
 
-import inspect
-
 import pytest
 import torch
 from conftest import PROMPT, engine_args
 from test_equal_to_eager import STEPS, aligned, close, plan, read_steps
 
 import attnlens
-
-#: The worker asks the family for its window on vLLM: `Family.sliding_window(config, layer, engine)`.
-pytestmark = pytest.mark.skipif("engine" not in inspect.signature(attnlens.Family.sliding_window).parameters,
-                                reason="needs the vLLM worker to ask Family.sliding_window(..., engine='vllm')")
 
 #: case -> (model type, the checkpoint's config, what transformers needs to run what vLLM runs, a sliding layer,
 #: words of its note on vLLM).
@@ -46,7 +40,7 @@ def test_values_equal_transformers_run_with_the_window_vllm_runs(case):
     on_vllm, on_eager = read_steps(vllm, PROMPT, reads), read_steps(eager, PROMPT, reads)
     assert len(on_vllm) == len(on_eager) == STEPS
     pattern = on_vllm[0][(layer, "attention_probabilities")]  # the prefill's last query sees vLLM's window
-    window = vllm.family.sliding_window(vllm.text_config, layer, "vllm") or pattern.shape[-1]
+    window = vllm.family.vllm_sliding_window(vllm.text_config, layer) or pattern.shape[-1]
     assert ((pattern[0, :, -1] > 0).sum(-1) == window).all()
     worst = {}
     for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager)):

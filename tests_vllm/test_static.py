@@ -113,3 +113,13 @@ def test_unavailable_or_unknown_taps_fail_at_load(tmp_path_factory, points, erro
 def test_static_generate_needs_declared_points(tmp_path_factory):
     with pytest.raises(RuntimeError, match="static_points"):
         pair("llama", tmp_path_factory).vllm.static_generate("Hi", max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "gpt2"])
+def test_static_captures_on_vllms_other_model_code(name, tmp_path_factory):
+    """The Transformers backend (GPT-NeoX: its kernel's forward is called directly, skipping pre-hooks, and tokens
+    keep a batch axis of one) and one of vLLM's own ports (GPT-2) capture what the eager engine computes."""
+    models = pair(name, tmp_path_factory)
+    model = attnlens.StandardizedVLLM(str(models.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
+    result = model.static_generate(PROMPTS[:1], max_new_tokens=2, do_sample=False)[0]
+    check(models.eager, result.output, result.steps)

@@ -97,8 +97,7 @@ class Bloom(Family):
     down_projection = "dense_4h_to_h"
     vllm_model_types = ("bloom",)  # vLLM's own BloomForCausalLM
     vllm_tiny = {"hidden_size": 128}  # head size 32
-    #: How far vLLM's values may be from the eager engine's: vLLM's exact GELU (VLLM_GELU) moves them by up to 1e-3.
-    vllm_tolerance = 2e-3
+    vllm_tolerance = 2e-3  # vLLM's exact GELU (VLLM_GELU) moves the values by up to 1e-3
 
     def locations(self):
         return {

@@ -22,13 +22,13 @@ class Cohere2(Cohere):
     # checkpoint's (tests_vllm/test_families_own.py tests those against transformers with sliding_window + 1).
     vllm_tiny = {"head_dim": 32, "layer_types": ["full_attention"] * 3}
 
-    def sliding_window(self, config, layer, engine="eager"):
-        window = super().sliding_window(config, layer)
-        return window + 1 if window is not None and engine == "vllm" else window
+    def vllm_sliding_window(self, config, layer):
+        window = self.sliding_window(config, layer)
+        return None if window is None else window + 1
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        window = self.sliding_window(config, layer, engine)
+        window = self.window(config, layer, engine)
         if window is None:
             rotary = "not rotated: a full-attention layer has no rotary embedding"
             notes.update(attention_queries=rotary, attention_keys=rotary)

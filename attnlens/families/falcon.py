@@ -26,8 +26,8 @@ taken before that add.
 On vLLM (its own FalconForCausalLM, both architectures): attention and the MLP return `(output, bias)` and the block
 adds the bias later, so `attention_output` and `mlp_output` are copies with the bias added; a sequential block adds
 the attention output to its input in place, so the residual stream is read as copies there. vLLM's kernel adds ALiBi
-once, with float32 slopes (`vllm_scores`), not as transformers' eager attention does: the pattern is not rebuilt
-there.
+once, with float32 slopes, where transformers' eager attention adds it twice with bfloat16 slopes: the score function
+computes what each engine's kernel does (`HeadGeometry.engine`).
 """
 
 import math
@@ -76,12 +76,6 @@ def _unmerged_heads(envoy, old, new):
 
 DEDUPLICATED = ("it is a de-duplicated copy (the forward holds each key/value head broadcast to its whole group, "
                 "never one per group)")
-
-
-VLLM_ALIBI = ("attnlens rebuilds a pattern on vLLM with the family's score function, which is transformers' eager "
-              "arithmetic: ALiBi added twice (FalconModel folds alibi / sqrt(d) into the mask as well) with slopes "
-              "rounded to bfloat16, where vLLM's kernel adds it once, with float32 slopes times 1 / sqrt(d) "
-              "(Falcon.vllm_scores); a pattern rebuilt with it would not be vLLM's")
 
 
 def _plus_bias(envoy, output):
@@ -268,6 +262,8 @@ class Falcon(Family):
         return (slopes * positions[:, None, :]).to(dtype)[:, :, None]
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
+        if heads.engine == "vllm" and config.alibi:
+            return self._vllm_alibi_scores(heads, config, queries, keys, layer, key_mask)
         groups = queries.shape[1] // keys.shape[1]
         scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
         num_queries, num_keys = scores.shape[-2:]
@@ -283,19 +279,17 @@ class Falcon(Family):
         # FalconModel folds alibi / sqrt(d) into the mask as well
         return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
 
-    def vllm_scores(self, heads, config, queries, keys, layer, key_mask=None):
-        """The scores vLLM's kernel takes the softmax of: as on eager with rotary; with ALiBi, `q·k / sqrt(d)` plus the
-        bias once, Bloom's float32 slopes times 1 / sqrt(d) times the key position (vLLM's kernel counts it from the
-        query, which shifts each row by a constant: the same pattern)."""
-        if not config.alibi:
-            return self.scores(heads, config, queries, keys, layer, key_mask)
+    def _vllm_alibi_scores(self, heads, config, queries, keys, layer, key_mask=None):
+        """The scores vLLM's ALiBi kernel takes the softmax of: `q·k / sqrt(d)` plus the bias once, Bloom's float32
+        slopes times 1 / sqrt(d) times the key position (vLLM's kernel counts it from the query, which shifts each row
+        by a constant: the same pattern)."""
         groups = queries.shape[1] // keys.shape[1]
         scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * heads.scale
         slopes = self.alibi_slopes(config, layer).to(queries.device)
         bias = slopes[:, None] * key_positions(keys.shape[2], key_mask, queries.device)[:, None, :]
         scores = scores + bias[:, :, None].to(scores.dtype)
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device)
+                                  scores.device, engine="vllm")
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
@@ -322,9 +316,6 @@ class Falcon(Family):
             for name in ("attention_keys", "attention_values"):
                 reasons[name] = ("read at the cache update, which config.use_cache=False skips; load with "
                                  "use_cache=True (the default)")
-        if engine == "vllm" and config.alibi:
-            for name in ("attention_scores", "attention_probabilities"):
-                reasons[name] = VLLM_ALIBI
         return reasons
 
     def verify(self, model, layer, layer_module, attention_module):

@@ -38,10 +38,10 @@ class MixerLayers:
     def is_mixer_layer(self, config, layer: int) -> bool:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
-    def renames(self):
+    def renames(self, engine="eager"):
         if not self.mixer_renamed or self.mixer == "self_attn":  # nothing to rename, or already its name
-            return super().renames()
-        return {**super().renames(), self.mixer: "self_attn"}
+            return super().renames(engine)
+        return {**super().renames(engine), self.mixer: "self_attn"}
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)

@@ -74,8 +74,9 @@ class Llama4(SparseMoE, Family):
         """The chunk size of `layer`'s attention, or None where it sees every earlier key."""
         return config.attention_chunk_size if config.layer_types[layer] == "chunked_attention" else None
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
-        mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None,
+             engine="eager"):
+        mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
         size = self.chunk(config, layer)
         if size is None:
             return mask

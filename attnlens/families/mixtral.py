@@ -21,6 +21,4 @@ class Mixtral(SparseMoE, Mistral):
             {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("MixtralExperts")
     vllm_model_types = ("mixtral",)
-
-    def renames(self, *engine):
-        return {**super().renames(*engine), "block_sparse_moe": "mlp"}  # vLLM's name; transformers' has none
+    vllm_names = {"mlp": "block_sparse_moe"}

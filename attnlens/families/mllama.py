@@ -19,8 +19,8 @@ class Mllama(Llama):
     model_types = ("mllama", "mllama_text_model")
     tiny = ("MllamaTextConfig", "MllamaForCausalLM", {"cross_attention_layers": [1]})
 
-    def renames(self):
-        return {**super().renames(), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block
+    def renames(self, engine="eager"):
+        return {**super().renames(engine), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block
 
     @staticmethod
     def cross_attention(config, layer: int) -> bool:

@@ -43,7 +43,7 @@ class NemotronH(Family):
     attention = mlp = "mixer"
     attention_norm = mlp_norm = "norm"
 
-    def renames(self):
+    def renames(self, engine="eager"):
         # by the mixer's class: one envoy cannot be both an attention and an MLP
         from transformers.models.nemotron_h import modeling_nemotron_h as nh
 

@@ -34,10 +34,8 @@ class Qwen2Moe(SparseMoE, Qwen2):
         return layer not in config.mlp_only_layers and config.num_experts > 0 \
             and (layer + 1) % config.decoder_sparse_step == 0
 
-    def sliding_window(self, config, layer, engine="eager"):
-        if engine == "vllm" and self.mixed_windows(config):
-            return None
-        return super().sliding_window(config, layer)
+    def vllm_sliding_window(self, config, layer):
+        return None if self.mixed_windows(config) else self.sliding_window(config, layer)
 
     @staticmethod
     def mixed_windows(config):
@@ -45,7 +43,7 @@ class Qwen2Moe(SparseMoE, Qwen2):
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        window = super().sliding_window(config, layer)
+        window = self.sliding_window(config, layer)
         if engine == "vllm" and window is not None and self.mixed_windows(config):
             notes["attention_probabilities"] = (
                 f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's Qwen2-MoE "

@@ -130,6 +130,10 @@ def merge_local(heads: torch.Tensor, total: int) -> torch.Tensor:
 
 def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
     """The heads of vLLM's attention kernel module, across every tensor-parallel rank."""
+    from . import mla
+
+    if mla.is_latent(kernel):
+        return mla.geometry(kernel)
     ranks, _ = tensor_parallel()
     impl = kernel.impl
     total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -137,4 +141,4 @@ def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
     num_kv_heads = min(kernel.num_kv_heads * ranks, total_kv)  # kv heads fewer than ranks are replicated
     head_dim = kernel.head_size
     return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
-                        float(impl.scale))
+                        float(impl.scale), "vllm")

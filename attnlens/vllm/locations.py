@@ -240,6 +240,14 @@ def heads_of(source: Location) -> Derived:
     return Derived(source, _heads, _merged, note="the output projection's input, split into heads")
 
 
+def attention_block(family: Family, layer: Any) -> Any:
+    """The attention block of the block envoy `layer` in vLLM's module names: the family's, or on a hybrid's other
+    layers the module the family renames to `self_attn` (Qwen3-Next's `linear_attn`)."""
+    names = [family.path("attention", "vllm")]
+    names += [name for name, standard in family.renames("vllm").items() if standard == "self_attn"]
+    return child(layer, next((name for name in names if hasattr(layer._module, name)), names[0]))
+
+
 def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
     """(the attention kernel, the output projection) of `layer`, from the attention block, read off the family's vLLM
     locations: where keys are kept and where an edited pattern's head outputs are recomputed."""

@@ -75,7 +75,7 @@ def geometry(kernel: torch.nn.Module) -> HeadGeometry:
     (one key/value head per query head), queries and keys of `qk_head_dim`, values and head outputs of `v_head_dim`."""
     ranks, _ = kept.tensor_parallel()
     heads = kernel.num_heads * ranks
-    return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale))
+    return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
 
 
 def rope_order(qk_head_dim: int, rope: int, device=None) -> torch.Tensor:

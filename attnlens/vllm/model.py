@@ -16,7 +16,7 @@ from nnsight.modeling.vllm import VLLM
 
 from .. import errors
 from ..access import Access
-from ..envoys import Helpful, add_model_values, envoy_classes
+from ..envoys import Helpful, add_model_values, adopt_hosts, envoy_classes
 from ..errors import UnknownFamily
 from ..family import Family
 from ..geometry import HeadGeometry
@@ -78,12 +78,14 @@ class StandardizedVLLM(Helpful, VLLM):
         envoys = {**parallel_envoys(), **envoy_classes()}
         super().__init__(path, rename=self.family.renames("vllm"), envoys=envoys, **kwargs)
         self.interleaver.attnlens = self.access
+        adopt_hosts(self)
 
     def _load_meta(self, *args: Any, **kwargs: Any) -> Any:
         """nnsight's meta model of vLLM's modules, in the client, without processing weights it does not hold
         (repacking MoE experts for the CPU kernel fails on meta tensors; the worker processes the real ones)."""
         from vllm.model_executor.model_loader import base_loader
 
+        worker.single_rank_groups_with_experts()
         process = base_loader.process_weights_after_loading
         base_loader.process_weights_after_loading = lambda *_, **__: None
         try:
@@ -111,7 +113,7 @@ class StandardizedVLLM(Helpful, VLLM):
         c = self.text_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return HeadGeometry(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                            head_dim, head_dim, head_dim ** -0.5)
+                            head_dim, head_dim, head_dim ** -0.5, "vllm")
 
     # --- what is served, and in what order ------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from ..errors import Unavailable
 from ..locations import child
 from ..values import BY_NAME
 from . import kept
-from .locations import KernelInput, RebuiltPattern, handoffs
+from .locations import KernelInput, RebuiltPattern, attention_block, handoffs
 
 #: Rebuilt names -> the taps they are rebuilt from.
 SOURCES = dict.fromkeys(("attn_scores", "attn_probs", "attn_sinks"), ("query", "key"))
@@ -40,7 +40,7 @@ def taps(family, config, layer: int) -> dict[str, str]:
     premix = locations.get("attention_premix")
     found = {}
     for name, location in locations.items():
-        if isinstance(location, (KernelInput, RebuiltPattern)):
+        if isinstance(location, (KernelInput, RebuiltPattern)) and getattr(location, "static_tap", True):
             found[BY_NAME[name].short] = "kernel"
         elif premix is not None and name in ("attention_head_outputs", "attention_premix") \
                 and location.key == premix.key:
@@ -67,6 +67,18 @@ def declare(model: Any, names: Any) -> list[str]:
                 f"read other values with a trace"
             )
     return [f"{short}.{layer}" for short, layer in points]
+
+
+def _before_forward(module: torch.nn.Module, hook: Any) -> None:
+    """Run `hook(module, args, kwargs)` before each run of `module.forward`, however it is called: vLLM's Transformers
+    backend calls its kernel's `forward` directly, which skips forward pre-hooks."""
+    forward = module.forward
+
+    def run(*args, **kwargs):
+        hook(module, args, kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = run
 
 
 @dataclass
@@ -106,7 +118,7 @@ class _Request:
 
 
 class StaticRecorder:
-    """Installed in vLLM's worker when the engine declares static points: pre-hooks on the tapped modules."""
+    """Installed in vLLM's worker when the engine declares static points: it runs before the tapped modules."""
 
     def __init__(self, runner: Any, keys: list[str]) -> None:
         self.runner = runner
@@ -120,19 +132,16 @@ class StaticRecorder:
         self.tags: dict[str, str] = {}  # vLLM's request id -> tag
         self.tokens: dict[str, int] = {}
         self.spans: list[tuple[_Request, int, int, int]] | None = []
-        self.handles = []
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
             where = taps(family, config, layer)
             kernel, projection = handoffs(family, config, layer)
-            attention = child(layers[layer], family.path("attention", "vllm"))
+            attention = attention_block(family, layers[layer])
             if any(where.get(short) == "kernel" for short in shorts):
-                module = child(attention, kernel)._module
-                self.handles.append(module.register_forward_pre_hook(self._kernel_hook(layer), with_kwargs=True))
+                _before_forward(child(attention, kernel)._module, self._kernel_hook(layer))
             if any(where.get(short) == "projection" for short in shorts):
-                module = child(attention, projection)._module
-                self.handles.append(module.register_forward_pre_hook(self._projection_hook(layer), with_kwargs=True))
+                _before_forward(child(attention, projection)._module, self._projection_hook(layer))
 
     # --- scheduling ----------------------------------------------------------------------------------------
 
@@ -187,6 +196,7 @@ class StaticRecorder:
     def _projection_hook(self, layer: int):
         def hook(module, args, kwargs):
             premix = args[0] if args else next(iter(kwargs.values()))
+            premix = premix.reshape(-1, premix.shape[-1])  # the Transformers backend keeps a batch axis of one
             for request, start, count, _ in self._spans():
                 request.steps[-1][f"premix.{layer}"] = premix[start:start + count].clone()
         return hook

@@ -22,10 +22,26 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from ..access import Access, mediator
 from ..errors import AttnlensError, LocationDrift
 from ..family import Family
-from ..locations import child
+from ..locations import Derived, Operation, child
 from ..registry import family_for
+from ..values import BY_NAME
 from . import kept, static
-from .locations import handoffs
+from .locations import attention_block, handoffs
+
+
+def _keep_transformers_classes() -> None:
+    """vLLM's Transformers backend decorates transformers' decoder class (OlmoModel, ...) for torch.compile when it
+    builds a model, for good: that class then wants a vLLM config, and the eager engine can no longer build the family
+    in this process. nnsight runs an engine without static points eagerly, where the decoration buys nothing; with
+    them such a family's decoder runs uncompiled."""
+    try:
+        from vllm.model_executor.models.transformers.base import Base
+    except ImportError:  # a vLLM without the Transformers backend
+        return
+    Base._decorate_for_torch_compile = lambda self: None
+
+
+_keep_transformers_classes()
 
 WORKER_CPU = "attnlens.vllm.worker.CPUWorker"
 WORKER_GPU = "attnlens.vllm.worker.GPUWorker"
@@ -80,7 +96,8 @@ class WorkerValues:
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
         for index, layer in enumerate(layers):
             kernel, projection = handoffs(self.family, self.config, index)
-            attention = child(layer, self.family.path("attention", "vllm"))
+            attention = attention_block(self.family, layer)
+            self._instrument_operations(index, layer, attention)
             if kernel is not None:
                 envoy = child(attention, kernel)
                 self.kernels[f"{envoy.path}.input"] = index
@@ -98,16 +115,33 @@ class WorkerValues:
         self.states: dict[str, RequestState] = {}
         self.spans: list[tuple[RequestState, int, int]] = []
 
+    def _instrument_operations(self, index: int, layer: Any, attention: Any) -> None:
+        """Source-instrument now the forwards that operation locations read inside (an inline `torch.sigmoid`): a
+        trace body that first asks for `.source` while that forward runs would wait past it for the step."""
+        for name, location in self.family.locations_for(self.config, index, "vllm").items():
+            while isinstance(location, Derived):
+                location = location.source
+            if isinstance(location, Operation):
+                scope = attention if BY_NAME[name].scope == "attention" else layer
+                child(scope, location.module).source  # noqa: B018 (building it instruments the module)
+
     def _check_kernel(self, kernel: torch.nn.Module, layer: int) -> None:
         """The family's window and soft-cap against vLLM's kernel, so a family that disagrees with vLLM fails at
         load, not with a wrong pattern."""
         impl = kernel.impl
         facts = {
-            "sliding window": (self.family.sliding_window(self.config, layer), _none_if(impl.sliding_window, -1)),
-            "soft-cap": (self.family.softcap(self.config, layer), _none_if(impl.logits_soft_cap, 0)),
+            "sliding window": (self.family.vllm_sliding_window(self.config, layer),
+                               _none_if(getattr(impl, "sliding_window", None), -1)),  # MLA impls have none
+            "soft-cap": (self.family.softcap(self.config, layer), _none_if(getattr(impl, "logits_soft_cap", None), 0)),
         }
+        slopes, kernel_slopes = self.family.alibi_slopes(self.config, layer), getattr(impl, "alibi_slopes", None)
+        if slopes is not None:
+            slopes = kept.local_heads(slopes, slopes.shape[0], 0)  # this rank's heads
+        if (slopes is None) != (kernel_slopes is None) or (
+                slopes is not None and not torch.equal(slopes.to(kernel_slopes), kernel_slopes)):
+            facts["ALiBi slopes"] = (slopes, kernel_slopes)
         for what, (family_says, vllm_says) in facts.items():
-            if family_says != vllm_says:
+            if what == "ALiBi slopes" or family_says != vllm_says:
                 raise LocationDrift(
                     f"family {self.family.name}, layer {layer}: the family's {what} is {family_says!r} but vLLM's "
                     f"kernel uses {vllm_says!r}; the rebuilt pattern would be wrong. Fix the family's {what}."
@@ -325,6 +359,19 @@ def _fresh_single_rank_groups() -> None:
 
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_world_group().world_size == 1:
         parallel_state.destroy_model_parallel()
+
+
+def single_rank_groups_with_experts() -> None:
+    """The client's single-rank groups, with an expert-parallel group: a mixture-of-experts model whose constructor
+    asks for it (DeepSeek's, Qwen3-Next's) cannot be built in a process whose groups a dense engine made without one."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and parallel_state._EP is None \
+            and parallel_state.get_world_group().world_size == 1:
+        parallel_state.destroy_model_parallel()
+        with set_current_vllm_config(VllmConfig()):  # no model config: every group, the experts' included
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
 def _cpu_runner() -> type:
