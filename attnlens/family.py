@@ -426,6 +426,9 @@ class Family:
     #: the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family with `vllm_model_types`.
     vllm_tiny: ClassVar[dict] = {"head_dim": 32}
     vllm_dtype: ClassVar[str] = "float32"
+    #: Why left padding changes this family's values (positions counted from the padded start, a recurrence run over
+    #: the padding), or None: batched runs then put only prompts of one length in a forward.
+    padding_changes_values: ClassVar[str | None] = None
     #: How far (relative) vLLM's values may be from the eager engine's on the same weights, where vLLM computes a
     #: part of the model otherwise (Bloom's exact GELU); None: the dtype's rounding.
     vllm_tolerance: ClassVar[float | None] = None

@@ -314,11 +314,11 @@ def _collect(model, layers, pads, options, results) -> None:
 
 def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, description) -> list[dict]:
     """`summarize`'s sums for every text, run in batches of similar lengths."""
+    from .capture.runs import batches
+
     task = bar.add_task(description, total=len(texts))
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
     results: list = [None] * len(texts)
-    for at in range(0, len(order), batch_size):
-        batch = order[at:at + batch_size]
+    for batch in batches(model, [len(text) for text in texts], batch_size):
         lengths = [len(texts[i]) for i in batch]
         pads = [max(lengths) - length for length in lengths]
         # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids

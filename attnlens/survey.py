@@ -631,7 +631,10 @@ def static_facts(model_type: str) -> dict:
     towers = [n for n in getattr(type(default), "sub_configs", {}) if getattr(default, n, None) is not text]
     forward = getattr(transformers, model_class).forward
     inputs = [p for p in inspect.signature(forward).parameters if any(w in p for w in MODALITY_WORDS)]
-    same = sorted(t for t in _registered() if t != model_type and classes(t)[1] == model_class)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    same = sorted(t for t in _registered()  # registered types the mapping lacks (mllama_text_model) have no class
+                  if t != model_type and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) == model_class)
     return {"config_class": config_class, "causal_lm_class": model_class, "sub_configs": towers,
             "modality_inputs": inputs, "encoder_decoder": bool(default.is_encoder_decoder), "same_class_as": same}
 

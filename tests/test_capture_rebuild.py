@@ -99,7 +99,8 @@ def test_rebuilt_patterns_equal_eager(case):
     expected = attnlens.capture_attention(eager, PROMPTS, layers, keep=("scores", "probs"))
     for got, want in zip(rebuilt, expected):
         for layer in layers:
-            assert torch.allclose(got[layer]["probs"], want[layer]["probs"], atol=1e-6), layer
+            # 1e-5: the earlier sdpa layers' last bits, scaled by muP-style multipliers (Falcon-H1, Granite: 4.7e-6)
+            assert torch.allclose(got[layer]["probs"], want[layer]["probs"], atol=1e-5), layer
             visible = ~attnlens.masked(want[layer]["scores"])
             assert torch.equal(visible, ~attnlens.masked(got[layer]["scores"]))
             # sdpa and eager layers before this one differ in the last bits; Granite's multipliers amplify them

@@ -55,10 +55,19 @@ def checked_prompts(model, inputs) -> tuple[list[torch.Tensor], bool]:
     return prompts, single
 
 
-def _batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Prompt indexes in batches of similar lengths (longest first), so little padding is computed."""
+def batches(model, lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Prompt indexes in batches of similar lengths (longest first), so little padding is computed; only equal
+    lengths share a forward where the family's values change under left padding (`Family.padding_changes_values`)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[at:at + batch_size] for at in range(0, len(order), batch_size)]
+    if model.family.padding_changes_values is None:
+        return [order[at:at + batch_size] for at in range(0, len(order), batch_size)]
+    found: list[list[int]] = []
+    for i in order:
+        if found and len(found[-1]) < batch_size and lengths[found[-1][0]] == lengths[i]:
+            found[-1].append(i)
+        else:
+            found.append([i])
+    return found
 
 
 def _progress(show: bool | None, total: int, batch_size: int):
@@ -105,7 +114,7 @@ def run(model, prompts: list[torch.Tensor], collect, *, batch_size: int, progres
         folder.mkdir(parents=True, exist_ok=True)
     with _progress(progress, len(prompts), batch_size) as bar, torch.no_grad():
         task = bar.add_task(f"attnlens {kind}", total=len(prompts))
-        for batch in _batches(lengths, batch_size):
+        for batch in batches(model, lengths, batch_size):
             collected = _requests(model, prompts, batch, collect) if _per_request(model) else \
                 _padded(model, prompts, batch, collect)
             for i, flat in zip(batch, collected):

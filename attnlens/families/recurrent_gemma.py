@@ -18,6 +18,7 @@ class RecurrentGemma(MixerLayers, Family):
     model_types = ("recurrent_gemma",)
     tiny = ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "block_types": ["recurrent", "attention", "recurrent"]})
+    padding_changes_values = "the RG-LRU recurrence and its convolution run over the padding"
     final_norm = "model.final_norm"
     attention = "temporal_block"
     attention_norm = "temporal_pre_norm"

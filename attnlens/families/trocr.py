@@ -23,6 +23,7 @@ class TrOCR(XGLM):
         "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
         "max_position_embeddings": 128})
     tiny_layouts = {"learned_positions": {"use_learned_position_embeddings": True, "layernorm_embedding": True}}
+    padding_changes_values = "positions count from the padded start: TrOCR's position embeddings take no mask"
     layers = "model.decoder.layers"
     embed_tokens = "model.decoder.embed_tokens"
     final_norm = None

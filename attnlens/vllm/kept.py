@@ -130,11 +130,11 @@ def merge_local(heads: torch.Tensor, total: int) -> torch.Tensor:
 
 def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
     """The heads of vLLM's attention kernel module, across every tensor-parallel rank."""
-    from . import mla
-
-    if mla.is_latent(kernel):
-        return mla.geometry(kernel)
     ranks, _ = tensor_parallel()
+    if hasattr(kernel, "kv_lora_rank") and hasattr(kernel, "v_head_dim"):
+        # an MLA kernel: keys and values are rebuilt for every query head (mla.py), values of v_head_dim
+        heads = kernel.num_heads * ranks
+        return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
     impl = kernel.impl
     total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     num_heads = kernel.num_heads * ranks

@@ -65,19 +65,6 @@ def cpu_rope_fault(config) -> str | None:
             "PyTorch rotary and matches transformers; so does compilation_config={'custom_ops': ['-rotary_embedding']}")
 
 
-def is_latent(kernel: torch.nn.Module) -> bool:
-    """Whether vLLM's attention kernel module is an MLA kernel (it takes a latent, not per-head keys)."""
-    return hasattr(kernel, "kv_lora_rank") and hasattr(kernel, "v_head_dim")
-
-
-def geometry(kernel: torch.nn.Module) -> HeadGeometry:
-    """The heads of an MLA kernel across every tensor-parallel rank: keys and values are rebuilt for every query head
-    (one key/value head per query head), queries and keys of `qk_head_dim`, values and head outputs of `v_head_dim`."""
-    ranks, _ = kept.tensor_parallel()
-    heads = kernel.num_heads * ranks
-    return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
-
-
 def rope_order(qk_head_dim: int, rope: int, device=None) -> torch.Tensor:
     """The channel order transformers stores a de-interleaved rotary part in: the nope channels, then the rotary
     part's even channels, then its odd ones."""
@@ -125,7 +112,7 @@ class LatentInput(KernelInput):
         worker = worker_of(envoy)
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
-        heads = geometry(kernel._module)
+        heads = kept.kernel_geometry(kernel._module, None)
         order = _order(worker, heads, kernel._module)
         if self.which == 0:
             queries = kept.gather_heads(kept.kernel_arg(args, kwargs, 0).transpose(0, 1)[None], heads.num_heads, 1)
@@ -141,7 +128,7 @@ class LatentInput(KernelInput):
     def write(self, envoy, value):
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
-        heads = geometry(kernel._module)
+        heads = kept.kernel_geometry(kernel._module, None)
         order = _order(worker_of(envoy), heads, kernel._module)
         if order is not None:
             value = value[..., torch.argsort(order)]
@@ -195,7 +182,7 @@ class LatentPattern(Location):
         handed = worker.state().patterns.setdefault(("latent", layer), {})  # cleared each step
         if not handed:
             keys, _ = LatentInput(self.kernel, 1).rebuild(envoy)
-            heads = geometry(child(envoy, self.kernel)._module)
+            heads = kept.kernel_geometry(child(envoy, self.kernel)._module, None)
             scores = worker.family.scores(heads, worker.config, queries, keys, layer)
             handed.update(scores=scores, probabilities=worker.family.softmax(scores)[0])
         return handed[self.kind]
