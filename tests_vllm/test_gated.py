@@ -72,3 +72,12 @@ def test_the_pattern_of_a_gated_layer_is_read_only_on_vllm(tmp_path_factory):
 
     with pytest.raises(attnlens.EditError, match="past the output gate"):
         next_logits(model, "Hello", uniform)
+
+
+def test_static_taps_are_refused_on_a_layer_without_an_attention_kernel(tmp_path_factory):
+    from attnlens.vllm import static
+
+    model = pair("qwen3_next", tmp_path_factory).vllm
+    assert static.declare(model, [f"premix.{FULL}"]) == [f"premix.{FULL}"]
+    with pytest.raises(attnlens.Unavailable, match=f"layer {LINEAR} has no attention kernel on vLLM"):
+        static.declare(model, [f"premix.{LINEAR}"])

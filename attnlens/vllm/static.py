@@ -36,6 +36,8 @@ CONFIG_KEY = "attnlens_static"
 def taps(family, config, layer: int) -> dict[str, str]:
     """Cache name -> "kernel" or "projection": what a static tap can hold on `layer`, and the module whose forward
     pre-hook records it (the attention kernel, or the output projection), from the family's vLLM locations."""
+    if handoffs(family, config, layer)[0] is None:
+        return {}  # no attention kernel (a linear-attention layer): no heads to split or gather
     locations = family.locations_for(config, layer, "vllm")
     premix = locations.get("attention_premix")
     found = {}
@@ -60,6 +62,9 @@ def declare(model: Any, names: Any) -> list[str]:
     points = plan.points(model, names)
     for short, layer in points:
         allowed = {} if layer is None else taps(model.family, model.text_config, layer)
+        if layer is not None and not allowed:
+            raise Unavailable(f"{short}.{layer} on {model.family.name}: layer {layer} has no attention kernel on vLLM, "
+                              f"so no static taps; read its values with a trace")
         if short not in allowed:
             raise Unavailable(
                 f"{short if layer is None else f'{short}.{layer}'} on {model.family.name}: not a static tap on vLLM; "
