@@ -26,7 +26,7 @@ import torch
 from ..family import Family
 from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
-from .vllm_transformers import HiddenArgument, mirrored
+from .vllm_transformers import mirrored
 
 VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
              "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
@@ -120,7 +120,7 @@ class Bloom(Family):
         }
 
     def vllm_locations(self):
-        from ..vllm.locations import batched
+        from ..vllm.locations import HiddenArgument, batched
 
         # vLLM's block is called as layer(positions, hidden_states)
         return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}

@@ -11,24 +11,11 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 `(layer output, their own input)`: `layer_input` and `layer_output` are the first items there, not the pair's sum.
 """
 
-from dataclasses import dataclass
 
 from ..family import Family
 from ..locations import ModuleInput, ModuleOutput
-from ..vllm.locations import ResidualPair, batched
+from ..vllm.locations import HiddenArgument, batched
 from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
-
-
-@dataclass(frozen=True)
-class HiddenOnly(ResidualPair):
-    """The `hidden` item of the pair a vLLM block receives, alone: for blocks that carry the whole residual stream in
-    it and ignore the `residual` item. Written as `(new, 0)`, like the pair."""
-
-    in_place = True
-    note = "the hidden state a vLLM block receives (its residual item is ignored there)"
-
-    def read(self, envoy):
-        return self._pair(envoy)[0][None]
 
 
 class Cohere(Family):
@@ -45,7 +32,7 @@ class Cohere(Family):
     def vllm_locations(self):
         locations = parallel_locations(super().vllm_locations(), batched(ModuleInput(self.mlp)))
         # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-        return {**locations, "layer_input": HiddenOnly("", "input", first=1),
+        return {**locations, "layer_input": batched(HiddenArgument("", 1)),
                 "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
                 "layer_output": batched(ModuleOutput("", 0))}
 

@@ -11,8 +11,7 @@ layer_mid)`: `layer_input` and `layer_output` are the first items there.
 """
 
 from ..locations import ModuleInput, ModuleOutput
-from ..vllm.locations import batched
-from .cohere import HiddenOnly
+from ..vllm.locations import HiddenArgument, batched
 from .llama import Llama
 
 
@@ -42,7 +41,7 @@ class Exaone4(Llama):
         locations = super().vllm_locations()
         del locations["attention_norm_output"], locations["mlp_norm_output"]
         # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-        return {**locations, "layer_input": HiddenOnly("", "input", first=1),
+        return {**locations, "layer_input": batched(HiddenArgument("", 1)),
                 "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(self.mlp)),
                 "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
 

@@ -11,7 +11,7 @@ reads on eager is read at the same place there, with no change of layout.
 
 vLLM's own ports hold tokens flat (`[tokens, hidden]`: a batch axis is added), return `(output, bias)` from their
 linear layers and some blocks, and run LayerNorm blocks with a plain residual stream (no `(hidden, residual)` pair):
-`HiddenArgument` reads a block's hidden states where positions come first.
+`vllm.locations.HiddenArgument` reads a block's hidden states where positions come first.
 
 On both, the attention's values are read at the kernel, as on vLLM's Llama-like models: queries, keys and values as
 the kernel receives them (keys over the whole context on decode steps), the pattern rebuilt with the family's score
@@ -20,38 +20,12 @@ function, each head's output from the output projection's input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import ClassVar
 
 from ..family import Family
-from ..locations import Derived, Location, ModuleInput, ModuleOutput, OutputField, child
+from ..locations import Derived, Location, ModuleInput, ModuleOutput, OutputField
 from ..values import BY_NAME
-
-
-@dataclass(frozen=True)
-class HiddenArgument(Location):
-    """The hidden states a module receives as positional argument `index` (else as the keyword `hidden_states`): a
-    vLLM block called as `layer(positions, hidden_states)` with a plain residual stream."""
-
-    module: str = ""
-    index: int = 0
-
-    @property
-    def key(self) -> str:
-        return f"{self.module}.input"
-
-    def read(self, envoy):
-        args, kwargs = child(envoy, self.module).inputs
-        return args[self.index] if len(args) > self.index else kwargs["hidden_states"]
-
-    def write(self, envoy, value):
-        target = child(envoy, self.module)
-        args, kwargs = target.inputs
-        if len(args) > self.index:
-            args = (*args[:self.index], value, *args[self.index + 1:])
-        else:
-            kwargs = {**kwargs, "hidden_states": value}
-        target.inputs = (tuple(args), kwargs)
 
 
 def _split_heads(envoy, flat):

@@ -213,6 +213,33 @@ def _drop_batch(envoy, old, new):
     return new[0]
 
 
+@dataclass(frozen=True)
+class HiddenArgument(Location):
+    """The hidden states a module receives as positional argument `index` (else as the keyword `hidden_states`): a
+    vLLM block called as `layer(positions, hidden_states[, residual])` that carries the whole residual stream in it
+    (a plain residual stream, or a block that ignores the residual item)."""
+
+    module: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.input"
+
+    def read(self, envoy):
+        args, kwargs = child(envoy, self.module).inputs
+        return args[self.index] if len(args) > self.index else kwargs["hidden_states"]
+
+    def write(self, envoy, value):
+        target = child(envoy, self.module)
+        args, kwargs = target.inputs
+        if len(args) > self.index:
+            args = (*args[:self.index], value, *args[self.index + 1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": value}
+        target.inputs = (tuple(args), kwargs)
+
+
 def batched(source: Location) -> Derived:
     """`source`'s tensor with a batch axis of one; a view, so in-place edits land."""
     return Derived(source, _add_batch, _drop_batch)
