@@ -183,18 +183,23 @@ class KeyPositions(Location):
         raise NotImplementedError  # read-only: Access refuses writes first
 
 
+def insert_after(locations: dict[str, Location], after: str, name: str, location: Location) -> dict[str, Location]:
+    """`locations` with `name` read at `location` right after `after` (forward order is the dict's order)."""
+    ordered = {}
+    for present, found in locations.items():
+        ordered[present] = found
+        if present == after:
+            ordered[name] = location
+    return ordered
+
+
 def with_key_positions(locations: dict[str, Location]) -> dict[str, Location]:
     """`locations` with `attention_key_positions` right after the keys: it is read where they are (Bloom binds its
     values at a later operation)."""
     keys = locations.get("attention_keys")
     if keys is None or "attention_key_positions" in locations:
         return locations
-    ordered = {}
-    for name, location in locations.items():
-        ordered[name] = location
-        if name == "attention_keys":
-            ordered["attention_key_positions"] = KeyPositions(keys)
-    return ordered
+    return insert_after(locations, "attention_keys", "attention_key_positions", KeyPositions(keys))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receiv
 """
 
 from ..family import Family
-from ..locations import Derived, Operation
+from ..locations import Derived, Operation, insert_after
 from .moe import SparseMoE, moe_absent
 from .qwen3_next import _flat, _per_head
 
@@ -32,12 +32,7 @@ class Afmoe(SparseMoE, Family):
     def locations(self):
         gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), _per_head, _flat,
                        label="attention_gate")
-        ordered = {}
-        for name, location in super().locations().items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):
         local = config.layer_types[layer] == "sliding_attention"

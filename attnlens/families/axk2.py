@@ -8,7 +8,7 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
-from ..locations import Derived, Operation
+from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import DeepseekV32
 
 
@@ -28,12 +28,7 @@ class AXK2(DeepseekV32):
     def locations(self):
         gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), _per_head, _flat,
                        label="attention_gate")
-        ordered = {}
-        for name, location in super().locations().items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine),

@@ -7,6 +7,7 @@ each head's output is multiplied by `sigmoid(g_proj(hidden))`, one scalar per he
 Delta Attention (see Kimi Linear), whose output gate lives inside `o_norm`.
 """
 
+from ..locations import insert_after
 from .deepseek_v2 import DeepseekV2
 from .dots3_note import head_scalar_gate
 from .kimi_linear import MOE, DeltaHybrid
@@ -21,13 +22,8 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
     label = "Bailing Hybrid"
 
     def locations(self):
-        ordered = {}
-        for name, location in super().locations().items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj",
-                                                             trailing=False)
-        return ordered
+        gate = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj", trailing=False)
+        return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

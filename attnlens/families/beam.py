@@ -13,7 +13,7 @@ the network (`2 * (layer + 1)` for attention, one more for the MLP) is `update /
 import math
 
 from ..family import Family
-from ..locations import Operation
+from ..locations import Operation, insert_after
 from .moe import SparseMoE, moe_absent
 
 
@@ -32,12 +32,8 @@ class Beam(SparseMoE, Family):
         return config.mlp_layer_types[layer] == "sparse"
 
     def locations(self):
-        ordered = {}
-        for name, location in super().locations().items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)")
-        return ordered
+        gate = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)")
+        return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def residual_add(self, block, sublayer, stream, update):
         n = block.attn_residual_add_idx if sublayer == "attention" else block.mlp_residual_add_idx

@@ -18,7 +18,7 @@ types map here.
 import torch
 
 from ..errors import EditError
-from ..locations import Derived, Operation
+from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
 from .youtu import LATENT_TINY
 
@@ -61,12 +61,7 @@ class Dots3Note(DeepseekV32):
 
     def locations(self):
         gate = head_scalar_gate("gate_sigmoid_0", "gate.sigmoid()", trailing=True)
-        ordered = {}
-        for name, location in super().locations().items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine),

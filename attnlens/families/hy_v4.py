@@ -12,7 +12,7 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   `layer_input`, `layer_mid` and `layer_output` are the streams.
 """
 
-from ..locations import ModuleInput, Operation
+from ..locations import ModuleInput, Operation, insert_after
 from .deepseek_v32 import INDEXER_TINY
 from .glm_moe_dsa import GlmMoeDsa
 from .gpt_oss import SINK_NOTE, sink_share, with_sinks
@@ -34,13 +34,9 @@ class HYV4(GlmMoeDsa):
 
     def locations(self):
         locations = with_sinks(super().locations(), sink_share("probs_0"))
-        ordered = {}
-        for name, location in locations.items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)")
-        ordered["layer_mid"] = ModuleInput(self.mlp_streams)
-        return ordered
+        gate = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)")
+        return {**insert_after(locations, "attention_head_outputs", "attention_gate", gate),
+                "layer_mid": ModuleInput(self.mlp_streams)}
 
     def residual_add(self, block, sublayer, stream, update):
         post, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)

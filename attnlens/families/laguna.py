@@ -10,7 +10,7 @@ heads.
 """
 
 from ..family import Family
-from ..locations import Derived, Operation
+from ..locations import Derived, Operation, insert_after
 from .moe import SparseMoE, moe_absent
 from .qwen3_next import _flat, _per_head
 
@@ -45,12 +45,8 @@ class Laguna(SparseMoE, Family):
                         why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
                                 "outputs or the premix instead")
                 if "gate_per_head" in kind else Derived(source, _per_head, _flat, label="attention_gate"))
-        ordered = {}
-        for name, location in super().kind_locations(kind, config, engine).items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        locations = super().kind_locations(kind, config, engine)
+        return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def num_heads(self, module):
         return module.num_heads

@@ -7,7 +7,7 @@ The gate is `sigmoid(g_proj(x))`, one factor per head and position, multiplying 
 `attention_head_outputs` the mix before it. Everything else is LFM2's (transformers 5.24 and later).
 """
 
-from ..locations import Derived, Operation
+from ..locations import Derived, Operation, insert_after
 from .laguna import _per_head_repeated
 from .lfm2 import Lfm2
 
@@ -33,12 +33,7 @@ class Lfm3(Lfm2):
                        _per_head_repeated, None, "attention_gate", in_place=False,
                        why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
                                "outputs or the premix instead")
-        ordered = {}
-        for name, location in locations.items():
-            ordered[name] = location
-            if name == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

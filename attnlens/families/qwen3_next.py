@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..family import Family
-from ..locations import Derived, Location, ModuleInput, ModuleOutput, Operation
+from ..locations import Derived, Location, ModuleInput, ModuleOutput, Operation, insert_after
 from ..vllm import kept
 from ..vllm.locations import RebuiltPattern, batched
 from .moe import PER_EXPERT, SparseMoE
@@ -125,12 +125,7 @@ class Qwen3Next(SparseMoE, Family):
         common = super().locations()
         name, anchor = self.gate_operation
         gate = Derived(Operation((name,), anchor=anchor), _per_head, _flat, label="attention_gate")
-        ordered = {}
-        for key, location in common.items():
-            ordered[key] = location
-            if key == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        return insert_after(common, "attention_head_outputs", "attention_gate", gate)
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)
@@ -146,20 +141,16 @@ class Qwen3Next(SparseMoE, Family):
 
     def vllm_locations(self):
         """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
-        locations = super().vllm_locations()
+        locations = dict(super().vllm_locations())
         name, anchor = self.gate_operation
         heads = Derived(ModuleOutput(self.vllm_kernel), _vllm_per_head, _vllm_flat, label="attention_head_outputs",
                         note="what vLLM's attention kernel returns, before the output gate")
         gate = Derived(Operation((name,), anchor=anchor), _vllm_per_head, _vllm_flat, label="attention_gate",
                        note="the sigmoid's output in vLLM's attention forward, per head")
-        ordered = {}
-        for key, location in locations.items():
-            if key in ("attention_scores", "attention_probabilities"):
-                location = GatedPattern(location.kernel, location.kind)
-            ordered[key] = heads if key == "attention_head_outputs" else location
-            if key == "attention_head_outputs":
-                ordered["attention_gate"] = gate
-        return ordered
+        for key in ("attention_scores", "attention_probabilities"):
+            locations[key] = GatedPattern(locations[key].kernel, locations[key].kind)
+        locations["attention_head_outputs"] = heads
+        return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def project_output(self, module, premix):
         name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \
