@@ -3,16 +3,7 @@
 import pytest
 import torch
 from conftest import ALL_CASES, PROMPT, tiny
-from identities import failures, read_everything
-
-_saved = {}
-
-
-def saved_for(family):
-    if family not in _saved:
-        _saved[family] = read_everything(tiny(family), PROMPT)
-    return _saved[family]
-
+from identities import failures, read_everything, saved_for
 
 #: Values every family must serve on at least one layer: a family that declared them away would pass the identities.
 ESSENTIAL = ("layer_input", "self_attn.attention_queries", "self_attn.attention_keys", "self_attn.attention_values",

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 from conftest import PROMPT, missing_classes, tiny
+from identities import trace
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -21,15 +22,6 @@ def needs(case):
     reason = missing_classes(case)
     if reason:
         pytest.skip(reason)
-
-
-def trace(model, read, prompt=PROMPT):
-    """Run `read(model)` (a dict of proxies, in forward order) inside one no-grad trace and return the values."""
-    saved = {}
-    with torch.no_grad(), model.trace(prompt):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
 
 
 def chunked(length, size, start=0):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, read_everything, visible
+from identities import close, read_everything, saved_for, visible
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
@@ -20,15 +20,6 @@ SHARED_NORM = {"gptj": "ln_1", "phi": "input_layernorm", "phi:qk_layernorm": "in
                "cohere": "input_layernorm", "cohere:qk_norm": "input_layernorm", "stablelm:parallel": "input_layernorm"}
 PARALLEL = (*SHARED_NORM, "gpt_neox")
 LAYER = 1
-
-_saved = {}
-
-
-def saved_for(case):
-    if case not in _saved:
-        _saved[case] = read_everything(tiny(case), PROMPT)
-    return _saved[case]
-
 
 def at(case, name, layer=LAYER):
     return saved_for(case)[(layer, name)]

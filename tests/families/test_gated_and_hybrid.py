@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, read_everything
+from identities import close, saved_for
 
 import attnlens
 from attnlens.families.qwen3_next import Qwen3Next
@@ -25,15 +25,6 @@ CASES = {
     "qwen3_5_text": (2, 1, "Qwen3.5"),
     "qwen3_5_moe_text": (1, 2, "Qwen3.5-MoE"),
 }
-
-_saved = {}
-
-
-def saved_for(case):
-    if case not in _saved:
-        _saved[case] = read_everything(tiny(case), PROMPT)
-    return _saved[case]
-
 
 def merged(heads):
     return heads.reshape(*heads.shape[:2], -1)

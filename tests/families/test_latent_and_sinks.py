@@ -6,18 +6,9 @@ import math
 import pytest
 import torch
 from conftest import PROMPT, tiny
+from identities import trace
 
 import attnlens
-
-
-def trace(model, read):
-    """Run `read(model)` (a dict of proxies) inside one no-grad trace of the test prompt and return the values."""
-    saved = {}
-    with torch.no_grad(), model.trace(PROMPT):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
-
 
 # --- DeepSeek-V2 and V3: latent attention ----------------------------------------------------------------------
 

@@ -9,22 +9,13 @@ import sys
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, failures, read_everything
+from identities import close, failures, saved_for
 
 import attnlens
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo:noclip", "olmo2", "starcoder2", "granite", "glm4")
 #: MoE family -> (a sparse MoE layer, a dense layer or None).
 MOE = {"mixtral": (1, None), "qwen2_moe": (0, 1), "qwen3_moe": (1, 0)}
-
-_saved = {}
-
-
-def saved_for(case):
-    if case not in _saved:
-        _saved[case] = read_everything(tiny(case), PROMPT)
-    return _saved[case]
-
 
 def ids(model):
     return model.tokenizer(PROMPT, return_tensors="pt").input_ids

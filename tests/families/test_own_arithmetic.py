@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, failures, read_everything
+from identities import close, failures, read_everything, saved_for, trace
 
 import attnlens
 from attnlens import family_for
@@ -20,24 +20,6 @@ from attnlens.models import char_tokenizer, tiny_model
 CASES = ("gpt_neo", "bloom", "mpt", "falcon", "falcon:multihead", "falcon:new_architecture", "falcon:alibi")
 ALIBI = ("bloom", "mpt", "falcon:alibi")
 N = len(PROMPT)
-
-_saved = {}
-
-
-def saved_for(case):
-    if case not in _saved:
-        _saved[case] = read_everything(tiny(case), PROMPT)
-    return _saved[case]
-
-
-def trace(model, read, prompt=PROMPT):
-    """Run `read(model)` (name -> proxy) inside one no-grad trace and return the saved values."""
-    saved = {}
-    with torch.no_grad(), model.trace(prompt):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
-
 
 _sdpa = {}
 

@@ -8,27 +8,10 @@ layer kinds the families state are pinned. Types the installed transformers lack
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, read_everything
+from identities import close, saved_for, trace
 
 import attnlens
 from attnlens.models import char_tokenizer
-
-_saved = {}
-
-
-def saved_for(case):
-    if case not in _saved:
-        _saved[case] = read_everything(tiny(case), PROMPT)
-    return _saved[case]
-
-
-def trace(model, read, prompt=PROMPT):
-    """Run `read(model)` (name -> proxy) inside one no-grad trace and return the saved values."""
-    saved = {}
-    with torch.no_grad(), model.trace(prompt):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
 
 
 def merged(heads):
