@@ -13,6 +13,7 @@ layer_mid)`: `layer_input` and `layer_output` are the first items there.
 from ..locations import ModuleInput, ModuleOutput
 from ..vllm.locations import HiddenArgument, batched
 from .llama import Llama
+from .olmo2 import NO_PRE_NORMS
 
 
 class Exaone4(Llama):
@@ -23,13 +24,7 @@ class Exaone4(Llama):
     mlp_norm = None
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"
-    absent = {
-        **Llama.absent,
-        "attention_norm_output": "no norm in front of attention: the attention reads the residual stream "
-                                 "(layer_input) itself; post_attention_layernorm normalises its output instead",
-        "mlp_norm_output": "no norm in front of the MLP: the MLP reads the residual stream (layer_mid) itself; "
-                           "post_feedforward_layernorm normalises its output instead",
-    }
+    absent = {**Llama.absent, **NO_PRE_NORMS}
     vllm_model_types = ("exaone4",)
 
     def locations(self):

@@ -12,6 +12,14 @@ from ..locations import ModuleInput
 from .llama import Llama
 from .vllm_transformers import VLLMTransformersBackend
 
+#: Why a block with norms after its sublayers only (OLMo 2, EXAONE 4) has no pre-sublayer norm outputs.
+NO_PRE_NORMS = {
+    "attention_norm_output": "no norm in front of attention: the attention reads the residual stream (layer_input) "
+                             "itself; post_attention_layernorm normalises its output instead",
+    "mlp_norm_output": "no norm in front of the MLP: the MLP reads the residual stream (layer_mid) itself; "
+                       "post_feedforward_layernorm normalises its output instead",
+}
+
 
 class Olmo2(VLLMTransformersBackend, Llama):
     model_types = ("olmo2",)
@@ -22,13 +30,7 @@ class Olmo2(VLLMTransformersBackend, Llama):
     mlp_norm = None
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"
-    absent = {
-        **Llama.absent,
-        "attention_norm_output": "no norm in front of attention: the attention reads the residual stream "
-                                 "(layer_input) itself; post_attention_layernorm normalises its output instead",
-        "mlp_norm_output": "no norm in front of the MLP: the MLP reads the residual stream (layer_mid) itself; "
-                           "post_feedforward_layernorm normalises its output instead",
-    }
+    absent = {**Llama.absent, **NO_PRE_NORMS}
 
     def locations(self):
         locations = super().locations()
