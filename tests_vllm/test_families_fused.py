@@ -174,7 +174,15 @@ def test_own_ports_share_one_activation_module(name, tmp_path_factory):
 
 # --- the families vLLM does not run ----------------------------------------------------------------------------------
 
-REFUSED = ("gpt_neo", "mpt")
+#: vLLM refuses their configs before building anything (MiMo-V2-Flash's refusal comes when the model is built).
+REFUSED = ("gpt_neo", "mpt", "deepseek_v4")
+
+
+def test_mimo_v2_flash_is_refused_before_an_engine_starts(tmp_path):
+    model = attnlens.models.tiny_model("mimo_v2_flash")
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(attnlens.UnknownFamily, match="hybrid_layer_pattern"):
+        attnlens.StandardizedVLLM(str(tmp_path))
 
 
 @pytest.mark.parametrize("name", REFUSED)

@@ -55,13 +55,19 @@ class StandardizedVLLM(Helpful, VLLM):
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
             kwargs["dtype"] = kwargs.pop("torch_dtype")
-        config = AutoConfig.from_pretrained(path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as error:  # vLLM registers its own config classes; some refuse transformers' configs
+            refused = _refusal_of_folder(path)
+            if refused is None:
+                raise
+            raise UnknownFamily(refused) from error
         self.text_config = config.get_text_config()
         model_type = self.text_config.model_type
         self.family: Family = family_for(model_type) if family is None else resolve_family(family)
-        refused = self.family.vllm_reason(model_type)
+        refused = _refusal(self.family, model_type)
         if refused is not None:
-            raise UnknownFamily(f"StandardizedVLLM does not serve {model_type!r} on {self.family.name}: {refused}")
+            raise UnknownFamily(refused)
         if not worker.has_accelerator():
             worker.adapt_client_for_cpu()
         family_class = type(self.family)
@@ -165,3 +171,22 @@ class StandardizedVLLM(Helpful, VLLM):
             kwargs.setdefault("temperature", 0.0)
         kwargs.pop("pad_token_id", None)
         return kwargs
+
+
+def _refusal_of_folder(path: str) -> str | None:
+    """The refusal of the registered family of the checkpoint folder's `model_type`, where it has one."""
+    import json
+    from pathlib import Path
+
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+        family = family_for(model_type)
+    except Exception:  # noqa: BLE001  (no folder, no config, no family: the original error says more)
+        return None
+    return _refusal(family, model_type)
+
+
+def _refusal(family: Family, model_type: str) -> str | None:
+    refused = family.vllm_reason(model_type)
+    return None if refused is None else f"StandardizedVLLM does not serve {model_type!r} on {family.name}: {refused}"
+
