@@ -498,6 +498,8 @@ class UnknownLayout(Family):
                                 f"{depth or 'several'} blocks in it; add the family (docs/extending.md)")
         self.depth_given = depth is not None
         self.embed_tokens = names.get(id(model.get_input_embeddings()))
+        #: Why the blocks may not run once each per forward (None: they do, or nothing says otherwise).
+        self.blocks_not_once: str | None = None
 
     @property
     def name(self) -> str:
@@ -505,8 +507,9 @@ class UnknownLayout(Family):
 
     def locations(self):
         found = {"embeddings": ModuleOutput(self.embed_tokens)} if self.embed_tokens else {}
-        return {**found, "layer_input": ModuleInput(), "layer_output": ModuleOutput("", 0),
-                "logits": OutputField("logits")}
+        if self.blocks_not_once is None:
+            found.update(layer_input=ModuleInput(), layer_output=ModuleOutput("", 0))
+        return {**found, "logits": OutputField("logits")}
 
     def notes(self, config, layer, engine="eager"):
         if self.depth_given:
@@ -518,7 +521,8 @@ class UnknownLayout(Family):
         reason = (f"attnlens has no family for model type {self.model_type!r}"
                   + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
                   + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)")
-        return {value.name: reason for value in ALL_VALUES if value.name not in self.locations()}
+        blocks = dict.fromkeys(("layer_input", "layer_output"), self.blocks_not_once) if self.blocks_not_once else {}
+        return {**{value.name: reason for value in ALL_VALUES if value.name not in self.locations()}, **blocks}
 
     def verify(self, model, layer, layer_module, attention_module):
         pass

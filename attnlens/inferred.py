@@ -93,6 +93,26 @@ def _forward_tree(function: Callable) -> tuple[Callable, ast.FunctionDef]:
                                                                                  ast.AsyncFunctionDef)))
 
 
+def blocks_run_once(model: torch.nn.Module, layers: str) -> str | None:
+    """Why the blocks at `layers` may not run exactly once per forward, in order (None: the forward of the module
+    holding them iterates them in one loop). A block that runs twice (a looped section) has no one input and output."""
+    parent_path, _, attribute = layers.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    try:
+        _, tree = _forward_tree(type(parent).forward)
+    except Exception:  # noqa: BLE001  (no source: nothing can be said either way)
+        return None
+    loops = [node for node in ast.walk(tree)
+             if isinstance(node, ast.For) and f"self.{attribute}" in ast.unparse(node.iter)]
+    outer = [node for node in ast.walk(tree) if isinstance(node, (ast.For, ast.While)) and node not in loops
+             and any(inner in loops for inner in ast.walk(node))]
+    if len(loops) == 1 and not outer:
+        return None
+    where = f"in {len(loops)} loops" if len(loops) != 1 else "in a loop inside another"
+    return (f"{type(parent).__name__}.forward runs self.{attribute} {where}: a block may run more than once per "
+            f"forward, or out of order, so it has no one input and output")
+
+
 def interface_call(cls) -> dict | None:
     """How `cls.forward` calls the shared attention interface (`ALL_ATTENTION_FUNCTIONS`): the operation nnsight names
     for the call, its positional arguments and keywords (as source), the names it is called by, and the eager function

@@ -42,13 +42,15 @@ def _unknown_family_message(model_type: str, refusal: str = "") -> str:
 def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     """The common layout inferred and verified on `model` (`attnlens.inferred`), else `UnknownLayout` naming the first
     check that failed; either warns."""
-    from .inferred import Inferred, NotCommonLayout
+    from .inferred import Inferred, NotCommonLayout, blocks_run_once
 
     try:
         family = Inferred(model)
     except NotCommonLayout as refusal:
         warnings.warn(_unknown_family_message(model_type, str(refusal)), UnknownFamilyWarning, stacklevel=3)
-        return UnknownLayout(model, refusal=str(refusal))
+        family = UnknownLayout(model, refusal=str(refusal))
+        family.blocks_not_once = blocks_run_once(model, family.layers)
+        return family
     warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=3)
     return family
 

@@ -282,3 +282,14 @@ def test_the_docs_list_every_check_in_order_and_print_the_registration():
     page = (survey.ROOT / "docs" / "inferred.md").read_text()
     assert re.findall(r"^\| `(\w+)` \|", page, re.M) == list(CHECKS)
     assert page.split("```text\n")[1].split("```")[0] == Inferred(_build("apertus")).registration()
+
+
+def test_blocks_run_more_than_once_serve_no_block_values():
+    """Dory runs a section of its blocks in a loop: a block's input and output are not one tensor per forward, so the
+    fallback serves neither (nnsight would give the first run's silently)."""
+    model = _load(_build("dory"))
+    assert isinstance(model.family, UnknownLayout)
+    assert model.support(1).available == ["embeddings", "logits"]
+    assert "runs self.layers in 3 loops" in model.support(1)["layer_input"]
+    with pytest.raises(attnlens.Unavailable, match="more than once per forward"), torch.no_grad(), model.trace("Hi"):
+        model.layers[1].layer_output.save()
