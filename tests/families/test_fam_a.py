@@ -211,3 +211,11 @@ def test_jetmoe_mlp_is_per_expert():
     for name in ("mlp.mlp_activation", "mlp.mlp_neurons"):
         assert report[name].startswith("a sparse mixture of experts") and "JetMoeMoE.forward" in report[name]
     assert report["mlp.mlp_output"] is None
+
+
+def test_jetmoe_a_tiled_assignment_is_refused_with_the_untiling():
+    model = tiny("jetmoe")
+    attn = model.layers[0].self_attn
+    with pytest.raises(attnlens.EditError, match=r"read before the repetition.*new\[:, :2\]\)"):
+        with torch.no_grad(), model.trace(PROMPT):
+            attn.attention_keys = torch.zeros(1, 4, N, 16)
