@@ -276,9 +276,14 @@ class Access:
         if layer is not None and name in ("attention_keys", "attention_values") and len(have) == len(want) > 1:
             heads = self.geometry(layer)
             if have[1] == heads.num_heads != heads.num_kv_heads:
-                return (f" Layer {layer} groups its {heads.num_heads} query heads over {heads.num_kv_heads} "
+                kv = heads.num_kv_heads  # the first query head each key/value head pairs with, in the family's order
+                paired = self.family.repeat_kv(torch.arange(kv).view(1, kv, 1, 1), heads.groups).flatten().tolist()
+                first = [paired.index(head) for head in range(kv)]
+                pick = f"::{heads.groups}" if first == list(range(0, heads.num_heads, heads.groups)) else \
+                    f":{kv}" if first == list(range(kv)) else str(first)
+                return (f" Layer {layer} groups its {heads.num_heads} query heads over {kv} "
                         f"key/value heads, and keys and values are read before the repetition: write "
-                        f"num_kv_heads={heads.num_kv_heads} heads (of a repeated tensor, new[:, ::{heads.groups}]).")
+                        f"num_kv_heads={kv} heads (of a repeated tensor, new[:, {pick}]).")
         if sorted(have) == sorted(want) and len(axes) == len(have):
             order = [axes[want.index(size)] if want.count(size) == 1 else "?" for size in have]
             return (f" It has the right sizes in another order (it looks like [{', '.join(order)}]): permute it to "

@@ -102,7 +102,8 @@ def failures(model, saved, layer):
         check("merged head outputs == premix", close(rebuilt(f.merge_heads, module, heads), v["attention_premix"]))
     if has("attention_premix", "attention_output"):
         check("output projection(premix) == attention output",
-              close(f.project_output(module, v["attention_premix"]), v["attention_output"]))
+              close(f.project_routed_output(module, v["attention_premix"], v.get("attention_norm_output")),
+                    v["attention_output"]))
 
     def post_norm(name, x):
         return x if name is None else block.get_submodule(name)(x)
@@ -184,6 +185,6 @@ def _attention_failures(model, module, layer, v, batch, length):
     if "attention_head_outputs" in v:
         heads = v["attention_head_outputs"]
         check("head outputs shape", heads.shape == (batch, length, h, d))
-        mixed = (probs @ vals.repeat_interleave(h // kv, dim=1)).transpose(1, 2)
+        mixed = (probs @ f.repeat_kv(vals, h // kv)).transpose(1, 2)
         check("probabilities @ values == head outputs", close(mixed, heads))
     return bad

@@ -179,6 +179,12 @@ class Family:
         """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
         return getattr(module, self.output_projection)(premix)
 
+    def project_routed_output(self, module, premix: torch.Tensor, attention_input: torch.Tensor | None) -> torch.Tensor:
+        """The attention output from the premix where the output path also depends on what the attention received
+        (`attention_input`, the `attention_norm_output` read in the same forward; None where unread): JetMoE routes
+        each token to its output experts by the attention's input. By default `project_output`, which ignores it."""
+        return self.project_output(module, premix)
+
     def mlp_forward(self, mlp, mlp_input: torch.Tensor) -> torch.Tensor:
         """The MLP's output from its input, as the forward computes it (the tests' identity): `mlp(mlp_input)`, unless
         the MLP module takes more than its input (Bloom's and MPT's add the residual themselves)."""
@@ -296,14 +302,19 @@ class Family:
         `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum. Every
         tensor made here is made on the queries' device.
         """
-        groups = queries.shape[1] // keys.shape[1]
-        keys = keys.repeat_interleave(groups, dim=1)
+        keys = self.repeat_kv(keys, queries.shape[1] // keys.shape[1])
         scores = torch.matmul(queries, keys.transpose(2, 3)) * heads.scale
         cap = self.softcap(config, layer)
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
                                   scores.device, engine=heads.engine)
+
+    def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's
+        attention pairs them: each key/value head's `groups` query heads in a row (`repeat_interleave`, transformers'
+        `repeat_kv`), unless the family tiles them (JetMoE's `repeat(1, top_k, 1, 1)`)."""
+        return tensor.repeat_interleave(groups, dim=1)
 
     def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

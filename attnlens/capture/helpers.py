@@ -23,7 +23,7 @@ def per_head_value(model, cache: Cache, layer: int, *, expand: bool = True) -> t
         raise ValueError(f"'value.{layer}' has {values.shape[1]} heads, but layer {layer} of {model.family.name} "
                          f"has {num_kv_heads} key/value heads: is this cache from this model?")
     if expand:
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = model.family.repeat_kv(values, num_heads // num_kv_heads)
     return values.transpose(1, 2)
 
 
