@@ -181,3 +181,21 @@ def test_a_moved_mlp_operation_fails_the_load():
 
     with pytest.raises(attnlens.LocationDrift, match=r"Moved, value mlp_activation: .*Lfm2MLP\.forward"):
         attnlens.StandardizedTransformer(tiny_model("lfm2"), tokenizer=char_tokenizer(), family=Moved)
+
+
+@pytest.mark.parametrize("case", ["lfm2", "moshi"])
+def test_an_in_place_edit_of_the_activation_lands(case):
+    """LFM2's activation is an operation's output (an inline F.silu), Moshi's a module's: zeroing half the neurons'
+    activations in place moves the output as the source predicts."""
+    model = tiny(case)
+    layer, by_hand, _ = BY_HAND[case]
+    mlp = mlp_of(model, layer)
+    with torch.no_grad(), model.trace(PROMPT):
+        x = model.layers[layer].mlp_input.save()
+        activation = model.layers[layer].mlp.mlp_activation
+        activation[..., ::2] = 0
+        edited = activation.save()
+        output = model.layers[layer].mlp.mlp_output.save()
+    assert (edited[..., ::2] == 0).all() and (edited[..., 1::2] != 0).any()
+    with torch.no_grad():
+        assert close(output, by_hand(mlp, x, edited))
