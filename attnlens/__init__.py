@@ -13,7 +13,7 @@ from .errors import (
     UnknownFamily,
     UnknownFamilyWarning,
 )
-from .family import Family
+from .family import Family, MLPArithmetic
 from .fused import FusedQKV
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
@@ -37,7 +37,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "InferredFamilyWarning",
-    "Location", "LocationDrift", "ModuleInput", "ModuleOutput", "Operation", "OutputField", "OrderError",
+    "Location", "LocationDrift", "MLPArithmetic", "ModuleInput", "ModuleOutput", "Operation", "OutputField",
+    "OrderError",
     "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for",
     "keep_masked", "masked", "models", "register", "registered",
     # capture (attnlens/capture/)

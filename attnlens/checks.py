@@ -121,17 +121,18 @@ def failures(model, saved, layer):
     mlp = f.mlp_module(block)
     if has("mlp_input", "mlp_output"):
         check("mlp(mlp input) == mlp output", close(f.mlp_forward(mlp, v["mlp_input"]), v["mlp_output"]))
-    if has("mlp_neurons", "mlp_output"):
-        check("down projection(neurons) == mlp output",
-              close(getattr(mlp, f.down_projection)(v["mlp_neurons"]), v["mlp_output"]))
-    if has("mlp_activation", "mlp_neurons", "mlp_input"):
-        activation, neurons = v["mlp_activation"], v["mlp_neurons"]
-        if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):  # gated: neurons = act(gate(x)) * up(x)
-            act = getattr(mlp, f.activation)
-            check("activation == act(gate(mlp input))", close(act(mlp.gate_proj(v["mlp_input"])), activation))
-            check("activation * up(mlp input) == neurons", close(activation * mlp.up_proj(v["mlp_input"]), neurons))
-        elif not hasattr(mlp, "gate_up_proj"):
-            check("activation == neurons", close(activation, neurons))
+    if has("mlp_neurons") or has("mlp_activation"):  # the family's arithmetic between its MLP values
+        arithmetic = f.mlp_arithmetic(mlp)
+        activation_input, product, path = arithmetic.says
+        if has("mlp_neurons", "mlp_output"):
+            check(f"{path} == mlp output", close(rebuilt(arithmetic.output, v["mlp_neurons"]), v["mlp_output"]))
+        if has("mlp_activation", "mlp_neurons", "mlp_input"):
+            activation, neurons, x = v["mlp_activation"], v["mlp_neurons"], v["mlp_input"]
+            if arithmetic.activation_input is not None:
+                check(f"activation == act({activation_input})",
+                      close(rebuilt(lambda: arithmetic.act(arithmetic.activation_input(x))), activation))
+            if arithmetic.neurons is not None:
+                check(f"{product} == neurons", close(rebuilt(arithmetic.neurons, x, activation), neurons))
     if has("layer_mid", "mlp_output", "layer_output"):
         after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
         check("layer mid + mlp output == layer output",

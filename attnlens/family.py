@@ -14,6 +14,7 @@ families since). A new family subclasses it, states how it differs, and register
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
@@ -49,6 +50,25 @@ def operation_lines(function: Callable) -> dict[str, str]:
     code = compiled(innermost)
     lines = code.source.split("\n")
     return {name: lines[code.lines[name] - 1].strip() for name in code.names}
+
+
+@dataclass(frozen=True)
+class MLPArithmetic:
+    """How an MLP forms its values from its input, step by step, with its own modules (`Family.mlp_arithmetic`):
+
+        mlp_activation = act(activation_input(mlp_input))
+        mlp_neurons    = neurons(mlp_input, mlp_activation)   # what the down projection receives
+        mlp_output     = output(mlp_neurons)                  # the down projection and what follows it (a multiplier)
+
+    Each step is exactly the forward's arithmetic (a norm or a multiplier between two values belongs to the step that
+    crosses it); a step left None is not recomputed, and the identities skip it. `says` spells the three steps for the
+    identities' names."""
+
+    output: Callable[[torch.Tensor], torch.Tensor]
+    activation_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    neurons: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    says: tuple[str, str, str] = ("gate(mlp input)", "activation * up(mlp input)", "down projection(neurons)")
 
 
 class Family:
@@ -190,6 +210,25 @@ class Family:
         the MLP module takes more than its input (Bloom's and MPT's add the residual themselves)."""
         out = mlp(mlp_input)
         return out[0] if isinstance(out, tuple) else out
+
+    def mlp_arithmetic(self, mlp) -> MLPArithmetic:
+        """How `mlp` (what `mlp_module` returns) forms `mlp_activation`, `mlp_neurons` and `mlp_output` from its input
+        (`MLPArithmetic`): what the identities recompute. The common layout's: `down_proj(act_fn(gate_proj(x)) *
+        up_proj(x))` where the MLP has `gate_proj` and `up_proj`; with a fused `gate_up_proj`, only the down projection;
+        otherwise the activation is the neurons. Override where the MLP names its parts otherwise, or normalises or
+        multiplies between them (BitNet's sub-norm, Falcon-H1's multipliers). A step looks its modules up only when it
+        runs (an MoE layer's MLP has none of them)."""
+
+        def down(neurons):
+            return getattr(mlp, self.down_projection)(neurons)
+
+        if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):
+            return MLPArithmetic(down, lambda x: mlp.gate_proj(x), lambda z: getattr(mlp, self.activation)(z),
+                                 lambda x, activation: activation * mlp.up_proj(x))
+        if hasattr(mlp, "gate_up_proj"):
+            return MLPArithmetic(down)
+        return MLPArithmetic(down, neurons=lambda x, activation: activation,
+                             says=("", "activation", "down projection(neurons)"))
 
     def mlp_module(self, block) -> torch.nn.Module:
         """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
@@ -385,6 +424,8 @@ class Family:
             if not isinstance(location, Operation):
                 continue
             scope = BY_NAME[name].scope if name in BY_NAME else "attention"
+            if scope == "mlp":  # read on the MLP's envoy, so relative to the MLP module
+                scopes.setdefault("mlp", layer_module.get_submodule(self.mlp))
             host = scopes.get(scope, layer_module)
             for part in filter(None, location.module.split(".")):
                 host = getattr(host, part)

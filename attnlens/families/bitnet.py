@@ -3,29 +3,30 @@ before `down_proj`.
 
 `attention_premix` is the heads merged, what `attn_sub_norm` receives; the output projection is `o_proj` of that
 norm's output (`project_output`), so the premix's per-head slices do not add up linearly to the attention output.
-In the MLP, `mlp_neurons` is what `down_proj` receives: `ffn_sub_norm(act_fn(gate_proj(x)) * up_proj(x))`.
+In the MLP, `mlp_activation` is `act_fn(gate_proj(x))` and `mlp_neurons` what `down_proj` receives:
+`ffn_sub_norm(mlp_activation * up_proj(x))` (`mlp_arithmetic`), so the MLP's output is `down_proj(mlp_neurons)`.
 
 The checkpoint's ternary weights (BitNet b1.58) are quantized by transformers' BitNet integration when loaded; the
 values are read from the modules as they run either way.
 """
 
+from dataclasses import replace
+
 from ..locations import ModuleInput
 from .llama import Llama
-
-SUB_NORM = ("BitNet normalises act_fn(gate_proj(x)) * up_proj(x) (ffn_sub_norm, an RMSNorm over the neurons) before "
-            "down_proj, so mlp_neurons (what down_proj receives) is not the activation times the up projection, the "
-            "identity attnlens checks the activation with; not served until the checks know the sub-norm")
 
 
 class BitNet(Llama):
     model_types = ("bitnet",)
     tiny = ("BitNetConfig", "BitNetForCausalLM", {})
-    absent = {**Llama.absent, "mlp_activation": SUB_NORM}
 
     def locations(self):
-        locations = super().locations()
-        del locations["mlp_activation"]
-        return {**locations, "attention_premix": ModuleInput("attn_sub_norm")}
+        return {**super().locations(), "attention_premix": ModuleInput("attn_sub_norm")}
+
+    def mlp_arithmetic(self, mlp):
+        common = super().mlp_arithmetic(mlp)  # the Llama MLP's, with the sub-norm over the product
+        return replace(common, neurons=lambda x, activation: mlp.ffn_sub_norm(activation * mlp.up_proj(x)),
+                       says=(common.says[0], "ffn_sub_norm(activation * up(mlp input))", common.says[2]))
 
     def project_output(self, module, premix):
         return module.o_proj(module.attn_sub_norm(premix))
@@ -34,4 +35,5 @@ class BitNet(Llama):
         return {**super().notes(config, layer, engine),
                 "attention_premix": "the heads merged, what attn_sub_norm (an RMSNorm over all heads together) "
                                     "receives; o_proj receives that norm's output",
-                "mlp_neurons": "what down_proj receives: ffn_sub_norm(act_fn(gate_proj(x)) * up_proj(x))"}
+                "mlp_neurons": "what down_proj receives: ffn_sub_norm(mlp_activation * up_proj(x)), the gated "
+                               "product RMS-normalised over the neurons"}

@@ -5,21 +5,23 @@ reads it times `attention_in_multiplier`, and the block adds `ssm_out_multiplier
 attention` to its input: `layer_mid` (what `pre_ff_layernorm` receives) is that sum, so it holds the Mamba branch too
 (`residual_add` recomputes it for the identities). The keys are `k_proj`'s output times `key_multiplier`, then rotated;
 `attention_output` is the attention module's output, before `attention_out_multiplier`. The MLP (`feed_forward`) is
-`down_proj(up_proj(x) * act(gate_proj(x) * gate_multiplier)) * down_multiplier` (`config.mlp_multipliers`). The first
-block receives the embeddings times `embedding_multiplier`; `logits` are the LM head's output times
-`lm_head_multiplier`.
+`down_proj(up_proj(x) * act(gate_proj(x) * gate_multiplier)) * down_multiplier` (`config.mlp_multipliers`;
+`mlp_arithmetic`): `mlp_activation` is `act`'s output, `mlp_neurons` what `down_proj` receives, `mlp_output` the MLP's
+output, after the multiplier. The first block receives the embeddings times `embedding_multiplier`; `logits` are the LM
+head's output times `lm_head_multiplier`.
 """
 
-from ..family import Family
+from ..family import Family, MLPArithmetic
 
 
 class FalconH1(Family):
     model_types = ("falcon_h1",)
-    # multipliers away from 1, so a family ignoring one fails the identities (the MLP's stay at 1: see notes)
+    # multipliers away from 1, so a family ignoring one fails the identities
     tiny = ("FalconH1Config", "FalconH1ForCausalLM", {
         "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128,
         "key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
-        "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5})
+        "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,
+        "mlp_multipliers": [2.0, 0.5]})
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
@@ -29,6 +31,13 @@ class FalconH1(Family):
             return stream + update
         mamba = block.mamba(hidden_states=block.input_layernorm(stream))
         return stream + update * block.attn_out_multiplier + mamba * block.ssm_out_multiplier
+
+    def mlp_arithmetic(self, mlp):
+        return MLPArithmetic(lambda neurons: mlp.down_proj(neurons) * mlp.down_multiplier,
+                             lambda x: mlp.gate_proj(x) * mlp.gate_multiplier, lambda z: mlp.act_fn(z),
+                             lambda x, activation: mlp.up_proj(x) * activation,
+                             says=("gate(mlp input) * gate_multiplier", "up(mlp input) * activation",
+                                   "down projection(neurons) * down_multiplier"))
 
     def notes(self, config, layer, engine="eager"):
         gate, down = config.mlp_multipliers

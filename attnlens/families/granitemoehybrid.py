@@ -5,21 +5,20 @@ Layers whose `config.layers_block_type` entry is `"linear_attention"` run a Mamb
 `self_attn = None` there, so attnlens cannot name the mixer `self_attn` and serves none of the mixer's values, see
 `families/hybrid.py`); the others Granite's attention (scores scaled by `attention_multiplier`, a
 rotary embedding only with `position_embedding_type="rope"`). Both add `residual_multiplier` times their output to the
-stream. The MLP is `shared_mlp` (renamed `mlp`): `output_linear(act(a) * b)` with `a, b` the two halves of
-`input_linear(x)`. With experts, the block adds the routed experts' output (`block_sparse_moe`, reading the same norm
-output) to the shared MLP's itself, so no module returns the MLP's output and no single activation or neuron tensor
-exists: those are unavailable; `mlp_input` is what both receive.
+stream. The MLP is `shared_mlp` (renamed `mlp`): `output_linear(activation(a) * b)` with `a, b` the two halves of
+`input_linear(x)` (`mlp_arithmetic`): `mlp_activation` is `activation(a)`, `mlp_neurons` what `output_linear` receives.
+With experts, the block adds the routed experts' output (`block_sparse_moe`, reading the same norm output) to the shared
+MLP's itself, so no module returns the MLP's output and no single activation or neuron tensor exists: those are
+unavailable; `mlp_input` is what both receive.
 """
 
+from ..family import MLPArithmetic
 from .granite import Granite
 from .hybrid import MixerLayers
 
 ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only its own tokens) plus shared_mlp, "
           "summed in the block itself: no module returns the sum and no [batch, seq, intermediate] tensor covers both; "
           "layer_output - layer_mid is residual_multiplier times it")
-CHUNKED = ("shared_mlp applies its activation to one half of input_linear's output and multiplies it by the other "
-           "half; attnlens serves what output_linear receives (mlp_neurons), not the activation alone, whose identity "
-           "it checks against gate_proj/up_proj names this MLP does not have")
 
 
 class GraniteMoeHybrid(MixerLayers, Granite):
@@ -30,8 +29,8 @@ class GraniteMoeHybrid(MixerLayers, Granite):
         "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
     tiny_layouts = {"dense": {"num_local_experts": 0}}
     mlp = "shared_mlp"
+    activation = "activation"
     down_projection = "output_linear"
-    absent = {**Granite.absent, "mlp_activation": CHUNKED}
     mixer_renamed = False  # the block sets self_attn = None on Mamba-2 layers
     mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
                   "before out_proj")
@@ -45,8 +44,19 @@ class GraniteMoeHybrid(MixerLayers, Granite):
 
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        dropped = ("mlp_activation", "mlp_neurons", "mlp_output") if "routed" in kind else ("mlp_activation",)
+        if "routed" not in kind:
+            return locations
+        dropped = ("mlp_activation", "mlp_neurons", "mlp_output")
         return {name: location for name, location in locations.items() if name not in dropped}
+
+    def mlp_arithmetic(self, mlp):
+        def halves(x):
+            return mlp.input_linear(x).chunk(2, dim=-1)
+
+        return MLPArithmetic(lambda neurons: mlp.output_linear(neurons), lambda x: halves(x)[0],
+                             lambda z: mlp.activation(z), lambda x, activation: activation * halves(x)[1],
+                             says=("first half of input_linear(mlp input)",
+                                   "activation * second half of input_linear(mlp input)", "output_linear(neurons)"))
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
@@ -61,5 +71,6 @@ class GraniteMoeHybrid(MixerLayers, Granite):
         if config.num_local_experts:
             notes["mlp_input"] = "what shared_mlp and the routed experts (block_sparse_moe) both receive"
         else:
-            notes["mlp_neurons"] = "what output_linear receives: act(a) * b, the halves of input_linear(x)"
+            notes["mlp_activation"] = "activation(a), a the first half of input_linear(x)"
+            notes["mlp_neurons"] = "what output_linear receives: activation(a) * b, the halves of input_linear(x)"
         return notes

@@ -5,16 +5,15 @@ Every block normalises with `operator_norm` in front of its token mixer and `ffn
 (renamed `self_attn`, see `families/hybrid.py`): `in_proj` gives B, C and x, and the output is `C * conv(B * x)`, a
 depthwise causal convolution over `conv_L_cache` tokens. The others run the common attention with a per-head RMSNorm
 on queries and keys (`q_layernorm`, `k_layernorm`) before the rotary embedding, and `out_proj` as output projection.
-The MLP is `w2(silu(w1(x)) * w3(x))`, its activation a function call, not a module; the final norm is named
-`embedding_norm`.
+The MLP is `w2(silu(w1(x)) * w3(x))`, its activation a function call, not a module: `mlp_activation` is that call's
+output (`F_silu_0`), `mlp_neurons` what `w2` receives. The final norm is named `embedding_norm`.
 """
 
-from ..family import Family
-from .hybrid import MixerLayers
+import torch.nn.functional as F
 
-SILU = ("LFM2's MLP applies F.silu(w1(x)) inline and multiplies it by w3(x); attnlens serves what w2 receives "
-        "(mlp_neurons) and not the activation alone, whose identity it checks against gate_proj/up_proj names LFM2 "
-        "does not have")
+from ..family import Family, MLPArithmetic
+from ..locations import Operation
+from .hybrid import MixerLayers
 
 
 class Lfm2(MixerLayers, Family):
@@ -29,17 +28,20 @@ class Lfm2(MixerLayers, Family):
     mixer = "conv"
     mixer_kind = "a short gated convolution: C * conv(B * x), depthwise and causal over conv_L_cache tokens"
     mixer_premix = "what its out_proj receives is the gated convolution's output, not attention heads merged"
-    absent = {**Family.absent, "mlp_activation": SILU}
 
     def locations(self):
-        locations = super().locations()
-        del locations["mlp_activation"]
-        return locations
+        return {**super().locations(), "mlp_activation": Operation(("F_silu_0",), anchor="F.silu(self.w1(x))")}
+
+    def mlp_arithmetic(self, mlp):
+        return MLPArithmetic(lambda neurons: mlp.w2(neurons), lambda x: mlp.w1(x), F.silu,
+                             lambda x, activation: activation * mlp.w3(x),
+                             says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"))
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         if not self.is_mixer_layer(config, layer):
             notes["attention_queries"] = "RMS-normalised per head (q_layernorm), then rotated"
             notes["attention_keys"] = "RMS-normalised per head (k_layernorm), then rotated"
+        notes["mlp_activation"] = "F.silu(w1(x)), a function call inside the MLP's forward"
         notes["mlp_neurons"] = "what w2 receives: silu(w1(x)) * w3(x)"
         return notes

@@ -2,7 +2,8 @@
 `num_dense_layers` dense ones.
 
 Everything but the MLP is LFM2's. From layer `num_dense_layers` on, `feed_forward` routes each token to its top-k
-experts, each applying its gated activation to its own tokens, so no activation or neuron tensor exists there.
+experts, each applying its gated activation to its own tokens, so no activation or neuron tensor exists there; the
+dense layers serve them as LFM2 does.
 """
 
 from .lfm2 import Lfm2
@@ -14,7 +15,7 @@ class Lfm2Moe(SparseMoE, Lfm2):
     tiny = ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {
         "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32})
-    absent = {**moe_absent("Lfm2MoeExperts"), "mlp_activation": Lfm2.absent["mlp_activation"]}
+    absent = moe_absent("Lfm2MoeExperts")
 
     def moe_layer(self, config, layer):
         return layer >= config.num_dense_layers

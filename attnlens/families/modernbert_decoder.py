@@ -3,16 +3,13 @@ a prediction head before the vocabulary projection.
 
 Each block runs `attn_norm` (the identity on layer 0, whose input is already normalised), the attention (`attn`,
 renamed `self_attn`; the common attention interface, output projection `Wo`), then `mlp_norm` and a GLU MLP:
-`Wo(act(a) * b)` with `a, b` the halves of `Wi(x)`. `embeddings` is the token embedding module's output
+`Wo(drop(act(a) * b))` with `a, b` the halves of `Wi(x)` (`drop` is a dropout, the identity in eval mode):
+`mlp_activation` is `act(a)`, `mlp_neurons` what `Wo` receives. `embeddings` is the token embedding module's output
 (`model.embeddings.tok_embeddings`); `model.embeddings` normalises it before `layers[0]`. `logits` are
 `decoder(lm_head(final_norm_output))`, `lm_head` being a dense layer, activation and norm.
 """
 
-from ..family import Family
-
-CHUNKED = ("ModernBERT's MLP applies its activation to one half of Wi's output and multiplies it by the other half; "
-           "attnlens serves what Wo receives (mlp_neurons), not the activation alone, whose identity it checks "
-           "against gate_proj/up_proj names this MLP does not have")
+from ..family import Family, MLPArithmetic
 
 
 class ModernBertDecoder(Family):
@@ -28,12 +25,15 @@ class ModernBertDecoder(Family):
     output_projection = "Wo"
     activation = "act"
     down_projection = "Wo"
-    absent = {**Family.absent, "mlp_activation": CHUNKED}
 
-    def locations(self):
-        locations = super().locations()
-        del locations["mlp_activation"]
-        return locations
+    def mlp_arithmetic(self, mlp):
+        def halves(x):
+            return mlp.Wi(x).chunk(2, dim=-1)
+
+        return MLPArithmetic(lambda neurons: mlp.Wo(neurons), lambda x: halves(x)[0], lambda z: mlp.act(z),
+                             lambda x, activation: mlp.drop(activation * halves(x)[1]),
+                             says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))",
+                                   "Wo(neurons)"))
 
     def num_kv_heads(self, module):
         return module.num_heads  # every head has its own keys and values
@@ -41,7 +41,9 @@ class ModernBertDecoder(Family):
     def notes(self, config, layer, engine="eager"):
         notes = {**super().notes(config, layer, engine),
                  "embeddings": "the token embedding's output; model.embeddings normalises it before layers[0]",
-                 "mlp_neurons": "what Wo receives: act(a) * b, the halves of Wi(x)",
+                 "mlp_activation": "act(a), a the first half of Wi(x)",
+                 "mlp_neurons": "what Wo receives: act(a) * b, the halves of Wi(x) (after drop, a dropout: the "
+                                "identity in eval mode)",
                  "logits": "decoder(lm_head(final_norm_output)): lm_head is a dense layer, activation and norm"}
         if layer == 0:
             notes["attention_norm_output"] = "layer_input itself: layer 0's attn_norm is the identity"

@@ -4,16 +4,12 @@ configured `sliding_window` the attention mask does not apply.
 `MoshiModel` builds its mask with `create_causal_mask`, so on a prefill every query sees every earlier key however
 long the context: the pattern is full causal, and the family says so (no window). The window reaches the forward only
 through the cache: `DynamicCache` built from the config keeps the last `sliding_window` keys per layer, so under
-generate a step past the window attends to those only. The MLP is `fc2(act(a) * b)` with `a, b` the two halves of
-`fc1(x)`; `mlp_neurons` is what `fc2` receives.
+generate a step past the window attends to those only. The MLP is `fc2(activation_fn(a) * b)` with `a, b` the two
+halves of `fc1(x)` (viewed as `[batch, seq, 2, ffn_dim // 2]`): `mlp_activation` is `activation_fn(a)`, `mlp_neurons`
+what `fc2` receives.
 """
 
-from ..family import Family
-from ..locations import ModuleInput
-
-CHUNKED = ("Moshi's MLP applies its activation to one half of fc1's output and multiplies it by the other half; "
-           "attnlens serves what fc2 receives (mlp_neurons), not the activation alone, whose identity it checks "
-           "against gate_proj/up_proj names this MLP does not have")
+from ..family import Family, MLPArithmetic
 
 
 class Moshi(Family):
@@ -27,13 +23,18 @@ class Moshi(Family):
                                  "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 128,
                                  "head_dim": 16, "sliding_window": 4, "ffn_dim": 128, "audio_vocab_size": 2048,
                                  "input_size": 64, "num_codebooks": 8}})
+    activation = "activation_fn"
     down_projection = "fc2"
-    absent = {**Family.absent, "mlp_activation": CHUNKED}
 
-    def locations(self):
-        locations = super().locations()
-        del locations["mlp_activation"]
-        return {**locations, "mlp_neurons": ModuleInput(self.down_projection)}
+    def mlp_arithmetic(self, mlp):
+        def halves(x):
+            projected = mlp.fc1(x)
+            return projected.view(*projected.shape[:2], 2, -1)
+
+        return MLPArithmetic(lambda neurons: mlp.fc2(neurons), lambda x: halves(x)[..., 0, :],
+                             lambda z: mlp.activation_fn(z), lambda x, activation: activation * halves(x)[..., 1, :],
+                             says=("first half of fc1(mlp input)", "activation * second half of fc1(mlp input)",
+                                   "fc2(neurons)"))
 
     def sliding_window(self, config, layer):
         return None  # the mask is create_causal_mask's: full causal on a prefill
@@ -43,4 +44,5 @@ class Moshi(Family):
         return {**super().notes(config, layer, engine),
                 "attention_probabilities": f"full causal on a prefill: the mask ignores config.sliding_window "
                                            f"({window}); under generate the cache keeps only the last {window} keys",
-                "mlp_neurons": "what fc2 receives: act(a) * b, the halves of fc1(x)"}
+                "mlp_activation": "activation_fn(a), a the first half of fc1(x)",
+                "mlp_neurons": "what fc2 receives: activation_fn(a) * b, the halves of fc1(x)"}

@@ -119,7 +119,8 @@ def test_bitnet_premix_is_what_the_sub_norm_receives():
         assert close(premix, merged(saved[(0, "attention_head_outputs")]))
         assert close(module.o_proj(module.attn_sub_norm(premix)), saved[(0, "attention_output")])
         assert not close(module.o_proj(premix), saved[(0, "attention_output")], atol=1e-3)
-    assert "ffn_sub_norm" in model.support(0)["mlp.mlp_activation"]
+    assert model.support(0)["mlp.mlp_activation"] is None  # the MLP's sub-norm: tests/families/test_mlp_arithmetic.py
+    assert "ffn_sub_norm" in model.support(0).notes["mlp.mlp_neurons"]
 
 
 # --- the mixer layers of hybrids -------------------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""The MLP's arithmetic (`Family.mlp_arithmetic`) on the families whose MLP is not `down_proj(act_fn(gate_proj(x)) *
+up_proj(x))`: BitNet's sub-norm, LFM2's inline silu, the split projections of GraniteMoeHybrid, Moshi and
+ModernBERT-decoder, Falcon-H1's multipliers.
+
+What the shared identities can't see: that an edit of `mlp_activation` (or of `mlp_neurons`) moves `mlp_output` exactly
+as the MLP's source, written out by hand here, predicts, so each value is read where the forward uses it; that a
+family reading a value from the wrong place, or ignoring the sub-norm or the multipliers, fails a named identity; and
+that an MLP operation that moved fails the load.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import PROMPT, tiny
+from identities import close, failures, read_everything
+
+import attnlens
+from attnlens.families.lfm2 import Lfm2
+from attnlens.family import Family
+from attnlens.locations import Operation
+from attnlens.models import char_tokenizer, tiny_model
+
+
+def _halves(projected):
+    return projected.chunk(2, dim=-1)
+
+
+#: case -> (a layer serving the MLP values, the MLP's output from its input and a (possibly edited) activation, written
+#: from transformers' source independently of the family, and the output from the neurons).
+BY_HAND = {
+    "bitnet": (1, lambda m, x, a: m.down_proj(m.ffn_sub_norm(a * m.up_proj(x))), lambda m, n: m.down_proj(n)),
+    "lfm2": (1, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),
+    "lfm2_moe": (0, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),  # layer 0 is dense
+    "lfm3": (1, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),
+    "granitemoehybrid:dense": (1, lambda m, x, a: m.output_linear(a * _halves(m.input_linear(x))[1]),
+                               lambda m, n: m.output_linear(n)),
+    "moshi": (1, lambda m, x, a: m.fc2(a * m.fc1(x).view(*x.shape[:2], 2, -1)[..., 1, :]), lambda m, n: m.fc2(n)),
+    "modernbert-decoder": (1, lambda m, x, a: m.Wo(a * _halves(m.Wi(x))[1]), lambda m, n: m.Wo(n)),
+    "falcon_h1": (1, lambda m, x, a: m.down_proj(m.up_proj(x) * a) * m.down_multiplier,
+                  lambda m, n: m.down_proj(n) * m.down_multiplier),
+}
+
+#: case -> the activation's input from the MLP's input, by hand.
+ACTIVATION_INPUT = {
+    "bitnet": lambda m, x: m.gate_proj(x),
+    "lfm2": lambda m, x: m.w1(x),
+    "lfm2_moe": lambda m, x: m.w1(x),
+    "lfm3": lambda m, x: m.w1(x),
+    "granitemoehybrid:dense": lambda m, x: _halves(m.input_linear(x))[0],
+    "moshi": lambda m, x: m.fc1(x).view(*x.shape[:2], 2, -1)[..., 0, :],
+    "modernbert-decoder": lambda m, x: _halves(m.Wi(x))[0],
+    "falcon_h1": lambda m, x: m.gate_proj(x) * m.gate_multiplier,
+}
+
+
+def mlp_of(model, layer):
+    return model.family.mlp_module(model.layers[layer]._module)
+
+
+@pytest.mark.parametrize("case", BY_HAND)
+def test_activation_and_neurons_are_served_and_match_the_source(case):
+    model = tiny(case)
+    layer, by_hand, _ = BY_HAND[case]
+    report = model.support(layer)
+    assert report["mlp.mlp_activation"] is None and report["mlp.mlp_neurons"] is None
+    mlp = mlp_of(model, layer)
+    with torch.no_grad(), model.trace(PROMPT):
+        x = model.layers[layer].mlp_input.save()
+        activation = model.layers[layer].mlp.mlp_activation.save()
+        neurons = model.layers[layer].mlp.mlp_neurons.save()
+        output = model.layers[layer].mlp.mlp_output.save()
+    with torch.no_grad():
+        act = model.family.mlp_arithmetic(mlp).act
+        assert activation.shape == neurons.shape == (1, len(PROMPT), neurons.shape[-1])
+        assert close(act(ACTIVATION_INPUT[case](mlp, x)), activation)
+        assert close(by_hand(mlp, x, activation), output)
+        assert not close(activation, neurons, atol=1e-3)  # the product (and any norm) binds: two different tensors
+
+
+@pytest.mark.parametrize("case", BY_HAND)
+@pytest.mark.parametrize("value", ["mlp_activation", "mlp_neurons"])
+def test_an_edit_moves_the_output_as_the_arithmetic_predicts(case, value):
+    """Scale the value by a random factor per entry: the MLP's output is then what the source computes from the
+    edited value, by hand and by the family's arithmetic; and the edit moved it."""
+    model = tiny(case)
+    layer, by_hand, from_neurons = BY_HAND[case]
+    mlp = mlp_of(model, layer)
+    torch.manual_seed(0)
+    with torch.no_grad(), model.trace(PROMPT):
+        x = model.layers[layer].mlp_input.save()
+        envoy = model.layers[layer].mlp
+        original = getattr(envoy, value).save()
+        edited = (original * (1 + torch.rand_like(original))).save()
+        setattr(envoy, value, edited)
+        output = envoy.mlp_output.save()
+    arithmetic = model.family.mlp_arithmetic(mlp)
+    with torch.no_grad():
+        if value == "mlp_activation":
+            expected = by_hand(mlp, x, edited)
+            assert close(arithmetic.output(arithmetic.neurons(x, edited)), expected)
+            unedited = by_hand(mlp, x, original)
+        else:
+            expected = from_neurons(mlp, edited)
+            assert close(arithmetic.output(edited), expected)
+            unedited = from_neurons(mlp, original)
+    assert close(output, expected)
+    assert not close(output, unedited, atol=1e-3)
+
+
+def _failures_with(model, replaced, layer):
+    """The identities of `layer` with the family's methods or locations replaced for one run."""
+    family = model.family
+    for name, value in replaced.items():
+        setattr(family, name, value)
+    model.access.refresh()
+    try:
+        return failures(model, read_everything(model, PROMPT), layer)
+    finally:
+        for name in replaced:
+            delattr(family, name)
+        model.access.refresh()
+
+
+@pytest.mark.parametrize("case", BY_HAND)
+@pytest.mark.parametrize("value, other", [("mlp_activation", "mlp_neurons"), ("mlp_neurons", "mlp_activation")])
+def test_a_miswired_mlp_value_fails_a_named_identity(case, value, other):
+    model = tiny(case)
+    layer = BY_HAND[case][0]
+    original = model.family.locations_for
+
+    def rewired(config, i, engine="eager"):
+        locations = original(config, i, engine)
+        if i != layer:
+            return locations
+        moved = {}
+        for name, location in locations.items():
+            if name == other:
+                moved[value] = location
+            if name != value:
+                moved[name] = location
+        return moved
+
+    bad = _failures_with(model, {"locations_for": rewired}, layer)
+    assert any("activation" in name or "neurons" in name for name in bad), bad
+
+
+def test_falcon_h1_multipliers_bind_and_the_common_arithmetic_fails_on_them():
+    model = tiny("falcon_h1")
+    assert tuple(model.config.mlp_multipliers) == (2.0, 0.5)
+    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
+    assert {"activation == act(gate(mlp input))", "down projection(neurons) == mlp output"} <= set(bad), bad
+    assert "mlp.mlp_output" in model.support(1).notes and "0.5" in model.support(1).notes["mlp.mlp_output"]
+
+
+def test_bitnet_without_the_sub_norm_fails_the_product():
+    model = tiny("bitnet")
+    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
+    assert bad == ["activation * up(mlp input) == neurons"], bad
+
+
+def test_identity_names_say_the_familys_arithmetic():
+    model = tiny("falcon_h1")
+    arithmetic = model.family.mlp_arithmetic(mlp_of(model, 0))
+    wrong = dataclasses.replace(arithmetic, output=lambda neurons: arithmetic.output(neurons) * 2)
+    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: wrong}, 0)
+    assert bad == ["down projection(neurons) * down_multiplier == mlp output"], bad
+
+
+def test_lfm2_moe_reasons_on_its_expert_layers():
+    model = tiny("lfm2_moe")
+    for key in ("mlp.mlp_activation", "mlp.mlp_neurons"):
+        assert model.support(0)[key] is None
+        assert "Lfm2MoeExperts" in model.support(1)[key]
+
+
+def test_a_moved_mlp_operation_fails_the_load():
+    class Moved(Lfm2):
+        def locations(self):
+            return {**super().locations(), "mlp_activation": Operation(("F_silu_1",), anchor="F.silu")}
+
+    with pytest.raises(attnlens.LocationDrift, match=r"Moved, value mlp_activation: .*Lfm2MLP\.forward"):
+        attnlens.StandardizedTransformer(tiny_model("lfm2"), tokenizer=char_tokenizer(), family=Moved)
+
+
+@pytest.mark.parametrize("case", ["lfm2", "moshi"])
+def test_an_in_place_edit_of_the_activation_lands(case):
+    """LFM2's activation is an operation's output (an inline F.silu), Moshi's a module's: zeroing half the neurons'
+    activations in place moves the output as the source predicts."""
+    model = tiny(case)
+    layer, by_hand, _ = BY_HAND[case]
+    mlp = mlp_of(model, layer)
+    with torch.no_grad(), model.trace(PROMPT):
+        x = model.layers[layer].mlp_input.save()
+        activation = model.layers[layer].mlp.mlp_activation
+        activation[..., ::2] = 0
+        edited = activation.save()
+        output = model.layers[layer].mlp.mlp_output.save()
+    assert (edited[..., ::2] == 0).all() and (edited[..., 1::2] != 0).any()
+    with torch.no_grad():
+        assert close(output, by_hand(mlp, x, edited))
