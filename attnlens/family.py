@@ -225,8 +225,10 @@ class Family:
         if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):
             return MLPArithmetic(down, lambda x: mlp.gate_proj(x), lambda z: getattr(mlp, self.activation)(z),
                                  lambda x, activation: activation * mlp.up_proj(x))
-        if hasattr(mlp, "gate_up_proj"):
-            return MLPArithmetic(down)
+        if hasattr(mlp, "gate_up_proj"):  # fused: the first half is the gate (Phi-3's and GLM-4's chunk(2))
+            return MLPArithmetic(down, lambda x: mlp.gate_up_proj(x).chunk(2, dim=-1)[0],
+                                 lambda z: getattr(mlp, self.activation)(z),
+                                 lambda x, activation: activation * mlp.gate_up_proj(x).chunk(2, dim=-1)[1])
         return MLPArithmetic(down, neurons=lambda x, activation: activation,
                              says=("", "activation", "down projection(neurons)"))
 
