@@ -116,7 +116,8 @@ def failures(model, saved, layer):
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm(f.attention_post_norm, v["attention_output"])
         check("layer input + attention output == layer mid",
-              close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments), v["layer_mid"]))
+              close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments),
+                    v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
         norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check("mlp norm(layer mid) == mlp norm output",

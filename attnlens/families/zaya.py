@@ -21,10 +21,9 @@ MLP whose router carries a state from block to block.
   input_hidden_states_bias) * input_hidden_states_scale)` in float32.
 """
 
+from ..locations import ModuleOutput
 from .llama import Llama
 from .moe import SparseMoE, moe_absent
-
-from ..locations import ModuleOutput
 
 
 class Zaya(SparseMoE, Llama):
@@ -57,8 +56,8 @@ class Zaya(SparseMoE, Llama):
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         notes.update({
-            "layer_input": "the float32 residual stream" + (
-                " (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)" if layer == 0 else ""),
+            "layer_input": "the float32 residual stream" + (" (block 0: (embeddings + input_hidden_states_bias) * "
+                                                            "input_hidden_states_scale)" if layer == 0 else ""),
             "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * s_h "
                          "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
             "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
