@@ -8,6 +8,7 @@ family's score function), never from the location being checked, so a value read
 one of them. A value the family reports unavailable skips the checks that need it.
 """
 
+import nnsight
 import torch
 
 from .values import of_scope
@@ -22,6 +23,10 @@ def read_everything(model, prompt):
     with torch.no_grad(), model.trace(prompt):
         saved["embeddings"] = model.embeddings.save()
         for i, layer in enumerate(model.layers):
+            if model.family.block_arguments:  # read first: the block's inputs come before its values
+                args = layer.inputs[0]
+                saved[(i, "block_arguments")] = nnsight.save(
+                    {name: args[position] for name, position in model.family.block_arguments.items()})
             report = model.support(i)
             for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
                 if report[name] is not None:
@@ -65,11 +70,11 @@ def close(a, b, atol: float | None = None):
     return torch.allclose(a.float(), b.float(), atol=default_atol if atol is None else atol, rtol=rtol)
 
 
-def rebuilt(function, *args):
+def rebuilt(function, *args, **kwargs):
     """A family function's rebuild of a value, or None where the values given cannot enter it (a miswired family
     hands it tensors of another size)."""
     try:
-        return function(*args)
+        return function(*args, **kwargs)
     except RuntimeError:
         return None
 
@@ -81,6 +86,7 @@ def failures(model, saved, layer):
     module = attn._module if attn is not None else None
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
+    arguments = saved.get((layer, "block_arguments"), {})  # Family.block_arguments
     batch, length = saved["logits"].shape[:2]
     bad = []
 
@@ -111,7 +117,8 @@ def failures(model, saved, layer):
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm(f.attention_post_norm, v["attention_output"])
         check("layer input + attention output == layer mid",
-              close(f.residual_add(block, "attention", v["layer_input"], residual), v["layer_mid"]))
+              close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments),
+                    v["layer_mid"]))
     if has("layer_mid", "mlp_norm_output"):
         norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check("mlp norm(layer mid) == mlp norm output",
@@ -120,7 +127,8 @@ def failures(model, saved, layer):
         check("mlp input == mlp norm output", close(v["mlp_input"], v["mlp_norm_output"]))
     mlp = f.mlp_module(block)
     if has("mlp_input", "mlp_output"):
-        check("mlp(mlp input) == mlp output", close(f.mlp_forward(mlp, v["mlp_input"]), v["mlp_output"]))
+        check("mlp(mlp input) == mlp output",
+              close(rebuilt(f.mlp_forward, mlp, v["mlp_input"], **arguments), v["mlp_output"]))
     if has("mlp_neurons") or has("mlp_activation"):  # the family's arithmetic between its MLP values
         arithmetic = f.mlp_arithmetic(mlp)
         activation_input, product, path = arithmetic.says
@@ -136,12 +144,12 @@ def failures(model, saved, layer):
     if has("layer_mid", "mlp_output", "layer_output"):
         after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
         check("layer mid + mlp output == layer output",
-              close(f.residual_add(block, "mlp", v["layer_mid"], after_mlp), v["layer_output"]))
+              close(rebuilt(f.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments), v["layer_output"]))
     elif has("layer_input", "attention_output", "mlp_output", "layer_output"):  # a parallel block
         check("layer input + attention output + mlp output == layer output",
               close(f.residual_add(block, "mlp", f.residual_add(block, "attention", v["layer_input"],
-                                                                v["attention_output"]), v["mlp_output"]),
-                    v["layer_output"]))
+                                                                v["attention_output"], **arguments), v["mlp_output"],
+                                   **arguments), v["layer_output"]))
     nxt = saved.get((layer + 1, "layer_input"))
     if nxt is not None and "layer_output" in v:
         check("layer output == next layer input", close(v["layer_output"], nxt))
@@ -181,8 +189,9 @@ def _attention_failures(model, module, layer, v, batch, length):
         scores = v["attention_scores"]
         check("scores shape", scores.shape == probs.shape)
         check("softmax(scores) == probabilities (renormalised with a sink)", close(scores.softmax(-1), renormalised))
-        check("scores == family score function", close(rebuilt(f.scores, attn.heads, model.config, q, k, layer),
-                                                        scores))
+        values = {"values": vals} if f.scores_need_values else {}  # Doge's dynamic mask
+        check("scores == family score function", close(rebuilt(f.scores, attn.heads, model.config, q, k, layer,
+                                                               **values), scores))
     if "attention_head_outputs" in v:
         heads = v["attention_head_outputs"]
         check("head outputs shape", heads.shape == (batch, length, h, d))

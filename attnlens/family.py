@@ -205,7 +205,7 @@ class Family:
         each token to its output experts by the attention's input. By default `project_output`, which ignores it."""
         return self.project_output(module, premix)
 
-    def mlp_forward(self, mlp, mlp_input: torch.Tensor) -> torch.Tensor:
+    def mlp_forward(self, mlp, mlp_input: torch.Tensor, **arguments) -> torch.Tensor:
         """The MLP's output from its input, as the forward computes it (the tests' identity): `mlp(mlp_input)`, unless
         the MLP module takes more than its input (Bloom's and MPT's add the residual themselves)."""
         out = mlp(mlp_input)
@@ -237,11 +237,18 @@ class Family:
         MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
         return getattr(block, self.mlp)
 
-    def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor,
+                     **arguments) -> torch.Tensor:
         """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (the sublayer's output,
         after any post-norm) to `stream`: their sum, unless the family scales the update (Granite's
         `residual_multiplier`) or the residual is several mixed streams (DeepSeek-V4's hyper-connections)."""
         return stream + update
+
+    #: Arguments of a block's call (name -> position) that `residual_add` and `mlp_forward` also need, where the
+    #: standardized values do not determine the residual or the MLP: none on most families (Gemma 3n's per-layer
+    #: input, Zaya's router state carried from the previous block). `attnlens.checks` reads them from the block's
+    #: inputs in the same trace and passes them to both as keyword arguments.
+    block_arguments: ClassVar[dict[str, int]] = {}
 
     def residual_read(self, owner, sublayer: str, stream: torch.Tensor) -> torch.Tensor:
         """What the norm in front of `sublayer` ("attention" or "mlp" of the block `owner`; "final" with the causal LM
@@ -326,6 +333,11 @@ class Family:
         return self.vllm_sliding_window(config, layer) if engine == "vllm" else self.sliding_window(config, layer)
 
     # --- the score function ----------------------------------------------------------------------------------
+
+    #: Why the score function also needs the layer's values (`scores(..., values=)`), or None where the queries and
+    #: keys determine the scores: Doge adds a dynamic mask computed from the values. The identity suite passes them;
+    #: head summaries and patterns rebuilt on sdpa, which read only the queries and keys, refuse such a family.
+    scores_need_values: ClassVar[str | None] = None
 
     def scores(
         self,

@@ -127,6 +127,9 @@ def why_not(model, layer: int) -> str | None:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
     if "attention_sinks" in served:
         return "the softmax also takes each head's sink logit, which the family's score function leaves out"
+    if model.family.scores_need_values:
+        return (f"the scores depend on the values ({model.family.scores_need_values}), so the pattern is "
+                f"unavailable to head summaries, which score the queries and keys alone")
     return None
 
 

@@ -48,6 +48,9 @@ def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
         return (f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
                 f"model's pattern is not the one the family's score function gives; load with "
                 f"attn_implementation='eager'")
+    if family.scores_need_values:
+        return (f"the {family.name} family's scores depend on the values ({family.scores_need_values}), which the "
+                f"rebuild does not read; load with attn_implementation='eager'")
     if "attention_sinks" in family.locations_for(config, layer):
         return ("the softmax also takes each head's sink logit, which attnlens does not rebuild; load with "
                 "attn_implementation='eager'")

@@ -109,9 +109,13 @@ def test_out_of_order_across_layers():
             model.layers[0].layer_output.save()
 
 
-def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it():
-    from transformers import DogeConfig, DogeForCausalLM  # a type attnlens has no family for
+def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it(monkeypatch):
+    from transformers import DogeConfig, DogeForCausalLM
 
+    from attnlens import registry
+
+    registry.registered()  # the built-in families, loaded; Doge's taken away: a type attnlens has no family for
+    monkeypatch.delitem(registry._BUILT_IN, "doge")
     torch.manual_seed(0)
     config = DogeConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                         intermediate_size=64, vocab_size=128)
