@@ -140,3 +140,113 @@ def test_zamba2_plain_queries_are_the_projection():
     assert close(queries, saved[(layer, "attention_queries")])
     assert saved[(layer, "attention_keys")].shape[1] == 2  # grouped heads where there are no adapters
     assert "nothing is rotated" in model.support(layer).notes["self_attn.attention_queries"]
+
+
+# --- decoding: the attention values of a step span the cache --------------------------------------------------------
+
+NAMES = ("attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities",
+         "attention_head_outputs")
+
+
+@pytest.mark.parametrize("case, layer", [("zamba", 3), ("zamba2", 4), ("git", 2)])
+def test_each_decode_step_sees_the_whole_cache(case, layer):
+    model = tiny(case)
+    attn = model.layers[layer].self_attn
+    n = len(model.tokenizer(PROMPT).input_ids)
+    ranks = model.order(layer)
+    order = sorted(NAMES, key=lambda name: ranks[f"self_attn.{name}"])
+    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0) as tracer:
+        steps = list().save()
+        for _ in tracer.iter[:3]:
+            read = {name: getattr(attn, name) for name in order}  # in forward order: GIT's values follow its pattern
+            steps.append(tuple(read[name] for name in NAMES))
+    groups = attn.num_heads // attn.num_kv_heads
+    for step, (q, k, v, scores, probs, heads) in enumerate(steps):
+        rows, keys = (n, n) if step == 0 else (1, n + step)
+        assert q.shape[2] == rows and k.shape[2] == keys == v.shape[2] and probs.shape[2:] == (rows, keys)
+        assert close(model.family.scores(attn.heads, model.config, q, k, layer), scores)
+        assert close((probs @ v.repeat_interleave(groups, dim=1)).transpose(1, 2), heads)
+    assert close(steps[1][1][:, :, :-1], steps[0][1])
+
+
+# --- GIT: a post-norm BERT-style decoder, on token ids alone ------------------------------------------------------
+
+def test_git_post_norm_values():
+    model, saved = tiny("git"), saved_for("git")
+    inner = model._module
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        embeddings = inner.git.embeddings
+        positions = embeddings.position_embeddings.weight[:len(PROMPT)]
+        first = embeddings.LayerNorm(embeddings.word_embeddings(ids) + positions)
+        assert close(first, saved[(0, "layer_input")])
+        for layer in range(model.num_layers):
+            block = inner.git.encoder.layer[layer]
+            x = saved[(layer, "layer_input")]
+            queries = block.attention.self.query(x).view(1, len(PROMPT), 4, 16).transpose(1, 2)
+            assert close(queries, saved[(layer, "attention_queries")])
+            keys = block.attention.self.key(x).view(1, len(PROMPT), 4, 16).transpose(1, 2)
+            assert close(keys, saved[(layer, "attention_keys")])
+            stream = block.attention.output.LayerNorm(x + saved[(layer, "attention_output")])
+            assert close(stream, saved[(layer, "mlp_input")])
+            assert close(block.output.LayerNorm(stream + saved[(layer, "mlp_output")]), saved[(layer, "layer_output")])
+    report = model.support(1)
+    for name in ("attention_norm_output", "layer_mid", "mlp_norm_output"):
+        assert "normalises after each residual add" in report[name]
+    assert "no final norm" in model.support()["final_norm_output"]
+    assert "pixel_values" in report.notes["self_attn.attention_probabilities"]
+
+
+def test_git_keys_are_written_through_their_transpose():
+    model = tiny("git")
+    attn = model.layers[1].self_attn
+    with torch.no_grad(), model.trace(PROMPT):
+        attn.attention_keys = 0  # every visible key scores 0: each row is uniform over its visible keys
+        probs = attn.attention_probabilities.save()
+    rows = torch.arange(1, len(PROMPT) + 1, dtype=probs.dtype)
+    assert close(probs[0, 0].sum(-1), torch.ones(len(PROMPT)))
+    assert close(probs[0, :, :, 0], (1 / rows).expand(4, -1))
+
+
+# --- HRM-Text: blocks run several times per forward -----------------------------------------------------------------
+
+def hrm(h_cycles):
+    import transformers
+
+    import attnlens
+
+    config = transformers.HrmTextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, head_dim=16, H_cycles=h_cycles, L_cycles=3,
+                                        pad_token_id=0)
+    torch.manual_seed(0)
+    return attnlens.StandardizedTransformer(transformers.HrmTextForCausalLM(config).eval(),
+                                            tokenizer=attnlens.models.char_tokenizer(), attn_implementation="eager")
+
+
+def test_hrm_text_serves_the_embeddings_and_logits_and_says_why_not_the_blocks():
+    model = hrm(2)
+    assert model.family.name == "HrmText" and model.num_layers == 2
+    assert model.support(1).available == ["embeddings", "logits"]
+    reason = model.support(1)["self_attn.attention_probabilities"]
+    assert "H_cycles=2 times" in reason and "H_cycles * L_cycles=6 times" in reason and "no one" in reason
+    assert "final_norm" in model.support()["final_norm_output"]
+    with torch.no_grad(), model.trace(PROMPT):
+        embeddings, logits = model.embeddings.save(), model.logits.save()
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(embeddings, model._module.model.embed_tokens(ids))
+        assert close(logits, model._module(ids).logits)
+    assert "once" in hrm(1).support(0)["layer_output"]
+
+
+def test_git_embeddings_are_the_word_embeddings_before_positions_are_added_in_place():
+    model = tiny("git")
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    inner = model._module.git.embeddings
+    with torch.no_grad(), model.trace(PROMPT):
+        embeddings = model.embeddings.save()
+        model.embeddings = torch.zeros(1, len(PROMPT), 64)  # assignment lands: only the positions remain
+        first = model.layers[0].layer_input.save()
+    with torch.no_grad():
+        assert torch.equal(embeddings, inner.word_embeddings(ids))
+        assert close(first, inner.LayerNorm(inner.position_embeddings.weight[:len(PROMPT)])[None])
