@@ -23,12 +23,18 @@ TEXT_ONLY = ("on token ids alone: causal over the text. With pixel_values GIT pr
              "attend each other both ways; attnlens's mask and positions describe token ids only")
 
 
-def _copy(envoy, embeddings):
-    return embeddings.clone()
+def _copy(envoy, tensor):
+    return tensor.clone()
 
 
 def _replace(envoy, old, new):
     return new
+
+
+def copied(location, why: str) -> Derived:
+    """`location`'s value as a copy taken when it is produced, for a tensor the forward then adds into in place
+    (`why`); assigning it still replaces it."""
+    return Derived(location, _copy, _replace, "copy", in_place=False, why_not=why)
 
 
 def _keys(envoy, transposed):
@@ -75,9 +81,9 @@ class Git(Family):
         inner = dict(module="self")
         return {
             # GitEmbeddings adds the position embeddings into word_embeddings' output in place: served as a copy
-            "embeddings": Derived(ModuleOutput(self.embed_tokens), _copy, _replace, "embeddings", in_place=False,
-                                  why_not="GitEmbeddings adds the position embeddings into word_embeddings' output "
-                                          "in place, so attnlens hands out a copy taken before that add"),
+            "embeddings": copied(ModuleOutput(self.embed_tokens),
+                                 "GitEmbeddings adds the position embeddings into word_embeddings' output in place, "
+                                 "so attnlens hands out a copy taken before that add"),
             "layer_input": ModuleInput(),
             "attention_queries": Operation(("query_layer_0",), anchor="transpose", **inner),
             "attention_keys": Derived(Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys,
