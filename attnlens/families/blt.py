@@ -7,8 +7,8 @@ tokens) and the local decoder (`model.local_decoder.layers`, bytes, a cross-atte
 stream in front of its first block, or every block with `cross_attn_all_layers`). attnlens's values are per token,
 so `layers` are the local decoder's blocks: the byte-level blocks that end in the LM head (`local_decoder.norm`, then
 `lm_head`). They are the common layout (`BltTransformerLayer`; the rotary embedding rotates interleaved pairs), with
-the local sliding window `local_attention_window_len`. The patcher's, the encoder's and the global transformer's
-blocks and the cross-attentions are not served: read them with nnsight.
+the local sliding window `local_attention_window_len` (transformers 5.24; 5.19 masks them causally). The patcher's,
+the encoder's and the global transformer's blocks and the cross-attentions are not served: read them with nnsight.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class Blt(Family):
         return module.num_key_value_heads
 
     def sliding_window(self, config, layer):
-        return config.local_attention_window_len
+        # transformers 5.24 masks the local blocks with encoder_config.sliding_window (local_attention_window_len);
+        # earlier versions have neither and mask causally
+        return getattr(config.encoder_config, "sliding_window", None)
 
     def notes(self, config, layer, engine="eager"):
         stream = STREAM
