@@ -65,5 +65,5 @@ class Blt(Family):
         elif layer > 0:
             stream = f"{STREAM}. Here layers[{layer - 1}].layer_output"
         return {**super().notes(config, layer, engine), "layer_input": stream,
-                "embeddings": "local_encoder.embed_tokens' output; the local encoder reads it plus the hashed n-gram "
-                              "embeddings"}
+                "embeddings": "local_encoder.embed_tokens' output, a copy taken before compute_hash_embeddings adds "
+                              "the hashed n-gram embeddings into it in place (the local encoder reads that sum)"}

@@ -141,7 +141,6 @@ class Git(Family):
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         notes.update({
-            "layer_input": "on layer 0, LayerNorm(word + learned position embeddings)",
             "attention_queries": "no rotary embedding: positions were added to the embeddings",
             "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
             "attention_probabilities": TEXT_ONLY,
@@ -153,4 +152,8 @@ class Git(Family):
             "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
                           "output.LayerNorm(mlp_input + mlp_output)",
         })
+        notes["embeddings"] = ("word_embeddings' output, a copy taken before GitEmbeddings adds the position "
+                               "embeddings into it in place")
+        if layer == 0:
+            notes["layer_input"] = "LayerNorm(word + learned position embeddings): GitEmbeddings' output"
         return notes

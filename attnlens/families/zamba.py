@@ -50,7 +50,6 @@ class Zamba(Family):
     shared = "shared_transf"
     mixer = "mamba"
     mixer_kind = "a Mamba layer: a selective state-space scan over a recurrent state, convolved inputs, no heads"
-    padding_changes_values = None
 
     # The hybrid layers' paths (the attention's own, o_proj, are the common ones).
     attention = "shared_transf.self_attn"
