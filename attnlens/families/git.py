@@ -1,0 +1,159 @@
+"""GIT: a BERT-style post-norm decoder (`git.encoder.layer`) over text, causal, with a vision tower for images.
+
+On token ids alone GIT is a causal text LM: `GitEmbeddings` adds learned position embeddings to the word embeddings
+and normalises them, then each `GitLayer` runs `attention` (a `GitAttention`, renamed `self_attn`: `self`, which
+computes attention itself, then `output`: `LayerNorm(dense(heads merged) + layer_input)`) and its MLP
+(`intermediate`: dense and activation; `output`, renamed `mlp`: `LayerNorm(dense(activation) + stream)`). Every norm
+follows a residual add, so, as on OPT's post-norm layout, `attention_norm_output`, `layer_mid` and `mlp_norm_output`
+are unavailable with the reason, and there is no final norm (the LM head reads the last block's output).
+
+nnsight mounts the `output` submodules at `E_output` (`.output` is the module's output on every envoy). With
+`pixel_values` GIT prepends the image's tokens to the text, and they attend each other both ways: the attention values
+then span image and text positions and the family's causal score function no longer describes the mask, so attnlens
+serves GIT on token ids alone (support() says so).
+"""
+
+from __future__ import annotations
+
+from ..family import Family
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+
+POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
+TEXT_ONLY = ("on token ids alone: causal over the text. With pixel_values GIT prepends the image's tokens, which "
+             "attend each other both ways; attnlens's mask and positions describe token ids only")
+
+
+def _copy(envoy, tensor):
+    return tensor.clone()
+
+
+def _replace(envoy, old, new):
+    return new
+
+
+def copied(location, why: str) -> Derived:
+    """`location`'s value as a copy taken when it is produced, for a tensor the forward then adds into in place
+    (`why`); assigning it still replaces it."""
+    return Derived(location, _copy, _replace, "copy", in_place=False, why_not=why)
+
+
+def _keys(envoy, transposed):
+    return transposed.transpose(-1, -2)
+
+
+def _untranspose(envoy, old, new):
+    return new.transpose(-1, -2)
+
+
+class _GitMLP:
+    """The MLP as the checks call it: `output.dense(intermediate(x))`, the block's two modules, before the norm."""
+
+    def __init__(self, block):
+        self.block, self.dense = block, block.output.dense
+
+    def __call__(self, hidden_states):
+        return self.dense(self.block.intermediate(hidden_states))
+
+
+class Git(Family):
+    model_types = ("git",)
+    tiny = ("GitConfig", "GitForCausalLM", {
+        "num_key_value_heads": None, "vision_config": {
+            "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+            "image_size": 32, "patch_size": 16}})
+    layers = "git.encoder.layer"
+    embed_tokens = "git.embeddings.word_embeddings"
+    final_norm = None
+    attention = "attention"
+    mlp = "output"
+    output_projection = "E_output.dense"
+    down_projection = "dense"
+    eager_only = ()  # GitSelfAttention is GIT's only attention: it always forms the scores and the pattern
+    padding_changes_values = "positions count from the padded start: GIT's position embeddings take no mask"
+
+    def renames(self, engine="eager"):
+        from transformers.models.git import modeling_git as git
+
+        # by class: `output` names the MLP's last module, the attention's projection module and the LM head
+        return {self.layers: "layers", git.GitAttention: "self_attn", git.GitOutput: "mlp"}
+
+    def locations(self):
+        inner = dict(module="self")
+        return {
+            # GitEmbeddings adds the position embeddings into word_embeddings' output in place: served as a copy
+            "embeddings": copied(ModuleOutput(self.embed_tokens),
+                                 "GitEmbeddings adds the position embeddings into word_embeddings' output in place, "
+                                 "so attnlens hands out a copy taken before that add"),
+            "layer_input": ModuleInput(),
+            "attention_queries": Operation(("query_layer_0",), anchor="transpose", **inner),
+            "attention_keys": Derived(Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys,
+                                      _untranspose, "attention_keys"),
+            "attention_scores": Operation(("attention_scores_2",), anchor="+ attention_mask", **inner),
+            "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
+            # the values as the pattern mixes them (after any cache update): read after the pattern
+            "attention_values": Operation(("torch_matmul_1",), "arg", 1, anchor="value_layer", **inner),
+            "attention_head_outputs": Operation(("context_layer_1",), anchor="permute", **inner),
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput(self.output_projection),
+            "mlp_input": ModuleInput("intermediate"),
+            "mlp_activation": ModuleInput(),  # GitOutput receives the activation's output itself
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": ModuleOutput(self.down_projection),
+            "layer_output": ModuleOutput(""),
+            "logits": OutputField("logits"),
+        }
+
+    def num_heads(self, module):
+        return module.self.num_attention_heads
+
+    num_kv_heads = num_heads
+
+    def head_dim(self, module):
+        return module.self.attention_head_size
+
+    def scale(self, module):
+        return module.self.attention_head_size ** -0.5
+
+    def project_output(self, module, premix):
+        return module.output.dense(premix)
+
+    def mlp_module(self, block):
+        return _GitMLP(block)
+
+    def residual_add(self, block, sublayer, stream, update):
+        """Post-norm: the stream after a sublayer is the norm of the sum (the attention's `output.LayerNorm`, the
+        block's `output.LayerNorm`)."""
+        norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
+        return norm(stream + update)
+
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        reasons.update({
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+            "layer_mid": POST_NORM.format(what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
+                                               "+ attention_output) (mlp_input), and no norm precedes the MLP"),
+            "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
+            "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
+                                 "ends in that block's own LayerNorm",
+        })
+        return reasons
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        notes.update({
+            "attention_queries": "no rotary embedding: positions were added to the embeddings",
+            "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
+            "attention_probabilities": TEXT_ONLY,
+            "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows); the "
+                                "stream after it is attention.output.LayerNorm(layer_input + attention_output)",
+            "mlp_input": "what intermediate receives: attention.output.LayerNorm(layer_input + attention_output)",
+            "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
+            "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
+            "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
+                          "output.LayerNorm(mlp_input + mlp_output)",
+        })
+        notes["embeddings"] = ("word_embeddings' output, a copy taken before GitEmbeddings adds the position "
+                               "embeddings into it in place")
+        if layer == 0:
+            notes["layer_input"] = "LayerNorm(word + learned position embeddings): GitEmbeddings' output"
+        return notes
