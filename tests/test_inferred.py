@@ -274,7 +274,11 @@ def test_a_registered_family_wins_over_inference():
     assert type(_load(inner).family).__name__ == "Llama"
 
 
-def test_a_config_without_num_hidden_layers_degrades_to_the_block_values():
+def test_a_config_without_num_hidden_layers_degrades_to_the_block_values(monkeypatch):
+    from attnlens import registry
+
+    registry.registered()  # BLT has a family (its local decoder); taken away, the fallback must find blocks itself
+    monkeypatch.delitem(registry._BUILT_IN, "blt")
     with pytest.warns(attnlens.UnknownFamilyWarning, match="check blocks:"):
         model = _load(_build("blt"))  # bytes, patches and three lists of blocks; BltConfig has no depth
     assert model.family.layers == "model.global_transformer.layers"
