@@ -127,6 +127,10 @@ def why_not(model, layer: int) -> str | None:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
     if "attention_sinks" in served:
         return "the softmax also takes each head's sink logit, which the family's score function leaves out"
+    bias = model.family.score_bias(model.config, layer)
+    if bias is not None:
+        return (f"the family's score function is unavailable on this layer: the scores add {bias}, which the "
+                f"queries and keys cannot give")
     return None
 
 
