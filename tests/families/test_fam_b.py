@@ -202,3 +202,45 @@ def test_inkling_patterns_are_not_rebuilt_or_summarised_from_queries_and_keys():
     reason = sdpa.support(0)["self_attn.attention_probabilities"]
     assert "rebuild_patterns cannot rebuild it here" in reason and "relative-position bias" in reason
     assert "score function is unavailable" in attnlens.heads.why_not(tiny("inkling_text"), 1)
+
+
+# --- Inkling 2 ---------------------------------------------------------------------------------------------------
+
+
+def test_inkling2_the_blocks_mlp_input_module_moves_aside_for_the_value():
+    model = tiny("inkling2_text")
+    layer = model.layers[1]
+    assert type(layer.E_mlp_input._module).__name__ == "Inkling2BlockAttentionResidual"
+    got = trace(model, lambda m: {"mid": m.layers[1].layer_mid, "mix": m.layers[1].E_mlp_input.output,
+                                  "x": m.layers[1].mlp_input})
+    with torch.no_grad():
+        assert torch.allclose(layer._module.post_attention_layernorm(got["mix"][0]), got["x"], atol=1e-6)
+    assert got["mid"].dtype == torch.float32
+
+
+def test_inkling2_sinks_are_each_querys_own_logit():
+    model = tiny("inkling2_text")
+    module = model.layers[0].self_attn._module
+    got = trace(model, lambda m: {"x": m.layers[0].attention_norm_output,
+                                  "s": m.layers[0].self_attn.attention_scores,
+                                  "z": m.layers[0].self_attn.attention_sinks,
+                                  "p": m.layers[0].self_attn.attention_probabilities})
+    with torch.no_grad():
+        logits = module.sink_proj(got["x"]).transpose(1, 2)  # [batch, heads, query]
+    by_hand = torch.cat([got["s"], logits[..., None]], dim=-1).softmax(-1)
+    assert torch.allclose(by_hand[..., -1], got["z"], atol=1e-6)
+    assert torch.allclose(by_hand[..., :-1], got["p"], atol=1e-6)
+    assert got["z"].std(-1).min() > 0  # not one logit per head: it varies by query
+
+
+def test_inkling2_full_layers_read_three_inputs_and_the_depth_mixes_are_said():
+    model = tiny("inkling2_text")
+    block = model.layers[1]._module
+    got = trace(model, lambda m: {"x": m.layers[1].attention_norm_output, "q": m.layers[1].self_attn.attention_queries})
+    with torch.no_grad():
+        queries = block.self_attn.q_proj(got["x"], torch.arange(N)[None])
+    assert torch.allclose(queries, got["q"], atol=1e-6)
+    assert "k_input_layernorm" in model.support(1).notes["attention_norm_output"]
+    assert "depth" in model.support(0)["mlp_norm_output"] and "final_input" in model.support(0)["final_norm_output"]
+    assert "restarts" in model.support(0).notes["layer_mid"] and "restarts" in model.support(2).notes["layer_mid"]
+    assert "restarts" not in model.support(1).notes["layer_mid"]
