@@ -200,3 +200,61 @@ class Inkling2(SparseMoE, Family):
                                      f"beyond" + ("" if sliding else ", its weights times the query's log scale")
                                      + ", then masked; the family's score function leaves the bias out")
         return notes
+
+
+#: Values read on the model, not on a block: a looped block keeps them.
+MODEL_VALUES = ("embeddings", "final_norm_output", "logits")
+
+
+class Inkling2Loop(Inkling2):
+    """Inkling 2 with a looped core: the forward runs layers `loop_layer_index_start` to `loop_layer_index_end - 1`
+    `loop_num_passes` times. Each pass after the first restarts from the states that entered the loop and gates each
+    looped block's query, key, value and MLP inputs with messages from the previous pass (`message_input`,
+    `*_message_gate`), keeping its keys and values in cache slots of its own. A looped block therefore computes
+    `loop_num_passes` values of every block value per forward, each a different tensor: one value per block per forward
+    is not defined there, and attnlens serves none of them. The blocks before and after the loop run once per forward
+    and are served exactly as Inkling 2's (the first block after the loop reads the last pass's output)."""
+
+    model_types = ("inkling2_loop_text",)
+    tiny = ("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", {
+        **Inkling2.tiny[2], "num_hidden_layers": 4, "n_layers_per_attn_res_block": 1,
+        "layer_types": ["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid"],
+        # layer 1 runs twice per forward; layers 0, 2 and 3 once
+        "loop_layer_index_start": 1, "loop_layer_index_end": 2, "loop_num_passes": 2, "loop_gate_rank": 8,
+    })
+
+    @staticmethod
+    def looped(config, layer: int) -> bool:
+        return config.loop_layer_index_start <= layer < config.loop_layer_index_end
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"looped"} if self.looped(config, layer) else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "looped" in kind:
+            locations = {name: location for name, location in locations.items() if name in MODEL_VALUES}
+        return locations
+
+    def unavailable(self, config, layer, engine="eager"):
+        reasons = super().unavailable(config, layer, engine)
+        if self.looped(config, layer):
+            start, end, passes = config.loop_layer_index_start, config.loop_layer_index_end, config.loop_num_passes
+            why = (f"layer {layer} is in the looped core (layers {start} to {end - 1}), which the forward runs "
+                   f"loop_num_passes={passes} times: each pass calls this block again, the passes after the first "
+                   f"on the states that entered the loop with message gates from the previous pass, so the block "
+                   f"computes {passes} different values of this per forward, not one; attnlens serves one value per "
+                   f"block per forward. Read one pass through nnsight, which numbers a module's calls in a forward")
+            for name in reasons.keys() | {n for n in self.locations() if n not in MODEL_VALUES}:
+                if name not in MODEL_VALUES:
+                    reasons[name] = why
+        return reasons
+
+    def notes(self, config, layer, engine="eager"):
+        notes = super().notes(config, layer, engine)
+        if self.looped(config, layer):
+            return {name: note for name, note in notes.items() if name in MODEL_VALUES}
+        if layer == config.loop_layer_index_end:
+            notes["layer_input"] += "; the last pass of the looped core's output"
+        return notes

@@ -244,3 +244,22 @@ def test_inkling2_full_layers_read_three_inputs_and_the_depth_mixes_are_said():
     assert "depth" in model.support(0)["mlp_norm_output"] and "final_input" in model.support(0)["final_norm_output"]
     assert "restarts" in model.support(0).notes["layer_mid"] and "restarts" in model.support(2).notes["layer_mid"]
     assert "restarts" not in model.support(1).notes["layer_mid"]
+
+
+def test_inkling2_loop_serves_the_blocks_run_once_and_says_why_not_the_looped_one():
+    model = tiny("inkling2_loop_text")
+    module = model._module
+    calls = []
+    hook = module.model.layers[1].register_forward_hook(lambda mod, args, out: calls.append(out.detach()))
+    try:
+        with torch.no_grad():
+            module(ids())
+    finally:
+        hook.remove()
+    assert len(calls) == model.config.loop_num_passes == 2 and not torch.allclose(calls[0], calls[1], atol=1e-3)
+    got = trace(model, lambda m: {"x": m.layers[2].layer_input})
+    assert torch.allclose(got["x"], calls[-1], atol=1e-6)  # the block after the loop reads the last pass
+    reason = model.support(1)["self_attn.attention_probabilities"]
+    assert "loop_num_passes=2 times" in reason and "2 different values" in reason
+    assert model.support(1).available == ["embeddings", "logits"]
+    assert "last pass" in model.support(2).notes["layer_input"]
