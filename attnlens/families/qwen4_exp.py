@@ -22,8 +22,10 @@ stream, an indexer that makes the softmax layers sparse (QSA), and hashed n-gram
 - The rotary embedding is multimodal (mrope): on text, every section has the token's position, so it is the plain
   rotary embedding on the first `head_dim * partial_rotary_factor` dims.
 
-"qwen4_exp" checkpoints load as `Qwen4ExpForConditionalGeneration`, the language model under
-`model.language_model` (`multimodal.LanguageModelOf`); on token ids alone it runs as the text model does.
+A "qwen4_exp" checkpoint loaded through `AutoModelForCausalLM` (transformers maps the type to `Qwen4ExpForCausalLM`)
+is built on its text config, model type "qwen4_exp_text", and served by the text family. A model of type "qwen4_exp"
+is the composite `Qwen4ExpForConditionalGeneration` handed over as an object: its language model sits under
+`model.language_model` (`multimodal.LanguageModelOf`), and on token ids alone it runs as the text model does.
 """
 
 from __future__ import annotations
