@@ -163,7 +163,11 @@ class Inkling2(SparseMoE, Family):
         sliding = _sliding(config, layer)
         first = layer % config.n_layers_per_attn_res_block == 0
         mix = "attention_input(block_states, layer_input)[0]" if layer else "layer_input (layer 0 has no depth mix)"
-        conv = "a causal depthwise short convolution plus its input, in float32"
+        conv = ("a causal depthwise short convolution, plus its input, over sqrt(conv_kernel_size + 1), in "
+                "float32")
+        dynamic = ("a dynamic causal short convolution (taps: static weights plus per-token weights projected from "
+                   "the input, shared per key/value head), plus its input, over sqrt(2 * conv_kernel_size + 1), in "
+                   "float32")
         notes.update({
             "embeddings": "the embedding rows RMS-normalised by the embedding module (embed_tokens)",
             "layer_input": (f"the running sum of this layer's attention-residual block (blocks of "
@@ -172,10 +176,9 @@ class Inkling2(SparseMoE, Family):
             "attention_queries": ("q_proj: the projection, L2-clipped after a learned scale"
                                   + ("" if sliding else ", times the log scale 1 + alpha * log(max((position + 1) / "
                                                         "log_scaling_n_floor, 1))")),
-            "attention_keys": f"k_proj: a {'dynamic ' if not sliding else ''}short convolution of the projection "
-                              f"({conv}), L2-clipped",
-            "attention_values": f"v_proj: a {'dynamic ' if not sliding else ''}short convolution of the projection, "
-                                f"RMS-normalised without weights",
+            "attention_keys": f"k_proj: {conv if sliding else dynamic} of the projection, L2-clipped",
+            "attention_values": f"v_proj: {conv if sliding else dynamic} of the projection, RMS-normalised without "
+                                f"weights",
             "attention_sinks": SINK_NOTE.replace("the head's sink logit", "the query's sink logit for the head "
                                                                           "(sink_proj of its hidden state)"),
             "attention_probabilities": "rows sum to 1 - attention_sinks: the sink column is dropped after the softmax"
