@@ -190,8 +190,10 @@ def _attention_failures(model, module, layer, v, batch, length):
         check("scores shape", scores.shape == probs.shape)
         check("softmax(scores) == probabilities (renormalised with a sink)", close(scores.softmax(-1), renormalised))
         values = {"values": vals} if f.scores_need_values else {}  # Doge's dynamic mask
-        check("scores == family score function", close(rebuilt(f.scores, attn.heads, model.config, q, k, layer,
-                                                               **values), scores))
+        expected = rebuilt(f.scores, attn.heads, model.config, q, k, layer, **values)
+        if expected is not None and f.score_bias(model.config, layer) is not None:  # a term from the hidden states
+            expected = expected + f.score_bias_value(module, v, layer)
+        check("scores == family score function", close(expected, scores))
     if "attention_head_outputs" in v:
         heads = v["attention_head_outputs"]
         check("head outputs shape", heads.shape == (batch, length, h, d))

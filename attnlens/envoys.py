@@ -23,6 +23,11 @@ def value_property(value: Value) -> property:
         return access.read(envoy, name, access.layer_of(envoy) if per_layer else None)
 
     def write(envoy, new):
+        if isinstance(new, Envoy):  # nnsight mounting a submodule named after this value (Inkling 2's `mlp_input`)
+            mounted = f"{Envoy.OVERLOAD_PREFIX}{name}"  # moved as nnsight moves its own names: the value stays
+            object.__setattr__(envoy, mounted, new)
+            envoy._aliases[mounted] = name
+            return
         access = envoy.interleaver.attnlens
         access.write(envoy, name, access.layer_of(envoy) if per_layer else None, new)
 

@@ -314,6 +314,18 @@ class Family:
         """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
         return None
 
+    def score_bias(self, config, layer: int) -> str | None:
+        """What `layer`'s scores add that the queries and keys cannot give (Inkling's relative-position bias, computed
+        from each query's hidden state), in words, or None (the default): the score function gives the scores. Where
+        there is one, `scores()` leaves it out, patterns are neither rebuilt nor summarised from the queries and keys
+        on that layer, and the identities add `score_bias_value` to the score function."""
+        return None
+
+    def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
+        """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
+        (transformers') and the layer's values read in the same forward (`values`, by name): the identities' side."""
+        raise NotImplementedError(f"the {self.name} family declares a score bias but not how to compute it")
+
     def sliding_window(self, config, layer: int) -> int | None:
         """How many keys back a query of `layer` sees (itself included) in transformers, or None for full causal
         attention."""

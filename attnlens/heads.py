@@ -130,6 +130,10 @@ def why_not(model, layer: int) -> str | None:
     if model.family.scores_need_values:
         return (f"the scores depend on the values ({model.family.scores_need_values}), so the pattern is "
                 f"unavailable to head summaries, which score the queries and keys alone")
+    bias = model.family.score_bias(model.config, layer)
+    if bias is not None:
+        return (f"the family's score function is unavailable on this layer: the scores add {bias}, which the "
+                f"queries and keys cannot give")
     return None
 
 

@@ -54,6 +54,10 @@ def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
     if "attention_sinks" in family.locations_for(config, layer):
         return ("the softmax also takes each head's sink logit, which attnlens does not rebuild; load with "
                 "attn_implementation='eager'")
+    bias = family.score_bias(config, layer)
+    if bias is not None:
+        return (f"the scores add {bias}, which the family's score function cannot form from the queries and keys; "
+                f"load with attn_implementation='eager'")
     if _interface_queries(family, config, layer) is None:
         return (f"the {family.name} family reads its queries outside the attention function's call, where the mask "
                 f"is not at hand; load with attn_implementation='eager'")
