@@ -680,6 +680,7 @@ def _inspect(model_type, record, model, layers_path, logits, softmaxes, family) 
     record.update(_layers(model, layers_path, softmaxes))
     attention = {layer: paths[0] for layer, paths in softmaxes.items()}
     if family is not None:
+        family = _registered().get(model.config.model_type, family)  # the built text model's own type, as on load
         served = check(model, family(), list(range(len(record["layers"]))))
         record["serves"] = {"family": family.__name__, "check": served}
     else:
