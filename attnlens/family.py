@@ -578,6 +578,8 @@ class UnknownLayout(Family):
         self.embed_tokens = names.get(id(model.get_input_embeddings()))
         #: Why the blocks may not run once each per forward (None: they do, or nothing says otherwise).
         self.blocks_not_once: str | None = None
+        #: What kind of model it is where it is no plain decoder with attention (an encoder, attention-free), or None.
+        self.kind: str | None = None
 
     @property
     def name(self) -> str:
@@ -597,6 +599,7 @@ class UnknownLayout(Family):
 
     def unavailable(self, config, layer, engine="eager"):
         reason = (f"attnlens has no family for model type {self.model_type!r}"
+                  + (f" ({self.kind})" if self.kind else "")
                   + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
                   + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)")
         blocks = dict.fromkeys(("layer_input", "layer_output"), self.blocks_not_once) if self.blocks_not_once else {}

@@ -113,6 +113,22 @@ def blocks_run_once(model: torch.nn.Module, layers: str) -> str | None:
             f"forward, or out of order, so it has no one input and output")
 
 
+def not_a_plain_decoder(model: torch.nn.Module) -> str | None:
+    """What kind of model this is where it is not a decoder of token ids with attention (None: it may be one)."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return ("the decoder of an encoder-decoder model: its cross-attention reads the encoder's output, which token "
+                "ids alone do not give")
+    if any(flag in config.to_dict() for flag in ("is_decoder", "causal")):
+        return ("an encoder (BERT-style) that runs as a decoder only with its decoder flag "
+                f"(is_decoder={getattr(config, 'is_decoder', None)}): its blocks are not a decoder's")
+    if not any("attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
+               for module in model.modules()):
+        return "attention-free: no module of it is an attention module (a state-space or recurrent mixer), so there " \
+               "are no queries, keys or pattern"
+    return None
+
+
 def interface_call(cls) -> dict | None:
     """How `cls.forward` calls the shared attention interface (`ALL_ATTENTION_FUNCTIONS`): the operation nnsight names
     for the call, its positional arguments and keywords (as source), the names it is called by, and the eager function

@@ -27,9 +27,9 @@ def _model_type(model: Any, kwargs: dict) -> str:
     return AutoConfig.from_pretrained(model, **config_kwargs).model_type
 
 
-def _unknown_family_message(model_type: str, refusal: str = "") -> str:
+def _unknown_family_message(model_type: str, refusal: str = "", kind: str | None = None) -> str:
     return (
-        f"attnlens has no family for model type {model_type!r}"
+        f"attnlens has no family for model type {model_type!r}" + (f" ({kind})" if kind else "")
         + (f", and its blocks are not the common layout (check {refusal}; see docs/inferred.md)" if refusal else "")
         + ". Without one, layers[i].layer_input, "
         f"layers[i].layer_output, embeddings and logits work, and nnsight's own module paths; the attention, MLP "
@@ -42,13 +42,15 @@ def _unknown_family_message(model_type: str, refusal: str = "") -> str:
 def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     """The common layout inferred and verified on `model` (`attnlens.inferred`), else `UnknownLayout` naming the first
     check that failed; either warns."""
-    from .inferred import Inferred, NotCommonLayout, blocks_run_once
+    from .inferred import Inferred, NotCommonLayout, blocks_run_once, not_a_plain_decoder
 
     try:
         family = Inferred(model)
     except NotCommonLayout as refusal:
-        warnings.warn(_unknown_family_message(model_type, str(refusal)), UnknownFamilyWarning, stacklevel=3)
+        kind = not_a_plain_decoder(model)
+        warnings.warn(_unknown_family_message(model_type, str(refusal), kind), UnknownFamilyWarning, stacklevel=3)
         family = UnknownLayout(model, refusal=str(refusal))
+        family.kind = kind
         family.blocks_not_once = blocks_run_once(model, family.layers)
         return family
     warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=3)
