@@ -34,6 +34,13 @@ def missing_classes(case: str) -> str | None:
     return f"transformers {transformers.__version__} has no {', '.join(missing)}" if missing else None
 
 
+def needs(case: str) -> None:
+    """Skip where the installed transformers lacks `case`'s classes (they are newer than it)."""
+    reason = missing_classes(case)
+    if reason:
+        pytest.skip(reason)
+
+
 def pytest_collection_modifyitems(items):
     """Cases whose model type the installed transformers lacks are skipped, saying so, wherever they are used."""
     for item in items:

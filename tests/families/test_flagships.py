@@ -5,7 +5,7 @@ paired sublayers): what the shared identities cannot see."""
 import pytest
 import torch
 import transformers
-from conftest import PROMPT, missing_classes, tiny
+from conftest import PROMPT, needs, tiny
 from identities import trace
 
 import attnlens
@@ -15,13 +15,6 @@ from attnlens.family import TINY_DEFAULTS
 from attnlens.models import char_tokenizer, tiny_model
 
 N = len(PROMPT)
-
-
-def needs(case):
-    """Skip where the installed transformers lacks `case`'s classes (they are newer than it)."""
-    reason = missing_classes(case)
-    if reason:
-        pytest.skip(reason)
 
 
 def chunked(length, size, start=0):

@@ -4,7 +4,8 @@ identities cannot see."""
 
 import pytest
 import torch
-from conftest import PROMPT, missing_classes, tiny
+from conftest import PROMPT, needs, tiny
+from identities import trace
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -12,22 +13,6 @@ from attnlens.families.qwen4_exp import sums_masks
 from attnlens.models import char_tokenizer, tiny_model
 
 N = len(PROMPT)
-
-
-def needs(case):
-    """Skip where the installed transformers lacks `case`'s classes (they are newer than it)."""
-    reason = missing_classes(case)
-    if reason:
-        pytest.skip(reason)
-
-
-def trace(model, read, prompt=PROMPT):
-    """Run `read(model)` (a dict of proxies, in forward order) inside one no-grad trace and return the values."""
-    saved = {}
-    with torch.no_grad(), model.trace(prompt):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
 
 
 def ids(prompt=PROMPT):

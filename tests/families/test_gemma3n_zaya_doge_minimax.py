@@ -4,7 +4,8 @@ identities cannot see on the tiny recipes, whose learned scales start at the ide
 
 import pytest
 import torch
-from conftest import PROMPT, missing_classes, tiny
+from conftest import PROMPT, needs, tiny
+from identities import trace
 
 import attnlens
 from attnlens import heads
@@ -12,20 +13,6 @@ from attnlens.checks import failures, read_everything
 from attnlens.models import char_tokenizer, tiny_model
 
 N = len(PROMPT)
-
-
-def needs(case):
-    reason = missing_classes(case)
-    if reason:
-        pytest.skip(reason)
-
-
-def trace(model, read, prompt=PROMPT):
-    saved = {}
-    with torch.no_grad(), model.trace(prompt):
-        for name, proxy in read(model).items():
-            saved[name] = proxy.save()
-    return saved
 
 
 def perturbed(case, names, **config):
