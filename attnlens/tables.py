@@ -25,10 +25,12 @@ unless rebuilt (see support-and-order.md and patterns-without-eager.md).
 
 
 def _families() -> dict[type[Family], list[str]]:
-    """Each family with a tiny recipe -> its model types."""
+    """Each family with a tiny recipe the installed transformers can build -> its model types."""
+    import transformers
+
     families: dict[type[Family], list[str]] = {}
     for model_type, family in sorted(registered().items()):
-        if family.tiny is not None:
+        if family.tiny is not None and hasattr(transformers, family.tiny[0]):
             families.setdefault(family, []).append(model_type)
     return families
 

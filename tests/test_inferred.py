@@ -90,7 +90,7 @@ def test_survey_fits_the_static_checks_refuse(model_type):
         recorded = RECORDS[model_type]["tiny_kwargs"]
         full = ["full_attention"] * recorded["num_hidden_layers"]
         with pytest.raises(NotCommonLayout, match=f"^{REFUSED[model_type]}:"):
-            Inferred(survey.build(model_type, **recorded, layer_types=full))
+            Inferred(survey.build(model_type, **{**recorded, "layer_types": full}))
         return
     with pytest.warns(attnlens.UnknownFamilyWarning, match=f"check {REFUSED[model_type]}:"):
         model = _load(_build(model_type))
