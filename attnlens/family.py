@@ -321,6 +321,18 @@ class Family:
         on that layer, and the identities add `score_bias_value` to the score function."""
         return None
 
+    def beyond_queries_and_keys(self, config, layer: int) -> str | None:
+        """Why the score function on queries and keys alone does not give `layer`'s pattern (what rebuilt patterns
+        and head summaries compute it from), or None: a sink logit, scores that depend on the values, a score bias."""
+        if self.scores_need_values:
+            return f"the {self.name} family's scores depend on the values ({self.scores_need_values})"
+        if "attention_sinks" in self.locations_for(config, layer):
+            return "the softmax also takes each head's sink logit"
+        bias = self.score_bias(config, layer)
+        if bias is not None:
+            return f"the scores add {bias}, which the queries and keys cannot give"
+        return None
+
     def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
         """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
         (transformers') and the layer's values read in the same forward (`values`, by name): the identities' side."""

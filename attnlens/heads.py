@@ -125,15 +125,10 @@ def why_not(model, layer: int) -> str | None:
     served = model.access.locations(layer)
     if "attention_probabilities" not in served:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
-    if "attention_sinks" in served:
-        return "the softmax also takes each head's sink logit, which the family's score function leaves out"
-    if model.family.scores_need_values:
-        return (f"the scores depend on the values ({model.family.scores_need_values}), so the pattern is "
-                f"unavailable to head summaries, which score the queries and keys alone")
-    bias = model.family.score_bias(model.config, layer)
-    if bias is not None:
-        return (f"the family's score function is unavailable on this layer: the scores add {bias}, which the "
-                f"queries and keys cannot give")
+    beyond = model.family.beyond_queries_and_keys(model.config, layer)
+    if beyond is not None:
+        return (f"{beyond}: head summaries score the queries and keys alone, so the family's score function is "
+                f"unavailable on this layer")
     return None
 
 

@@ -48,16 +48,10 @@ def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
         return (f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
                 f"model's pattern is not the one the family's score function gives; load with "
                 f"attn_implementation='eager'")
-    if family.scores_need_values:
-        return (f"the {family.name} family's scores depend on the values ({family.scores_need_values}), which the "
-                f"rebuild does not read; load with attn_implementation='eager'")
-    if "attention_sinks" in family.locations_for(config, layer):
-        return ("the softmax also takes each head's sink logit, which attnlens does not rebuild; load with "
-                "attn_implementation='eager'")
-    bias = family.score_bias(config, layer)
-    if bias is not None:
-        return (f"the scores add {bias}, which the family's score function cannot form from the queries and keys; "
-                f"load with attn_implementation='eager'")
+    beyond = family.beyond_queries_and_keys(config, layer)
+    if beyond is not None:
+        return (f"{beyond}, which the rebuild from the queries and keys leaves out; load with "
+                f"attn_implementation='eager'")
     if _interface_queries(family, config, layer) is None:
         return (f"the {family.name} family reads its queries outside the attention function's call, where the mask "
                 f"is not at hand; load with attn_implementation='eager'")
