@@ -45,13 +45,14 @@ class Gemma4Text(Gemma3):
     # leave out (tests/families/test_flagships.py runs both).
     tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                             "moe_intermediate_size": 32}}
+    block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
 
     def num_kv_heads(self, module):
         return self.num_heads(module) // module.num_key_value_groups  # per layer: full layers may have fewer
 
-    def residual_add(self, block, sublayer, stream, update):
+    def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
         if sublayer != "mlp":
             return super().residual_add(block, sublayer, stream, update)
         if getattr(block, "enable_moe_block", False):
@@ -59,7 +60,11 @@ class Gemma4Text(Gemma3):
             _, weights, index = block.router(flat)
             experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(stream.shape)
             update = block.post_feedforward_layernorm_1(update) + block.post_feedforward_layernorm_2(experts)
-        return (stream + block.post_feedforward_layernorm(update)) * block.layer_scalar
+        h = stream + block.post_feedforward_layernorm(update)
+        if getattr(block, "hidden_size_per_layer_input", 0):  # the per-layer-input branch, from the block's input
+            h = h + block.post_per_layer_input_norm(block.per_layer_projection(
+                block.act_fn(block.per_layer_input_gate(h)) * per_layer_input))
+        return h * block.layer_scalar
 
     @staticmethod
     def shared_from(config, layer: int) -> int | None:
@@ -95,7 +100,8 @@ class Gemma4Text(Gemma3):
         ple = ""
         if getattr(config, "hidden_size_per_layer_input", 0):
             ple = (" + post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(h)) * per_layer_input"
-                   "))) with h the sum so far: the per-layer-input branch, no standardized value")
+                   "))) with h the sum so far: the per-layer-input branch, no standardized value (the identities "
+                   "recompute it from the block's per_layer_input argument)")
         notes["layer_output"] = f"(layer_mid + {parts}{ple}) * layer_scalar"
         return notes
 
@@ -104,6 +110,7 @@ class Gemma4UnifiedText(Gemma4Text):
     model_types = ("gemma4_unified_text",)
     tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
     tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
+    block_arguments = {}  # its blocks take no per-layer input
 
 
 class Gemma4(LanguageModelOf, Gemma4Text):
