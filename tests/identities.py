@@ -6,7 +6,7 @@ from conftest import PROMPT, tiny
 
 from attnlens.checks import close, failures, read_everything, visible
 
-__all__ = ["close", "failures", "read_everything", "saved_for", "trace", "visible"]
+__all__ = ["close", "failures", "read_everything", "saved_for", "swapped", "trace", "visible"]
 
 _saved: dict = {}
 
@@ -16,6 +16,27 @@ def saved_for(case: str) -> dict:
     if case not in _saved:
         _saved[case] = read_everything(tiny(case), PROMPT)
     return _saved[case]
+
+
+def swapped(locations_for, layer: int, value: str, other: str):
+    """`locations_for` with `value` read where `other` is, on `layer` only (on a hybrid, other layers may lack both),
+    moved to that place in the forward order so a value between the two (a gate) is still read in order."""
+
+    def rewired(config, i, engine="eager"):
+        locations = locations_for(config, i, engine)
+        if i != layer:
+            return locations
+        moved = {}
+        for name, location in locations.items():
+            if name == "attention_key_positions":  # derived from the keys: it would follow them
+                continue
+            if name == other:
+                moved[value] = location
+            if name != value:
+                moved[name] = location
+        return moved
+
+    return rewired
 
 
 def trace(model, read, prompt=PROMPT) -> dict:

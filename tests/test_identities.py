@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import ALL_CASES, PROMPT, tiny
-from identities import failures, read_everything, saved_for
+from identities import failures, read_everything, saved_for, swapped
 
 #: Values every family must serve on at least one layer: a family that declared them away would pass the identities.
 ESSENTIAL = ("layer_input", "self_attn.attention_queries", "self_attn.attention_keys", "self_attn.attention_values",
@@ -89,25 +89,7 @@ def test_a_miswired_family_fails_the_identities(case, value):
             torch.equal(saved[(layer, value)], saved[(layer, other)]):  # DeepSeek-V4's keys are its values
         pytest.skip(f"{case}'s {value} and {other} are one tensor at layer {layer}: reading one for the other is right")
     family = model.family
-    original = family.locations_for
-
-    def rewired(config, i, engine="eager"):
-        # Only `layer` is rewired (on a hybrid, other layers may lack both values), and the rewired value moves to
-        # its new place in the forward order, so a value between the two (a gate) is still read in order.
-        locations = original(config, i, engine)
-        if i != layer:
-            return locations
-        moved = {}
-        for name, location in locations.items():
-            if name == "attention_key_positions":  # derived from the keys: it would follow them
-                continue
-            if name == other:
-                moved[value] = location
-            if name != value:
-                moved[name] = location
-        return moved
-
-    family.locations_for = rewired
+    family.locations_for = swapped(family.locations_for, layer, value, other)
     model.access.refresh()
     try:
         bad = failures(model, read_everything(model, PROMPT), layer)

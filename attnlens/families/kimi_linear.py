@@ -9,30 +9,17 @@ serves only what it has: its output and what `o_proj` receives (`attention_premi
 """
 
 from .deepseek_v2 import DeepseekV2
-from .qwen3_next import LINEAR_ABSENT
+from .qwen3_next import LINEAR_ABSENT, LinearLayers
 from .youtu import LATENT_TINY
 
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
        "n_group": 1, "topk_group": 1, "mlp_layer_types": ["dense", "sparse", "dense"]}
 
 
-class DeltaHybrid:
+class DeltaHybrid(LinearLayers):
     """Mixin for a family whose `linear_attention` layers are Kimi Delta Attention modules under `self_attn`."""
 
     label = "Kimi Linear"
-
-    def is_linear(self, config, layer: int) -> bool:
-        return config.layer_types[layer] == "linear_attention"
-
-    def layer_kind(self, config, layer):
-        kind = super().layer_kind(config, layer)
-        return kind | {"linear"} if self.is_linear(config, layer) else kind
-
-    def kind_locations(self, kind, config, engine):
-        locations = super().kind_locations(kind, config, engine)
-        if "linear" in kind:
-            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
-        return locations
 
     # sizes: a KDA module's heads are its linear heads (its premix merges them)
     def head_dim(self, module):

@@ -63,6 +63,24 @@ def _vllm_flat(envoy, old, new):
 
 
 @dataclass(frozen=True)
+class LinearLayers:
+    """Mixin for a hybrid whose `config.layer_types` "linear_attention" layers hold a linear-attention module under
+    `self_attn`: those layers form no query-key pattern, so they serve none of LINEAR_ABSENT."""
+
+    def is_linear(self, config, layer: int) -> bool:
+        return config.get_text_config().layer_types[layer] == "linear_attention"
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"linear"} if self.is_linear(config, layer) else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "linear" in kind:
+            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
+        return locations
+
+
 class GatedPattern(RebuiltPattern):
     """The rebuilt pattern of a gated layer on vLLM, read-only."""
 
@@ -77,7 +95,7 @@ class GatedPattern(RebuiltPattern):
         return f"rebuilt in vLLM's worker ({how}) from the kernel's queries and the kept keys; read-only"
 
 
-class Qwen3Next(SparseMoE, Family):
+class Qwen3Next(LinearLayers, SparseMoE, Family):
     model_types = ("qwen3_next",)
     tiny = ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
         "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
@@ -110,9 +128,6 @@ class Qwen3Next(SparseMoE, Family):
     def _text(config):
         return config.get_text_config()
 
-    def is_linear(self, config, layer: int) -> bool:
-        return self._text(config).layer_types[layer] == "linear_attention"
-
     def moe_layer(self, config, layer: int) -> bool:
         config = self._text(config)
         return (layer not in (config.mlp_only_layers or []) and config.num_experts > 0
@@ -127,14 +142,9 @@ class Qwen3Next(SparseMoE, Family):
         gate = Derived(Operation((name,), anchor=anchor), _per_head, _flat, label="attention_gate")
         return insert_after(common, "attention_head_outputs", "attention_gate", gate)
 
-    def layer_kind(self, config, layer):
-        kind = super().layer_kind(config, layer)
-        return kind | {"linear"} if self.is_linear(config, layer) else kind
-
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        if "linear" in kind:
-            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
+        if "linear" in kind:  # the Gated DeltaNet's output projection still receives its merged heads
             premix = ModuleInput(self.linear_output_projection)
             locations["attention_premix"] = premix if engine == "eager" else batched(premix)
         return locations

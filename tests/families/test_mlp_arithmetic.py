@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, failures, read_everything
+from identities import close, failures, read_everything, swapped
 
 import attnlens
 from attnlens.families.lfm2 import Lfm2
@@ -127,21 +127,7 @@ def _failures_with(model, replaced, layer):
 def test_a_miswired_mlp_value_fails_a_named_identity(case, value, other):
     model = tiny(case)
     layer = BY_HAND[case][0]
-    original = model.family.locations_for
-
-    def rewired(config, i, engine="eager"):
-        locations = original(config, i, engine)
-        if i != layer:
-            return locations
-        moved = {}
-        for name, location in locations.items():
-            if name == other:
-                moved[value] = location
-            if name != value:
-                moved[name] = location
-        return moved
-
-    bad = _failures_with(model, {"locations_for": rewired}, layer)
+    bad = _failures_with(model, {"locations_for": swapped(model.family.locations_for, layer, value, other)}, layer)
     assert any("activation" in name or "neurons" in name for name in bad), bad
 
 
