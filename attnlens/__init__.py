@@ -14,10 +14,10 @@ from .errors import (
     UnknownFamilyWarning,
 )
 from .family import Family, MLPArithmetic
-from .fused import FusedQKV
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
+from .parts.fused import FusedQKV
 from .plot import plot
 from .registry import family_for, register, registered
 from .show import View, show

@@ -11,21 +11,14 @@ import re
 from typing import Any, Callable
 
 import torch
-from greenlet import getcurrent
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .errors import EditError, OrderError, Unavailable
 from .family import ENGINES, Family
 from .geometry import HeadGeometry
-from .locations import Location
+from .locations import Location, mediator
 from .support import Support
 from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
-
-
-def mediator():
-    """The nnsight mediator running the current trace body (None outside one)."""
-    reference = getattr(getcurrent(), "mediator", None)
-    return reference() if reference is not None else None
 
 
 def describe(name: str, layer: int | None) -> str:

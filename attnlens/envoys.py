@@ -1,8 +1,8 @@
 """The envoys that carry the standardized values, on both engines: the blocks, their attention and their MLP.
 
 Each value is a property generated from the catalogue; reading and writing go through the model's `Access`
-(`envoy.interleaver.attnlens`, the same object for every envoy of a model), which checks support, order and layout
-before it touches nnsight.
+(`attnlens.locations.context(envoy)`, the same object for every envoy of a model), which checks support, order
+and layout before it touches nnsight.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import functools
 from nnsight.intervention.envoy import Envoy
 
 from .geometry import HeadGeometry
+from .locations import context
 from .values import ALL_VALUES, HOSTS, Value, closest
 
 
@@ -19,7 +20,7 @@ def value_property(value: Value) -> property:
     name, per_layer = value.name, value.scope != "model"
 
     def read(envoy):
-        access = envoy.interleaver.attnlens
+        access = context(envoy)
         return access.read(envoy, name, access.layer_of(envoy) if per_layer else None)
 
     def write(envoy, new):
@@ -28,7 +29,7 @@ def value_property(value: Value) -> property:
             object.__setattr__(envoy, mounted, new)
             envoy._aliases[mounted] = name
             return
-        access = envoy.interleaver.attnlens
+        access = context(envoy)
         access.write(envoy, name, access.layer_of(envoy) if per_layer else None, new)
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
@@ -59,7 +60,7 @@ class LayersEnvoy(Envoy):
 
     def __getitem__(self, key):
         if isinstance(key, int) and not isinstance(key, bool):
-            key = self.interleaver.attnlens.check_layer(key)
+            key = context(self).check_layer(key)
         return super().__getitem__(key)
 
 
@@ -77,7 +78,7 @@ class AttentionEnvoy(Helpful, Envoy):
     @property
     def heads(self) -> HeadGeometry:
         """The heads' sizes and scale (what the family's score function takes)."""
-        access = self.interleaver.attnlens
+        access = context(self)
         return access.geometry(access.layer_of(self))
 
     num_heads = property(lambda self: self.heads.num_heads, doc="query heads")

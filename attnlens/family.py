@@ -21,7 +21,7 @@ import torch
 
 from .errors import LocationDrift, UnknownFamily
 from .geometry import HeadGeometry
-from .locations import Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
+from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .values import ALL_VALUES, BY_NAME
 
 #: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
@@ -29,9 +29,7 @@ from .values import ALL_VALUES, BY_NAME
 ENGINES = {"eager": "transformers", "vllm": "vllm"}
 
 if TYPE_CHECKING:
-    from .fused import FusedQKV
-
-INTERFACE_CALL = "attention_interface_1"
+    from .parts.fused import FusedQKV
 
 #: The sizes every tiny model shares: grouped heads (4 query, 2 key/value), three blocks, a wide initialisation so
 #: patterns are far from uniform.
@@ -530,7 +528,7 @@ class Family:
 
     def vllm_locations(self) -> dict[str, Location]:
         """Value name -> location in vLLM's implementation of the common layout, in forward order."""
-        from .vllm.locations import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
+        from .locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
 
         kernel, path = self.vllm_kernel, lambda role: self.path(role, "vllm")
         return {

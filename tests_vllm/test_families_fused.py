@@ -9,10 +9,10 @@ import re
 import pytest
 import test_equal_to_eager as equal
 import torch
+from attnlens.families.vllm_transformers import VLLMTransformersBackend
 from conftest import FAMILIES, PROMPT, Pair, pair
 
 import attnlens
-from attnlens.families.vllm_transformers import VLLMTransformersBackend
 
 _layouts: dict = {}
 

@@ -1,6 +1,6 @@
 """Latent attention (DeepSeek-V2/V3) on vLLM: keys, values and the pattern rebuilt from the latent the MLA kernel
 receives, what `support()` says of them, edits, and the CPU rotary kernel's fault that makes plain vLLM differ from
-transformers on an unscaled rope (`attnlens.vllm.mla`)."""
+transformers on an unscaled rope (`attnlens.locations.latent`)."""
 
 import pytest
 import torch

@@ -12,9 +12,9 @@ queries and keys, and `capture_attention` computes only the requested rows and h
 - `helpers.py`: `per_head_value`, `attn_out_gate`, `split_fused_qkv`.
 """
 
+from ..names import CACHE_NAMES, FUSED, Cache, cache_key
 from .api import KINDS, capture_attention, run_with_cache
 from .helpers import attn_out_gate, per_head_value, split_fused_qkv
-from .names import CACHE_NAMES, FUSED, Cache, cache_key
 from .runs import Stored, prompts_of
 
 __all__ = ["CACHE_NAMES", "FUSED", "KINDS", "Cache", "Stored", "attn_out_gate", "cache_key", "capture_attention",

@@ -8,12 +8,13 @@ from typing import Iterable
 
 import torch
 
+from .. import points as plan
 from .. import rebuild
 from ..errors import Unavailable
 from ..inputs import check_layers
+from ..names import Cache, cache_key
 from ..values import BY_SHORT
-from . import plan, runs
-from .names import Cache, cache_key
+from . import runs
 
 
 def run_with_cache(model, inputs, names: Iterable[str], *, batch_size: int = 8, progress: bool | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import Unavailable
-from .names import Cache
+from ..names import Cache
 
 
 def per_head_value(model, cache: Cache, layer: int, *, expand: bool = True) -> torch.Tensor:

@@ -11,9 +11,9 @@ adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receiv
 """
 
 from ..family import Family
-from ..locations import Derived, Operation, insert_after
-from .moe import SparseMoE, moe_absent
-from .qwen3_next import _flat, _per_head
+from ..locations import Operation, insert_after
+from ..locations.views import per_head
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Afmoe(SparseMoE, Family):
@@ -30,8 +30,7 @@ class Afmoe(SparseMoE, Family):
         return layer >= config.num_dense_layers
 
     def locations(self):
-        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), _per_head, _flat,
-                       label="attention_gate")
+        gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):

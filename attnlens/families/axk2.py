@@ -8,17 +8,9 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
-from ..locations import Derived, Operation, insert_after
+from ..locations import Operation, insert_after
+from ..locations.views import per_head
 from .deepseek_v32 import DeepseekV32
-
-
-def _per_head(envoy, gate):
-    # The forward holds the gate flat, [batch, seq, heads * v_head_dim]; unflatten is a view, so in-place edits land.
-    return gate.unflatten(-1, (-1, envoy._module.v_head_dim))
-
-
-def _flat(envoy, old, new):
-    return new.flatten(-2)
 
 
 class AXK2(DeepseekV32):
@@ -26,8 +18,7 @@ class AXK2(DeepseekV32):
     tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):
-        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), _per_head, _flat,
-                       label="attention_gate")
+        gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):

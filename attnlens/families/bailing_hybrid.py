@@ -8,8 +8,8 @@ Delta Attention (see Kimi Linear), whose output gate lives inside `o_norm`.
 """
 
 from ..locations import insert_after
+from ..parts.gates import head_scalar_gate
 from .deepseek_v2 import DeepseekV2
-from .dots3_note import head_scalar_gate
 from .kimi_linear import MOE, DeltaHybrid
 from .youtu import LATENT_TINY
 
@@ -27,7 +27,7 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        if not self.is_linear(config, layer):
+        if not self.is_mixer_layer(config, layer):
             notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the " \
                                               "premix"
             notes["attention_gate"] = "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the " \

@@ -6,7 +6,7 @@ renamed `self_attn`, see `families/hybrid.py`).
 """
 
 from ..family import Family
-from .hybrid import MixerLayers
+from ..parts.mixers import MixerLayers
 
 
 class Bamba(MixerLayers, Family):

@@ -14,7 +14,7 @@ import math
 
 from ..family import Family
 from ..locations import Operation, insert_after
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Beam(SparseMoE, Family):

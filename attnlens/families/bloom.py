@@ -19,41 +19,19 @@ vLLM's Bloom keeps these module names without the residual inside the modules, h
 (`VLLM_GELU`).
 """
 
-import math
 
 import torch
 
 from ..family import Family
-from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
-from .vllm_transformers import mirrored
+from ..parts.alibi import alibi_slopes, key_positions
+from ..parts.fused import FusedQKV
+from ..parts.mirrored import mirrored
 
 VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
              "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
              "values differ from the eager engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny random "
              "checkpoint)")
-
-
-def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
-    """Bloom's (and Falcon's) per-head ALiBi slopes, float32: a geometric series from the nearest lower power of two,
-    then every other slope of the next power of two for the remaining heads."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, device=device)
-    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, device=device))
-    if closest != num_heads:
-        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device=device)
-        remaining = min(closest, num_heads - closest)
-        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device=device))
-        slopes = torch.cat([slopes, extra])
-    return slopes
-
-
-def key_positions(num_keys: int, key_mask: torch.Tensor | None, device=None) -> torch.Tensor:
-    """The position ALiBi gives each key, [batch or 1, key]: padding is skipped, padded keys get 0."""
-    if key_mask is None:
-        return torch.arange(num_keys, device=device)[None]
-    key_mask = key_mask.long()
-    return (key_mask.cumsum(dim=-1) - 1) * key_mask
 
 
 def _split(envoy, folded):
@@ -120,7 +98,7 @@ class Bloom(Family):
         }
 
     def vllm_locations(self):
-        from ..vllm.locations import HiddenArgument, batched
+        from ..locations.vllm import HiddenArgument, batched
 
         # vLLM's block is called as layer(positions, hidden_states)
         return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}

@@ -14,8 +14,8 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 
 from ..family import Family
 from ..locations import ModuleInput, ModuleOutput
-from ..vllm.locations import HiddenArgument, batched
-from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..locations.vllm import HiddenArgument, batched
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
 class Cohere(Family):

@@ -9,8 +9,8 @@ whose `config.mlp_layer_types` entry is not `"dense"` route tokens to experts (e
 its own tokens), plus shared experts averaged or summed in, so no activation or neuron tensor exists there.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .cohere import Cohere
-from .moe import SparseMoE, moe_absent
 
 
 class Cohere2Moe(SparseMoE, Cohere):

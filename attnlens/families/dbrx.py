@@ -9,8 +9,8 @@ gated activation to its routed tokens only, so no activation or neuron tensor ex
 """
 
 from ..family import Family
-from ..fused import FusedQKV
-from .moe import SparseMoE, moe_absent
+from ..parts.fused import FusedQKV
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Dbrx(SparseMoE, Family):

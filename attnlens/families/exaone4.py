@@ -11,7 +11,7 @@ layer_mid)`: `layer_input` and `layer_output` are the first items there.
 """
 
 from ..locations import ModuleInput, ModuleOutput
-from ..vllm.locations import HiddenArgument, batched
+from ..locations.vllm import HiddenArgument, batched
 from .llama import Llama
 from .olmo2 import NO_PRE_NORMS
 

@@ -35,11 +35,11 @@ import math
 import torch
 
 from ..family import Family
-from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
-from .bloom import alibi_slopes, key_positions
-from .phi import PARALLEL_NO_MID, shared_norm_note
-from .vllm_transformers import mirrored
+from ..parts.alibi import alibi_slopes, key_positions
+from ..parts.fused import FusedQKV
+from ..parts.mirrored import mirrored
+from ..parts.parallel import PARALLEL_NO_MID, shared_norm_note
 
 
 def _groups(envoy):
@@ -161,7 +161,7 @@ class Falcon(Family):
     def _vllm_layout_locations(self, config):
         """vLLM's FalconDecoderLayer has the same modules; it returns (output, bias) from attention and the MLP, and on
         a sequential block adds attention's output to its input in place (`residual += attention_output`)."""
-        from ..vllm.locations import HiddenArgument, batched
+        from ..locations.vllm import HiddenArgument, batched
 
         eager = {**self._layout_locations(config), "mlp_output": ModuleOutput()}
         stream = batched if self.parallel(config) else _stream_copy

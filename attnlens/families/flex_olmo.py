@@ -2,7 +2,7 @@
 as every MLP, so no activation or neuron tensor exists.
 """
 
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
 from .olmo2 import Olmo2
 
 

@@ -11,8 +11,8 @@ positional encoding. Layers `(i + 1) % decoder_sparse_step == 0` outside `mlp_on
 import torch
 
 from ..family import Family
-from .gpt_oss import SINK_NOTE, sink_share, with_sinks
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
+from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 
 class Flint(SparseMoE, Family):

@@ -9,8 +9,8 @@ with a vision tower) loads as `Gemma3ForConditionalGeneration`, the same blocks 
 """
 
 from ..family import TINY_DEFAULTS
+from ..parts.multimodal import LanguageModelOf
 from .gemma2 import Gemma2
-from .multimodal import LanguageModelOf
 
 
 class Gemma3(Gemma2):

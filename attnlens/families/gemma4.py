@@ -24,8 +24,8 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 """
 
 from ..family import TINY_DEFAULTS
+from ..parts.multimodal import LanguageModelOf
 from .gemma3 import Gemma3
-from .multimodal import LanguageModelOf
 
 #: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
 #: be full) of one shared key/value head of 32 with values from the key projection; no per-layer inputs (see above).

@@ -7,8 +7,8 @@ keys are read after both. On MoE layers `mlp_output` is the routing-weighted sum
 scores, grouped top-k) plus the shared experts' output; the first `first_k_dense_replace` layers keep a dense MLP.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
-from .moe import SparseMoE, moe_absent
 
 
 class Glm4Moe(SparseMoE, Llama):

@@ -6,8 +6,8 @@ attention bypasses the attention interface entirely.
 """
 
 from ..family import Family
-from ..fused import FusedQKV
-from .vllm_transformers import mirrored
+from ..parts.fused import FusedQKV
+from ..parts.mirrored import mirrored
 
 
 class GPT2(Family):

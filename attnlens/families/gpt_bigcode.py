@@ -9,9 +9,9 @@ the scores are not scaled at all.
 """
 
 from ..family import Family
-from ..fused import FusedQKV
+from ..parts.fused import FusedQKV
+from ..parts.mirrored import VLLMTransformersBackend
 from .gpt2 import GPT2
-from .vllm_transformers import VLLMTransformersBackend
 
 
 class GPTBigCode(VLLMTransformersBackend, GPT2):

@@ -11,10 +11,10 @@ output. With `use_parallel_residual=False` the block is sequential and `layer_mi
 """
 
 from ..family import Family
-from ..fused import FusedQKV
 from ..locations import ModuleOutput
-from .phi import PARALLEL_NO_MID, parallel_locations
-from .vllm_transformers import VLLMTransformersBackend
+from ..parts.fused import FusedQKV
+from ..parts.mirrored import VLLMTransformersBackend
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations
 
 
 class GPTNeoX(VLLMTransformersBackend, Family):

@@ -19,8 +19,8 @@ adds it in `bias_dropout_add` before the residual add. `attention_output` is the
 import torch
 
 from ..family import Family
-from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts.fused import FusedQKV
 
 ATTN = "self__attn_0"  # GPTNeoXJapaneseAttention._attn, called from its forward
 

@@ -8,33 +8,12 @@ output. The MLP returns `(output, router scores)`; `mlp_output` is the first ite
 experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
 """
 
-from ..family import INTERFACE_CALL, Family
-from ..locations import Derived, Operation
-from .moe import SparseMoE
+from ..family import Family
+from ..parts.moe import SparseMoE
+from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
               "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists")
-SINK_NOTE = ("the softmax probability of the head's sink logit, the key column the eager function concatenates "
-             "and drops after the softmax: 1 - the pattern's row sum; read-only (a view of the softmax output, "
-             "whose sink column is discarded, so an edit could change nothing)")
-
-
-def sink_share(operation: str) -> Derived:
-    """`attention_sinks`: the last column of the softmax over [scores | sink] (assignment `operation`)."""
-    return Derived(Operation((INTERFACE_CALL, operation), anchor="softmax("),
-                   view=lambda envoy, probs: probs[..., -1], label="attention_sinks", in_place=False,
-                   why_not="it is the softmax's sink column, which the forward drops right after the softmax, so "
-                           "nothing reads it; edit attention_scores or attention_probabilities instead")
-
-
-def with_sinks(locations: dict, sinks: Derived) -> dict:
-    """`locations` with `attention_sinks` placed where the forward computes it: between scores and pattern."""
-    ordered = {}
-    for name, location in locations.items():
-        if name == "attention_probabilities":
-            ordered["attention_sinks"] = sinks
-        ordered[name] = location
-    return ordered
 
 
 class GptOss(SparseMoE, Family):
@@ -59,7 +38,7 @@ class GptOss(SparseMoE, Family):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
 
     def vllm_locations(self):
-        from ..vllm.locations import RebuiltPattern, ResidualPair
+        from ..locations.vllm import RebuiltPattern, ResidualPair
 
         locations = super().vllm_locations()
         block_input = {"first": 0, "second": 2}

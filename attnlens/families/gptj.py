@@ -18,8 +18,8 @@ import torch
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, Operation
-from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
-from .vllm_transformers import mirrored
+from ..parts.mirrored import mirrored
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
 
@@ -71,7 +71,7 @@ class GPTJ(Family):
         return locations
 
     def vllm_locations(self):
-        from ..vllm.locations import HiddenArgument, batched
+        from ..locations.vllm import HiddenArgument, batched
 
         # vLLM's block is called as layer(positions, hidden_states)
         return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}

@@ -13,7 +13,7 @@ norms), so the residual values are module inputs and outputs there; it multiplie
 """
 
 from ..locations import Derived, ModuleInput, ModuleOutput
-from ..vllm.locations import batched
+from ..locations.vllm import batched
 from .llama import Llama
 
 

@@ -5,8 +5,8 @@ block scales by `residual_multiplier` before the residual add, as Granite's does
 between blocks like vLLM's Granite (granite.py).
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
-from .moe import SparseMoE, moe_absent
 
 
 class GraniteMoe(SparseMoE, Granite):

@@ -13,8 +13,8 @@ unavailable; `mlp_input` is what both receive.
 """
 
 from ..family import MLPArithmetic
+from ..parts.mixers import MixerLayers
 from .granite import Granite
-from .hybrid import MixerLayers
 
 ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only its own tokens) plus shared_mlp, "
           "summed in the block itself: no module returns the sum and no [batch, seq, intermediate] tensor covers both; "

@@ -8,8 +8,8 @@ shared_mlp)`. No module returns that sum, so where the shared MLP exists (`share
 to their routed tokens only, so no activation or neuron tensor exists.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
-from .moe import SparseMoE, moe_absent
 
 SHARED = ("the MLP's output is block_sparse_moe's output plus shared_mlp's, summed in the block itself (no module "
           "returns it): layer_output - layer_mid is residual_multiplier times it")

@@ -13,9 +13,9 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
 """
 
 from ..locations import ModuleInput, Operation, insert_after
+from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
 from .glm_moe_dsa import GlmMoeDsa
-from .gpt_oss import SINK_NOTE, sink_share, with_sinks
 from .youtu import LATENT_TINY
 
 STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Family
-from .moe import PER_EXPERT, SparseMoE
+from ..parts.moe import PER_EXPERT, SparseMoE
 
 MOE_REASON = ("a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. Each routed expert applies "
               "act_fn(gate) * up only to the tokens routed to it, inside mlp.experts (one expert at a time over the "

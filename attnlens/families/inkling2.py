@@ -31,8 +31,9 @@ import torch
 
 from ..family import INTERFACE_CALL, Family
 from ..locations import Derived, Location, ModuleInput, Operation, _replace_item, child
-from .gpt_oss import SINK_NOTE, with_sinks
-from .moe import PER_EXPERT, SparseMoE
+from ..locations.views import per_head
+from ..parts.moe import PER_EXPERT, SparseMoE
+from ..parts.sinks import SINK_NOTE, with_sinks
 
 MOE_REASON = ("a sparse mixture of experts on every layer: each routed expert applies its soft-capped SwiGLU only to "
               "the tokens routed to it, inside mlp.experts (one expert at a time over the flattened tokens), so no "
@@ -73,13 +74,6 @@ class ModuleArgument(Location):
         target.inputs = (_replace_item(args, self.index, value), kwargs)
 
 
-def _per_head(envoy, gate):
-    return gate.unflatten(-1, (-1, envoy._module.head_dim))
-
-
-def _flat(envoy, old, new):
-    return new.flatten(-2)
-
 
 def _sliding(config, layer: int) -> bool:
     return config.layer_types[layer] == "hybrid_sliding"
@@ -111,8 +105,8 @@ class Inkling2(SparseMoE, Family):
                         view=lambda envoy, probs: probs[..., -1], label="attention_sinks", in_place=False,
                         why_not="it is the softmax's sink column, which the forward drops right after the softmax, "
                                 "so nothing reads it; edit attention_scores or attention_probabilities instead")
-        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(", module="o_proj"), _per_head, _flat,
-                       label="attention_gate")
+        gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(", module="o_proj"),
+                        label="attention_gate")
         ordered = {}
         for name, location in with_sinks(super().locations(), sinks).items():
             if name in ("mlp_norm_output", "final_norm_output"):

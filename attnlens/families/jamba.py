@@ -8,8 +8,8 @@ mixture of experts: no activation or neuron tensor exists there.
 """
 
 from ..family import Family
-from .hybrid import MixerLayers
-from .moe import SparseMoE, moe_absent
+from ..parts.mixers import MixerLayers
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Jamba(MixerLayers, SparseMoE, Family):

@@ -23,7 +23,7 @@ projections plus the bias (`project_routed_output` reroutes the attention's inpu
 
 from ..family import INTERFACE_CALL, Family
 from ..locations import Derived, ModuleOutput, Operation
-from .moe import PER_EXPERT, SparseMoE
+from ..parts.moe import PER_EXPERT, SparseMoE
 
 REDUCE = "self_experts_reduce_0"  # JetMoeMoA.reduce, the output experts, called from JetMoeAttention.forward
 

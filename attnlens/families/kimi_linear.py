@@ -8,8 +8,8 @@ RMS-normed and gated (`o_norm`) per head before `o_proj`; they form no query-key
 serves only what it has: its output and what `o_proj` receives (`attention_premix`), with the linear heads' sizes.
 """
 
+from ..parts.mixers import LinearLayers
 from .deepseek_v2 import DeepseekV2
-from .qwen3_next import LINEAR_ABSENT, LinearLayers
 from .youtu import LATENT_TINY
 
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
@@ -33,18 +33,18 @@ class DeltaHybrid(LinearLayers):
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
-        if self.is_linear(config, layer):
+        if self.is_mixer_layer(config, layer):
             why = (f"layer {layer} of {self.label} is a Kimi Delta Attention linear-attention layer: a recurrent state "
                    f"updated by a gated delta rule with a channel-wise forget gate; its queries, keys and values "
                    f"(convolved, L2-normalised inside the kernel) write and read that state, and no query-key softmax "
                    f"pattern, per-head mix of values or sink exists. attention_premix is its readout, RMS-normed and "
                    f"gated per head (o_norm), merged")
-            reasons.update(dict.fromkeys(LINEAR_ABSENT, why))
+            reasons.update(dict.fromkeys(self.mixer_lacks, why))
         return reasons
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        if self.is_linear(config, layer):
+        if self.is_mixer_layer(config, layer):
             return {"attention_premix": f"what self_attn.o_proj receives: each of the {config.linear_num_heads} "
                                         f"linear heads' readout of the recurrent state, RMS-normed and gated by "
                                         f"o_norm, merged; the envoy's num_heads and head_dim are the linear heads'",
@@ -60,7 +60,7 @@ class KimiLinear(DeltaHybrid, DeepseekV2):
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        if not self.is_linear(config, layer):
+        if not self.is_mixer_layer(config, layer):
             notes["attention_keys"] += "; no rotary embedding (NoPE): the shared slice is unrotated"
             notes["attention_queries"] = "no rotary embedding (NoPE)"
         return notes

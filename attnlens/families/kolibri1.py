@@ -4,7 +4,7 @@ mixture of experts as every MLP, so no activation or neuron tensor exists.
 """
 
 from ..family import Family
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Kolibri1(SparseMoE, Family):

@@ -10,13 +10,10 @@ heads.
 """
 
 from ..family import Family
-from ..locations import Derived, Operation, insert_after
-from .moe import SparseMoE, moe_absent
-from .qwen3_next import _flat, _per_head
-
-
-def _per_head_repeated(envoy, gate):
-    return gate[..., None].expand(-1, -1, -1, envoy._module.head_dim).clone()  # [b, s, heads] -> [b, s, heads, d]
+from ..locations import Operation, insert_after
+from ..locations.views import per_head
+from ..parts.gates import repeated_head_gate
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class Laguna(SparseMoE, Family):
@@ -41,10 +38,7 @@ class Laguna(SparseMoE, Family):
 
     def kind_locations(self, kind, config, engine):
         source = Operation(("gate_0",), anchor="F.softplus(")
-        gate = (Derived(source, _per_head_repeated, None, "attention_gate", in_place=False,
-                        why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
-                                "outputs or the premix instead")
-                if "gate_per_head" in kind else Derived(source, _per_head, _flat, label="attention_gate"))
+        gate = repeated_head_gate(source) if "gate_per_head" in kind else per_head(source, label="attention_gate")
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..family import Family, MLPArithmetic
 from ..locations import Operation
-from .hybrid import MixerLayers
+from ..parts.mixers import MixerLayers
 
 
 class Lfm2(MixerLayers, Family):

@@ -6,8 +6,8 @@ experts, each applying its gated activation to its own tokens, so no activation 
 dense layers serve them as LFM2 does.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .lfm2 import Lfm2
-from .moe import SparseMoE, moe_absent
 
 
 class Lfm2Moe(SparseMoE, Lfm2):

@@ -7,8 +7,8 @@ The gate is `sigmoid(g_proj(x))`, one factor per head and position, multiplying 
 `attention_head_outputs` the mix before it. Everything else is LFM2's (transformers 5.24 and later).
 """
 
-from ..locations import Derived, Operation, insert_after
-from .laguna import _per_head_repeated
+from ..locations import Operation, insert_after
+from ..parts.gates import repeated_head_gate
 from .lfm2 import Lfm2
 
 
@@ -29,10 +29,7 @@ class Lfm3(Lfm2):
         locations = super().kind_locations(kind, config, engine)
         if "gated" not in kind:
             return locations
-        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(self.g_proj(hidden_states))"),
-                       _per_head_repeated, None, "attention_gate", in_place=False,
-                       why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
-                               "outputs or the premix instead")
+        gate = repeated_head_gate(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(self.g_proj(hidden_states))"))
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="eager"):

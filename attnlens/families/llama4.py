@@ -21,7 +21,7 @@ import torch
 
 from ..family import Family
 from ..locations import ModuleOutput, child
-from .moe import SparseMoE
+from ..parts.moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
               "[num_experts, batch * seq, intermediate], on inputs pre-multiplied by the router's sigmoid score (zero "

@@ -23,9 +23,9 @@ import sys
 
 import torch
 
+from ..parts.moe import SparseMoE
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
-from .moe import SparseMoE
 from .youtu import LATENT_TINY
 
 MOE_REASON = ("LongCat-Flash's mlp is the block's MoE shortcut: each routed expert applies act(gate) * up to its own "

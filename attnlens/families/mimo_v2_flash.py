@@ -10,8 +10,8 @@ MLP or a routed mixture of experts (no shared experts) per layer.
 """
 
 from ..family import Family
-from .gpt_oss import SINK_NOTE, sink_share, with_sinks
-from .moe import SparseMoE
+from ..parts.moe import SparseMoE
+from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
               "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "

@@ -11,8 +11,8 @@ pattern (see `families/hybrid.py`); the others run the common softmax attention.
 """
 
 from ..family import Family
-from .hybrid import MixerLayers
-from .moe import SparseMoE, moe_absent
+from ..parts.mixers import MixerLayers
+from ..parts.moe import SparseMoE, moe_absent
 
 
 class MiniMax(MixerLayers, SparseMoE, Family):

@@ -20,9 +20,9 @@ dense clamped-SwiGLU MLP or a sparse mixture of experts with a shared expert.
   experts (per expert, inside `mlp.experts`), scale their sum by `routed_scaling_factor` and add the shared expert.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .deepseek_v32 import Indexed
 from .llama import Llama
-from .moe import SparseMoE, moe_absent
 
 SPARSE_ATTENTION = "minimax_m3_sparse"
 INLINE_ACTIVATION = ("the dense MLP computes its activation inline, without an activation module: gate and up are "

@@ -11,8 +11,8 @@ not part of that output (transformers records them with a hook on the router); w
 `FusedMoE` over the stacked experts); it is renamed `mlp` there too.
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .mistral import Mistral
-from .moe import SparseMoE, moe_absent
 
 
 class Mixtral(SparseMoE, Mistral):

@@ -18,8 +18,8 @@ import math
 import torch
 
 from ..family import Family
-from ..fused import FusedQKV
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts.fused import FusedQKV
 
 ALIBI_BIAS_MAX = 8  # MptModel.forward calls build_mpt_alibi_tensor without the config's value
 

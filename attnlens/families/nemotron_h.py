@@ -17,8 +17,8 @@ What a block lacks (the MLP on a mixing block, attention on an MLP block) is una
 
 from ..family import Family
 from ..locations import ModuleInput, ModuleOutput
-from .hybrid import NO_SOFTMAX
-from .moe import PER_EXPERT
+from ..parts.mixers import NO_SOFTMAX
+from ..parts.moe import PER_EXPERT
 
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
 ATTENTION_VALUES = ("attention_norm_output", *NO_SOFTMAX, "attention_output")

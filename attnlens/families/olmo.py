@@ -5,8 +5,8 @@ With `config.clip_qkv` set, the attention forward clamps the q/k/v projections' 
 attention function are already clipped (queries and keys then rotated); an edit there is not clipped again.
 """
 
+from ..parts.mirrored import VLLMTransformersBackend
 from .llama import Llama
-from .vllm_transformers import VLLMTransformersBackend
 
 
 class Olmo(VLLMTransformersBackend, Llama):

@@ -9,8 +9,8 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 """
 
 from ..locations import ModuleInput
+from ..parts.mirrored import VLLMTransformersBackend
 from .llama import Llama
-from .vllm_transformers import VLLMTransformersBackend
 
 #: Why a block with norms after its sublayers only (OLMo 2, EXAONE 4) has no pre-sublayer norm outputs.
 NO_PRE_NORMS = {

@@ -10,7 +10,7 @@ post-norms where the block has them.
 """
 
 from ..family import Family
-from .hybrid import NO_SOFTMAX, MixerLayers
+from ..parts.mixers import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
 
 

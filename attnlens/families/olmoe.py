@@ -7,8 +7,8 @@ it. Every layer's MLP (`OlmoeSparseMoeBlock`) routes each token to its top-k exp
 vLLM's OLMoE does not clamp: with `clip_qkv` set, its queries, keys and values are unclipped (a note says so there).
 """
 
+from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
-from .moe import SparseMoE, moe_absent
 
 
 class Olmoe(SparseMoE, Llama):

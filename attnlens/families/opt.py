@@ -21,7 +21,7 @@ scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput
-from .vllm_transformers import mirrored
+from ..parts.mirrored import mirrored
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
         "in-place edits land)")
@@ -35,7 +35,7 @@ POST_NORM = ("OPT with do_layer_norm_before=False normalises after each sublayer
 
 def _rows():
     """(the combined batch size, this invoke's [start, size] rows when nnsight batches several invokes, else None)."""
-    from ..access import mediator
+    from ..locations import mediator
 
     running = mediator()
     batcher = running.interleaver.batcher

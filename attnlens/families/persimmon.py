@@ -8,7 +8,7 @@ them, after both. Every head has its own key and value (no grouping).
 """
 
 from ..family import Family
-from ..fused import FusedQKV
+from ..parts.fused import FusedQKV
 
 
 class Persimmon(Family):

@@ -7,7 +7,7 @@ viewed per head, so an in-place edit of them writes into that output, which noth
 `mlp_neurons` is the product the down projection receives; neither the gate nor the up projection alone is a value.
 """
 
-from ..fused import FusedQKV
+from ..parts.fused import FusedQKV
 from .llama import Llama
 
 

@@ -13,7 +13,7 @@ model that mixes them, vLLM's first-step log-probabilities are up to 10.3 apart 
 differ from the first), and within 1.1e-5 of transformers' run without the window.
 """
 
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
 from .qwen2 import Qwen2
 
 

@@ -7,7 +7,7 @@ or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP val
 layer's window.
 """
 
-from .moe import SparseMoE, moe_absent
+from ..parts.moe import SparseMoE, moe_absent
 from .qwen3 import Qwen3
 
 

@@ -25,60 +25,12 @@ DeltaNet layers serve their output and what `out_proj` receives, as on eager.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..family import Family
-from ..locations import Derived, Location, ModuleInput, ModuleOutput, Operation, insert_after
-from ..vllm import kept
-from ..vllm.locations import RebuiltPattern, batched
-from .moe import PER_EXPERT, SparseMoE
-
-#: Values a linear-attention layer cannot serve: it never forms a softmax attention over positions.
-LINEAR_ABSENT = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-                 "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate")
-
-
-def _per_head(envoy, gate):
-    # The forward holds the gate flat, [batch, seq, heads * head_dim]; unflatten is a view, so in-place edits land.
-    return gate.unflatten(-1, (-1, envoy._module.head_dim))
-
-
-def _flat(envoy, old, new):
-    return new.flatten(-2)
-
-
-def _vllm_geometry(envoy):
-    access = envoy.interleaver.attnlens
-    return access.geometry(access.layer_of(envoy))
-
-
-def _vllm_per_head(envoy, flat):
-    # vLLM holds [tokens, this rank's heads * head_dim]: per head, with a batch axis, every rank's heads
-    heads = _vllm_geometry(envoy)
-    return kept.gather_heads(flat.unflatten(-1, (-1, heads.head_dim))[None], heads.num_heads, 2)
-
-
-def _vllm_flat(envoy, old, new):
-    return kept.local_heads(new, _vllm_geometry(envoy).num_heads, 2)[0].flatten(-2)
-
-
-@dataclass(frozen=True)
-class LinearLayers:
-    """Mixin for a hybrid whose `config.layer_types` "linear_attention" layers hold a linear-attention module under
-    `self_attn`: those layers form no query-key pattern, so they serve none of LINEAR_ABSENT."""
-
-    def is_linear(self, config, layer: int) -> bool:
-        return config.get_text_config().layer_types[layer] == "linear_attention"
-
-    def layer_kind(self, config, layer):
-        kind = super().layer_kind(config, layer)
-        return kind | {"linear"} if self.is_linear(config, layer) else kind
-
-    def kind_locations(self, kind, config, engine):
-        locations = super().kind_locations(kind, config, engine)
-        if "linear" in kind:
-            locations = {name: location for name, location in locations.items() if name not in LINEAR_ABSENT}
-        return locations
+from ..locations import Location, ModuleInput, ModuleOutput, Operation, insert_after
+from ..locations.views import per_head, per_head_on_ranks
+from ..locations.vllm import RebuiltPattern, batched
+from ..parts.mixers import LinearLayers
+from ..parts.moe import PER_EXPERT, SparseMoE
 
 
 class GatedPattern(RebuiltPattern):
@@ -107,7 +59,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     })
     #: How `support()` names the family in its reasons.
     label = "Qwen3-Next"
-    linear_attention = "linear_attn"
+    mixer = linear_attention = "linear_attn"
     linear_output_projection = "out_proj"
     gate_operation = ("torch_sigmoid_0", "torch.sigmoid(gate)")
     # vLLM (model_executor/models/qwen3_next.py): the same module names; full-attention heads of 32 and up, Gated
@@ -118,9 +70,6 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     vllm_dtype = "bfloat16"
     vllm_tiny = {"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                  "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]}
-
-    def renames(self, engine="eager"):
-        return {**super().renames(engine), self.linear_attention: "self_attn"}
 
     # --- which kind each layer is ----------------------------------------------------------------------------
 
@@ -139,12 +88,12 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         """The full-attention layer's locations; the gate sits between the head outputs and the premix."""
         common = super().locations()
         name, anchor = self.gate_operation
-        gate = Derived(Operation((name,), anchor=anchor), _per_head, _flat, label="attention_gate")
+        gate = per_head(Operation((name,), anchor=anchor), label="attention_gate")
         return insert_after(common, "attention_head_outputs", "attention_gate", gate)
 
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        if "linear" in kind:  # the Gated DeltaNet's output projection still receives its merged heads
+        if "mixer" in kind:  # the Gated DeltaNet's output projection still receives its merged heads
             premix = ModuleInput(self.linear_output_projection)
             locations["attention_premix"] = premix if engine == "eager" else batched(premix)
         return locations
@@ -153,10 +102,10 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
         locations = dict(super().vllm_locations())
         name, anchor = self.gate_operation
-        heads = Derived(ModuleOutput(self.vllm_kernel), _vllm_per_head, _vllm_flat, label="attention_head_outputs",
-                        note="what vLLM's attention kernel returns, before the output gate")
-        gate = Derived(Operation((name,), anchor=anchor), _vllm_per_head, _vllm_flat, label="attention_gate",
-                       note="the sigmoid's output in vLLM's attention forward, per head")
+        heads = per_head_on_ranks(ModuleOutput(self.vllm_kernel), label="attention_head_outputs",
+                                  note="what vLLM's attention kernel returns, before the output gate")
+        gate = per_head_on_ranks(Operation((name,), anchor=anchor), label="attention_gate",
+                                 note="the sigmoid's output in vLLM's attention forward, per head")
         for key in ("attention_scores", "attention_probabilities"):
             locations[key] = GatedPattern(locations[key].kernel, locations[key].kind)
         locations["attention_head_outputs"] = heads
@@ -193,7 +142,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
-        if self.is_linear(config, layer):
+        if self.is_mixer_layer(config, layer):
             kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer "
                     f"({self.linear_attention}): it keeps a recurrent state, updated by a gated delta rule, and forms "
                     f"no query-key softmax pattern")
@@ -208,7 +157,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
                 "attention_sinks": "; there is no pattern whose rows a sink could shorten",
             }
             why["attention_keys"] = why["attention_values"] = why["attention_queries"]
-            for name in LINEAR_ABSENT:
+            for name in self.mixer_lacks:
                 reasons[name] = kind + why.get(name, "")
         if self.moe_layer(config, layer):
             for name in PER_EXPERT:
@@ -222,7 +171,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
         text = self._text(config)
-        if self.is_linear(config, layer):
+        if self.is_mixer_layer(config, layer):
             notes["attention_premix"] = (
                 f"what {self.linear_attention}.out_proj receives: each of the {text.linear_num_value_heads} value "
                 f"heads' readout of the recurrent state, RMS-normalised and gated by silu(z), merged; the envoy's "

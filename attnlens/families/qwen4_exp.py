@@ -37,8 +37,8 @@ import torch
 
 from ..family import TINY_DEFAULTS
 from ..locations import Derived, ModuleInput, ModuleOutput
+from ..parts.multimodal import LanguageModelOf
 from .deepseek_v32 import Indexed
-from .multimodal import LanguageModelOf
 from .qwen3_next import Qwen3Next
 
 #: Two streams, a small indexer whose budget (32 keys) covers the test prompts, so the identities hold on the causal
@@ -100,7 +100,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
         return True  # every layer's MLP is Qwen4ExpTextSparseMoeBlock
 
     def indexed(self, config, layer):
-        return not self.is_linear(config, layer)
+        return not self.is_mixer_layer(config, layer)
 
     def indexer_note(self, config, layer):
         text = self._text(config)
@@ -165,7 +165,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
             notes["attention_scores"] += ("; this transformers adds the indexer's mask to the causal mask, so a key "
                                           "the causal mask hides holds -inf (the dtype's minimum twice), a causal "
                                           "key the indexer skips the dtype's minimum")
-        if not self.is_linear(config, layer):
+        if not self.is_mixer_layer(config, layer):
             notes["attention_queries"] += ("; the rotary embedding is mrope, whose sections all hold the token's "
                                            "position on text")
         return notes
@@ -186,7 +186,7 @@ class Qwen4Exp(LanguageModelOf, Qwen4ExpText):
         notes["embeddings"] = ("the text embedding module's output; with images or video in the prompt, the language "
                                "model's input is this with the placeholder tokens' rows replaced by the vision "
                                "tower's features (layers[0].layer_input holds them, repeated per stream)")
-        if not self.is_linear(text, layer):
+        if not self.is_mixer_layer(text, layer):
             notes["attention_queries"] += (" (with images or video, their tokens get 3D positions: time, height, "
                                            "width; the mask stays causal, so the family's score function still "
                                            "applies)")

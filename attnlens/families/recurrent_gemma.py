@@ -11,7 +11,7 @@ logits_soft_cap`, as the caller receives them.
 """
 
 from ..family import Family
-from .hybrid import MixerLayers
+from ..parts.mixers import MixerLayers
 
 
 class RecurrentGemma(MixerLayers, Family):

@@ -13,8 +13,8 @@ as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' 
 
 from ..family import Family
 from ..locations import ModuleInput
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 from .granite import unpaired_locations
-from .phi import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
 class StableLm(Family):

@@ -6,8 +6,8 @@ active only in training); `embeddings` is the token embedding before `config.emb
 dropouts are the identity.
 """
 
+from ..parts.mirrored import VLLMTransformersBackend
 from .mistral import Mistral
-from .vllm_transformers import VLLMTransformersBackend
 
 
 class Starcoder2(VLLMTransformersBackend, Mistral):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..family import Family
 from ..locations import ModuleOutput
-from .hybrid import NO_SOFTMAX
+from ..parts.mixers import NO_SOFTMAX
 
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
 

@@ -22,8 +22,8 @@ MLP whose router carries a state from block to block.
 """
 
 from ..locations import ModuleOutput
+from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
-from .moe import SparseMoE, moe_absent
 
 
 class Zaya(SparseMoE, Llama):

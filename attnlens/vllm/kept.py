@@ -1,6 +1,4 @@
-"""What vLLM's worker keeps for attnlens, and the helpers the traced and the static paths share: a request's kept keys
-and values, the attention kernel's arguments, heads split and gathered across tensor-parallel ranks, and the heads'
-sizes read off the kernel.
+"""What vLLM's worker keeps for attnlens: a request's keys and values as its attention kernel received them.
 
 vLLM's own KV cache holds every earlier key too, but paged and in a backend-specific layout; a copy in the kernel's
 own layout, `[tokens, heads * dim]`, is simple and the same on every backend. It lives as long as the request.
@@ -8,28 +6,7 @@ own layout, `[tokens, heads * dim]`, is simple and the same on every backend. It
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-from ..geometry import HeadGeometry
-
-#: The attention kernel's arguments, by position and by keyword.
-KERNEL_ARGS = ("query", "key", "value")
-
-
-def kernel_arg(args: tuple | list, kwargs: dict, which: int) -> torch.Tensor:
-    """Query (0), key (1) or value (2) of the kernel's `(args, kwargs)`."""
-    return args[which] if len(args) > which else kwargs[KERNEL_ARGS[which]]
-
-
-def with_kernel_arg(args: tuple | list, kwargs: dict, which: int, new: torch.Tensor) -> tuple[tuple, dict]:
-    args, kwargs = list(args), dict(kwargs)
-    if len(args) > which:
-        args[which] = new
-    else:
-        kwargs[KERNEL_ARGS[which]] = new
-    return tuple(args), kwargs
 
 
 class History:
@@ -80,65 +57,3 @@ class History:
     def free(self) -> None:
         self.layers.clear()
         self.filled.clear()
-
-
-def tensor_parallel() -> tuple[int, int]:
-    """(ranks, this rank) of the tensor-parallel group; (1, 0) outside one."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-    except (AssertionError, ImportError):  # no group initialised (the client's meta model)
-        return 1, 0
-
-
-def gather_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
-    """Under tensor parallelism each rank's kernel sees its own heads; gather them all (every rank runs the block,
-    so every rank reaches this collective). Key/value heads replicated across ranks are taken once."""
-    ranks, _ = tensor_parallel()
-    if ranks == 1:
-        return x
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    x = tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
-    if x.shape[dim] > total:  # replicated: rank r holds head r // (ranks // total)
-        x = x.unflatten(dim, (total, -1)).select(dim + 1, 0)
-    return x
-
-
-def local_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
-    """This rank's heads of a whole tensor (the inverse of `gather_heads`, for writes)."""
-    ranks, rank = tensor_parallel()
-    if ranks == 1:
-        return x
-    if total < ranks:
-        return x.narrow(dim, rank // (ranks // total), 1)
-    local = total // ranks
-    return x.narrow(dim, rank * local, local)
-
-
-def split_heads(flat: torch.Tensor, head_dim: int, total: int) -> torch.Tensor:
-    """A kernel argument `[tokens, local heads * head_dim]` as `[1, heads, tokens, head_dim]`, every rank's heads."""
-    return gather_heads(flat.view(flat.shape[0], -1, head_dim).transpose(0, 1)[None], total, 1)
-
-
-def merge_local(heads: torch.Tensor, total: int) -> torch.Tensor:
-    """`[1, heads, tokens, head_dim]` as this rank's kernel argument `[tokens, local heads * head_dim]`."""
-    mine = local_heads(heads, total, 1)[0]
-    return mine.transpose(0, 1).reshape(mine.shape[1], -1)
-
-
-def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
-    """The heads of vLLM's attention kernel module, across every tensor-parallel rank."""
-    ranks, _ = tensor_parallel()
-    if hasattr(kernel, "kv_lora_rank") and hasattr(kernel, "v_head_dim"):
-        # an MLA kernel: keys and values are rebuilt for every query head (mla.py), values of v_head_dim
-        heads = kernel.num_heads * ranks
-        return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
-    impl = kernel.impl
-    total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    num_heads = kernel.num_heads * ranks
-    num_kv_heads = min(kernel.num_kv_heads * ranks, total_kv)  # kv heads fewer than ranks are replicated
-    head_dim = kernel.head_size
-    return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
-                        float(impl.scale), "vllm")

@@ -21,10 +21,12 @@ from ..errors import UnknownFamily
 from ..family import Family
 from ..geometry import HeadGeometry
 from ..inputs import check_inputs
+from ..locations import attach
+from ..locations.vllm import kernel_geometry
 from ..registry import family_for, resolve_family
 from ..support import Support
-from . import kept, static, worker
-from .locations import handoffs
+from . import static, worker
+from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
 TYPED = {cls.__name__: cls for cls in (errors.Unavailable, errors.OrderError, errors.EditError,
@@ -83,7 +85,7 @@ class StandardizedVLLM(Helpful, VLLM):
 
         envoys = {**parallel_envoys(), **envoy_classes()}
         super().__init__(path, rename=self.family.renames("vllm"), envoys=envoys, **kwargs)
-        self.interleaver.attnlens = self.access
+        attach(self.interleaver, self.access)
         adopt_hosts(self)
 
     def _load_meta(self, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +117,7 @@ class StandardizedVLLM(Helpful, VLLM):
             path = self.family.path
             for part in f"{path('layers', 'vllm')}.{layer}.{path('attention', 'vllm')}.{kernel}".split("."):
                 module = module[int(part)] if part.isdigit() else getattr(module, part)
-            return kept.kernel_geometry(module, self.text_config)
+            return kernel_geometry(module, self.text_config)
         c = self.text_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return HeadGeometry(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,

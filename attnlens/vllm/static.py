@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
-from ..capture import Cache, plan
+from .. import points as plan
 from ..errors import Unavailable
 from ..locations import child
+from ..locations.views import gather_heads, gathered_heads
+from ..locations.vllm import KernelInput, RebuiltPattern, kernel_arg
+from ..names import Cache
 from ..values import BY_NAME
 from . import kept
-from .locations import KernelInput, RebuiltPattern, attention_block, handoffs
+from .blocks import attention_block, handoffs
 
 #: Rebuilt names -> the taps they are rebuilt from.
 SOURCES = dict.fromkeys(("attn_scores", "attn_probs", "attn_sinks"), ("query", "key"))
@@ -188,7 +191,7 @@ class StaticRecorder:
         keep_keys = bool(shorts & {"key", "value", *SOURCES})
 
         def hook(module, args, kwargs):
-            queries, keys, values = (kept.kernel_arg(args, kwargs, which) for which in range(3))
+            queries, keys, values = (kernel_arg(args, kwargs, which) for which in range(3))
             for request, start, count, position in self._spans():
                 rows = slice(start, start + count)
                 if keep_keys:
@@ -229,19 +232,19 @@ class StaticRecorder:
             heads = self.values.geometry.get(layer)
             if short in ("key", "value", *SOURCES):
                 request.history.before(layer, position)  # raises if the kernel never saw earlier tokens
-                keys, values = (kept.split_heads(request.history.upto(layer, position + count, which), dim,
+                keys, values = (gathered_heads(request.history.upto(layer, position + count, which), dim,
                                                  heads.num_kv_heads)
                                 for which, dim in ((0, heads.qk_head_dim), (1, heads.head_dim)))
             if short in ("z", "premix"):
                 local = step[f"premix.{layer}"].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
-                z = kept.gather_heads(local, heads.num_heads, 2)
+                z = gather_heads(local, heads.num_heads, 2)
                 out[key] = z if short == "z" else z.flatten(-2)
             elif short == "query":
-                out[key] = kept.split_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
+                out[key] = gathered_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
             elif short in ("key", "value"):
                 out[key] = (keys if short == "key" else values).clone()
             else:
-                queries = kept.split_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
+                queries = gathered_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
                 scores = self.values.family.scores(heads, self.values.config, queries, keys, layer)
                 probabilities, sinks = self.values.family.softmax(scores, self.values.sinks.get(layer))
                 out[key] = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}[short]

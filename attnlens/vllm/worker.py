@@ -19,14 +19,16 @@ import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-from ..access import Access, mediator
+from ..access import Access
 from ..errors import AttnlensError, LocationDrift
 from ..family import Family
-from ..locations import Derived, Operation, child
+from ..locations import Derived, Operation, attach, child, mediator
+from ..locations.views import gather_heads, gathered_heads, local_heads
+from ..locations.vllm import kernel_arg, kernel_geometry
 from ..registry import family_for
 from ..values import BY_NAME
 from . import kept, static
-from .locations import attention_block, handoffs
+from .blocks import attention_block, handoffs
 
 
 def _keep_transformers_classes() -> None:
@@ -101,16 +103,16 @@ class WorkerValues:
             if kernel is not None:
                 envoy = child(attention, kernel)
                 self.kernels[f"{envoy.path}.input"] = index
-                self.geometry[index] = kept.kernel_geometry(envoy._module, self.config)
+                self.geometry[index] = kernel_geometry(envoy._module, self.config)
                 self._check_kernel(envoy._module, index)
                 sinks = getattr(envoy._module.impl, "sinks", None)
                 if sinks is not None:  # this rank's heads: every rank gathers them, here, once
-                    self.sinks[index] = kept.gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads,
+                    self.sinks[index] = gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads,
                                                           1)[0]
             if projection is not None:
                 self.projections[f"{child(attention, projection).path}.input"] = index
         self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
-        root.interleaver.attnlens = self.access
+        attach(root.interleaver, self.access)
         root.interleaver.attnlens_worker = self
         self.states: dict[str, RequestState] = {}
         self.spans: list[tuple[RequestState, int, int]] = []
@@ -136,7 +138,7 @@ class WorkerValues:
         }
         slopes, kernel_slopes = self.family.alibi_slopes(self.config, layer), getattr(impl, "alibi_slopes", None)
         if slopes is not None:
-            slopes = kept.local_heads(slopes, slopes.shape[0], 0)  # this rank's heads
+            slopes = local_heads(slopes, slopes.shape[0], 0)  # this rank's heads
         if (slopes is None) != (kernel_slopes is None) or (
                 slopes is not None and not torch.equal(slopes.to(kernel_slopes), kernel_slopes)):
             facts["ALiBi slopes"] = (slopes, kernel_slopes)
@@ -164,14 +166,14 @@ class WorkerValues:
         total = heads.num_heads if which == 0 else heads.num_kv_heads
         dim = heads.qk_head_dim if which < 2 else heads.head_dim
         args, kwargs = child(envoy, kernel).inputs
-        current = kept.split_heads(kept.kernel_arg(args, kwargs, which), dim, total)
+        current = gathered_heads(kernel_arg(args, kwargs, which), dim, total)
         if which == 0:
             return current, False
         state = self.state()
         before = state.history.before(layer, state.position)
         if before is None:
             return current, False
-        return torch.cat([kept.split_heads(before[which - 1], dim, total), current], dim=2), True
+        return torch.cat([gathered_heads(before[which - 1], dim, total), current], dim=2), True
 
     def pattern(self, envoy, kernel: str) -> dict:
         """This step's rebuilt scores and probabilities of `layer` (computed once per step), noting their versions
@@ -225,7 +227,7 @@ class WorkerValues:
 
     def after_kernel_input(self, layer: int, value: Any) -> None:
         args, kwargs = value
-        keys, values = kept.kernel_arg(args, kwargs, 1), kept.kernel_arg(args, kwargs, 2)
+        keys, values = kernel_arg(args, kwargs, 1), kernel_arg(args, kwargs, 2)
         for state, start, count in self.spans:
             state.history.keep(layer, state.position, keys[start:start + count].reshape(count, -1),
                                values[start:start + count].reshape(count, -1))
@@ -256,7 +258,7 @@ class WorkerValues:
         end = state.position + pattern.shape[2]
         values = state.history.upto(layer, end, 1)
         values = values.view(end, -1, heads.head_dim).transpose(0, 1)[None]  # [1, local kv heads, keys, dim]
-        pattern = kept.local_heads(pattern, heads.num_heads, 1)
+        pattern = local_heads(pattern, heads.num_heads, 1)
         groups = pattern.shape[1] // values.shape[1]
         return (pattern.to(values.dtype) @ values.repeat_interleave(groups, dim=1))[0].transpose(0, 1)
 

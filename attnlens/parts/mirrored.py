@@ -11,7 +11,7 @@ reads on eager is read at the same place there, with no change of layout.
 
 vLLM's own ports hold tokens flat (`[tokens, hidden]`: a batch axis is added), return `(output, bias)` from their
 linear layers and some blocks, and run LayerNorm blocks with a plain residual stream (no `(hidden, residual)` pair):
-`vllm.locations.HiddenArgument` reads a block's hidden states where positions come first.
+`locations.vllm.HiddenArgument` reads a block's hidden states where positions come first.
 
 On both, the attention's values are read at the kernel, as on vLLM's Llama-like models: queries, keys and values as
 the kernel receives them (keys over the whole context on decode steps), the pattern rebuilt with the family's score
@@ -21,9 +21,8 @@ function, each head's output from the output projection's input.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from ..family import Family
 from ..locations import Derived, Location, ModuleInput, ModuleOutput, OutputField
 from ..values import BY_NAME
 
@@ -45,14 +44,14 @@ def _drop_batch(envoy, old, new):
     return new[0]
 
 
-def mirrored(family: Family, eager: dict[str, Location], own_port: bool) -> dict[str, Location]:
+def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[str, Location]:
     """`eager`'s locations on vLLM, in the same order: the attention's values at the kernel (`family.vllm_kernel`),
     the logits vLLM samples from, and every module input and output where it is, as the first item of a tuple.
 
     On vLLM's `own_port` of the family, tokens are flat (a batch axis is added) and one activation module serves every
     layer (`get_act_fn` caches it), so `mlp_activation` is read as what the down projection receives (the same tensor,
     with no gate). Any other kind is the family's to state: it raises."""
-    from ..vllm.locations import KernelInput, RebuiltPattern, SampledLogits, batched, heads_of
+    from ..locations.vllm import KernelInput, RebuiltPattern, SampledLogits, batched, heads_of
 
     kernel, projection = family.vllm_kernel, family.output_projection
     replaced = {

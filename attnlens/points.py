@@ -10,9 +10,9 @@ from typing import Iterable
 
 import torch
 
-from ..errors import Unavailable
-from ..values import BY_NAME
+from .errors import Unavailable
 from .names import FUSED, split_name, value_of
+from .values import BY_NAME
 
 #: Axes that run over positions: unpadding slices them.
 POSITION_AXES = ("seq", "query", "key")

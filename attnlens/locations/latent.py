@@ -4,7 +4,7 @@ MLA kernel receives.
 vLLM's MLA kernel (`MLAAttention`; `self_attn.mla_attn.mla_attn` in DeepSeek-V2/V3) receives the queries per head,
 `[tokens, heads, qk_head_dim]` after the rotary embedding, the normalised latent `kv_c_normed` `[tokens, kv_lora_rank]`
 and the rotary key every head shares, `k_pe` `[tokens, 1, qk_rope_head_dim]`. The latent and `k_pe` are what its
-cache keeps, and what attnlens keeps per request (`kept.History` keeps the kernel's arguments 1 and 2, whatever they
+cache keeps, and what attnlens keeps per request (`History` keeps the kernel's arguments 1 and 2, whatever they
 are). On a prefill the kernel expands the latent through `kv_b_proj` into per-head keys and values; on a decode step
 it never does: it folds kv_b_proj's key half into the queries (`q_nope @ W_UK` against the latent) and applies the
 value half after the latents are mixed. attnlens rebuilds both, per head, with the kernel's own split of kv_b_proj
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from ..geometry import HeadGeometry
-from ..locations import Location, child
-from . import kept
-from .locations import KernelInput, worker_of
+from . import Location, child
+from .views import gather_heads, local_heads
+from .vllm import KernelInput, kernel_arg, kernel_geometry, with_kernel_arg, worker_of
 
 #: What the location notes say of each rebuilt value.
 NOTES = {
@@ -112,28 +112,28 @@ class LatentInput(KernelInput):
         worker = worker_of(envoy)
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
-        heads = kept.kernel_geometry(kernel._module, None)
+        heads = kernel_geometry(kernel._module, None)
         order = _order(worker, heads, kernel._module)
         if self.which == 0:
-            queries = kept.gather_heads(kept.kernel_arg(args, kwargs, 0).transpose(0, 1)[None], heads.num_heads, 1)
+            queries = gather_heads(kernel_arg(args, kwargs, 0).transpose(0, 1)[None], heads.num_heads, 1)
             return (queries, False) if order is None else (queries[..., order], True)
-        latent, rotary = kept.kernel_arg(args, kwargs, 1), kept.kernel_arg(args, kwargs, 2).flatten(1)
+        latent, rotary = kernel_arg(args, kwargs, 1), kernel_arg(args, kwargs, 2).flatten(1)
         state = worker.state()
         before = state.history.before(worker.access.layer_of(envoy), state.position)
         if before is not None:
             latent, rotary = torch.cat([before[0], latent]), torch.cat([before[1], rotary])
-        rebuilt = kept.gather_heads(expand(kernel._module, latent, rotary, self.which), heads.num_heads, 1)
+        rebuilt = gather_heads(expand(kernel._module, latent, rotary, self.which), heads.num_heads, 1)
         return (rebuilt if order is None or self.which == 2 else rebuilt[..., order]), False
 
     def write(self, envoy, value):
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
-        heads = kept.kernel_geometry(kernel._module, None)
+        heads = kernel_geometry(kernel._module, None)
         order = _order(worker_of(envoy), heads, kernel._module)
         if order is not None:
             value = value[..., torch.argsort(order)]
-        mine = kept.local_heads(value, heads.num_heads, 1)[0].transpose(0, 1)  # [tokens, local heads, qk_head_dim]
-        kernel.inputs = kept.with_kernel_arg(args, kwargs, 0, mine.contiguous())
+        mine = local_heads(value, heads.num_heads, 1)[0].transpose(0, 1)  # [tokens, local heads, qk_head_dim]
+        kernel.inputs = with_kernel_arg(args, kwargs, 0, mine.contiguous())
 
 
 def _order(worker, heads: HeadGeometry, kernel: torch.nn.Module) -> torch.Tensor | None:
@@ -182,7 +182,7 @@ class LatentPattern(Location):
         handed = worker.state().patterns.setdefault(("latent", layer), {})  # cleared each step
         if not handed:
             keys, _ = LatentInput(self.kernel, 1).rebuild(envoy)
-            heads = kept.kernel_geometry(child(envoy, self.kernel)._module, None)
+            heads = kernel_geometry(child(envoy, self.kernel)._module, None)
             scores = worker.family.scores(heads, worker.config, queries, keys, layer)
             handed.update(scores=scores, probabilities=worker.family.softmax(scores)[0])
         return handed[self.kind]

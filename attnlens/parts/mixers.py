@@ -10,7 +10,9 @@ every layer.
 
 from __future__ import annotations
 
-#: What a layer without softmax attention cannot serve.
+from typing import ClassVar
+
+#: What a layer without softmax attention lacks (less what its mixer still serves, `MixerLayers.mixer_serves`).
 NO_SOFTMAX = ("attention_queries", "attention_keys", "attention_values", "attention_key_positions", "attention_scores",
               "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate",
               "attention_premix")
@@ -30,6 +32,14 @@ class MixerLayers:
     #: Whether the mixer is renamed `self_attn`; not where the block keeps a `self_attn = None` attribute on those
     #: layers (nnsight refuses an alias that shadows one), and then its output is not served either.
     mixer_renamed = True
+    #: Values of NO_SOFTMAX the mixer still serves (a linear-attention layer's output projection receives its heads
+    #: merged: `attention_premix`).
+    mixer_serves: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def mixer_lacks(self) -> tuple[str, ...]:
+        """What a mixer layer does not serve."""
+        return tuple(name for name in NO_SOFTMAX if name not in self.mixer_serves)
 
     @staticmethod
     def text_config(config):
@@ -50,7 +60,7 @@ class MixerLayers:
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         if "mixer" in kind:
-            dropped = NO_SOFTMAX if self.mixer_renamed else (*NO_SOFTMAX, "attention_output")
+            dropped = self.mixer_lacks if self.mixer_renamed else (*self.mixer_lacks, "attention_output")
             locations = {name: location for name, location in locations.items() if name not in dropped}
         return locations
 
@@ -60,11 +70,12 @@ class MixerLayers:
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
-            what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({self.mixer}, read as self_attn), not "
-                    f"softmax attention: it forms no queries, keys or pattern")
-            for name in NO_SOFTMAX:
+            read_as = self.mixer if self.mixer == "self_attn" else f"{self.mixer}, read as self_attn"
+            what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({read_as}), not softmax attention: it forms "
+                    f"no queries, keys or pattern")
+            for name in self.mixer_lacks:
                 reasons[name] = what
-            if self.mixer_premix:
+            if self.mixer_premix and "attention_premix" in self.mixer_lacks:
                 reasons["attention_premix"] = f"{what}; {self.mixer_premix}"
             reasons["attention_head_outputs"] = f"{what}, so no head mixes values by a pattern"
             if not self.mixer_renamed:
@@ -80,3 +91,16 @@ class MixerLayers:
             if self.mixer_renamed:
                 notes["attention_output"] = f"{self.mixer}'s output: {self.mixer_kind}"
         return notes
+
+
+class LinearLayers(MixerLayers):
+    """Mixin for a hybrid whose `config.layer_types` "linear_attention" layers run linear attention (a recurrent state
+    updated by a delta rule): mixer layers whose output projection still receives their heads merged."""
+
+    mixer = "self_attn"
+    mixer_kind = "a linear-attention layer: a recurrent state updated by a delta rule"
+    mixer_premix = None
+    mixer_serves = ("attention_premix",)
+
+    def is_mixer_layer(self, config, layer: int) -> bool:
+        return self.text_config(config).layer_types[layer] == "linear_attention"

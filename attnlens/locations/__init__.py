@@ -7,7 +7,42 @@ forward holds, so in-place edits land; writing replaces that one value for the r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+#: nnsight's name for the call of transformers' shared attention interface inside an attention forward (its
+#: `attention_interface_0` is the assignment that picks the function).
+INTERFACE_CALL = "attention_interface_1"
+
+
+class Context(Protocol):
+    """What a location may ask of the engine it reads for (the model's `attnlens.access.Access` implements it): the
+    layer an envoy sits in, that layer's heads, the tokens the running forward has seen, and copies handed out."""
+
+    tokens_seen: int | None
+
+    def layer_of(self, envoy: Any) -> int: ...
+
+    def geometry(self, layer: int) -> Any: ...
+
+    def guard(self, tensor: Any, name: str, layer: int | None, why: str) -> Any: ...
+
+
+def context(envoy) -> Context:
+    """The engine's context of the model `envoy` belongs to: attached to nnsight's interleaver when the engine loads
+    (`attach`), so a location reaches it from any envoy of the model, in the client and in vLLM's worker alike."""
+    return envoy.interleaver.attnlens
+
+
+def attach(interleaver, found: Context) -> None:
+    interleaver.attnlens = found
+
+
+def mediator():
+    """The nnsight mediator running the current trace body (None outside one)."""
+    from greenlet import getcurrent
+
+    reference = getattr(getcurrent(), "mediator", None)
+    return reference() if reference is not None else None
 
 
 def child(envoy, path: str):
@@ -176,7 +211,7 @@ class KeyPositions(Location):
 
         keys = self.keys.read(envoy)
         count = keys.shape[2]
-        total = envoy.interleaver.attnlens.tokens_seen or count
+        total = context(envoy).tokens_seen or count
         return torch.arange(total - count, total, device=keys.device).expand(keys.shape[0], count)
 
     def write(self, envoy, value):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..values import ALL_VALUES, BY_NAME, BY_SHORT, closest
+from .values import ALL_VALUES, BY_NAME, BY_SHORT, closest
 
 #: Standardized value name -> cache name, for every value of the catalogue.
 CACHE_NAMES = {value.name: value.short for value in ALL_VALUES}

@@ -15,21 +15,62 @@ import vLLM, so families can declare their vLLM locations anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import EditError
-from ..locations import Derived, Location, ModuleInput, child
-from . import kept
-
-if TYPE_CHECKING:
-    from ..family import Family
+from ..geometry import HeadGeometry
+from . import Derived, Location, child
+from .views import (
+    add_batch,
+    copy_with_batch,
+    drop_batch,
+    merge_local,
+    split_heads,
+    tensor_parallel,
+)
 
 
 def worker_of(envoy):
     """The worker's attnlens state (`worker.WorkerValues`), which the engine's interleaver carries."""
     return envoy.interleaver.attnlens_worker
+
+
+# --- the attention kernel's arguments, and heads across tensor-parallel ranks ------------------------------
+
+#: The attention kernel's arguments, by position and by keyword.
+KERNEL_ARGS = ("query", "key", "value")
+
+
+def kernel_arg(args: tuple | list, kwargs: dict, which: int) -> torch.Tensor:
+    """Query (0), key (1) or value (2) of the kernel's `(args, kwargs)`."""
+    return args[which] if len(args) > which else kwargs[KERNEL_ARGS[which]]
+
+
+def with_kernel_arg(args: tuple | list, kwargs: dict, which: int, new: torch.Tensor) -> tuple[tuple, dict]:
+    args, kwargs = list(args), dict(kwargs)
+    if len(args) > which:
+        args[which] = new
+    else:
+        kwargs[KERNEL_ARGS[which]] = new
+    return tuple(args), kwargs
+
+
+def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
+    """The heads of vLLM's attention kernel module, across every tensor-parallel rank."""
+    ranks, _ = tensor_parallel()
+    if hasattr(kernel, "kv_lora_rank") and hasattr(kernel, "v_head_dim"):
+        # an MLA kernel: keys and values are rebuilt for every query head (mla.py), values of v_head_dim
+        heads = kernel.num_heads * ranks
+        return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
+    impl = kernel.impl
+    total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    num_heads = kernel.num_heads * ranks
+    num_kv_heads = min(kernel.num_kv_heads * ranks, total_kv)  # kv heads fewer than ranks are replicated
+    head_dim = kernel.head_size
+    return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
+                        float(impl.scale), "vllm")
 
 
 @dataclass(frozen=True)
@@ -126,7 +167,7 @@ class KernelInput(Location):
         layer = worker.access.layer_of(envoy)
         kernel = child(envoy, self.kernel)
         args, kwargs = kernel.inputs
-        count = kept.kernel_arg(args, kwargs, self.which).shape[0]
+        count = kernel_arg(args, kwargs, self.which).shape[0]
         if value.shape[2] > count:  # a decode step's whole context: only this step's rows reach the kernel
             earlier = worker.kernel_heads(envoy, self.kernel, self.which)[0][:, :, :-count]
             if not torch.equal(value[:, :, :-count], earlier.to(value.dtype)):
@@ -136,7 +177,7 @@ class KernelInput(Location):
             value = value[:, :, -count:]
         heads = worker.geometry[layer]
         total = heads.num_heads if self.which == 0 else heads.num_kv_heads
-        kernel.inputs = kept.with_kernel_arg(args, kwargs, self.which, kept.merge_local(value, total))
+        kernel.inputs = with_kernel_arg(args, kwargs, self.which, merge_local(value, total))
 
 
 @dataclass(frozen=True)
@@ -205,14 +246,6 @@ class SampledLogits(Location):
         VLLM.logits.__set__(envoy, value[:, -1])
 
 
-def _add_batch(envoy, value):
-    return value[None]
-
-
-def _drop_batch(envoy, old, new):
-    return new[0]
-
-
 @dataclass(frozen=True)
 class HiddenArgument(Location):
     """The hidden states a module receives as positional argument `index` (else as the keyword `hidden_states`): a
@@ -242,47 +275,26 @@ class HiddenArgument(Location):
 
 def batched(source: Location) -> Derived:
     """`source`'s tensor with a batch axis of one; a view, so in-place edits land."""
-    return Derived(source, _add_batch, _drop_batch)
+    return Derived(source, add_batch, drop_batch)
 
 
 def copied(source: Location) -> Derived:
     """`source`'s tensor with a batch axis, copied: vLLM's fused residual norm overwrites the buffer in place later."""
-    return Derived(source, lambda envoy, value: value[None].clone(), _drop_batch, in_place=False,
+    return Derived(source, copy_with_batch, drop_batch, in_place=False,
                    note="a copy (vLLM's fused residual norm overwrites the buffer later); assign it to edit",
                    why_not="it is a copy (vLLM's fused residual norm overwrites the buffer in place later)")
 
 
-def _heads(envoy, flat):
-    access = envoy.interleaver.attnlens
-    return flat.unflatten(-1, (-1, access.geometry(access.layer_of(envoy)).head_dim))[None]
+def _heads_with_batch(envoy, flat):
+    return split_heads(envoy, flat)[None]
 
 
-def _merged(envoy, old, new):
+def _merged_without_batch(envoy, old, new):
     return new[0].flatten(-2)
 
 
 def heads_of(source: Location) -> Derived:
     """`source`'s flat `[tokens, heads * head_dim]` (the output projection's input, whole across ranks) split in
     heads, `[1, tokens, heads, head_dim]`; a view, so in-place edits land."""
-    return Derived(source, _heads, _merged, note="the output projection's input, split into heads")
-
-
-def attention_block(family: Family, layer: Any) -> Any:
-    """The attention block of the block envoy `layer` in vLLM's module names: the family's, or on a hybrid's other
-    layers the module the family renames to `self_attn` (Qwen3-Next's `linear_attn`)."""
-    names = [family.path("attention", "vllm")]
-    names += [name for name, standard in family.renames("vllm").items() if standard == "self_attn"]
-    return child(layer, next((name for name in names if hasattr(layer._module, name)), names[0]))
-
-
-def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
-    """(the attention kernel, the output projection) of `layer`, from the attention block, read off the family's vLLM
-    locations: where keys are kept and where an edited pattern's head outputs are recomputed."""
-    locations = family.locations_for(config, layer, "vllm")
-    queries = locations.get("attention_queries")
-    premix = locations.get("attention_premix")
-    while isinstance(premix, Derived):
-        premix = premix.source
-    kernel = queries.kernel if isinstance(queries, KernelInput) else None
-    projection = premix.module if isinstance(premix, ModuleInput) else None
-    return kernel, projection
+    return Derived(source, _heads_with_batch, _merged_without_batch,
+                   note="the output projection's input, split into heads")

@@ -9,7 +9,6 @@ Where a block returns `(output, router logits)`, `mlp_output` is its first item.
 
 from __future__ import annotations
 
-from ..family import Family
 from ..locations import ModuleOutput
 
 #: Values a sparse MoE block never forms as one tensor.
@@ -23,7 +22,7 @@ def moe_absent(experts: str, extra: str = "") -> dict[str, str]:
               f"act_fn(gate) * up is formed per expert, only for the tokens routed to it, inside mlp.experts "
               f"({experts}.forward, one expert at a time over the flattened tokens); mlp_output is the "
               f"routing-weighted sum of the chosen experts{extra}")
-    return {**Family.absent, **{name: reason for name in PER_EXPERT}}
+    return dict.fromkeys(PER_EXPERT, reason)
 
 
 class SparseMoE:

@@ -1,0 +1,31 @@
+"""Where a layer's attention kernel and output projection sit in vLLM's modules: the two handoffs the worker keeps
+and recomputes at, read off the family's vLLM locations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..family import Family
+from ..locations import Derived, ModuleInput, child
+from ..locations.vllm import KernelInput
+
+
+def attention_block(family: Family, layer: Any) -> Any:
+    """The attention block of the block envoy `layer` in vLLM's module names: the family's, or on a hybrid's other
+    layers the module the family renames to `self_attn` (Qwen3-Next's `linear_attn`)."""
+    names = [family.path("attention", "vllm")]
+    names += [name for name, standard in family.renames("vllm").items() if standard == "self_attn"]
+    return child(layer, next((name for name in names if hasattr(layer._module, name)), names[0]))
+
+
+def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
+    """(the attention kernel, the output projection) of `layer`, from the attention block, read off the family's vLLM
+    locations: where keys are kept and where an edited pattern's head outputs are recomputed."""
+    locations = family.locations_for(config, layer, "vllm")
+    queries = locations.get("attention_queries")
+    premix = locations.get("attention_premix")
+    while isinstance(premix, Derived):
+        premix = premix.source
+    kernel = queries.kernel if isinstance(queries, KernelInput) else None
+    projection = premix.module if isinstance(premix, ModuleInput) else None
+    return kernel, projection
