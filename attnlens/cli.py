@@ -113,7 +113,7 @@ def _tiny_folder(spec: str) -> Path:
 
 def vllm_served(family) -> tuple[str, ...]:
     """The model types the vLLM engine serves for `family` (the one place the CLI asks)."""
-    return tuple(family.vllm_model_types)
+    return tuple(family.vllm.model_types)
 
 
 # --- argument types --------------------------------------------------------------------------------------------------

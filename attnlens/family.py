@@ -14,7 +14,8 @@ families since). A new family subclasses it, states how it differs, and register
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from .errors import LocationDrift, UnknownFamily
 from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
+from .parts.vllm import LEGACY_VLLM, VLLMLayout
 from .values import ALL_VALUES, BY_NAME
 
 #: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
@@ -165,7 +167,7 @@ class Family:
     def kind_locations(self, kind: frozenset[str], config, engine: str) -> dict[str, Location]:
         """The locations of a layer of `kind` on `engine`, in forward order. Override to adjust per kind (call
         super first); `kind` must determine the result, `config` only supplies what `kind` names."""
-        return self.locations() if engine == "eager" else self.vllm_locations()
+        return self.locations() if engine == "eager" else self.vllm.locations(self)
 
     def locations_for(self, config, layer: int | None, engine: str = "eager") -> dict[str, Location]:
         """Value name -> location on `layer` (None: the model's own values, as on layer 0), in forward order.
@@ -181,8 +183,8 @@ class Family:
 
     def path(self, role: str, engine: str = "eager") -> str:
         """The module path of `role` ("layers", "attention", "mlp", "output_projection", ...) on `engine`: the
-        attribute above, or its `vllm_names` entry in vLLM's implementation."""
-        return self.vllm_names.get(role, getattr(self, role)) if engine == "vllm" else getattr(self, role)
+        attribute above, or its `vllm.names` entry in vLLM's implementation."""
+        return self.vllm.names_of(self).get(role, getattr(self, role)) if engine == "vllm" else getattr(self, role)
 
     def renames(self, engine: str = "eager") -> dict[str, str]:
         """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
@@ -345,14 +347,11 @@ class Family:
             return window if layer_types[layer] == "sliding_attention" else None
         return window
 
-    def vllm_sliding_window(self, config, layer: int) -> int | None:
-        """The window vLLM's implementation gives `layer`'s kernel (checked against the kernel at load): transformers'
-        unless the family says vLLM differs."""
-        return self.sliding_window(config, layer)
-
     def window(self, config, layer: int, engine: str = "eager") -> int | None:
         """The sliding window `engine` applies to `layer`."""
-        return self.vllm_sliding_window(config, layer) if engine == "vllm" else self.sliding_window(config, layer)
+        if engine == "vllm" and self.vllm.window is not None:
+            return self.vllm.window(self, config, layer)
+        return self.sliding_window(config, layer)
 
     # --- the score function ----------------------------------------------------------------------------------
 
@@ -424,7 +423,7 @@ class Family:
     def unavailable(self, config, layer: int, engine: str = "eager") -> dict[str, str]:
         """Value name -> why `layer` cannot serve it on `engine`, for a model of `config`. Called before anything
         runs. A value missing from the layer's locations gets the family's `absent` reason; one the family has but
-        vLLM's implementation lacks gets `vllm_absent`'s."""
+        vLLM's implementation lacks gets `vllm.unavailable`'s."""
         reasons = {}
         implementation = getattr(config, "_attn_implementation", "eager")
         if engine == "eager" and implementation != "eager":
@@ -442,7 +441,7 @@ class Family:
                 reasons[value.name] = self.absent.get(value.name) or Family.absent.get(value.name) or \
                     f"the {self.name} family has no {value.name.replace('_', ' ')}"
             elif value.name not in here:
-                reasons[value.name] = self.vllm_absent.get(value.name) or \
+                reasons[value.name] = self.vllm.unavailable.get(value.name) or \
                     "not read by attnlens's vLLM backend on this family"
         return reasons
 
@@ -488,70 +487,26 @@ class Family:
                     function = drilled[op_name]
                     where = f"{getattr(function, '__qualname__', function)}"
 
-    # --- vLLM ---
-    # Where the values live in vLLM's implementation of the family (vllm/model_executor/models/*.py). vLLM keeps
-    # transformers' module names for the common layout, so the defaults reuse the names above.
-
-    #: The model types whose vLLM implementation these locations were checked against; `StandardizedVLLM` refuses
-    #: the others rather than guess. Not inherited in effect: a subclass serves other model types, so it lists its own.
-    vllm_model_types: ClassVar[tuple[str, ...]] = ()
-    #: Module names (role -> path, as the attributes above) where vLLM's implementation names them otherwise.
-    vllm_names: ClassVar[dict[str, str]] = {}
-    #: Why vLLM cannot run the family at all (vLLM's own reason), where it cannot.
-    vllm_refusal: ClassVar[str | None] = None
-
-    def vllm_reason(self, model_type: str) -> str | None:
-        """Why `StandardizedVLLM` does not serve `model_type` on this family (None: it does)."""
-        if model_type in self.vllm_model_types:
-            return None
-        return self.vllm_refusal or (f"the {self.name} family's vLLM locations are not checked for model type "
-                                     f"{model_type!r}; check them against vLLM's implementation, override "
-                                     f"Family.vllm_locations if they differ, and add the type to vllm_model_types")
-    #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
-    #: after rotary embedding and any QK-norm.
-    vllm_kernel = "attn"
-    #: Config overrides on top of `tiny` for a checkpoint vLLM's CPU kernels accept (head sizes of 32 and up), and
-    #: the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family with `vllm_model_types`.
-    vllm_tiny: ClassVar[dict] = {"head_dim": 32}
-    vllm_dtype: ClassVar[str] = "float32"
     #: Why left padding changes this family's values (positions counted from the padded start, a recurrence run over
     #: the padding), or None: batched runs then put only prompts of one length in a forward.
     padding_changes_values: ClassVar[str | None] = None
-    #: How far (relative) vLLM's values may be from the eager engine's on the same weights, where vLLM computes a
-    #: part of the model otherwise (Bloom's exact GELU); None: the dtype's rounding.
-    vllm_tolerance: ClassVar[float | None] = None
-    #: Why a value the family has is missing from `vllm_locations()`.
-    vllm_absent: ClassVar[dict[str, str]] = {
-        "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "
-                          "activation alone is never formed; mlp_neurons is its output",
-    }
 
-    def vllm_locations(self) -> dict[str, Location]:
-        """Value name -> location in vLLM's implementation of the common layout, in forward order."""
-        from .locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
+    #: Where the values live in vLLM's implementation of the family, and what vLLM needs to run it (`VLLMLayout`):
+    #: one value with every vLLM fact. vLLM keeps transformers' module names for the common layout, so the default
+    #: reuses the paths above. A subclass serving other model types states its own (`replace(Parent.vllm, ...)`).
+    vllm: ClassVar[VLLMLayout]
 
-        kernel, path = self.vllm_kernel, lambda role: self.path(role, "vllm")
-        return {
-            "embeddings": ResidualPair(f"{path('layers')}.0", "input", first=1),  # (positions, hidden, residual)
-            "layer_input": ResidualPair("", "input", first=1),
-            "attention_norm_output": batched(ModuleOutput(path("attention_norm"), 0)),
-            "attention_queries": KernelInput(kernel, 0),
-            "attention_keys": KernelInput(kernel, 1),
-            "attention_values": KernelInput(kernel, 2),
-            "attention_scores": RebuiltPattern(kernel, "scores"),
-            "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
-            "attention_head_outputs": heads_of(ModuleInput(path("output_projection"))),
-            "attention_premix": batched(ModuleInput(path("output_projection"))),
-            "attention_output": copied(ModuleOutput("", 0)),
-            "layer_mid": ResidualPair(path("mlp_norm"), "input"),
-            "mlp_norm_output": batched(ModuleInput(path("mlp"))),
-            "mlp_input": batched(ModuleInput(path("mlp"))),
-            "mlp_neurons": batched(ModuleInput(path("down_projection"))),
-            "mlp_output": copied(ModuleOutput()),
-            "layer_output": ResidualPair("", "output"),
-            "final_norm_output": batched(ModuleOutput(path("final_norm"), 0)),
-            "logits": SampledLogits(),
-        }
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        legacy = {field: vars(cls)[f"vllm_{field}"] for field in LEGACY_VLLM if f"vllm_{field}" in vars(cls)}
+        if legacy:  # the spelling of attnlens 0.1 (eleven vllm_* members): folded into the one value
+            warnings.warn(f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "
+                          f"vllm = VLLMLayout({', '.join(f'{k}=...' for k in legacy)}) instead", DeprecationWarning,
+                          stacklevel=2)
+            cls.vllm = replace(cls.vllm, **{LEGACY_VLLM[field]: value for field, value in legacy.items()})
+
+
+Family.vllm = VLLMLayout()
 
 
 def block_list(model: torch.nn.Module) -> str | None:

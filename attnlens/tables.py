@@ -54,7 +54,8 @@ def _layout_table(case: str) -> list[str]:
 
     model = tiny(case)
     engines = {"transformers": model.access}
-    if model.family.vllm_reason(model.config.model_type) is None:  # what vLLM would serve: from the config alone
+    # what vLLM would serve: from the config alone
+    if model.family.vllm.refused(model.family, model.config.model_type) is None:
         engines["vLLM"] = Access(model.family, model.config, model.num_layers, "vllm", model.access.geometry)
     columns: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for engine, access in engines.items():
@@ -79,9 +80,9 @@ def family_table() -> str:
     for family, model_types in families.items():
         layouts = ", ".join(["default", *family.tiny_layouts])
         types = ", ".join(f"`{t}`" for t in model_types)
-        served = [t for t in model_types if family().vllm_reason(t) is None]
+        served = [t for t in model_types if family.vllm.refused(family(), t) is None]
         vllm = ("✓ " + ", ".join(f"`{t}`" for t in served)) if served else \
-            f"✗ {family.vllm_refusal or 'not yet checked against vLLM'}"
+            f"✗ {family.vllm.refusal or 'not yet checked against vLLM'}"
         lines.append(f"| [{family.__name__}](#{family.__name__.lower()}) | {types} | {layouts} | {vllm} | "
                      f"{_summary(family)} |")
     for family, model_types in families.items():

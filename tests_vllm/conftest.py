@@ -18,15 +18,15 @@ PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 
 def _vllm_families() -> dict:
-    """One tiny checkpoint per family the vLLM backend serves (`Family.vllm_model_types`), by its first model type."""
+    """One tiny checkpoint per family the vLLM backend serves (`Family.vllm.model_types`), by its first model type."""
     cases = {}
     for model_type, family in sorted(attnlens.registered().items()):
-        if model_type in family.vllm_model_types and family.tiny is not None and family not in cases.values():
+        if model_type in family.vllm.model_types and family.tiny is not None and family not in cases.values():
             cases[model_type] = family
     return cases
 
 
-#: model type -> family, for every family served on vLLM; its tiny checkpoint takes `Family.vllm_tiny`.
+#: model type -> family, for every family served on vLLM; its tiny checkpoint takes `Family.vllm.tiny`.
 FAMILIES = _vllm_families()
 
 
@@ -54,11 +54,11 @@ def pair(name: str, tmp_path_factory) -> Pair:
         else:
             family = FAMILIES[name]
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
-            tiny = attnlens.models.tiny_model(name, **family.vllm_tiny)
+            tiny = attnlens.models.tiny_model(name, **family.vllm.tiny)
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
     return _pairs[name]
 
 

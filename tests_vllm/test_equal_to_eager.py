@@ -60,7 +60,7 @@ def read_steps(model, prompt, reads, steps=STEPS):
 
 def tolerance(models) -> float:
     """The family's own (where vLLM computes a part otherwise, Bloom's exact GELU), else the dtype's."""
-    return models.vllm.family.vllm_tolerance or (TOLERANCE if models.dtype == torch.float32 else HALF_TOLERANCE)
+    return models.vllm.family.vllm.tolerance or (TOLERANCE if models.dtype == torch.float32 else HALF_TOLERANCE)
 
 
 def scaled_queries(models, step_values: list) -> None:

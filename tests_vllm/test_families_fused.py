@@ -9,7 +9,6 @@ import re
 import pytest
 import test_equal_to_eager as equal
 import torch
-from attnlens.families.vllm_transformers import VLLMTransformersBackend
 from conftest import FAMILIES, PROMPT, Pair, pair
 
 import attnlens
@@ -22,9 +21,9 @@ def layout(name: str, tmp_path_factory) -> Pair:
     if name not in _layouts:
         family = attnlens.registered()[name.partition(":")[0]]
         folder = tmp_path_factory.mktemp(name.replace(":", "-"))
-        attnlens.models.tiny_model(name, **family.vllm_tiny).save_pretrained(folder)
+        attnlens.models.tiny_model(name, **family.vllm.tiny).save_pretrained(folder)
         attnlens.models.char_tokenizer().save_pretrained(folder)
-        _layouts[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype)
+        _layouts[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
     return _layouts[name]
 
 
@@ -79,7 +78,7 @@ def kernel_slopes(model) -> list:
 
     def slopes(vllm_model):
         layers = vllm_model.get_submodule(family.layers)
-        return [layer.get_submodule(f"{family.attention}.{family.vllm_kernel}").impl.alibi_slopes for layer in layers]
+        return [layer.get_submodule(f"{family.attention}.{family.vllm.kernel}").impl.alibi_slopes for layer in layers]
 
     return model.vllm_entrypoint.apply_model(slopes)[0]
 
@@ -136,12 +135,12 @@ def test_opt_queries_and_scale_give_eagers_scores(tmp_path_factory):
 # --- what every family here shares -----------------------------------------------------------------------------------
 
 OWN_PORTS = [name for name in ("bloom", "falcon", "gpt2", "gptj", "opt") if name in FAMILIES]
-BACKEND = [name for name in FAMILIES if issubclass(FAMILIES[name], VLLMTransformersBackend)]
+BACKEND = [name for name in FAMILIES if FAMILIES[name].vllm.backend == "transformers"]
 
 
 @pytest.mark.parametrize("name", BACKEND)
 def test_backend_families_run_transformers_modules_in_vllm(name, tmp_path_factory):
-    """The premise of VLLMTransformersBackend: vLLM runs these through its Transformers backend, whose base model is
+    """The premise of `transformers_backend`: vLLM runs these through its Transformers backend, whose base model is
     `model` and whose attention modules carry vLLM's kernel as `attn`."""
     model = pair(name, tmp_path_factory).vllm
     assert type(model._module).__name__ == "TransformersForCausalLM"
@@ -195,9 +194,9 @@ def test_a_family_vllm_does_not_run_says_why_in_vllms_words(name, tmp_path):
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(tmp_path)
     family = attnlens.registered()[name]()
-    quoted = re.search(r'"(.+?)"', family.vllm_refusal).group(1)
+    quoted = re.search(r'"(.+?)"', family.vllm.refusal).group(1)
     with pytest.raises(Exception, match=re.escape(quoted)):
         ModelConfig(model=str(tmp_path))
-    assert family.vllm_reason(name) == family.vllm_refusal
+    assert family.vllm.refused(family, name) == family.vllm.refusal
     with pytest.raises(attnlens.UnknownFamily, match=re.escape(quoted)):
         attnlens.StandardizedVLLM(str(tmp_path))

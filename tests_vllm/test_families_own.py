@@ -40,7 +40,7 @@ def test_values_equal_transformers_run_with_the_window_vllm_runs(case):
     on_vllm, on_eager = read_steps(vllm, PROMPT, reads), read_steps(eager, PROMPT, reads)
     assert len(on_vllm) == len(on_eager) == STEPS
     pattern = on_vllm[0][(layer, "attention_probabilities")]  # the prefill's last query sees vLLM's window
-    window = vllm.family.vllm_sliding_window(vllm.text_config, layer) or pattern.shape[-1]
+    window = vllm.family.window(vllm.text_config, layer, "vllm") or pattern.shape[-1]
     assert ((pattern[0, :, -1] > 0).sum(-1) == window).all()
     worst = {}
     for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager)):

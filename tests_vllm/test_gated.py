@@ -8,7 +8,7 @@ from test_equal_to_eager import HALF_TOLERANCE, close
 
 import attnlens
 
-FULL, LINEAR = 0, 1  # the tiny checkpoint's layer kinds (Family.vllm_tiny)
+FULL, LINEAR = 0, 1  # the tiny checkpoint's layer kinds (Family.vllm.tiny)
 
 
 def next_logits(model, prompt, edit=None):

@@ -22,7 +22,7 @@ vLLM's Bloom keeps these module names without the residual inside the modules, h
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
@@ -60,6 +60,13 @@ def _unheads(envoy, old, new):
     return new.transpose(1, 2).reshape(old.shape)
 
 
+def _bloom_vllm_locations(family):
+    from ..locations.vllm import HiddenArgument, batched
+
+    # vLLM's block is called as layer(positions, hidden_states)
+    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
+
+
 class Bloom(Family):
     model_types = ("bloom",)
     tiny = ("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
@@ -73,9 +80,12 @@ class Bloom(Family):
     fused_qkv = FusedQKV("query_key_value", "groups")
     activation = "gelu_impl"
     down_projection = "dense_4h_to_h"
-    vllm_model_types = ("bloom",)  # vLLM's own BloomForCausalLM
-    vllm_tiny = {"hidden_size": 128}  # head size 32
-    vllm_tolerance = 2e-3  # vLLM's exact GELU (VLLM_GELU) moves the values by up to 1e-3
+    vllm = VLLMLayout(
+        locations=_bloom_vllm_locations,
+        model_types=("bloom",),  # vLLM's own BloomForCausalLM
+        tiny={"hidden_size": 128},  # head size 32
+        tolerance=2e-3,  # vLLM's exact GELU (VLLM_GELU) moves the values by up to 1e-3
+    )
 
     def locations(self):
         return {
@@ -97,11 +107,6 @@ class Bloom(Family):
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
 
-    def vllm_locations(self):
-        from ..locations.vllm import HiddenArgument, batched
-
-        # vLLM's block is called as layer(positions, hidden_states)
-        return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor:
         """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""

@@ -12,10 +12,18 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 """
 
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import ModuleInput, ModuleOutput
 from ..locations.vllm import HiddenArgument, batched
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+
+
+def _cohere_vllm_locations(family):
+    locations = parallel_locations(Family.vllm.locations(family), batched(ModuleInput(family.mlp)))
+    # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
+    return {**locations, "layer_input": batched(HiddenArgument("", 1)),
+            "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
+            "layer_output": batched(ModuleOutput("", 0))}
 
 
 class Cohere(Family):
@@ -23,18 +31,15 @@ class Cohere(Family):
     tiny = ("CohereConfig", "CohereForCausalLM", {})
     tiny_layouts = {"qk_norm": {"use_qk_norm": True}}
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}
-    vllm_model_types = ("cohere",)
-    vllm_tiny = {"head_dim": 32, "use_qk_norm": True}  # the harder layout; its locations are the plain one's
+    vllm = VLLMLayout(
+        locations=_cohere_vllm_locations,
+        model_types=("cohere",),
+        tiny={"head_dim": 32, "use_qk_norm": True},  # the harder layout; its locations are the plain one's
+    )
 
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def vllm_locations(self):
-        locations = parallel_locations(super().vllm_locations(), batched(ModuleInput(self.mlp)))
-        # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-        return {**locations, "layer_input": batched(HiddenArgument("", 1)),
-                "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
-                "layer_output": batched(ModuleOutput("", 0))}
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),

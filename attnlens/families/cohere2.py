@@ -9,7 +9,14 @@ vLLM's first-step log-probabilities are within 1e-6 of transformers' with a wind
 transformers' with 4 (1.6 with `logit_scale` 1).
 """
 
+from dataclasses import replace
+
 from .cohere import Cohere
+
+
+def _cohere2_vllm_window(family, config, layer):
+    window = family.sliding_window(config, layer)
+    return None if window is None else window + 1
 
 
 class Cohere2(Cohere):
@@ -17,14 +24,11 @@ class Cohere2(Cohere):
     tiny = ("Cohere2Config", "Cohere2ForCausalLM",
             {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     tiny_layouts = {}
-    vllm_model_types = ("cohere2",)
-    # Full attention only: with a sliding layer vLLM's values are transformers' with a wider window, not the same
-    # checkpoint's (tests_vllm/test_families_own.py tests those against transformers with sliding_window + 1).
-    vllm_tiny = {"head_dim": 32, "layer_types": ["full_attention"] * 3}
-
-    def vllm_sliding_window(self, config, layer):
-        window = self.sliding_window(config, layer)
-        return None if window is None else window + 1
+    # The tiny checkpoint is full attention only: with a sliding layer vLLM's values are transformers' with a wider
+    # window, not the same checkpoint's (tests_vllm/test_families_own.py tests those against transformers with
+    # sliding_window + 1).
+    vllm = replace(Cohere.vllm, model_types=("cohere2",), tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
+                   window=_cohere2_vllm_window)
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

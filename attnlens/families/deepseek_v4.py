@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
@@ -67,9 +67,11 @@ class DeepseekV4(SparseMoE, Family):
     probabilities_operation = ("attn_weights_2", "dropout(")
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
-    vllm_refusal = ("vLLM reads DeepSeek-V4's config in its authors' format, not transformers': \"The "
+    vllm = VLLMLayout(
+        refusal="vLLM reads DeepSeek-V4's config in its authors' format, not transformers': \"The "
                     "`mlp_layer_types` entries must be in ('sparse', 'dense')\" (vLLM 0.32, on transformers' "
-                    "deepseek_v4 config, whose entries are 'moe')")
+                    "deepseek_v4 config, whose entries are 'moe')",
+    )
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
 
     def locations(self):

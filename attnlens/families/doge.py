@@ -22,7 +22,7 @@ per-channel residual weights, and optionally a CDMoE MLP.
   keeps it for the checkpoints' sake.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class DogeHeads(HeadGeometry):
 
 class Doge(Llama):
     model_types = ("doge",)
-    vllm_model_types = ()
+    vllm = replace(Llama.vllm, model_types=())
     # keep_window_size above the test prompt: every causal key is kept
     # (tests/families/test_gemma3n_zaya_doge_minimax.py makes it bind)
     tiny = ("DogeConfig", "DogeForCausalLM", {"head_dim": 16})

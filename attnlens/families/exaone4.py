@@ -10,10 +10,21 @@ vLLM's EXAONE 4 blocks receive its `(hidden, residual)` pair but use only `hidde
 layer_mid)`: `layer_input` and `layer_output` are the first items there.
 """
 
+from dataclasses import replace
+
 from ..locations import ModuleInput, ModuleOutput
 from ..locations.vllm import HiddenArgument, batched
 from .llama import Llama
 from .olmo2 import NO_PRE_NORMS
+
+
+def _exaone4_vllm_locations(family):
+    locations = Llama.vllm.locations(family)
+    del locations["attention_norm_output"], locations["mlp_norm_output"]
+    # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
+    return {**locations, "layer_input": batched(HiddenArgument("", 1)),
+            "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(family.mlp)),
+            "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
 
 
 class Exaone4(Llama):
@@ -25,20 +36,13 @@ class Exaone4(Llama):
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"
     absent = {**Llama.absent, **NO_PRE_NORMS}
-    vllm_model_types = ("exaone4",)
+    vllm = replace(Llama.vllm, model_types=("exaone4",), locations=_exaone4_vllm_locations)
 
     def locations(self):
         locations = super().locations()
         del locations["attention_norm_output"], locations["mlp_norm_output"]
         return {**locations, "layer_mid": ModuleInput(self.mlp)}  # the MLP's input: one tensor, two names
 
-    def vllm_locations(self):
-        locations = super().vllm_locations()
-        del locations["attention_norm_output"], locations["mlp_norm_output"]
-        # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-        return {**locations, "layer_input": batched(HiddenArgument("", 1)),
-                "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(self.mlp)),
-                "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
 
     def notes(self, config, layer, engine="eager"):
         rotated = getattr(config, "sliding_window", None) is None or self.sliding_window(config, layer) is not None

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
@@ -124,8 +124,10 @@ class Falcon(Family):
     activation = "act"
     down_projection = "dense_4h_to_h"
     mlp_norm = "post_attention_layernorm"  # on sequential blocks, the only ones with a layer_mid
-    vllm_model_types = ("falcon",)  # vLLM's own FalconForCausalLM
-    vllm_tiny = {"hidden_size": 128, "ffn_hidden_size": 512}  # head size 32; vLLM builds the MLP at 4 x hidden
+    vllm = VLLMLayout(
+        model_types=("falcon",),  # vLLM's own FalconForCausalLM
+        tiny={"hidden_size": 128, "ffn_hidden_size": 512},  # head size 32; vLLM builds the MLP at 4 x hidden
+    )
 
     @staticmethod
     def parallel(config) -> bool:

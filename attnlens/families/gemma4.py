@@ -23,6 +23,8 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 `model.language_model` (`multimodal.LanguageModelOf`).
 """
 
+from dataclasses import replace
+
 from ..family import TINY_DEFAULTS
 from ..parts.multimodal import LanguageModelOf
 from .gemma3 import Gemma3
@@ -38,7 +40,7 @@ SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
 
 class Gemma4Text(Gemma3):
     model_types = ("gemma4_text",)
-    vllm_model_types = ()
+    vllm = replace(Gemma3.vllm, model_types=())
     tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes

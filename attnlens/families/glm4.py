@@ -8,13 +8,18 @@ MLP (the norm in front of the MLP, despite its name) and adds `post_mlp_layernor
 `gate_up_proj` into gate and up; `mlp_activation` is `activation_fn(gate)`, `mlp_neurons` is `up * activation`.
 """
 
+from dataclasses import replace
+
 from .llama import Llama
 
 
 class Glm4(Llama):
     model_types = ("glm4",)
     tiny = ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
-    vllm_model_types = ("glm4",)  # vLLM's post-norms sit outside its fused (hidden, residual) norms: the defaults hold
+    vllm = replace(
+        Llama.vllm,
+        model_types=("glm4",),  # vLLM's post-norms sit outside its fused (hidden, residual) norms: the defaults hold
+    )
     attention_post_norm = "post_self_attn_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
     activation = "activation_fn"

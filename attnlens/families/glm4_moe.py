@@ -7,6 +7,8 @@ keys are read after both. On MoE layers `mlp_output` is the routing-weighted sum
 scores, grouped top-k) plus the shared experts' output; the first `first_k_dense_replace` layers keep a dense MLP.
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
@@ -19,7 +21,7 @@ class Glm4Moe(SparseMoE, Llama):
              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "use_qk_norm": True})
     absent = moe_absent("Glm4MoeExperts", ", plus the shared experts (mlp.shared_experts, a dense MLP reading the "
                                           "same input)")
-    vllm_model_types = ("glm4_moe",)
+    vllm = replace(Llama.vllm, model_types=("glm4_moe",))
 
     def moe_layer(self, config, layer):
         return layer >= config.first_k_dense_replace

@@ -5,9 +5,13 @@ file-local eager function repeats no heads and does not upcast the softmax. With
 attention bypasses the attention interface entirely.
 """
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
+
+
+def _gpt2_vllm_locations(family):
+    return mirrored(family, family.locations(), own_port=True)
 
 
 class GPT2(Family):
@@ -28,11 +32,12 @@ class GPT2(Family):
     probabilities_operation = ("attn_weights_4", "dropout(")
     fused_views = ("attention_queries",)
     fused_qkv = FusedQKV("c_attn", "blocks")
-    vllm_model_types = ("gpt2",)  # vLLM's own GPT2LMHeadModel
-    vllm_tiny = {"n_embd": 128}  # head size 32
+    vllm = VLLMLayout(
+        locations=_gpt2_vllm_locations,
+        model_types=("gpt2",),  # vLLM's own GPT2LMHeadModel
+        tiny={"n_embd": 128},  # head size 32
+    )
 
-    def vllm_locations(self):
-        return mirrored(self, self.locations(), own_port=True)
 
     def num_heads(self, module):
         return module.num_heads

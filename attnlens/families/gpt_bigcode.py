@@ -8,16 +8,16 @@ refuses to edit in place (assign them instead); the keys and values edit in plac
 the scores are not scaled at all.
 """
 
+
 from ..family import Family
 from ..parts.fused import FusedQKV
-from ..parts.mirrored import VLLMTransformersBackend
+from ..parts.mirrored import transformers_backend
 from .gpt2 import GPT2
 
 
-class GPTBigCode(VLLMTransformersBackend, GPT2):
+class GPTBigCode(GPT2):
     model_types = ("gpt_bigcode",)
-    vllm_model_types = ("gpt_bigcode",)  # vLLM's Transformers backend
-    vllm_tiny = {"n_embd": 128}  # head size 32
+    vllm = transformers_backend(("gpt_bigcode",), tiny={"n_embd": 128})  # head size 32
     tiny = ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True})
     tiny_layouts = {"multi_head": {"multi_query": False}}
     probabilities_operation = Family.probabilities_operation

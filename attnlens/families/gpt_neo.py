@@ -11,7 +11,7 @@ head_dim] (a true view: in-place edits land).
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 
 ATTN = "self__attn_0"
@@ -29,10 +29,12 @@ def _heads_unview(envoy, mix, heads):
 
 class GPTNeo(Family):
     model_types = ("gpt_neo",)
-    vllm_refusal = ("vLLM does not run GPT-Neo: \"Model architectures ['GPTNeoForCausalLM'] are not supported for "
+    vllm = VLLMLayout(
+        refusal="vLLM does not run GPT-Neo: \"Model architectures ['GPTNeoForCausalLM'] are not supported for "
                     "now\" (vLLM 0.32): it has no implementation of its own, and its Transformers backend cannot run "
                     "it, because GPTNeoSelfAttention computes attention in its own _attn instead of calling "
-                    "transformers' attention interface")
+                    "transformers' attention interface",
+    )
     tiny = ("GPTNeoConfig", "GPTNeoForCausalLM", {
         "attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 4,
         "num_key_value_heads": None})

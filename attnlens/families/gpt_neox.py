@@ -13,14 +13,13 @@ output. With `use_parallel_residual=False` the block is sequential and `layer_mi
 from ..family import Family
 from ..locations import ModuleOutput
 from ..parts.fused import FusedQKV
-from ..parts.mirrored import VLLMTransformersBackend
+from ..parts.mirrored import transformers_backend
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations
 
 
-class GPTNeoX(VLLMTransformersBackend, Family):
+class GPTNeoX(Family):
     model_types = ("gpt_neox",)
-    vllm_model_types = ("gpt_neox",)  # vLLM's Transformers backend
-    vllm_tiny = {"hidden_size": 128}  # head size 32
+    vllm = transformers_backend(("gpt_neox",), tiny={"hidden_size": 128})  # head size 32
     tiny = ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None})
     tiny_layouts = {"sequential": {"use_parallel_residual": False}}
     layers = "gpt_neox.layers"

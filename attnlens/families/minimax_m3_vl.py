@@ -20,6 +20,8 @@ dense clamped-SwiGLU MLP or a sparse mixture of experts with a shared expert.
   experts (per expert, inside `mlp.experts`), scale their sum by `routed_scaling_factor` and add the shared expert.
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .deepseek_v32 import Indexed
 from .llama import Llama
@@ -32,7 +34,7 @@ INLINE_ACTIVATION = ("the dense MLP computes its activation inline, without an a
 
 class MiniMaxM3Text(Indexed, SparseMoE, Llama):
     model_types = ("minimax_m3_vl_text",)
-    vllm_model_types = ()
+    vllm = replace(Llama.vllm, model_types=())
     # Layer 1 is block-sparse (blocks of 4 keys; 8 blocks kept, so the 18-token test prompt keeps every causal key
     # and the identities hold on the causal mask: tests/families/test_gemma3n_zaya_doge_minimax.py makes the choice
     # bind); layer 0 keeps a dense MLP.

@@ -1,9 +1,14 @@
 """Mistral: the Llama layout; `config.sliding_window` limits every layer's keys (through the mask only)."""
 
+from dataclasses import replace
+
 from .llama import Llama
 
 
 class Mistral(Llama):
     model_types = ("mistral",)
     tiny = ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4})
-    vllm_model_types = ("mistral",)  # vLLM's MistralForCausalLM is its Llama
+    vllm = replace(
+        Llama.vllm,
+        model_types=("mistral",),  # vLLM's MistralForCausalLM is its Llama
+    )

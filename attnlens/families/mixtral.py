@@ -11,6 +11,8 @@ not part of that output (transformers records them with a hook on the router); w
 `FusedMoE` over the stacked experts); it is renamed `mlp` there too.
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .mistral import Mistral
 
@@ -20,5 +22,4 @@ class Mixtral(SparseMoE, Mistral):
     tiny = ("MixtralConfig", "MixtralForCausalLM",
             {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("MixtralExperts")
-    vllm_model_types = ("mixtral",)
-    vllm_names = {"mlp": "block_sparse_moe"}
+    vllm = replace(Mistral.vllm, model_types=("mixtral",), names={"mlp": "block_sparse_moe"})

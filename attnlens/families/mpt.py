@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
 
@@ -44,9 +44,11 @@ def _untransposed(envoy, old, new):
 
 class MPT(Family):
     model_types = ("mpt",)
-    vllm_refusal = ('vLLM does not run MPT: "Model architecture MptForCausalLM was supported in vLLM until v0.28.0, '
+    vllm = VLLMLayout(
+        refusal='vLLM does not run MPT: "Model architecture MptForCausalLM was supported in vLLM until v0.28.0, '
                     'and is not supported anymore" (vLLM 0.32), and its Transformers backend cannot run it either: '
-                    'MptAttention computes attention itself instead of calling transformers\' attention interface')
+                    'MptAttention computes attention itself instead of calling transformers\' attention interface',
+    )
     tiny = ("MptConfig", "MptForCausalLM", {"expansion_ratio": 2, "max_seq_len": 128, "num_key_value_heads": None,
                                             "intermediate_size": None, "max_position_embeddings": None})
     layers = "transformer.blocks"

@@ -5,14 +5,14 @@ With `config.clip_qkv` set, the attention forward clamps the q/k/v projections' 
 attention function are already clipped (queries and keys then rotated); an edit there is not clipped again.
 """
 
-from ..parts.mirrored import VLLMTransformersBackend
+
+from ..parts.mirrored import transformers_backend
 from .llama import Llama
 
 
-class Olmo(VLLMTransformersBackend, Llama):
+class Olmo(Llama):
     model_types = ("olmo",)
-    vllm_model_types = ("olmo",)  # vLLM's Transformers backend
-    vllm_fused_activation = True
+    vllm = transformers_backend(("olmo",), fused_activation=True)
     # A clip that binds: with these weights the projections reach well past 1.
     tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
     tiny_layouts = {"noclip": {"clip_qkv": None}}

@@ -8,8 +8,9 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 `layer_mid + post_feedforward_layernorm(mlp_output)`.
 """
 
+
 from ..locations import ModuleInput
-from ..parts.mirrored import VLLMTransformersBackend
+from ..parts.mirrored import transformers_backend
 from .llama import Llama
 
 #: Why a block with norms after its sublayers only (OLMo 2, EXAONE 4) has no pre-sublayer norm outputs.
@@ -21,10 +22,9 @@ NO_PRE_NORMS = {
 }
 
 
-class Olmo2(VLLMTransformersBackend, Llama):
+class Olmo2(Llama):
     model_types = ("olmo2",)
-    vllm_model_types = ("olmo2",)  # vLLM's Transformers backend
-    vllm_fused_activation = True
+    vllm = transformers_backend(("olmo2",), fused_activation=True)
     tiny = ("Olmo2Config", "Olmo2ForCausalLM", {})
     attention_norm = None
     mlp_norm = None

@@ -2,11 +2,16 @@
 "sliding_attention" layer sees its last `config.sliding_window` keys (through the mask, and its own rotary
 parameters)."""
 
+from dataclasses import replace
+
 from .olmo2 import Olmo2
 
 
 class Olmo3(Olmo2):
     model_types = ("olmo3",)
-    vllm_model_types = ("olmo3",)  # vLLM's Transformers backend
+    vllm = replace(
+        Olmo2.vllm,
+        model_types=("olmo3",),  # vLLM's Transformers backend
+    )
     tiny = ("Olmo3Config", "Olmo3ForCausalLM", {
         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})

@@ -7,6 +7,8 @@ it. Every layer's MLP (`OlmoeSparseMoeBlock`) routes each token to its top-k exp
 vLLM's OLMoE does not clamp: with `clip_qkv` set, its queries, keys and values are unclipped (a note says so there).
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
@@ -15,8 +17,11 @@ class Olmoe(SparseMoE, Llama):
     model_types = ("olmoe",)
     tiny = ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("OlmoeExperts")
-    vllm_model_types = ("olmoe",)
-    vllm_tiny = {"hidden_size": 128}  # vLLM's head size is hidden_size // num_attention_heads
+    vllm = replace(
+        Llama.vllm,
+        model_types=("olmoe",),
+        tiny={"hidden_size": 128},  # vLLM's head size is hidden_size // num_attention_heads
+    )
 
     def notes(self, config, layer, engine="eager"):
         notes = {**super().notes(config, layer, engine),

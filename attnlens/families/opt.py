@@ -19,7 +19,7 @@ scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.
 (`VLLM_QUERIES`): each engine's queries and scale give the same scores.
 """
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..parts.mirrored import mirrored
 
@@ -63,6 +63,12 @@ def _flat(source, label):
     return Derived(source, _unflatten, _flatten, label)
 
 
+def _opt_vllm_locations(family):
+    # vLLM's block holds tokens flat already: the eager values' sources, with a batch axis
+    return mirrored(family, {name: location.source if isinstance(location, Derived) else location
+                           for name, location in family.locations().items()}, own_port=True)
+
+
 class OPT(Family):
     model_types = ("opt",)
     tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
@@ -76,8 +82,11 @@ class OPT(Family):
     mlp = "fc2"  # no MLP module: its last step carries the MLP's values (renamed `mlp`)
     activation = "activation_fn"
     down_projection = "fc2"  # on the block, which runs the MLP (see `mlp_module`)
-    vllm_model_types = ("opt",)  # vLLM's own OPTForCausalLM
-    vllm_tiny = {"hidden_size": 128, "word_embed_proj_dim": 128}  # head size 32
+    vllm = VLLMLayout(
+        locations=_opt_vllm_locations,
+        model_types=("opt",),  # vLLM's own OPTForCausalLM
+        tiny={"hidden_size": 128, "word_embed_proj_dim": 128},  # head size 32
+    )
 
     def locations(self):
         locations = super().locations()
@@ -91,10 +100,6 @@ class OPT(Family):
         })
         return locations
 
-    def vllm_locations(self):
-        # vLLM's block holds tokens flat already: the eager values' sources, with a batch axis
-        return mirrored(self, {name: location.source if isinstance(location, Derived) else location
-                               for name, location in self.locations().items()}, own_port=True)
 
     def mlp_module(self, block):
         return block  # the block calls fc1, activation_fn and fc2 itself

@@ -10,13 +10,13 @@ LayerNorm over each head's queries and keys runs before it. The queries and keys
 
 from ..family import Family
 from ..locations import ModuleInput
-from ..parts.mirrored import VLLMTransformersBackend
+from ..parts.mirrored import transformers_backend
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
-class Phi(VLLMTransformersBackend, Family):
+class Phi(Family):
     model_types = ("phi",)
-    vllm_model_types = ("phi",)  # vLLM's Transformers backend
+    vllm = transformers_backend(("phi",))
     tiny = ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5})
     tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}}
     final_norm = "model.final_layernorm"

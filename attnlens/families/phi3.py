@@ -7,6 +7,8 @@ viewed per head, so an in-place edit of them writes into that output, which noth
 `mlp_neurons` is the product the down projection receives; neither the gate nor the up projection alone is a value.
 """
 
+from dataclasses import replace
+
 from ..parts.fused import FusedQKV
 from .llama import Llama
 
@@ -14,7 +16,10 @@ from .llama import Llama
 class Phi3(Llama):
     model_types = ("phi3",)
     tiny = ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 4})
-    vllm_model_types = ("phi3",)  # vLLM's Phi3ForCausalLM is its Llama, loading the fused projections as they are
+    vllm = replace(
+        Llama.vllm,
+        model_types=("phi3",),  # vLLM's Phi3ForCausalLM is its Llama, loading the fused projections as they are
+    )
     activation = "activation_fn"
     fused_qkv = FusedQKV("qkv_proj", "blocks")
 

@@ -5,6 +5,8 @@ loads, a config that slides on some layers only ("Sliding window for some but al
 tiny checkpoint is 128 wide and slides on every layer.
 """
 
+from dataclasses import replace
+
 from .llama import Llama
 
 
@@ -12,8 +14,11 @@ class Qwen2(Llama):
     model_types = ("qwen2",)
     tiny = ("Qwen2Config", "Qwen2ForCausalLM",
             {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
-    vllm_model_types = ("qwen2",)
-    vllm_tiny = {"hidden_size": 128, "head_dim": 32, "max_window_layers": 0}  # layers from 0 on slide
+    vllm = replace(
+        Llama.vllm,
+        model_types=("qwen2",),
+        tiny={"hidden_size": 128, "head_dim": 32, "max_window_layers": 0},  # layers from 0 on slide
+    )
 
     def sliding_window(self, config, layer):
         # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.

@@ -13,8 +13,14 @@ model that mixes them, vLLM's first-step log-probabilities are up to 10.3 apart 
 differ from the first), and within 1.1e-5 of transformers' run without the window.
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .qwen2 import Qwen2
+
+
+def _qwen2moe_vllm_window(family, config, layer):
+    return None if family.mixed_windows(config) else family.sliding_window(config, layer)
 
 
 class Qwen2Moe(SparseMoE, Qwen2):
@@ -26,16 +32,18 @@ class Qwen2Moe(SparseMoE, Qwen2):
              "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
     absent = moe_absent("Qwen2MoeExperts", ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP "
                                            "reading the same input)")
-    vllm_model_types = ("qwen2_moe",)
-    vllm_tiny = {**Qwen2.vllm_tiny, "layer_types": ["sliding_attention"] * 3}  # every layer slides on both engines
+    vllm = replace(
+        Qwen2.vllm,
+        model_types=("qwen2_moe",),
+        window=_qwen2moe_vllm_window,
+        tiny={**Qwen2.vllm.tiny, "layer_types": ["sliding_attention"] * 3},  # every layer slides on both engines
+    )
 
     def moe_layer(self, config, layer):
         # Qwen2MoeDecoderLayer's own rule for building a sparse block.
         return layer not in config.mlp_only_layers and config.num_experts > 0 \
             and (layer + 1) % config.decoder_sparse_step == 0
 
-    def vllm_sliding_window(self, config, layer):
-        return None if self.mixed_windows(config) else self.sliding_window(config, layer)
 
     @staticmethod
     def mixed_windows(config):

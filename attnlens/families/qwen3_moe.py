@@ -7,6 +7,8 @@ or off the `decoder_sparse_step`, keep a dense gated MLP and serve every MLP val
 layer's window.
 """
 
+from dataclasses import replace
+
 from ..parts.moe import SparseMoE, moe_absent
 from .qwen3 import Qwen3
 
@@ -17,7 +19,7 @@ class Qwen3Moe(SparseMoE, Qwen3):
     tiny = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
             {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "mlp_only_layers": [0], "use_sliding_window": True, "sliding_window": 4})
-    vllm_model_types = ("qwen3_moe",)
+    vllm = replace(Qwen3.vllm, model_types=("qwen3_moe",))
     absent = moe_absent("Qwen3MoeExperts")
 
     def moe_layer(self, config, layer):

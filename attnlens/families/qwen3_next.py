@@ -25,7 +25,7 @@ DeltaNet layers serve their output and what `out_proj` receives, as on eager.
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import Location, ModuleInput, ModuleOutput, Operation, insert_after
 from ..locations.views import per_head, per_head_on_ranks
 from ..locations.vllm import RebuiltPattern, batched
@@ -47,6 +47,20 @@ class GatedPattern(RebuiltPattern):
         return f"rebuilt in vLLM's worker ({how}) from the kernel's queries and the kept keys; read-only"
 
 
+def _qwen3next_vllm_locations(family):
+    """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
+    locations = dict(Family.vllm.locations(family))
+    name, anchor = family.gate_operation
+    heads = per_head_on_ranks(ModuleOutput(family.vllm.kernel), label="attention_head_outputs",
+                              note="what vLLM's attention kernel returns, before the output gate")
+    gate = per_head_on_ranks(Operation((name,), anchor=anchor), label="attention_gate",
+                             note="the sigmoid's output in vLLM's attention forward, per head")
+    for key in ("attention_scores", "attention_probabilities"):
+        locations[key] = GatedPattern(locations[key].kernel, locations[key].kind)
+    locations["attention_head_outputs"] = heads
+    return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
+
+
 class Qwen3Next(LinearLayers, SparseMoE, Family):
     model_types = ("qwen3_next",)
     tiny = ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
@@ -66,10 +80,13 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     # DeltaNet heads of 64, bfloat16 only on CPU. Full attention with dense MLPs around a linear layer with MoE: in
     # bfloat16 a near-tied router picks another expert on each engine (measured: two experts' logits one bf16 step
     # apart), which no comparison of values absorbs; the last layer has a pattern (tests_vllm reads it).
-    vllm_model_types = ("qwen3_next",)
-    vllm_dtype = "bfloat16"
-    vllm_tiny = {"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]}
+    vllm = VLLMLayout(
+        locations=_qwen3next_vllm_locations,
+        model_types=("qwen3_next",),
+        dtype="bfloat16",
+        tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]},
+    )
 
     # --- which kind each layer is ----------------------------------------------------------------------------
 
@@ -98,18 +115,6 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
             locations["attention_premix"] = premix if engine == "eager" else batched(premix)
         return locations
 
-    def vllm_locations(self):
-        """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
-        locations = dict(super().vllm_locations())
-        name, anchor = self.gate_operation
-        heads = per_head_on_ranks(ModuleOutput(self.vllm_kernel), label="attention_head_outputs",
-                                  note="what vLLM's attention kernel returns, before the output gate")
-        gate = per_head_on_ranks(Operation((name,), anchor=anchor), label="attention_gate",
-                                 note="the sigmoid's output in vLLM's attention forward, per head")
-        for key in ("attention_scores", "attention_probabilities"):
-            locations[key] = GatedPattern(locations[key].kernel, locations[key].kind)
-        locations["attention_head_outputs"] = heads
-        return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def project_output(self, module, premix):
         name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \

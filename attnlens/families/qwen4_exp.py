@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import replace
 
 import torch
 
@@ -83,8 +84,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
     attention_norm = "attn_hyper_connection"
     mlp_norm = "mlp_hyper_connection"
     attention_streams, mlp_streams = "attn_hyper_connection", "mlp_hyper_connection"
-    vllm_model_types = ()
-    vllm_tiny = {}
+    vllm = replace(Qwen3Next.vllm, model_types=(), tiny={})
     absent = {**Qwen3Next.absent, "mlp_norm_output": NORM_REASON}
 
     def locations(self):

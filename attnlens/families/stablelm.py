@@ -11,10 +11,14 @@ vLLM's StableLM implements the sequential block without QK LayerNorm only, passi
 as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' checkpoints when it loads them.
 """
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import ModuleInput
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 from .granite import unpaired_locations
+
+
+def _stablelm_vllm_locations(family):
+    return unpaired_locations(family, Family.vllm.locations(family))
 
 
 class StableLm(Family):
@@ -22,11 +26,12 @@ class StableLm(Family):
     tiny = ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25})
     tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}}
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
-    vllm_model_types = ("stablelm",)
-    vllm_tiny = {"hidden_size": 128, "head_dim": 32}  # vLLM's head size is hidden_size // num_attention_heads
+    vllm = VLLMLayout(
+        locations=_stablelm_vllm_locations,
+        model_types=("stablelm",),
+        tiny={"hidden_size": 128, "head_dim": 32},  # vLLM's head size is hidden_size // num_attention_heads
+    )
 
-    def vllm_locations(self):
-        return unpaired_locations(self, super().vllm_locations())
 
     def layer_kind(self, config, layer):
         return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", False) else frozenset()

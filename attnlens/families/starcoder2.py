@@ -6,13 +6,14 @@ active only in training); `embeddings` is the token embedding before `config.emb
 dropouts are the identity.
 """
 
-from ..parts.mirrored import VLLMTransformersBackend
+
+from ..parts.mirrored import transformers_backend
 from .mistral import Mistral
 
 
-class Starcoder2(VLLMTransformersBackend, Mistral):
+class Starcoder2(Mistral):
     model_types = ("starcoder2",)
-    vllm_model_types = ("starcoder2",)  # vLLM's Transformers backend
+    vllm = transformers_backend(("starcoder2",))
     # Dropouts set so that the identities would catch them acting outside training.
     tiny = ("Starcoder2Config", "Starcoder2ForCausalLM",
             {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1})

@@ -21,6 +21,8 @@ MLP whose router carries a state from block to block.
   input_hidden_states_bias) * input_hidden_states_scale)` in float32.
 """
 
+from dataclasses import replace
+
 from ..locations import ModuleOutput
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
@@ -28,7 +30,7 @@ from .llama import Llama
 
 class Zaya(SparseMoE, Llama):
     model_types = ("zaya",)
-    vllm_model_types = ()
+    vllm = replace(Llama.vllm, model_types=())
     tiny = ("ZayaConfig", "ZayaForCausalLM", {
         "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
         "router_hidden_size": 32, "sliding_window": 4, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"]})

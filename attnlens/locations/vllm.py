@@ -1,4 +1,5 @@
-"""Where values live in vLLM's implementation of a family: the location kinds a family's `vllm_locations()` uses.
+"""Where values live in vLLM's implementation of a family: the location kinds a family's
+`vllm = VLLMLayout(locations=...)` uses.
 
 They read and write through nnsight inside vLLM's worker, like the eager kinds in `attnlens/locations.py`, and give
 values in the eager layouts, with a batch axis of one (each invoke is one request). Importing this module does not

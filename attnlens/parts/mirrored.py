@@ -21,10 +21,11 @@ function, each head's output from the output projection's input.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any
 
 from ..locations import Derived, Location, ModuleInput, ModuleOutput, OutputField
 from ..values import BY_NAME
+from .vllm import VLLMLayout
 
 
 def _split_heads(envoy, flat):
@@ -45,7 +46,7 @@ def _drop_batch(envoy, old, new):
 
 
 def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[str, Location]:
-    """`eager`'s locations on vLLM, in the same order: the attention's values at the kernel (`family.vllm_kernel`),
+    """`eager`'s locations on vLLM, in the same order: the attention's values at the kernel (`family.vllm.kernel`),
     the logits vLLM samples from, and every module input and output where it is, as the first item of a tuple.
 
     On vLLM's `own_port` of the family, tokens are flat (a batch axis is added) and one activation module serves every
@@ -53,7 +54,7 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
     with no gate). Any other kind is the family's to state: it raises."""
     from ..locations.vllm import KernelInput, RebuiltPattern, SampledLogits, batched, heads_of
 
-    kernel, projection = family.vllm_kernel, family.output_projection
+    kernel, projection = family.vllm.kernel, family.output_projection
     replaced = {
         "attention_queries": KernelInput(kernel, 0),
         "attention_keys": KernelInput(kernel, 1),
@@ -81,35 +82,39 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
             out[name] = batched(location) if own_port else location
         else:
             raise ValueError(f"family {family.name}, value {name}: no vLLM location mirrors {location!r}; state it "
-                             f"in the family's vllm_locations")
+                             f"in the family's vllm = VLLMLayout(locations=...)")
     return out
 
 
-class VLLMTransformersBackend:
-    """Mixed in front of a family vLLM runs through its Transformers backend: its vLLM locations are its eager ones
-    (`mirrored`), under vLLM's `model` where the eager model names its base model otherwise."""
+def transformers_backend(model_types: tuple[str, ...], fused_activation: bool = False, **fields: Any) -> VLLMLayout:
+    """The layout of a family vLLM runs through its Transformers backend: its vLLM locations are its eager ones
+    (`mirrored`), under vLLM's `model` where the eager model names its base model otherwise. `fused_activation`:
+    vLLM fuses the MLP's activation into a GLU's `gate_up_proj` (`SiluAndMul`), so it is never formed."""
 
-    #: Whether vLLM fuses the MLP's activation into a GLU's `gate_up_proj` (`SiluAndMul`), so it is never formed.
-    vllm_fused_activation: ClassVar[bool] = False
-
-    @property
-    def vllm_names(self) -> dict[str, str]:
-        """The model's module paths in vLLM's model (`Family.path`), where its base model is named otherwise."""
-        paths = {role: getattr(self, role) for role in ("layers", "embed_tokens", "final_norm")}
-        return {role: self._in_vllm_model(path) for role, path in paths.items() if self._in_vllm_model(path) != path}
-
-    def vllm_locations(self) -> dict[str, Location]:
+    def locations(family) -> dict[str, Location]:
         eager = {}
-        for name, location in self.locations().items():
-            if name == "mlp_activation" and self.vllm_fused_activation:
+        for name, location in family.locations().items():
+            if name == "mlp_activation" and fused_activation:
                 continue
             if BY_NAME[name].scope == "model" and isinstance(location, (ModuleInput, ModuleOutput)):
-                location = replace(location, module=self._in_vllm_model(location.module))
+                location = replace(location, module=_in_vllm_model(family, location.module))
             eager[name] = location
-        return mirrored(self, eager, own_port=False)
+        return mirrored(family, eager, own_port=False)
 
-    def _in_vllm_model(self, path: str) -> str:
-        """A module path of the eager model in vLLM's: the base model is `model` there."""
-        base = self.layers.split(".")[0]
-        return "model" + path[len(base):] if path.split(".")[0] == base else path
+    if not fused_activation:
+        fields.setdefault("unavailable", {})
+    return VLLMLayout(model_types=model_types, names=_backend_names, locations=locations, backend="transformers",
+                      **fields)
 
+
+def _backend_names(family) -> dict[str, str]:
+    """The model's module paths in vLLM's model (`Family.path`), where its base model is named otherwise."""
+    paths = {role: getattr(family, role) for role in ("layers", "embed_tokens", "final_norm")}
+    moved = {role: _in_vllm_model(family, path) for role, path in paths.items()}
+    return {role: path for role, path in moved.items() if path != paths[role]}
+
+
+def _in_vllm_model(family, path: str) -> str:
+    """A module path of the eager model in vLLM's: the base model is `model` there."""
+    base = family.layers.split(".")[0]
+    return "model" + path[len(base):] if path.split(".")[0] == base else path

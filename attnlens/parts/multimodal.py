@@ -22,9 +22,6 @@ class LanguageModelOf:
     layers = "model.language_model.layers"
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
-    #: vLLM runs these types as its own multimodal classes, whose paths (language_model.model.layers) differ from
-    #: transformers' (a family has one set of paths for both engines): not served there.
-    vllm_model_types: tuple[str, ...] = ()
 
     def layer_kind(self, config, layer):
         return super().layer_kind(_text(config), layer)

@@ -189,6 +189,6 @@ def _refusal_of_folder(path: str) -> str | None:
 
 
 def _refusal(family: Family, model_type: str) -> str | None:
-    refused = family.vllm_reason(model_type)
+    refused = family.vllm.refused(family, model_type)
     return None if refused is None else f"StandardizedVLLM does not serve {model_type!r} on {family.name}: {refused}"
 

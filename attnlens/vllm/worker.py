@@ -132,7 +132,7 @@ class WorkerValues:
         load, not with a wrong pattern."""
         impl = kernel.impl
         facts = {
-            "sliding window": (self.family.vllm_sliding_window(self.config, layer),
+            "sliding window": (self.family.window(self.config, layer, "vllm"),
                                _none_if(getattr(impl, "sliding_window", None), -1)),  # MLA impls have none
             "soft-cap": (self.family.softcap(self.config, layer), _none_if(getattr(impl, "logits_soft_cap", None), 0)),
         }

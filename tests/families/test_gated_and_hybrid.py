@@ -213,7 +213,7 @@ class _DriftOn(Qwen3Next):
 
     def locations_for(self, config, layer, engine="eager"):
         locations = super().locations_for(config, layer, engine)
-        if layer is None or self.is_linear(config, layer) != self.drift_linear:
+        if layer is None or self.is_mixer_layer(config, layer) != self.drift_linear:
             return locations
         name = "attention_premix" if self.drift_linear else "attention_head_outputs"
         return {**locations, name: Operation(("attention_interface_1",), "output", 0, anchor="no such text")

@@ -1,0 +1,96 @@
+"""A family on vLLM as one value (`Family.vllm`): where its values live in vLLM's implementation, the model types that
+was checked against, and what vLLM needs to run its tiny checkpoint. `common_vllm_locations` is vLLM's Llama."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..locations import Location, ModuleInput, ModuleOutput
+
+
+def common_vllm_locations(family: Any) -> dict[str, Location]:
+    """Value name -> location in vLLM's implementation of the common layout (vLLM's Llama), in forward order."""
+    from ..locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
+
+    kernel, path = family.vllm.kernel, lambda role: family.path(role, "vllm")
+    return {
+        "embeddings": ResidualPair(f"{path('layers')}.0", "input", first=1),  # (positions, hidden, residual)
+        "layer_input": ResidualPair("", "input", first=1),
+        "attention_norm_output": batched(ModuleOutput(path("attention_norm"), 0)),
+        "attention_queries": KernelInput(kernel, 0),
+        "attention_keys": KernelInput(kernel, 1),
+        "attention_values": KernelInput(kernel, 2),
+        "attention_scores": RebuiltPattern(kernel, "scores"),
+        "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
+        "attention_head_outputs": heads_of(ModuleInput(path("output_projection"))),
+        "attention_premix": batched(ModuleInput(path("output_projection"))),
+        "attention_output": copied(ModuleOutput("", 0)),
+        "layer_mid": ResidualPair(path("mlp_norm"), "input"),
+        "mlp_norm_output": batched(ModuleInput(path("mlp"))),
+        "mlp_input": batched(ModuleInput(path("mlp"))),
+        "mlp_neurons": batched(ModuleInput(path("down_projection"))),
+        "mlp_output": copied(ModuleOutput()),
+        "layer_output": ResidualPair("", "output"),
+        "final_norm_output": batched(ModuleOutput(path("final_norm"), 0)),
+        "logits": SampledLogits(),
+    }
+
+
+#: Why the common layout's `mlp_activation` is missing on vLLM.
+FUSED_ACTIVATION = {
+    "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "
+                      "activation alone is never formed; mlp_neurons is its output",
+}
+
+
+@dataclass(frozen=True)
+class VLLMLayout:
+    """A family on vLLM (vllm/model_executor/models/*.py): where its values live there, the model types that was
+    checked against, and what vLLM needs to run its tiny checkpoint on CPU. `Family.vllm`."""
+
+    #: The model types whose vLLM implementation these locations were checked against; `StandardizedVLLM` refuses the
+    #: others rather than guess.
+    model_types: tuple[str, ...] = ()
+    #: Module paths (role -> path, as `Family`'s attributes) where vLLM names them otherwise; or a function of the
+    #: family giving them.
+    names: Mapping[str, str] | Callable[[Any], Mapping[str, str]] = field(default_factory=dict)
+    #: The family's locations there, in forward order: a function of the family (its paths through `Family.path`).
+    locations: Callable[[Any], dict[str, Location]] = common_vllm_locations
+    #: vLLM's attention kernel module inside the attention block: it receives q, k, v flat, `[tokens, heads * dim]`,
+    #: after rotary embedding and any QK-norm.
+    kernel: str = "attn"
+    #: The sliding window vLLM gives a layer's kernel, where it differs from transformers' (checked against the kernel
+    #: at load): a function of (family, config, layer); None: transformers' (`Family.sliding_window`).
+    window: Callable[[Any, Any, int], int | None] | None = None
+    #: Why a value the family has on transformers is missing from `locations`.
+    unavailable: Mapping[str, str] = field(default_factory=lambda: dict(FUSED_ACTIVATION))
+    #: Why vLLM cannot run the family at all (vLLM's own words), where it cannot.
+    refusal: str | None = None
+    #: Config overrides on top of `Family.tiny` for a checkpoint vLLM's CPU kernels accept (head sizes of 32 and up),
+    #: and the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family it serves.
+    tiny: Mapping[str, Any] = field(default_factory=lambda: {"head_dim": 32})
+    dtype: str = "float32"
+    #: Which of vLLM's implementations runs it: its own model class ("native"), or its Transformers backend
+    #: ("transformers"), which runs transformers' modules with vLLM's kernel (`parts.mirrored.transformers_backend`).
+    backend: str = "native"
+    #: How far (relative) vLLM's values may be from transformers' on the same weights, where vLLM computes a part of
+    #: the model otherwise (Bloom's exact GELU); None: the dtype's rounding.
+    tolerance: float | None = None
+
+    def names_of(self, family: Any) -> Mapping[str, str]:
+        return self.names(family) if callable(self.names) else self.names
+
+    def refused(self, family: Any, model_type: str) -> str | None:
+        """Why `StandardizedVLLM` does not serve `model_type` on `family` (None: it does)."""
+        if model_type in self.model_types:
+            return None
+        return self.refusal or (f"the {family.name} family's vLLM locations are not checked for model type "
+                                f"{model_type!r}; check them against vLLM's implementation, state where they differ "
+                                f"in the family's vllm = VLLMLayout(...), and add the type to its model_types")
+
+
+#: attnlens 0.1's `vllm_*` class attributes -> the `VLLMLayout` field each became.
+LEGACY_VLLM = {"model_types": "model_types", "names": "names", "refusal": "refusal", "kernel": "kernel",
+               "tiny": "tiny", "dtype": "dtype", "tolerance": "tolerance", "absent": "unavailable"}
