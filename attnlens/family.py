@@ -23,6 +23,7 @@ import torch
 from .errors import LocationDrift, UnknownFamily
 from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
+from .parts.sizes import Sizes
 from .parts.vllm import LEGACY_VLLM, VLLMLayout
 from .values import ALL_VALUES, BY_NAME
 
@@ -285,25 +286,12 @@ class Family:
 
     # --- sizes, read off the attention module and its config -----------------------------------------------
 
-    def num_heads(self, module) -> int:
-        return module.config.num_attention_heads
-
-    def num_kv_heads(self, module) -> int:
-        return getattr(module.config, "num_key_value_heads", None) or self.num_heads(module)
-
-    def head_dim(self, module) -> int:
-        return module.head_dim
-
-    def qk_head_dim(self, module) -> int:
-        return self.head_dim(module)
-
-    def scale(self, module) -> float:
-        return module.scaling
+    #: Where the attention module's sizes are read (`parts.sizes.Sizes`: attribute paths with fallbacks).
+    sizes: ClassVar[Sizes] = Sizes()
 
     def geometry(self, module) -> HeadGeometry:
-        """The heads of the attention `module` (transformers'), read with the size methods above."""
-        return HeadGeometry(self.num_heads(module), self.num_kv_heads(module), self.head_dim(module),
-                            self.qk_head_dim(module), self.scale(module))
+        """The heads of the attention `module` (transformers'), read as `sizes` says."""
+        return HeadGeometry(**self.sizes.read(module))
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked

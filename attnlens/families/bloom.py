@@ -27,6 +27,7 @@ from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
+from ..parts.sizes import Sizes
 
 VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
              "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
@@ -86,6 +87,7 @@ class Bloom(Family):
         tiny={"hidden_size": 128},  # head size 32
         tolerance=2e-3,  # vLLM's exact GELU (VLLM_GELU) moves the values by up to 1e-3
     )
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",), scale=("inv_norm_factor",))
 
     def locations(self):
         return {
@@ -111,15 +113,6 @@ class Bloom(Family):
     def alibi_slopes(self, config, layer: int) -> torch.Tensor:
         """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""
         return alibi_slopes(config.num_attention_heads)
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_heads
-
-    def scale(self, module):
-        return module.inv_norm_factor
 
     def sliding_window(self, config, layer):
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..family import Family
 from ..locations import ModuleOutput
+from ..parts.sizes import Sizes
 from .git import copied
 
 STREAM = ("the local decoder's blocks (bytes); layer 0's input is the local encoder's output plus the cross-attention "
@@ -39,17 +40,12 @@ class Blt(Family):
     layers = "model.local_decoder.layers"
     embed_tokens = "model.local_encoder.embed_tokens"
     final_norm = "model.local_decoder.norm"
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def locations(self):
         return {**super().locations(), "embeddings": copied(
             ModuleOutput(self.embed_tokens), "compute_hash_embeddings adds the hashed n-gram embeddings into "
             "embed_tokens' output in place, so attnlens hands out a copy taken before those adds")}
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_key_value_heads
 
     def sliding_window(self, config, layer):
         # transformers 5.24 masks the local blocks with encoder_config.sliding_window (local_attention_window_len);

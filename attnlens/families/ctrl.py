@@ -8,6 +8,7 @@ sinusoidal positions, so `embeddings` is a snapshot of the embedding module's ou
 
 from ..family import Family
 from ..locations import Derived, ModuleOutput
+from ..parts.sizes import Sizes
 
 
 def _snapshot(envoy, output):
@@ -34,16 +35,12 @@ class CTRL(Family):
     output_projection = "dense"
     activation = "1"  # the MLP is a Sequential: Linear, ReLU, Linear
     down_projection = "2"
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",))
 
     def locations(self):
         return {**super().locations(), "embeddings": Derived(
             ModuleOutput(self.embed_tokens), _snapshot, _replace, "embeddings", in_place=False,
             why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right after")}
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    num_kv_heads = num_heads
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine),

@@ -11,6 +11,7 @@ gated activation to its routed tokens only, so no activation or neuron tensor ex
 from ..family import Family
 from ..parts.fused import FusedQKV
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.sizes import Sizes
 
 
 class Dbrx(SparseMoE, Family):
@@ -29,12 +30,7 @@ class Dbrx(SparseMoE, Family):
     output_projection = "out_proj"
     fused_qkv = FusedQKV("Wqkv", "blocks")
     absent = moe_absent("DbrxExperts", extra="; each expert is DbrxExpertGLU, act(x w1) * (x v1) then w2")
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_key_value_heads
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def notes(self, config, layer, engine="eager"):
         clip = config.attn_config.clip_qkv

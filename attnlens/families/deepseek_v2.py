@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from ..family import Family, VLLMLayout
 from ..parts.moe import SparseMoE
+from ..parts.sizes import Sizes
 
 MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
               "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
@@ -40,27 +41,17 @@ class LatentAttention(Family):
     expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
     #: vLLM's MLA kernel inside its attention wrapper (model_executor/models/deepseek_v2.py).
     vllm = VLLMLayout(kernel="mla_attn.mla_attn", locations=_latentattention_vllm_locations)
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",), head_dim=("v_head_dim",),
+                  qk_head_dim=("qk_head_dim",))
 
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_heads  # kv_b_proj expands the latent to every query head
-
-    def head_dim(self, module):
-        return module.v_head_dim
-
-    def qk_head_dim(self, module):
-        return module.qk_head_dim
-
-    def sizes(self, config, layer: int):
+    def layer_config(self, config, layer: int):
         """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
         return config
 
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
-        sizes = self.sizes(config, layer)
+        sizes = self.layer_config(config, layer)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
                                    f"{sizes.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
                                    f"{sizes.qk_rope_head_dim} rotary channels shared by every head")

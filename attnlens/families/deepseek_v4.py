@@ -28,6 +28,7 @@ from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sizes import Sizes, kv_heads_from_groups
 
 MOE_REASON = ("a mixture-of-experts layer (every DeepSeek-V4 layer): the routed experts apply their clamped gated "
               "activation inside a loop over experts, each to the tokens routed to it, so no [batch, seq, "
@@ -73,6 +74,7 @@ class DeepseekV4(SparseMoE, Family):
                     "deepseek_v4 config, whose entries are 'moe')",
     )
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
+    sizes = Sizes(num_kv_heads=(kv_heads_from_groups,))
 
     def locations(self):
         locations = super().locations()
@@ -100,9 +102,6 @@ class DeepseekV4(SparseMoE, Family):
 
     def sliding_window(self, config, layer):
         return config.sliding_window  # every layer type uses the sliding-window mask
-
-    def num_kv_heads(self, module):
-        return self.num_heads(module) // module.num_key_value_groups  # one shared key/value head
 
     def project_output(self, module, premix):
         grouped = premix.reshape(*premix.shape[:2], module.config.o_groups, -1)

@@ -18,6 +18,7 @@ import torch
 
 from ..family import Family
 from ..locations import Derived, Operation
+from ..parts.sizes import Sizes
 
 SECOND_CALL = "the forward runs the attention function twice with the same queries, keys and pattern (once per half " \
               "of the values)"
@@ -42,6 +43,7 @@ def _first_call_only(location, label, what):
 class DiffLlama(Family):
     model_types = ("diffllama",)
     tiny = ("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16})
+    sizes = Sizes(head_dim=(lambda module, found: 2 * module.head_dim,), qk_head_dim=("head_dim",))
 
     def locations(self):
         locations = super().locations()
@@ -69,12 +71,6 @@ class DiffLlama(Family):
             elif name not in heads:
                 ordered[name] = location
         return ordered
-
-    def head_dim(self, module):
-        return 2 * module.head_dim  # each head mixes both halves of the values
-
-    def qk_head_dim(self, module):
-        return module.head_dim
 
     @staticmethod
     def lambda_full(module, dtype):

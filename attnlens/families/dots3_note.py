@@ -33,7 +33,7 @@ class Dots3Note(DeepseekV32):
         "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
         "mlp_layer_types": ["dense", "sparse", "dense"]})
 
-    def sizes(self, config, layer):
+    def layer_config(self, config, layer):
         return config.per_layer_config[layer]
 
     def indexed(self, config, layer):

@@ -40,6 +40,7 @@ from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, shared_norm_note
+from ..parts.sizes import Sizes
 
 
 def _groups(envoy):
@@ -128,6 +129,7 @@ class Falcon(Family):
         model_types=("falcon",),  # vLLM's own FalconForCausalLM
         tiny={"hidden_size": 128, "ffn_hidden_size": 512},  # head size 32; vLLM builds the MLP at 4 x hidden
     )
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_kv_heads",), scale=("inv_norm_factor",))
 
     @staticmethod
     def parallel(config) -> bool:
@@ -244,15 +246,6 @@ class Falcon(Family):
         if self.parallel(config) and attention_norm == mlp_norm:
             notes["mlp_norm_output"] = shared_norm_note(attention_norm)
         return notes
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_kv_heads
-
-    def scale(self, module):
-        return module.inv_norm_factor
 
     def sliding_window(self, config, layer):
         return None

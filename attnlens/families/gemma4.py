@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from ..family import TINY_DEFAULTS
 from ..parts.multimodal import LanguageModelOf
+from ..parts.sizes import kv_heads_from_groups
 from .gemma3 import Gemma3
 
 #: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
@@ -50,9 +51,7 @@ class Gemma4Text(Gemma3):
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
-
-    def num_kv_heads(self, module):
-        return self.num_heads(module) // module.num_key_value_groups  # per layer: full layers may have fewer
+    sizes = replace(Gemma3.sizes, num_kv_heads=(kv_heads_from_groups,))
 
     def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
         if sublayer != "mlp":

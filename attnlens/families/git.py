@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..parts.sizes import Sizes
 
 POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
 TEXT_ONLY = ("on token ids alone: causal over the text. With pixel_values GIT prepends the image's tokens, which "
@@ -70,6 +71,8 @@ class Git(Family):
     down_projection = "dense"
     eager_only = ()  # GitSelfAttention is GIT's only attention: it always forms the scores and the pattern
     padding_changes_values = "positions count from the padded start: GIT's position embeddings take no mask"
+    sizes = Sizes(num_heads=("self.num_attention_heads",), head_dim=("self.attention_head_size",),
+                  scale=(lambda module, found: found["head_dim"] ** -0.5,))
 
     def renames(self, engine="eager"):
         from transformers.models.git import modeling_git as git
@@ -102,17 +105,6 @@ class Git(Family):
             "layer_output": ModuleOutput(""),
             "logits": OutputField("logits"),
         }
-
-    def num_heads(self, module):
-        return module.self.num_attention_heads
-
-    num_kv_heads = num_heads
-
-    def head_dim(self, module):
-        return module.self.attention_head_size
-
-    def scale(self, module):
-        return module.self.attention_head_size ** -0.5
 
     def project_output(self, module, premix):
         return module.output.dense(premix)

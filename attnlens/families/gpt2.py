@@ -8,6 +8,7 @@ attention bypasses the attention interface entirely.
 from ..family import Family, VLLMLayout
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
+from ..parts.sizes import Sizes
 
 
 def _gpt2_vllm_locations(family):
@@ -37,10 +38,8 @@ class GPT2(Family):
         model_types=("gpt2",),  # vLLM's own GPT2LMHeadModel
         tiny={"n_embd": 128},  # head size 32
     )
+    sizes = Sizes(num_heads=("num_heads",))
 
-
-    def num_heads(self, module):
-        return module.num_heads
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)

@@ -9,6 +9,8 @@ the scores are not scaled at all.
 """
 
 
+from dataclasses import replace
+
 from ..family import Family
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import transformers_backend
@@ -22,9 +24,7 @@ class GPTBigCode(GPT2):
     tiny_layouts = {"multi_head": {"multi_query": False}}
     probabilities_operation = Family.probabilities_operation
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
-
-    def num_kv_heads(self, module):
-        return module.kv_heads
+    sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

@@ -13,6 +13,7 @@ import torch
 
 from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"
 OWN_ARITHMETIC = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
@@ -47,6 +48,7 @@ class GPTNeo(Family):
     output_projection = "out_proj"
     activation = "act"
     down_projection = "c_proj"
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",), scale=(1.0,))
 
     def locations(self):
         return {
@@ -80,15 +82,6 @@ class GPTNeo(Family):
 
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_heads
-
-    def scale(self, module):
-        return 1.0
 
     def sliding_window(self, config, layer):
         return config.window_size if config.attention_layers[layer] == "local" else None

@@ -15,6 +15,7 @@ from ..locations import ModuleOutput
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import transformers_backend
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations
+from ..parts.sizes import Sizes
 
 
 class GPTNeoX(Family):
@@ -32,6 +33,7 @@ class GPTNeoX(Family):
     fused_qkv = FusedQKV("query_key_value", "groups")
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="input_layernorm for attention, post_attention_layernorm "
                                                         "for the MLP")}  # parallel layout only
+    sizes = Sizes(num_kv_heads=("config.num_attention_heads",), head_dim=("head_size",))
 
     def layer_kind(self, config, layer):
         return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", True) else frozenset()
@@ -39,12 +41,6 @@ class GPTNeoX(Family):
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         return parallel_locations(locations, ModuleOutput(self.mlp_norm)) if "parallel" in kind else locations
-
-    def num_kv_heads(self, module):
-        return module.config.num_attention_heads
-
-    def head_dim(self, module):
-        return module.head_size
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

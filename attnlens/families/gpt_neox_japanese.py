@@ -21,6 +21,7 @@ import torch
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
+from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"  # GPTNeoXJapaneseAttention._attn, called from its forward
 
@@ -46,6 +47,8 @@ class GPTNeoXJapanese(Family):
     down_projection = "dense_4h_to_h"
     eager_only = ()  # `_attn` is the only attention path: the pattern exists under any attn_implementation
     fused_qkv = FusedQKV("query_key_value", "groups")
+    sizes = Sizes(num_heads=("num_attention_heads",), num_kv_heads=("num_attention_heads",), head_dim=("head_size",),
+                  scale=(lambda module, found: 1.0 / module.norm_factor,))
 
     def locations(self):
         return {
@@ -64,18 +67,6 @@ class GPTNeoXJapanese(Family):
 
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
-
-    def num_heads(self, module):
-        return module.num_attention_heads
-
-    def num_kv_heads(self, module):
-        return module.num_attention_heads
-
-    def head_dim(self, module):
-        return module.head_size
-
-    def scale(self, module):
-        return 1.0 / module.norm_factor
 
     def sliding_window(self, config, layer):
         return None

@@ -20,6 +20,7 @@ from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, Operation
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..parts.sizes import Sizes
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
 
@@ -64,6 +65,8 @@ class GPTJ(Family):
         model_types=("gptj",),  # vLLM's own GPTJForCausalLM
         tiny={"n_embd": 128},  # head size 32
     )
+    sizes = Sizes(num_heads=("num_attention_heads",), num_kv_heads=("num_attention_heads",),
+                  scale=(lambda module, found: 1 / module.scale_attn, "scaling"))
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
@@ -85,15 +88,6 @@ class GPTJ(Family):
         if self.own_attn():
             return {OWN_ATTN: type(attention_module)._attn}
         return super().drilled_functions(attention_module)
-
-    def num_heads(self, module):
-        return module.num_attention_heads
-
-    def num_kv_heads(self, module):
-        return module.num_attention_heads
-
-    def scale(self, module):
-        return 1 / module.scale_attn if hasattr(module, "scale_attn") else module.scaling
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))

@@ -30,6 +30,7 @@ import torch
 
 from ..family import Family
 from ..parts.moe import PER_EXPERT, SparseMoE
+from ..parts.sizes import Sizes
 
 MOE_REASON = ("a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. Each routed expert applies "
               "act_fn(gate) * up only to the tokens routed to it, inside mlp.experts (one expert at a time over the "
@@ -66,18 +67,13 @@ class Inkling(SparseMoE, Family):
     absent = {**Family.absent, **dict.fromkeys(PER_EXPERT, MOE_REASON)}
     padding_changes_values = ("with log_scaling_n_floor set, full layers scale queries and the bias by each query's "
                               "position counted from the padded start")
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def moe_layer(self, config, layer):
         return config.mlp_layer_types[layer] == "sparse"
 
     def sliding_window(self, config, layer):
         return config.sliding_window_size if config.layer_types[layer] == "hybrid_sliding" else None
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_key_value_heads
 
     def score_bias(self, config, layer):
         full = config.layer_types[layer] != "hybrid_sliding"

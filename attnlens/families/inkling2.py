@@ -34,6 +34,7 @@ from ..locations import Derived, Location, ModuleInput, Operation, _replace_item
 from ..locations.views import per_head
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sinks import SINK_NOTE, with_sinks
+from ..parts.sizes import Sizes
 
 MOE_REASON = ("a sparse mixture of experts on every layer: each routed expert applies its soft-capped SwiGLU only to "
               "the tokens routed to it, inside mlp.experts (one expert at a time over the flattened tokens), so no "
@@ -99,6 +100,7 @@ class Inkling2(SparseMoE, Family):
               "final_norm_output": FINAL_NORM_REASON}
     padding_changes_values = ("full layers scale queries and the bias by each query's position counted from the "
                               "padded start (log_scaling_n_floor)")
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def locations(self):
         sinks = Derived(Operation((INTERFACE_CALL, "F_softmax_0"), anchor="softmax("),
@@ -120,12 +122,6 @@ class Inkling2(SparseMoE, Family):
 
     def sliding_window(self, config, layer):
         return config.sliding_window_size if _sliding(config, layer) else None
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_key_value_heads
 
     def project_output(self, module, premix):
         return module.o_proj.linear(premix)

@@ -8,8 +8,10 @@ RMS-normed and gated (`o_norm`) per head before `o_proj`; they form no query-key
 serves only what it has: its output and what `o_proj` receives (`attention_premix`), with the linear heads' sizes.
 """
 
+from dataclasses import replace
+
 from ..parts.mixers import LinearLayers
-from .deepseek_v2 import DeepseekV2
+from .deepseek_v2 import DeepseekV2, LatentAttention
 from .youtu import LATENT_TINY
 
 MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
@@ -20,16 +22,10 @@ class DeltaHybrid(LinearLayers):
     """Mixin for a family whose `linear_attention` layers are Kimi Delta Attention modules under `self_attn`."""
 
     label = "Kimi Linear"
+    sizes = replace(LatentAttention.sizes, head_dim=("v_head_dim", "head_dim"), qk_head_dim=("qk_head_dim", "head_dim"),
+                                           scale=("scaling", lambda module, found: module.head_dim ** -0.5))
 
     # sizes: a KDA module's heads are its linear heads (its premix merges them)
-    def head_dim(self, module):
-        return super().head_dim(module) if hasattr(module, "v_head_dim") else module.head_dim
-
-    def qk_head_dim(self, module):
-        return super().qk_head_dim(module) if hasattr(module, "qk_head_dim") else module.head_dim
-
-    def scale(self, module):
-        return super().scale(module) if hasattr(module, "scaling") else module.head_dim ** -0.5
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)

@@ -14,6 +14,7 @@ from ..locations import Operation, insert_after
 from ..locations.views import per_head
 from ..parts.gates import repeated_head_gate
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.sizes import Sizes
 
 
 class Laguna(SparseMoE, Family):
@@ -24,6 +25,7 @@ class Laguna(SparseMoE, Family):
         "num_attention_heads_per_layer": [4, 8, 4], "mlp_layer_types": ["dense", "sparse", "sparse"]})
     tiny_layouts = {"per_element_gate": {"gating": "per-element"}}
     absent = {**moe_absent("LagunaExperts"), "attention_sinks": Family.absent["attention_sinks"]}
+    sizes = Sizes(num_heads=("num_heads",))
 
     @staticmethod
     def per_head(config) -> bool:
@@ -41,9 +43,6 @@ class Laguna(SparseMoE, Family):
         gate = repeated_head_gate(source) if "gate_per_head" in kind else per_head(source, label="attention_gate")
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
-
-    def num_heads(self, module):
-        return module.num_heads
 
     def notes(self, config, layer, engine="eager"):
         shape = "one per head, repeated over head_dim (a read-only copy)" if self.per_head(config) else \

@@ -12,6 +12,7 @@ MLP or a routed mixture of experts (no shared experts) per layer.
 from ..family import Family, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sizes import Sizes, kv_heads_from_groups
 
 MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
               "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "
@@ -35,6 +36,8 @@ class MiMoV2Flash(SparseMoE, Family):
     absent = {"attention_sinks": "a full-attention layer: MiMo-V2-Flash gives sink logits only to its sliding-window "
                                  "layers, so every row of this layer's pattern sums to one",
               "mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+    sizes = Sizes(num_kv_heads=(kv_heads_from_groups,),
+                  head_dim=("v_head_dim",), qk_head_dim=("head_dim",))
 
     def moe_layer(self, config, layer):
         return config.mlp_layer_types[layer] == "sparse"
@@ -46,15 +49,6 @@ class MiMoV2Flash(SparseMoE, Family):
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         return with_sinks(locations, sink_share("probs_0")) if "sinks" in kind and engine == "eager" else locations
-
-    def num_kv_heads(self, module):
-        return self.num_heads(module) // module.num_key_value_groups  # doubled on sliding layers
-
-    def head_dim(self, module):
-        return module.v_head_dim
-
-    def qk_head_dim(self, module):
-        return module.head_dim
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)

@@ -10,6 +10,7 @@ renamed `self_attn`; the common attention interface, output projection `Wo`), th
 """
 
 from ..family import Family, MLPArithmetic
+from ..parts.sizes import Sizes
 
 
 class ModernBertDecoder(Family):
@@ -25,6 +26,7 @@ class ModernBertDecoder(Family):
     output_projection = "Wo"
     activation = "act"
     down_projection = "Wo"
+    sizes = Sizes(num_kv_heads=("num_heads",))
 
     def mlp_arithmetic(self, mlp):
         def halves(x):
@@ -34,9 +36,6 @@ class ModernBertDecoder(Family):
                              lambda x, activation: mlp.drop(activation * halves(x)[1]),
                              says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))",
                                    "Wo(neurons)"))
-
-    def num_kv_heads(self, module):
-        return module.num_heads  # every head has its own keys and values
 
     def notes(self, config, layer, engine="eager"):
         notes = {**super().notes(config, layer, engine),

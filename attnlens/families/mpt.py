@@ -20,6 +20,7 @@ import torch
 from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
+from ..parts.sizes import Sizes
 
 ALIBI_BIAS_MAX = 8  # MptModel.forward calls build_mpt_alibi_tensor without the config's value
 
@@ -63,6 +64,7 @@ class MPT(Family):
     activation = "act"
     down_projection = "down_proj"
     fused_views = ("attention_queries",)
+    sizes = Sizes(num_heads=("n_heads",), num_kv_heads=("n_heads",), scale=("softmax_scale",))
 
     def locations(self):
         return {
@@ -80,15 +82,6 @@ class MPT(Family):
             "attention_output": ModuleOutput("", 0),
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
-
-    def num_heads(self, module):
-        return module.n_heads
-
-    def num_kv_heads(self, module):
-        return module.n_heads
-
-    def scale(self, module):
-        return module.softmax_scale
 
     def sliding_window(self, config, layer):
         return None

@@ -17,6 +17,7 @@ import torch
 
 from ..family import Family
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"  # Attention._attn, called from Attention.forward
 
@@ -59,6 +60,9 @@ class OpenAIGPT(Family):
         "final_norm_output": "no final norm: each block ends in its own ln_2, so the last layer_output is what the "
                              "LM head reads",
     }
+    sizes = Sizes(num_heads=("n_head",), num_kv_heads=("n_head",),
+                  head_dim=(lambda module, found: module.split_size // module.n_head,),
+                  scale=(lambda module, found: found["head_dim"] ** -0.5 if module.scale else 1.0,))
 
     def locations(self):
         locations = super().locations()
@@ -81,18 +85,6 @@ class OpenAIGPT(Family):
 
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
-
-    def num_heads(self, module):
-        return module.n_head
-
-    def num_kv_heads(self, module):
-        return module.n_head
-
-    def head_dim(self, module):
-        return module.split_size // module.n_head
-
-    def scale(self, module):
-        return self.head_dim(module) ** -0.5 if module.scale else 1.0
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries, keys.transpose(-1, -2))

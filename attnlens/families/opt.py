@@ -22,6 +22,7 @@ scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.
 from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..parts.mirrored import mirrored
+from ..parts.sizes import Sizes
 
 FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back as batch, seq, ... (a view: "
         "in-place edits land)")
@@ -87,6 +88,7 @@ class OPT(Family):
         model_types=("opt",),  # vLLM's own OPTForCausalLM
         tiny={"hidden_size": 128, "word_embed_proj_dim": 128},  # head size 32
     )
+    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",), scale=(1.0,))
 
     def locations(self):
         locations = super().locations()
@@ -106,15 +108,6 @@ class OPT(Family):
 
     def mlp_forward(self, block, mlp_input):
         return block.fc2(block.activation_fn(block.fc1(mlp_input)))
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    def num_kv_heads(self, module):
-        return module.num_heads
-
-    def scale(self, module):
-        return 1.0  # the queries carry head_dim ** -0.5 already
 
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)

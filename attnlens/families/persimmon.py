@@ -9,6 +9,7 @@ them, after both. Every head has its own key and value (no grouping).
 
 from ..family import Family
 from ..parts.fused import FusedQKV
+from ..parts.sizes import Sizes, same_as
 
 
 class Persimmon(Family):
@@ -20,9 +21,7 @@ class Persimmon(Family):
     activation = "act"
     down_projection = "dense_4h_to_h"
     fused_qkv = FusedQKV("query_key_value", "groups")
-
-    def num_kv_heads(self, module):
-        return self.num_heads(module)
+    sizes = Sizes(num_kv_heads=(same_as("num_heads"),))
 
     def notes(self, config, layer, engine="eager"):
         text = config.get_text_config()

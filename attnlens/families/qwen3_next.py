@@ -31,6 +31,7 @@ from ..locations.views import per_head, per_head_on_ranks
 from ..locations.vllm import RebuiltPattern, batched
 from ..parts.mixers import LinearLayers
 from ..parts.moe import PER_EXPERT, SparseMoE
+from ..parts.sizes import Sizes, same_as
 
 
 class GatedPattern(RebuiltPattern):
@@ -87,6 +88,10 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                  "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]},
     )
+    sizes = Sizes(num_heads=("num_v_heads", "config.num_attention_heads"),
+                  num_kv_heads=("num_k_heads", "config.num_key_value_heads", same_as("num_heads")),
+                  head_dim=("head_v_dim", "head_dim"), qk_head_dim=("head_k_dim", same_as("head_dim")),
+                  scale=("scaling", lambda module, found: module.head_k_dim ** -0.5))
 
     # --- which kind each layer is ----------------------------------------------------------------------------
 
@@ -126,22 +131,6 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     @staticmethod
     def _is_delta_net(module) -> bool:
         return hasattr(module, "num_v_heads")
-
-    def num_heads(self, module):
-        return module.num_v_heads if self._is_delta_net(module) else super().num_heads(module)
-
-    def num_kv_heads(self, module):
-        return module.num_k_heads if self._is_delta_net(module) else super().num_kv_heads(module)
-
-    def head_dim(self, module):
-        return module.head_v_dim if self._is_delta_net(module) else super().head_dim(module)
-
-    def qk_head_dim(self, module):
-        return module.head_k_dim if self._is_delta_net(module) else super().qk_head_dim(module)
-
-    def scale(self, module):
-        # The delta rule scales its queries by head_k_dim ** -0.5 inside the kernel.
-        return module.head_k_dim ** -0.5 if self._is_delta_net(module) else super().scale(module)
 
     # --- what each layer lacks, and what is special -------------------------------------------------------------
 

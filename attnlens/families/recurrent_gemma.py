@@ -12,6 +12,7 @@ logits_soft_cap`, as the caller receives them.
 
 from ..family import Family
 from ..parts.mixers import MixerLayers
+from ..parts.sizes import Sizes
 
 
 class RecurrentGemma(MixerLayers, Family):
@@ -29,6 +30,7 @@ class RecurrentGemma(MixerLayers, Family):
                   "branch")
     mixer_premix = ("what its linear_out receives is the recurrence's output times the GeLU branch, not attention "
                     "heads merged")
+    sizes = Sizes(num_heads=("num_attention_heads",))
 
     def is_mixer_layer(self, config, layer):
         # transformers 5.24 names the kinds "linear_attention"/"sliding_attention", 5.19 "recurrent"/"attention"
@@ -36,9 +38,6 @@ class RecurrentGemma(MixerLayers, Family):
 
     def sliding_window(self, config, layer):
         return None if self.is_mixer_layer(config, layer) else config.attention_window_size
-
-    def num_heads(self, module):
-        return module.num_attention_heads
 
     def notes(self, config, layer, engine="eager"):
         notes = {**super().notes(config, layer, engine),

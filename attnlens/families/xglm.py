@@ -9,6 +9,8 @@ inside the forward's `if attention_mask is not None` branch, which eager attenti
 the causal mask for it).
 """
 
+from dataclasses import replace
+
 import torch
 
 from ..locations import Derived, Operation
@@ -36,6 +38,7 @@ class XGLM(BioGpt):
     layers = "model.layers"
     embed_tokens = "model.embed_tokens"
     final_norm = "model.layer_norm"
+    sizes = replace(BioGpt.sizes, num_heads=("num_heads",), scale=(1.0,))
 
     def locations(self):
         return {**super().locations(),
@@ -45,14 +48,6 @@ class XGLM(BioGpt):
                 "attention_scores": _folded("attn_weights_3", "attn_weights.view(bsz * self.num_heads", "scores"),
                 "attention_probabilities": _folded("attn_probs_0", "dropout(", "probabilities"),
                 "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)")}
-
-    def num_heads(self, module):
-        return module.num_heads
-
-    num_kv_heads = num_heads
-
-    def scale(self, module):
-        return 1.0  # the queries carry head_dim ** -0.5 already
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries, keys.transpose(-1, -2))
