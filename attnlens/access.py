@@ -14,7 +14,7 @@ import torch
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .errors import EditError, OrderError, Unavailable
-from .family import ENGINES, Family
+from .family import Family, engine_named
 from .geometry import HeadGeometry
 from .locations import Location, mediator
 from .support import Support
@@ -30,7 +30,8 @@ class Access:
 
     def __init__(self, family: Family, config: Any, num_layers: int, engine: str,
                  geometry: Callable[[int], HeadGeometry], rebuild_patterns: bool = False):
-        self.family, self.config, self.num_layers, self.engine = family, config, num_layers, engine
+        self.family, self.config, self.num_layers = family, config, num_layers
+        self.engine = engine_named(engine)
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
         self._orders: dict[int, dict[str, int]] = {}
@@ -70,7 +71,7 @@ class Access:
     @property
     def where(self) -> str:
         """The family, and the engine where it is not the eager one: how error messages name the model."""
-        return self.family.name if self.engine == "eager" else f"{self.family.name} ({self.engine})"
+        return self.family.name if self.engine == "transformers" else f"{self.family.name} ({self.engine})"
 
     def geometry(self, layer: int) -> HeadGeometry:
         try:
@@ -138,7 +139,7 @@ class Access:
                 if said:
                     notes[value.name] = "; ".join(said)
         keyed = {BY_NAME[name].key: note for name, note in notes.items() if name in BY_NAME}
-        return Support(family=self.family.name, layer=layer, engine=ENGINES[self.engine], reasons=report,
+        return Support(family=self.family.name, layer=layer, engine=self.engine, reasons=report,
                        notes={key: note for key, note in keyed.items() if report.get(key) is None})
 
     def order(self, layer: int = 0) -> dict[str, int]:

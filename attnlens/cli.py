@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .family import ENGINES
+from .family import ENGINES, engine_named
 
 #: Bundled checkpoints: name -> the function of `attnlens.models` giving their converted folder.
 BUNDLED = {"smollm2": "smollm2_path", "gemma3-270m": "gemma3_270m_path"}
@@ -64,8 +64,9 @@ def _tiny(spec: str, **kwargs):
         raise CommandError(f"no tiny model {case!r}: no family has that model type; try one of {types}") from None
 
 
-def load_model(spec: str, engine: str = "eager"):
-    """The model MODEL names, on `engine` (eager: `StandardizedTransformer` with eager attention)."""
+def load_model(spec: str, engine: str = "transformers"):
+    """The model MODEL names, on `engine` (transformers: `StandardizedTransformer` with eager attention)."""
+    engine = engine_named(engine)
     if engine == "vllm":
         return _vllm_model(spec)
     if spec.startswith("tiny:"):
@@ -157,7 +158,7 @@ def _console(stderr: bool = False):
     return Console(file=stream, width=None if stream.isatty() else 160, soft_wrap=False)
 
 
-def _loading(spec: str, engine: str = "eager"):
+def _loading(spec: str, engine: str = "transformers"):
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="The support() table of one layer: each value available or why not.")
     support.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     support.add_argument("--layer", type=int, default=0, help="the layer (default 0)")
-    support.add_argument("--engine", choices=ENGINES, default="eager",
+    support.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
                          help="eager (StandardizedTransformer, default) or vllm (StandardizedVLLM; needs vLLM)")
     support.set_defaults(run=run_support)
 

@@ -29,7 +29,18 @@ from .values import ALL_VALUES, BY_NAME
 
 #: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
 #: its attention implementation), and vLLM's (`StandardizedVLLM`).
-ENGINES = {"eager": "transformers", "vllm": "vllm"}
+ENGINES = ("transformers", "vllm")
+
+
+def engine_named(engine: str) -> str:
+    """`engine` as one of ENGINES; "eager", attnlens 0.1's name for the transformers engine (whatever its attention
+    implementation, sdpa included, hence the rename), is still accepted."""
+    if engine == "eager":
+        warnings.warn('the engine "eager" is now called "transformers"', DeprecationWarning, stacklevel=3)
+        return "transformers"
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+    return engine
 
 if TYPE_CHECKING:
     from .parts.fused import FusedQKV
@@ -168,26 +179,24 @@ class Family:
     def kind_locations(self, kind: frozenset[str], config, engine: str) -> dict[str, Location]:
         """The locations of a layer of `kind` on `engine`, in forward order. Override to adjust per kind (call
         super first); `kind` must determine the result, `config` only supplies what `kind` names."""
-        return self.locations() if engine == "eager" else self.vllm.locations(self)
+        return self.locations() if engine == "transformers" else self.vllm.locations(self)
 
-    def locations_for(self, config, layer: int | None, engine: str = "eager") -> dict[str, Location]:
+    def locations_for(self, config, layer: int | None, engine: str = "transformers") -> dict[str, Location]:
         """Value name -> location on `layer` (None: the model's own values, as on layer 0), in forward order.
         Values missing here are unavailable there."""
         kind = self.layer_kind(config, 0 if layer is None else layer)
+        engine = engine_named(engine)
         cache = self.__dict__.setdefault("_by_kind", {})
         if (kind, engine) not in cache:
             cache[kind, engine] = with_key_positions(self.kind_locations(kind, config, engine))
         return cache[kind, engine]
 
-    def location(self, name: str, config=None, layer: int | None = None, engine: str = "eager") -> Location | None:
-        return self.locations_for(config, layer, engine).get(name)
-
-    def path(self, role: str, engine: str = "eager") -> str:
+    def path(self, role: str, engine: str = "transformers") -> str:
         """The module path of `role` ("layers", "attention", "mlp", "output_projection", ...) on `engine`: the
         attribute above, or its `vllm.names` entry in vLLM's implementation."""
         return self.vllm.names_of(self).get(role, getattr(self, role)) if engine == "vllm" else getattr(self, role)
 
-    def renames(self, engine: str = "eager") -> dict[str, str]:
+    def renames(self, engine: str = "transformers") -> dict[str, str]:
         """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
         renames = {self.path("layers", engine): "layers"}
         for role, standard in (("attention", "self_attn"), ("mlp", "mlp")):
@@ -261,15 +270,15 @@ class Family:
         the heads concatenated, unless the family transforms each head's output first (DeepSeek-V4 rotates it back)."""
         return heads.reshape(*heads.shape[:2], -1)
 
-    def notes(self, config, layer: int, engine: str = "eager") -> dict[str, str]:
+    def notes(self, config, layer: int, engine: str = "transformers") -> dict[str, str]:
         """Value name -> what is special about it on this family and layer (shown by `support()`, which adds what
         the value's location says about it on `engine`)."""
         notes = {}
-        if engine == "eager":
+        if engine == "transformers":
             notes = dict.fromkeys(self.fused_views, "a view of the fused projection: assign it, in-place edits fail")
         window = self.window(config, layer, engine)
         if window is not None:
-            kept = ("under generate the cache keeps only the window" if engine == "eager" else
+            kept = ("under generate the cache keeps only the window" if engine == "transformers" else
                     "rebuilt over the whole context (zeros outside the window)")
             notes["attention_probabilities"] = f"sliding window: each query sees its last {window} keys; {kept}"
         cap = self.softcap(config, layer)
@@ -335,7 +344,7 @@ class Family:
             return window if layer_types[layer] == "sliding_attention" else None
         return window
 
-    def window(self, config, layer: int, engine: str = "eager") -> int | None:
+    def window(self, config, layer: int, engine: str = "transformers") -> int | None:
         """The sliding window `engine` applies to `layer`."""
         if engine == "vllm" and self.vllm.window is not None:
             return self.vllm.window(self, config, layer)
@@ -392,7 +401,7 @@ class Family:
         return probabilities[..., :-1], probabilities[..., -1]
 
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
-             device=None, engine="eager") -> torch.Tensor:
+             device=None, engine="transformers") -> torch.Tensor:
         """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
         [batch or 1, 1, q, k]."""
         key_positions = torch.arange(num_keys, device=device)
@@ -408,13 +417,13 @@ class Family:
 
     # --- what cannot be read, and why --------------------------------------------------------------------------
 
-    def unavailable(self, config, layer: int, engine: str = "eager") -> dict[str, str]:
+    def unavailable(self, config, layer: int, engine: str = "transformers") -> dict[str, str]:
         """Value name -> why `layer` cannot serve it on `engine`, for a model of `config`. Called before anything
         runs. A value missing from the layer's locations gets the family's `absent` reason; one the family has but
         vLLM's implementation lacks gets `vllm.unavailable`'s."""
         reasons = {}
         implementation = getattr(config, "_attn_implementation", "eager")
-        if engine == "eager" and implementation != "eager":
+        if engine == "transformers" and implementation != "eager":
             for name in self.eager_only:
                 reasons[name] = (
                     f"read inside transformers' eager attention function, but this model runs "
@@ -544,13 +553,13 @@ class UnknownLayout(Family):
             found.update(layer_input=ModuleInput(), layer_output=ModuleOutput("", 0))
         return {**found, "logits": OutputField("logits")}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         if self.depth_given:
             return {}
         return {"layer_input": f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the "
                                f"first list of blocks of one class"}
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reason = (f"attnlens has no family for model type {self.model_type!r}"
                   + (f" ({self.kind})" if self.kind else "")
                   + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")

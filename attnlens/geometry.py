@@ -13,7 +13,7 @@ class HeadGeometry:
     qk_head_dim: int  #: one head's queries and keys (differs from head_dim under latent attention)
     scale: float  #: the factor the scores are multiplied by
     #: the engine whose kernel these heads are: where the engines' windows differ, the score function masks as it does
-    engine: str = "eager"
+    engine: str = "transformers"
 
     @property
     def groups(self) -> int:

@@ -569,7 +569,7 @@ class Inferred(SparseMoE, Family):
     def layer_kind(self, config, layer):
         return super().layer_kind(config, layer) | self.kinds[layer]
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         return {**super().renames(engine), **{mixer: "self_attn" for mixer, _ in self.mixers.values()}}
 
     def locations(self):
@@ -582,7 +582,7 @@ class Inferred(SparseMoE, Family):
                     if name not in ATTENTION_VALUES or name == "attention_output"}
         return locations
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if layer in self.mixers:
             why = ("layer {}'s mixer is {} ({}), which does not call the attention interface: no softmax attention "
@@ -590,7 +590,7 @@ class Inferred(SparseMoE, Family):
             reasons.update({name: why for name in ATTENTION_VALUES if name in reasons})
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {**super().notes(config, layer, engine),
                  "layer_input": f"{self.name}: the common layout, inferred from the model's structure and verified "
                                 f"(attnlens.inferred.CHECKS); register the family to keep it (docs/inferred.md)"}

@@ -29,7 +29,7 @@ CHUNK_ELEMENTS = 2 ** 24
 
 
 def _interface_queries(family: Family, config, layer: int) -> Operation | None:
-    location = family.location("attention_queries", config, layer)
+    location = family.locations_for(config, layer).get("attention_queries")
     if isinstance(location, Operation) and location.path == (INTERFACE_CALL,) and location.part == "arg":
         return location
     return None
@@ -73,9 +73,9 @@ def adjust(access, layer: int, reasons: dict[str, str]) -> dict[str, str]:
 
 
 def rebuilds(access, name: str, layer: int | None) -> bool:
-    """Whether `name` is served rebuilt on `layer` (opted in, eager engine, not eager attention, nothing in the
+    """Whether `name` is served rebuilt on `layer` (opted in, transformers engine, not eager attention, nothing in the
     way)."""
-    return (access.rebuild_patterns and name in REBUILT and layer is not None and access.engine == "eager"
+    return (access.rebuild_patterns and name in REBUILT and layer is not None and access.engine == "transformers"
             and access.config._attn_implementation != "eager" and name not in access.reasons(layer))
 
 

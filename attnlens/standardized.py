@@ -108,10 +108,10 @@ class StandardizedTransformer(Helpful, TransformersModel):
         if not isinstance(model, torch.nn.Module):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
-        renames = self.family.renames("eager")
+        renames = self.family.renames("transformers")
         super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
         layers = self._module.get_submodule(self.family.layers)
-        self.access = Access(self.family, self.config, len(layers), "eager", self._geometry, rebuild_patterns)
+        self.access = Access(self.family, self.config, len(layers), "transformers", self._geometry, rebuild_patterns)
         attach(self.interleaver, self.access)
         self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         self._verify()

@@ -579,7 +579,7 @@ class CommonLayoutProbe(Family):
     def name(self):
         return self.name_
 
-    def locations_for(self, config, layer, engine="eager"):
+    def locations_for(self, config, layer, engine="transformers"):
         return self.model_locations if layer is None else self.by_layer[layer]
 
 

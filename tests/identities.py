@@ -22,7 +22,7 @@ def swapped(locations_for, layer: int, value: str, other: str):
     """`locations_for` with `value` read where `other` is, on `layer` only (on a hybrid, other layers may lack both),
     moved to that place in the forward order so a value between the two (a gate) is still read in order."""
 
-    def rewired(config, i, engine="eager"):
+    def rewired(config, i, engine="transformers"):
         locations = locations_for(config, i, engine)
         if i != layer:
             return locations

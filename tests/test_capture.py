@@ -1,4 +1,4 @@
-"""capture_attention, run_with_cache and their helpers on the eager engine: equal to the trace values, on every
+"""capture_attention, run_with_cache and their helpers on the transformers engine: equal to the trace values, on every
 family."""
 
 import pytest

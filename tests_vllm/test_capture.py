@@ -1,4 +1,4 @@
-"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the eager engine on the same
+"""capture_attention, run_with_cache and per_head_value on StandardizedVLLM equal the transformers engine on the same
 weights."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Every value on vLLM equals the eager engine's on the same weights and prompt, on prefill and decode steps."""
+"""Every value on vLLM equals the transformers engine's on the same weights and prompt, on prefill and decode steps."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""The same checks and the same typed errors on vLLM as on the eager engine (tests/test_errors.py): writes checked
-against the layout, copies that refuse in-place edits, attnlens's errors raised as themselves in the client."""
+"""The same checks and the same typed errors on vLLM as on the transformers engine (tests/test_errors.py): writes
+checked against the layout, copies that refuse in-place edits, attnlens's errors raised as themselves in the client."""
 
 import pytest
 import torch

@@ -60,7 +60,7 @@ def test_falcon_alibi_is_vllms_own_arithmetic(tmp_path_factory):
                           attn.attention_probabilities.clone(), attn.attention_head_outputs.clone()])
     heads = model.layers[1].self_attn.heads
     assert heads.engine == "vllm"
-    eager_arithmetic = dataclasses.replace(heads, engine="eager")
+    eager_arithmetic = dataclasses.replace(heads, engine="transformers")
     for queries, keys, values, pattern, outputs in steps:
         values = values.repeat_interleave(heads.groups, dim=1)
         assert equal.close((pattern @ values).transpose(1, 2), outputs)

@@ -1,5 +1,5 @@
 """Qwen3-Next on vLLM (bfloat16): the gated full-attention layers' head outputs and gate, the Gated DeltaNet layers'
-premix and output, what `support()` says of them, and edits, against the eager engine."""
+premix and output, what `support()` says of them, and edits, against the transformers engine."""
 
 import pytest
 import torch

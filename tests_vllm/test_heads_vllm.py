@@ -1,5 +1,5 @@
 """Head summaries on vLLM are computed inside the worker, from the kernel's queries and the kept keys, and equal the
-eager engine's on the same weights."""
+transformers engine's on the same weights."""
 
 import torch
 

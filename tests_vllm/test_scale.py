@@ -1,5 +1,6 @@
 """At scale: chunked prefill, many requests in one trace, tensor parallelism on two CPU ranks, and the refusal of
-pipeline parallelism. Each is checked against the eager engine on the same weights (or against each request alone)."""
+pipeline parallelism. Each is checked against the transformers engine on the same weights (or against each request
+alone)."""
 
 import os
 

@@ -1,4 +1,5 @@
-"""The static backend: taps declared at load, captured on plain vLLM requests, equal to the eager engine's values."""
+"""The static backend: taps declared at load, captured on plain vLLM requests, equal to the transformers engine's
+values."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def static(tmp_path_factory):
-    llama = pair("llama", tmp_path_factory)  # the session's eager engine and checkpoint
+    llama = pair("llama", tmp_path_factory)  # the session's transformers engine and checkpoint
     # at most two requests at once, so a later request's prefill can share a step with another's decode
     model = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, max_num_seqs=2,
                                       **engine_args(128, 16 * 2**20))
@@ -26,7 +27,7 @@ def close(a, b):
 
 
 def check(eager, output, steps):
-    """Every step's captures equal the eager engine's values on the whole sequence, sliced to that step."""
+    """Every step's captures equal the transformers engine's values on the whole sequence, sliced to that step."""
     prompt_ids = list(output.prompt_token_ids)
     ids = torch.tensor(prompt_ids + list(output.outputs[0].token_ids[:-1]))
     want = attnlens.run_with_cache(eager, ids, POINTS)
@@ -118,7 +119,7 @@ def test_static_generate_needs_declared_points(tmp_path_factory):
 @pytest.mark.parametrize("name", ["gpt_neox", "gpt2"])
 def test_static_captures_on_vllms_other_model_code(name, tmp_path_factory):
     """The Transformers backend (GPT-NeoX: its kernel's forward is called directly, skipping pre-hooks, and tokens
-    keep a batch axis of one) and one of vLLM's own ports (GPT-2) capture what the eager engine computes."""
+    keep a batch axis of one) and one of vLLM's own ports (GPT-2) capture what the transformers engine computes."""
     models = pair(name, tmp_path_factory)
     model = attnlens.StandardizedVLLM(str(models.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
     result = model.static_generate(PROMPTS[:1], max_new_tokens=2, do_sample=False)[0]

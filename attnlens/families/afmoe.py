@@ -33,7 +33,7 @@ class Afmoe(SparseMoE, Family):
         gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         local = config.layer_types[layer] == "sliding_attention"
         rotated = "then rotated" if local else "not rotated (full-attention layers have no positional encoding)"
         notes = {**super().notes(config, layer, engine),

@@ -11,7 +11,7 @@ class Apertus(Llama):
     attention_norm = "attention_layernorm"
     mlp_norm = "feedforward_layernorm"
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "RMS-normalised per head (q_norm), then rotated",
                 "attention_keys": "RMS-normalised per head (k_norm), then rotated",

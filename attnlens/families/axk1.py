@@ -9,7 +9,7 @@ class AXK1(DeepseekV3):
     tiny = ("AXK1Config", "AXK1ForCausalLM", DeepseekV3.tiny[2])
     tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.moe_layer(config, layer):
             notes["mlp_output"] = "mlp.post_mlp_layernorm(routed experts + shared expert): the MoE block's own norm"

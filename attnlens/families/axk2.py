@@ -21,7 +21,7 @@ class AXK2(DeepseekV32):
         gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
                                           "premix",

@@ -25,7 +25,7 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
         gate = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj", trailing=False)
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_mixer_layer(config, layer):
             notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the " \

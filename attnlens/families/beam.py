@@ -39,7 +39,7 @@ class Beam(SparseMoE, Family):
         n = block.attn_residual_add_idx if sublayer == "attention" else block.mlp_residual_add_idx
         return update * (1.0 / math.sqrt(n)) + stream * math.sqrt((n - 1) / n)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         full = config.layer_types[layer] != "sliding_attention"
         queries = ("RMS-normalised per head (q_norm), not rotated, times the position-dependent attention_scaling"
                    if full else "RMS-normalised per head (q_norm), then rotated")

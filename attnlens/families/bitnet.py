@@ -31,7 +31,7 @@ class BitNet(Llama):
     def project_output(self, module, premix):
         return module.o_proj(module.attn_sub_norm(premix))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_premix": "the heads merged, what attn_sub_norm (an RMSNorm over all heads together) "
                                     "receives; o_proj receives that norm's output",

@@ -31,8 +31,8 @@ from ..parts.sizes import Sizes
 
 VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
              "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
-             "values differ from the eager engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny random "
-             "checkpoint)")
+             "values differ from the transformers engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny "
+             "random checkpoint)")
 
 
 def _split(envoy, folded):
@@ -145,7 +145,7 @@ class Bloom(Family):
         # BloomMLP adds the residual it is given; with a zero one its output is the down projection's.
         return mlp(mlp_input, torch.zeros_like(mlp_input))
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if config.pretraining_tp > 1 and config.slow_but_exact:
             why = (f"config.pretraining_tp={config.pretraining_tp} with slow_but_exact=True runs the {{}} as sliced "
@@ -154,7 +154,7 @@ class Bloom(Family):
             reasons["mlp_neurons"] = reasons["mlp_output"] = why.format("MLP's down projection", "dense_4h_to_h")
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; word_embeddings_layernorm follows it before block 0"
         notes["attention_scores"] = ("q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens "

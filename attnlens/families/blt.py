@@ -52,7 +52,7 @@ class Blt(Family):
         # earlier versions have neither and mask causally
         return getattr(config.encoder_config, "sliding_window", None)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         stream = STREAM
         if config.decoder_config.cross_attn_all_layers and layer > 0:
             stream = (f"{STREAM}. With cross_attn_all_layers a cross-attention from the patches "

@@ -26,7 +26,7 @@ class CodeGen(GPTJ):
         mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device)
         return (scores + mask) * heads.scale
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.own_attn():
             notes["attention_scores"] = ("float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the "

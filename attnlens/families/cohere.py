@@ -41,6 +41,6 @@ class Cohere(Family):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                 "logits": f"the language-model head's output times config.logit_scale ({config.logit_scale})"}

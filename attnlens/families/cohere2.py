@@ -30,7 +30,7 @@ class Cohere2(Cohere):
     vllm = replace(Cohere.vllm, model_types=("cohere2",), tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
                    window=_cohere2_vllm_window)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         window = self.window(config, layer, engine)
         if window is None:

@@ -31,7 +31,7 @@ class Cohere2Moe(SparseMoE, Cohere):
         return config.layer_types[layer] == "sliding_attention" or (
             config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.rotary(config, layer):
             notes["attention_queries"] = notes["attention_keys"] = "rotated (interleaved pairs)"

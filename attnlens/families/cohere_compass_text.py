@@ -21,7 +21,7 @@ class CohereCompassText(Cohere):
                             "full_attention": None}}) if BUILDS else None
     tiny_layouts = {}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         rope = (config.rope_parameters or {}).get(config.layer_types[layer])
         if rope is None:

@@ -42,7 +42,7 @@ class CTRL(Family):
             ModuleOutput(self.embed_tokens), _snapshot, _replace, "embeddings", in_place=False,
             why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right after")}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "embeddings": "a snapshot of the token embedding's output (assign it; in-place edits cannot land): "
                               "CTRLModel multiplies it by sqrt(n_embd) in place and adds sinusoidal positions before "

@@ -32,7 +32,7 @@ class Dbrx(SparseMoE, Family):
     absent = moe_absent("DbrxExperts", extra="; each expert is DbrxExpertGLU, act(x w1) * (x v1) then w2")
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         clip = config.attn_config.clip_qkv
         clamp = f"from Wqkv's output clamped to [-{clip}, {clip}], " if clip is not None else "from Wqkv, "
         return {**super().notes(config, layer, engine),

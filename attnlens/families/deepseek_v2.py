@@ -49,7 +49,7 @@ class LatentAttention(Family):
         return config
 
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         sizes = self.layer_config(config, layer)
         notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="

@@ -35,7 +35,7 @@ class DeepseekV3(DeepseekV2):
         """Whether transformers stores the rotary channels de-interleaved (`attnlens.locations.latent`)."""
         return bool(getattr(config, "rope_interleave", True))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if engine == "vllm":
             order = ("rotary channels in transformers' order (the even ones, then the odd ones: transformers "

@@ -37,7 +37,7 @@ class Indexed:
         """Whether `layer`'s attention is made sparse by an indexer (every layer unless the layer types say)."""
         return True
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.indexed(config, layer):
             return notes

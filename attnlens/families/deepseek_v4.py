@@ -93,7 +93,7 @@ class DeepseekV4(SparseMoE, Family):
             locations = {name: location for name, location in locations.items() if name not in KEY_AXIS}
         return locations
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         layer_type = config.layer_types[layer]
         if layer_type != "sliding_attention":
@@ -128,7 +128,7 @@ class DeepseekV4(SparseMoE, Family):
             return owner(stream)
         return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[2]
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes.pop("attention_probabilities", None)
         shared = ("the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, "

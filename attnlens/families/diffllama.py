@@ -84,7 +84,7 @@ class DiffLlama(Family):
         mixed = first - self.lambda_full(module, heads.dtype) * second
         return ((1 - module.lambda_init) * module.groupnorm(mixed)).reshape(*heads.shape[:2], -1)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         half = config.num_attention_heads // 2
         return {**super().notes(config, layer, engine),
                 "attention_probabilities": f"each query head's own softmax pattern; differential head j (j < {half}) "

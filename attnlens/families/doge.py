@@ -104,7 +104,7 @@ class Doge(Llama):
             mask = mask.masked_fill(active == 0.0, minimum)
         return scores + mask.repeat_interleave(groups, dim=1)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         window = (f"; past keep_window_size={config.keep_window_size} keys, each query keeps only the "
                   f"keep_window_size keys of largest dynamic mask (the rest masked)")

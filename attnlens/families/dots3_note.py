@@ -43,7 +43,7 @@ class Dots3Note(DeepseekV32):
         gate = head_scalar_gate("gate_sigmoid_0", "gate.sigmoid()", trailing=True)
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "from the normed query latent times sqrt(hidden_size / q_lora_rank); the "
                                      "rotary slice after the interleaved rotary embedding",

@@ -44,7 +44,7 @@ class Exaone4(Llama):
         return {**locations, "layer_mid": ModuleInput(self.mlp)}  # the MLP's input: one tensor, two names
 
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         rotated = getattr(config, "sliding_window", None) is None or self.sliding_window(config, layer) is not None
         normed = "RMS-normalised per head (q_norm/k_norm over head_dim), then " + \
                  ("rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary "

@@ -160,7 +160,7 @@ class Falcon(Family):
         return frozenset({name for name, on in flags.items() if on} | {"norms=" + "+".join(self.norms(config))})
 
     def kind_locations(self, kind, config, engine):
-        return self._layout_locations(config) if engine == "eager" else self._vllm_layout_locations(config)
+        return self._layout_locations(config) if engine == "transformers" else self._vllm_layout_locations(config)
 
     def _vllm_layout_locations(self, config):
         """vLLM's FalconDecoderLayer has the same modules; it returns (output, bias) from attention and the MLP, and on
@@ -294,7 +294,7 @@ class Falcon(Family):
         return alibi_slopes(config.num_attention_heads) * (1.0 / math.sqrt(config.hidden_size //
                                                                           config.num_attention_heads))
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.parallel(config):
             attention_norm, mlp_norm = self.norms(config)
@@ -302,12 +302,12 @@ class Falcon(Family):
                      f"{attention_norm} and {mlp_norm} respectively")
             reasons["layer_mid"] = PARALLEL_NO_MID.format(norms=norms)
         implementation = config._attn_implementation
-        if engine == "eager" and implementation not in ("eager", "sdpa"):
+        if engine == "transformers" and implementation not in ("eager", "sdpa"):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
                 reasons[name] = (f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
                                  f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
                                  f"load with attn_implementation='eager' or 'sdpa'")
-        if engine == "eager" and not config.use_cache:
+        if engine == "transformers" and not config.use_cache:
             for name in ("attention_keys", "attention_values"):
                 reasons[name] = ("read at the cache update, which config.use_cache=False skips; load with "
                                  "use_cache=True (the default)")
@@ -317,7 +317,7 @@ class Falcon(Family):
         if model.config._attn_implementation in ("eager", "sdpa"):  # both run FalconAttention.forward
             super().verify(model, layer, layer_module, attention_module)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if engine == "vllm":
             return {**notes, **self._vllm_notes(config)}

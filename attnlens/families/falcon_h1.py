@@ -39,7 +39,7 @@ class FalconH1(Family):
                              says=("gate(mlp input) * gate_multiplier", "up(mlp input) * activation",
                                    "down projection(neurons) * down_multiplier"))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         gate, down = config.mlp_multipliers
         return {**super().notes(config, layer, engine),
                 "attention_norm_output": "input_layernorm's output, read by the Mamba-2 mixer as it is and by the "

@@ -39,7 +39,7 @@ class Flint(SparseMoE, Family):
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype,
                                   queries.device)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         rotated = "then rotated" if config.layer_types[layer] == "sliding_attention" else \
             "not rotated (full-attention layers have no positional encoding)"
         notes = super().notes(config, layer, engine)

@@ -20,7 +20,7 @@ class Fuyu(Persimmon):
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.final_layernorm"
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "embeddings": "the token embedding's output; with image_patches, the patches' embeddings replace "
                               "the image tokens' before layers[0]"}

@@ -115,7 +115,7 @@ class Gemma3nText(Gemma3):
         corrected[1:] += first
         return corrected.permute(1, 2, 0, 3)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         n, active = config.altup_num_inputs, config.altup_active_idx
         streams = f"the {n} AltUp streams [batch, seq, {n}, hidden]"

@@ -75,7 +75,7 @@ class Gemma4Text(Gemma3):
             return None
         return max(i for i in range(first) if config.layer_types[i] == config.layer_types[layer])
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         full = config.layer_types[layer] == "full_attention"
         notes["attention_queries"] = "after q_norm (RMSNorm) and the rotary embedding"

@@ -74,7 +74,7 @@ class Git(Family):
     sizes = Sizes(num_heads=("self.num_attention_heads",), head_dim=("self.attention_head_size",),
                   scale=(lambda module, found: found["head_dim"] ** -0.5,))
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         from transformers.models.git import modeling_git as git
 
         # by class: `output` names the MLP's last module, the attention's projection module and the LM head
@@ -118,7 +118,7 @@ class Git(Family):
         norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
         return norm(stream + update)
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         reasons.update({
             "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
@@ -130,7 +130,7 @@ class Git(Family):
         })
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes.update({
             "attention_queries": "no rotary embedding: positions were added to the embeddings",

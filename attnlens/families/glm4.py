@@ -24,7 +24,7 @@ class Glm4(Llama):
     mlp_post_norm = "post_mlp_layernorm"
     activation = "activation_fn"
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rotary = f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
         return {**super().notes(config, layer, engine), "attention_queries": rotary, "attention_keys": rotary,

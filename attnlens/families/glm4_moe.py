@@ -26,7 +26,7 @@ class Glm4Moe(SparseMoE, Llama):
     def moe_layer(self, config, layer):
         return layer >= config.first_k_dense_replace
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rotary = f"rotated on the first {factor:g} of each head's dimensions; the rest unrotated"
         return {**super().notes(config, layer, engine), "attention_queries": rotary, "attention_keys": rotary}

@@ -41,7 +41,7 @@ class GPT2(Family):
     sizes = Sizes(num_heads=("num_heads",))
 
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if getattr(config, "reorder_and_upcast_attn", False):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",

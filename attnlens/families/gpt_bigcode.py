@@ -26,7 +26,7 @@ class GPTBigCode(GPT2):
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
     sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if config.multi_query:
             for name in ("attention_keys", "attention_values"):

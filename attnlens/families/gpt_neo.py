@@ -67,7 +67,7 @@ class GPTNeo(Family):
             **self.after_attention(),
         }
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         implementation = config._attn_implementation
         if implementation != "eager":
@@ -102,7 +102,7 @@ class GPTNeo(Family):
         zero = torch.zeros((), dtype=queries.dtype, device=scores.device)
         return scores + torch.where(visible, zero, torch.finfo(queries.dtype).min)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; block 0's input also holds the position embeddings"
         window = self.sliding_window(config, layer)

@@ -87,7 +87,7 @@ class GPTNeoXJapanese(Family):
         bias = block.attention.dense_bias if sublayer == "attention" else None
         return stream + update if bias is None else stream + (update + bias)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {
             **super().notes(config, layer, engine),
             "attention_queries": "after the rotary embedding over the first partial_rotary_factor of each head, as "

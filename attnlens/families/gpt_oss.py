@@ -47,7 +47,7 @@ class GptOss(SparseMoE, Family):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
 
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["attention_sinks"] = SINK_NOTE
         notes["attention_probabilities"] = ("rows sum to 1 - attention_sinks: the sink column is dropped after "

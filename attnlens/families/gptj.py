@@ -97,11 +97,11 @@ class GPTJ(Family):
         return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype,
                                    queries.device)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
                  "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
                                      "q @ k^T; masked entries are the score plus the model dtype's minimum"}
-        if self.own_attn() and engine == "eager":
+        if self.own_attn() and engine == "transformers":
             notes["attention_head_outputs"] = ("transposed from _attn's (batch, heads, seq, dim) output: a view, so "
                                                "in-place edits land; assignment is transposed back")
         return notes

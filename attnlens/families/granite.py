@@ -56,7 +56,7 @@ class Granite(Llama):
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_multiplier
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         r = config.residual_multiplier
         notes = {**super().notes(config, layer, engine),
                  "attention_scores": f"scaled by config.attention_multiplier ({config.attention_multiplier:g}), "

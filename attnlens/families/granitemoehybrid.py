@@ -58,13 +58,13 @@ class GraniteMoeHybrid(MixerLayers, Granite):
                              says=("first half of input_linear(mlp input)",
                                    "activation * second half of input_linear(mlp input)", "output_linear(neurons)"))
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if config.num_local_experts:
             reasons.update(dict.fromkeys(("mlp_activation", "mlp_neurons", "mlp_output"), ROUTED))
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             notes["layer_mid"] = f"layer_input + residual_multiplier ({config.residual_multiplier:g}) * mamba's output"

@@ -32,7 +32,7 @@ class HrmText(Family):
     def locations(self):
         return {"embeddings": ModuleOutput(self.embed_tokens), "logits": OutputField("logits")}
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         per_stack = config.num_layers_per_stack
         low = config.H_cycles * config.L_cycles
         runs = (f"HRM-Text runs its two stacks of {per_stack} blocks recurrently: each block of the high stack "
@@ -55,6 +55,6 @@ class HrmText(Family):
                                        f"recurrent low stack are not described); read it with nnsight")
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {"embeddings": f"embed_tokens' output; the stacks receive it times embedding_scale "
                               f"({config.embedding_scale})"}

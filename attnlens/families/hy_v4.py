@@ -49,7 +49,7 @@ class HYV4(GlmMoeDsa):
             return owner(stream)
         return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[1]
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes.update({
             "layer_input": STREAMS.format(config.hc_mult, "entering the block; attn_hc's weighted sum of them is "

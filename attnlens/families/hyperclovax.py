@@ -12,7 +12,7 @@ class HyperCLOVAX(Granite):
     attention_post_norm = "post_norm1"
     mlp_post_norm = "post_norm2"
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         r = config.residual_multiplier
         return {**super().notes(config, layer, engine),
                 "layer_mid": f"layer_input + residual_multiplier ({r:g}) * post_norm1(attention_output)",

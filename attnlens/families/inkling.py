@@ -90,13 +90,13 @@ class Inkling(SparseMoE, Family):
             bias = (bias.float() * tau.view(1, 1, -1, 1)).to(bias.dtype)
         return bias
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.moe_layer(config, layer):
             reasons.update(dict.fromkeys(PER_EXPERT, MOE_REASON))
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         sliding = config.layer_types[layer] == "hybrid_sliding"
         extent = config.sliding_window_size if sliding else config.rel_extent

@@ -141,14 +141,14 @@ class Inkling2(SparseMoE, Family):
         distance = positions[:, None] - positions[None, :]
         return module.relative_position_bias(hidden, distance, positions[None])  # log-scaled inside on full layers
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         reasons.update(dict.fromkeys(PER_EXPERT, MOE_REASON))
         reasons["mlp_norm_output"] = MLP_NORM_REASON
         reasons["final_norm_output"] = FINAL_NORM_REASON
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         sliding = _sliding(config, layer)
         first = layer % config.n_layers_per_attn_res_block == 0
@@ -230,7 +230,7 @@ class Inkling2Loop(Inkling2):
             locations = {name: location for name, location in locations.items() if name in MODEL_VALUES}
         return locations
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.looped(config, layer):
             start, end, passes = config.loop_layer_index_start, config.loop_layer_index_end, config.loop_num_passes
@@ -244,7 +244,7 @@ class Inkling2Loop(Inkling2):
                     reasons[name] = why
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.looped(config, layer):
             return {name: note for name, note in notes.items() if name in MODEL_VALUES}

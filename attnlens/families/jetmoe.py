@@ -90,7 +90,7 @@ class JetMoe(SparseMoE, Family):
     def project_output(self, module, premix):
         raise NotImplementedError("JetMoE's output projection is routed per token: use project_routed_output")
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         kv, top_k = config.num_key_value_heads, config.num_experts_per_tok
         return {
             **super().notes(config, layer, engine),

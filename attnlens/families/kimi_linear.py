@@ -27,7 +27,7 @@ class DeltaHybrid(LinearLayers):
 
     # sizes: a KDA module's heads are its linear heads (its premix merges them)
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             why = (f"layer {layer} of {self.label} is a Kimi Delta Attention linear-attention layer: a recurrent state "
@@ -38,7 +38,7 @@ class DeltaHybrid(LinearLayers):
             reasons.update(dict.fromkeys(self.mixer_lacks, why))
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             return {"attention_premix": f"what self_attn.o_proj receives: each of the {config.linear_num_heads} "
@@ -54,7 +54,7 @@ class KimiLinear(DeltaHybrid, DeepseekV2):
         **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
         "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_mixer_layer(config, layer):
             notes["attention_keys"] += "; no rotary embedding (NoPE): the shared slice is unrotated"

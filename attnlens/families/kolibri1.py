@@ -15,7 +15,7 @@ class Kolibri1(SparseMoE, Family):
     mlp_post_norm = "post_mlp_layernorm"
     absent = moe_absent("Kolibri1Experts")
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "RMS-normalised per head (q_norm), then rotated",
                 "attention_keys": "RMS-normalised per head (k_norm), then rotated",

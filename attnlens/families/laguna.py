@@ -44,7 +44,7 @@ class Laguna(SparseMoE, Family):
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         shape = "one per head, repeated over head_dim (a read-only copy)" if self.per_head(config) else \
             "one per channel (a view: edits land)"
         return {**super().notes(config, layer, engine),

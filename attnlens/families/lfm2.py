@@ -37,7 +37,7 @@ class Lfm2(MixerLayers, Family):
                              lambda x, activation: activation * mlp.w3(x),
                              says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_mixer_layer(config, layer):
             notes["attention_queries"] = "RMS-normalised per head (q_layernorm), then rotated"

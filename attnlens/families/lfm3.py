@@ -32,7 +32,7 @@ class Lfm3(Lfm2):
         gate = repeated_head_gate(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(self.g_proj(hidden_states))"))
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if config.use_attention_gate and not self.is_mixer_layer(config, layer):
             notes["attention_gate"] = "sigmoid(g_proj(x)), one per head and position, repeated over head_dim"

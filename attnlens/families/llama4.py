@@ -75,7 +75,7 @@ class Llama4(SparseMoE, Family):
         return config.attention_chunk_size if config.layer_types[layer] == "chunked_attention" else None
 
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None,
-             engine="eager"):
+             engine="transformers"):
         mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
         size = self.chunk(config, layer)
         if size is None:
@@ -88,7 +88,7 @@ class Llama4(SparseMoE, Family):
         same = chunks[:, None, num_keys - num_queries:, None] == chunks[:, None, None, :]
         return torch.where(same, mask, torch.finfo(dtype).min)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         size = self.chunk(config, layer)
         if size is not None:

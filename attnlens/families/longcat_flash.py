@@ -76,7 +76,7 @@ class LongcatFlash(SparseMoE, LatentAttention):
         hidden = hidden + second(x, rotary(x, positions), mask)[0]
         return hidden + block.mlps[1](block.post_attention_layernorm[1](hidden)) + update
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         first = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
         for name in ("attention_queries", "attention_keys", "attention_output"):

@@ -48,9 +48,11 @@ class MiMoV2Flash(SparseMoE, Family):
 
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        return with_sinks(locations, sink_share("probs_0")) if "sinks" in kind and engine == "eager" else locations
+        if "sinks" in kind and engine == "transformers":
+            return with_sinks(locations, sink_share("probs_0"))
+        return locations
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         scale = config.attention_value_scale if config.attention_value_scale is not None else 1.0
         notes["attention_values"] = (f"v_proj's output times attention_value_scale={scale}: the forward scales the "

@@ -20,7 +20,7 @@ class MiniCPM3(LatentAttention):
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_scale
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         scale = config.scale_depth / math.sqrt(config.num_hidden_layers)
         return {**super().notes(config, layer, engine),
                 "layer_mid": f"layer_input + {scale:g} * attention_output (scale_depth / sqrt(num_hidden_layers))",

@@ -34,7 +34,7 @@ class MiniMax(MixerLayers, SparseMoE, Family):
             return block.input_layernorm(stream) * block.attn_alpha_factor + update * block.attn_beta_factor
         return block.post_attention_layernorm(stream) * block.mlp_alpha_factor + update * block.mlp_beta_factor
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         kind = "linear" if self.is_mixer_layer(config, layer) else "full"
         alpha, beta = getattr(config, f"{kind}_attn_alpha_factor"), getattr(config, f"{kind}_attn_beta_factor")
         return {**super().notes(config, layer, engine),

@@ -63,7 +63,7 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
         del locations["mlp_activation"]
         return locations
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.moe_layer(config, layer):
             reasons["mlp_activation"] = self.routed["mlp_activation"]
@@ -77,7 +77,7 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
                 f"exactly 0 in the pattern). The family's score function applies the causal mask only, so it equals "
                 f"these scores on the chosen keys, and everywhere while a query has at most index_topk_blocks blocks")
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         rotary = f"the rotary embedding on the first {config.rotary_dim} of {config.head_dim} channels"
         notes["attention_queries"] = f"after q_norm (RMSNorm, weight + 1) and {rotary}"

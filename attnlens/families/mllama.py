@@ -19,7 +19,7 @@ class Mllama(Llama):
     model_types = ("mllama", "mllama_text_model")
     tiny = ("MllamaTextConfig", "MllamaForCausalLM", {"cross_attention_layers": [1]})
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         return {**super().renames(engine), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block
 
     @staticmethod
@@ -37,7 +37,7 @@ class Mllama(Llama):
                          if name in ("embeddings", "final_norm_output", "logits")}
         return locations
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.cross_attention(config, layer):
             why = (f"layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends "

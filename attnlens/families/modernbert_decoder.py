@@ -37,7 +37,7 @@ class ModernBertDecoder(Family):
                              says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))",
                                    "Wo(neurons)"))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {**super().notes(config, layer, engine),
                  "embeddings": "the token embedding's output; model.embeddings normalises it before layers[0]",
                  "mlp_activation": "act(a), a the first half of Wi(x)",

@@ -39,7 +39,7 @@ class Moshi(Family):
     def sliding_window(self, config, layer):
         return None  # the mask is create_causal_mask's: full causal on a prefill
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         window = config.get_text_config().sliding_window
         return {**super().notes(config, layer, engine),
                 "attention_probabilities": f"full causal on a prefill: the mask ignores config.sliding_window "

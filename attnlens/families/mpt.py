@@ -103,7 +103,7 @@ class MPT(Family):
         # MptMLP adds the residual it is given; with a zero one its output is the down projection's.
         return mlp(mlp_input, torch.zeros_like(mlp_input))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         clip = config.attn_config.clip_qkv
         notes["attention_scores"] = ("q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "

@@ -19,7 +19,7 @@ class NanoChat(Family):
     def locations(self):
         return {**super().locations(), "final_norm_output": ModuleInput("lm_head")}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "rotated, then RMS-normalised per head (q_norm)",
                 "attention_keys": "rotated, then RMS-normalised per head (k_norm)",

@@ -43,7 +43,7 @@ class NemotronH(Family):
     attention = mlp = "mixer"
     attention_norm = mlp_norm = "norm"
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         # by the mixer's class: one envoy cannot be both an attention and an MLP
         from transformers.models.nemotron_h import modeling_nemotron_h as nh
 
@@ -68,7 +68,7 @@ class NemotronH(Family):
         return {name: (mid if name == "layer_mid" else location) for name, location in locations.items()
                 if name not in dropped}
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         kind = self.block_type(config, layer)
         what = f"layer {layer} of Nemotron-H is {KINDS.get(kind, kind)}"
@@ -86,7 +86,7 @@ class NemotronH(Family):
                                                          f"no [batch, seq, intermediate] tensor exists"))
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         kind = self.block_type(config, layer)
         if kind in ("full_attention", "linear_attention"):

@@ -17,7 +17,7 @@ class Olmo(Llama):
     tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
     tiny_layouts = {"noclip": {"clip_qkv": None}}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         clip = getattr(config, "clip_qkv", None)
         if clip is not None:

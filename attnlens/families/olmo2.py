@@ -38,7 +38,7 @@ class Olmo2(Llama):
         # The MLP's input is the residual stream after attention: one tensor, two names.
         return {**locations, "layer_mid": ModuleInput(self.mlp)}
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
                                      "before the head split, then rotated",

@@ -30,7 +30,7 @@ class OlmoHybrid(MixerLayers, Olmo2):
                     "silu(z), not attention heads merged")
 
     def kind_locations(self, kind, config, engine):
-        if "mixer" not in kind or engine != "eager":
+        if "mixer" not in kind or engine != "transformers":
             return super().kind_locations(kind, config, engine)
         common = Family.locations(self)  # the Llama block
         return {name: location for name, location in common.items() if name not in NO_SOFTMAX}
@@ -41,7 +41,7 @@ class OlmoHybrid(MixerLayers, Olmo2):
         norm = block.post_attention_layernorm if sublayer == "attention" else block.post_feedforward_layernorm
         return stream + norm(update)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             for name in ("mlp_input", "layer_output"):

@@ -23,7 +23,7 @@ class Olmoe(SparseMoE, Llama):
         tiny={"hidden_size": 128},  # vLLM's head size is hidden_size // num_attention_heads
     )
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {**super().notes(config, layer, engine),
                  "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
                                       "before the head split, then rotated",

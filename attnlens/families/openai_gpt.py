@@ -104,7 +104,7 @@ class OpenAIGPT(Family):
             return stream + update
         return block.ln_2(block.ln_1(stream) + update)  # post-norm: the MLP adds to ln_1's output, then ln_2
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_keys": "a transposed view of the split (the forward holds [batch, heads, head_dim, seq]): "
                                   "in-place edits land, assignment is transposed back",

@@ -109,7 +109,7 @@ class OPT(Family):
     def mlp_forward(self, block, mlp_input):
         return block.fc2(block.activation_fn(block.fc1(mlp_input)))
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if not config.do_layer_norm_before:
             reasons.update({
@@ -121,7 +121,7 @@ class OPT(Family):
             })
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         if engine == "vllm":
             return {**super().notes(config, layer, engine), "attention_queries": VLLM_QUERIES,
                     "attention_scores": "queries @ keys^T * head_dim ** -0.5 (attn.scale), masked: eager's scores"}

@@ -23,7 +23,7 @@ class Persimmon(Family):
     fused_qkv = FusedQKV("query_key_value", "groups")
     sizes = Sizes(num_kv_heads=(same_as("num_heads"),))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         text = config.get_text_config()
         normed = "LayerNorm over each head (q_layernorm), then " if text.qk_layernorm else ""
         rotary = int(self.rotary_fraction(text) * text.hidden_size // text.num_attention_heads)

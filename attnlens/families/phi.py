@@ -28,5 +28,5 @@ class Phi(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm)}

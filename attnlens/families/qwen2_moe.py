@@ -49,7 +49,7 @@ class Qwen2Moe(SparseMoE, Qwen2):
     def mixed_windows(config):
         return len(set(getattr(config, "layer_types", None) or ())) > 1
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         window = self.sliding_window(config, layer)
         if engine == "vllm" and window is not None and self.mixed_windows(config):

@@ -117,7 +117,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         locations = super().kind_locations(kind, config, engine)
         if "mixer" in kind:  # the Gated DeltaNet's output projection still receives its merged heads
             premix = ModuleInput(self.linear_output_projection)
-            locations["attention_premix"] = premix if engine == "eager" else batched(premix)
+            locations["attention_premix"] = premix if engine == "transformers" else batched(premix)
         return locations
 
 
@@ -134,7 +134,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
 
     # --- what each layer lacks, and what is special -------------------------------------------------------------
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer "
@@ -162,7 +162,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
                                  "block's")
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         text = self._text(config)
         if self.is_mixer_layer(config, layer):
@@ -176,7 +176,7 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         factor = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
             or getattr(text, "partial_rotary_factor", 1.0)
         rotary = int(text.head_dim * factor)
-        projection = "q_proj" if engine == "eager" else "qkv_proj"  # vLLM fuses the projections
+        projection = "q_proj" if engine == "transformers" else "qkv_proj"  # vLLM fuses the projections
         notes["attention_queries"] = (f"after q_norm (RMSNorm, scale 1 + w) and a partial rotary embedding on the "
                                       f"first {rotary} of {text.head_dim} dims; {projection}'s other half of each "
                                       f"head's query is the gate")

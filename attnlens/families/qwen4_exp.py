@@ -112,7 +112,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
                 f"these scores on the chosen keys, and everywhere while a query sees at most indexer_budget keys")
 
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None,
-             engine="eager"):
+             engine="transformers"):
         """The causal mask; where transformers adds the indexer's mask to it (5.19), keys it masks hold -inf: the
         indexer never chooses a key the causal mask hides, so the dtype's minimum is added twice."""
         mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
@@ -133,12 +133,12 @@ class Qwen4ExpText(Indexed, Qwen3Next):
 
     # --- what is special --------------------------------------------------------------------------------------------
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         reasons["mlp_norm_output"] = NORM_REASON
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         text = self._text(config)
         count = text.hc_count
@@ -179,7 +179,7 @@ class Qwen4Exp(LanguageModelOf, Qwen4ExpText):
              "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                "out_hidden_size": 64}})
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         # Not LanguageModelOf's media note: Qwen4-Exp's language model builds its own causal mask, images included.
         text = config.get_text_config()
         notes = Qwen4ExpText.notes(self, text, layer, engine)

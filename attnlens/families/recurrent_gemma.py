@@ -39,7 +39,7 @@ class RecurrentGemma(MixerLayers, Family):
     def sliding_window(self, config, layer):
         return None if self.is_mixer_layer(config, layer) else config.attention_window_size
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = {**super().notes(config, layer, engine),
                  "embeddings": "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size), "
                                "rounded to bfloat16",

@@ -40,7 +40,7 @@ class StableLm(Family):
         locations = super().kind_locations(kind, config, engine)
         return parallel_locations(locations, ModuleInput(self.mlp)) if "parallel" in kind else locations
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if getattr(config, "use_parallel_residual", False):
             notes["mlp_norm_output"] = shared_norm_note(self.attention_norm)

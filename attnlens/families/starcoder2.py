@@ -20,7 +20,7 @@ class Starcoder2(Mistral):
     activation = "act"
     down_projection = "c_proj"
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         dropout = "after the residual dropout (p=config.residual_dropout, active only in training)"
         return {**super().notes(config, layer, engine), "attention_output": f"o_proj's output {dropout}",
                 "mlp_output": f"c_proj's output {dropout}"}

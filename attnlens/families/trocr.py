@@ -53,7 +53,7 @@ class TrOCR(XGLM):
             return stream + update
         return block.final_layer_norm(block.self_attn_layer_norm(stream) + update)  # post-norm
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["attention_scores"] = "queries @ keys^T + mask (the queries carry the scale)"
         notes["layer_mid"] = "layer_input + attention_output, what self_attn_layer_norm receives (post-norm)"

@@ -58,7 +58,7 @@ class XGLM(BioGpt):
     def sliding_window(self, config, layer):
         return None
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),
                 "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the "
                                      "heads folded into the batch",

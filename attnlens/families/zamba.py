@@ -60,7 +60,7 @@ class Zamba(Family):
     def is_hybrid(self, config, layer: int) -> bool:
         return config.layers_block_type[layer] == "hybrid"
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         return {self.layers: "layers", self.attention: "self_attn", self.mlp: "mlp", self.mixer: "self_attn"}
 
     def layer_kind(self, config, layer):
@@ -92,7 +92,7 @@ class Zamba(Family):
             return stream
         return block.mamba_decoder(stream, transformer_hidden_states=block.linear(update))
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_hybrid(config, layer):
             reasons["layer_mid"] = (
@@ -113,7 +113,7 @@ class Zamba(Family):
                                                  f"layers)"))
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_hybrid(config, layer):
             notes = {name: note for name, note in notes.items() if not name.startswith("attention_")}

@@ -46,7 +46,7 @@ class Zamba2(Zamba):
                                    "activation * up half of (gate_up_proj + adapter)(mlp input)",
                                    "down projection(neurons)"))
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_hybrid(config, layer):
             return notes

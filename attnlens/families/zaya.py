@@ -55,7 +55,7 @@ class Zaya(SparseMoE, Llama):
     def mlp_forward(self, mlp, mlp_input, router_state=None, **arguments):
         return mlp(mlp_input, router_state)[0]
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes.update({
             "layer_input": "the float32 residual stream" + (" (block 0: (embeddings + input_hidden_states_bias) * "

@@ -48,7 +48,7 @@ class MixerLayers:
     def is_mixer_layer(self, config, layer: int) -> bool:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
-    def renames(self, engine="eager"):
+    def renames(self, engine="transformers"):
         if not self.mixer_renamed or self.mixer == "self_attn":  # nothing to rename, or already its name
             return super().renames(engine)
         return {**super().renames(engine), self.mixer: "self_attn"}
@@ -67,7 +67,7 @@ class MixerLayers:
     def sliding_window(self, config, layer):
         return None if self.is_mixer_layer(config, layer) else super().sliding_window(config, layer)
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             read_as = self.mixer if self.mixer == "self_attn" else f"{self.mixer}, read as self_attn"
@@ -84,7 +84,7 @@ class MixerLayers:
                                                f"it with nnsight as model.layers[{layer}].{self.mixer}.output")
         return reasons
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.is_mixer_layer(config, layer):
             notes = {name: note for name, note in notes.items() if not name.startswith("attention_")}

@@ -41,7 +41,7 @@ class LanguageModelOf:
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         return super().scores(heads, _text(config), queries, keys, layer, key_mask)
 
-    def notes(self, config, layer, engine="eager"):
+    def notes(self, config, layer, engine="transformers"):
         notes = super().notes(_text(config), layer, engine)
         media = ("with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
                  "other in both directions; the pattern read is the model's, the family's score function is causal "
@@ -49,5 +49,5 @@ class LanguageModelOf:
         notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
         return notes
 
-    def unavailable(self, config, layer, engine="eager"):
+    def unavailable(self, config, layer, engine="transformers"):
         return super().unavailable(_text(config), layer, engine)

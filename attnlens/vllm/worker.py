@@ -1,7 +1,7 @@
 """What runs inside vLLM's worker: the runner and worker classes, the per-request state, the CPU adapter.
 
 nnsight's vLLM integration runs a trace's body inside the worker, on the real weights, through its model runner.
-attnlens adds its `Access` there (the same reads, checks and errors as on the eager engine, through the family's
+attnlens adds its `Access` there (the same reads, checks and errors as on the transformers engine, through the family's
 vLLM locations), and one thing to the runner: for every request an attnlens trace submitted, it keeps the keys and
 values vLLM's attention kernel receives, layer by layer and step by step (`kept.History`), so that a decode step's
 pattern can be rebuilt over the whole context. They are freed when the request ends.
@@ -33,8 +33,8 @@ from .blocks import attention_block, handoffs
 
 def _keep_transformers_classes() -> None:
     """vLLM's Transformers backend decorates transformers' decoder class (OlmoModel, ...) for torch.compile when it
-    builds a model, for good: that class then wants a vLLM config, and the eager engine can no longer build the family
-    in this process. nnsight runs an engine without static points eagerly, where the decoration buys nothing; with
+    builds a model, for good: that class then wants a vLLM config, and the transformers engine can no longer build the
+    family in this process. nnsight runs an engine without static points eagerly, where the decoration buys nothing; with
     them such a family's decoder runs uncompiled."""
     try:
         from vllm.model_executor.models.transformers.base import Base

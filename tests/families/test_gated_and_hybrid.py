@@ -211,7 +211,7 @@ class _DriftOn(Qwen3Next):
     def __init__(self, linear: bool):
         self.drift_linear = linear
 
-    def locations_for(self, config, layer, engine="eager"):
+    def locations_for(self, config, layer, engine="transformers"):
         locations = super().locations_for(config, layer, engine)
         if layer is None or self.is_mixer_layer(config, layer) != self.drift_linear:
             return locations

@@ -389,7 +389,7 @@ def test_falcon_rotary_and_alibi_bind_different_operations():
     rotary, alibi = tiny("falcon:multihead"), tiny("falcon:alibi")
 
     def path(model, name):
-        location = model.family.location(name, model.config, 1)
+        location = model.family.locations_for(model.config, 1).get(name)
         return getattr(location, "source", location).path
 
     assert path(rotary, "attention_queries") == ("apply_rotary_pos_emb_0",)
