@@ -34,8 +34,8 @@ from .blocks import attention_block, handoffs
 def _keep_transformers_classes() -> None:
     """vLLM's Transformers backend decorates transformers' decoder class (OlmoModel, ...) for torch.compile when it
     builds a model, for good: that class then wants a vLLM config, and the transformers engine can no longer build the
-    family in this process. nnsight runs an engine without static points eagerly, where the decoration buys nothing; with
-    them such a family's decoder runs uncompiled."""
+    family in this process. nnsight runs an engine without static points eagerly, where the decoration buys nothing;
+    with them such a family's decoder runs uncompiled."""
     try:
         from vllm.model_executor.models.transformers.base import Base
     except ImportError:  # a vLLM without the Transformers backend
