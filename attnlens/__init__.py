@@ -13,7 +13,7 @@ from .errors import (
     UnknownFamily,
     UnknownFamilyWarning,
 )
-from .family import Family, MLPArithmetic
+from .family import Family, MLPArithmetic, Tiny
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "InferredFamilyWarning",
-    "Location", "LocationDrift", "MLPArithmetic", "ModuleInput", "ModuleOutput", "Operation", "OutputField",
+    "Location", "LocationDrift", "MLPArithmetic", "Tiny", "ModuleInput", "ModuleOutput", "Operation", "OutputField",
     "OrderError",
     "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for",
     "keep_masked", "masked", "models", "register", "registered",

@@ -180,7 +180,7 @@ def families_table():
     for family, types in sorted(by_family.items(), key=lambda item: item[0].__name__):
         served = vllm_served(family)
         tiny = "" if family.tiny is None else ", ".join(
-            f"tiny:{types[0]}" + (f":{layout}" if layout else "") for layout in ["", *family.tiny_layouts])
+            f"tiny:{types[0]}" + (f":{layout}" if layout else "") for layout in ["", *family.tiny.layouts])
         table.add_row(family.__name__, ", ".join(types), "\u2713",
                       ", ".join(served) if served else "-", tiny)
     table.caption = ("eager: any transformers checkpoint of the family's model types; vLLM: the model types whose "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple
 
 import torch
 
@@ -62,6 +62,17 @@ def operation_lines(function: Callable) -> dict[str, str]:
     code = compiled(innermost)
     lines = code.source.split("\n")
     return {name: lines[code.lines[name] - 1].strip() for name in code.names}
+
+
+class Tiny(NamedTuple):
+    """A recipe for a small random model of a family: the config and model classes named in `transformers`, config
+    keyword arguments (`attnlens.models.tiny` merges `TINY_DEFAULTS` under them), and other layouts worth testing:
+    name -> overrides on top (`"falcon:alibi"`)."""
+
+    config: str
+    model: str
+    kwargs: dict
+    layouts: dict[str, dict] = {}
 
 
 @dataclass(frozen=True)
@@ -122,11 +133,8 @@ class Family:
         "attention_gate": "no output gate: the merged head outputs are the premix",
     }
 
-    #: How to build a small random model of the family: (config class, model class, config keyword arguments),
-    #: the classes named in `transformers`. `attnlens.models.tiny` merges `TINY_DEFAULTS` under the arguments.
-    tiny: ClassVar[tuple[str, str, dict] | None] = None
-    #: Other layouts of the family worth testing: name -> config overrides on top of `tiny` (`"falcon:alibi"`).
-    tiny_layouts: ClassVar[dict[str, dict]] = {}
+    #: How to build a small random model of the family and its other layouts (`Tiny`), or None.
+    tiny: ClassVar[Tiny | None] = None
 
     @property
     def name(self) -> str:
@@ -495,6 +503,10 @@ class Family:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if isinstance(vars(cls).get("tiny"), tuple) and not isinstance(cls.tiny, Tiny) or "tiny_layouts" in vars(cls):
+            # attnlens 0.1's spelling: a plain (config, model, kwargs) tuple, and `tiny_layouts` beside it
+            recipe = cls.tiny
+            cls.tiny = None if recipe is None else Tiny(*recipe[:3], layouts=vars(cls).get("tiny_layouts", {}))
         legacy = {field: vars(cls)[f"vllm_{field}"] for field in LEGACY_VLLM if f"vllm_{field}" in vars(cls)}
         if legacy:  # the spelling of attnlens 0.1 (eleven vllm_* members): folded into the one value
             warnings.warn(f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "

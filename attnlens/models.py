@@ -118,14 +118,14 @@ def tiny_cases() -> list[str]:
         if family.tiny is None or family in seen:
             continue
         seen.add(family)
-        cases += [model_type] + [f"{model_type}:{layout}" for layout in family.tiny_layouts]
+        cases += [model_type] + [f"{model_type}:{layout}" for layout in family.tiny.layouts]
     return sorted(cases)
 
 
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", **config_overrides) -> torch.nn.Module:
     """A small randomly initialised transformers model of `family`, seeded, in float32, eager unless asked.
 
-    `family` is a model type, optionally with one of the family's `tiny_layouts`: `"falcon:alibi"`.
+    `family` is a model type, optionally with one of the layouts of the family's `tiny` recipe: `"falcon:alibi"`.
     """
     import transformers
 
@@ -136,10 +136,10 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
     recipe = family_for(model_type)
     if recipe.tiny is None:
         raise ValueError(f"the {model_type!r} family records no tiny configuration (Family.tiny)")
-    if layout and layout not in recipe.tiny_layouts:
-        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny_layouts)}")
-    config_class, model_class, kwargs = recipe.tiny
-    layout_kwargs = recipe.tiny_layouts.get(layout, {})
+    if layout and layout not in recipe.tiny.layouts:
+        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny.layouts)}")
+    config_class, model_class, kwargs, layouts = recipe.tiny
+    layout_kwargs = layouts.get(layout, {})
     merged = {k: v for k, v in {**TINY_DEFAULTS, **kwargs, **layout_kwargs, **config_overrides}.items()
               if v is not None}
     config = getattr(transformers, config_class)(**merged)

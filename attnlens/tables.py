@@ -78,7 +78,7 @@ def family_table() -> str:
     lines = [HEADER + f"\nGenerated with transformers {__version__}.\n",
              "| family | model types | layouts tested | vLLM | in short |", "|---|---|---|---|---|"]
     for family, model_types in families.items():
-        layouts = ", ".join(["default", *family.tiny_layouts])
+        layouts = ", ".join(["default", *(family.tiny.layouts if family.tiny else ())])
         types = ", ".join(f"`{t}`" for t in model_types)
         served = [t for t in model_types if family.vllm.refused(family(), t) is None]
         vllm = ("✓ " + ", ".join(f"`{t}`" for t in served)) if served else \
@@ -87,9 +87,9 @@ def family_table() -> str:
                      f"{_summary(family)} |")
     for family, model_types in families.items():
         lines += ["", f"## {family.__name__}", ""]
-        for layout in ["", *family.tiny_layouts]:
+        for layout in ["", *(family.tiny.layouts if family.tiny else ())]:
             case = f"{model_types[0]}:{layout}" if layout else model_types[0]
-            overrides = family.tiny_layouts.get(layout, {})
+            overrides = family.tiny.layouts.get(layout, {})
             title = f"layout `{layout}`: " + ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) if layout \
                 else "default layout"
             lines += [f"{title}", "", *_layout_table(case), ""]

@@ -7,7 +7,7 @@ import attnlens
 CORE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 
 
-#: "model_type" or "model_type:layout", one per family and layout (see `Family.tiny_layouts`).
+#: "model_type" or "model_type:layout", one per family and layout (see `Family.tiny`: `attnlens.Tiny`).
 ALL_CASES = attnlens.models.tiny_cases()
 # 18 characters: longer than the tiny sliding windows (4), so window rows are tested.
 PROMPT = "Hello world, again"

@@ -10,7 +10,7 @@ adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receiv
 `sqrt(hidden_size)`.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Operation, insert_after
 from ..locations.views import per_head
 from ..parts.moe import SparseMoE, moe_absent
@@ -18,7 +18,7 @@ from ..parts.moe import SparseMoE, moe_absent
 
 class Afmoe(SparseMoE, Family):
     model_types = ("afmoe",)
-    tiny = ("AfmoeConfig", "AfmoeForCausalLM", {
+    tiny = Tiny("AfmoeConfig", "AfmoeForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "num_dense_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     mlp_norm = "pre_mlp_layernorm"

@@ -2,12 +2,13 @@
 RMSNorm on queries and keys before the rotary embedding, and a non-gated MLP (`down_proj(xielu(up_proj(x)))`).
 """
 
+from ..family import Tiny
 from .llama import Llama
 
 
 class Apertus(Llama):
     model_types = ("apertus",)
-    tiny = ("ApertusConfig", "ApertusForCausalLM", {})
+    tiny = Tiny("ApertusConfig", "ApertusForCausalLM", {})
     attention_norm = "attention_layernorm"
     mlp_norm = "feedforward_layernorm"
 

@@ -1,8 +1,9 @@
 """Apertus 1.5's text model: Apertus's block and attention unchanged (transformers 5.24 and later)."""
 
+from ..family import Tiny
 from .apertus import Apertus
 
 
 class Apertus1p5Text(Apertus):
     model_types = ("apertus1p5_text",)
-    tiny = ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {})
+    tiny = Tiny("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {})

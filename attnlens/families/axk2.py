@@ -8,6 +8,7 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
+from ..family import Tiny
 from ..locations import Operation, insert_after
 from ..locations.views import per_head
 from .deepseek_v32 import DeepseekV32
@@ -15,7 +16,7 @@ from .deepseek_v32 import DeepseekV32
 
 class AXK2(DeepseekV32):
     model_types = ("axk2",)
-    tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
+    tiny = Tiny("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):
         gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), label="attention_gate")

@@ -7,6 +7,7 @@ each head's output is multiplied by `sigmoid(g_proj(hidden))`, one scalar per he
 Delta Attention (see Kimi Linear), whose output gate lives inside `o_norm`.
 """
 
+from ..family import Tiny
 from ..locations import insert_after
 from ..parts.gates import head_scalar_gate
 from .deepseek_v2 import DeepseekV2
@@ -16,7 +17,7 @@ from .youtu import LATENT_TINY
 
 class BailingHybrid(DeltaHybrid, DeepseekV2):
     model_types = ("bailing_hybrid",)
-    tiny = ("BailingHybridConfig", "BailingHybridForCausalLM", {
+    tiny = Tiny("BailingHybridConfig", "BailingHybridForCausalLM", {
         **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
         "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
     label = "Bailing Hybrid"

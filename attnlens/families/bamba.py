@@ -5,13 +5,13 @@ Every block has `input_layernorm` in front of its mixer and `pre_ff_layernorm` i
 renamed `self_attn`, see `families/hybrid.py`).
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.mixers import MixerLayers
 
 
 class Bamba(MixerLayers, Family):
     model_types = ("bamba",)
-    tiny = ("BambaConfig", "BambaForCausalLM", {
+    tiny = Tiny("BambaConfig", "BambaForCausalLM", {
         "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "attn_layer_indices": [1]})
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"

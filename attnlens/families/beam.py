@@ -12,14 +12,14 @@ the network (`2 * (layer + 1)` for attention, one more for the MLP) is `update /
 
 import math
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Operation, insert_after
 from ..parts.moe import SparseMoE, moe_absent
 
 
 class Beam(SparseMoE, Family):
     model_types = ("beam",)
-    tiny = ("BeamConfig", "BeamForCausalLM", {
+    tiny = Tiny("BeamConfig", "BeamForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "n_group": 1, "topk_group": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "mlp_layer_types": ["dense", "sparse", "dense"]})

@@ -8,13 +8,13 @@ activation's output, its output the MLP's). `embeddings` is the token embedding 
 `sqrt(hidden_size)` where `scale_embedding` is set; the learned positions are added after it.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleInput, ModuleOutput
 
 
 class BioGpt(Family):
     model_types = ("biogpt",)
-    tiny = ("BioGptConfig", "BioGptForCausalLM", {"num_key_value_heads": None, "scale_embedding": True})
+    tiny = Tiny("BioGptConfig", "BioGptForCausalLM", {"num_key_value_heads": None, "scale_embedding": True})
     layers = "biogpt.layers"
     embed_tokens = "biogpt.embed_tokens"
     final_norm = "biogpt.layer_norm"

@@ -12,13 +12,14 @@ values are read from the modules as they run either way.
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..locations import ModuleInput
 from .llama import Llama
 
 
 class BitNet(Llama):
     model_types = ("bitnet",)
-    tiny = ("BitNetConfig", "BitNetForCausalLM", {})
+    tiny = Tiny("BitNetConfig", "BitNetForCausalLM", {})
 
     def locations(self):
         return {**super().locations(), "attention_premix": ModuleInput("attn_sub_norm")}

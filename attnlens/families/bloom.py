@@ -22,7 +22,7 @@ vLLM's Bloom keeps these module names without the residual inside the modules, h
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
@@ -70,9 +70,8 @@ def _bloom_vllm_locations(family):
 
 class Bloom(Family):
     model_types = ("bloom",)
-    tiny = ("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
-                                                "max_position_embeddings": None})
-    tiny_layouts = {"post_norm_residual": {"apply_residual_connection_post_layernorm": True}}
+    tiny = Tiny("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
+                                                "max_position_embeddings": None}, layouts={"post_norm_residual": {"apply_residual_connection_post_layernorm": True}})
     layers = "transformer.h"
     embed_tokens = "transformer.word_embeddings"
     final_norm = "transformer.ln_f"

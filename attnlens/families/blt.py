@@ -13,7 +13,7 @@ the encoder's and the global transformer's blocks and the cross-attentions are n
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleOutput
 from ..parts.sizes import Sizes
 from .git import copied
@@ -25,7 +25,7 @@ STREAM = ("the local decoder's blocks (bytes); layer 0's input is the local enco
 
 class Blt(Family):
     model_types = ("blt",)
-    tiny = ("BltConfig", "BltForCausalLM", {
+    tiny = Tiny("BltConfig", "BltForCausalLM", {
         "use_cache": False, "encoder_hash_byte_group_vocab": 128, "local_attention_window_len": 6, **{
             part: {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                    "num_hidden_layers": layers, "vocab_size": 128,

@@ -9,12 +9,13 @@ shared attention interface (scale, then mask), as GPT-J does.
 
 import torch
 
+from ..family import Tiny
 from .gptj import GPTJ
 
 
 class CodeGen(GPTJ):
     model_types = ("codegen",)
-    tiny = ("CodeGenConfig", "CodeGenForCausalLM", {**GPTJ.tiny[2], "bos_token_id": 1, "eos_token_id": 2,
+    tiny = Tiny("CodeGenConfig", "CodeGenForCausalLM", {**GPTJ.tiny[2], "bos_token_id": 1, "eos_token_id": 2,
                                                      "pad_token_id": None})
     attention_class = ("codegen.modeling_codegen", "CodeGenAttention")
     own_scores = ("attn_weights_2", "/ self.scale_attn")

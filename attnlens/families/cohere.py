@@ -12,7 +12,7 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 """
 
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleInput, ModuleOutput
 from ..locations.vllm import HiddenArgument, batched
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
@@ -28,8 +28,7 @@ def _cohere_vllm_locations(family):
 
 class Cohere(Family):
     model_types = ("cohere",)
-    tiny = ("CohereConfig", "CohereForCausalLM", {})
-    tiny_layouts = {"qk_norm": {"use_qk_norm": True}}
+    tiny = Tiny("CohereConfig", "CohereForCausalLM", {}, layouts={"qk_norm": {"use_qk_norm": True}})
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}
     vllm = VLLMLayout(
         locations=_cohere_vllm_locations,

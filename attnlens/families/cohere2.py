@@ -11,6 +11,7 @@ transformers' with 4 (1.6 with `logit_scale` 1).
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .cohere import Cohere
 
 
@@ -21,9 +22,7 @@ def _cohere2_vllm_window(family, config, layer):
 
 class Cohere2(Cohere):
     model_types = ("cohere2",)
-    tiny = ("Cohere2Config", "Cohere2ForCausalLM",
-            {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
-    tiny_layouts = {}
+    tiny = Tiny("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     # The tiny checkpoint is full attention only: with a sliding layer vLLM's values are transformers' with a wider
     # window, not the same checkpoint's (tests_vllm/test_families_own.py tests those against transformers with
     # sliding_window + 1).

@@ -9,17 +9,17 @@ whose `config.mlp_layer_types` entry is not `"dense"` route tokens to experts (e
 its own tokens), plus shared experts averaged or summed in, so no activation or neuron tensor exists there.
 """
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .cohere import Cohere
 
 
 class Cohere2Moe(SparseMoE, Cohere):
     model_types = ("cohere2_moe",)
-    tiny = ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {
+    tiny = Tiny("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "mlp_layer_types": ["dense", "sparse", "sparse"], "prefix_dense_intermediate_size": 128})
-    tiny_layouts = {}
     absent = {**Cohere.absent, **moe_absent("Cohere2MoeExperts", extra=", with the shared experts' output summed "
                                             "or averaged in (shared_expert_combination_strategy)")}
 

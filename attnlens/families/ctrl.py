@@ -6,7 +6,7 @@ ReLU, Linear). `CTRLModel` multiplies the token embedding's output by `sqrt(n_em
 sinusoidal positions, so `embeddings` is a snapshot of the embedding module's output taken before that.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Derived, ModuleOutput
 from ..parts.sizes import Sizes
 
@@ -21,7 +21,7 @@ def _replace(envoy, old, new):
 
 class CTRL(Family):
     model_types = ("ctrl",)
-    tiny = ("CTRLConfig", "CTRLLMHeadModel", {
+    tiny = Tiny("CTRLConfig", "CTRLLMHeadModel", {
         "n_layer": 3, "n_embd": 64, "n_head": 4, "dff": 128, "n_positions": 128, "num_hidden_layers": None,
         "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
         "max_position_embeddings": None})

@@ -8,7 +8,7 @@ keys and values (blocks of `[q | k | v]`), which then enter the common attention
 gated activation to its routed tokens only, so no activation or neuron tensor exists.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.fused import FusedQKV
 from ..parts.moe import SparseMoE, moe_absent
 from ..parts.sizes import Sizes
@@ -16,7 +16,7 @@ from ..parts.sizes import Sizes
 
 class Dbrx(SparseMoE, Family):
     model_types = ("dbrx",)
-    tiny = ("DbrxConfig", "DbrxForCausalLM", {
+    tiny = Tiny("DbrxConfig", "DbrxForCausalLM", {
         "n_layers": 3, "d_model": 64, "n_heads": 4, "num_key_value_heads": None,
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}})

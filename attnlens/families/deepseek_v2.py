@@ -20,7 +20,7 @@ forms per-head keys on a decode step: attnlens rebuilds keys, values and the pat
 
 from dataclasses import replace
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sizes import Sizes
 
@@ -72,7 +72,7 @@ class LatentAttention(Family):
 
 class DeepseekV2(SparseMoE, LatentAttention):
     model_types = ("deepseek_v2",)
-    tiny = ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+    tiny = Tiny("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})

@@ -10,6 +10,7 @@ rotates the halves (rotate_half) while vLLM still rotates interleaved pairs, ano
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .deepseek_v2 import DeepseekV2
 
 #: DeepSeek-V3's yarn rope, scaled to the tiny context.
@@ -19,9 +20,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 class DeepseekV3(DeepseekV2):
     model_types = ("deepseek_v3",)
-    tiny = ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DeepseekV2.tiny[2], "n_group": 1, "topk_group": 1})
+    tiny = Tiny("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DeepseekV2.tiny[2], "n_group": 1, "topk_group": 1}, layouts={"yarn": {"rope_interleave": False, "rope_parameters": YARN}})
     # yarn-scaled rope with mscale_all_dim: the score scale is no longer qk_head_dim ** -0.5.
-    tiny_layouts = {"yarn": {"rope_interleave": False, "rope_parameters": YARN}}
     # vLLM's DeepSeek-V3 routes only with noaux_tc and sigmoid scores; a yarn rope, as the released checkpoints
     # have, keeps vLLM's CPU rotary kernel out (mla.cpu_rope_fault).
     vllm = replace(

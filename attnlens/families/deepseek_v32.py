@@ -10,6 +10,7 @@ to choose from. The choice itself (the indexer's top-k indices) is not a standar
 mask, the indexer's choice included.
 """
 
+from ..family import Tiny
 from .deepseek_v3 import DeepseekV3
 
 #: The indexer's sizes in every tiny recipe: two small heads; the default `index_topk` (2048) chooses every key of
@@ -49,5 +50,4 @@ class Indexed:
 
 class DeepseekV32(Indexed, DeepseekV3):
     model_types = ("deepseek_v32",)
-    tiny = ("DeepseekV32Config", "DeepseekV32ForCausalLM", {**DeepseekV3.tiny[2], **INDEXER_TINY})
-    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
+    tiny = Tiny("DeepseekV32Config", "DeepseekV32ForCausalLM", {**DeepseekV3.tiny[2], **INDEXER_TINY})

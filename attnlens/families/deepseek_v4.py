@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
@@ -55,7 +55,7 @@ def _unflatten_groups(envoy, grouped, premix):
 
 class DeepseekV4(SparseMoE, Family):
     model_types = ("deepseek_v4",)
-    tiny = ("DeepseekV4Config", "DeepseekV4ForCausalLM", {
+    tiny = Tiny("DeepseekV4Config", "DeepseekV4ForCausalLM", {
         "num_key_value_heads": 1, "head_dim": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
         "intermediate_size": None, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 4, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 2, "index_head_dim": 16,

@@ -16,7 +16,7 @@ P_{j + num_heads/2}` is never formed and is not served.
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Derived, Operation
 from ..parts.sizes import Sizes
 
@@ -42,7 +42,7 @@ def _first_call_only(location, label, what):
 
 class DiffLlama(Family):
     model_types = ("diffllama",)
-    tiny = ("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16})
+    tiny = Tiny("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16})
     sizes = Sizes(head_dim=(lambda module, found: 2 * module.head_dim,), qk_head_dim=("head_dim",))
 
     def locations(self):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..family import Tiny
 from ..geometry import HeadGeometry
 from ..locations import ModuleOutput
 from .llama import Llama
@@ -57,7 +58,7 @@ class Doge(Llama):
     vllm = replace(Llama.vllm, model_types=())
     # keep_window_size above the test prompt: every causal key is kept
     # (tests/families/test_gemma3n_zaya_doge_minimax.py makes it bind)
-    tiny = ("DogeConfig", "DogeForCausalLM", {"head_dim": 16})
+    tiny = Tiny("DogeConfig", "DogeForCausalLM", {"head_dim": 16})
     scores_need_values = DYNAMIC
     absent = {**Llama.absent, "mlp_activation": CDMOE, "mlp_neurons": CDMOE}
 

@@ -16,6 +16,7 @@ types map here.
 """
 
 
+from ..family import Tiny
 from ..locations import insert_after
 from ..parts.gates import head_scalar_gate
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
@@ -27,7 +28,7 @@ SLIDING = {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lo
 
 class Dots3Note(DeepseekV32):
     model_types = ("dots3_note_text", "dots3_note")
-    tiny = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
+    tiny = Tiny("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, **SLIDING, "head_dim": 24, "sliding_window": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
         "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],

@@ -12,6 +12,7 @@ layer_mid)`: `layer_input` and `layer_output` are the first items there.
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..locations import ModuleInput, ModuleOutput
 from ..locations.vllm import HiddenArgument, batched
 from .llama import Llama
@@ -29,8 +30,7 @@ def _exaone4_vllm_locations(family):
 
 class Exaone4(Llama):
     model_types = ("exaone4",)
-    tiny = ("Exaone4Config", "Exaone4ForCausalLM",
-            {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     attention_norm = None
     mlp_norm = None
     attention_post_norm = "post_attention_layernorm"

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
@@ -109,13 +109,12 @@ def _keys_values(config):
 
 class Falcon(Family):
     model_types = ("falcon",)
-    tiny = ("FalconConfig", "FalconForCausalLM", {"ffn_hidden_size": 128, "num_key_value_heads": None,
-                                                  "intermediate_size": None})
-    tiny_layouts = {
+    tiny = Tiny("FalconConfig", "FalconForCausalLM", {"ffn_hidden_size": 128, "num_key_value_heads": None,
+                                                  "intermediate_size": None}, layouts={
         "multihead": {"multi_query": False, "parallel_attn": False},
         "new_architecture": {"new_decoder_architecture": True, "num_kv_heads": 2},
         "alibi": {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
-    }
+    })
     layers = "transformer.h"
     embed_tokens = "transformer.word_embeddings"
     final_norm = "transformer.ln_f"

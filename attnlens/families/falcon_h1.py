@@ -11,13 +11,13 @@ output, after the multiplier. The first block receives the embeddings times `emb
 head's output times `lm_head_multiplier`.
 """
 
-from ..family import Family, MLPArithmetic
+from ..family import Family, MLPArithmetic, Tiny
 
 
 class FalconH1(Family):
     model_types = ("falcon_h1",)
     # multipliers away from 1, so a family ignoring one fails the identities
-    tiny = ("FalconH1Config", "FalconH1ForCausalLM", {
+    tiny = Tiny("FalconH1Config", "FalconH1ForCausalLM", {
         "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128,
         "key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
         "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,

@@ -2,11 +2,12 @@
 as every MLP, so no activation or neuron tensor exists.
 """
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .olmo2 import Olmo2
 
 
 class FlexOlmo(SparseMoE, Olmo2):
     model_types = ("flex_olmo",)
-    tiny = ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
     absent = {**Olmo2.absent, **moe_absent("FlexOlmoExperts")}

@@ -10,14 +10,14 @@ positional encoding. Layers `(i + 1) % decoder_sparse_step == 0` outside `mlp_on
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
 
 class Flint(SparseMoE, Family):
     model_types = ("flint",)
-    tiny = ("FlintConfig", "FlintForCausalLM", {
+    tiny = Tiny("FlintConfig", "FlintForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32, "mlp_only_layers": [0],
         "layer_types": ["full_attention", "sliding_attention", "full_attention"]})

@@ -6,16 +6,16 @@ Persimmon. With image patches, their embeddings replace the image-placeholder to
 block: `embeddings` stays the token embedding module's output, and `layers[0].layer_input` holds the patches'.
 """
 
+from ..family import Tiny
 from .persimmon import Persimmon
 
 
 class Fuyu(Persimmon):
     model_types = ("fuyu",)
-    tiny = ("FuyuConfig", "FuyuForCausalLM", {"text_config": {
+    tiny = Tiny("FuyuConfig", "FuyuForCausalLM", {"text_config": {
         "model_type": "persimmon", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 128, "pad_token_id": 0,
         "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2}, "num_key_value_heads": None})
-    tiny_layouts = {}  # the text config carries qk_layernorm: Persimmon's layout would not reach it
     layers = "model.language_model.layers"
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.final_layernorm"

@@ -2,10 +2,11 @@
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .llama import Llama
 
 
 class Gemma(Llama):
     model_types = ("gemma",)
-    tiny = ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16})
+    tiny = Tiny("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16})
     vllm = replace(Llama.vllm, model_types=("gemma",))

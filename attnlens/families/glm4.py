@@ -10,12 +10,13 @@ MLP (the norm in front of the MLP, despite its name) and adds `post_mlp_layernor
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .llama import Llama
 
 
 class Glm4(Llama):
     model_types = ("glm4",)
-    tiny = ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
+    tiny = Tiny("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
     vllm = replace(
         Llama.vllm,
         model_types=("glm4",),  # vLLM's post-norms sit outside its fused (hidden, residual) norms: the defaults hold

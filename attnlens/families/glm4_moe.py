@@ -9,6 +9,7 @@ scores, grouped top-k) plus the shared experts' output; the first `first_k_dense
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
@@ -16,8 +17,7 @@ from .llama import Llama
 class Glm4Moe(SparseMoE, Llama):
     model_types = ("glm4_moe",)
     # Layer 0 keeps a dense MLP, so both kinds of layer are tested.
-    tiny = ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-            {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    tiny = Tiny("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "use_qk_norm": True})
     absent = moe_absent("Glm4MoeExperts", ", plus the shared experts (mlp.shared_experts, a dense MLP reading the "
                                           "same input)")

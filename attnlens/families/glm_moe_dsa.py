@@ -4,12 +4,13 @@ Layers marked "shared" in `config.indexer_types` have no indexer (`self_attn.ind
 top-k keys the previous indexed layer chose for each query. Everything else is DeepSeek-V3.2's.
 """
 
+from ..family import Tiny
 from .deepseek_v32 import DeepseekV32
 
 
 class GlmMoeDsa(DeepseekV32):
     model_types = ("glm_moe_dsa",)
-    tiny = ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**DeepseekV32.tiny[2],
+    tiny = Tiny("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**DeepseekV32.tiny[2],
                                                            "indexer_types": ["full", "shared", "full"]})
 
     def indexer_note(self, config, layer):

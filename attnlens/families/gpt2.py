@@ -5,7 +5,7 @@ file-local eager function repeats no heads and does not upcast the softmax. With
 attention bypasses the attention interface entirely.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
 from ..parts.sizes import Sizes
@@ -17,7 +17,7 @@ def _gpt2_vllm_locations(family):
 
 class GPT2(Family):
     model_types = ("gpt2",)
-    tiny = ("GPT2Config", "GPT2LMHeadModel", {
+    tiny = Tiny("GPT2Config", "GPT2LMHeadModel", {
         "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 128, "num_hidden_layers": None,
         "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
         "max_position_embeddings": None})

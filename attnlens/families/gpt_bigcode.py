@@ -11,7 +11,7 @@ the scores are not scaled at all.
 
 from dataclasses import replace
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import transformers_backend
 from .gpt2 import GPT2
@@ -20,8 +20,7 @@ from .gpt2 import GPT2
 class GPTBigCode(GPT2):
     model_types = ("gpt_bigcode",)
     vllm = transformers_backend(("gpt_bigcode",), tiny={"n_embd": 128})  # head size 32
-    tiny = ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True})
-    tiny_layouts = {"multi_head": {"multi_query": False}}
+    tiny = Tiny("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True}, layouts={"multi_head": {"multi_query": False}})
     probabilities_operation = Family.probabilities_operation
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
     sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))

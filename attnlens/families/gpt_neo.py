@@ -11,7 +11,7 @@ head_dim] (a true view: in-place edits land).
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.sizes import Sizes
 
@@ -36,7 +36,7 @@ class GPTNeo(Family):
                     "it, because GPTNeoSelfAttention computes attention in its own _attn instead of calling "
                     "transformers' attention interface",
     )
-    tiny = ("GPTNeoConfig", "GPTNeoForCausalLM", {
+    tiny = Tiny("GPTNeoConfig", "GPTNeoForCausalLM", {
         "attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 4,
         "num_key_value_heads": None})
     layers = "transformer.h"

@@ -10,7 +10,7 @@ both outputs join `x` in one sum: `layer_mid` is unavailable and `mlp_norm_outpu
 output. With `use_parallel_residual=False` the block is sequential and `layer_mid` is what that norm receives.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleOutput
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import transformers_backend
@@ -21,8 +21,7 @@ from ..parts.sizes import Sizes
 class GPTNeoX(Family):
     model_types = ("gpt_neox",)
     vllm = transformers_backend(("gpt_neox",), tiny={"hidden_size": 128})  # head size 32
-    tiny = ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None})
-    tiny_layouts = {"sequential": {"use_parallel_residual": False}}
+    tiny = Tiny("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None}, layouts={"sequential": {"use_parallel_residual": False}})
     layers = "gpt_neox.layers"
     embed_tokens = "gpt_neox.embed_in"
     final_norm = "gpt_neox.final_layer_norm"

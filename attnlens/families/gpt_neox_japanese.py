@@ -18,7 +18,7 @@ adds it in `bias_dropout_add` before the residual add. `attention_output` is the
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
@@ -36,8 +36,7 @@ def _heads_first(envoy, old, new):
 
 class GPTNeoXJapanese(Family):
     model_types = ("gpt_neox_japanese",)
-    tiny = ("GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM",
-            {"num_key_value_heads": None, "intermediate_size": None, "rotary_pct": 0.25, "is_decoder": True})
+    tiny = Tiny("GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM", {"num_key_value_heads": None, "intermediate_size": None, "rotary_pct": 0.25, "is_decoder": True})
     layers = "gpt_neox_japanese.layers"
     embed_tokens = "gpt_neox_japanese.embed_in"
     final_norm = "gpt_neox_japanese.final_layer_norm"

@@ -8,7 +8,7 @@ output. The MLP returns `(output, router scores)`; `mlp_output` is the first ite
 experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
@@ -28,7 +28,7 @@ def _gptoss_vllm_locations(family):
 
 class GptOss(SparseMoE, Family):
     model_types = ("gpt_oss",)
-    tiny = ("GptOssConfig", "GptOssForCausalLM", {
+    tiny = Tiny("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         # GPT-OSS's yarn rope, scaled to the tiny context (the default's 4096 original positions would warn)

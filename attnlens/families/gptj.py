@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, Operation
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
@@ -38,7 +38,7 @@ def _gptj_vllm_locations(family):
 
 class GPTJ(Family):
     model_types = ("gptj",)
-    tiny = ("GPTJConfig", "GPTJForCausalLM", {
+    tiny = Tiny("GPTJConfig", "GPTJForCausalLM", {
         "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "rotary_dim": 8, "n_positions": 128,
         "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None,
         "intermediate_size": None, "max_position_embeddings": None})

@@ -14,6 +14,7 @@ norms), so the residual values are module inputs and outputs there; it multiplie
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..locations.vllm import batched
 from .llama import Llama
@@ -47,8 +48,7 @@ def _granite_vllm_locations(family):
 class Granite(Llama):
     model_types = ("granite",)
     # Multipliers far from 1 (and a score scale unlike 1/sqrt(16)), so a family ignoring one fails the identities.
-    tiny = ("GraniteConfig", "GraniteForCausalLM",
-            {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+    tiny = Tiny("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
              "logits_scaling": 4.0})
     vllm = replace(Llama.vllm, model_types=("granite",), locations=_granite_vllm_locations)
 

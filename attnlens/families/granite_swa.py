@@ -8,7 +8,7 @@ merged, is the premix, and `1 - gate` is the share a sink would take. `attention
 pattern row here falls short of one. Layers rotate queries and keys only where the model passes rotary embeddings.
 """
 
-from ..family import INTERFACE_CALL
+from ..family import INTERFACE_CALL, Tiny
 from ..locations import Derived, Operation
 from .granite import Granite
 
@@ -58,6 +58,6 @@ class SinkScale:
 
 class GraniteSWA(SinkScale, Granite):
     model_types = ("granite_swa",)
-    tiny = ("GraniteSWAConfig", "GraniteSWAForCausalLM", {
+    tiny = Tiny("GraniteSWAConfig", "GraniteSWAForCausalLM", {
         **Granite.tiny[2], "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention",
                                                                  "sliding_attention"]})

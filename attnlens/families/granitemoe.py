@@ -7,14 +7,14 @@ between blocks like vLLM's Granite (granite.py).
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
 
 
 class GraniteMoe(SparseMoE, Granite):
     model_types = ("granitemoe",)
-    tiny = ("GraniteMoeConfig", "GraniteMoeForCausalLM",
-            {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny("GraniteMoeConfig", "GraniteMoeForCausalLM", {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2})
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeExperts")
     vllm = replace(

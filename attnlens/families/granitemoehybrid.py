@@ -12,7 +12,7 @@ MLP's itself, so no module returns the MLP's output and no single activation or 
 unavailable; `mlp_input` is what both receive.
 """
 
-from ..family import MLPArithmetic
+from ..family import MLPArithmetic, Tiny
 from ..parts.mixers import MixerLayers
 from .granite import Granite
 
@@ -23,11 +23,10 @@ ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only
 
 class GraniteMoeHybrid(MixerLayers, Granite):
     model_types = ("granitemoehybrid",)
-    tiny = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+    tiny = Tiny("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
         **Granite.tiny[2], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "shared_intermediate_size": 64,
         "num_local_experts": 4, "num_experts_per_tok": 2,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
-    tiny_layouts = {"dense": {"num_local_experts": 0}}
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]}, layouts={"dense": {"num_local_experts": 0}})
     mlp = "shared_mlp"
     activation = "activation"
     down_projection = "output_linear"

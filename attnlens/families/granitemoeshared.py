@@ -8,6 +8,7 @@ shared_mlp)`. No module returns that sum, so where the shared MLP exists (`share
 to their routed tokens only, so no activation or neuron tensor exists.
 """
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
 
@@ -17,9 +18,8 @@ SHARED = ("the MLP's output is block_sparse_moe's output plus shared_mlp's, summ
 
 class GraniteMoeShared(SparseMoE, Granite):
     model_types = ("granitemoeshared",)
-    tiny = ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {
-        **Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32})
-    tiny_layouts = {"no_shared_mlp": {"shared_intermediate_size": 0}}
+    tiny = Tiny("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {
+        **Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}, layouts={"no_shared_mlp": {"shared_intermediate_size": 0}})
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeSharedExperts")
 

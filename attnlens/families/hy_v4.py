@@ -12,6 +12,7 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   `layer_input`, `layer_mid` and `layer_output` are the streams.
 """
 
+from ..family import Tiny
 from ..locations import ModuleInput, Operation, insert_after
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
@@ -23,7 +24,7 @@ STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
 class HYV4(GlmMoeDsa):
     model_types = ("hy_v4",)
-    tiny = ("HYV4Config", "HYV4ForCausalLM", {
+    tiny = Tiny("HYV4Config", "HYV4ForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse",
                                                                                                  "dense"],

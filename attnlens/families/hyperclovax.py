@@ -3,12 +3,13 @@
 `layer_mid = layer_input + residual_multiplier * post_norm1(attention_output)`.
 """
 
+from ..family import Tiny
 from .granite import Granite
 
 
 class HyperCLOVAX(Granite):
     model_types = ("hyperclovax",)
-    tiny = ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", Granite.tiny[2])
+    tiny = Tiny("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", Granite.tiny[2])
     attention_post_norm = "post_norm1"
     mlp_post_norm = "post_norm2"
 

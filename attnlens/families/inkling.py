@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes
 
@@ -51,15 +51,14 @@ def log_scale(config, num_queries: int, device=None) -> torch.Tensor | None:
 
 class Inkling(SparseMoE, Family):
     model_types = ("inkling_text",)
-    tiny = ("InklingTextConfig", "InklingForCausalLM", {
+    tiny = Tiny("InklingTextConfig", "InklingForCausalLM", {
         "head_dim": 16, "swa_num_attention_heads": 2, "swa_num_key_value_heads": 1, "swa_head_dim": 32,
         "sliding_window_size": 4, "d_rel": 8, "rel_extent": 8,
         "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
         "mlp_layer_types": ["dense", "sparse", "sparse"],
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
-    })
+    }, layouts={"log_scaling": {"log_scaling_n_floor": 4, "log_scaling_alpha": 0.5}})
     # log scaling needs full layers past its floor: 18-token prompts pass a floor of 4
-    tiny_layouts = {"log_scaling": {"log_scaling_n_floor": 4, "log_scaling_alpha": 0.5}}
     scores_operation = ("attn_weights_2", "+ attention_mask")
     probabilities_operation = ("attn_weights_4", "dropout(")
     attention_post_norm = "attn_sconv"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import INTERFACE_CALL, Family
+from ..family import Family, INTERFACE_CALL, Tiny
 from ..locations import Derived, Location, ModuleInput, Operation, _replace_item, child
 from ..locations.views import per_head
 from ..parts.moe import PER_EXPERT, SparseMoE
@@ -82,7 +82,7 @@ def _sliding(config, layer: int) -> bool:
 
 class Inkling2(SparseMoE, Family):
     model_types = ("inkling2_text",)
-    tiny = ("Inkling2TextConfig", "Inkling2ForCausalLM", {
+    tiny = Tiny("Inkling2TextConfig", "Inkling2ForCausalLM", {
         "head_dim": 16, "swa_num_attention_heads": 2, "swa_num_key_value_heads": 1, "swa_head_dim": 32,
         "sliding_window_size": 4, "d_rel": 8, "rel_extent": 8, "unpadded_vocab_size": 128, "eos_token_id": 2,
         # full layers log-scale past position 4; blocks of two layers: layers 0 and 2 start one
@@ -209,7 +209,7 @@ class Inkling2Loop(Inkling2):
     and are served exactly as Inkling 2's (the first block after the loop reads the last pass's output)."""
 
     model_types = ("inkling2_loop_text",)
-    tiny = ("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", {
+    tiny = Tiny("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", {
         **Inkling2.tiny[2], "num_hidden_layers": 4, "n_layers_per_attn_res_block": 1,
         "layer_types": ["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid"],
         # layer 1 runs twice per forward; layers 0, 2 and 3 once

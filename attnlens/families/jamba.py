@@ -7,14 +7,14 @@ MLP (`feed_forward`, renamed `mlp`), which on `i % expert_layer_period == expert
 mixture of experts: no activation or neuron tensor exists there.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.mixers import MixerLayers
 from ..parts.moe import SparseMoE, moe_absent
 
 
 class Jamba(MixerLayers, SparseMoE, Family):
     model_types = ("jamba",)
-    tiny = ("JambaConfig", "JambaForCausalLM", {
+    tiny = Tiny("JambaConfig", "JambaForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_dt_rank": 4, "attn_layer_period": 2,
         "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0})
     final_norm = "model.final_layernorm"

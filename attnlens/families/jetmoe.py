@@ -21,7 +21,7 @@ head_dim]` (a view). `attention_output` is `reduce`'s result: the gate-weighted 
 projections plus the bias (`project_routed_output` reroutes the attention's input to check it).
 """
 
-from ..family import INTERFACE_CALL, Family
+from ..family import Family, INTERFACE_CALL, Tiny
 from ..locations import Derived, ModuleOutput, Operation
 from ..parts.moe import PER_EXPERT, SparseMoE
 
@@ -55,8 +55,7 @@ UNTILED = "a copy of the first of the top_k tiles the attention function receive
 
 class JetMoe(SparseMoE, Family):
     model_types = ("jetmoe",)
-    tiny = ("JetMoeConfig", "JetMoeForCausalLM",
-            {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16})
+    tiny = Tiny("JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16})
     attention = "self_attention"
     output_projection = "experts"
     activation = None

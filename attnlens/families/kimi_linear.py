@@ -10,6 +10,7 @@ serves only what it has: its output and what `o_proj` receives (`attention_premi
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.mixers import LinearLayers
 from .deepseek_v2 import DeepseekV2, LatentAttention
 from .youtu import LATENT_TINY
@@ -50,7 +51,7 @@ class DeltaHybrid(LinearLayers):
 
 class KimiLinear(DeltaHybrid, DeepseekV2):
     model_types = ("kimi_linear",)
-    tiny = ("KimiLinearConfig", "KimiLinearForCausalLM", {
+    tiny = Tiny("KimiLinearConfig", "KimiLinearForCausalLM", {
         **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
         "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
 

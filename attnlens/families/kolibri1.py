@@ -3,13 +3,13 @@
 mixture of experts as every MLP, so no activation or neuron tensor exists.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.moe import SparseMoE, moe_absent
 
 
 class Kolibri1(SparseMoE, Family):
     model_types = ("kolibri1",)
-    tiny = ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    tiny = Tiny("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                                                       "moe_intermediate_size": 32})
     attention_post_norm = "post_self_attn_layernorm"
     mlp_post_norm = "post_mlp_layernorm"

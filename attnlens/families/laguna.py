@@ -9,7 +9,7 @@ before it, and `head_outputs * gate`, merged, the premix. Each layer has `num_at
 heads.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Operation, insert_after
 from ..locations.views import per_head
 from ..parts.gates import repeated_head_gate
@@ -19,11 +19,10 @@ from ..parts.sizes import Sizes
 
 class Laguna(SparseMoE, Family):
     model_types = ("laguna",)
-    tiny = ("LagunaConfig", "LagunaForCausalLM", {
+    tiny = Tiny("LagunaConfig", "LagunaForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "num_attention_heads_per_layer": [4, 8, 4], "mlp_layer_types": ["dense", "sparse", "sparse"]})
-    tiny_layouts = {"per_element_gate": {"gating": "per-element"}}
+        "num_attention_heads_per_layer": [4, 8, 4], "mlp_layer_types": ["dense", "sparse", "sparse"]}, layouts={"per_element_gate": {"gating": "per-element"}})
     absent = {**moe_absent("LagunaExperts"), "attention_sinks": Family.absent["attention_sinks"]}
     sizes = Sizes(num_heads=("num_heads",))
 

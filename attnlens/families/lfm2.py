@@ -11,14 +11,14 @@ output (`F_silu_0`), `mlp_neurons` what `w2` receives. The final norm is named `
 
 import torch.nn.functional as F
 
-from ..family import Family, MLPArithmetic
+from ..family import Family, MLPArithmetic, Tiny
 from ..locations import Operation
 from ..parts.mixers import MixerLayers
 
 
 class Lfm2(MixerLayers, Family):
     model_types = ("lfm2",)
-    tiny = ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention", "conv"]})
+    tiny = Tiny("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention", "conv"]})
     final_norm = "model.embedding_norm"
     attention_norm = "operator_norm"
     mlp_norm = "ffn_norm"

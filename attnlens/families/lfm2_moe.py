@@ -6,13 +6,14 @@ experts, each applying its gated activation to its own tokens, so no activation 
 dense layers serve them as LFM2 does.
 """
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .lfm2 import Lfm2
 
 
 class Lfm2Moe(SparseMoE, Lfm2):
     model_types = ("lfm2_moe",)
-    tiny = ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {
+    tiny = Tiny("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {
         "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32})
     absent = moe_absent("Lfm2MoeExperts")

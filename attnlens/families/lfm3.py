@@ -7,6 +7,7 @@ The gate is `sigmoid(g_proj(x))`, one factor per head and position, multiplying 
 `attention_head_outputs` the mix before it. Everything else is LFM2's (transformers 5.24 and later).
 """
 
+from ..family import Tiny
 from ..locations import Operation, insert_after
 from ..parts.gates import repeated_head_gate
 from .lfm2 import Lfm2
@@ -14,9 +15,8 @@ from .lfm2 import Lfm2
 
 class Lfm3(Lfm2):
     model_types = ("lfm3",)
-    tiny = ("Lfm3Config", "Lfm3ForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]})
-    tiny_layouts = {"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}}
+    tiny = Tiny("Lfm3Config", "Lfm3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]}, layouts={"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}})
     output_projection = "o_proj"
     attention_post_norm = "post_operator_norm"
     mlp_post_norm = "post_ffn_norm"

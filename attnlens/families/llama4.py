@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleOutput, child
 from ..parts.moe import SparseMoE
 
@@ -43,7 +43,7 @@ class TokensOutput(ModuleOutput):
 
 class Llama4(SparseMoE, Family):
     model_types = ("llama4_text", "llama4")  # transformers builds Llama4ForCausalLM on the text config of both
-    tiny = ("Llama4TextConfig", "Llama4ForCausalLM", {
+    tiny = Tiny("Llama4TextConfig", "Llama4ForCausalLM", {
         "head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
         "moe_layers": [0, 1], "no_rope_layers": [1, 0, 1],
         # chunks of 4 positions, so the 18-token test prompt crosses four chunk boundaries

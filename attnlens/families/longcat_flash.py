@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
@@ -37,7 +38,7 @@ FIRST = "0"  # the attention module whose values are served, inside the block's 
 class LongcatFlash(SparseMoE, LatentAttention):
     model_types = ("longcat_flash",)
     # num_hidden_layers counts attention sublayers: 2 per block, so 3 blocks
-    tiny = ("LongcatFlashConfig", "LongcatFlashForCausalLM", {
+    tiny = Tiny("LongcatFlashConfig", "LongcatFlashForCausalLM", {
         **LATENT_TINY, "head_dim": 8, "num_hidden_layers": 6, "n_routed_experts": 4, "moe_topk": 2,
         "expert_ffn_hidden_size": 32, "zero_expert_num": 1, "ffn_hidden_size": 128})
     attention_norm, mlp_norm = "input_layernorm.0", "post_attention_layernorm.0"

@@ -9,7 +9,7 @@ scale, the tensor the heads mix. The eager function always subtracts the row max
 MLP or a routed mixture of experts (no shared experts) per layer.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
@@ -21,7 +21,7 @@ MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed
 
 class MiMoV2Flash(SparseMoE, Family):
     model_types = ("mimo_v2_flash",)
-    tiny = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {
+    tiny = Tiny("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {
         "head_dim": 16, "v_head_dim": 8, "attention_value_scale": 0.5, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "sliding_window": 4,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],

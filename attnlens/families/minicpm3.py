@@ -8,6 +8,7 @@ divided by `hidden_size / dim_model_base` before the LM head.
 
 import math
 
+from ..family import Tiny
 from .deepseek_v2 import LatentAttention
 from .youtu import LATENT_TINY
 
@@ -15,7 +16,7 @@ from .youtu import LATENT_TINY
 class MiniCPM3(LatentAttention):
     model_types = ("minicpm3",)
     # scales far from 1, so a family ignoring one fails the identities
-    tiny = ("MiniCPM3Config", "MiniCPM3ForCausalLM", {**LATENT_TINY, "scale_depth": 0.5, "dim_model_base": 16})
+    tiny = Tiny("MiniCPM3Config", "MiniCPM3ForCausalLM", {**LATENT_TINY, "scale_depth": 0.5, "dim_model_base": 16})
 
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_scale

@@ -10,14 +10,14 @@ attention with a per-head exponential decay, computed block by block over a recu
 pattern (see `families/hybrid.py`); the others run the common softmax attention.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.mixers import MixerLayers
 from ..parts.moe import SparseMoE, moe_absent
 
 
 class MiniMax(MixerLayers, SparseMoE, Family):
     model_types = ("minimax",)
-    tiny = ("MiniMaxConfig", "MiniMaxForCausalLM", {
+    tiny = Tiny("MiniMaxConfig", "MiniMaxForCausalLM", {
         "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 4,
         "layer_types": ["full_attention", "linear_attention", "full_attention"],
         "full_attn_alpha_factor": 2.0, "full_attn_beta_factor": 0.5, "linear_attn_alpha_factor": 1.5,

@@ -22,6 +22,7 @@ dense clamped-SwiGLU MLP or a sparse mixture of experts with a shared expert.
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .deepseek_v32 import Indexed
 from .llama import Llama
@@ -38,7 +39,7 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
     # Layer 1 is block-sparse (blocks of 4 keys; 8 blocks kept, so the 18-token test prompt keeps every causal key
     # and the identities hold on the causal mask: tests/families/test_gemma3n_zaya_doge_minimax.py makes the choice
     # bind); layer 0 keeps a dense MLP.
-    tiny = ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {
+    tiny = Tiny("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {
         "head_dim": 16, "rotary_dim": 8, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
         "dense_intermediate_size": 128, "shared_intermediate_size": 32,
         "layer_types": ["full_attention", SPARSE_ATTENTION, "full_attention"],

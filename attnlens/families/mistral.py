@@ -2,12 +2,13 @@
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .llama import Llama
 
 
 class Mistral(Llama):
     model_types = ("mistral",)
-    tiny = ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4})
+    tiny = Tiny("MistralConfig", "MistralForCausalLM", {"sliding_window": 4})
     vllm = replace(
         Llama.vllm,
         model_types=("mistral",),  # vLLM's MistralForCausalLM is its Llama

@@ -13,13 +13,13 @@ not part of that output (transformers records them with a hook on the router); w
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .mistral import Mistral
 
 
 class Mixtral(SparseMoE, Mistral):
     model_types = ("mixtral",)
-    tiny = ("MixtralConfig", "MixtralForCausalLM",
-            {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny("MixtralConfig", "MixtralForCausalLM", {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("MixtralExperts")
     vllm = replace(Mistral.vllm, model_types=("mixtral",), names={"mlp": "block_sparse_moe"})

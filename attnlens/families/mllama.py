@@ -11,13 +11,14 @@ image features, not positions of the sequence), and the residual stream passes i
 (`MllamaForCausalLM`, blocks at `model.layers`).
 """
 
+from ..family import Tiny
 from ..values import ALL_VALUES
 from .llama import Llama
 
 
 class Mllama(Llama):
     model_types = ("mllama", "mllama_text_model")
-    tiny = ("MllamaTextConfig", "MllamaForCausalLM", {"cross_attention_layers": [1]})
+    tiny = Tiny("MllamaTextConfig", "MllamaForCausalLM", {"cross_attention_layers": [1]})
 
     def renames(self, engine="transformers"):
         return {**super().renames(engine), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block

@@ -9,13 +9,13 @@ renamed `self_attn`; the common attention interface, output projection `Wo`), th
 `decoder(lm_head(final_norm_output))`, `lm_head` being a dense layer, activation and norm.
 """
 
-from ..family import Family, MLPArithmetic
+from ..family import Family, MLPArithmetic, Tiny
 from ..parts.sizes import Sizes
 
 
 class ModernBertDecoder(Family):
     model_types = ("modernbert-decoder",)
-    tiny = ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", {
+    tiny = Tiny("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", {
         "num_key_value_heads": None, "sliding_window": 4,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     embed_tokens = "model.embeddings.tok_embeddings"

@@ -9,12 +9,12 @@ halves of `fc1(x)` (viewed as `[batch, seq, 2, ffn_dim // 2]`): `mlp_activation`
 what `fc2` receives.
 """
 
-from ..family import Family, MLPArithmetic
+from ..family import Family, MLPArithmetic, Tiny
 
 
 class Moshi(Family):
     model_types = ("moshi",)
-    tiny = ("MoshiConfig", "MoshiForCausalLM", {
+    tiny = Tiny("MoshiConfig", "MoshiForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "ffn_dim": 128,
         "audio_encoder_config": {"model_type": "mimi", "num_hidden_layers": 1, "hidden_size": 32,
                                  "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
@@ -50,7 +50,7 @@ class MPT(Family):
                     'and is not supported anymore" (vLLM 0.32), and its Transformers backend cannot run it either: '
                     'MptAttention computes attention itself instead of calling transformers\' attention interface',
     )
-    tiny = ("MptConfig", "MptForCausalLM", {"expansion_ratio": 2, "max_seq_len": 128, "num_key_value_heads": None,
+    tiny = Tiny("MptConfig", "MptForCausalLM", {"expansion_ratio": 2, "max_seq_len": 128, "num_key_value_heads": None,
                                             "intermediate_size": None, "max_position_embeddings": None})
     layers = "transformer.blocks"
     embed_tokens = "transformer.wte"

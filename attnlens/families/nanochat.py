@@ -6,13 +6,13 @@ receives it (the second run: the same tensor, sliced to the positions whose logi
 token embedding's output; `layers[0].layer_input` is its normalised form.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleInput
 
 
 class NanoChat(Family):
     model_types = ("nanochat",)
-    tiny = ("NanoChatConfig", "NanoChatForCausalLM", {})
+    tiny = Tiny("NanoChatConfig", "NanoChatForCausalLM", {})
     activation = "activation_fn"
     down_projection = "fc2"
 

@@ -15,7 +15,7 @@ the one), and serves on each block the values its one sublayer has:
 What a block lacks (the MLP on a mixing block, attention on an MLP block) is unavailable with the reason.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleInput, ModuleOutput
 from ..parts.mixers import NO_SOFTMAX
 from ..parts.moe import PER_EXPERT
@@ -33,7 +33,7 @@ KINDS = {
 
 class NemotronH(Family):
     model_types = ("nemotron_h",)
-    tiny = ("NemotronHConfig", "NemotronHForCausalLM", {
+    tiny = Tiny("NemotronHConfig", "NemotronHForCausalLM", {
         "num_hidden_layers": 4, "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1,
         "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,

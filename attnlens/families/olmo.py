@@ -6,6 +6,7 @@ attention function are already clipped (queries and keys then rotated); an edit 
 """
 
 
+from ..family import Tiny
 from ..parts.mirrored import transformers_backend
 from .llama import Llama
 
@@ -14,8 +15,7 @@ class Olmo(Llama):
     model_types = ("olmo",)
     vllm = transformers_backend(("olmo",), fused_activation=True)
     # A clip that binds: with these weights the projections reach well past 1.
-    tiny = ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0})
-    tiny_layouts = {"noclip": {"clip_qkv": None}}
+    tiny = Tiny("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0}, layouts={"noclip": {"clip_qkv": None}})
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

@@ -9,6 +9,7 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 """
 
 
+from ..family import Tiny
 from ..locations import ModuleInput
 from ..parts.mirrored import transformers_backend
 from .llama import Llama
@@ -25,7 +26,7 @@ NO_PRE_NORMS = {
 class Olmo2(Llama):
     model_types = ("olmo2",)
     vllm = transformers_backend(("olmo2",), fused_activation=True)
-    tiny = ("Olmo2Config", "Olmo2ForCausalLM", {})
+    tiny = Tiny("Olmo2Config", "Olmo2ForCausalLM", {})
     attention_norm = None
     mlp_norm = None
     attention_post_norm = "post_attention_layernorm"

@@ -4,6 +4,7 @@ parameters)."""
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .olmo2 import Olmo2
 
 
@@ -13,5 +14,5 @@ class Olmo3(Olmo2):
         Olmo2.vllm,
         model_types=("olmo3",),  # vLLM's Transformers backend
     )
-    tiny = ("Olmo3Config", "Olmo3ForCausalLM", {
+    tiny = Tiny("Olmo3Config", "Olmo3ForCausalLM", {
         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})

@@ -9,14 +9,14 @@ updated by a gated delta rule, with no queries-keys pattern (see `families/hybri
 post-norms where the block has them.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.mixers import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
 
 
 class OlmoHybrid(MixerLayers, Olmo2):
     model_types = ("olmo_hybrid",)
-    tiny = ("OlmoHybridConfig", "OlmoHybridForCausalLM", {
+    tiny = Tiny("OlmoHybridConfig", "OlmoHybridForCausalLM", {
         "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
     # the linear-attention blocks' norms (OLMo 2's attention blocks have neither: its locations drop them)

@@ -9,13 +9,14 @@ vLLM's OLMoE does not clamp: with `clip_qkv` set, its queries, keys and values a
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
 
 class Olmoe(SparseMoE, Llama):
     model_types = ("olmoe",)
-    tiny = ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2})
     absent = moe_absent("OlmoeExperts")
     vllm = replace(
         Llama.vllm,

@@ -15,7 +15,7 @@ view of the split (in-place edits land), and the head outputs a transposed view 
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.sizes import Sizes
 
@@ -40,7 +40,7 @@ def _heads_first(envoy, old, new):
 
 class OpenAIGPT(Family):
     model_types = ("openai-gpt",)
-    tiny = ("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", {
+    tiny = Tiny("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", {
         "n_layer": 3, "n_embd": 64, "n_head": 4, "n_positions": 128, "num_hidden_layers": None, "hidden_size": None,
         "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
         "max_position_embeddings": None})

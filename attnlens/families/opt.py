@@ -19,7 +19,7 @@ scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.
 (`VLLM_QUERIES`): each engine's queries and scale give the same scores.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..parts.mirrored import mirrored
 from ..parts.sizes import Sizes
@@ -72,7 +72,7 @@ def _opt_vllm_locations(family):
 
 class OPT(Family):
     model_types = ("opt",)
-    tiny = ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
+    tiny = Tiny("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None,
                                             "intermediate_size": None})
     layers = "model.decoder.layers"
     embed_tokens = "model.decoder.embed_tokens"

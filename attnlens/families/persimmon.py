@@ -7,15 +7,14 @@ the first `partial_rotary_factor` of each head. The queries and keys are read wh
 them, after both. Every head has its own key and value (no grouping).
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes, same_as
 
 
 class Persimmon(Family):
     model_types = ("persimmon",)
-    tiny = ("PersimmonConfig", "PersimmonForCausalLM", {"num_key_value_heads": None})
-    tiny_layouts = {"no_qk_layernorm": {"qk_layernorm": False}}
+    tiny = Tiny("PersimmonConfig", "PersimmonForCausalLM", {"num_key_value_heads": None}, layouts={"no_qk_layernorm": {"qk_layernorm": False}})
     final_norm = "model.final_layernorm"
     output_projection = "dense"
     activation = "act"

@@ -8,7 +8,7 @@ what the MLP reads. Rotary embedding covers the first `partial_rotary_factor` of
 LayerNorm over each head's queries and keys runs before it. The queries and keys are read after both.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleInput
 from ..parts.mirrored import transformers_backend
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
@@ -17,8 +17,7 @@ from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_no
 class Phi(Family):
     model_types = ("phi",)
     vllm = transformers_backend(("phi",))
-    tiny = ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5})
-    tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}}
+    tiny = Tiny("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, layouts={"qk_layernorm": {"qk_layernorm": True}})
     final_norm = "model.final_layernorm"
     output_projection = "dense"
     activation = "activation_fn"

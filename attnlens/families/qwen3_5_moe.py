@@ -5,13 +5,14 @@ sparse mixture-of-experts MLP (routed experts plus a gated shared expert) on eve
 the same class. No layer has a single activation or neuron tensor (see Qwen3-Next).
 """
 
+from ..family import Tiny
 from .qwen3_next import Qwen3Next
 
 
 class Qwen3_5Moe(Qwen3Next):
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     # layers 0 and 2 linear attention, layer 1 full attention
-    tiny = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
+    tiny = Tiny("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
         "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,

@@ -9,6 +9,7 @@ layer's window.
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .qwen3 import Qwen3
 
@@ -16,8 +17,7 @@ from .qwen3 import Qwen3
 class Qwen3Moe(SparseMoE, Qwen3):
     model_types = ("qwen3_moe",)
     # Layer 0 keeps a dense MLP, so both kinds of layer are tested.
-    tiny = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-            {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    tiny = Tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "mlp_only_layers": [0], "use_sliding_window": True, "sliding_window": 4})
     vllm = replace(Qwen3.vllm, model_types=("qwen3_moe",))
     absent = moe_absent("Qwen3MoeExperts")

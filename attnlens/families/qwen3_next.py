@@ -25,7 +25,7 @@ DeltaNet layers serve their output and what `out_proj` receives, as on eager.
 
 from __future__ import annotations
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Location, ModuleInput, ModuleOutput, Operation, insert_after
 from ..locations.views import per_head, per_head_on_ranks
 from ..locations.vllm import RebuiltPattern, batched
@@ -64,7 +64,7 @@ def _qwen3next_vllm_locations(family):
 
 class Qwen3Next(LinearLayers, SparseMoE, Family):
     model_types = ("qwen3_next",)
-    tiny = ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+    tiny = Tiny("Qwen3NextConfig", "Qwen3NextForCausalLM", {
         "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,

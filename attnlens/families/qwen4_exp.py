@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from ..family import TINY_DEFAULTS
+from ..family import TINY_DEFAULTS, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput
 from ..parts.multimodal import LanguageModelOf
 from .deepseek_v32 import Indexed
@@ -78,7 +78,7 @@ def _flat(envoy, old, new):
 
 class Qwen4ExpText(Indexed, Qwen3Next):
     model_types = ("qwen4_exp_text",)
-    tiny = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", TINY)
+    tiny = Tiny("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", TINY)
     label = "Qwen4-Exp"
     final_norm = "model.hyper_connection_mixer"
     attention_norm = "attn_hyper_connection"
@@ -174,8 +174,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
 class Qwen4Exp(LanguageModelOf, Qwen4ExpText):
     model_types = ("qwen4_exp",)
     final_norm = "model.language_model.hyper_connection_mixer"
-    tiny = ("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration",
-            {"text_config": {"model_type": "qwen4_exp_text", **TINY_DEFAULTS, **TINY},
+    tiny = Tiny("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration", {"text_config": {"model_type": "qwen4_exp_text", **TINY_DEFAULTS, **TINY},
              "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                "out_hidden_size": 64}})
 

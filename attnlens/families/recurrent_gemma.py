@@ -10,14 +10,14 @@ branch, with no queries, keys or pattern (see `families/hybrid.py`). The first b
 logits_soft_cap`, as the caller receives them.
 """
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..parts.mixers import MixerLayers
 from ..parts.sizes import Sizes
 
 
 class RecurrentGemma(MixerLayers, Family):
     model_types = ("recurrent_gemma",)
-    tiny = ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
+    tiny = Tiny("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "block_types": ["recurrent", "attention", "recurrent"]})
     padding_changes_values = "the RG-LRU recurrence and its convolution run over the padding"
     final_norm = "model.final_norm"

@@ -1,9 +1,9 @@
 """Sarvam-MLA: DeepSeek-V3 itself (transformers builds `DeepseekV3ForCausalLM` from its config); nothing differs."""
 
+from ..family import Tiny
 from .deepseek_v3 import DeepseekV3
 
 
 class SarvamMLA(DeepseekV3):
     model_types = ("sarvam_mla",)
-    tiny = ("SarvamMLAConfig", "DeepseekV3ForCausalLM", DeepseekV3.tiny[2])
-    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
+    tiny = Tiny("SarvamMLAConfig", "DeepseekV3ForCausalLM", DeepseekV3.tiny[2])

@@ -11,7 +11,7 @@ vLLM's StableLM implements the sequential block without QK LayerNorm only, passi
 as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' checkpoints when it loads them.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleInput
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 from .granite import unpaired_locations
@@ -23,8 +23,7 @@ def _stablelm_vllm_locations(family):
 
 class StableLm(Family):
     model_types = ("stablelm",)
-    tiny = ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25})
-    tiny_layouts = {"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}}
+    tiny = Tiny("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}, layouts={"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}})
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
     vllm = VLLMLayout(
         locations=_stablelm_vllm_locations,

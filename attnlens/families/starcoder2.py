@@ -7,6 +7,7 @@ dropouts are the identity.
 """
 
 
+from ..family import Tiny
 from ..parts.mirrored import transformers_backend
 from .mistral import Mistral
 
@@ -15,8 +16,7 @@ class Starcoder2(Mistral):
     model_types = ("starcoder2",)
     vllm = transformers_backend(("starcoder2",))
     # Dropouts set so that the identities would catch them acting outside training.
-    tiny = ("Starcoder2Config", "Starcoder2ForCausalLM",
-            {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1})
+    tiny = Tiny("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1})
     activation = "act"
     down_projection = "c_proj"
 

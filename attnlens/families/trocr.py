@@ -11,18 +11,17 @@ the MLP; attnlens does not read it, and there the MLP's input is `encoder_attn_l
 
 import torch
 
-from ..family import Family
+from ..family import Family, Tiny
 from .xglm import XGLM, _folded
 
 
 class TrOCR(XGLM):
     model_types = ("trocr",)
-    tiny = ("TrOCRConfig", "TrOCRForCausalLM", {
+    tiny = Tiny("TrOCRConfig", "TrOCRForCausalLM", {
         "decoder_layers": 3, "d_model": 64, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
         "cross_attention_hidden_size": 64, "num_hidden_layers": None, "hidden_size": None,
         "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
-        "max_position_embeddings": 128})
-    tiny_layouts = {"learned_positions": {"use_learned_position_embeddings": True, "layernorm_embedding": True}}
+        "max_position_embeddings": 128}, layouts={"learned_positions": {"use_learned_position_embeddings": True, "layernorm_embedding": True}})
     padding_changes_values = "positions count from the padded start: TrOCR's position embeddings take no mask"
     layers = "model.decoder.layers"
     embed_tokens = "model.decoder.embed_tokens"

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from ..family import Tiny
 from ..locations import Derived, Operation
 from .biogpt import BioGpt
 
@@ -32,7 +33,7 @@ def _folded(name, anchor, label):
 
 class XGLM(BioGpt):
     model_types = ("xglm",)
-    tiny = ("XGLMConfig", "XGLMForCausalLM", {
+    tiny = Tiny("XGLMConfig", "XGLMForCausalLM", {
         "num_layers": 3, "d_model": 64, "attention_heads": 4, "ffn_dim": 128, "num_hidden_layers": None,
         "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None})
     layers = "model.layers"

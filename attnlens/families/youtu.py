@@ -1,6 +1,7 @@
 """Youtu: DeepSeek-V2's multi-head latent attention (`attnlens.families.deepseek_v2.LatentAttention`) in a block with
 a dense MLP on every layer."""
 
+from ..family import Tiny
 from .deepseek_v2 import LatentAttention
 
 #: The latent sizes every tiny MLA recipe shares (the survey's, DeepSeek-V2's).
@@ -10,4 +11,4 @@ LATENT_TINY = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, 
 
 class Youtu(LatentAttention):
     model_types = ("youtu",)
-    tiny = ("YoutuConfig", "YoutuForCausalLM", LATENT_TINY)
+    tiny = Tiny("YoutuConfig", "YoutuForCausalLM", LATENT_TINY)

@@ -20,7 +20,7 @@ serves on a mixer layer: the mixer's output as `attention_output`, its norm's ou
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, Tiny
 from ..locations import ModuleOutput
 from ..parts.mixers import NO_SOFTMAX
 
@@ -42,9 +42,9 @@ class BoundMLP:
 
 class Zamba(Family):
     model_types = ("zamba",)
-    tiny = ("ZambaConfig", "ZambaForCausalLM", {
+    tiny = Tiny("ZambaConfig", "ZambaForCausalLM", {
         "num_hidden_layers": 5, "mamba_d_state": 8, "mamba_dt_rank": 4, "n_mamba_heads": 2, "attn_layer_period": 2,
-        "attn_layer_offset": 0, "initializer_range": 0.1})  # layers: mamba, mamba, hybrid, hybrid, mamba
+        "attn_layer_offset": 0, "initializer_range": 0.1})
     label = "Zamba"
     final_norm = "model.final_layernorm"
     shared = "shared_transf"

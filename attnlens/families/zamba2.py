@@ -9,19 +9,18 @@ and values are the adapted ones; the MLP (`feed_forward`, renamed `mlp`) always 
 rotated before they enter attention.
 """
 
-from ..family import MLPArithmetic
+from ..family import MLPArithmetic, Tiny
 from .zamba import BoundMLP, Zamba
 
 
 class Zamba2(Zamba):
     model_types = ("zamba2",)
-    tiny = ("Zamba2Config", "Zamba2ForCausalLM", {
+    tiny = Tiny("Zamba2Config", "Zamba2ForCausalLM", {
         "num_hidden_layers": 5, "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid",
                                                       "hybrid"],
         "num_key_value_heads": None,  # the adapters' outputs are attention_hidden_size wide: as many kv heads as heads
         "mamba_d_state": 8, "n_mamba_heads": 4, "num_mem_blocks": 2, "use_shared_attention_adapter": True,
-        "adapter_rank": 8, "use_mem_rope": True, "initializer_range": 0.1})
-    tiny_layouts = {"plain": {"use_shared_attention_adapter": False, "use_mem_rope": False, "num_key_value_heads": 2}}
+        "adapter_rank": 8, "use_mem_rope": True, "initializer_range": 0.1}, layouts={"plain": {"use_shared_attention_adapter": False, "use_mem_rope": False, "num_key_value_heads": 2}})
     label = "Zamba2"
     shared = "shared_transformer"
     attention = "shared_transformer.self_attn"

@@ -23,6 +23,7 @@ MLP whose router carries a state from block to block.
 
 from dataclasses import replace
 
+from ..family import Tiny
 from ..locations import ModuleOutput
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
@@ -31,7 +32,7 @@ from .llama import Llama
 class Zaya(SparseMoE, Llama):
     model_types = ("zaya",)
     vllm = replace(Llama.vllm, model_types=())
-    tiny = ("ZayaConfig", "ZayaForCausalLM", {
+    tiny = Tiny("ZayaConfig", "ZayaForCausalLM", {
         "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
         "router_hidden_size": 32, "sliding_window": 4, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"]})
     absent = moe_absent("ZayaExperts", "; a token routed to the skip class gets nothing from it")
