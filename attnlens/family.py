@@ -13,19 +13,21 @@ families since). A new family subclasses it, states how it differs, and register
 
 from __future__ import annotations
 
-import sys
 import warnings
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
-from .errors import LocationDrift, UnknownFamily
+from .errors import UnknownFamily
 from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
+from .parts.identities import Identities, MLPArithmetic  # noqa: F401  (re-exported: families build MLPArithmetic)
+from .parts.scoring import ScoreFunction
 from .parts.sizes import Sizes
+from .parts.source import Anchored, operation_lines  # noqa: F401  (re-exported for families)
 from .parts.vllm import LEGACY_VLLM, VLLMLayout
-from .values import ALL_VALUES, BY_NAME
+from .values import ALL_VALUES
 
 #: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
 #: its attention implementation), and vLLM's (`StandardizedVLLM`).
@@ -54,16 +56,6 @@ TINY_DEFAULTS = dict(
 )
 
 
-def operation_lines(function: Callable) -> dict[str, str]:
-    """The operations nnsight names inside `function` (decorators peeled), each with its source line."""
-    from nnsight.intervention.source import compiled, decorator_chain
-
-    innermost, _ = decorator_chain(function)
-    code = compiled(innermost)
-    lines = code.source.split("\n")
-    return {name: lines[code.lines[name] - 1].strip() for name in code.names}
-
-
 class Tiny(NamedTuple):
     """A recipe for a small random model of a family: the config and model classes named in `transformers`, config
     keyword arguments (`attnlens.models.tiny` merges `TINY_DEFAULTS` under them), and other layouts worth testing:
@@ -75,26 +67,7 @@ class Tiny(NamedTuple):
     layouts: dict[str, dict] = {}
 
 
-@dataclass(frozen=True)
-class MLPArithmetic:
-    """How an MLP forms its values from its input, step by step, with its own modules (`Family.mlp_arithmetic`):
-
-        mlp_activation = act(activation_input(mlp_input))
-        mlp_neurons    = neurons(mlp_input, mlp_activation)   # what the down projection receives
-        mlp_output     = output(mlp_neurons)                  # the down projection and what follows it (a multiplier)
-
-    Each step is exactly the forward's arithmetic (a norm or a multiplier between two values belongs to the step that
-    crosses it); a step left None is not recomputed, and the identities skip it. `says` spells the three steps for the
-    identities' names."""
-
-    output: Callable[[torch.Tensor], torch.Tensor]
-    activation_input: Callable[[torch.Tensor], torch.Tensor] | None = None
-    act: Callable[[torch.Tensor], torch.Tensor] | None = None
-    neurons: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    says: tuple[str, str, str] = ("gate(mlp input)", "activation * up(mlp input)", "down projection(neurons)")
-
-
-class Family:
+class Family(ScoreFunction, Identities, Anchored):
     """The common transformers decoder layout. Override attributes and methods to describe another."""
 
     #: `config.model_type` values this family serves.
@@ -213,71 +186,6 @@ class Family:
                 renames[name] = standard
         return renames
 
-    def project_output(self, module, premix: torch.Tensor) -> torch.Tensor:
-        """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
-        return getattr(module, self.output_projection)(premix)
-
-    def project_routed_output(self, module, premix: torch.Tensor, attention_input: torch.Tensor | None) -> torch.Tensor:
-        """The attention output from the premix where the output path also depends on what the attention received
-        (`attention_input`, the `attention_norm_output` read in the same forward; None where unread): JetMoE routes
-        each token to its output experts by the attention's input. By default `project_output`, which ignores it."""
-        return self.project_output(module, premix)
-
-    def mlp_forward(self, mlp, mlp_input: torch.Tensor, **arguments) -> torch.Tensor:
-        """The MLP's output from its input, as the forward computes it (the tests' identity): `mlp(mlp_input)`, unless
-        the MLP module takes more than its input (Bloom's and MPT's add the residual themselves)."""
-        out = mlp(mlp_input)
-        return out[0] if isinstance(out, tuple) else out
-
-    def mlp_arithmetic(self, mlp) -> MLPArithmetic:
-        """How `mlp` (what `mlp_module` returns) forms `mlp_activation`, `mlp_neurons` and `mlp_output` from its input
-        (`MLPArithmetic`): what the identities recompute. The common layout's: `down_proj(act_fn(gate_proj(x)) *
-        up_proj(x))` where the MLP has `gate_proj` and `up_proj`; with a fused `gate_up_proj`, only the down projection;
-        otherwise the activation is the neurons. Override where the MLP names its parts otherwise, or normalises or
-        multiplies between them (BitNet's sub-norm, Falcon-H1's multipliers). A step looks its modules up only when it
-        runs (an MoE layer's MLP has none of them)."""
-
-        def down(neurons):
-            return getattr(mlp, self.down_projection)(neurons)
-
-        if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):
-            return MLPArithmetic(down, lambda x: mlp.gate_proj(x), lambda z: getattr(mlp, self.activation)(z),
-                                 lambda x, activation: activation * mlp.up_proj(x))
-        if hasattr(mlp, "gate_up_proj"):  # fused: the first half is the gate (Phi-3's and GLM-4's chunk(2))
-            return MLPArithmetic(down, lambda x: mlp.gate_up_proj(x).chunk(2, dim=-1)[0],
-                                 lambda z: getattr(mlp, self.activation)(z),
-                                 lambda x, activation: activation * mlp.gate_up_proj(x).chunk(2, dim=-1)[1])
-        return MLPArithmetic(down, neurons=lambda x, activation: activation,
-                             says=("", "activation", "down projection(neurons)"))
-
-    def mlp_module(self, block) -> torch.nn.Module:
-        """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
-        MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
-        return getattr(block, self.mlp)
-
-    def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor,
-                     **arguments) -> torch.Tensor:
-        """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (the sublayer's output,
-        after any post-norm) to `stream`: their sum, unless the family scales the update (Granite's
-        `residual_multiplier`) or the residual is several mixed streams (DeepSeek-V4's hyper-connections)."""
-        return stream + update
-
-    #: Arguments of a block's call (name -> position) that `residual_add` and `mlp_forward` also need, where the
-    #: standardized values do not determine the residual or the MLP: none on most families (Gemma 3n's per-layer
-    #: input, Zaya's router state carried from the previous block). `attnlens.checks` reads them from the block's
-    #: inputs in the same trace and passes them to both as keyword arguments.
-    block_arguments: ClassVar[dict[str, int]] = {}
-
-    def residual_read(self, owner, sublayer: str, stream: torch.Tensor) -> torch.Tensor:
-        """What the norm in front of `sublayer` ("attention" or "mlp" of the block `owner`; "final" with the causal LM
-        as `owner`) reads from the residual `stream`: the stream itself, unless several streams are collapsed first."""
-        return stream
-
-    def merge_heads(self, module, heads: torch.Tensor) -> torch.Tensor:
-        """The premix from a prefill's head outputs [batch, seq, heads, head_dim] (times the gate where there is one):
-        the heads concatenated, unless the family transforms each head's output first (DeepSeek-V4 rotates it back)."""
-        return heads.reshape(*heads.shape[:2], -1)
-
     def notes(self, config, layer: int, engine: str = "transformers") -> dict[str, str]:
         """Value name -> what is special about it on this family and layer (shown by `support()`, which adds what
         the value's location says about it on `engine`)."""
@@ -296,11 +204,6 @@ class Family:
             notes["layer_mid"] = f"layer_input + {self.attention_post_norm}(attention_output): a norm follows attention"
         return notes
 
-    def drilled_functions(self, attention_module: torch.nn.Module) -> dict[str, Callable]:
-        """The functions the attention forward's calls run under eager, by call name, for load-time checks."""
-        module = sys.modules[type(attention_module).__module__]
-        return {INTERFACE_CALL: module.eager_attention_forward}
-
     # --- sizes, read off the attention module and its config -----------------------------------------------
 
     #: Where the attention module's sizes are read (`parts.sizes.Sizes`: attribute paths with fallbacks).
@@ -309,119 +212,6 @@ class Family:
     def geometry(self, module) -> HeadGeometry:
         """The heads of the attention `module` (transformers'), read as `sizes` says."""
         return HeadGeometry(**self.sizes.read(module))
-
-    def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
-        """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked
-        against the kernel at load."""
-        return None
-
-    def softcap(self, config, layer: int) -> float | None:
-        """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
-        return None
-
-    def score_bias(self, config, layer: int) -> str | None:
-        """What `layer`'s scores add that the queries and keys cannot give (Inkling's relative-position bias, computed
-        from each query's hidden state), in words, or None (the default): the score function gives the scores. Where
-        there is one, `scores()` leaves it out, patterns are neither rebuilt nor summarised from the queries and keys
-        on that layer, and the identities add `score_bias_value` to the score function."""
-        return None
-
-    def beyond_queries_and_keys(self, config, layer: int) -> str | None:
-        """Why the score function on queries and keys alone does not give `layer`'s pattern (what rebuilt patterns
-        and head summaries compute it from), or None: a sink logit, scores that depend on the values, a score bias."""
-        if self.scores_need_values:
-            return f"the {self.name} family's scores depend on the values ({self.scores_need_values})"
-        if "attention_sinks" in self.locations_for(config, layer):
-            return "the softmax also takes each head's sink logit"
-        bias = self.score_bias(config, layer)
-        if bias is not None:
-            return f"the scores add {bias}, which the queries and keys cannot give"
-        return None
-
-    def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
-        """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
-        (transformers') and the layer's values read in the same forward (`values`, by name): the identities' side."""
-        raise NotImplementedError(f"the {self.name} family declares a score bias but not how to compute it")
-
-    def sliding_window(self, config, layer: int) -> int | None:
-        """How many keys back a query of `layer` sees (itself included) in transformers, or None for full causal
-        attention."""
-        layer_types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        if layer_types is not None:
-            return window if layer_types[layer] == "sliding_attention" else None
-        return window
-
-    def window(self, config, layer: int, engine: str = "transformers") -> int | None:
-        """The sliding window `engine` applies to `layer`."""
-        if engine == "vllm" and self.vllm.window is not None:
-            return self.vllm.window(self, config, layer)
-        return self.sliding_window(config, layer)
-
-    # --- the score function ----------------------------------------------------------------------------------
-
-    #: Why the score function also needs the layer's values (`scores(..., values=)`), or None where the queries and
-    #: keys determine the scores: Doge adds a dynamic mask computed from the values. The identity suite passes them;
-    #: head summaries and patterns rebuilt on sdpa, which read only the queries and keys, refuse such a family.
-    scores_need_values: ClassVar[str | None] = None
-
-    def scores(
-        self,
-        heads: HeadGeometry,
-        config,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        layer: int,
-        key_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The scores entering the softmax, computed the way the family computes them.
-
-        `queries` [batch, num_heads, query, qk_head_dim], `keys` [batch, num_kv_heads, key, qk_head_dim] as read;
-        the queries are the last `query` positions of the keys (a prefill, or decode steps against a cache).
-        `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum. Every
-        tensor made here is made on the queries' device.
-        """
-        keys = self.repeat_kv(keys, queries.shape[1] // keys.shape[1])
-        scores = torch.matmul(queries, keys.transpose(2, 3)) * heads.scale
-        cap = self.softcap(config, layer)
-        if cap is not None:
-            scores = torch.tanh(scores / cap) * cap
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device, engine=heads.engine)
-
-    def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
-        """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's
-        attention pairs them: each key/value head's `groups` query heads in a row (`repeat_interleave`, transformers'
-        `repeat_kv`), unless the family tiles them (JetMoE's `repeat(1, top_k, 1, 1)`)."""
-        return tensor.repeat_interleave(groups, dim=1)
-
-    def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pattern from the scores, in float32 as the eager functions compute it, and each query's sink share
-        where the layer's heads have sink logits (`sinks` [heads]; None without): the softmax over the keys and one
-        sink column, the column dropped (GPT-OSS's eager function), so each row sums to one less the share."""
-        if sinks is None:
-            return scores.softmax(-1, dtype=torch.float32).to(scores.dtype), None
-        column = sinks.to(scores)[None, :, None, None].expand(*scores.shape[:-1], 1)
-        joined = torch.cat([scores, column], dim=-1)
-        joined = joined - joined.max(dim=-1, keepdim=True).values
-        probabilities = joined.softmax(-1, dtype=joined.dtype)
-        return probabilities[..., :-1], probabilities[..., -1]
-
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
-             device=None, engine="transformers") -> torch.Tensor:
-        """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
-        [batch or 1, 1, q, k]."""
-        key_positions = torch.arange(num_keys, device=device)
-        query_positions = key_positions[num_keys - num_queries:, None]
-        visible = key_positions[None, :] <= query_positions
-        window = self.window(config, layer, engine)
-        if window is not None:
-            visible &= query_positions - key_positions[None, :] < window
-        visible = visible[None, None]
-        if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
-        return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), torch.finfo(dtype).min)
 
     # --- what cannot be read, and why --------------------------------------------------------------------------
 
@@ -449,48 +239,6 @@ class Family:
                 reasons[value.name] = self.vllm.unavailable.get(value.name) or \
                     "not read by attnlens's vLLM backend on this family"
         return reasons
-
-    # --- load-time checks ----------------------------------------------------------------------------------------
-
-    def verify(self, model, layer: int, layer_module, attention_module) -> None:
-        """Check every recorded operation of `layer` against the installed transformers; raise `LocationDrift` if one
-        moved."""
-        from transformers import __version__
-
-        scopes = {"attention": attention_module}
-        for name, location in self.locations_for(model.config, layer).items():
-            while hasattr(location, "source") and isinstance(location.source, Location):
-                location = location.source
-            if not isinstance(location, Operation):
-                continue
-            scope = BY_NAME[name].scope if name in BY_NAME else "attention"
-            if scope == "mlp":  # read on the MLP's envoy, so relative to the MLP module
-                scopes.setdefault("mlp", layer_module.get_submodule(self.mlp))
-            host = scopes.get(scope, layer_module)
-            for part in filter(None, location.module.split(".")):
-                host = getattr(host, part)
-            function = type(host).forward
-            where = f"{type(host).__name__}.forward"
-            for depth, op_name in enumerate(location.path):
-                lines = operation_lines(function)
-                if op_name not in lines or location.anchor and depth == len(location.path) - 1 \
-                        and location.anchor not in lines[op_name]:
-                    stem = op_name.rsplit("_", 1)[0]
-                    similar = {n: line for n, line in lines.items() if n.rsplit("_", 1)[0] == stem}
-                    found = "; ".join(f"{n}: `{line}`" for n, line in similar.items()) or "no operation of that name"
-                    expected = f"operation {op_name!r}" + (f" on a line containing {location.anchor!r}"
-                                                           if location.anchor else "")
-                    raise LocationDrift(
-                        f"family {self.name}, value {name}: expected {expected} in {where} "
-                        f"(transformers {__version__}), found {found}. The installed transformers moved this value; "
-                        f"update the family's location (see docs/extending.md)."
-                    )
-                if depth < len(location.path) - 1:
-                    drilled = self.drilled_functions(attention_module)
-                    if op_name not in drilled:
-                        break  # resolved only at run time; the identities in the test suite check it
-                    function = drilled[op_name]
-                    where = f"{getattr(function, '__qualname__', function)}"
 
     #: Why left padding changes this family's values (positions counted from the padded start, a recurrence run over
     #: the padding), or None: batched runs then put only prompts of one length in a forward.

@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 
 from .errors import AttnlensError, LocationDrift
-from .family import INTERFACE_CALL, Family, block_list, operation_lines
+from .family import INTERFACE_CALL, Family, block_list
 from .parts.moe import SparseMoE, moe_absent
+from .parts.source import compiled, operation_lines
 from .values import of_scope
 
 #: Keywords the interface call may pass besides the tensors: none changes what the eager function computes (the
@@ -75,15 +76,6 @@ def _refuse(check: str, detail: str):
 
 
 # --- reading a forward's source ------------------------------------------------------------------------------------
-
-
-def compiled(function: Callable):
-    """The innermost function (decorators peeled) and nnsight's compiled source of it."""
-    from nnsight.intervention.source import compiled as compile_source
-    from nnsight.intervention.source import decorator_chain
-
-    innermost, _ = decorator_chain(function)
-    return innermost, compile_source(innermost)
 
 
 def _forward_tree(function: Callable) -> tuple[Callable, ast.FunctionDef]:

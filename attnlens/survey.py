@@ -357,7 +357,7 @@ def is_causal(model, logits: torch.Tensor) -> bool:
 
 
 def _compiled(function):
-    from .inferred import compiled
+    from .parts.source import compiled
 
     return compiled(function)
 
@@ -388,7 +388,7 @@ def _assignment(lines: dict[str, str], anchor: str) -> str | None:
 def eager_operations(function) -> dict:
     """Where the eager function holds the masked scores and the pattern after dropout (by the common layout's
     anchors), and what else it does: sinks, soft-capping."""
-    from .family import operation_lines
+    from .parts.source import operation_lines
 
     lines = operation_lines(function)
     source = _compiled(function)[1].source

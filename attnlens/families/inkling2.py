@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import Family, INTERFACE_CALL, Tiny
+from ..family import INTERFACE_CALL, Family, Tiny
 from ..locations import Derived, Location, ModuleInput, Operation, _replace_item, child
 from ..locations.views import per_head
 from ..parts.moe import PER_EXPERT, SparseMoE

@@ -21,7 +21,7 @@ head_dim]` (a view). `attention_output` is `reduce`'s result: the gate-weighted 
 projections plus the bias (`project_routed_output` reroutes the attention's input to check it).
 """
 
-from ..family import Family, INTERFACE_CALL, Tiny
+from ..family import INTERFACE_CALL, Family, Tiny
 from ..locations import Derived, ModuleOutput, Operation
 from ..parts.moe import PER_EXPERT, SparseMoE
 

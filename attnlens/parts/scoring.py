@@ -1,0 +1,125 @@
+"""The score function: how a family turns queries and keys into the scores entering the softmax, and the pattern
+(scale, grouped heads, soft-cap, causal mask and sliding window, ALiBi, sinks, a score bias). `Family` inherits these
+defaults (the common layout's eager function); a family overrides the steps it computes otherwise. The same code serves
+the identities, patterns rebuilt on sdpa and on vLLM, head summaries and the docs; `HeadGeometry.engine` says whose
+kernel it stands for where the engines differ (a window one wider, ALiBi added once)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..geometry import HeadGeometry
+
+
+class ScoreFunction:
+    """Mixin of `Family`: the score function and its parts."""
+
+    def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
+        """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked
+        against the kernel at load."""
+        return None
+
+    def softcap(self, config, layer: int) -> float | None:
+        """The score soft-cap (`tanh(s / c) * c`) applied before the mask, or None."""
+        return None
+
+    def score_bias(self, config, layer: int) -> str | None:
+        """What `layer`'s scores add that the queries and keys cannot give (Inkling's relative-position bias, computed
+        from each query's hidden state), in words, or None (the default): the score function gives the scores. Where
+        there is one, `scores()` leaves it out, patterns are neither rebuilt nor summarised from the queries and keys
+        on that layer, and the identities add `score_bias_value` to the score function."""
+        return None
+
+    def beyond_queries_and_keys(self, config, layer: int) -> str | None:
+        """Why the score function on queries and keys alone does not give `layer`'s pattern (what rebuilt patterns
+        and head summaries compute it from), or None: a sink logit, scores that depend on the values, a score bias."""
+        if self.scores_need_values:
+            return f"the {self.name} family's scores depend on the values ({self.scores_need_values})"
+        if "attention_sinks" in self.locations_for(config, layer):
+            return "the softmax also takes each head's sink logit"
+        bias = self.score_bias(config, layer)
+        if bias is not None:
+            return f"the scores add {bias}, which the queries and keys cannot give"
+        return None
+
+    def sliding_window(self, config, layer: int) -> int | None:
+        """How many keys back a query of `layer` sees (itself included) in transformers, or None for full causal
+        attention."""
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            return window if layer_types[layer] == "sliding_attention" else None
+        return window
+
+    def window(self, config, layer: int, engine: str = "transformers") -> int | None:
+        """The sliding window `engine` applies to `layer`."""
+        if engine == "vllm" and self.vllm.window is not None:
+            return self.vllm.window(self, config, layer)
+        return self.sliding_window(config, layer)
+
+    # --- the score function ----------------------------------------------------------------------------------
+
+    #: Why the score function also needs the layer's values (`scores(..., values=)`), or None where the queries and
+    #: keys determine the scores: Doge adds a dynamic mask computed from the values. The identity suite passes them;
+    #: head summaries and patterns rebuilt on sdpa, which read only the queries and keys, refuse such a family.
+    scores_need_values: ClassVar[str | None] = None
+
+    def scores(
+        self,
+        heads: HeadGeometry,
+        config,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        layer: int,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scores entering the softmax, computed the way the family computes them.
+
+        `queries` [batch, num_heads, query, qk_head_dim], `keys` [batch, num_kv_heads, key, qk_head_dim] as read;
+        the queries are the last `query` positions of the keys (a prefill, or decode steps against a cache).
+        `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum. Every
+        tensor made here is made on the queries' device.
+        """
+        keys = self.repeat_kv(keys, queries.shape[1] // keys.shape[1])
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * heads.scale
+        cap = self.softcap(config, layer)
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
+                                  scores.device, engine=heads.engine)
+
+    def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's
+        attention pairs them: each key/value head's `groups` query heads in a row (`repeat_interleave`, transformers'
+        `repeat_kv`), unless the family tiles them (JetMoE's `repeat(1, top_k, 1, 1)`)."""
+        return tensor.repeat_interleave(groups, dim=1)
+
+    def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pattern from the scores, in float32 as the eager functions compute it, and each query's sink share
+        where the layer's heads have sink logits (`sinks` [heads]; None without): the softmax over the keys and one
+        sink column, the column dropped (GPT-OSS's eager function), so each row sums to one less the share."""
+        if sinks is None:
+            return scores.softmax(-1, dtype=torch.float32).to(scores.dtype), None
+        column = sinks.to(scores)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        joined = torch.cat([scores, column], dim=-1)
+        joined = joined - joined.max(dim=-1, keepdim=True).values
+        probabilities = joined.softmax(-1, dtype=joined.dtype)
+        return probabilities[..., :-1], probabilities[..., -1]
+
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
+             device=None, engine="transformers") -> torch.Tensor:
+        """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
+        [batch or 1, 1, q, k]."""
+        key_positions = torch.arange(num_keys, device=device)
+        query_positions = key_positions[num_keys - num_queries:, None]
+        visible = key_positions[None, :] <= query_positions
+        window = self.window(config, layer, engine)
+        if window is not None:
+            visible &= query_positions - key_positions[None, :] < window
+        visible = visible[None, None]
+        if key_mask is not None:
+            visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
+        return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), torch.finfo(dtype).min)
