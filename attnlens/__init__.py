@@ -18,6 +18,8 @@ from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .parts.fused import FusedQKV
+from .parts.sizes import Sizes
+from .parts.vllm import VLLMLayout
 from .plot import plot
 from .registry import family_for, register, registered
 from .show import View, show
@@ -37,8 +39,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ALL_VALUES", "AttnlensError", "Derived", "EditError", "Family", "HeadGeometry", "InferredFamilyWarning",
-    "Location", "LocationDrift", "MLPArithmetic", "Tiny", "ModuleInput", "ModuleOutput", "Operation", "OutputField",
-    "OrderError",
+    "Location", "LocationDrift", "MLPArithmetic", "ModuleInput", "ModuleOutput", "Operation", "OutputField",
+    "OrderError", "Sizes", "Tiny", "VLLMLayout",
     "StandardizedTransformer", "Support", "Unavailable", "UnknownFamily", "UnknownFamilyWarning", "Value", "family_for",
     "keep_masked", "masked", "models", "register", "registered",
     # capture (attnlens/capture/)

@@ -14,7 +14,7 @@ families since). A new family subclasses it, states how it differs, and register
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
@@ -24,7 +24,7 @@ from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .parts.identities import Identities, MLPArithmetic  # noqa: F401  (re-exported: families build MLPArithmetic)
 from .parts.scoring import ScoreFunction
-from .parts.sizes import Sizes
+from .parts.sizes import FamilyMethod, Sizes
 from .parts.source import Anchored, operation_lines  # noqa: F401  (re-exported for families)
 from .parts.vllm import LEGACY_VLLM, VLLMLayout
 from .values import ALL_VALUES
@@ -211,7 +211,7 @@ class Family(ScoreFunction, Identities, Anchored):
 
     def geometry(self, module) -> HeadGeometry:
         """The heads of the attention `module` (transformers'), read as `sizes` says."""
-        return HeadGeometry(**self.sizes.read(module))
+        return HeadGeometry(**self.sizes.read(module, self))
 
     # --- what cannot be read, and why --------------------------------------------------------------------------
 
@@ -255,6 +255,9 @@ class Family(ScoreFunction, Identities, Anchored):
             # attnlens 0.1's spelling: a plain (config, model, kwargs) tuple, and `tiny_layouts` beside it
             recipe = cls.tiny
             cls.tiny = None if recipe is None else Tiny(*recipe[:3], layouts=vars(cls).get("tiny_layouts", {}))
+        methods = [size.name for size in fields(Sizes) if size.name in vars(cls)]
+        if methods:  # attnlens 0.1's spelling: a method per size
+            cls.sizes = replace(cls.sizes, **{name: (FamilyMethod(name),) for name in methods})
         legacy = {field: vars(cls)[f"vllm_{field}"] for field in LEGACY_VLLM if f"vllm_{field}" in vars(cls)}
         if legacy:  # the spelling of attnlens 0.1 (eleven vllm_* members): folded into the one value
             warnings.warn(f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "

@@ -13,7 +13,15 @@ from dataclasses import dataclass, fields
 from functools import reduce
 from typing import Any, Callable, Union
 
-Entry = Union[str, float, Callable[[Any, dict], Any]]
+Entry = Union[str, float, Callable[[Any, dict], Any], "FamilyMethod"]
+
+
+@dataclass(frozen=True)
+class FamilyMethod:
+    """An entry read by a method of the family, `family.<name>(module)`: attnlens 0.1's spelling of sizes (one method
+    per size), which `Family` still folds into its `sizes`."""
+
+    name: str
 
 
 def same_as(size: str) -> Callable[[Any, dict], Any]:
@@ -29,13 +37,14 @@ class Sizes:
     qk_head_dim: tuple[Entry, ...] = (same_as("head_dim"),)  #: one head's queries and keys
     scale: tuple[Entry, ...] = ("scaling",)  #: the factor the scores are multiplied by
 
-    def read(self, module: Any) -> dict[str, Any]:
-        """Every size of the attention `module`, by name."""
+    def read(self, module: Any, family: Any = None) -> dict[str, Any]:
+        """Every size of the attention `module`, by name (`family` answers `FamilyMethod` entries)."""
         found: dict[str, Any] = {}
         for size in fields(self):
             entries = getattr(self, size.name)
             for entry in entries if isinstance(entries, tuple) else (entries,):
-                value = _value(entry, module, found)
+                value = getattr(family, entry.name)(module) if isinstance(entry, FamilyMethod) else \
+                    _value(entry, module, found)
                 if value is not None:
                     found[size.name] = value
                     break
