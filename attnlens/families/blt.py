@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from ..family import Family, Tiny
 from ..locations import ModuleOutput
+from ..locations.views import snapshot
 from ..parts.sizes import Sizes
-from .git import copied
 
 STREAM = ("the local decoder's blocks (bytes); layer 0's input is the local encoder's output plus the cross-attention "
           "from the global transformer's patches. The patcher's, the local encoder's and the global transformer's "
@@ -43,7 +43,7 @@ class Blt(Family):
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def locations(self):
-        return {**super().locations(), "embeddings": copied(
+        return {**super().locations(), "embeddings": snapshot(
             ModuleOutput(self.embed_tokens), "compute_hash_embeddings adds the hashed n-gram embeddings into "
             "embed_tokens' output in place, so attnlens hands out a copy taken before those adds")}
 

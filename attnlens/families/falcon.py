@@ -36,6 +36,7 @@ import torch
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations.views import snapshot
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
@@ -55,14 +56,6 @@ def _first_of_group(envoy, broadcast):
 
 def _rebroadcast(envoy, old, new):
     return new.repeat_interleave(_groups(envoy), dim=1)
-
-
-def _snapshot(envoy, output):
-    return output.clone()
-
-
-def _replace(envoy, old, new):
-    return new.clone()
 
 
 def _merged_heads(envoy, flat):
@@ -216,8 +209,7 @@ class Falcon(Family):
             middle = {"layer_mid": ModuleInput(mlp_norm), "mlp_norm_output": ModuleOutput(mlp_norm)}
         else:
             # the block adds the attention output to the MLP's output in place: snapshot it
-            mlp_output = Derived(ModuleOutput(), _snapshot, _replace, "mlp_output", in_place=False,
-                                 why_not="it is a snapshot: the block adds the attention output to the MLP's output "
+            mlp_output = snapshot(ModuleOutput(), label="mlp_output", why="it is a snapshot: the block adds the attention output to the MLP's output "
                                          "in place right after, so the live tensor is not the MLP's output")
             if mlp_norm == attention_norm:  # one shared norm: read as the MLP receives it (as Phi does)
                 middle = {"mlp_norm_output": ModuleInput(self.mlp)}

@@ -17,25 +17,12 @@ from __future__ import annotations
 
 from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations.views import snapshot
 from ..parts.sizes import Sizes
 
 POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
 TEXT_ONLY = ("on token ids alone: causal over the text. With pixel_values GIT prepends the image's tokens, which "
              "attend each other both ways; attnlens's mask and positions describe token ids only")
-
-
-def _copy(envoy, tensor):
-    return tensor.clone()
-
-
-def _replace(envoy, old, new):
-    return new
-
-
-def copied(location, why: str) -> Derived:
-    """`location`'s value as a copy taken when it is produced, for a tensor the forward then adds into in place
-    (`why`); assigning it still replaces it."""
-    return Derived(location, _copy, _replace, "copy", in_place=False, why_not=why)
 
 
 def _keys(envoy, transposed):
@@ -84,7 +71,7 @@ class Git(Family):
         inner = dict(module="self")
         return {
             # GitEmbeddings adds the position embeddings into word_embeddings' output in place: served as a copy
-            "embeddings": copied(ModuleOutput(self.embed_tokens),
+            "embeddings": snapshot(ModuleOutput(self.embed_tokens),
                                  "GitEmbeddings adds the position embeddings into word_embeddings' output in place, "
                                  "so attnlens hands out a copy taken before that add"),
             "layer_input": ModuleInput(),

@@ -15,30 +15,14 @@ norms), so the residual values are module inputs and outputs there; it multiplie
 from dataclasses import replace
 
 from ..family import Tiny
-from ..locations import Derived, ModuleInput, ModuleOutput
-from ..locations.vllm import batched
+from ..locations import Derived, ModuleOutput
+from ..locations.views import copy_with_batch, drop_batch
+from ..parts.vllm import unpaired_locations
 from .llama import Llama
 
 
-def _copy(envoy, value):
-    return value[None].clone()
-
-
-def _drop_batch(envoy, old, new):
-    return new[0]
-
-
-def unpaired_locations(family, locations):
-    """vLLM locations for blocks that pass the residual stream as one tensor, not vLLM's `(hidden, residual)` pair
-    (Granite, StableLM): the residual values are the modules' own inputs and outputs, with a batch axis of one.
-    `layer_input` stays the pair's reader, which reads the hidden state alone where no residual is passed."""
-    return {**locations, "attention_output": batched(ModuleOutput()),
-            "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
-            "layer_output": batched(ModuleOutput("", 0)), "final_norm_output": batched(ModuleOutput(family.final_norm))}
-
-
 def _granite_vllm_locations(family):
-    embeddings = Derived(ModuleOutput(family.embed_tokens), _copy, _drop_batch, in_place=False,
+    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
                          note="a copy: vLLM then multiplies this tensor by embedding_multiplier in place; assign "
                               "it to edit",
                          why_not="it is a copy (vLLM multiplies the tensor by embedding_multiplier in place)")

@@ -14,7 +14,7 @@ as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleInput
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
-from .granite import unpaired_locations
+from ..parts.vllm import unpaired_locations
 
 
 def _stablelm_vllm_locations(family):

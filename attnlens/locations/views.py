@@ -48,6 +48,20 @@ def rank_heads(envoy, old, new):
     return local_heads(new, _heads(envoy).num_heads, 2)[0].flatten(-2)
 
 
+def _clone(envoy, value):
+    return value.clone()
+
+
+def _new(envoy, old, new):
+    return new.clone()
+
+
+def snapshot(source: Location, why: str, label: str = "") -> Derived:
+    """`source`'s value as a copy taken when it is produced, for a tensor the forward then changes in place (`why`);
+    assigning it still replaces it."""
+    return Derived(source, _clone, _new, label, in_place=False, why_not=why)
+
+
 def per_head(source: Location, **options) -> Derived:
     """`source`'s flat heads `[..., heads * head_dim]` split, a view (assignments merge them back)."""
     return Derived(source, split_heads, merge_heads, **options)

@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..locations import Location, ModuleInput, ModuleOutput
+from ..locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
 
 
 def common_vllm_locations(family: Any) -> dict[str, Location]:
     """Value name -> location in vLLM's implementation of the common layout (vLLM's Llama), in forward order."""
-    from ..locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
-
     kernel, path = family.vllm.kernel, lambda role: family.path(role, "vllm")
     return {
         "embeddings": ResidualPair(f"{path('layers')}.0", "input", first=1),  # (positions, hidden, residual)
@@ -94,3 +93,13 @@ class VLLMLayout:
 #: attnlens 0.1's `vllm_*` class attributes -> the `VLLMLayout` field each became.
 LEGACY_VLLM = {"model_types": "model_types", "names": "names", "refusal": "refusal", "kernel": "kernel",
                "tiny": "tiny", "dtype": "dtype", "tolerance": "tolerance", "absent": "unavailable"}
+
+
+def unpaired_locations(family, locations):
+    """vLLM locations for blocks that pass the residual stream as one tensor, not vLLM's `(hidden, residual)` pair
+    (Granite, StableLM): the residual values are the modules' own inputs and outputs, with a batch axis of one.
+    `layer_input` stays the pair's reader, which reads the hidden state alone where no residual is passed."""
+    return {**locations, "attention_output": batched(ModuleOutput()),
+            "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
+            "layer_output": batched(ModuleOutput("", 0)),
+            "final_norm_output": batched(ModuleOutput(family.final_norm))}
