@@ -28,8 +28,8 @@ FLAT = ("read on the block's flattened tokens (batch * seq rows) and viewed back
         "in-place edits land)")
 VLLM_QUERIES = ("not pre-scaled: vLLM's kernel receives q_proj(x) and applies head_dim ** -0.5 itself, so attn.scale "
                 "is that factor here, where on eager the queries carry it and attn.scale is 1.0: these are the "
-                "transformers engine's attention_queries divided by head_dim ** -0.5, and queries @ keys^T * attn.scale are the "
-                "same scores on both engines")
+                "transformers engine's attention_queries divided by head_dim ** -0.5, and queries @ keys^T * "
+                "attn.scale are the same scores on both engines")
 POST_NORM = ("OPT with do_layer_norm_before=False normalises after each sublayer, not before it: {what}; attnlens does "
              "not serve it on this layout")
 
