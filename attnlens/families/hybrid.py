@@ -60,7 +60,8 @@ class MixerLayers:
     def unavailable(self, config, layer, engine="eager"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
-            what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({self.mixer}, read as self_attn), not "
+            read_as = ", read as self_attn" if self.mixer_renamed else ""
+            what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({self.mixer}{read_as}), not "
                     f"softmax attention: it forms no queries, keys or pattern")
             for name in NO_SOFTMAX:
                 reasons[name] = what
