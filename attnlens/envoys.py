@@ -11,9 +11,13 @@ import functools
 
 from nnsight.intervention.envoy import Envoy
 
+from .errors import LocationDrift
 from .geometry import HeadGeometry
 from .locations import context
 from .values import ALL_VALUES, HOSTS, Value, closest
+
+#: The standardized sublayers of a block: the envoy name and the scope of the values it carries.
+SUBLAYERS = {"self_attn": "attention", "mlp": "mlp"}
 
 
 def value_property(value: Value) -> property:
@@ -44,15 +48,18 @@ class Helpful:
         try:
             return super().__getattr__(name)
         except AttributeError as error:
-            if name.startswith("_"):
-                raise
-            hint = closest(name)
-            misplaced = next((v for v in ALL_VALUES if v.name == name and v.scope != self.scope), None)
-            if misplaced is not None:
-                hint = f" {name} is read on {HOSTS[misplaced.scope]}, not on {HOSTS[self.scope]}."
+            hint = "" if name.startswith("_") else self._hint(name)
             if not hint:
                 raise
             raise AttributeError(f"{error}.{hint}") from None
+
+    def _hint(self, name: str) -> str:
+        if name in SUBLAYERS:
+            return f" {name} is a block's sublayer: model.layers[i].{name}."
+        misplaced = next((v for v in ALL_VALUES if v.name == name and v.scope != self.scope), None)
+        if misplaced is not None:
+            return f" {name} is read on {HOSTS[misplaced.scope]}, not on {HOSTS[self.scope]}."
+        return closest(name)
 
 
 class LayersEnvoy(Envoy):
@@ -65,9 +72,55 @@ class LayersEnvoy(Envoy):
 
 
 class LayerEnvoy(Helpful, Envoy):
-    """`model.layers[i]`: the block's residual-stream values."""
+    """`model.layers[i]`: the block's residual-stream values, and its `self_attn` and `mlp`, always there."""
 
     scope = "layer"
+
+    def __getattr__(self, name: str):
+        if name not in SUBLAYERS:
+            return super().__getattr__(name)
+        try:
+            found = Envoy.__getattr__(self, name)
+        except AttributeError:
+            found = None
+        # No module of that name (a BERT block's `attention`, a block without an MLP), or None in its place (a
+        # hybrid's Mamba layer): the values are still asked for here, and each raises the reason support() gives.
+        return found if isinstance(found, Envoy) else ABSENT[name](self, name)
+
+
+class AbsentSublayer(Helpful):
+    """`layers[i].self_attn` or `layers[i].mlp` where the block has no such module: reading or writing any of its
+    values raises `attnlens.Unavailable` with the reason `support()` gives, on either engine; nothing else is on it."""
+
+    _module = None  # what callers that look for the module (the load-time checks, the identities) see
+
+    def __init__(self, block: Envoy, name: str):
+        self.interleaver, self.path, self.name = block.interleaver, f"{block.path}.{name}", name
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        access = self.interleaver.attnlens
+        raise AttributeError(f"layers[{access.layer_of(self)}] of {access.where} has no {self.name} module, so it has "
+                             f"no {name!r}; its standardized values raise attnlens.Unavailable (see model.support())."
+                             f"{self._hint(name)}")
+
+    def __repr__(self) -> str:
+        return f"<no {self.name} module at {self.path}>"
+
+
+def absent_property(value: Value) -> property:
+    """A value of a sublayer the block lacks: the reason support() gives, or, where support() serves it, the family's
+    module names are wrong."""
+
+    def refuse(envoy, *_):
+        access = envoy.interleaver.attnlens
+        layer = access.layer_of(envoy)
+        access.location(value.name, layer)  # raises Unavailable with the reason, where there is one
+        raise LocationDrift(f"layers[{layer}].{value.key} is served on {access.where}, but block {layer} has no "
+                            f"module {envoy.name}: the family's module names (attention, mlp) do not match the model")
+
+    return property(refuse, refuse, doc=f"{value.meaning} [{value.layout}]")
 
 
 class AttentionEnvoy(Helpful, Envoy):
@@ -98,6 +151,11 @@ for _value in ALL_VALUES:
     _host = {"layer": LayerEnvoy, "attention": AttentionEnvoy, "mlp": MLPEnvoy}.get(_value.scope)
     if _host is not None:
         setattr(_host, _value.name, value_property(_value))
+
+#: The stand-in for each sublayer a block lacks, with the values of its scope.
+ABSENT = {name: type(f"Absent{scope.capitalize()}", (AbsentSublayer,), {
+    "scope": scope, **{value.name: absent_property(value) for value in ALL_VALUES if value.scope == scope}})
+    for name, scope in SUBLAYERS.items()}
 
 
 def adopt_hosts(model) -> None:

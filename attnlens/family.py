@@ -37,7 +37,7 @@ ENGINES = ("transformers", "vllm")
 def engine_named(engine: str) -> str:
     """`engine` as one of ENGINES; "eager", attnlens 0.1's name for the transformers engine (whatever its attention
     implementation, sdpa included, hence the rename), is still accepted."""
-    if engine == "eager":
+    if engine == "transformers":
         warnings.warn('the engine "eager" is now called "transformers"', DeprecationWarning, stacklevel=3)
         return "transformers"
     if engine not in ENGINES:
@@ -300,27 +300,40 @@ class UnknownLayout(Family):
             raise UnknownFamily(f"attnlens has no family for model type {self.model_type!r} and found no list of "
                                 f"{depth or 'several'} blocks in it; add the family (docs/extending.md)")
         self.depth_given = depth is not None
-        self.embed_tokens = names.get(id(model.get_input_embeddings()))
+        embeddings = model.get_input_embeddings()
+        self.embed_tokens = names.get(id(embeddings))
+        #: Why the input embeddings have no one output (None: they have): a container the forward never calls.
+        self.embeddings_not_run = None
+        if self.embed_tokens and type(embeddings).forward is torch.nn.Module.forward:
+            self.embeddings_not_run = (
+                f"the input embeddings ({self.embed_tokens}) are a {type(embeddings).__name__} of "
+                f"{len(list(embeddings.children()))} modules that never runs as one module (the forward calls each "
+                f"and combines their outputs), so there is no one output to read; read layers[0].layer_input")
         #: Why the blocks may not run once each per forward (None: they do, or nothing says otherwise).
         self.blocks_not_once: str | None = None
         #: What kind of model it is where it is no plain decoder with attention (an encoder, attention-free), or None.
         self.kind: str | None = None
+        #: Value name -> how its tensor's layout differs from docs/values.md here (seen on one forward at load).
+        self.layouts: dict[str, str] = {}
 
     @property
     def name(self) -> str:
         return f"unknown ({self.model_type})"
 
     def locations(self):
-        found = {"embeddings": ModuleOutput(self.embed_tokens)} if self.embed_tokens else {}
+        served = self.embed_tokens and not self.embeddings_not_run
+        found = {"embeddings": ModuleOutput(self.embed_tokens)} if served else {}
         if self.blocks_not_once is None:
             found.update(layer_input=ModuleInput(), layer_output=ModuleOutput("", 0))
         return {**found, "logits": OutputField("logits")}
 
     def notes(self, config, layer, engine="transformers"):
-        if self.depth_given:
-            return {}
-        return {"layer_input": f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the "
-                               f"first list of blocks of one class"}
+        notes = dict(self.layouts)
+        if not self.depth_given:
+            blocks = (f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the first "
+                      f"list of blocks of one class")
+            notes["layer_input"] = "; ".join(filter(None, (blocks, notes.get("layer_input"))))
+        return notes
 
     def unavailable(self, config, layer, engine="transformers"):
         reason = (f"attnlens has no family for model type {self.model_type!r}"
@@ -328,7 +341,9 @@ class UnknownLayout(Family):
                   + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
                   + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)")
         blocks = dict.fromkeys(("layer_input", "layer_output"), self.blocks_not_once) if self.blocks_not_once else {}
-        return {**{value.name: reason for value in ALL_VALUES if value.name not in self.locations()}, **blocks}
+        embeddings = {"embeddings": self.embeddings_not_run} if self.embeddings_not_run else {}
+        return {**{value.name: reason for value in ALL_VALUES if value.name not in self.locations()}, **blocks,
+                **embeddings}
 
     def verify(self, model, layer, layer_module, attention_module):
         pass

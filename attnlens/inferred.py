@@ -23,7 +23,7 @@ from .errors import AttnlensError, LocationDrift
 from .family import INTERFACE_CALL, Family, block_list
 from .parts.moe import SparseMoE, moe_absent
 from .parts.source import compiled, operation_lines
-from .values import of_scope
+from .values import BY_NAME, of_scope
 
 #: Keywords the interface call may pass besides the tensors: none changes what the eager function computes (the
 #: mask carries the window; position ids only mark packed sequences for flash attention).
@@ -105,10 +105,15 @@ def blocks_run_once(model: torch.nn.Module, layers: str) -> str | None:
             f"forward, or out of order, so it has no one input and output")
 
 
+#: Module names of a decoder's cross-attention (what reads an encoder's output).
+CROSS_ATTENTION = ("encoder_attn", "cross_attn", "cross_attention", "crossattention")
+
+
 def not_a_plain_decoder(model: torch.nn.Module) -> str | None:
     """What kind of model this is where it is not a decoder of token ids with attention (None: it may be one)."""
     config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    cross = next((name for name, _ in model.named_modules() if name.rpartition(".")[2] in CROSS_ATTENTION), None)
+    if getattr(config, "is_encoder_decoder", False) or cross:  # MusicGen's decoder runs alone, with its own config
         return ("the decoder of an encoder-decoder model: its cross-attention reads the encoder's output, which token "
                 "ids alone do not give")
     if any(flag in config.to_dict() for flag in ("is_decoder", "causal")):
@@ -119,6 +124,77 @@ def not_a_plain_decoder(model: torch.nn.Module) -> str | None:
         return "attention-free: no module of it is an attention module (a state-space or recurrent mixer), so there " \
                "are no queries, keys or pattern"
     return None
+
+
+#: The forwards `layouts` looks at: 2 prompts of 5 token ids, then of 7 (sizes no tiny model's hidden size or head
+#: count takes); two lengths tell positions added to the prompt's from streams stacked along it.
+LAYOUT_PROMPTS, LAYOUT_TOKENS = 2, (5, 7)
+
+
+def layouts(model: torch.nn.Module, family) -> dict[str, str]:
+    """Value name -> how its tensor differs from the `[batch, seq, ...]` of docs/values.md, for the values an
+    `UnknownLayout` serves, seen on two small forwards at load (none where all agree). A model attnlens does not know
+    may run its blocks sequence-first (XLNet), add positions of its own (CPM-Ant's prompt) or stack several streams
+    along the sequence (ProphetNet's n-gram streams)."""
+    served = family.locations()
+    seen: dict[str, list[tuple[int, ...]]] = {}  # this forward's shapes (one per block for the block values)
+
+    def keep(name, value):
+        value = value[0] if isinstance(value, (tuple, list)) and value else value
+        if isinstance(value, torch.Tensor):
+            seen.setdefault(name, []).append(tuple(value.shape))
+
+    handles = []
+    if "embeddings" in served:
+        embeddings = model.get_submodule(family.embed_tokens)
+        handles.append(embeddings.register_forward_hook(lambda module, args, output: keep("embeddings", output)))
+    if "layer_input" in served:
+        for block in model.get_submodule(family.layers):  # as ModuleInput reads: the first argument, else keyword
+            handles.append(block.register_forward_pre_hook(
+                lambda module, args, kwargs: keep("layer_input", args[0] if args else next(iter(kwargs.values()),
+                                                                                            None)), with_kwargs=True))
+            handles.append(block.register_forward_hook(lambda module, args, output: keep("layer_output", output)))
+    vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None) or 16
+    forward = f"a forward of {LAYOUT_PROMPTS} prompts of {LAYOUT_TOKENS[0]} tokens"
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    try:
+        for length in LAYOUT_TOKENS:
+            seen.clear()
+            tokens = torch.arange(LAYOUT_PROMPTS * length).view(LAYOUT_PROMPTS, length) % max(vocab - 3, 1) + 3
+            with torch.no_grad():
+                keep("logits", getattr(model(input_ids=tokens.to(model.device)), "logits", None))
+            for name, kept in seen.items():  # the first block laid out otherwise, else the first
+                odd = (shape for shape in kept if len(shape) != len(BY_NAME[name].axes)
+                       or shape[:2] != (LAYOUT_PROMPTS, length))
+                shapes.setdefault(name, []).append(next(odd, kept[0]))
+    except Exception as error:  # noqa: BLE001  (a model that needs more than token ids: say it was not compared)
+        return {name: f"its layout was not compared with docs/values.md: {forward} failed at load "
+                      f"({type(error).__name__})" for name in served}
+    finally:
+        for handle in handles:
+            handle.remove()
+    found = {}
+    for name, (short, long) in ((name, pair) for name, pair in shapes.items() if len(pair) == 2):
+        axes = BY_NAME[name].axes
+        documented, given = f"[{', '.join(axes)}]", f"{forward} gives {list(short)} at load"
+        if len(short) == len(axes) == len(long) and short[0] == long[0] == LAYOUT_PROMPTS:
+            (prompt, longer), (seq, longer_seq) = LAYOUT_TOKENS, (short[1], long[1])
+            if (seq, longer_seq) == (prompt, longer):
+                continue
+            if seq * longer == longer_seq * prompt and seq % prompt == 0:  # the same multiple of both prompts
+                found[name] = (f"its seq axis holds {seq // prompt} streams of the prompt's positions, stacked, "
+                               f"not {documented}'s one ({given})")
+                continue
+            if seq - prompt == longer_seq - longer > 0:  # the same number of positions beyond both prompts
+                found[name] = (f"its seq axis holds {seq - prompt} positions of the model's own besides the "
+                               f"prompt's, not {documented}'s prompt alone ({given})")
+                continue
+        if len(short) == len(axes) and short[:2] == (LAYOUT_TOKENS[0], LAYOUT_PROMPTS):
+            swapped = ", ".join([axes[1], axes[0], *axes[2:]])
+            found[name] = f"sequence-first here: [{swapped}], not {documented} ({given})"
+        else:
+            found[name] = f"not {documented} here: {given}"
+    return found
 
 
 def interface_call(cls) -> dict | None:
@@ -603,7 +679,7 @@ class Inferred(SparseMoE, Family):
         """Source of a family registering what was inferred: the names found, the MoE layers, what is dropped."""
         title = "".join(part.capitalize() for part in self.model_type.replace("-", "_").split("_"))
         bases = "SparseMoE, attnlens.Family" if self.experts else "attnlens.Family"
-        lines = ["import attnlens"] + (["from attnlens.families.moe import SparseMoE, moe_absent"] if self.experts
+        lines = ["import attnlens"] + (["from attnlens.parts.moe import SparseMoE, moe_absent"] if self.experts
                                        else [])
         lines += ["", "", "@attnlens.register", f"class {title}({bases}):",
                   f"    model_types = ({json.dumps(self.model_type)},)"]

@@ -43,7 +43,7 @@ def _unknown_family_message(model_type: str, refusal: str = "", kind: str | None
 def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     """The common layout inferred and verified on `model` (`attnlens.inferred`), else `UnknownLayout` naming the first
     check that failed; either warns."""
-    from .inferred import Inferred, NotCommonLayout, blocks_run_once, not_a_plain_decoder
+    from .inferred import Inferred, NotCommonLayout, blocks_run_once, layouts, not_a_plain_decoder
 
     try:
         family = Inferred(model)
@@ -53,6 +53,7 @@ def _inferred(model: torch.nn.Module, model_type: str) -> Family:
         family = UnknownLayout(model, refusal=str(refusal))
         family.kind = kind
         family.blocks_not_once = blocks_run_once(model, family.layers)
+        family.layouts = layouts(model, family)  # what it serves, as one forward at load lays it out
         return family
     warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=3)
     return family

@@ -310,8 +310,48 @@ def test_blocks_run_more_than_once_serve_no_block_values():
 
 
 @pytest.mark.parametrize("model_type, kind", [("bert", "an encoder (BERT-style) that runs as a decoder only"),
-                                              ("mamba", "attention-free: no module of it is an attention module")])
+                                              ("mamba", "attention-free: no module of it is an attention module"),
+                                              ("musicgen", "the decoder of an encoder-decoder model")])
 def test_support_says_what_kind_of_model_is_no_plain_decoder(model_type, kind):
+    if model_type == "musicgen" and not _builds(model_type):
+        pytest.skip(f"the survey builds no musicgen on transformers {transformers.__version__}")
     with pytest.warns(attnlens.UnknownFamilyWarning, match=re.escape(kind)):
         model = _load(_build(model_type))
     assert kind in model.support(0)["self_attn.attention_probabilities"]
+
+
+def _builds(model_type: str) -> bool:
+    try:
+        survey.build(model_type)
+    except Exception:  # noqa: BLE001  (the config class refuses the survey's sizes on this transformers)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model_type, layout", [
+    ("xlnet", "sequence-first here: [seq, batch, hidden], not [batch, seq, hidden] (a forward of 2 prompts of 5 "
+              "tokens gives [5, 2, 64] at load)"),
+    ("cpmant", "its seq axis holds 32 positions of the model's own besides the prompt's"),
+    ("prophetnet", "its seq axis holds 3 streams of the prompt's positions, stacked"),
+])
+def test_block_values_laid_out_otherwise_are_noted_as_they_read(model_type, layout):
+    """XLNet runs its blocks sequence-first, CPM-Ant adds its prompt's positions, ProphetNet stacks its main and n-gram
+    streams: the fallback still serves the blocks' inputs and outputs, and support() says how they are laid out."""
+    model = _load(_build(model_type))
+    notes = model.support(0).notes
+    assert layout in notes["layer_input"] and layout in notes["layer_output"]
+    with torch.no_grad(), model.trace(torch.arange(3, 8).repeat(2, 1)):
+        block_input = model.layers[0].layer_input.save()
+    assert f"[{', '.join(map(str, block_input.shape))}] at load" in notes["layer_input"]
+
+
+def test_embeddings_that_never_run_as_one_module_are_unavailable():
+    """MusicGen's input embeddings are a list of codebook embeddings that its forward sums: the list never runs."""
+    if not _builds("musicgen"):
+        pytest.skip(f"the survey builds no musicgen on transformers {transformers.__version__}")
+    model = _load(_build("musicgen"))
+    reason = model.support(0)["embeddings"]
+    assert reason.startswith("the input embeddings (model.decoder.embed_tokens) are a ModuleList of 1 modules that "
+                             "never runs as one module")
+    with pytest.raises(attnlens.Unavailable, match=re.escape(reason)), torch.no_grad(), model.trace("Hi"):
+        model.embeddings.save()

@@ -70,7 +70,8 @@ class MixerLayers:
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
-            read_as = self.mixer if self.mixer == "self_attn" else f"{self.mixer}, read as self_attn"
+            renamed = self.mixer_renamed and self.mixer != "self_attn"
+            read_as = f"{self.mixer}, read as self_attn" if renamed else self.mixer
             what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({read_as}), not softmax attention: it forms "
                     f"no queries, keys or pattern")
             for name in self.mixer_lacks:

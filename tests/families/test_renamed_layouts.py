@@ -5,6 +5,8 @@ Each value is recomputed from the model's own modules (never from the location u
 layer kinds the families state are pinned. Types the installed transformers lacks skip (conftest's `tiny`).
 """
 
+import re
+
 import pytest
 import torch
 from conftest import PROMPT, tiny
@@ -180,7 +182,10 @@ def test_nemotron_h_blocks_serve_their_one_sublayer():
     assert mlp["self_attn.attention_output"].startswith("layer 3 of Nemotron-H is an MLP block: it has no attention")
     assert torch.equal(saved[(2, "layer_mid")], saved[(2, "layer_output")])
     assert torch.equal(saved[(3, "layer_mid")], saved[(3, "layer_input")])
-    assert not hasattr(model.layers[3], "self_attn") and not hasattr(model.layers[2], "mlp")
+    for layer, key in ((3, "self_attn.attention_output"), (2, "mlp.mlp_output")):  # no such module: still the reason
+        sublayer, name = key.split(".")
+        with pytest.raises(attnlens.Unavailable, match=re.escape(model.support(layer)[key])):
+            getattr(getattr(model.layers[layer], sublayer), name)
 
 
 def test_mllama_skips_cross_attention_blocks_on_text():
