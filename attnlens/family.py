@@ -34,10 +34,14 @@ from .values import ALL_VALUES
 ENGINES = ("transformers", "vllm")
 
 
+#: attnlens 0.1's name for the transformers engine.
+LEGACY_ENGINE = "eager"
+
+
 def engine_named(engine: str) -> str:
     """`engine` as one of ENGINES; "eager", attnlens 0.1's name for the transformers engine (whatever its attention
     implementation, sdpa included, hence the rename), is still accepted."""
-    if engine == "transformers":
+    if engine == LEGACY_ENGINE:
         warnings.warn('the engine "eager" is now called "transformers"', DeprecationWarning, stacklevel=3)
         return "transformers"
     if engine not in ENGINES:
