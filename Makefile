@@ -33,7 +33,7 @@ BROWSER_INSTALL = if ! { $(BROWSER); }; then \
 REQUIRE_BROWSER = ATTNLENS_REQUIRE_BROWSER=$$($(BROWSER) && echo 1 || echo 0)
 
 demo: install
-	$(PY) -m attnlens.demo
+	$(PY) -m tools.demo
 
 lint: install
 	$(PY) -m ruff check .

@@ -7,7 +7,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import attnlens
-from attnlens import survey
+from tools import survey
 
 DATA = json.loads(survey.JSON_PATH.read_text())
 #: One of each kind: the common layout, a fused projection, attention-free, a hybrid, an encoder run as a decoder.
@@ -30,7 +30,7 @@ def test_every_causal_lm_type_is_surveyed():
 
 
 def test_page_is_the_data_rendered():
-    assert survey.MARKDOWN_PATH.read_text() == survey.render(DATA), "regenerate: python -m attnlens.survey"
+    assert survey.MARKDOWN_PATH.read_text() == survey.render(DATA), "regenerate: python -m tools.survey --render"
 
 
 def test_registered_types_are_current():

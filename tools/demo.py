@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import models
-from .plot import plot
-from .show import show
+from attnlens import models
+from attnlens.plot import plot
+from attnlens.show import show
 
 
 def main(argv: list[str] | None = None) -> None:
