@@ -14,8 +14,9 @@ families since). A new family subclasses it, states how it differs, and register
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -103,7 +104,7 @@ class Family:
     fused_views: ClassVar[tuple[str, ...]] = ()
     #: The fused query/key/value projection and its output's layout (`attnlens.fused.FusedQKV`), or None where
     #: queries, keys and values have projections of their own. `attnlens.split_fused_qkv` splits with it.
-    fused_qkv: ClassVar["FusedQKV | None"] = None
+    fused_qkv: ClassVar[FusedQKV | None] = None
     #: Why a value missing from `locations()` is missing, where the generic "has no ..." would not say enough.
     absent: ClassVar[dict[str, str]] = {
         "attention_sinks": "no sink logit: every row of the pattern sums to one",
@@ -471,8 +472,8 @@ class Family:
             where = f"{type(host).__name__}.forward"
             for depth, op_name in enumerate(location.path):
                 lines = operation_lines(function)
-                if op_name not in lines or location.anchor and depth == len(location.path) - 1 \
-                        and location.anchor not in lines[op_name]:
+                if op_name not in lines or (location.anchor and depth == len(location.path) - 1 \
+                        and location.anchor not in lines[op_name]):
                     stem = op_name.rsplit("_", 1)[0]
                     similar = {n: line for n, line in lines.items() if n.rsplit("_", 1)[0] == stem}
                     found = "; ".join(f"{n}: `{line}`" for n, line in similar.items()) or "no operation of that name"

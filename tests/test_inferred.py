@@ -309,7 +309,7 @@ def test_blocks_run_more_than_once_serve_no_block_values():
         model.layers[1].layer_output.save()
 
 
-@pytest.mark.parametrize("model_type, kind", [("bert", "an encoder (BERT-style) that runs as a decoder only"),
+@pytest.mark.parametrize(("model_type", "kind"), [("bert", "an encoder (BERT-style) that runs as a decoder only"),
                                               ("mamba", "attention-free: no module of it is an attention module")])
 def test_support_says_what_kind_of_model_is_no_plain_decoder(model_type, kind):
     with pytest.warns(attnlens.UnknownFamilyWarning, match=re.escape(kind)):

@@ -53,7 +53,7 @@ def test_values_equal_transformers_run_with_the_window_vllm_runs(case):
 
 
 def test_greedy_tokens_equal_transformers_run_with_that_window(case):
-    name, vllm, eager, _, _ = case
+    _name, vllm, eager, _, _ = case
     ids = eager.tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = eager._module.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -23,7 +23,7 @@ def moe_absent(experts: str, extra: str = "") -> dict[str, str]:
               f"act_fn(gate) * up is formed per expert, only for the tokens routed to it, inside mlp.experts "
               f"({experts}.forward, one expert at a time over the flattened tokens); mlp_output is the "
               f"routing-weighted sum of the chosen experts{extra}")
-    return {**Family.absent, **{name: reason for name in PER_EXPERT}}
+    return {**Family.absent, **dict.fromkeys(PER_EXPERT, reason)}
 
 
 class SparseMoE:

@@ -171,7 +171,7 @@ def test_gemma4_experts_branch_joins_beside_the_mlp():
 # --- Gemma 3 and Gemma 4 as multimodal causal LMs -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case, text", [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text")])
+@pytest.mark.parametrize(("case", "text"), [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text")])
 def test_multimodal_types_serve_their_language_model(case, text):
     """`AutoModelForCausalLM` builds the ...ForConditionalGeneration class: the same blocks under
     model.language_model, with the text config's windows; the text family's values, unchanged."""
@@ -188,7 +188,7 @@ def test_multimodal_types_serve_their_language_model(case, text):
 # --- latent attention -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case, layer, sizes", [
+@pytest.mark.parametrize(("case", "layer", "sizes"), [
     ("youtu", 0, (4, 4, 24, 16)), ("minicpm3", 0, (4, 4, 24, 16)), ("kimi_linear", 1, (4, 4, 24, 16)),
     ("dots3_note_text", 0, (4, 4, 24, 16)), ("dots3_note_text", 1, (2, 2, 24, 8)), ("longcat_flash", 0, (4, 4, 24, 16)),
 ])
@@ -240,7 +240,7 @@ def indexer_choice(model):
     return picked & torch.ones(N, N, dtype=torch.bool).tril()
 
 
-@pytest.mark.parametrize("case, linear", [("kimi_linear", 0), ("bailing_hybrid", 2)])
+@pytest.mark.parametrize(("case", "linear"), [("kimi_linear", 0), ("bailing_hybrid", 2)])
 def test_hybrid_linear_layers_say_why(case, linear):
     needs(case)
     model = tiny(case)

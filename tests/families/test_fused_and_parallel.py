@@ -103,9 +103,9 @@ def test_order_with_and_without_the_parallel_residual():
             "self_attn.attention_probabilities",
             "self_attn.attention_head_outputs", "self_attn.attention_premix", "self_attn.attention_output"]
     tail = ["mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output", "layer_output"]
-    assert list(tiny("stablelm").order(LAYER)) == head + ["layer_mid", "mlp_norm_output"] + tail
+    assert list(tiny("stablelm").order(LAYER)) == [*head, "layer_mid", "mlp_norm_output", *tail]
     parallel = tiny("stablelm:parallel").order(LAYER)
-    assert list(parallel) == head + ["mlp_norm_output"] + tail
+    assert list(parallel) == [*head, "mlp_norm_output", *tail]
     assert parallel["mlp_norm_output"] == parallel["mlp_input"]
     assert "layer_mid" not in parallel
 
@@ -390,6 +390,6 @@ def test_sdpa_serves_all_but_scores_and_pattern(case):
     with torch.no_grad(), sdpa.trace(PROMPT):
         attn = sdpa.layers[LAYER].self_attn
         got += [getattr(attn, name).save() for name in names] + [sdpa.layers[LAYER].mlp.mlp_output.save()]
-    for name, b in zip(names + ("mlp_output",), got):  # sdpa rounds differently: tolerance relative to the magnitudes
+    for name, b in zip((*names, "mlp_output"), got):  # sdpa rounds differently: tolerance relative to the magnitudes
         a = at(case, name)
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max()), name

@@ -78,7 +78,7 @@ def test_latent_attention_under_sdpa_serves_everything_but_the_pattern():
 # --- sinks: GPT-OSS, MiMo-V2-Flash, DeepSeek-V4 ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case, layer", [("gpt_oss", 0), ("gpt_oss", 1), ("mimo_v2_flash", 0), ("deepseek_v4", 0)])
+@pytest.mark.parametrize(("case", "layer"), [("gpt_oss", 0), ("gpt_oss", 1), ("mimo_v2_flash", 0), ("deepseek_v4", 0)])
 def test_sink_share_is_the_softmax_mass_of_the_sink_logit(case, layer):
     model = tiny(case)
     attn = model.layers[layer].self_attn
@@ -239,7 +239,7 @@ def test_v4_residual_is_hyper_connection_streams():
     assert all("hyper-connection streams" in notes[k] for k in ("layer_input", "layer_mid", "layer_output"))
 
 
-@pytest.mark.parametrize("layer, kind, entries", [(1, "heavily_compressed_attention", 18 // 8),
+@pytest.mark.parametrize(("layer", "kind", "entries"), [(1, "heavily_compressed_attention", 18 // 8),
                                                   (2, "compressed_sparse_attention", 18 // 4)])
 def test_v4_compressed_layers_report_their_longer_key_axis(layer, kind, entries):
     model = tiny("deepseek_v4")

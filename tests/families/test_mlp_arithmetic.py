@@ -123,7 +123,7 @@ def _failures_with(model, replaced, layer):
 
 
 @pytest.mark.parametrize("case", BY_HAND)
-@pytest.mark.parametrize("value, other", [("mlp_activation", "mlp_neurons"), ("mlp_neurons", "mlp_activation")])
+@pytest.mark.parametrize(("value", "other"), [("mlp_activation", "mlp_neurons"), ("mlp_neurons", "mlp_activation")])
 def test_a_miswired_mlp_value_fails_a_named_identity(case, value, other):
     model = tiny(case)
     layer = BY_HAND[case][0]

@@ -225,7 +225,7 @@ def test_bloom_sliced_tensor_parallel_projections_are_unavailable():
         assert report[key] == why.format("output projection", "dense")
     for key in ("mlp.mlp_neurons", "mlp.mlp_output"):
         assert report[key] == why.format("MLP's down projection", "dense_4h_to_h")
-    with pytest.raises(attnlens.Unavailable, match="sliced F.linear"):
+    with pytest.raises(attnlens.Unavailable, match=r"sliced F\.linear"):
         with torch.no_grad(), model.trace(PROMPT):
             model.layers[1].self_attn.attention_premix.save()
     assert report["self_attn.attention_head_outputs"] is None
@@ -445,7 +445,7 @@ def test_falcon_keys_need_the_cache():
     reason = model.support(1)["self_attn.attention_values"]
     assert reason == ("read at the cache update, which config.use_cache=False skips; load with use_cache=True "
                       "(the default)")
-    with pytest.raises(attnlens.Unavailable, match="config.use_cache=False"):
+    with pytest.raises(attnlens.Unavailable, match=r"config\.use_cache=False"):
         with torch.no_grad(), model.trace(PROMPT):
             model.layers[1].self_attn.attention_keys.save()
 
@@ -474,7 +474,7 @@ def test_falcon_sdpa_serves_all_but_scores_and_pattern(case):
 
 # --- generation: decode steps against the whole cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("case, options", [(case, {}) for case in CASES] + [("mpt", {"use_cache": True})])
+@pytest.mark.parametrize(("case", "options"), [(case, {}) for case in CASES] + [("mpt", {"use_cache": True})])
 def test_decode_steps_see_the_whole_cache(case, options):
     # MptConfig defaults to use_cache=False: each step then recomputes every position
     model = tiny(case, **options)
@@ -501,7 +501,7 @@ def test_decode_steps_see_the_whole_cache(case, options):
 
 # --- attention classes attnlens does not read -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case, reads", [("gpt_neo", "read in GPTNeoSelfAttention._attn, which the "
+@pytest.mark.parametrize(("case", "reads"), [("gpt_neo", "read in GPTNeoSelfAttention._attn, which the "
                                                      "'flash_attention_2' attention never calls"),
                                          ("falcon", "the 'flash_attention_2' attention is FalconFlashAttention2, "
                                                     "whose own forward attnlens does not read")])

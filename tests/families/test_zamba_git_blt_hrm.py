@@ -148,7 +148,7 @@ NAMES = ("attention_queries", "attention_keys", "attention_values", "attention_s
          "attention_head_outputs")
 
 
-@pytest.mark.parametrize("case, layer", [("zamba", 3), ("zamba2", 4), ("git", 2)])
+@pytest.mark.parametrize(("case", "layer"), [("zamba", 3), ("zamba2", 4), ("git", 2)])
 def test_each_decode_step_sees_the_whole_cache(case, layer):
     model = tiny(case)
     attn = model.layers[layer].self_attn

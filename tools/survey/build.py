@@ -110,7 +110,7 @@ def _sized(config, sizes: dict) -> dict:
             current = getattr(config, key)
         except Exception:  # noqa: BLE001  (absent, or a per-layer attribute that refuses a global read)
             continue
-        if type(current) is type(value) is not bool or current is None and key in UNSET_SIZES:
+        if type(current) is type(value) is not bool or (current is None and key in UNSET_SIZES):
             chosen[key] = value
     for attribute, sizes in WHEN.items():
         if _has(config, attribute):

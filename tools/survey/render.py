@@ -260,7 +260,7 @@ def render(data: dict) -> str:
         lines.append(f"| `{model_type}` | {'yes' if built else 'no'} | {record.get('layout') or '—'} | "
                      f"{_blocks(record) if built else '—'} | {_serves(record)} | "
                      f"{_other_text(model_type, record, other)} | {_common_text(record)} | {_notes(record, other)} |")
-    return "\n".join(lines + ["", FIELDS]) + "\n"
+    return "\n".join([*lines, "", FIELDS]) + "\n"
 
 
 FIELDS = """## How each column is found
