@@ -4,9 +4,10 @@ helpers the family tests share."""
 import torch
 from conftest import PROMPT, tiny
 
+import attnlens
 from attnlens.checks import close, failures, read_everything, visible
 
-__all__ = ["close", "failures", "read_everything", "saved_for", "swapped", "trace", "visible"]
+__all__ = ["close", "failures", "perturbed", "read_everything", "saved_for", "swapped", "trace", "visible"]
 
 _saved: dict = {}
 
@@ -16,6 +17,17 @@ def saved_for(case: str) -> dict:
     if case not in _saved:
         _saved[case] = read_everything(tiny(case), PROMPT)
     return _saved[case]
+
+
+def perturbed(case, names, **config):
+    """A fresh tiny model of `case` with the parameters called `names` (anywhere) moved off their initial values."""
+    model = attnlens.models.tiny(case, **config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model._module.named_parameters():
+            if name.rsplit(".", 1)[-1] in names:
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+    return model
 
 
 def swapped(locations_for, layer: int, value: str, other: str):

@@ -19,7 +19,7 @@ class Cohere2(Cohere):
     tiny_layouts = {}
     vllm_model_types = ("cohere2",)
     # Full attention only: with a sliding layer vLLM's values are transformers' with a wider window, not the same
-    # checkpoint's (tests_vllm/test_families_own.py tests those against transformers with sliding_window + 1).
+    # checkpoint's (tests_vllm/test_windows.py tests those against transformers with sliding_window + 1).
     vllm_tiny = {"head_dim": 32, "layer_types": ["full_attention"] * 3}
 
     def vllm_sliding_window(self, config, layer):

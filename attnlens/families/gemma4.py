@@ -42,7 +42,7 @@ class Gemma4Text(Gemma3):
     tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
-    # leave out (tests/families/test_flagships.py runs both).
+    # leave out (tests/families/test_gemma4.py runs both).
     tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                             "moe_intermediate_size": 32}}
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
