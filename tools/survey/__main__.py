@@ -5,6 +5,9 @@
     python -m tools.survey --render             # docs/survey.md from docs/survey.json as it is
     python -m tools.survey --json out.json      # the records for the installed transformers only (all, or TYPES)
     python -m tools.survey llama gpt2           # those types only, printed
+
+Each type has 60 s in its worker (ATTNLENS_SURVEY_SECONDS to change it: a loaded machine needs more); a type that
+runs out is recorded as not built, so an update on a busy machine should raise it.
 """
 
 from __future__ import annotations

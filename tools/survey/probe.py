@@ -20,7 +20,8 @@ from tools import ROOT
 
 from .build import DECODER_FLAGS, build, registered, static_facts, tiny_kwargs
 
-SECONDS_PER_TYPE = 60
+#: How long one type may take in a worker (ATTNLENS_SURVEY_SECONDS: longer on a loaded machine).
+SECONDS_PER_TYPE = int(os.environ.get("ATTNLENS_SURVEY_SECONDS", "60"))
 #: Show the workers' stderr (transformers' warnings, tracebacks of crashes).
 VERBOSE = bool(os.environ.get("ATTNLENS_SURVEY_VERBOSE"))
 TOKENS = torch.arange(3, 11)[None]  # 8 token ids, clear of pad/bos/eos
