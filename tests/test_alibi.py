@@ -5,15 +5,12 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 
 import pytest
 import torch
-from conftest import PROMPT, tiny
-from identities import close, saved_for
+from conftest import tiny
+from identities import N, close, saved_for
 
 from attnlens import family_for
 
 ALIBI = ("bloom", "mpt", "falcon:alibi")
-
-
-N = len(PROMPT)
 
 
 @pytest.mark.parametrize("heads", [*range(1, 41), 64, 71, 112])

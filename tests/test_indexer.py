@@ -5,12 +5,10 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import trace
+from identities import N, trace
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
 
 
 @pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa"])

@@ -7,9 +7,7 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import trace
-
-N = len(PROMPT)
+from identities import N, trace
 
 
 @pytest.mark.parametrize(("case", "layer", "sizes"), [

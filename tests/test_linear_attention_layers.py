@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import close, saved_for
+from identities import close, merged, saved_for
 
 import attnlens
 
@@ -31,10 +31,6 @@ CASES = {
     "qwen3_5_text": (2, 1, "Qwen3.5"),
     "qwen3_5_moe_text": (1, 2, "Qwen3.5-MoE"),
 }
-
-
-def merged(heads):
-    return heads.reshape(*heads.shape[:2], -1)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -6,7 +6,7 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, failures, read_everything, swapped
+from identities import close, failures_with, mlp_of, swapped
 
 
 def _halves(projected):
@@ -40,10 +40,6 @@ ACTIVATION_INPUT = {
     "modernbert-decoder": lambda m, x: _halves(m.Wi(x))[0],
     "falcon_h1": lambda m, x: m.gate_proj(x) * m.gate_multiplier,
 }
-
-
-def mlp_of(model, layer):
-    return model.family.mlp_module(model.layers[layer]._module)
 
 
 @pytest.mark.parametrize("case", BY_HAND)
@@ -96,26 +92,12 @@ def test_an_edit_moves_the_output_as_the_arithmetic_predicts(case, value):
     assert not close(output, unedited, atol=1e-3)
 
 
-def _failures_with(model, replaced, layer):
-    """The identities of `layer` with the family's methods or locations replaced for one run."""
-    family = model.family
-    for name, value in replaced.items():
-        setattr(family, name, value)
-    model.access.refresh()
-    try:
-        return failures(model, read_everything(model, PROMPT), layer)
-    finally:
-        for name in replaced:
-            delattr(family, name)
-        model.access.refresh()
-
-
 @pytest.mark.parametrize("case", BY_HAND)
 @pytest.mark.parametrize(("value", "other"), [("mlp_activation", "mlp_neurons"), ("mlp_neurons", "mlp_activation")])
 def test_a_miswired_mlp_value_fails_a_named_identity(case, value, other):
     model = tiny(case)
     layer = BY_HAND[case][0]
-    bad = _failures_with(model, {"locations_for": swapped(model.family.locations_for, layer, value, other)}, layer)
+    bad = failures_with(model, {"locations_for": swapped(model.family.locations_for, layer, value, other)}, layer)
     assert any("activation" in name or "neurons" in name for name in bad), bad
 
 

@@ -7,14 +7,11 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for, trace
+from identities import N, close, saved_for, trace
 
 import attnlens
 from attnlens import family_for
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
-
 
 ROUTED_AND_BIASED = ("gpt_neox_japanese", "jetmoe")
 
@@ -54,9 +51,6 @@ CASES = ("gpt_neo", "bloom", "mpt", "falcon", "falcon:multihead", "falcon:new_ar
 
 
 ALIBI = ("bloom", "mpt", "falcon:alibi")
-
-
-N = len(PROMPT)
 
 
 def attention_reads(layer):

@@ -5,7 +5,7 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for
+from identities import LAYER, at, close
 
 import attnlens
 
@@ -15,13 +15,6 @@ SHARED_NORM = {"gptj": "ln_1", "phi": "input_layernorm", "phi:qk_layernorm": "in
 
 
 PARALLEL = (*SHARED_NORM, "gpt_neox")
-
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
 
 
 @pytest.mark.parametrize("case", PARALLEL)

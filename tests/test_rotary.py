@@ -4,23 +4,7 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 
 import pytest
 import torch
-from conftest import tiny
-from identities import close, saved_for
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
-
-
-def attention_module(case, layer=LAYER):
-    return tiny(case).layers[layer].self_attn._module
+from identities import LAYER, at, attention_module, close, heads
 
 
 def projected_queries(case, layer=LAYER):

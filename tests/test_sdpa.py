@@ -6,16 +6,9 @@ Generic over the mechanism; a family's own tests are in tests/families/test_<fam
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import saved_for
+from identities import LAYER, at
 
 FAMILIES = ("gpt_bigcode", "gptj", "gpt_neox", "phi", "phi3", "opt", "cohere", "stablelm")
-
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
 
 
 @pytest.mark.parametrize("case", FAMILIES)

@@ -1,34 +1,16 @@
 """BitNet (attnlens/families/bitnet.py): what the shared identities cannot see."""
 
 import torch
-from conftest import PROMPT, tiny
-from identities import close, failures, read_everything, saved_for
+from conftest import tiny
+from identities import close, failures_with, merged, saved_for
 
 from attnlens.family import Family
 
 
-def _failures_with(model, replaced, layer):
-    """The identities of `layer` with the family's methods or locations replaced for one run."""
-    family = model.family
-    for name, value in replaced.items():
-        setattr(family, name, value)
-    model.access.refresh()
-    try:
-        return failures(model, read_everything(model, PROMPT), layer)
-    finally:
-        for name in replaced:
-            delattr(family, name)
-        model.access.refresh()
-
-
 def test_bitnet_without_the_sub_norm_fails_the_product():
     model = tiny("bitnet")
-    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
+    bad = failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
     assert bad == ["activation * up(mlp input) == neurons"], bad
-
-
-def merged(heads):
-    return heads.reshape(*heads.shape[:2], -1)
 
 
 def test_bitnet_premix_is_what_the_sub_norm_receives():

@@ -3,14 +3,12 @@
 import pytest
 import torch
 from conftest import PROMPT, needs
-from identities import perturbed, trace
+from identities import N, perturbed, trace
 
 import attnlens
 from attnlens import heads
 from attnlens.checks import failures, read_everything
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
 
 
 def test_doge_dynamic_mask_from_the_values():

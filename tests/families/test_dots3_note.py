@@ -3,9 +3,7 @@
 import pytest
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import trace
-
-N = len(PROMPT)
+from identities import N, trace
 
 
 def test_head_scalar_gates_take_only_constant_assignments():

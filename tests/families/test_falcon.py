@@ -3,13 +3,10 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for, trace
+from identities import N, close, saved_for, trace
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
-
 
 _sdpa = {}
 

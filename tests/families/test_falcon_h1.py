@@ -4,33 +4,15 @@ import dataclasses
 
 import torch
 from conftest import PROMPT, tiny
-from identities import close, failures, read_everything, saved_for
+from identities import close, failures_with, mlp_of, saved_for
 
 from attnlens.family import Family
-
-
-def mlp_of(model, layer):
-    return model.family.mlp_module(model.layers[layer]._module)
-
-
-def _failures_with(model, replaced, layer):
-    """The identities of `layer` with the family's methods or locations replaced for one run."""
-    family = model.family
-    for name, value in replaced.items():
-        setattr(family, name, value)
-    model.access.refresh()
-    try:
-        return failures(model, read_everything(model, PROMPT), layer)
-    finally:
-        for name in replaced:
-            delattr(family, name)
-        model.access.refresh()
 
 
 def test_falcon_h1_multipliers_bind_and_the_common_arithmetic_fails_on_them():
     model = tiny("falcon_h1")
     assert tuple(model.config.mlp_multipliers) == (2.0, 0.5)
-    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
+    bad = failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
     assert {"activation == act(gate(mlp input))", "down projection(neurons) == mlp output"} <= set(bad), bad
     assert "mlp.mlp_output" in model.support(1).notes and "0.5" in model.support(1).notes["mlp.mlp_output"]
 
@@ -39,7 +21,7 @@ def test_identity_names_say_the_familys_arithmetic():
     model = tiny("falcon_h1")
     arithmetic = model.family.mlp_arithmetic(mlp_of(model, 0))
     wrong = dataclasses.replace(arithmetic, output=lambda neurons: arithmetic.output(neurons) * 2)
-    bad = _failures_with(model, {"mlp_arithmetic": lambda mlp: wrong}, 0)
+    bad = failures_with(model, {"mlp_arithmetic": lambda mlp: wrong}, 0)
     assert bad == ["down projection(neurons) * down_multiplier == mlp output"], bad
 
 

@@ -2,11 +2,9 @@
 
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import perturbed, trace
+from identities import N, perturbed, trace
 
 from attnlens.checks import failures, read_everything
-
-N = len(PROMPT)
 
 
 def test_gemma3n_streams_and_the_active_stream():

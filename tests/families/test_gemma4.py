@@ -3,12 +3,10 @@ see."""
 
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import trace
+from identities import N, trace
 
 import attnlens
 from attnlens.checks import failures, read_everything
-
-N = len(PROMPT)
 
 
 def test_gemma4_layer_types_have_their_own_sizes_and_unscaled_scores():

@@ -1,23 +1,8 @@
 """Glm4 (attnlens/families/glm4.py): what the shared identities cannot see."""
 
-import sys
-
 import torch
 from conftest import tiny
-from identities import close, saved_for
-
-
-def rope(model, layer, q, k):
-    """The family's own rotary embedding (transformers' function and cos/sin), applied to [b, h, s, d] q and k."""
-    module = model.layers[layer].self_attn._module
-    positions = torch.arange(q.shape[2])[None]
-    cos, sin = model._module.model.rotary_emb(q, positions)
-    return sys.modules[type(module).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+from identities import close, heads, rope, saved_for
 
 
 def test_glm4_partial_rotary_leaves_the_tail_unrotated():

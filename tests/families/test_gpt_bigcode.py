@@ -3,24 +3,9 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for, visible
+from identities import LAYER, at, attention_module, close, heads, visible
 
 import attnlens
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
-
-
-def attention_module(case, layer=LAYER):
-    return tiny(case).layers[layer].self_attn._module
 
 
 @pytest.mark.parametrize("case", ["gpt_bigcode", "gpt_bigcode:multi_head"])

@@ -3,10 +3,8 @@
 import math
 
 import torch
-from conftest import PROMPT, tiny
-from identities import saved_for
-
-N = len(PROMPT)
+from conftest import tiny
+from identities import N, saved_for
 
 
 def test_gpt_neo_scores_are_unscaled_and_future_keys_masked_twice():

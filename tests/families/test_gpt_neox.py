@@ -3,20 +3,10 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, read_everything, saved_for
+from identities import LAYER, at, attention_module, close, read_everything
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def attention_module(case, layer=LAYER):
-    return tiny(case).layers[layer].self_attn._module
 
 
 def test_gpt_neox_parallel_mlp_norm_reads_the_block_input():

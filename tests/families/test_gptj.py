@@ -2,21 +2,10 @@
 
 import torch
 from conftest import PROMPT, tiny
-from identities import saved_for, visible
+from identities import LAYER, at, visible
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
 def test_gptj_scores_are_float32_in_a_bfloat16_model():

@@ -2,13 +2,11 @@
 
 import pytest
 import torch
-from conftest import PROMPT, needs, tiny
-from identities import trace
+from conftest import needs, tiny
+from identities import N, trace
 
 import attnlens
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
 
 
 @pytest.mark.parametrize("layer", [0, 1])

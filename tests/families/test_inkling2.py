@@ -1,16 +1,8 @@
 """Inkling2, Inkling2Loop (attnlens/families/inkling2.py): what the shared identities cannot see."""
 
 import torch
-from conftest import PROMPT, tiny
-from identities import trace
-
-from attnlens.models import char_tokenizer
-
-N = len(PROMPT)
-
-
-def ids(prompt=PROMPT):
-    return char_tokenizer()(prompt, return_tensors="pt").input_ids
+from conftest import tiny
+from identities import N, ids, trace
 
 
 def test_inkling2_the_blocks_mlp_input_module_moves_aside_for_the_value():

@@ -3,11 +3,9 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for
+from identities import N, close, saved_for
 
 import attnlens
-
-N = len(PROMPT)
 
 
 def test_jetmoe_heads_pair_with_tiled_keys():

@@ -3,15 +3,13 @@
 import torch
 import transformers
 from conftest import PROMPT, tiny
-from identities import trace
+from identities import N, trace
 
 import attnlens
 from attnlens.checks import failures, read_everything
 from attnlens.families.llama4 import Llama4
 from attnlens.family import TINY_DEFAULTS
 from attnlens.models import char_tokenizer
-
-N = len(PROMPT)
 
 
 def chunked(length, size, start=0):

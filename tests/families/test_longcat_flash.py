@@ -1,10 +1,8 @@
 """LongcatFlash (attnlens/families/longcat_flash.py): what the shared identities cannot see."""
 
 import torch
-from conftest import PROMPT, tiny
-from identities import trace
-
-N = len(PROMPT)
+from conftest import tiny
+from identities import N, trace
 
 
 def test_longcat_serves_the_first_of_each_blocks_two_attentions():

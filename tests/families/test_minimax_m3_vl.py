@@ -2,9 +2,7 @@
 
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import trace
-
-N = len(PROMPT)
+from identities import N, trace
 
 
 def test_minimax_m3_indexer_masks_the_blocks_it_does_not_choose():

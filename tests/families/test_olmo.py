@@ -1,24 +1,9 @@
 """Olmo (attnlens/families/olmo.py): what the shared identities cannot see."""
 
-import sys
-
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for
-
-
-def rope(model, layer, q, k):
-    """The family's own rotary embedding (transformers' function and cos/sin), applied to [b, h, s, d] q and k."""
-    module = model.layers[layer].self_attn._module
-    positions = torch.arange(q.shape[2])[None]
-    cos, sin = model._module.model.rotary_emb(q, positions)
-    return sys.modules[type(module).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+from identities import close, heads, rope, saved_for
 
 
 @pytest.mark.parametrize("case", ["olmo", "olmo:noclip"])

@@ -3,20 +3,9 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
-from identities import close, saved_for, visible
+from identities import LAYER, at, close, heads, saved_for, visible
 
 import attnlens
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
 def test_opt_queries_are_pre_scaled_and_scores_unscaled():

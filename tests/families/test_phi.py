@@ -3,10 +3,9 @@
 import pytest
 import torch
 from conftest import PROMPT, tiny
+from identities import LAYER
 
 import attnlens
-
-LAYER = 1
 
 
 def test_reading_the_mlp_norm_output_before_attention_output_raises():

@@ -4,22 +4,7 @@ import sys
 
 import torch
 from conftest import tiny
-from identities import close, saved_for
-
-LAYER = 1
-
-
-def at(case, name, layer=LAYER):
-    return saved_for(case)[(layer, name)]
-
-
-def heads(x, head_dim):
-    """[b, s, n * d] -> [b, n, s, d]."""
-    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
-
-
-def attention_module(case, layer=LAYER):
-    return tiny(case).layers[layer].self_attn._module
+from identities import LAYER, at, attention_module, close, heads
 
 
 def test_phi3_fused_qkv_and_gate_up():

@@ -3,18 +3,12 @@
 import pytest
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import trace
+from identities import N, ids, trace
 
 import attnlens
 from attnlens.checks import failures, read_everything
 from attnlens.families.qwen4_exp import sums_masks
 from attnlens.models import char_tokenizer, tiny_model
-
-N = len(PROMPT)
-
-
-def ids(prompt=PROMPT):
-    return char_tokenizer()(prompt, return_tensors="pt").input_ids
 
 
 @pytest.mark.parametrize("case", ["qwen4_exp_text", "qwen4_exp"])

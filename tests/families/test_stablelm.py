@@ -1,8 +1,7 @@
 """StableLm (attnlens/families/stablelm.py): what the shared identities cannot see."""
 
 from conftest import tiny
-
-LAYER = 1
+from identities import LAYER
 
 
 def test_order_with_and_without_the_parallel_residual():

@@ -1,11 +1,7 @@
 """Zamba (attnlens/families/zamba.py): what the shared identities cannot see."""
 
 from conftest import tiny
-
-
-def shared(model, layer):
-    block = model.layers[layer]._module
-    return getattr(block, model.family.shared)
+from identities import shared
 
 
 def test_zamba_shares_one_weight_set():

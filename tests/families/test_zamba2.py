@@ -2,15 +2,10 @@
 
 import torch
 from conftest import tiny
-from identities import close, saved_for
+from identities import close, saved_for, shared
 
 #: case -> (hybrid layers, Mamba layers)
 CASES = {"zamba": ((2, 3), (0, 1, 4)), "zamba2": ((1, 3, 4), (0, 2)), "zamba2:plain": ((1, 3, 4), (0, 2))}
-
-
-def shared(model, layer):
-    block = model.layers[layer]._module
-    return getattr(block, model.family.shared)
 
 
 def test_zamba2_cycles_its_weight_sets():
