@@ -369,7 +369,7 @@ class Inferred(SparseMoE, Family):
                 self._check_sizes(attention)
         except NotCommonLayout:
             raise
-        except Exception as error:
+        except Exception as error:  # a forward whose source cannot be read fails the check reading it
             raise NotCommonLayout(self.checking, f"{type(error).__name__}: {error}") from error
         self.absent = {**(moe_absent(self.experts) if self.experts else Family.absent), **self.dropped}
 
