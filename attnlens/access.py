@@ -8,7 +8,8 @@ family's locations for the engine; everything here is derived from the catalogue
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -245,7 +246,7 @@ class Access:
         a tensor must have exactly its shape (it is moved to its device and dtype). Nothing is reshaped."""
         if not isinstance(current, torch.Tensor):
             return new
-        if isinstance(new, (int, float)) or isinstance(new, torch.Tensor) and new.dim() == 0:
+        if isinstance(new, (int, float)) or (isinstance(new, torch.Tensor) and new.dim() == 0):
             return torch.full_like(current, float(new))
         if not isinstance(new, torch.Tensor):
             raise EditError(f"{describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "

@@ -46,7 +46,7 @@ class Helpful:
 
     def __getattr__(self, name: str):
         try:
-            return super().__getattr__(name)
+            return super().__getattr__(name)  # type: ignore[misc]  # a mixin: the Envoy after it in the MRO has it
         except AttributeError as error:
             hint = "" if name.startswith("_") else self._hint(name)
             if not hint:
@@ -166,7 +166,7 @@ def adopt_hosts(model) -> None:
         for name, host in (("self_attn", AttentionEnvoy), ("mlp", MLPEnvoy)):
             envoy = getattr(block, name, None)
             if isinstance(envoy, Envoy) and not isinstance(envoy, host):
-                envoy.__class__ = _combined(host, type(envoy))
+                envoy.__class__ = _combined(host, envoy.__class__)
 
 
 @functools.cache

@@ -103,7 +103,7 @@ class Family(ScoreFunction, Identities, Anchored):
     fused_views: ClassVar[tuple[str, ...]] = ()
     #: The fused query/key/value projection and its output's layout (`attnlens.fused.FusedQKV`), or None where
     #: queries, keys and values have projections of their own. `attnlens.split_fused_qkv` splits with it.
-    fused_qkv: ClassVar["FusedQKV | None"] = None
+    fused_qkv: ClassVar[FusedQKV | None] = None
     #: Why a value missing from `locations()` is missing, where the generic "has no ..." would not say enough.
     absent: ClassVar[dict[str, str]] = {
         "attention_sinks": "no sink logit: every row of the pattern sums to one",
@@ -255,7 +255,7 @@ class Family(ScoreFunction, Identities, Anchored):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if isinstance(vars(cls).get("tiny"), tuple) and not isinstance(cls.tiny, Tiny) or "tiny_layouts" in vars(cls):
+        if (isinstance(vars(cls).get("tiny"), tuple) and not isinstance(cls.tiny, Tiny)) or "tiny_layouts" in vars(cls):
             # attnlens 0.1's spelling: a plain (config, model, kwargs) tuple, and `tiny_layouts` beside it
             recipe = cls.tiny
             cls.tiny = None if recipe is None else Tiny(*recipe[:3], layouts=vars(cls).get("tiny_layouts", {}))
@@ -273,18 +273,21 @@ class Family(ScoreFunction, Identities, Anchored):
 Family.vllm = VLLMLayout()
 
 
-def block_list(model: torch.nn.Module) -> str | None:
+def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None:
     """The path of the model's list of blocks: a ModuleList as long as the text config's `num_hidden_layers` (the
-    decoder's where several are); where the config gives no depth (Blt's), the first list of two or more blocks of one
-    class, the decoder's first. None where there is none."""
+    decoder's where several are); where the config gives no depth (Blt's), or `any_depth` and no list has it (the
+    survey's look at blocks that hold several sub-layers each: HRM, LongCat-Flash), the first list of two or more
+    blocks of one class, the decoder's first. None where there is none."""
     depth = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
     try:
         decoder = {id(m) for m in model.get_decoder().modules()}
     except Exception:  # noqa: BLE001  (no decoder to prefer)
         decoder = set()
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
-    fit = [(name, m) for name, m in lists if len(m) == depth] if depth is not None else \
-        [(name, m) for name, m in lists if len(m) >= 2 and len({type(block) for block in m}) == 1]
+    uniform = [(name, m) for name, m in lists if len(m) >= 2 and len({type(block) for block in m}) == 1]
+    fit = [(name, m) for name, m in lists if len(m) == depth] if depth is not None else uniform
+    if not fit and any_depth:
+        fit = uniform
     ranked = [name for name, m in fit if id(m) in decoder] + [name for name, _ in fit]
     return ranked[0] if ranked else None
 

@@ -15,7 +15,7 @@ import ast
 import functools
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -400,6 +400,7 @@ def block_names(block: torch.nn.Module) -> dict[str, str | None]:
             return names
     _refuse("block_forward", f"{type(block).__name__}.forward returns {render(output)}, not x + mixer(norm(x)) "
                              f"followed by h + mlp(norm(h))")
+    return None
 
 
 # --- the family ------------------------------------------------------------------------------------------------------
@@ -436,7 +437,7 @@ class Inferred(SparseMoE, Family):
                 self._check_sizes(attention)
         except NotCommonLayout:
             raise
-        except Exception as error:  # noqa: BLE001  (a forward whose source cannot be read fails the check reading it)
+        except Exception as error:  # a forward whose source cannot be read fails the check reading it
             raise NotCommonLayout(self.checking, f"{type(error).__name__}: {error}") from error
         self.absent = {**(moe_absent(self.experts) if self.experts else Family.absent), **self.dropped}
 
@@ -574,8 +575,8 @@ class Inferred(SparseMoE, Family):
         self.checking = "interface_call"
         call = interface_call(type(attention))
         arguments, keywords = call["arguments"], call["keywords"]
-        mask = arguments[4:5] == ["attention_mask"] or len(arguments) == 4 and \
-            keywords.get("attention_mask") == "attention_mask"
+        mask = arguments[4:5] == ["attention_mask"] or (len(arguments) == 4 and \
+            keywords.get("attention_mask") == "attention_mask")
         if call["operation"] != INTERFACE_CALL or arguments[:1] != ["self"] or len(arguments) < 4 or not mask:
             _refuse("interface_call", f"{kind}.forward calls it as {call['operation']}({', '.join(arguments)}, ...)")
         extra = sorted(set(keywords) - set(INTERFACE_KEYWORDS) - {"attention_mask"})

@@ -76,6 +76,7 @@ def figure(source, prompt=None, layer: int | None = None, *, columns: int | None
             ax.set_ylabel("query", fontsize=8)
         if bottom:
             ax.set_xlabel("key", fontsize=8)
+    assert image is not None  # num_heads >= 1
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
     title = " · ".join(part for part in (shown.model, f"layer {pattern.layer}") if part)
     prompt_text = shown.prompt if len(shown.prompt) <= 110 else shown.prompt[:107] + "..."

@@ -6,7 +6,7 @@ envoys, so the same plan runs on either engine.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
-class Support(BaseModel, Mapping):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Support(Mapping[str, str | None]):
     """Value key (`"self_attn.attention_probabilities"`, `"layer_input"`, `"logits"`) -> None or the reason.
 
     Reads like a mapping (`report[key]`, iteration in forward order) and prints as a table.
@@ -17,14 +22,15 @@ class Support(BaseModel, Mapping):
     layer: int
     engine: str = "transformers"
     reasons: dict[str, str | None]
-    notes: dict[str, str] = {}
+    #: What a served value means on this family and engine, where it says more than docs/values.md.
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __getitem__(self, key: str) -> str | None:
         if key not in self.reasons:
             raise KeyError(f"{key!r} is not a standardized value; known: {', '.join(self.reasons)}")
         return self.reasons[key]
 
-    def __iter__(self) -> Iterator[str]:  # type: ignore[override]  # a mapping iterates keys
+    def __iter__(self) -> Iterator[str]:
         return iter(self.reasons)
 
     def __len__(self) -> int:
@@ -38,7 +44,7 @@ class Support(BaseModel, Mapping):
     def unavailable(self) -> dict[str, str]:
         return {key: reason for key, reason in self.reasons.items() if reason is not None}
 
-    def __rich__(self):
+    def __rich__(self) -> Table:
         from rich.table import Table
 
         table = Table(title=f"{self.family} · layer {self.layer} · {self.engine}", title_justify="left")
@@ -53,6 +59,6 @@ class Support(BaseModel, Mapping):
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=120, record=True, file=open("/dev/null", "w"))
+        console = Console(width=120, record=True, file=io.StringIO())
         console.print(self)
         return console.export_text()

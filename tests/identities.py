@@ -1,12 +1,22 @@
 """The identity checks live in the package (`attnlens.checks`) so that users adding a family can run them too; the
 helpers the family tests share."""
 
+import sys
+
 import torch
 from conftest import PROMPT, tiny
 
+import attnlens
 from attnlens.checks import close, failures, read_everything, visible
+from attnlens.models import char_tokenizer
 
-__all__ = ["close", "failures", "read_everything", "saved_for", "swapped", "trace", "visible"]
+__all__ = ["LAYER", "N", "at", "attention_module", "close", "failures", "failures_with", "heads", "ids", "merged",
+           "mlp_of", "perturbed", "read_everything", "rope", "saved_for", "shared", "swapped", "trace", "visible"]
+
+#: The test prompt's length in tokens (the character tokenizer: one per character).
+N = len(PROMPT)
+#: The layer most family tests read: the middle of the tiny models' three.
+LAYER = 1
 
 _saved: dict = {}
 
@@ -16,6 +26,75 @@ def saved_for(case: str) -> dict:
     if case not in _saved:
         _saved[case] = read_everything(tiny(case), PROMPT)
     return _saved[case]
+
+
+def perturbed(case, names, **config):
+    """A fresh tiny model of `case` with the parameters called `names` (anywhere) moved off their initial values."""
+    model = attnlens.models.tiny(case, **config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model._module.named_parameters():
+            if name.rsplit(".", 1)[-1] in names:
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+    return model
+
+
+def at(case: str, name: str, layer: int = LAYER):
+    """`name` of `layer` of `case`'s tiny model on PROMPT (`saved_for`)."""
+    return saved_for(case)[(layer, name)]
+
+
+def attention_module(case: str, layer: int = LAYER):
+    """The transformers attention module of `layer` of `case`'s tiny model."""
+    return tiny(case).layers[layer].self_attn._module
+
+
+def mlp_of(model, layer: int):
+    """The transformers MLP module of `layer` (the family's `mlp_module`)."""
+    return model.family.mlp_module(model.layers[layer]._module)
+
+
+def shared(model, layer: int):
+    """The shared transformer block a hybrid layer runs (Zamba's `family.shared`)."""
+    block = model.layers[layer]._module
+    return getattr(block, model.family.shared)
+
+
+def heads(x, head_dim: int):
+    """[b, s, n * d] -> [b, n, s, d]."""
+    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def merged(heads):
+    """[b, s, n, d] -> [b, s, n * d]."""
+    return heads.reshape(*heads.shape[:2], -1)
+
+
+def ids(prompt: str = PROMPT):
+    """The character tokenizer's ids of `prompt`, [1, seq]."""
+    return char_tokenizer()(prompt, return_tensors="pt").input_ids
+
+
+def rope(model, layer: int, q, k):
+    """The family's own rotary embedding (transformers' function and cos/sin), applied to [b, h, s, d] q and k."""
+    module = model.layers[layer].self_attn._module
+    positions = torch.arange(q.shape[2])[None]
+    cos, sin = model._module.model.rotary_emb(q, positions)
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def failures_with(model, replaced: dict, layer: int):
+    """The identities of `layer` with the family's methods or locations replaced for one run."""
+    family = model.family
+    for name, value in replaced.items():
+        setattr(family, name, value)
+    model.access.refresh()
+    try:
+        return failures(model, read_everything(model, PROMPT), layer)
+    finally:
+        for name in replaced:
+            delattr(family, name)
+        model.access.refresh()
 
 
 def swapped(locations_for, layer: int, value: str, other: str):

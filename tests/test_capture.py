@@ -107,7 +107,7 @@ def test_keep_heads_and_rows():
         attnlens.capture_attention(model, "Hi", 1, rows=[5])
     with pytest.raises(IndexError):
         attnlens.capture_attention(model, "Hi", 1, heads=[4])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"keep names some of .*; got \['pattern'\]"):
         attnlens.capture_attention(model, "Hi", 1, keep=["pattern"])
 
 
@@ -135,7 +135,7 @@ def test_padded_caches_equal_one_prompt_at_a_time():
     names = ["resid_post.2", "logits", "attn_probs.1", "z.1"]
     for prompt, cache in zip(PROMPTS, attnlens.run_with_cache(model, PROMPTS, names, batch_size=3)):
         alone = attnlens.run_with_cache(model, prompt, names)
-        for key in alone.keys():
+        for key in alone:
             assert torch.allclose(cache[key], alone[key], atol=1e-5, rtol=1e-4), key
 
 

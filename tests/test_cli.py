@@ -130,7 +130,7 @@ def test_vllm_engine(runs):
         assert run.returncode == 1 and "make install-vllm" in run.stderr
 
 
-@pytest.mark.parametrize("name, status, message", [
+@pytest.mark.parametrize(("name", "status", "message"), [
     ("unknown model", 1, "could not load 'no-such-model' as a hub name"),
     ("layer out of range", 1, r"layer 7 is out of range: this model has 3 layers"),
     ("bad heads", 2, "argument --heads: 'two' is not a list like"),
@@ -143,7 +143,7 @@ def test_errors_are_one_line(runs, name, status, message):
     assert message in lines[0] and "Traceback" not in run.stderr and run.stdout == ""
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(("args", "message"), [
     (["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "9", "--out", "{tmp}/x.html"],
      "head 9 is out of range: there are 4"),
     (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/prompts.txt/x.html"], "no such folder"),

@@ -21,8 +21,8 @@ from attnlens.models import char_tokenizer, tiny_model
 PACKAGE = Path(attnlens.__file__).parent
 FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.eye, torch.linspace,
              torch.rand, torch.randn, torch.randint}
-#: Host-side code: token ids, the viewer's bytes, the survey and the command line.
-HOST = {"capture/runs.py", "show.py", "plot.py", "survey.py", "cli.py", "models.py", "demo.py", "heads.py"}
+#: Host-side code: token ids, the viewer's bytes and the command line.
+HOST = {"capture/runs.py", "show.py", "plot.py", "cli.py", "models.py", "heads.py"}
 
 
 class DeviceDiscipline(TorchFunctionMode):

@@ -53,19 +53,19 @@ def _availability(table: str) -> list[str]:
 
 
 def test_values_table_is_current():
-    from attnlens.tables import values_table
+    from tools.tables import values_table
 
     assert values_table() in (DOCS / "values.md").read_text(), \
-        "regenerate the table between the markers: python -m attnlens.tables values"
+        "regenerate the table between the markers: python -m tools.tables values"
 
 
 def test_family_table_is_current():
     import transformers
 
-    from attnlens.tables import family_table
+    from tools.tables import family_table
 
     written, now = (DOCS / "families.md").read_text(), family_table()
-    hint = "regenerate: python -m attnlens.tables > docs/families.md"
+    hint = "regenerate: python -m tools.tables > docs/families.md"
     if f"Generated with transformers {transformers.__version__}." in written:
         assert written == now, hint
     else:  # another supported transformers: on the families it has, what is available must agree (notes may word

@@ -180,7 +180,7 @@ def count_forwards(model):
     return calls, handle
 
 
-@pytest.mark.parametrize("prompt, message", [
+@pytest.mark.parametrize(("prompt", "message"), [
     ("", "the prompt is an empty string"),
     ([], "the list of prompts is empty"),
     (torch.zeros(1, 0, dtype=torch.long), "token ids are empty"),
@@ -197,7 +197,7 @@ def test_an_empty_prompt_is_refused_before_anything_runs(prompt, message):
     assert calls == []
 
 
-@pytest.mark.parametrize("run, message", [
+@pytest.mark.parametrize(("run", "message"), [
     (lambda m: attnlens.capture_attention(m, [], [0]), "the list of prompts is empty"),
     (lambda m: attnlens.capture_attention(m, "", [0]), "the prompt is an empty string"),
     (lambda m: attnlens.capture_attention(m, PROMPT, []), "the list of layers is empty"),

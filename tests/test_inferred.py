@@ -24,16 +24,16 @@ from transformers.models.llama.modeling_llama import (
 )
 
 import attnlens
-from attnlens import survey
 from attnlens.checks import failures, read_everything
 from attnlens.family import TINY_DEFAULTS, Family, UnknownLayout
 from attnlens.inferred import CHECKS, Inferred, NotCommonLayout
 from attnlens.registry import _REGISTERED
 from attnlens.values import BY_NAME
+from tools import ROOT, survey
 
 RECORDS = json.loads(survey.JSON_PATH.read_text())["records"]  # transformers 5.24's: the full records
 #: The unregistered types whose tiny model the survey finds fitting the common layout (its identities hold there).
-FITS = [t for t, r in RECORDS.items() if survey._candidate(r)]
+FITS = [t for t, r in RECORDS.items() if survey.candidate(r)]
 #: Types the survey's numeric probe fits but the static checks refuse, and why.
 REFUSED = {
     # its attention may run a sparse block indexer that rewrites the mask (block_indices); the tiny model has none
@@ -293,7 +293,7 @@ def test_a_config_without_num_hidden_layers_degrades_to_the_block_values(monkeyp
 
 
 def test_the_docs_list_every_check_in_order_and_print_the_registration():
-    page = (survey.ROOT / "docs" / "inferred.md").read_text()
+    page = (ROOT / "docs" / "inferred.md").read_text()
     assert re.findall(r"^\| `(\w+)` \|", page, re.M) == list(CHECKS)
     assert page.split("```text\n")[1].split("```")[0] == Inferred(_build("apertus")).registration()
 
@@ -309,7 +309,7 @@ def test_blocks_run_more_than_once_serve_no_block_values():
         model.layers[1].layer_output.save()
 
 
-@pytest.mark.parametrize("model_type, kind", [("bert", "an encoder (BERT-style) that runs as a decoder only"),
+@pytest.mark.parametrize(("model_type", "kind"), [("bert", "an encoder (BERT-style) that runs as a decoder only"),
                                               ("mamba", "attention-free: no module of it is an attention module"),
                                               ("musicgen", "the decoder of an encoder-decoder model")])
 def test_support_says_what_kind_of_model_is_no_plain_decoder(model_type, kind):
@@ -328,7 +328,7 @@ def _builds(model_type: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model_type, layout", [
+@pytest.mark.parametrize(("model_type", "layout"), [
     ("xlnet", "sequence-first here: [seq, batch, hidden], not [batch, seq, hidden] (a forward of 2 prompts of 5 "
               "tokens gives [5, 2, 64] at load)"),
     ("cpmant", "its seq axis holds 32 positions of the model's own besides the prompt's"),

@@ -58,9 +58,9 @@ def test_one_head_a_capture_and_a_tensor(tmp_path):
 def test_errors(tmp_path):
     model = tiny("llama")
     captured = attnlens.capture_attention(model, PROMPT, [1, 2], keep="probs")
-    with pytest.raises(ValueError, match="writes .png"):
+    with pytest.raises(ValueError, match=r"writes \.png"):
         plot(model, PROMPT, 1, out=tmp_path / "x.jpg")
     with pytest.raises(ValueError, match=r"layers \[1, 2\]: pick one with layer="):
         plot(captured, PROMPT, model=model, out=tmp_path / "x.png")
-    with pytest.raises(OSError):
+    with pytest.raises(FileNotFoundError):
         plot(model, PROMPT, 1, out=tmp_path / "missing" / "x.png")

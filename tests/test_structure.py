@@ -108,7 +108,7 @@ def test_the_eager_library_stands_without_its_vllm_engine(tmp_path):
     shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     modules = sorted(module_name(p) for p in PACKAGE.rglob("*.py") if "vllm" not in p.relative_to(PACKAGE).parts
                      and p.name != "__main__.py")
-    script = "import importlib\nfor name in %r:\n    importlib.import_module(name)\n" % modules
+    script = f"import importlib\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home())}
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -51,7 +51,7 @@ def test_values_read_under_sdpa_equal_eager(family):
 
 def test_support_is_a_mapping_and_prints_as_a_table():
     report = tiny("llama").support(layer=0)
-    assert list(report)[0] == "layer_input" and len(report) == len(attnlens.values.ALL_VALUES)
+    assert next(iter(report)) == "layer_input" and len(report) == len(attnlens.values.ALL_VALUES)
     absent = ["self_attn.attention_sinks", "self_attn.attention_gate"]  # Llama has neither
     assert report.available == [key for key in report if key not in absent]
     assert "sums to one" in report["self_attn.attention_sinks"]
@@ -84,7 +84,7 @@ def test_reading_in_order_succeeds_everywhere(family):
     assert len(saved) == 3 * 18 + 3
 
 
-@pytest.mark.parametrize("first,second", [
+@pytest.mark.parametrize(("first", "second"), [
     ("attention_output", "attention_probabilities"),
     ("attention_head_outputs", "attention_scores"),
     ("attention_premix", "attention_queries"),
@@ -135,7 +135,7 @@ def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it(mo
         states = inner(ids, output_hidden_states=True)
     assert torch.allclose(block_in, states.hidden_states[0]) and torch.allclose(block_out, states.hidden_states[1])
     assert torch.allclose(logits, states.logits)
-    with pytest.raises(attnlens.Unavailable, match="docs/extending.md"):
+    with pytest.raises(attnlens.Unavailable, match=r"docs/extending\.md"):
         with model.trace(PROMPT):
             model.layers[0].self_attn.attention_queries.save()
 

@@ -30,7 +30,7 @@ SUBLAYER = {"attention": "self_attn", "mlp": "mlp"}
 def surveyed() -> tuple:
     """The survey's tiny-model builder and the model types it builds on the installed transformers (docs/survey.json):
     the one place this suite reaches into the survey, so it can be repointed when the survey moves."""
-    from attnlens import survey
+    from tools import survey
 
     data = json.loads(survey.JSON_PATH.read_text())
     versions = [data, data.get("other") or {}]
@@ -102,7 +102,7 @@ def test_every_why_not_raises_its_reason_and_every_served_value_reads(model_type
                 wrong.append(f"{where}: support() says {reason!r}; the read gave {error!r}")
         elif error is not None:
             wrong.append(f"{where}: served, but the read raised {error!r}")
-        elif not isinstance(read, torch.Tensor) or layout_differs(value, read) and not note:
+        elif not isinstance(read, torch.Tensor) or (layout_differs(value, read) and not note):
             shape = list(read.shape) if isinstance(read, torch.Tensor) else type(read).__name__
             wrong.append(f"{where}: {shape}, not [{value.layout}], and support() notes nothing")
     assert not wrong, "\n".join(wrong)

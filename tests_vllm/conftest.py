@@ -75,3 +75,17 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     return pair("smollm2", tmp_path_factory)
+
+
+_layouts: dict = {}
+
+
+def layout(name: str, tmp_path_factory) -> Pair:
+    """A family's other tiny layout (`"falcon:alibi"`) on both engines, built once per session."""
+    if name not in _layouts:
+        family = attnlens.registered()[name.partition(":")[0]]
+        folder = tmp_path_factory.mktemp(name.replace(":", "-"))
+        attnlens.models.tiny_model(name, **family.vllm.tiny).save_pretrained(folder)
+        attnlens.models.char_tokenizer().save_pretrained(folder)
+        _layouts[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
+    return _layouts[name]

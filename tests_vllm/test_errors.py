@@ -24,7 +24,7 @@ def traced(model, prompt, edit, steps=1):
 # --- writes are checked against the layout with this run's sizes ------------------------------------------------
 
 
-@pytest.mark.parametrize("edit, name, layout, got, hint", [
+@pytest.mark.parametrize(("edit", "name", "layout", "got", "hint"), [
     (lambda attn, step: setattr(attn, "attention_head_outputs", attn.attention_head_outputs.transpose(1, 2)),
      "attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=32]", "[1, 4, 18, 32]",
      "looks like [batch, num_heads, seq, head_dim]"),
@@ -55,7 +55,7 @@ def test_numbers_and_same_shape_tensors_are_written_the_same_as_on_eager(llama):
 # --- copies refuse in-place edits ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("edit, name, why", [
+@pytest.mark.parametrize(("edit", "name", "why"), [
     (lambda attn, step: attn.attention_output.zero_(), "self_attn.attention_output", "it is a copy"),
     (lambda attn, step: attn.attention_keys.zero_() if step == 1 else None, "self_attn.attention_keys",
      "on a decode step it is a new tensor"),

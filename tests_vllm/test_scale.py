@@ -72,7 +72,7 @@ def test_32_requests_in_one_trace_each_equal_its_run_alone(llama):
 
 
 def test_pipeline_parallelism_is_refused_before_an_engine_starts(llama):
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2: .*every trace body on every worker"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2: .*every trace body on every worker"):
         attnlens.StandardizedVLLM(str(llama.path), pipeline_parallel_size=2)
 
 

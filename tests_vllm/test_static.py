@@ -56,7 +56,7 @@ def check(eager, output, steps):
 
 
 def test_static_captures_equal_eager_prefill_and_decode(static):
-    model, eager, results = static
+    _model, eager, results = static
     assert [len(r.steps) for r in results] == [STEPS] * len(PROMPTS)
     for result in results:
         check(eager, result.output, result.steps)
@@ -80,7 +80,7 @@ def test_plain_vllm_requests_in_mixed_steps(static):
 
 
 def test_static_attention_joins_steps_like_capture_attention(static):
-    model, eager, results = static
+    _model, eager, results = static
     result = results[0]
     ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
     want = attnlens.capture_attention(eager, ids, [1])[1]
@@ -99,7 +99,7 @@ def test_static_generation_matches_plain_vllm_and_frees_state(static, tmp_path_f
     assert stats == [{}]  # everything static_generate ran was taken and freed
 
 
-@pytest.mark.parametrize("points, error, words", [
+@pytest.mark.parametrize(("points", "error", "words"), [
     (["attn_gate.1"], attnlens.Unavailable, "no output gate"),
     (["resid_post.1"], attnlens.Unavailable, "not a static tap"),
     (["attn_probs.9"], IndexError, "layer 9 is out of range"),

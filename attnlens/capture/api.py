@@ -3,8 +3,8 @@ scores, the pattern and the values, rows and heads computed alone on rebuilt pat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

@@ -3,9 +3,9 @@ each on vLLM), a progress bar, and results held or written to disk as safetensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -34,7 +34,7 @@ class Blt(Family):
                                         ("decoder_config", 3, True), ("global_config", 2, False))}})
     # The tiny decoder has its one cross-attention in front of the first block: BLT's own layout has one in front of
     # every block, where a block's input is not the previous block's output, which the shared identities assume
-    # (tests/families/test_zamba_git_blt_hrm.py checks that layout).
+    # (tests/families/test_blt.py checks that layout).
     padding_changes_values = ("positions count from the padded start (BLT's rotary positions take no mask), and the "
                               "patcher's entropies and the patches run over the padding")
     layers = "model.local_decoder.layers"

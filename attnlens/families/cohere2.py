@@ -24,7 +24,7 @@ class Cohere2(Cohere):
     model_types = ("cohere2",)
     tiny = Tiny("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     # The tiny checkpoint is full attention only: with a sliding layer vLLM's values are transformers' with a wider
-    # window, not the same checkpoint's (tests_vllm/test_families_own.py tests those against transformers with
+    # window, not the same checkpoint's (tests_vllm/test_windows.py tests those against transformers with
     # sliding_window + 1).
     vllm = replace(Cohere.vllm, model_types=("cohere2",), tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
                    window=_cohere2_vllm_window)

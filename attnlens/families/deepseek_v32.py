@@ -14,7 +14,7 @@ from ..family import Tiny
 from .deepseek_v3 import DeepseekV3
 
 #: The indexer's sizes in every tiny recipe: two small heads; the default `index_topk` (2048) chooses every key of
-#: the test prompt, so the identities hold on the causal mask (tests/families/test_flagships.py makes it bind).
+#: the test prompt, so the identities hold on the causal mask (tests/test_indexer.py makes it bind).
 INDEXER_TINY = {"index_n_heads": 2, "index_head_dim": 16}
 
 

@@ -57,7 +57,7 @@ class Doge(Llama):
     model_types = ("doge",)
     vllm = replace(Llama.vllm, model_types=())
     # keep_window_size above the test prompt: every causal key is kept
-    # (tests/families/test_gemma3n_zaya_doge_minimax.py makes it bind)
+    # (tests/families/test_doge.py makes it bind)
     tiny = Tiny("DogeConfig", "DogeForCausalLM", {"head_dim": 16})
     scores_need_values = DYNAMIC
     absent = {**Llama.absent, "mlp_activation": CDMOE, "mlp_neurons": CDMOE}

@@ -62,7 +62,7 @@ class Gemma3nText(Gemma3):
     vllm = replace(Gemma3.vllm, model_types=())
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
-    # per-layer-input branch (tests/families/test_gemma3n_zaya_doge_minimax.py turns both on, the scale perturbed).
+    # per-layer-input branch (tests/families/test_gemma3n.py turns both on, the scale perturbed).
     tiny = Tiny("Gemma3nTextConfig", "Gemma3nForCausalLM", {
         "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 4, "intermediate_size": 128,
         "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,

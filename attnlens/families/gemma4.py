@@ -46,7 +46,7 @@ class Gemma4Text(Gemma3):
                             "moe_intermediate_size": 32}})
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
-    # leave out (tests/families/test_flagships.py runs both).
+    # leave out (tests/families/test_gemma4.py runs both).
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None

@@ -27,7 +27,7 @@ class HrmText(Family):
     final_norm = "model.H_module.final_norm"
     eager_only = ()
     # No tiny recipe for the shared identity suite: it needs the attention values on some layer, and no block here has
-    # one value per forward. tests/families/test_zamba_git_blt_hrm.py builds one.
+    # one value per forward. tests/families/test_hrm_text.py builds one.
 
     def locations(self):
         return {"embeddings": ModuleOutput(self.embed_tokens), "logits": OutputField("logits")}

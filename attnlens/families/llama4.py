@@ -48,7 +48,7 @@ class Llama4(SparseMoE, Family):
         "moe_layers": [0, 1], "no_rope_layers": [1, 0, 1],
         # chunks of 4 positions, so the 18-token test prompt crosses four chunk boundaries
         "attention_chunk_size": 4, "layer_types": ["chunked_attention", "full_attention", "chunked_attention"]})
-    # The NoPE layers' temperature tuning binds only past floor_scale (8192) positions; test_flagships.py makes it bind
+    # The NoPE layers' temperature tuning binds only past floor_scale (8192) positions; test_llama4.py makes it bind
     # on the test prompt. (It counts padded positions, so left padding changes it: the padded-batch tests can't use it.)
     mlp = "feed_forward"
     activation = "activation_fn"

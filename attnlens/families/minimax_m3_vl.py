@@ -37,7 +37,7 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
     model_types = ("minimax_m3_vl_text",)
     vllm = replace(Llama.vllm, model_types=())
     # Layer 1 is block-sparse (blocks of 4 keys; 8 blocks kept, so the 18-token test prompt keeps every causal key
-    # and the identities hold on the causal mask: tests/families/test_gemma3n_zaya_doge_minimax.py makes the choice
+    # and the identities hold on the causal mask: tests/families/test_minimax_m3_vl.py makes the choice
     # bind); layer 0 keeps a dense MLP.
     tiny = Tiny("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {
         "head_dim": 16, "rotary_dim": 8, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -125,8 +125,8 @@ class OPT(Family):
         if engine == "vllm":
             return {**super().notes(config, layer, engine), "attention_queries": VLLM_QUERIES,
                     "attention_scores": "queries @ keys^T * head_dim ** -0.5 (attn.scale), masked: eager's scores"}
-        notes = {name: FLAT for name in ("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
-                                         "mlp_output")}
+        notes = dict.fromkeys(("layer_mid", "mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons",
+                               "mlp_output"), FLAT)
         notes.update({
             "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5, bias included (attn.scale is 1.0)",
             "attention_scores": "queries @ keys^T with no further factor (the queries carry head_dim ** -0.5), masked",

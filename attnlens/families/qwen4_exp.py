@@ -43,7 +43,7 @@ from .deepseek_v32 import Indexed
 from .qwen3_next import Qwen3Next
 
 #: Two streams, a small indexer whose budget (32 keys) covers the test prompts, so the identities hold on the causal
-#: mask (tests/families/test_qwen4_exp_and_inkling.py makes it bind); no PLE layers (their branch needs the token ids).
+#: mask (tests/families/test_qwen4_exp.py makes it bind); no PLE layers (their branch needs the token ids).
 TINY = {
     "head_dim": 16, "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,

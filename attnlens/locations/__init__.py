@@ -6,8 +6,9 @@ forward holds, so in-place edits land; writing replaces that one value for the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 #: nnsight's name for the call of transformers' shared attention interface inside an attention forward (its
 #: `attention_interface_0` is the assignment that picks the function).
@@ -66,14 +67,17 @@ class Location:
     note = ""
     #: Whether an in-place edit of what `read` returns reaches the model (False: it is a copy, or discarded).
     in_place = True
-    #: Whether assigning the value reaches the model.
-    writable = True
     #: Why an in-place edit or an assignment here cannot reach the model, where one cannot.
     why_not = ""
 
     @property
     def key(self) -> str:
         raise NotImplementedError
+
+    @property
+    def writable(self) -> bool:
+        """Whether assigning the value reaches the model (a kind that never does says `writable = False`)."""
+        return True
 
     def read(self, envoy) -> Any:
         raise NotImplementedError
@@ -182,6 +186,7 @@ class Operation(Location):
     def write(self, envoy, value):
         op = self.op(envoy)
         if self.part == "arg":
+            assert self.item is not None  # an argument is read by position
             args, kwargs = op.inputs
             op.inputs = (_replace_item(args, self.item, value), kwargs)
         elif self.item is None:
@@ -266,4 +271,5 @@ class Derived(Location):
         return self.view(envoy, self.source.read(envoy))
 
     def write(self, envoy, value):
+        assert self.unview is not None  # access refuses an assignment where `writable` is False
         self.source.write(envoy, self.unview(envoy, self.source.read(envoy), value))

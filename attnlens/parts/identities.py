@@ -9,8 +9,9 @@ block (attribution, patching) take the model's arithmetic from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 

@@ -9,9 +9,10 @@ order of the fields, so an entry may use the ones above it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import reduce
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 Entry = Union[str, float, Callable[[Any, dict], Any], "FamilyMethod"]
 

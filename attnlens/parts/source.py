@@ -5,7 +5,7 @@ layout (`attnlens.inferred`) and the survey."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -59,8 +59,8 @@ class Anchored:
             where = f"{type(host).__name__}.forward"
             for depth, op_name in enumerate(location.path):
                 lines = operation_lines(function)
-                if op_name not in lines or location.anchor and depth == len(location.path) - 1 \
-                        and location.anchor not in lines[op_name]:
+                if op_name not in lines or (location.anchor and depth == len(location.path) - 1 \
+                        and location.anchor not in lines[op_name]):
                     stem = op_name.rsplit("_", 1)[0]
                     similar = {n: line for n, line in lines.items() if n.rsplit("_", 1)[0] == stem}
                     found = "; ".join(f"{n}: `{line}`" for n, line in similar.items()) or "no operation of that name"

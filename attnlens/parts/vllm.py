@@ -3,9 +3,9 @@ was checked against, and what vLLM needs to run its tiny checkpoint. `common_vll
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..locations import Location, ModuleInput, ModuleOutput
 from ..locations.vllm import KernelInput, RebuiltPattern, ResidualPair, SampledLogits, batched, copied, heads_of
