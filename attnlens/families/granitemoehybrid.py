@@ -10,9 +10,15 @@ stream. The MLP is `shared_mlp` (renamed `mlp`): `output_linear(activation(a) * 
 With experts, the block adds the routed experts' output (`block_sparse_moe`, reading the same norm output) to the shared
 MLP's itself, so no module returns the MLP's output and no single activation or neuron tensor exists: those are
 unavailable; `mlp_input` is what both receive.
+
+On vLLM (model_executor/models/granitemoehybrid.py) the blocks keep Granite's multipliers and pass the whole residual
+stream as `hidden_states`; the `residual` they also pass along is the previous block's midpoint, which the next block
+ignores, so `layer_input` is the block's `hidden_states` argument alone. vLLM builds no `self_attn` on the Mamba-2
+layers (there the mixer is `mamba`, as on eager, whose values are not served).
 """
 
 from ..family import MLPArithmetic
+from ..vllm.locations import HiddenArgument, batched
 from .granite import Granite
 from .hybrid import MixerLayers
 
@@ -32,6 +38,12 @@ class GraniteMoeHybrid(MixerLayers, Granite):
     activation = "activation"
     down_projection = "output_linear"
     mixer_renamed = False  # the block sets self_attn = None on Mamba-2 layers
+    # vLLM's head size is hidden_size // num_attention_heads (32 and up on CPU), its Mamba-2 inner size
+    # mamba_expand * hidden_size; the last layer has a pattern (tests_vllm reads it), a Mamba-2 layer between two
+    # attention layers passes them a residual they must ignore.
+    vllm_model_types = ("granitemoehybrid",)
+    vllm_tiny = {"hidden_size": 128, "mamba_d_head": 32,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]}
     mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
                   "before out_proj")
 
@@ -48,6 +60,10 @@ class GraniteMoeHybrid(MixerLayers, Granite):
             return locations
         dropped = ("mlp_activation", "mlp_neurons", "mlp_output")
         return {name: location for name, location in locations.items() if name not in dropped}
+
+    def vllm_locations(self):
+        # called (positions, hidden_states, residual): the residual is not part of the stream here
+        return {**super().vllm_locations(), "layer_input": batched(HiddenArgument("", 1))}
 
     def mlp_arithmetic(self, mlp):
         def halves(x):
