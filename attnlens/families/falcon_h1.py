@@ -9,9 +9,14 @@ attention` to its input: `layer_mid` (what `pre_ff_layernorm` receives) is that 
 `mlp_arithmetic`): `mlp_activation` is `act`'s output, `mlp_neurons` what `down_proj` receives, `mlp_output` the MLP's
 output, after the multiplier. The first block receives the embeddings times `embedding_multiplier`; `logits` are the LM
 head's output times `lm_head_multiplier`.
+
+vLLM's Falcon-H1 (model_executor/models/falcon_h1.py) keeps these module names and passes the residual stream between
+blocks as one tensor; its attention module (`self_attn`) returns `(output, residual)`, and its MLP fuses the gate and
+up projections (so `mlp_activation` is never formed alone).
 """
 
 from ..family import Family, MLPArithmetic
+from ..locations import Derived, ModuleInput, ModuleOutput
 
 
 class FalconH1(Family):
@@ -25,6 +30,23 @@ class FalconH1(Family):
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
+    # vLLM: attention heads of 32 (CPU), Mamba-2 heads as Granite 4's
+    vllm_model_types = ("falcon_h1",)
+    vllm_tiny = {"head_dim": 32, "mamba_d_head": 32, "mamba_d_ssm": 256}
+
+    def vllm_locations(self):
+        from ..vllm.locations import HiddenArgument, batched, copied
+        from .granite import _copy, _drop_batch
+
+        locations = super().vllm_locations()
+        embeddings = Derived(ModuleOutput(self.embed_tokens), _copy, _drop_batch, in_place=False,
+                             note="a copy of the token embedding's output, before embedding_multiplier",
+                             why_not="it is a copy; layers[0].layer_input is what the first block receives")
+        return {**locations, "embeddings": embeddings, "layer_input": batched(HiddenArgument("", 1)),
+                "attention_norm_output": batched(ModuleOutput(self.attention_norm)),
+                "attention_output": copied(ModuleOutput("", 0)),  # (output, residual)
+                "layer_mid": batched(ModuleInput(self.mlp_norm)), "mlp_output": batched(ModuleOutput()),
+                "layer_output": batched(ModuleOutput()), "final_norm_output": batched(ModuleOutput(self.final_norm))}
 
     def residual_add(self, block, sublayer, stream, update):
         if sublayer == "mlp":
