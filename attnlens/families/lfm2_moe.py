@@ -16,6 +16,8 @@ class Lfm2Moe(SparseMoE, Lfm2):
         "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32})
     absent = moe_absent("Lfm2MoeExperts")
+    vllm_model_types = ("lfm2_moe",)
+    vllm_tiny = {"hidden_size": 128, "block_dim": 128, "layer_types": ["full_attention", "conv", "full_attention"]}
 
     def moe_layer(self, config, layer):
         return layer >= config.num_dense_layers
