@@ -11,3 +11,5 @@ class GraniteMoeSWA(SinkScale, GraniteMoeShared):
         **GraniteMoeShared.tiny[2], "sliding_window": 4,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     absent = {**GraniteMoeShared.absent, **SinkScale.absent}
+    vllm_model_types = ("granitemoe_swa",)  # vLLM's GraniteMoeShared class
+    vllm_tiny = GraniteMoeShared.vllm_tiny

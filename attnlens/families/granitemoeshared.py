@@ -22,6 +22,8 @@ class GraniteMoeShared(SparseMoE, Granite):
     tiny_layouts = {"no_shared_mlp": {"shared_intermediate_size": 0}}
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeSharedExperts")
+    vllm_model_types = ("granitemoeshared",)
+    vllm_tiny = {"hidden_size": 128}  # vLLM's head size is hidden_size // num_attention_heads
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)
