@@ -8,12 +8,17 @@ head; on sliding layers (`config.layer_types`) they are then rotated, on full la
 `post_attention_layernorm(attention_output)` to its input, normalises that with `pre_mlp_layernorm` for the MLP and
 adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receives the embeddings times
 `sqrt(hidden_size)`.
+
+vLLM's AFMoE (model_executor/models/afmoe.py) multiplies the kernel's output by `torch.sigmoid(gate)` inline, as
+Qwen3-Next's full-attention layers do (`qwen3_next.py`): the head outputs are the kernel's output, the gate that
+sigmoid's output, the premix what `o_proj` receives, and the rebuilt pattern is read-only.
 """
 
 from ..family import Family
-from ..locations import Derived, Operation, insert_after
+from ..locations import Derived, ModuleOutput, Operation, insert_after
+from .granite import _copy, _drop_batch
 from .moe import SparseMoE, moe_absent
-from .qwen3_next import _flat, _per_head
+from .qwen3_next import GatedPattern, _flat, _per_head, _vllm_flat, _vllm_per_head
 
 
 class Afmoe(SparseMoE, Family):
@@ -25,6 +30,25 @@ class Afmoe(SparseMoE, Family):
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
     absent = {**moe_absent("AfmoeExperts"), "attention_sinks": Family.absent["attention_sinks"]}
+    vllm_model_types = ("afmoe",)
+    # vLLM reads the router from the released config's fields, which transformers' config drops: transformers' router
+    # is sigmoid scores, top-k renormalised, one group
+    vllm_tiny = {"head_dim": 32, "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}
+
+    def vllm_locations(self):
+        locations = super().vllm_locations()
+        kernel = self.vllm_kernel
+        heads = Derived(ModuleOutput(kernel), _vllm_per_head, _vllm_flat, label="attention_head_outputs",
+                        note="what vLLM's attention kernel returns, before the output gate")
+        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)"), _vllm_per_head, _vllm_flat,
+                       label="attention_gate", note="the sigmoid's output in vLLM's attention forward, per head")
+        embeddings = Derived(ModuleOutput(self.embed_tokens), _copy, _drop_batch, in_place=False,
+                             note="a copy of the token embedding's output (before any muP scaling)",
+                             why_not="it is a copy; layers[0].layer_input is what the first block receives")
+        locations = {**locations, "embeddings": embeddings, "attention_head_outputs": heads,
+                     "attention_scores": GatedPattern(kernel, "scores"),
+                     "attention_probabilities": GatedPattern(kernel, "probabilities")}
+        return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
     def moe_layer(self, config, layer):
         return layer >= config.num_dense_layers
