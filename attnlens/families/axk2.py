@@ -23,6 +23,7 @@ def _flat(envoy, old, new):
 
 class AXK2(DeepseekV32):
     model_types = ("axk2",)
+    vllm_refusal = None  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
     tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):

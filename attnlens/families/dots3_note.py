@@ -47,6 +47,7 @@ def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
 
 class Dots3Note(DeepseekV32):
     model_types = ("dots3_note_text", "dots3_note")
+    vllm_refusal = None  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
     tiny = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, **SLIDING, "head_dim": 24, "sliding_window": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,

@@ -23,6 +23,7 @@ STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
 class HYV4(GlmMoeDsa):
     model_types = ("hy_v4",)
+    vllm_refusal = None  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
     tiny = ("HYV4Config", "HYV4ForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse",
