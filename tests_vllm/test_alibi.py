@@ -15,7 +15,7 @@ def kernel_slopes(model) -> list:
 
     def slopes(vllm_model):
         layers = vllm_model.get_submodule(family.layers)
-        return [layer.get_submodule(f"{family.attention}.{family.vllm_kernel}").impl.alibi_slopes for layer in layers]
+        return [layer.get_submodule(f"{family.attention}.{family.vllm.kernel}").impl.alibi_slopes for layer in layers]
 
     return model.vllm_entrypoint.apply_model(slopes)[0]
 

@@ -61,9 +61,9 @@ def test_a_family_vllm_does_not_run_says_why_in_vllms_words(name, tmp_path):
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(tmp_path)
     family = attnlens.registered()[name]()
-    quoted = re.search(r'"(.+?)"', family.vllm_refusal).group(1)
+    quoted = re.search(r'"(.+?)"', family.vllm.refusal).group(1)
     with pytest.raises(Exception, match=re.escape(quoted)):
         ModelConfig(model=str(tmp_path))
-    assert family.vllm_reason(name) == family.vllm_refusal
+    assert family.vllm.refused(family, name) == family.vllm.refusal
     with pytest.raises(attnlens.UnknownFamily, match=re.escape(quoted)):
         attnlens.StandardizedVLLM(str(tmp_path))

@@ -83,6 +83,10 @@ def family_table() -> str:
         served = [t for t in model_types if family.vllm.refused(family(), t) is None]
         vllm = ("✓ " + ", ".join(f"`{t}`" for t in served)) if served else \
             f"✗ {family.vllm.refusal or 'not yet checked against vLLM'}"
+        if served and family.vllm.cpu_fault:  # declared from vLLM's code, run only on a GPU
+            vllm += f" (declared; {family.vllm.cpu_fault})"
+        elif served and family.vllm.cpu_moe_fault:  # its MoE layers: on a GPU only
+            vllm += f" (MoE layers declared; {family.vllm.cpu_moe_fault})"
         lines.append(f"| [{family.__name__}](#{family.__name__.lower()}) | {types} | {layouts} | {vllm} | "
                      f"{_summary(family)} |")
     for family, model_types in families.items():

@@ -8,23 +8,52 @@ head; on sliding layers (`config.layer_types`) they are then rotated, on full la
 `post_attention_layernorm(attention_output)` to its input, normalises that with `pre_mlp_layernorm` for the MLP and
 adds `post_mlp_layernorm(mlp_output)`. With `mup_enabled` the first block receives the embeddings times
 `sqrt(hidden_size)`.
+
+vLLM's AFMoE (model_executor/models/afmoe.py) multiplies the kernel's output by `torch.sigmoid(gate)` inline, as
+Qwen3-Next's full-attention layers do (`qwen3_next.py`): the head outputs are the kernel's output, the gate that
+sigmoid's output, the premix what `o_proj` receives, and the rebuilt pattern is read-only.
 """
 
-from ..family import Family, Tiny
-from ..locations import Operation, insert_after
-from ..locations.views import per_head
+from ..family import Family, VLLMLayout
+from ..locations import Derived, ModuleOutput, Operation, insert_after
+from ..locations.views import copy_with_batch, drop_batch, per_head, per_head_on_ranks
+from ..locations.vllm import GatedPattern
 from ..parts.moe import SparseMoE, moe_absent
+
+
+def _afmoe_vllm_locations(family):
+    locations = Family.vllm.locations(family)
+    kernel = family.vllm.kernel
+    heads = per_head_on_ranks(ModuleOutput(kernel), label="attention_head_outputs",
+                              note="what vLLM's attention kernel returns, before the output gate")
+    gate = per_head_on_ranks(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)"), label="attention_gate",
+                             note="the sigmoid's output in vLLM's attention forward, per head")
+    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
+                         note="a copy of the token embedding's output (before any muP scaling)",
+                         why_not="it is a copy; layers[0].layer_input is what the first block receives")
+    locations = {**locations, "embeddings": embeddings, "attention_head_outputs": heads,
+                 "attention_scores": GatedPattern(kernel, "scores"),
+                 "attention_probabilities": GatedPattern(kernel, "probabilities")}
+    return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
 
 class Afmoe(SparseMoE, Family):
     model_types = ("afmoe",)
-    tiny = Tiny("AfmoeConfig", "AfmoeForCausalLM", {
+    tiny = ("AfmoeConfig", "AfmoeForCausalLM", {
         "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "num_dense_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
     mlp_norm = "pre_mlp_layernorm"
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
     absent = {**moe_absent("AfmoeExperts"), "attention_sinks": Family.absent["attention_sinks"]}
+    vllm = VLLMLayout(
+        model_types=("afmoe",),
+        tiny={"head_dim": 32, "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+        locations=_afmoe_vllm_locations,
+    )
+    # vLLM reads the router from the released config's fields, which transformers' config drops: transformers' router
+    # is sigmoid scores, top-k renormalised, one group
+
 
     def moe_layer(self, config, layer):
         return layer >= config.num_dense_layers

@@ -8,18 +8,32 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
-from ..family import Tiny
-from ..locations import Operation, insert_after
-from ..locations.views import per_head
+from dataclasses import replace
+
+from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import DeepseekV32
+
+
+def _per_head(envoy, gate):
+    # The forward holds the gate flat, [batch, seq, heads * v_head_dim]; unflatten is a view, so in-place edits land.
+    return gate.unflatten(-1, (-1, envoy._module.v_head_dim))
+
+
+def _flat(envoy, old, new):
+    return new.flatten(-2)
 
 
 class AXK2(DeepseekV32):
     model_types = ("axk2",)
-    tiny = Tiny("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
+    vllm = replace(
+        DeepseekV32.vllm,
+        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
+    )
+    tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):
-        gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), label="attention_gate")
+        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), _per_head, _flat,
+                       label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="transformers"):

@@ -62,10 +62,11 @@ def _unheads(envoy, old, new):
 
 
 def _bloom_vllm_locations(family):
-    from ..locations.vllm import HiddenArgument, batched
+    from ..locations import ModuleArgument
+    from ..locations.vllm import batched
 
     # vLLM's block is called as layer(positions, hidden_states)
-    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
+    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(ModuleArgument("", 1))}
 
 
 class Bloom(Family):

@@ -13,15 +13,15 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import ModuleInput, ModuleOutput
-from ..locations.vllm import HiddenArgument, batched
+from ..locations import ModuleArgument, ModuleInput, ModuleOutput
+from ..locations.vllm import batched
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
 
 
 def _cohere_vllm_locations(family):
     locations = parallel_locations(Family.vllm.locations(family), batched(ModuleInput(family.mlp)))
     # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-    return {**locations, "layer_input": batched(HiddenArgument("", 1)),
+    return {**locations, "layer_input": batched(ModuleArgument("", 1)),
             "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
             "layer_output": batched(ModuleOutput("", 0))}
 

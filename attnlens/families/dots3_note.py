@@ -15,10 +15,12 @@ of other sizes, with a sigmoid gate per head and token, and normed, rescaled lat
 types map here.
 """
 
+from dataclasses import replace
 
-from ..family import Tiny
-from ..locations import insert_after
-from ..parts.gates import head_scalar_gate
+import torch
+
+from ..errors import EditError
+from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
 from .youtu import LATENT_TINY
 
@@ -26,15 +28,38 @@ SLIDING = {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lo
            "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 8}
 
 
+def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
+    """`attention_gate` where the forward gates each head by one scalar per token: the sigmoid's output (`[batch, seq,
+    heads, 1]` where `trailing`, else `[batch, seq, heads]`) broadcast over the head's `v_head_dim` channels."""
+
+    def channels(envoy, gate):
+        gate = gate if trailing else gate.unsqueeze(-1)
+        return gate.expand(*gate.shape[:3], envoy._module.v_head_dim)
+
+    def per_head(envoy, old, new):
+        if not torch.equal(new, new[..., :1].expand_as(new)):
+            raise EditError("this family gates each head by one scalar per token: an assigned attention_gate must be "
+                            "constant along the head's channels")
+        return new[..., :1] if trailing else new[..., 0]
+
+    return Derived(Operation((operation,), anchor=anchor), channels, per_head, label="attention_gate", in_place=False,
+                   why_not="the forward holds one gate value per head and token, broadcast over the channels; "
+                           "assign a gate constant along them")
+
+
 class Dots3Note(DeepseekV32):
     model_types = ("dots3_note_text", "dots3_note")
-    tiny = Tiny("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
+    vllm = replace(
+        DeepseekV32.vllm,
+        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
+    )
+    tiny = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, **SLIDING, "head_dim": 24, "sliding_window": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
         "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
         "mlp_layer_types": ["dense", "sparse", "dense"]})
 
-    def layer_config(self, config, layer):
+    def sizes(self, config, layer):
         return config.per_layer_config[layer]
 
     def indexed(self, config, layer):

@@ -13,8 +13,8 @@ layer_mid)`: `layer_input` and `layer_output` are the first items there.
 from dataclasses import replace
 
 from ..family import Tiny
-from ..locations import ModuleInput, ModuleOutput
-from ..locations.vllm import HiddenArgument, batched
+from ..locations import ModuleArgument, ModuleInput, ModuleOutput
+from ..locations.vllm import batched
 from .llama import Llama
 from .olmo2 import NO_PRE_NORMS
 
@@ -23,7 +23,7 @@ def _exaone4_vllm_locations(family):
     locations = Llama.vllm.locations(family)
     del locations["attention_norm_output"], locations["mlp_norm_output"]
     # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-    return {**locations, "layer_input": batched(HiddenArgument("", 1)),
+    return {**locations, "layer_input": batched(ModuleArgument("", 1)),
             "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(family.mlp)),
             "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
 

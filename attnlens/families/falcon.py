@@ -157,7 +157,8 @@ class Falcon(Family):
     def _vllm_layout_locations(self, config):
         """vLLM's FalconDecoderLayer has the same modules; it returns (output, bias) from attention and the MLP, and on
         a sequential block adds attention's output to its input in place (`residual += attention_output`)."""
-        from ..locations.vllm import HiddenArgument, batched
+        from ..locations import ModuleArgument
+        from ..locations.vllm import batched
 
         eager = {**self._layout_locations(config), "mlp_output": ModuleOutput()}
         stream = batched if self.parallel(config) else _stream_copy
@@ -167,7 +168,7 @@ class Falcon(Family):
         return {
             **mirrored(self, eager, own_port=True),
             "embeddings": stream(ModuleOutput(self.embed_tokens)),
-            "layer_input": stream(HiddenArgument("", 1)),
+            "layer_input": stream(ModuleArgument("", 1)),
             "attention_output": Derived(ModuleOutput(""), _plus_bias, _minus_bias, **with_bias),
             "mlp_output": Derived(ModuleOutput(""), _plus_bias, _minus_bias, **with_bias),
             "layer_output": stream(ModuleOutput("", 0)),

@@ -9,15 +9,36 @@ attention` to its input: `layer_mid` (what `pre_ff_layernorm` receives) is that 
 `mlp_arithmetic`): `mlp_activation` is `act`'s output, `mlp_neurons` what `down_proj` receives, `mlp_output` the MLP's
 output, after the multiplier. The first block receives the embeddings times `embedding_multiplier`; `logits` are the LM
 head's output times `lm_head_multiplier`.
+
+vLLM's Falcon-H1 (model_executor/models/falcon_h1.py) keeps these module names and passes the residual stream between
+blocks as one tensor; its attention module (`self_attn`) returns `(output, residual)`, and its MLP fuses the gate and
+up projections (so `mlp_activation` is never formed alone).
 """
 
-from ..family import Family, MLPArithmetic, Tiny
+from ..family import Family, MLPArithmetic, VLLMLayout
+from ..locations import Derived, ModuleInput, ModuleOutput
+
+
+def _falconh1_vllm_locations(family):
+    from ..locations import ModuleArgument
+    from ..locations.views import copy_with_batch, drop_batch
+    from ..locations.vllm import batched, copied
+
+    locations = Family.vllm.locations(family)
+    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
+                         note="a copy of the token embedding's output, before embedding_multiplier",
+                         why_not="it is a copy; layers[0].layer_input is what the first block receives")
+    return {**locations, "embeddings": embeddings, "layer_input": batched(ModuleArgument("", 1)),
+            "attention_norm_output": batched(ModuleOutput(family.attention_norm)),
+            "attention_output": copied(ModuleOutput("", 0)),  # (output, residual)
+            "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
+            "layer_output": batched(ModuleOutput()), "final_norm_output": batched(ModuleOutput(family.final_norm))}
 
 
 class FalconH1(Family):
     model_types = ("falcon_h1",)
     # multipliers away from 1, so a family ignoring one fails the identities
-    tiny = Tiny("FalconH1Config", "FalconH1ForCausalLM", {
+    tiny = ("FalconH1Config", "FalconH1ForCausalLM", {
         "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128,
         "key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
         "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,
@@ -25,6 +46,9 @@ class FalconH1(Family):
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
+    # vLLM: attention heads of 32 (CPU), Mamba-2 heads as Granite 4's
+    vllm = VLLMLayout(model_types=("falcon_h1",), tiny={"head_dim": 32, "mamba_d_head": 32, "mamba_d_ssm": 256}, locations=_falconh1_vllm_locations)
+
 
     def residual_add(self, block, sublayer, stream, update):
         if sublayer == "mlp":

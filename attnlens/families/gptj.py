@@ -30,10 +30,11 @@ def _heads_last(envoy, per_head):
 
 
 def _gptj_vllm_locations(family):
-    from ..locations.vllm import HiddenArgument, batched
+    from ..locations import ModuleArgument
+    from ..locations.vllm import batched
 
     # vLLM's block is called as layer(positions, hidden_states)
-    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(HiddenArgument("", 1))}
+    return {**mirrored(family, family.locations(), own_port=True), "layer_input": batched(ModuleArgument("", 1))}
 
 
 class GPTJ(Family):

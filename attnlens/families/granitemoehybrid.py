@@ -10,9 +10,18 @@ stream. The MLP is `shared_mlp` (renamed `mlp`): `output_linear(activation(a) * 
 With experts, the block adds the routed experts' output (`block_sparse_moe`, reading the same norm output) to the shared
 MLP's itself, so no module returns the MLP's output and no single activation or neuron tensor exists: those are
 unavailable; `mlp_input` is what both receive.
+
+On vLLM (model_executor/models/granitemoehybrid.py) the blocks keep Granite's multipliers and pass the whole residual
+stream as `hidden_states`; the `residual` they also pass along is the previous block's midpoint, which the next block
+ignores, so `layer_input` is the block's `hidden_states` argument alone. vLLM builds no `self_attn` on the Mamba-2
+layers (there the mixer is `mamba`, as on eager, whose values are not served).
 """
 
-from ..family import MLPArithmetic, Tiny
+from dataclasses import replace
+
+from ..family import MLPArithmetic
+from ..locations import ModuleArgument
+from ..locations.vllm import batched
 from ..parts.mixers import MixerLayers
 from .granite import Granite
 
@@ -21,16 +30,32 @@ ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only
           "layer_output - layer_mid is residual_multiplier times it")
 
 
+def _granitemoehybrid_vllm_locations(family):
+    # called (positions, hidden_states, residual): the residual is not part of the stream here
+    return {**Granite.vllm.locations(family), "layer_input": batched(ModuleArgument("", 1))}
+
+
 class GraniteMoeHybrid(MixerLayers, Granite):
     model_types = ("granitemoehybrid",)
-    tiny = Tiny("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+    tiny = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
         **Granite.tiny[2], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "shared_intermediate_size": 64,
         "num_local_experts": 4, "num_experts_per_tok": 2,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"]}, layouts={"dense": {"num_local_experts": 0}})
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    tiny_layouts = {"dense": {"num_local_experts": 0}}
     mlp = "shared_mlp"
     activation = "activation"
     down_projection = "output_linear"
     mixer_renamed = False  # the block sets self_attn = None on Mamba-2 layers
+    # vLLM's head size is hidden_size // num_attention_heads (32 and up on CPU), its Mamba-2 inner size
+    # mamba_expand * hidden_size; the last layer has a pattern (tests_vllm reads it), a Mamba-2 layer between two
+    # attention layers passes them a residual they must ignore.
+    vllm = replace(
+        Granite.vllm,
+        model_types=("granitemoehybrid",),
+        tiny={"hidden_size": 128, "mamba_d_head": 32,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+                 locations=_granitemoehybrid_vllm_locations,
+    )
     mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
                   "before out_proj")
 
@@ -47,6 +72,7 @@ class GraniteMoeHybrid(MixerLayers, Granite):
             return locations
         dropped = ("mlp_activation", "mlp_neurons", "mlp_output")
         return {name: location for name, location in locations.items() if name not in dropped}
+
 
     def mlp_arithmetic(self, mlp):
         def halves(x):

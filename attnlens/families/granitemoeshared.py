@@ -8,6 +8,8 @@ shared_mlp)`. No module returns that sum, so where the shared MLP exists (`share
 to their routed tokens only, so no activation or neuron tensor exists.
 """
 
+from dataclasses import replace
+
 from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
@@ -22,6 +24,11 @@ class GraniteMoeShared(SparseMoE, Granite):
         **Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}, layouts={"no_shared_mlp": {"shared_intermediate_size": 0}})
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeSharedExperts")
+    vllm = replace(
+        Granite.vllm,
+        model_types=("granitemoeshared",),
+        tiny={"hidden_size": 128},  # vLLM's head size is hidden_size // num_attention_heads
+    )
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)

@@ -12,7 +12,8 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   `layer_input`, `layer_mid` and `layer_output` are the streams.
 """
 
-from ..family import Tiny
+from dataclasses import replace
+
 from ..locations import ModuleInput, Operation, insert_after
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
@@ -24,7 +25,11 @@ STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
 class HYV4(GlmMoeDsa):
     model_types = ("hy_v4",)
-    tiny = Tiny("HYV4Config", "HYV4ForCausalLM", {
+    vllm = replace(
+        GlmMoeDsa.vllm,
+        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
+    )
+    tiny = ("HYV4Config", "HYV4ForCausalLM", {
         **LATENT_TINY, **INDEXER_TINY, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse",
                                                                                                  "dense"],

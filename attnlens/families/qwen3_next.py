@@ -28,24 +28,10 @@ from __future__ import annotations
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Location, ModuleInput, ModuleOutput, Operation, insert_after
 from ..locations.views import per_head, per_head_on_ranks
-from ..locations.vllm import RebuiltPattern, batched
+from ..locations.vllm import GatedPattern, batched
 from ..parts.mixers import LinearLayers
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes, same_as
-
-
-class GatedPattern(RebuiltPattern):
-    """The rebuilt pattern of a gated layer on vLLM, read-only."""
-
-    in_place = False
-    writable = False
-    why_not = ("attnlens's worker recomputes an edited pattern's head outputs at the output projection's input, which "
-               "on this layer is past the output gate; edit the head outputs or the gate instead")
-
-    @property
-    def note(self) -> str:
-        how = "the softmax of the scores" if self.kind == "probabilities" else "with the family's score function"
-        return f"rebuilt in vLLM's worker ({how}) from the kernel's queries and the kept keys; read-only"
 
 
 def _qwen3next_vllm_locations(family):

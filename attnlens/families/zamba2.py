@@ -7,7 +7,12 @@ output to q_proj's, k_proj's and v_proj's (selected by the layer index the block
 and values are the adapted ones; the MLP (`feed_forward`, renamed `mlp`) always adds its layer's adapter to
 `gate_up_proj` and takes the layer index as a second argument. Where `use_mem_rope`, the queries and keys are
 rotated before they enter attention.
+
+`StandardizedVLLM` refuses the family (`vllm.refusal`): vLLM's Zamba2 builds one shared block per weight set, called
+by every hybrid layer tied to it.
 """
+
+from dataclasses import replace
 
 from ..family import MLPArithmetic, Tiny
 from .zamba import BoundMLP, Zamba
@@ -22,6 +27,13 @@ class Zamba2(Zamba):
         "mamba_d_state": 8, "n_mamba_heads": 4, "num_mem_blocks": 2, "use_shared_attention_adapter": True,
         "adapter_rank": 8, "use_mem_rope": True, "initializer_range": 0.1}, layouts={"plain": {"use_shared_attention_adapter": False, "use_mem_rope": False, "num_key_value_heads": 2}})
     label = "Zamba2"
+    vllm = replace(
+        Zamba.vllm,
+        refusal="vLLM's Zamba2 (model_executor/models/zamba2.py) builds one shared transformer module per weight "
+                    "set (num_mem_blocks of them) and calls it from every hybrid layer tied to it, with the layer's "
+                    "index choosing its adapters and kernel (dpa_list[block_idx]), so one module's input and output "
+                    "hold several layers' values in one forward; attnlens reads a module once per layer",
+    )
     shared = "shared_transformer"
     attention = "shared_transformer.self_attn"
     attention_norm = "shared_transformer.input_layernorm"

@@ -149,6 +149,32 @@ class ModuleInput(Location):
 
 
 @dataclass(frozen=True)
+class ModuleArgument(Location):
+    """Positional argument `index` of the submodule at `module` (else its keyword `hidden_states`): a vLLM block
+    called as `layer(positions, hidden_states[, residual])`, a block argument transformers passes positionally."""
+
+    module: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.input"
+
+    def read(self, envoy):
+        args, kwargs = child(envoy, self.module).inputs
+        return args[self.index] if len(args) > self.index else kwargs["hidden_states"]
+
+    def write(self, envoy, value):
+        target = child(envoy, self.module)
+        args, kwargs = target.inputs
+        if len(args) > self.index:
+            args = (*args[:self.index], value, *args[self.index + 1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": value}
+        target.inputs = (tuple(args), kwargs)
+
+
+@dataclass(frozen=True)
 class Operation(Location):
     """An operation inside a forward, reached through nnsight's `.source`.
 

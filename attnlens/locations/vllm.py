@@ -22,7 +22,7 @@ import torch
 
 from ..errors import EditError
 from ..geometry import HeadGeometry
-from . import Derived, Location, child
+from . import Derived, Location, ModuleArgument, child
 from .views import (
     add_batch,
     copy_with_batch,
@@ -226,6 +226,21 @@ class RebuiltPattern(Location):
         handed["assigned"] = pattern
 
 
+class GatedPattern(RebuiltPattern):
+    """The rebuilt pattern of a layer whose output gate vLLM applies after the kernel (Qwen3-Next, AFMoE, Laguna):
+    read-only."""
+
+    in_place = False
+    writable = False
+    why_not = ("attnlens's worker recomputes an edited pattern's head outputs at the output projection's input, which "
+               "on this layer is past the output gate; edit the head outputs or the gate instead")
+
+    @property
+    def note(self) -> str:
+        how = "the softmax of the scores" if self.kind == "probabilities" else "with the family's score function"
+        return f"rebuilt in vLLM's worker ({how}) from the kernel's queries and the kept keys; read-only"
+
+
 @dataclass(frozen=True)
 class SampledLogits(Location):
     """The logits vLLM samples from: the last position only, `[1, 1, vocab]` per step."""
@@ -245,33 +260,6 @@ class SampledLogits(Location):
         from nnsight.modeling.vllm import VLLM
 
         VLLM.logits.__set__(envoy, value[:, -1])
-
-
-@dataclass(frozen=True)
-class HiddenArgument(Location):
-    """The hidden states a module receives as positional argument `index` (else as the keyword `hidden_states`): a
-    vLLM block called as `layer(positions, hidden_states[, residual])` that carries the whole residual stream in it
-    (a plain residual stream, or a block that ignores the residual item)."""
-
-    module: str = ""
-    index: int = 0
-
-    @property
-    def key(self) -> str:
-        return f"{self.module}.input"
-
-    def read(self, envoy):
-        args, kwargs = child(envoy, self.module).inputs
-        return args[self.index] if len(args) > self.index else kwargs["hidden_states"]
-
-    def write(self, envoy, value):
-        target = child(envoy, self.module)
-        args, kwargs = target.inputs
-        if len(args) > self.index:
-            args = (*args[:self.index], value, *args[self.index + 1:])
-        else:
-            kwargs = {**kwargs, "hidden_states": value}
-        target.inputs = (tuple(args), kwargs)
 
 
 def batched(source: Location) -> Derived:
@@ -299,3 +287,7 @@ def heads_of(source: Location) -> Derived:
     heads, `[1, tokens, heads, head_dim]`; a view, so in-place edits land."""
     return Derived(source, _heads_with_batch, _merged_without_batch,
                    note="the output projection's input, split into heads")
+
+
+#: attnlens 0.1's name of `locations.ModuleArgument` (vLLM's blocks are called as `layer(positions, hidden_states)`).
+HiddenArgument = ModuleArgument

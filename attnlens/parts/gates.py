@@ -8,6 +8,7 @@ import torch
 
 from ..errors import EditError
 from ..locations import Derived, Location, Operation, context
+from ..locations.views import gather_heads
 
 REPEATED_WHY = ("the forward holds one factor per head (repeated here over head_dim); edit the head outputs or the "
                 "premix instead")
@@ -25,6 +26,19 @@ def _repeated(envoy, gate):
 def repeated_head_gate(source: Location) -> Derived:
     """The gate `[batch, seq, heads]` at `source` repeated over each head's channels: a read-only copy."""
     return Derived(source, _repeated, None, "attention_gate", in_place=False, why_not=REPEATED_WHY)
+
+
+def _repeated_on_ranks(envoy, gate):
+    # vLLM holds one factor per head, [tokens, this rank's heads]: repeated over head_dim, every rank's heads
+    found = context(envoy)
+    heads = found.geometry(found.layer_of(envoy))
+    return gather_heads(gate[None, ..., None].expand(-1, -1, -1, heads.head_dim).clone(), heads.num_heads, 2)
+
+
+def repeated_head_gate_on_ranks(source: Location) -> Derived:
+    """vLLM's gate `[tokens, this rank's heads]` at `source` as `[1, tokens, heads, head_dim]`, repeated over each
+    head's channels, every rank's heads: a read-only copy."""
+    return Derived(source, _repeated_on_ranks, None, "attention_gate", in_place=False, why_not=REPEATED_WHY)
 
 
 def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:

@@ -49,9 +49,10 @@ class MixerLayers:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
     def renames(self, engine="transformers"):
-        if not self.mixer_renamed or self.mixer == "self_attn":  # nothing to rename, or already its name
+        mixer = self.path("mixer", engine)  # vLLM may name it otherwise (`vllm_names`)
+        if not self.mixer_renamed or mixer == "self_attn":  # nothing to rename, or already its name
             return super().renames(engine)
-        return {**super().renames(engine), self.mixer: "self_attn"}
+        return {**super().renames(engine), mixer: "self_attn"}
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)

