@@ -25,6 +25,7 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 
 from ..family import TINY_DEFAULTS
 from .gemma3 import Gemma3
+from .granite import unpaired_locations
 from .multimodal import LanguageModelOf
 
 #: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
@@ -36,10 +37,25 @@ SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
 
 
+def shared_kv_locations(locations: dict) -> dict:
+    """A layer's vLLM locations where its kernel reads another layer's keys and values (`vllm.shared_kv`)."""
+    from ..vllm.shared_kv import SharedKernelInput
+
+    kernel = locations["attention_queries"].kernel
+    return {**locations, "attention_keys": SharedKernelInput(kernel, 1),
+            "attention_values": SharedKernelInput(kernel, 2)}
+
+
 class Gemma4Text(Gemma3):
     model_types = ("gemma4_text",)
-    vllm_model_types = ()
     tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
+    # vLLM (model_executor/models/gemma4.py): the same module names; each block passes the residual stream as one
+    # tensor (`unpaired_locations`); the kernel gets per-layer head counts and sizes, scale 1.0; a shared layer's kernel
+    # gets `attn(q, None, None)` (`vllm.shared_kv`). The checkpoint shares keys and values (the last two layers) and
+    # has per-layer inputs; CPU head sizes of 32 (sliding) and 64 (full).
+    vllm_model_types = ("gemma4_text",)
+    vllm_tiny = {**SHARED, "head_dim": 32, "global_head_dim": 64, "hidden_size_per_layer_input": 16,
+                 "vocab_size_per_layer_input": 128}
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
     # leave out (tests/families/test_flagships.py runs both).
@@ -65,6 +81,19 @@ class Gemma4Text(Gemma3):
             h = h + block.post_per_layer_input_norm(block.per_layer_projection(
                 block.act_fn(block.per_layer_input_gate(h)) * per_layer_input))
         return h * block.layer_scalar
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"kv_shared"} if self.shared_from(config, layer) is not None else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if engine == "vllm" and "kv_shared" in kind:
+            locations = shared_kv_locations(locations)
+        return locations
+
+    def vllm_locations(self):
+        return unpaired_locations(self, super().vllm_locations())
 
     @staticmethod
     def shared_from(config, layer: int) -> int | None:

@@ -136,9 +136,10 @@ def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
         heads = kernel.num_heads * ranks
         return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
     impl = kernel.impl
-    total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     num_heads = kernel.num_heads * ranks
-    num_kv_heads = min(kernel.num_kv_heads * ranks, total_kv)  # kv heads fewer than ranks are replicated
+    num_kv_heads = kernel.num_kv_heads * ranks
+    if ranks > 1:  # kv heads fewer than ranks are replicated (a config with per-layer counts refuses this read)
+        num_kv_heads = min(num_kv_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = kernel.head_size
     return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
                         float(impl.scale), "vllm")

@@ -21,7 +21,7 @@ from ..errors import UnknownFamily
 from ..family import Family
 from ..geometry import HeadGeometry
 from ..inputs import check_inputs
-from ..registry import family_for, resolve_family
+from ..registry import family_for, registered, resolve_family
 from ..support import Support
 from . import kept, static, worker
 from .locations import handoffs
@@ -63,7 +63,8 @@ class StandardizedVLLM(Helpful, VLLM):
                 raise
             raise UnknownFamily(refused) from error
         self.text_config = config.get_text_config()
-        model_type = self.text_config.model_type
+        # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
+        model_type = config.model_type if config.model_type in registered() else self.text_config.model_type
         self.family: Family = family_for(model_type) if family is None else resolve_family(family)
         refused = _refusal(self.family, model_type)
         if refused is not None:
