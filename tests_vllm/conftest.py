@@ -38,9 +38,9 @@ def engine_args(max_model_len: int, kv_bytes: int, dtype: str = "float32") -> di
 class Pair:
     """One checkpoint on both engines, in one dtype."""
 
-    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32"):
+    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32", **engine):
         self.name, self.path, self.prompt, self.dtype = name, path, prompt, getattr(torch, dtype)
-        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype))
+        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype), **engine)
         self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
 
 
@@ -58,7 +58,9 @@ def pair(name: str, tmp_path_factory) -> Pair:
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype)
+            # a multimodal checkpoint's language model alone: the tiny one saves no image processor for vLLM to build
+            media = {"language_model_only": True} if hasattr(tiny.config, "vision_config") else {}
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype, **media)
     return _pairs[name]
 
 

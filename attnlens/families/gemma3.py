@@ -30,9 +30,5 @@ class Gemma3Multimodal(LanguageModelOf, Gemma3):
         "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
         "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
                           "num_attention_heads": 2, "intermediate_size": 64}})
-    # vLLM's gemma3_mm runs the text model's own class (Gemma3ForCausalLM) as `language_model`, its blocks under
-    # `language_model.model` (tests_vllm); the vision tower beside it is not built where no prompt has an image.
-    vllm_model_types = ("gemma3",)
-    vllm_names = {"layers": "language_model.model.layers", "embed_tokens": "language_model.model.embed_tokens",
-                  "final_norm": "language_model.model.norm"}
+    vllm_model_types = ("gemma3",)  # vLLM's gemma3_mm, its Gemma3ForCausalLM as language_model (tests_vllm)
     vllm_tiny = {"text_config": {**tiny[2]["text_config"], "head_dim": 32}}

@@ -36,6 +36,9 @@ TINY = {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, 
 SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
 
+#: vLLM's tiny checkpoints: keys and values shared by the last two layers, CPU head sizes of 32 (sliding), 64 (full).
+VLLM_SIZES = {**SHARED, "head_dim": 32, "global_head_dim": 64}
+
 
 def shared_kv_locations(locations: dict) -> dict:
     """A layer's vLLM locations where its kernel reads another layer's keys and values (`vllm.shared_kv`)."""
@@ -51,11 +54,9 @@ class Gemma4Text(Gemma3):
     tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
     # vLLM (model_executor/models/gemma4.py): the same module names; each block passes the residual stream as one
     # tensor (`unpaired_locations`); the kernel gets per-layer head counts and sizes, scale 1.0; a shared layer's kernel
-    # gets `attn(q, None, None)` (`vllm.shared_kv`). The checkpoint shares keys and values (the last two layers) and
-    # has per-layer inputs; CPU head sizes of 32 (sliding) and 64 (full).
+    # gets `attn(q, None, None)` (`vllm.shared_kv`). The checkpoint shares keys and values and has per-layer inputs.
     vllm_model_types = ("gemma4_text",)
-    vllm_tiny = {**SHARED, "head_dim": 32, "global_head_dim": 64, "hidden_size_per_layer_input": 16,
-                 "vocab_size_per_layer_input": 128}
+    vllm_tiny = {**VLLM_SIZES, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128}
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
     # leave out (tests/families/test_flagships.py runs both).
@@ -137,6 +138,9 @@ class Gemma4Text(Gemma3):
 
 class Gemma4UnifiedText(Gemma4Text):
     model_types = ("gemma4_unified_text",)
+    vllm_model_types = ()
+    vllm_refusal = ("vLLM 0.32 registers no Gemma4UnifiedForCausalLM: it runs Gemma 4 Unified only as the multimodal "
+                    "Gemma4UnifiedForConditionalGeneration (model type 'gemma4_unified', served)")
     tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
     tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
     block_arguments = {}  # its blocks take no per-layer input
@@ -147,6 +151,12 @@ class Gemma4(LanguageModelOf, Gemma4Text):
     tiny = ("Gemma4Config", "Gemma4ForConditionalGeneration",
             {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
     tiny_layouts = {}
+    vllm_model_types = ("gemma4",)  # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm)
+    # vLLM builds the vision tower's config even where no prompt has an image: a tiny one
+    vllm_tiny = {"text_config": {**tiny[2]["text_config"], **Gemma4Text.vllm_tiny},
+                 "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                   "head_dim": 16, "position_embedding_size": 64}}
 
 
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
@@ -154,3 +164,7 @@ class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
     tiny = ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
             {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
     tiny_layouts = {}
+    vllm_model_types = ("gemma4_unified",)  # vLLM's gemma4_unified, its Gemma4ForCausalLM as language_model
+    vllm_tiny = {"text_config": {**tiny[2]["text_config"], **VLLM_SIZES, "use_double_wide_mlp": True},
+                 "vision_config": {"model_type": "gemma4_unified_vision", "mm_embed_dim": 32, "mm_posemb_size": 16,
+                                   "output_proj_dims": 64}}

@@ -31,7 +31,8 @@ def unpaired_locations(family, locations):
     `layer_input` stays the pair's reader, which reads the hidden state alone where no residual is passed."""
     return {**locations, "attention_output": batched(ModuleOutput()),
             "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
-            "layer_output": batched(ModuleOutput("", 0)), "final_norm_output": batched(ModuleOutput(family.final_norm))}
+            "layer_output": batched(ModuleOutput("", 0)),
+            "final_norm_output": batched(ModuleOutput(family.path("final_norm", "vllm")))}
 
 
 class Granite(Llama):

@@ -22,9 +22,12 @@ class LanguageModelOf:
     layers = "model.language_model.layers"
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
-    #: vLLM runs these types as its own multimodal classes, whose paths (language_model.model.layers) differ from
-    #: transformers' (a family has one set of paths for both engines): not served there.
+    #: vLLM runs these types as its own multimodal classes (gemma3_mm, gemma4_mm, ...), which build the text model's
+    #: own vLLM class as `language_model`: its blocks are `language_model.model.layers`. Each family lists the types
+    #: checked there (tests_vllm runs the tiny checkpoint's language model alone, `language_model_only`).
     vllm_model_types: tuple[str, ...] = ()
+    vllm_names = {"layers": "language_model.model.layers", "embed_tokens": "language_model.model.embed_tokens",
+                  "final_norm": "language_model.model.norm"}
 
     def layer_kind(self, config, layer):
         return super().layer_kind(_text(config), layer)
