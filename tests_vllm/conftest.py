@@ -47,6 +47,25 @@ class Pair:
 _pairs: dict = {}
 
 
+def missing_torchvision(architecture: str) -> str | None:
+    """Why vLLM cannot import its model module for `architecture` here, where that is a missing torchvision (vLLM's
+    multimodal modules import transformers' image processors, which import torchvision.transforms.v2; `make
+    install-vllm` installs the CPU build where it is reachable), else None."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    module = _VLLM_MODELS.get(architecture, (None,))[0]
+    try:
+        if module is not None:
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+    except ModuleNotFoundError as error:
+        if error.name == "torchvision":
+            return f"vLLM's {module} imports torchvision, which this environment lacks ({error})"
+        raise
+    return None
+
+
 def pair(name: str, tmp_path_factory) -> Pair:
     if name not in _pairs:
         if name == "smollm2":
@@ -56,6 +75,9 @@ def pair(name: str, tmp_path_factory) -> Pair:
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
             tiny = attnlens.models.tiny_model(name, **family.vllm_tiny)
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
+            missing = missing_torchvision(type(tiny).__name__)
+            if missing:
+                pytest.skip(missing)
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
             # a multimodal checkpoint's language model alone: the tiny one saves no image processor for vLLM to build
