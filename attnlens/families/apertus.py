@@ -2,6 +2,8 @@
 RMSNorm on queries and keys before the rotary embedding, and a non-gated MLP (`down_proj(xielu(up_proj(x)))`).
 """
 
+from ..locations import ModuleOutput, insert_after
+from ..vllm.locations import batched
 from .llama import Llama
 
 
@@ -10,6 +12,14 @@ class Apertus(Llama):
     tiny = ("ApertusConfig", "ApertusForCausalLM", {})
     attention_norm = "attention_layernorm"
     mlp_norm = "feedforward_layernorm"
+    # vLLM (apertus.py): the same names, vLLM's (hidden, residual) pair, an XIELU module per MLP. vLLM keeps xIELU's
+    # constants in bfloat16 (transformers in float32): 1.3e-3 apart at mlp_activation, 1.5e-3 at mlp_output (tiny).
+    vllm_model_types = ("apertus",)
+    vllm_tolerance = 2e-3
+
+    def vllm_locations(self):
+        return insert_after(super().vllm_locations(), "mlp_input", "mlp_activation",
+                            batched(ModuleOutput(self.activation)))
 
     def notes(self, config, layer, engine="eager"):
         return {**super().notes(config, layer, engine),

@@ -90,15 +90,17 @@ class StandardizedVLLM(Helpful, VLLM):
     def _load_meta(self, *args: Any, **kwargs: Any) -> Any:
         """nnsight's meta model of vLLM's modules, in the client, without processing weights it does not hold
         (repacking MoE experts for the CPU kernel fails on meta tensors; the worker processes the real ones)."""
+        from vllm.model_executor.layers import activation
         from vllm.model_executor.model_loader import base_loader
 
         worker.single_rank_groups_with_experts()
-        process = base_loader.process_weights_after_loading
+        process, xielu = base_loader.process_weights_after_loading, activation.XIELU.__init__
         base_loader.process_weights_after_loading = lambda *_, **__: None
+        activation.XIELU.__init__ = _on_cpu(xielu)  # it reads its own parameters' values when built (Apertus)
         try:
             return super()._load_meta(*args, **kwargs)
         finally:
-            base_loader.process_weights_after_loading = process
+            base_loader.process_weights_after_loading, activation.XIELU.__init__ = process, xielu
 
     @property
     def _WORKER_CLS(self) -> str:  # read by nnsight when it builds the engine
@@ -172,6 +174,19 @@ class StandardizedVLLM(Helpful, VLLM):
             kwargs.setdefault("temperature", 0.0)
         kwargs.pop("pad_token_id", None)
         return kwargs
+
+
+def _on_cpu(init: Any) -> Any:
+    """`init` run on the CPU device inside the meta model's build, for a module that reads its parameters' values
+    as it is built (a meta tensor has none): its few parameters are then real in the client's meta model."""
+
+    def built_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        with torch.device("cpu"):
+            init(self, *args, **kwargs)
+
+    return built_on_cpu
 
 
 def _refusal_of_folder(path: str) -> str | None:
