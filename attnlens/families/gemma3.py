@@ -11,7 +11,7 @@ with a vision tower) loads as `Gemma3ForConditionalGeneration`, the same blocks 
 from dataclasses import replace
 
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import LanguageModelOf
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from .gemma2 import Gemma2
 
 
@@ -35,3 +35,9 @@ class Gemma3Multimodal(LanguageModelOf, Gemma3):
         "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
         "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
                           "num_attention_heads": 2, "intermediate_size": 64}})
+    vllm = replace(
+        Gemma3.vllm,
+        model_types=("gemma3",),
+        names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma3_mm, its Gemma3ForCausalLM as language_model (tests_vllm)
+        tiny={"text_config": {**tiny[2]["text_config"], "head_dim": 32}},
+    )

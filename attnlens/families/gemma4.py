@@ -25,10 +25,10 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import LanguageModelOf
-from ..parts.sizes import kv_heads_from_groups
+from ..family import TINY_DEFAULTS
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from .gemma3 import Gemma3
+from .granite import unpaired_locations
 
 #: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
 #: be full) of one shared key/value head of 32 with values from the key projection; no per-layer inputs (see above).
@@ -38,19 +38,46 @@ TINY = {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, 
 SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
 
+#: vLLM's tiny checkpoints: keys and values shared by the last two layers, CPU head sizes of 32 (sliding), 64 (full).
+VLLM_SIZES = {**SHARED, "head_dim": 32, "global_head_dim": 64}
+
+
+def shared_kv_locations(locations: dict) -> dict:
+    """A layer's vLLM locations where its kernel reads another layer's keys and values (`vllm.shared_kv`)."""
+    from ..locations.vllm import SharedKernelInput
+
+    kernel = locations["attention_queries"].kernel
+    return {**locations, "attention_keys": SharedKernelInput(kernel, 1),
+            "attention_values": SharedKernelInput(kernel, 2)}
+
+
+def _gemma4text_vllm_locations(family):
+    return unpaired_locations(family, Gemma3.vllm.locations(family))
+
 
 class Gemma4Text(Gemma3):
     model_types = ("gemma4_text",)
-    vllm = replace(Gemma3.vllm, model_types=())
-    tiny = Tiny("Gemma4TextConfig", "Gemma4ForCausalLM", TINY, layouts={"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                            "moe_intermediate_size": 32}})
+    tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
+    # vLLM (model_executor/models/gemma4.py): the same module names; each block passes the residual stream as one
+    # tensor (`unpaired_locations`); the kernel gets per-layer head counts and sizes, scale 1.0; a shared layer's kernel
+    # gets `attn(q, None, None)` (`vllm.shared_kv`). The checkpoint shares keys and values and has per-layer inputs.
+    vllm = replace(
+        Gemma3.vllm,
+        model_types=("gemma4_text",),
+        tiny={**VLLM_SIZES, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128},
+        locations=_gemma4text_vllm_locations,
+    )
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
-    # leave out (tests/families/test_gemma4.py runs both).
+    # leave out (tests/families/test_flagships.py runs both).
+    tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                            "moe_intermediate_size": 32}}
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
-    sizes = replace(Gemma3.sizes, num_kv_heads=(kv_heads_from_groups,))
+
+    def num_kv_heads(self, module):
+        return self.num_heads(module) // module.num_key_value_groups  # per layer: full layers may have fewer
 
     def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
         if sublayer != "mlp":
@@ -65,6 +92,17 @@ class Gemma4Text(Gemma3):
             h = h + block.post_per_layer_input_norm(block.per_layer_projection(
                 block.act_fn(block.per_layer_input_gate(h)) * per_layer_input))
         return h * block.layer_scalar
+
+    def layer_kind(self, config, layer):
+        kind = super().layer_kind(config, layer)
+        return kind | {"kv_shared"} if self.shared_from(config, layer) is not None else kind
+
+    def kind_locations(self, kind, config, engine):
+        locations = super().kind_locations(kind, config, engine)
+        if engine == "vllm" and "kv_shared" in kind:
+            locations = shared_kv_locations(locations)
+        return locations
+
 
     @staticmethod
     def shared_from(config, layer: int) -> int | None:
@@ -108,15 +146,44 @@ class Gemma4Text(Gemma3):
 
 class Gemma4UnifiedText(Gemma4Text):
     model_types = ("gemma4_unified_text",)
-    tiny = Tiny("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY, layouts={"kv_shared": {**SHARED, "use_double_wide_mlp": True}})
+    vllm = replace(
+        Gemma4Text.vllm,
+        model_types=(),
+        refusal="vLLM 0.32 registers no Gemma4UnifiedForCausalLM: it runs Gemma 4 Unified only as the multimodal "
+                    "Gemma4UnifiedForConditionalGeneration (model type 'gemma4_unified', served)",
+    )
+    tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
+    tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
     block_arguments = {}  # its blocks take no per-layer input
 
 
 class Gemma4(LanguageModelOf, Gemma4Text):
     model_types = ("gemma4",)
-    tiny = Tiny("Gemma4Config", "Gemma4ForConditionalGeneration", {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
+    tiny = ("Gemma4Config", "Gemma4ForConditionalGeneration",
+            {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
+    tiny_layouts = {}
+    vllm = replace(
+        Gemma4Text.vllm,
+        model_types=("gemma4",),
+        names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm)
+        tiny={"text_config": {**tiny[2]["text_config"], **Gemma4Text.vllm.tiny},
+                 "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                   "head_dim": 16, "position_embedding_size": 64}},
+    )
+    # vLLM builds the vision tower's config even where no prompt has an image: a tiny one
 
 
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
     model_types = ("gemma4_unified",)
-    tiny = Tiny("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration", {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
+    tiny = ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
+            {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
+    tiny_layouts = {}
+    vllm = replace(
+        Gemma4UnifiedText.vllm,
+        model_types=("gemma4_unified",),
+        names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_unified, its Gemma4ForCausalLM as language_model
+        tiny={"text_config": {**tiny[2]["text_config"], **VLLM_SIZES, "use_double_wide_mlp": True},
+                 "vision_config": {"model_type": "gemma4_unified_vision", "mm_embed_dim": 32, "mm_posemb_size": 16,
+                                   "output_proj_dims": 64}},
+    )

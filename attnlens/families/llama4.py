@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import Family, Tiny
-from ..locations import ModuleOutput, child
+from ..family import Family, VLLMLayout
+from ..locations import Derived, ModuleOutput, child
 from ..parts.moe import SparseMoE
 
 MOE_REASON = ("a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
@@ -41,25 +41,59 @@ class TokensOutput(ModuleOutput):
         super().write(envoy, value.flatten(0, -2))
 
 
+def _interleaved(envoy, heads):
+    """vLLM's query or key channels per head (even ones, then odd ones) in transformers' order (adjacent pairs)."""
+    half = heads.shape[-1] // 2
+    return torch.stack((heads[..., :half], heads[..., half:]), dim=-1).flatten(-2)
+
+
+def _deinterleaved(envoy, old, new):
+    return torch.cat((new[..., 0::2], new[..., 1::2]), dim=-1)
+
+
+def _in_transformers_order(source):
+    return Derived(source, _interleaved, _deinterleaved, in_place=False,
+                   note="vLLM permutes each head's query and key channels at load (even ones, then odd ones: its "
+                        "rotary kernel rotates halves); served in transformers' order (adjacent pairs), a copy: assign "
+                        "it to edit",
+                   why_not="it is a copy in transformers' channel order (vLLM holds the channels permuted)")
+
+
+def _llama4_vllm_locations(family):
+    locations = Family.vllm.locations(family)
+    return {**locations, "attention_queries": _in_transformers_order(locations["attention_queries"]),
+            "attention_keys": _in_transformers_order(locations["attention_keys"])}
+
+
 class Llama4(SparseMoE, Family):
     model_types = ("llama4_text", "llama4")  # transformers builds Llama4ForCausalLM on the text config of both
-    tiny = Tiny("Llama4TextConfig", "Llama4ForCausalLM", {
+    tiny = ("Llama4TextConfig", "Llama4ForCausalLM", {
         "head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
         "moe_layers": [0, 1], "no_rope_layers": [1, 0, 1],
         # chunks of 4 positions, so the 18-token test prompt crosses four chunk boundaries
         "attention_chunk_size": 4, "layer_types": ["chunked_attention", "full_attention", "chunked_attention"]})
-    # The NoPE layers' temperature tuning binds only past floor_scale (8192) positions; test_llama4.py makes it bind
+    # The NoPE layers' temperature tuning binds only past floor_scale (8192) positions; test_flagships.py makes it bind
     # on the test prompt. (It counts padded positions, so left padding changes it: the padded-batch tests can't use it.)
     mlp = "feed_forward"
     activation = "activation_fn"
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
+    # vLLM (llama4.py): Llama's locations under the same names. It places MoE layers by interleave_moe_layer_step
+    # (every step-th layer) and ignores moe_layers, so the checkpoint states both alike; its chunked layers run
+    # ChunkedLocalAttention, whose chunk must be a multiple of the KV cache's block size (tests_vllm sets 32).
+    vllm = VLLMLayout(
+        model_types=("llama4_text",),
+        tiny={"head_dim": 32, "moe_layers": [1], "interleave_moe_layer_step": 2, "attention_chunk_size": 32,
+                 "num_experts_per_tok": 1},  # vLLM applies the router weight on the input for top-1 only
+                 locations=_llama4_vllm_locations,
+    )
 
     def moe_layer(self, config, layer):
         return layer in config.moe_layers
 
+
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        if "moe" in kind:
+        if "moe" in kind and engine == "transformers":  # vLLM's MoE block returns its flat output alone, as its MLP does
             locations["mlp_output"] = TokensOutput("", 0)
         return locations
 

@@ -5,6 +5,8 @@ sparse mixture-of-experts MLP (routed experts plus a gated shared expert) on eve
 the same class. No layer has a single activation or neuron tensor (see Qwen3-Next).
 """
 
+from dataclasses import replace
+
 from ..family import Tiny
 from .qwen3_next import Qwen3Next
 
@@ -19,6 +21,16 @@ class Qwen3_5Moe(Qwen3Next):
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "intermediate_size": None,
     })
     label = "Qwen3.5-MoE"
+    # vLLM's qwen3_5 (Qwen3_5MoeForCausalLM), as Qwen3.5's (bfloat16, torchvision; values up to 6.6e-2 from
+    # transformers' past the Gated DeltaNet layer); full attention on the outer layers. Every token takes every
+    # expert: in bfloat16 a near-tied router would pick another expert on each engine.
+    vllm = replace(
+        Qwen3Next.vllm,
+        model_types=("qwen3_5_moe_text",),
+        tolerance=6e-2,
+        tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts_per_tok": 4,
+                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+    )
 
     def moe_layer(self, config, layer):
         return True

@@ -66,9 +66,10 @@ def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
         heads = kernel.num_heads * ranks
         return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
     impl = kernel.impl
-    total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     num_heads = kernel.num_heads * ranks
-    num_kv_heads = min(kernel.num_kv_heads * ranks, total_kv)  # kv heads fewer than ranks are replicated
+    num_kv_heads = kernel.num_kv_heads * ranks
+    if ranks > 1:  # kv heads fewer than ranks are replicated (a config with per-layer counts refuses this read)
+        num_kv_heads = min(num_kv_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = kernel.head_size
     return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
                         float(impl.scale), "vllm")
@@ -179,6 +180,25 @@ class KernelInput(Location):
         heads = worker.geometry[layer]
         total = heads.num_heads if self.which == 0 else heads.num_kv_heads
         kernel.inputs = with_kernel_arg(args, kwargs, self.which, merge_local(value, total))
+
+
+@dataclass(frozen=True)
+class SharedKernelInput(KernelInput):
+    """Keys (1) or values (2) of a layer whose kernel reads another layer's (`attn(q, None, None)`; Gemma 3n, Gemma
+    4): that layer's rows over the whole context, read-only (`vllm.shared_kv` finds the layer)."""
+
+    in_place = False
+    writable = False
+    why_not = ("this layer's kernel computes no keys or values: it reads another layer's from vLLM's KV cache; edit "
+               "them on the layer that computes them")
+
+    @property
+    def note(self) -> str:
+        return ("the keys and values of the layer this one shares them with (vLLM calls this layer's kernel as "
+                "attn(q, None, None)): the rows attnlens kept for that layer, this step's included; read-only")
+
+    def write(self, envoy, value):
+        raise EditError(f"{self.name}: {self.why_not}")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class MixerLayers:
         return self.text_config(config).layer_types[layer] not in ("full_attention", "sliding_attention")
 
     def renames(self, engine="transformers"):
-        mixer = self.path("mixer", engine)  # vLLM may name it otherwise (`vllm_names`)
+        mixer = self.path("mixer", engine)  # vLLM may name it otherwise (`vllm.names`)
         if not self.mixer_renamed or mixer == "self_attn":  # nothing to rename, or already its name
             return super().renames(engine)
         return {**super().renames(engine), mixer: "self_attn"}

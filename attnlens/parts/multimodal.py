@@ -11,6 +11,10 @@ the text model does.
 
 from __future__ import annotations
 
+#: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
+VLLM_LANGUAGE_MODEL = {"layers": "language_model.model.layers", "embed_tokens": "language_model.model.embed_tokens",
+                       "final_norm": "language_model.model.norm"}
+
 
 def _text(config):
     return config.get_text_config() if config is not None else None
@@ -22,6 +26,10 @@ class LanguageModelOf:
     layers = "model.language_model.layers"
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
+    #: vLLM runs these types as its own multimodal classes (gemma3_mm, gemma4_mm, ...), which build the text model's
+    #: own vLLM class as `language_model`: its blocks are `language_model.model.layers` (`VLLM_LANGUAGE_MODEL`; each
+    #: family states the types checked there; tests_vllm runs the tiny checkpoint's language model alone,
+    #: `language_model_only`).
 
     def layer_kind(self, config, layer):
         return super().layer_kind(_text(config), layer)

@@ -26,6 +26,8 @@ def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
     locations = family.locations_for(config, layer, "vllm")
     queries = locations.get("attention_queries")
     premix = locations.get("attention_premix")
+    while isinstance(queries, Derived):  # the kernel's queries in another layout (Llama 4's channel order)
+        queries = queries.source
     while isinstance(premix, Derived):
         premix = premix.source
     kernel = queries.kernel if isinstance(queries, KernelInput) else None

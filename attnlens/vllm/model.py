@@ -23,7 +23,7 @@ from ..geometry import HeadGeometry
 from ..inputs import check_inputs
 from ..locations import attach
 from ..locations.vllm import kernel_geometry
-from ..registry import family_for, resolve_family
+from ..registry import family_for, registered, resolve_family
 from ..support import Support
 from . import static, worker
 from .blocks import handoffs
@@ -65,7 +65,8 @@ class StandardizedVLLM(Helpful, VLLM):
                 raise
             raise UnknownFamily(refused) from error
         self.text_config = config.get_text_config()
-        model_type = self.text_config.model_type
+        # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
+        model_type = config.model_type if config.model_type in registered() else self.text_config.model_type
         self.family: Family = family_for(model_type) if family is None else resolve_family(family)
         refused = _refusal(self.family, model_type)
         if refused is not None:
@@ -93,15 +94,17 @@ class StandardizedVLLM(Helpful, VLLM):
     def _load_meta(self, *args: Any, **kwargs: Any) -> Any:
         """nnsight's meta model of vLLM's modules, in the client, without processing weights it does not hold
         (repacking MoE experts for the CPU kernel fails on meta tensors; the worker processes the real ones)."""
+        from vllm.model_executor.layers import activation
         from vllm.model_executor.model_loader import base_loader
 
         worker.single_rank_groups_with_experts()
-        process = base_loader.process_weights_after_loading
+        process, xielu = base_loader.process_weights_after_loading, activation.XIELU.__init__
         base_loader.process_weights_after_loading = lambda *_, **__: None
+        activation.XIELU.__init__ = _on_cpu(xielu)  # it reads its own parameters' values when built (Apertus)
         try:
             return super()._load_meta(*args, **kwargs)
         finally:
-            base_loader.process_weights_after_loading = process
+            base_loader.process_weights_after_loading, activation.XIELU.__init__ = process, xielu
 
     @property
     def _WORKER_CLS(self) -> str:  # read by nnsight when it builds the engine
@@ -175,6 +178,19 @@ class StandardizedVLLM(Helpful, VLLM):
             kwargs.setdefault("temperature", 0.0)
         kwargs.pop("pad_token_id", None)
         return kwargs
+
+
+def _on_cpu(init: Any) -> Any:
+    """`init` run on the CPU device inside the meta model's build, for a module that reads its parameters' values
+    as it is built (a meta tensor has none): its few parameters are then real in the client's meta model."""
+
+    def built_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        with torch.device("cpu"):
+            init(self, *args, **kwargs)
+
+    return built_on_cpu
 
 
 def _refusal_of_folder(path: str) -> str | None:

@@ -27,7 +27,7 @@ from ..locations.views import gather_heads, gathered_heads, local_heads
 from ..locations.vllm import kernel_arg, kernel_geometry
 from ..registry import family_for
 from ..values import BY_NAME
-from . import kept, static
+from . import kept, shared_kv, static
 from .blocks import attention_block, handoffs
 
 
@@ -96,6 +96,7 @@ class WorkerValues:
         self.projections: dict[str, int] = {}
         self.geometry = {}
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
+        self.kv_sources: dict[int, int] = {}  # layer -> the layer whose keys and values its kernel reads (shared_kv)
         for index, layer in enumerate(layers):
             kernel, projection = handoffs(self.family, self.config, index)
             attention = attention_block(self.family, layer)
@@ -105,6 +106,9 @@ class WorkerValues:
                 self.kernels[f"{envoy.path}.input"] = index
                 self.geometry[index] = kernel_geometry(envoy._module, self.config)
                 self._check_kernel(envoy._module, index)
+                source = shared_kv.check(self.family, self.config, index, envoy._module)
+                if source is not None:
+                    self.kv_sources[index] = source
                 sinks = getattr(envoy._module.impl, "sinks", None)
                 if sinks is not None:  # this rank's heads: every rank gathers them, here, once
                     self.sinks[index] = gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads,
@@ -166,6 +170,9 @@ class WorkerValues:
         total = heads.num_heads if which == 0 else heads.num_kv_heads
         dim = heads.qk_head_dim if which < 2 else heads.head_dim
         args, kwargs = child(envoy, kernel).inputs
+        if which > 0 and layer in self.kv_sources:  # the kernel got None: the source layer's kept rows
+            end = self.state().position + kernel_arg(args, kwargs, 0).shape[0]
+            return shared_kv.shared_heads(self.state().history, self.kv_sources[layer], end, which, dim, total), True
         current = gathered_heads(kernel_arg(args, kwargs, which), dim, total)
         if which == 0:
             return current, False
@@ -228,6 +235,8 @@ class WorkerValues:
     def after_kernel_input(self, layer: int, value: Any) -> None:
         args, kwargs = value
         keys, values = kernel_arg(args, kwargs, 1), kernel_arg(args, kwargs, 2)
+        if keys is None:  # a layer sharing another's keys and values (shared_kv): the source keeps them
+            return
         for state, start, count in self.spans:
             state.history.keep(layer, state.position, keys[start:start + count].reshape(count, -1),
                                values[start:start + count].reshape(count, -1))
@@ -256,7 +265,7 @@ class WorkerValues:
         [tokens, heads, head_dim]."""
         heads = self.geometry[layer]
         end = state.position + pattern.shape[2]
-        values = state.history.upto(layer, end, 1)
+        values = state.history.upto(self.kv_sources.get(layer, layer), end, 1)
         values = values.view(end, -1, heads.head_dim).transpose(0, 1)[None]  # [1, local kv heads, keys, dim]
         pattern = local_heads(pattern, heads.num_heads, 1)
         groups = pattern.shape[1] // values.shape[1]
