@@ -101,19 +101,17 @@ def traced(llama):
 
 
 def probabilities(model, prompts, steps, edit=None):
-    """Layer 1's pattern on each of `steps` steps of each prompt (one request each, in one trace)."""
+    """Layer 1's pattern on each of `steps` steps of each prompt (one request each, in one trace), after `edit`."""
     attn = model.layers[1].self_attn
     with torch.no_grad(), model.trace(max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
-        found = []
         for prompt in prompts:
             with tracer.invoke(prompt):
                 saved = list().save()
-                for step in tracer.iter[:steps]:
-                    if edit is not None and step == 0:
+                for _ in tracer.iter[:steps]:
+                    if edit is not None:
                         edit(model)
                     saved.append(attn.attention_probabilities.clone())
-            found.append(saved)
-    return [list(steps) for steps in found]
+    return saved if len(prompts) > 1 else [saved]  # a name saved by several requests comes back as a list
 
 
 def eager_probabilities(eager, model, prompt, steps):
@@ -145,7 +143,8 @@ def test_a_traced_request_that_edits_keys_does_not_feed_the_prefix_cache(traced,
     after = traced.generate(prompt + "sang.", max_tokens=1, temperature=0.0, logprobs=0)[0]
     assert after.num_cached_tokens == 0  # the traced request's (edited) blocks serve no other request
     fresh = traced.generate(prompt + "sang.", max_tokens=1, temperature=0.0)[0]
-    assert fresh.num_cached_tokens == 64 and fresh.outputs[0].token_ids == after.outputs[0].token_ids
+    full_blocks = len(fresh.prompt_token_ids) // 32 * 32
+    assert fresh.num_cached_tokens == full_blocks and fresh.outputs[0].token_ids == after.outputs[0].token_ids
 
 
 def preemptions(model) -> list:
@@ -162,13 +161,18 @@ def preemptions(model) -> list:
 
 
 def test_traced_requests_preempted_and_recomputed_equal_their_runs_alone(traced, llama):
+    """A preempted request is recomputed in one step (its prompt and every token so far) that also samples its next
+    token: that step holds every row of the sequence, as a prefill does; every step's rows equal eager's."""
     prompts = [f"{i} " + PREFIX[: 24 + 4 * i] for i in range(6)]
     counted = preemptions(traced)
     together = probabilities(traced, prompts, 20)
     assert counted  # six requests of 27 to 70 tokens do not fit six 32-token blocks at once
+    recomputed = 0
     for prompt, steps in zip(prompts, together):
-        want, n = eager_probabilities(llama.eager, traced, prompt, 20)
+        want, _ = eager_probabilities(llama.eager, traced, prompt, 20)
         assert len(steps) == 20
         for step, got in enumerate(steps):
-            rows = slice(0, n) if step == 0 else slice(n + step - 1, n + step)
-            assert close(got, want[:, :, rows, :n + step]), (prompt, step)
+            count, end = got.shape[2:]
+            recomputed += step > 0 and count > 1
+            assert close(got, want[:, :, end - count:end, :end]), (prompt, step)
+    assert recomputed
