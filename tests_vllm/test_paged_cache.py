@@ -57,6 +57,10 @@ def test_the_static_engine_runs_vllms_defaults(compiled):
     assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
     with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):
         compiled.trace("Hi")
+    support = compiled.support(1)
+    assert support["self_attn.attention_probabilities"] is None
+    assert "static tap only" in support.notes["self_attn.attention_probabilities"]
+    assert "enforce_eager=True" in support["layer_output"] and "enforce_eager=True" in support["logits"]
 
 
 def test_a_prefix_another_request_cached_gives_the_same_captures_as_alone(compiled, llama):

@@ -30,6 +30,7 @@ from ..geometry import HeadGeometry
 from ..inputs import check_inputs
 from ..registry import family_for, resolve_family
 from ..support import Support
+from ..values import BY_SHORT
 from . import kept, static, worker
 from .locations import handoffs
 
@@ -150,8 +151,22 @@ class StandardizedVLLM(Helpful, VLLM):
     # --- what is served, and in what order ------------------------------------------------------------------
 
     def support(self, layer: int = 0) -> Support:
-        """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt."""
-        return self.access.support(layer)
+        """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt. On an engine
+        running vLLM's compiled model (`compiled`), only the static taps are served, and every other value says that
+        it needs the eager engine."""
+        found = self.access.support(layer)
+        if not self.compiled:
+            return found
+        layer = self.access.check_layer(layer)
+        served = {BY_SHORT[short].key for short, where in static.taps(self.family, self.text_config, layer).items()
+                  if where == "kernel"}
+        eager = ("this engine runs vLLM's compiled model (built for static capture), where only the attention op's "
+                 "values are tapped; build StandardizedVLLM(..., enforce_eager=True) to trace this value")
+        reasons = {key: reason if reason is not None or key in served else eager
+                   for key, reason in found.reasons.items()}
+        notes = {key: f"{note}; on this compiled engine, a static tap only (static_points)"
+                 for key, note in found.notes.items() if key in served}
+        return found.model_copy(update={"reasons": reasons, "notes": notes})
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer` served here; values read at one place share a rank."""
