@@ -56,7 +56,10 @@ def test_the_static_engine_runs_vllms_defaults(compiled):
     assert not config.model_config.enforce_eager
     assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
     with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):
-        compiled.trace("Hi")
+        with compiled.trace("Hi"):
+            compiled.logits.save()
+    plain = compiled.generate("Hi", max_tokens=2, temperature=0.0)  # no block: plain vLLM requests run
+    assert len(plain[0].outputs[0].token_ids) == 2
     support = compiled.support(1)
     assert support["self_attn.attention_probabilities"] is None
     assert "static tap only" in support.notes["self_attn.attention_probabilities"]
@@ -180,3 +183,13 @@ def test_traced_requests_preempted_and_recomputed_equal_their_runs_alone(traced,
             recomputed += step > 0 and count > 1
             assert close(got, want[:, :, end - count:end, :end]), (prompt, step)
     assert recomputed
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "gemma2"])
+def test_static_captures_under_the_defaults_on_other_model_code(name, tmp_path_factory):
+    """vLLM's Transformers backend (GPT-NeoX) and a family with sliding windows and a soft-cap (Gemma 2), compiled."""
+    models = pair(name, tmp_path_factory)
+    model = attnlens.StandardizedVLLM(str(models.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
+    assert model.compiled
+    result = model.static_generate([models.prompt], max_new_tokens=3, do_sample=False, ignore_eos=True)[0]
+    check(models.eager, result)

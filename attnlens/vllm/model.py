@@ -118,14 +118,6 @@ class StandardizedVLLM(Helpful, VLLM):
         llm.llm_engine.__class__ = NNsightLLMEngine  # collects each finished request's saves, as nnsight's does
         return llm
 
-    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.compiled:
-            raise Unavailable(
-                "this engine runs vLLM's compiled model (it was built for static capture: static_points and no "
-                "enforce_eager), where nnsight's module handoffs never run, so it serves no traces. Build it with "
-                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)")
-        return super().trace(*inputs, **kwargs)
-
     @property
     def _WORKER_CLS(self) -> str:  # read by nnsight when it builds the engine
         return worker.WORKER_GPU if worker.has_accelerator() else worker.WORKER_CPU
@@ -191,6 +183,11 @@ class StandardizedVLLM(Helpful, VLLM):
         """nnsight's requests, each with a cache salt of its own: a trace may edit what its request's kernels write
         into the KV cache, so its blocks must not serve another request's prefix (nnsight already keeps a traced
         request from reading the prefix cache, so each sees its whole prompt, as eager does)."""
+        if self.compiled:  # here, not in `trace`: a plain `generate` (no block) runs on a compiled engine
+            raise Unavailable(
+                "this engine runs vLLM's compiled model (it was built for static capture: static_points and no "
+                "enforce_eager), where nnsight's module handoffs never run, so it serves no traces. Build it with "
+                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)")
         (prompts, params, loras), kwargs = super()._batch(invokes, fn)
         prompts = [_salted(prompt) for prompt in prompts]
         return (prompts, params, loras), kwargs
@@ -236,7 +233,8 @@ def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dic
     tap sits at a module inside the graph (head outputs, at the output projection). Otherwise (static taps at the
     attention op only) it runs as plain vLLM does by default: compiled, with prefix caching and chunked prefill.
     An eager engine keeps prefix caching on too (a traced request neither reads nor feeds it, `_batch`) and chunked
-    prefill off, so a traced prompt's prefill is one step, unless asked."""
+    prefill off, so a traced prompt's prefill is one step, unless asked; a hybrid with recurrent layers (Qwen3-Next's
+    linear attention) then leaves prefix caching off, as vLLM caches recurrent states only with chunked prefill."""
     if enforce_eager is None:
         enforce_eager = not model.static_points or static.needs_eager(model, model.static_points)
     elif not enforce_eager and static.needs_eager(model, model.static_points):
@@ -244,9 +242,11 @@ def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dic
             f"static points {', '.join(static.needs_eager(model, model.static_points))} are read before the output "
             f"projection, inside vLLM's compiled graph, where no hook runs; drop enforce_eager=False (the engine then "
             f"runs eagerly) or tap them with attnlens.StandardizedVLLM(..., enforce_eager=True)")
-    kwargs.setdefault("enable_prefix_caching", True)
     if not enforce_eager:
         kwargs.setdefault("enable_chunked_prefill", True)
+    recurrent = any(handoffs(model.family, model.text_config, layer)[0] is None for layer in range(model.num_layers))
+    if kwargs.get("enable_chunked_prefill") or not recurrent:  # vLLM caches a recurrent state only chunk-aligned
+        kwargs.setdefault("enable_prefix_caching", True)
     return not enforce_eager
 
 
