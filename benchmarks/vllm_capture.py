@@ -3,14 +3,17 @@
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
         [--repeats 3] [--tp]
 
-Rows, in one process, on SmolLM2-135M float32: plain vLLM (`vllm.LLM`, configured as nnsight configures its engine:
-eager, no prefix cache, no chunked prefill); the attnlens engine running the same requests without a trace; static
-capture (`StandardizedVLLM(static_points=[attn_probs.L])` with `static_generate`, the patterns rebuilt when taken,
-included in the time); traced capture (`trace` + `tracer.iter` saving layer L's `attention_probabilities` on every
-step of every prompt). The engines are built side by side and timed in alternation after a warm-up, so load from
-other processes falls on all alike; the best of `--repeats` rounds is reported with its ratio to plain vLLM. Every
-prompt generates exactly `--tokens` tokens. `--tp` adds the same rows on two tensor-parallel CPU ranks, on
-Gemma-3-270M (4 query heads, 1 key/value head: its heads divide over two ranks; SmolLM2's 9 do not).
+Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
+builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
+(eager, for reference); static capture (`StandardizedVLLM(static_points=[attn_probs.L])` with `static_generate`,
+which runs vLLM's defaults: the pattern is rebuilt at the attention op each step, over keys read from the paged KV
+cache); the attnlens engine for traces (eager) without a trace; traced capture (`trace` + `tracer.iter` saving layer
+L's `attention_probabilities` on every step of every prompt). Then the memory attnlens holds beside vLLM's KV cache
+after the traced run (0: earlier keys are read from the cache; the copy the earlier design kept is given for
+comparison). The engines are built side by side and timed in alternation after a warm-up, so load from other
+processes falls on all alike; the best of `--repeats` rounds is reported. Every prompt generates exactly `--tokens`
+tokens. `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1 key/value
+head: its heads divide over two ranks; SmolLM2's 9 do not).
 """
 
 from __future__ import annotations
@@ -51,13 +54,18 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
     from vllm import LLM, SamplingParams
 
     sampling = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm = LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine)
+    llm = LLM(path, **engine)  # vLLM's defaults
+    eager = LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine)
     static = attnlens.StandardizedVLLM(path, static_points=[f"attn_probs.{layer}"], **engine)
+    assert static.compiled
     model = attnlens.StandardizedVLLM(path, **engine)
     attn = model.layers[layer].self_attn
 
     def plain():
         llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+
+    def plain_eager():
+        eager.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
 
     def untraced():
         model.generate(prompts, **sampling)
@@ -75,17 +83,30 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
                         saved.append(attn.attention_probabilities)
         assert len(saved) == len(prompts) and len(saved[0]) == tokens
 
-    return interleaved({"plain vLLM": plain, "attnlens engine, no trace": untraced,
+    rows = interleaved({"plain vLLM": plain, "plain vLLM, eager (as for traces)": plain_eager,
                         f"static capture, layer {layer} pattern": captured_statically,
+                        "attnlens engine for traces, no trace": untraced,
                         f"traced capture, layer {layer} pattern": traced}, repeats)
+    cache = model.vllm_entrypoint.collective_rpc("attnlens_cache_bytes")
+    held = [stats["bytes"] for stats in model.kept()]
+    c = model.text_config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.head_dim or c.hidden_size // c.num_attention_heads)
+    tokens_held = sum(len(model.tokenizer(p).input_ids) + tokens for p in prompts)
+    memory = {"KV cache (vLLM's, per rank)": cache, "attnlens beside it, after the traced run (per rank)": held,
+              "the copy the earlier design kept at the end of the run": per_token * 4 * tokens_held}
+    return rows, memory
 
 
-def report(title: str, rows: dict) -> None:
+def report(title: str, found: tuple) -> None:
+    rows, memory = found
     base = rows["plain vLLM"]
-    width = max(map(len, rows))
+    width = max(map(len, [*rows, *memory]))
     print(title)
     for name, seconds in rows.items():
         print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / base:5.2f}x")
+    for name, size in memory.items():
+        sizes = size if isinstance(size, list) else [size]
+        print(f"  {name:<{width}}  " + ", ".join(f"{b / 2**20:.1f} MiB" for b in sizes))
 
 
 def main() -> None:

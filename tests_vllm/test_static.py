@@ -76,7 +76,7 @@ def test_plain_vllm_requests_in_mixed_steps(static):
         steps = [v for k, v in taken.items() if k == output.request_id or output.request_id.startswith(k)
                  or k.startswith(output.request_id)]
         assert len(steps) == 1, (output.request_id, list(taken))
-        check(eager, output, [attnlens.Cache(step) for step in steps[0]])
+        check(eager, output, [attnlens.Cache(step) for step in steps[0]["steps"]])
 
 
 def test_static_attention_joins_steps_like_capture_attention(static):

@@ -4,9 +4,9 @@ MLA kernel receives.
 vLLM's MLA kernel (`MLAAttention`; `self_attn.mla_attn.mla_attn` in DeepSeek-V2/V3) receives the queries per head,
 `[tokens, heads, qk_head_dim]` after the rotary embedding, the normalised latent `kv_c_normed` `[tokens, kv_lora_rank]`
 and the rotary key every head shares, `k_pe` `[tokens, 1, qk_rope_head_dim]`. The latent and `k_pe` are what its
-cache keeps, and what attnlens keeps per request (`History` keeps the kernel's arguments 1 and 2, whatever they
-are). On a prefill the kernel expands the latent through `kv_b_proj` into per-head keys and values; on a decode step
-it never does: it folds kv_b_proj's key half into the queries (`q_nope @ W_UK` against the latent) and applies the
+cache keeps: a decode step's earlier latents and rotary keys are read from it (`kept.cached`, the "latent" layout).
+On a prefill the kernel expands the latent through `kv_b_proj` into per-head keys and values; on a decode step it
+never does: it folds kv_b_proj's key half into the queries (`q_nope @ W_UK` against the latent) and applies the
 value half after the latents are mixed. attnlens rebuilds both, per head, with the kernel's own split of kv_b_proj
 (`W_UK_T`, `W_UV`):
 
@@ -39,7 +39,7 @@ NOTES = {
     0: "what vLLM's MLA kernel receives (after the rotary embedding), per query head",
     1: "rebuilt per head from the latent the MLA kernel receives and keeps (vLLM never forms per-head keys on a decode "
        "step): latent @ W_UK (kv_b_proj's key half), then the rotary key k_pe every head shares; on a decode step "
-       "over the whole context (the latents attnlens kept, then this step's). Read-only: one latent serves every head",
+       "over the whole context (the latents in vLLM's cache, then this step's). Read-only: one latent serves each head",
     2: "rebuilt per head from the latent: latent @ W_UV (kv_b_proj's value half), over the whole context on a decode "
        "step. Read-only: one latent serves every head",
 }
@@ -119,8 +119,8 @@ class LatentInput(KernelInput):
             return (queries, False) if order is None else (queries[..., order], True)
         latent, rotary = kernel_arg(args, kwargs, 1), kernel_arg(args, kwargs, 2).flatten(1)
         state = worker.state()
-        before = state.history.before(worker.access.layer_of(envoy), state.position)
-        if before is not None:
+        if state.position > 0:
+            before = worker.cached(state, worker.access.layer_of(envoy), state.position)
             latent, rotary = torch.cat([before[0], latent]), torch.cat([before[1], rotary])
         rebuilt = gather_heads(expand(kernel._module, latent, rotary, self.which), heads.num_heads, 1)
         return (rebuilt if order is None or self.which == 2 else rebuilt[..., order]), False

@@ -8,7 +8,7 @@ import vLLM, so families can declare their vLLM locations anywhere.
 - `ResidualPair`: vLLM carries the residual stream as a `(hidden, residual)` pair that its fused norms add.
 - `KernelInput`: what the attention kernel receives, flat `[tokens, heads * dim]`; keys and values of a decode step
   span the whole context (the rows attnlens keeps, then this step's).
-- `RebuiltPattern`: the scores or the pattern, rebuilt with the family's score function over the kept keys.
+- `RebuiltPattern`: the scores or the pattern, rebuilt with the family's score function over the cached keys.
 - `SampledLogits`: the logits vLLM samples from (the last position).
 - `batched`, `copied`, `heads_of`: a module's input or output with the batch axis added, copied, or split in heads.
 """
@@ -136,7 +136,7 @@ class ResidualPair(Location):
 class KernelInput(Location):
     """Query (0), key (1) or value (2) entering the attention kernel `kernel` (from the attention block), as
     `[1, heads, tokens, dim]` over every tensor-parallel rank. On a decode step keys and values span the whole
-    context: the rows kept from earlier steps (a new tensor), then this step's."""
+    context: the earlier rows, read from vLLM's paged KV cache (a new tensor), then this step's."""
 
     kernel: str
     which: int
@@ -145,7 +145,7 @@ class KernelInput(Location):
     def note(self) -> str:
         if self.which == 0:
             return "what vLLM's attention kernel receives (after rotary embedding and any QK-norm)"
-        return ("the kernel's; on a decode step the whole context: the rows attnlens kept from earlier steps, then "
+        return ("the kernel's; on a decode step the whole context: the earlier rows from vLLM's KV cache, then "
                 "this step's (a new tensor there: assign it). Edits reach the forward for this step's rows only")
 
     @property
@@ -162,7 +162,7 @@ class KernelInput(Location):
         if not joined:
             return heads
         return worker.access.guard(heads, self.name, worker.access.layer_of(envoy),
-                                   "on a decode step it is a new tensor (the kept rows, then this step's)")
+                                   "on a decode step it is a new tensor (the cached rows, then this step's)")
 
     def write(self, envoy, value):
         worker = worker_of(envoy)
@@ -203,10 +203,10 @@ class SharedKernelInput(KernelInput):
 
 @dataclass(frozen=True)
 class RebuiltPattern(Location):
-    """`kind` "scores", "probabilities" or "sinks" of the request's queries against its kept keys, rebuilt in the
+    """`kind` "scores", "probabilities" or "sinks" of the request's queries against its cached keys, rebuilt in the
     worker with the family's score function and softmax (with the kernel's sink logits where it has them). Editing
     the scores or the pattern (in place or assigned) recomputes this layer's head outputs from the edited pattern and
-    the kept values (`worker.WorkerValues.before_output_projection`); the sink share is read-only."""
+    the cached values (`worker.WorkerValues.before_output_projection`); the sink share is read-only."""
 
     kernel: str
     kind: str
@@ -226,10 +226,10 @@ class RebuiltPattern(Location):
         if self.kind == "sinks":
             return "rebuilt in vLLM's worker: the softmax share of the kernel's sink logit, 1 - the pattern's row sum"
         if self.kind == "scores":
-            return ("rebuilt in vLLM's worker with the family's score function over the kept keys; editing them "
-                    "recomputes this layer's head outputs from softmax(edited scores) and the kept values")
+            return ("rebuilt in vLLM's worker with the family's score function over the cached keys; editing them "
+                    "recomputes this layer's head outputs from softmax(edited scores) and the cached values")
         return ("rebuilt in vLLM's worker (softmax of the rebuilt scores); editing them recomputes this layer's head "
-                "outputs as edited pattern @ kept values")
+                "outputs as edited pattern @ cached values")
 
     @property
     def key(self) -> str:

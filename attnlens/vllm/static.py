@@ -1,16 +1,18 @@
 """The static capture backend on vLLM: taps declared when the engine loads, recorded on every request.
 
 `StandardizedVLLM(path, static_points=["attn_probs.10", "value.10"])` checks the points against `support()` before
-the engine is built, then vLLM's worker installs plain PyTorch forward pre-hooks on the modules that hold them. No
-trace is shipped with a request and nnsight's interleaver has nothing to run, so requests take vLLM's ordinary path;
-the hooks only copy this step's rows per request. `model.static_generate(prompts, ...)` runs plain vLLM requests and
-returns each one's output with its captures, one `Cache` per step (step 0 the prefill, then one per decode step), in
-the layouts `run_with_cache` gives (batch axis of one, as a traced invoke on vLLM gives).
+the engine is built, then vLLM's worker wraps the attention implementation of each tapped layer (which vLLM calls
+from its attention op, outside the compiled graph, so taps run under vLLM's compiled model) and, for head outputs,
+puts a forward pre-hook on the output projection (inside the graph: those need the eager engine, `needs_eager`). No
+trace is shipped with a request and nnsight's interleaver has nothing to run, so requests take vLLM's ordinary path.
+`model.static_generate(prompts, ...)` runs plain vLLM requests and returns each one's output with its captures, one
+`Cache` per step (step 0 the prefill or its first chunk, then one per decode step) and each step's first position,
+in the layouts `run_with_cache` gives (batch axis of one, as a traced invoke on vLLM gives).
 
-Scores and probabilities are not taps of their own: declaring them taps their source, the kernel's queries and the
-request's keys (kept with `worker.History`, as traced requests keep them), and they are rebuilt with the family's
-score function when the captures are taken. Keys and values on a decode step span the whole context, as on the
-traced path. A request's state is held in the worker from its first step until its captures are taken.
+Scores and probabilities are rebuilt at the hook with the family's score function, from the kernel's queries and the
+request's keys, the earlier ones read from vLLM's paged KV cache (prefix-cached ones included), as traced requests
+read them. Keys and values on a decode step span the whole context, as on the traced path. A request's captures are
+held in the worker from its first step until they are taken.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .. import points as plan
 from ..errors import Unavailable
 from ..locations import child
 from ..locations.views import gather_heads, gathered_heads
-from ..locations.vllm import KernelInput, RebuiltPattern, kernel_arg
+from ..locations.vllm import KernelInput, RebuiltPattern
 from ..names import Cache
 from ..values import BY_NAME
 from . import kept
@@ -50,6 +52,17 @@ def taps(family, config, layer: int) -> dict[str, str]:
         elif premix is not None and name in ("attention_head_outputs", "attention_premix") \
                 and location.key == premix.key:
             found[BY_NAME[name].short] = "projection"
+    return found
+
+
+def needs_eager(model: Any, keys: list[str]) -> list[str]:
+    """The declared cache keys whose tap is a module inside vLLM's compiled graph (the output projection's input):
+    under the compiled model no hook there runs, so they need the eager engine (`model.engine_mode`)."""
+    found = []
+    for key in keys:
+        short, _, layer = key.rpartition(".")
+        if taps(model.family, model.text_config, int(layer)).get(short) == "projection":
+            found.append(key)
     return found
 
 
@@ -91,10 +104,13 @@ def _before_forward(module: torch.nn.Module, hook: Any) -> None:
 
 @dataclass
 class StaticResult:
-    """One request: vLLM's `RequestOutput` and its captures, one `Cache` per step (0: the prefill)."""
+    """One request: vLLM's `RequestOutput` and its captures, one `Cache` per step (0: the prefill, or its first chunk),
+    and each step's first position: step 0 starts past any prefix vLLM served from its prefix cache (those positions'
+    keys are in the captured keys and patterns, but their queries were never computed, so they have no rows)."""
 
     output: Any
     steps: list[Cache]
+    positions: list[int]
 
     def attention(self, layer: int, step: int | None = None) -> dict[str, torch.Tensor]:
         """`capture_attention`'s dict for `layer` ("scores", "probs", "value", as declared; no batch axis): one step,
@@ -118,28 +134,44 @@ class StaticResult:
 
 
 class _Request:
-    """One request's captures in the worker: per step, its first position and row count and this step's rows."""
+    """One request's captures in the worker: per step, its first position and that step's captures, in their
+    layouts (gathered across ranks)."""
 
     def __init__(self) -> None:
-        self.history = kept.History()
-        self.steps: list[dict[str, Any]] = []
+        self.positions: list[int] = []
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+
+def _before_kernel(kernel: torch.nn.Module, hook: Any) -> None:
+    """Run `hook(query, key, value)` before each run of the kernel's attention implementation. vLLM calls it from its
+    attention op, which runs outside the compiled graph (and whatever path the model code takes to the kernel), so
+    the hook runs under vLLM's compiled model as under the eager one."""
+    impl = kernel.impl
+    forward = impl.forward
+
+    def run(layer, query, key, value, *args, **kwargs):
+        hook(query, key, value)
+        return forward(layer, query, key, value, *args, **kwargs)
+
+    impl.forward = run
 
 
 class StaticRecorder:
-    """Installed in vLLM's worker when the engine declares static points: it runs before the tapped modules."""
+    """Installed in vLLM's worker when the engine declares static points: it runs at the tapped layers' attention
+    ops (and, for head outputs, before their output projections)."""
 
     def __init__(self, runner: Any, keys: list[str]) -> None:
         self.runner = runner
-        self.values = runner.attnlens  # WorkerValues: family, geometry
+        self.values = runner.attnlens  # WorkerValues: family, geometry, kernels, block tables
         self.keys = keys
         self.layers: dict[int, set[str]] = {}
         for key in keys:
             short, _, layer = key.rpartition(".")
-            self.layers.setdefault(int(layer), set()).update((short, *SOURCES.get(short, ())))
+            self.layers.setdefault(int(layer), set()).add(short)
         self.requests: dict[str, _Request] = {}  # by tag (or vLLM's request id)
         self.tags: dict[str, str] = {}  # vLLM's request id -> tag
         self.tokens: dict[str, int] = {}
-        self.spans: list[tuple[_Request, int, int, int]] | None = []
+        self.spans: list[tuple[_Request, str, int, int, int]] | None = []
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
@@ -147,7 +179,7 @@ class StaticRecorder:
             kernel, projection = handoffs(family, config, layer)
             attention = attention_block(family, layers[layer])
             if any(where.get(short) == "kernel" for short in shorts):
-                _before_forward(child(attention, kernel)._module, self._kernel_hook(layer))
+                _before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
             if any(where.get(short) == "projection" for short in shorts):
                 _before_forward(child(attention, projection)._module, self._projection_hook(layer))
 
@@ -158,17 +190,14 @@ class StaticRecorder:
             extra = getattr(data.sampling_params, "extra_args", None) or {}
             tag = extra.get(CONFIG_KEY) or data.req_id
             self.tags[data.req_id] = tag
-            self.requests[tag] = _Request()
+            self.requests.setdefault(tag, _Request())
         for request_id in getattr(scheduler_output, "finished_req_ids", None) or ():
-            self.finish(request_id)
+            self.tags.pop(request_id, None)  # its captures stay until taken
         self.tokens = dict(scheduler_output.num_scheduled_tokens)
         self.spans = None  # worked out at the first hook, when the batch's order is final
 
-    def finish(self, request_id: str) -> None:
-        """The request is over: its captures stay until taken, its key history only as far as they need it."""
-        self.tags.pop(request_id, None)
-
-    def _spans(self) -> list[tuple[_Request, int, int, int]]:
+    def _spans(self) -> list[tuple[_Request, str, int, int, int]]:
+        """(request, vLLM's id, first row in the batch, rows, first position) of each captured request this step."""
         if self.spans is None:
             self.spans, start = [], 0
             for request_id in self.runner.input_batch.req_ids:
@@ -178,83 +207,81 @@ class StaticRecorder:
                 request = self.requests.get(self.tags.get(request_id, ""))
                 if request is not None:
                     position = self.runner.requests[request_id].num_computed_tokens
-                    step = {"position": position, "count": count}
-                    request.steps.append(step)
-                    self.spans.append((request, start, count, position))
+                    request.positions.append(position)
+                    request.steps.append({})
+                    self.spans.append((request, request_id, start, count, position))
                 start += count
         return self.spans
 
-    # --- hooks -----------------------------------------------------------------------------------------------
+    # --- hooks: each step's captures, in their layouts -------------------------------------------------------
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        keep_keys = bool(shorts & {"key", "value", *SOURCES})
+        values, family, config = self.values, self.values.family, self.values.config
+        heads = values.geometry[layer]
+        pattern = shorts & set(SOURCES)
+        context = shorts & {"key", "value"} or pattern
 
-        def hook(module, args, kwargs):
-            queries, keys, values = (kernel_arg(args, kwargs, which) for which in range(3))
-            for request, start, count, position in self._spans():
+        def hook(query, key, value):
+            for request, request_id, start, count, position in self._spans():
+                step = request.steps[-1]
                 rows = slice(start, start + count)
-                if keep_keys:
-                    request.history.keep(layer, position, keys[rows].reshape(count, -1),
-                                         values[rows].reshape(count, -1))
-                if "query" in shorts:  # every rebuilt name taps its queries (SOURCES)
-                    request.steps[-1][f"q.{layer}"] = queries[rows].reshape(count, -1).clone()
+                queries = gathered_heads(query[rows].reshape(count, -1), heads.qk_head_dim, heads.num_heads)
+                if "query" in shorts:
+                    step[f"query.{layer}"] = queries.clone()
+                if not context:
+                    continue
+                flat = key[rows].reshape(count, -1), value[rows].reshape(count, -1)
+                if position:  # earlier positions from vLLM's paged cache (prefix-cached ones too)
+                    kernel = values.kernels[layer]
+                    table, size = values.tables.row(kernel, request_id)
+                    earlier = kept.cached(kernel, table, size, position)
+                    flat = tuple(torch.cat([before, now]) for before, now in zip(earlier, flat))
+                keys, vals = (gathered_heads(x, dim, heads.num_kv_heads)
+                              for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim)))
+                for short, tensor in (("key", keys), ("value", vals)):
+                    if short in shorts:
+                        step[f"{short}.{layer}"] = tensor if position else tensor.clone()
+                if pattern:
+                    scores = family.scores(heads, config, queries, keys, layer)
+                    probabilities, sinks = family.softmax(scores, values.sinks.get(layer))
+                    built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
+                    for short in pattern:
+                        step[f"{short}.{layer}"] = built[short]
         return hook
 
     def _projection_hook(self, layer: int):
+        heads = self.values.geometry[layer]
+        shorts = self.layers[layer]
+
         def hook(module, args, kwargs):
             premix = args[0] if args else next(iter(kwargs.values()))
             premix = premix.reshape(-1, premix.shape[-1])  # the Transformers backend keeps a batch axis of one
-            for request, start, count, _ in self._spans():
-                request.steps[-1][f"premix.{layer}"] = premix[start:start + count].clone()
+            for request, _, start, count, _ in self._spans():
+                local = premix[start:start + count].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
+                z = gather_heads(local.clone(), heads.num_heads, 2)
+                for short in shorts & {"z", "premix"}:
+                    request.steps[-1][f"{short}.{layer}"] = z if short == "z" else z.flatten(-2)
         return hook
 
     # --- taking the captures ---------------------------------------------------------------------------------
 
-    def take(self, tags: list[str] | None = None) -> dict[str, list[dict[str, torch.Tensor]]]:
-        """The captures of `tags` (every request held, if None), rebuilt into their layouts, and freed here."""
+    def take(self, tags: list[str] | None = None) -> dict[str, dict]:
+        """The captures of `tags` (every request held, if None), freed here: per tag, each step's first position
+        and captures."""
         tags = list(self.requests) if tags is None else tags
         found = {}
         for tag in tags:  # vLLM tells the worker a request finished only at the next step: don't wait for it
             request = self.requests.pop(tag, None)
             if request is None:
                 raise KeyError(f"no static captures for request {tag!r} (taken already, or never run)")
-            found[tag] = [self._step(request, step) for step in request.steps]
-            request.history.free()
+            found[tag] = {"positions": request.positions, "steps": request.steps}
         return found
-
-    def _step(self, request: _Request, step: dict) -> dict[str, torch.Tensor]:
-        position, count = step["position"], step["count"]
-        out = {}
-        for key in self.keys:
-            short, _, layer = key.rpartition(".")
-            layer = int(layer)
-            heads = self.values.geometry.get(layer)
-            if short in ("key", "value", *SOURCES):
-                request.history.before(layer, position)  # raises if the kernel never saw earlier tokens
-                keys, values = (gathered_heads(request.history.upto(layer, position + count, which), dim,
-                                                 heads.num_kv_heads)
-                                for which, dim in ((0, heads.qk_head_dim), (1, heads.head_dim)))
-            if short in ("z", "premix"):
-                local = step[f"premix.{layer}"].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
-                z = gather_heads(local, heads.num_heads, 2)
-                out[key] = z if short == "z" else z.flatten(-2)
-            elif short == "query":
-                out[key] = gathered_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
-            elif short in ("key", "value"):
-                out[key] = (keys if short == "key" else values).clone()
-            else:
-                queries = gathered_heads(step[f"q.{layer}"], heads.qk_head_dim, heads.num_heads)
-                scores = self.values.family.scores(heads, self.values.config, queries, keys, layer)
-                probabilities, sinks = self.values.family.softmax(scores, self.values.sinks.get(layer))
-                out[key] = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}[short]
-        return out
 
     def stats(self) -> dict:
         return {"requests": len(self.requests), "running": len(self.tags),
-                "bytes": sum(r.history.nbytes + sum(t.numel() * t.element_size() for s in r.steps
-                                                     for t in s.values() if isinstance(t, torch.Tensor))
-                             for r in self.requests.values())}
+                "bytes": sum(t.numel() * t.element_size() for r in self.requests.values() for s in r.steps
+                             for t in s.values())}
 
 
 def install(runner: Any) -> StaticRecorder | None:
@@ -285,5 +312,6 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
     for per_worker in model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)):
         taken = per_worker  # every rank holds the same gathered captures; rank 0's are kept
         break
-    results = [StaticResult(output, [Cache(step) for step in taken[tag]]) for output, tag in zip(outputs, tags)]
+    results = [StaticResult(output, [Cache(step) for step in taken[tag]["steps"]], taken[tag]["positions"])
+               for output, tag in zip(outputs, tags)]
     return results[0] if single else results

@@ -2,12 +2,10 @@
 
 nnsight's vLLM integration runs a trace's body inside the worker, on the real weights, through its model runner.
 attnlens adds its `Access` there (the same reads, checks and errors as on the transformers engine, through the family's
-vLLM locations), and one thing to the runner: for every request an attnlens trace submitted, it keeps the keys and
-values vLLM's attention kernel receives, layer by layer and step by step (`kept.History`), so that a decode step's
-pattern can be rebuilt over the whole context. They are freed when the request ends.
-
-The recording sits in the interleaver's handoff (`handle`), after the trace's body has seen the kernel's inputs, so
-what is kept is what the kernel received, edits included.
+vLLM locations), and, per request an attnlens trace submitted, where its rows sit in this step's batch: a decode
+step's earlier keys and values are read from vLLM's paged KV cache through the request's block table (`kept.cached`),
+so a pattern is rebuilt over the whole context with no copy of any key. What the cache holds is what the kernel
+received, edits included (the kernel writes this step's keys after the trace's body has seen them).
 """
 
 from __future__ import annotations
@@ -74,17 +72,18 @@ def family_of(config: Any, additional: dict | None) -> Family:
 
 
 class RequestState:
-    """What attnlens keeps for one request in the worker: its history, this step's first position, and this step's
-    patterns (to recompute head outputs from if they were edited)."""
+    """What attnlens holds for one request in the worker: vLLM's id for it (its row in the batch and its block table),
+    this step's first position, and this step's patterns (to recompute head outputs from if they were edited)."""
 
-    def __init__(self) -> None:
-        self.history = kept.History()
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
         self.position = 0
-        self.patterns: dict[int, dict] = {}
+        self.patterns: dict = {}
 
 
 class WorkerValues:
-    """The worker's side of attnlens: the `Access`, per-layer heads, the kept histories, and the handoff hooks."""
+    """The worker's side of attnlens: the `Access`, per-layer heads and kernels, the tracked requests, the handoff
+    hook."""
 
     def __init__(self, runner: Any) -> None:
         config = runner.model_config.hf_config
@@ -92,7 +91,8 @@ class WorkerValues:
         self.family = family_of(self.config, runner.vllm_config.additional_config)
         root = runner.nnsight_model
         layers = child(root, self.family.path("layers", "vllm"))
-        self.kernels: dict[str, int] = {}
+        self.kernels: dict[int, torch.nn.Module] = {}  # layer -> its attention kernel module
+        self.tables = kept.BlockTables(runner)
         self.projections: dict[str, int] = {}
         self.geometry = {}
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
@@ -103,7 +103,7 @@ class WorkerValues:
             self._instrument_operations(index, layer, attention)
             if kernel is not None:
                 envoy = child(attention, kernel)
-                self.kernels[f"{envoy.path}.input"] = index
+                self.kernels[index] = envoy._module
                 self.geometry[index] = kernel_geometry(envoy._module, self.config)
                 self._check_kernel(envoy._module, index)
                 source = shared_kv.check(self.family, self.config, index, envoy._module)
@@ -159,28 +159,35 @@ class WorkerValues:
         found = mediator()
         state = getattr(found, "attnlens_state", None)
         if state is None:
-            raise RuntimeError("attnlens keeps no history for this request; trace it through StandardizedVLLM")
+            raise RuntimeError("attnlens tracks no state for this request; trace it through StandardizedVLLM")
         return state
+
+    def cached(self, state: RequestState, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's keys and values (an MLA kernel's latent and rotary key) of `layer` at positions `[0, end)`,
+        from vLLM's paged cache, in the kernel's layout `[end, local heads * dim]`."""
+        kernel = self.kernels[layer]
+        table, size = self.tables.row(kernel, state.request_id)
+        return kept.cached(kernel, table, size, end)
 
     def kernel_heads(self, envoy, kernel: str, which: int) -> tuple[torch.Tensor, bool]:
         """Queries (0), keys (1) or values (2) entering `kernel` (from the attention `envoy`), `[1, heads, tokens,
-        dim]`; keys and values over the whole context. Also whether that is a new tensor (kept rows joined)."""
+        dim]`; keys and values over the whole context. Also whether that is a new tensor (cached rows joined)."""
         layer = self.access.layer_of(envoy)
         heads = self.geometry[layer]
         total = heads.num_heads if which == 0 else heads.num_kv_heads
         dim = heads.qk_head_dim if which < 2 else heads.head_dim
         args, kwargs = child(envoy, kernel).inputs
-        if which > 0 and layer in self.kv_sources:  # the kernel got None: the source layer's kept rows
+        current = kernel_arg(args, kwargs, which)
+        if which > 0 and layer in self.kv_sources:  # the kernel got None: the source layer's rows, this step's too
             end = self.state().position + kernel_arg(args, kwargs, 0).shape[0]
-            return shared_kv.shared_heads(self.state().history, self.kv_sources[layer], end, which, dim, total), True
-        current = gathered_heads(kernel_arg(args, kwargs, which), dim, total)
+            return gathered_heads(self.cached(self.state(), self.kv_sources[layer], end)[which - 1], dim, total), True
         if which == 0:
-            return current, False
+            return gathered_heads(current, dim, total), False
         state = self.state()
-        before = state.history.before(layer, state.position)
-        if before is None:
-            return current, False
-        return torch.cat([gathered_heads(before[which - 1], dim, total), current], dim=2), True
+        if state.position == 0:
+            return gathered_heads(current, dim, total), False
+        earlier = self.cached(state, layer, state.position)[which - 1]  # the kernel writes this step's rows later
+        return gathered_heads(torch.cat([earlier, current.reshape(current.shape[0], -1)]), dim, total), True
 
     def pattern(self, envoy, kernel: str) -> dict:
         """This step's rebuilt scores and probabilities of `layer` (computed once per step), noting their versions
@@ -206,7 +213,7 @@ class WorkerValues:
             extra = getattr(data.sampling_params, "extra_args", None) or {}
             request = requests.get(data.req_id)
             if extra.get("attnlens") and request is not None and request.mediator is not None:
-                state = self.states.setdefault(data.req_id, RequestState())
+                state = self.states.setdefault(data.req_id, RequestState(data.req_id))
                 request.mediator.attnlens_state = state
         self.prune(requests)
         tokens = scheduler_output.num_scheduled_tokens
@@ -216,33 +223,26 @@ class WorkerValues:
                 continue
             state = self.states.get(request_id)
             if state is not None:
-                # after a preemption vLLM recomputes from here; kept rows past it are overwritten
+                # after a preemption vLLM recomputes from here, and the cache holds what it computed before it
                 state.position = runner.requests[request_id].num_computed_tokens
                 state.patterns.clear()
                 self.spans.append((state, start, tokens[request_id]))
             start += tokens[request_id]
 
     def prune(self, live: dict) -> None:
-        """Free the histories of requests nnsight no longer tracks (finished, collected or aborted)."""
+        """Forget the requests nnsight no longer tracks (finished, collected or aborted)."""
         for request_id in [r for r in self.states if r not in live]:
-            self.states.pop(request_id).history.free()
+            del self.states[request_id]
 
     def stats(self) -> dict:
-        return {"requests": len(self.states), "bytes": sum(s.history.nbytes for s in self.states.values())}
-
-    # --- the handoff --------------------------------------------------------------------------------------
-
-    def after_kernel_input(self, layer: int, value: Any) -> None:
-        args, kwargs = value
-        keys, values = kernel_arg(args, kwargs, 1), kernel_arg(args, kwargs, 2)
-        if keys is None:  # a layer sharing another's keys and values (shared_kv): the source keeps them
-            return
-        for state, start, count in self.spans:
-            state.history.keep(layer, state.position, keys[start:start + count].reshape(count, -1),
-                               values[start:start + count].reshape(count, -1))
+        """Requests attnlens tracks and the bytes it holds for them: this step's patterns, no keys (those are read from
+        vLLM's cache)."""
+        held = sum(t.numel() * t.element_size() for s in self.states.values() for handed in s.patterns.values()
+                   for t in handed.values() if isinstance(t, torch.Tensor))
+        return {"requests": len(self.states), "bytes": held}
 
     def before_output_projection(self, layer: int, value: Any) -> None:
-        """Recompute head outputs from a pattern edited this step, from the kept values (edits included)."""
+        """Recompute head outputs from a pattern edited this step, from the cached values (edits included)."""
         for state, start, count in self.spans:
             handed = state.patterns.pop(layer, None)
             if handed is None:
@@ -261,11 +261,11 @@ class WorkerValues:
             premix[start:start + count] = heads.reshape(count, -1).to(premix.dtype)
 
     def heads_from_pattern(self, state: RequestState, layer: int, pattern: torch.Tensor) -> torch.Tensor:
-        """`pattern @ values` over the kept values (this rank's, as its kernel received them), this rank's heads:
-        [tokens, heads, head_dim]."""
+        """`pattern @ values` over the cached values (this rank's, as its kernel wrote them this step and before),
+        this rank's heads: [tokens, heads, head_dim]."""
         heads = self.geometry[layer]
         end = state.position + pattern.shape[2]
-        values = state.history.upto(self.kv_sources.get(layer, layer), end, 1)
+        values = self.cached(state, self.kv_sources.get(layer, layer), end)[1]
         values = values.view(end, -1, heads.head_dim).transpose(0, 1)[None]  # [1, local kv heads, keys, dim]
         pattern = local_heads(pattern, heads.num_heads, 1)
         groups = pattern.shape[1] // values.shape[1]
@@ -277,7 +277,7 @@ def _none_if(value: Any, sentinel: Any) -> Any:
 
 
 def _recording(base: type) -> type:
-    """The runner's interleaver class, with attnlens's two handoff hooks."""
+    """The runner's interleaver class, with attnlens's handoff hook before each output projection."""
 
     class RecordingInterleaver(base):
         def handle(self, provider: str, value: Any) -> Any:
@@ -286,12 +286,6 @@ def _recording(base: type) -> type:
                 layer = values.projections.get(provider)
                 if layer is not None:
                     values.before_output_projection(layer, value)
-                    return super().handle(provider, value)
-                layer = values.kernels.get(provider)
-                if layer is not None:
-                    value = super().handle(provider, value)
-                    values.after_kernel_input(layer, value)
-                    return value
             return super().handle(provider, value)
 
     RecordingInterleaver.__name__ = f"Recording{base.__name__}"
@@ -302,7 +296,7 @@ class AttnlensRequests(Requests):
     """nnsight's request table, with attnlens's check that no copy it handed out was edited in place: run when each
     step's saves and errors are recorded, so the request goes home with an `EditError` rather than a silent no-op.
     Chunked prefill is served (nnsight refuses it): each step holds one chunk of the prompt, whose rows attnlens
-    rebuilds against the keys kept from the earlier chunks and this chunk's own."""
+    rebuilds against the earlier chunks' keys in vLLM's cache and this chunk's own."""
 
     access: Access
 
@@ -329,6 +323,8 @@ class AttnlensRunner:
         self.nnsight_requests.__class__ = AttnlensRequests
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
+        if (self.vllm_config.additional_config or {}).get("attnlens_compiled"):
+            _uninstrument(self.get_model())
 
     def _update_states(self, scheduler_output: Any) -> None:
         super()._update_states(scheduler_output)
@@ -342,14 +338,30 @@ class AttnlensRunner:
         return collected
 
 
+def _uninstrument(model: torch.nn.Module) -> None:
+    """Take nnsight's forward wrappers off every module, for vLLM to compile the model it would run without nnsight
+    (an engine for static capture only: no trace runs there, and its taps sit at the attention op, outside the
+    graph). vLLM's compiler hashes and traces each module's own forward, which the wrappers replace."""
+    from nnsight.intervention.source import Controller
+
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), Controller):
+            del module.__dict__["forward"]
+
+
 class AttnlensGPURunner(AttnlensRunner, NNsightGPUModelRunner):
     pass
 
 
 class _WorkerRPC:
     def attnlens_stats(self) -> dict:
-        """Live request histories and their bytes, for `StandardizedVLLM.kept()` (via `collective_rpc`)."""
+        """Tracked requests and the bytes held for them, for `StandardizedVLLM.kept()` (via `collective_rpc`)."""
         return self.model_runner.attnlens.stats()
+
+    def attnlens_cache_bytes(self) -> int:
+        """The bytes of the KV cache of the layers attnlens reads (vLLM's own), for the memory benchmark."""
+        kernels = list(self.model_runner.attnlens.kernels.values())
+        return sum(c.numel() * c.element_size() for c in {k.kv_cache.data_ptr(): k.kv_cache for k in kernels}.values())
 
     def attnlens_static_take(self, tags: list | None = None) -> dict:
         """The static captures of these requests (`static.generate`, via `collective_rpc`), freed in the worker."""
