@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -333,3 +334,10 @@ def test_the_command_line_refuses_bad_input_in_one_line(corpus, tmp_path, capsys
                  "--engine-arg", "dtype=float32"]) == 0
     printed = capsys.readouterr().out
     assert f"{len(PROMPTS)} this run" in printed and "prompts/s" in printed and "tokens/s" in printed
+
+
+def test_the_docs_list_every_feature_and_its_columns():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "corpus.md").read_text()
+    for name, feature in registry.FEATURES.items():
+        listed = f"| `{name}` | " + ", ".join(f"`{column}`" for column in feature.columns) + " |"
+        assert listed in page, listed

@@ -95,9 +95,6 @@ class Context:
     def summary(self) -> dict[str, torch.Tensor]:
         if self._summary is None:
             queries, keys = self.values["attention_queries"], self.values["attention_keys"]
-            if queries.shape[2] != keys.shape[2]:  # a prefill split in chunks would summarise a chunk only
-                raise ValueError(f"layer {self.layer}: {queries.shape[2]} queries but {keys.shape[2]} keys; collect "
-                                 f"needs whole prefills (turn chunked prefill off or raise max_num_batched_tokens)")
             n = queries.shape[2]
             targets = {}
             if self.wants.get("previous"):

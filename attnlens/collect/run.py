@@ -268,6 +268,13 @@ def compute(model, plan, features, options, wants, lengths, pads, found, first) 
         read = {name: getattr(attn, name) for name in reads}
         for i, pad in enumerate(pads):
             values = {name: unpad(tensor, BY_NAME[name].short, i, pad) for name, tensor in read.items()}
+            for name, tensor in values.items():  # a prefill split in chunks would be seen a chunk at a time
+                axes = BY_NAME[name].axes
+                seen = tensor.shape[axes.index("seq")] if "seq" in axes else lengths[i]
+                if seen != lengths[i]:
+                    raise ValueError(f"layer {layer}: {name} covers {seen} of the prompt's {lengths[i]} tokens; "
+                                     f"collect needs whole prefills (turn chunked prefill off or raise "
+                                     f"max_num_batched_tokens)")
             context = registry.Context(attn, layer, lengths[i], values, options, wants)
             columns: dict = {}
             for feature in features:
