@@ -209,6 +209,9 @@ def test_a_folder_of_another_run_is_refused(corpus, tmp_path):
         attnlens.collect(tiny("gpt2"), corpus, ["sink", "entropy"], out, progress=False)
     with pytest.raises(CollectMismatch, match="features_hash"):
         attnlens.collect(tiny("llama"), corpus, ["sink", "entropy"], out, layers=[0], progress=False)
+    with pytest.raises(CollectMismatch, match="corpus: "):
+        attnlens.collect(tiny("llama"), write_jsonl(tmp_path / "other.jsonl", ["{}"]), ["sink", "entropy"], out,
+                         progress=False)
     with pytest.raises(CollectMismatch, match="config_hash"):
         attnlens.collect(tiny("llama", num_attention_heads=8), corpus, ["sink", "entropy"], out, progress=False)
     (tmp_path / "other").mkdir()

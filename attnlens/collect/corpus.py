@@ -72,10 +72,12 @@ class Corpus:
             self.key_field = key_field if key_field in names else None
 
     def describe(self) -> str:
-        """What the corpus is, for the run's metadata (a path, or the dataset's fingerprint)."""
+        """What the corpus is, for the run's identity: the file's absolute path, or a dataset's size and columns."""
         if self.path is not None:
             return str(self.path.resolve())
-        return f"datasets:{getattr(self.source, '_fingerprint', None) or type(self.source).__name__}"
+        columns = ",".join(self.source.column_names or [])
+        size = len(self.source) if hasattr(self.source, "__len__") else "streamed"
+        return f"dataset of {size} rows ({columns}), column {self.field!r}"
 
     def __len__(self) -> int:
         if self.kind == "dataset":

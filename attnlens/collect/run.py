@@ -448,7 +448,7 @@ class _Local:
 
 
 def _drive(pool, identity, columns, layers, skipped, corpus, out, shard_size, max_prompts, progress) -> CollectResult:
-    store, done = Store.open(out, identity, columns)
+    store, done = Store.open(out, {"corpus": corpus.describe(), **identity}, columns)
     already = len(done)
     total = len(corpus)
     show = total - already > shard_size if progress is None else progress

@@ -1,8 +1,8 @@
 """The store: sharded Parquet, one row per prompt x layer x head, written so that a crash loses nothing and repeats
 nothing.
 
-A folder holds `collect.json` (the run's identity: model, family, config hash, features and their options, engine,
-dtype; a restart that differs is refused), `data/part-N.parquet` (the features) and `errors/part-N.parquet` (the
+A folder holds `collect.json` (the run's identity: corpus, model, family, config hash, features and their options,
+engine, dtype; a restart that differs is refused), `data/part-N.parquet` (the features) and `errors/part-N.parquet` (the
 prompts that could not run, with the reason). Each shard covers a window of corpus prompts, named by the first; the
 prompt indexes it covers (data rows and errors alike) are in its footer's metadata.
 
@@ -27,7 +27,7 @@ DATA, ERRORS = "data", "errors"
 #: Key of the shard footer's metadata holding the run identity and the covered prompts.
 META_KEY = b"attnlens"
 #: Identity fields a restart must match (the others are recorded only).
-MATCHED = ("model", "family", "config_hash", "features", "features_hash", "layers", "engine", "dtype")
+MATCHED = ("corpus", "model", "family", "config_hash", "features", "features_hash", "layers", "engine", "dtype")
 
 ERROR_COLUMNS = {"prompt": "int64", "key": "string", "reason": "string", "detail": "string", "tokens": "int32"}
 KEY_COLUMNS = {"prompt": "int64", "key": "string", "tokens": "int32", "layer": "int16", "head": "int16",
@@ -132,7 +132,7 @@ class Store:
             if changed:
                 detail = "; ".join(f"{name}: {found.get(name)!r} there, {identity.get(name)!r} now" for name in changed)
                 raise CollectMismatch(f"{folder} holds a collection of another run ({detail}); continue it with the "
-                                      f"same model, features and engine, or collect into a new folder")
+                                      f"same corpus, model, features and engine, or collect into a new folder")
         elif folder.exists() and any(folder.iterdir()):
             raise CollectMismatch(f"{folder} is not empty and holds no {IDENTITY_FILE}: it is not an attnlens "
                                   f"collection; collect into a new or empty folder")
