@@ -450,8 +450,11 @@ class _Local:
 def _drive(pool, identity, columns, layers, skipped, corpus, out, shard_size, max_prompts, progress) -> CollectResult:
     store, done = Store.open(out, {"corpus": corpus.describe(), **identity}, columns)
     already = len(done)
-    total = len(corpus)
-    show = total - already > shard_size if progress is None else progress
+    try:
+        total = len(corpus)
+    except TypeError:  # a streamed dataset of unknown length
+        total = None
+    show = (total is None or total - already > shard_size) if progress is None else progress
     start = time.perf_counter()
     prompts = rows = errors = tokens = shards = 0
     with _progress(show) as bar:
