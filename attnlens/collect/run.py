@@ -364,10 +364,12 @@ def _progress(show: bool):
             elapsed = task.elapsed or 0.0
             if not elapsed:
                 return Text("")
-            done = task.completed - task.fields.get("start", 0)
-            return Text(f"{done / elapsed:.1f} prompts/s {task.fields.get('tokens', 0) / elapsed:,.0f} tokens/s")
+            done = task.completed - task.fields.get("first", 0)
+            return Text(f"{done / elapsed:.1f} prompts/s {task.fields.get('tokens', 0) / elapsed:,.0f} tokens/s",
+                        no_wrap=True)
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), Rates(), TextColumn("ETA"),
+    return Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), Rates(),
+                    TextColumn("ETA"),
                     TimeRemainingColumn(), console=Console(stderr=True), disable=not show)
 
 
@@ -458,7 +460,7 @@ def _drive(pool, identity, columns, layers, skipped, corpus, out, shard_size, ma
     start = time.perf_counter()
     prompts = rows = errors = tokens = shards = 0
     with _progress(show) as bar:
-        task = bar.add_task("attnlens collect", total=total, completed=already, start=already, tokens=0)
+        task = bar.add_task("collect", total=total, completed=already, first=already, tokens=0)
         for window, (found, failed, used) in pool.map(windows(corpus, done, shard_size, max_prompts)):
             covers = [record.index for record in window]
             store.commit(covers, found, failed)
