@@ -282,29 +282,27 @@ def run_collect(args) -> int:
     if not corpus.is_file():
         raise CommandError(f"CORPUS {args.corpus}: no such file (a .jsonl, .txt or .parquet file)")
     engine_args = _engine_args(args.engine_arg)
-    if args.workers is None:
-        if args.engine == "vllm":
-            try:
-                import vllm  # noqa: F401
-            except ModuleNotFoundError:
-                raise CommandError("--engine vllm needs vLLM, which is not installed here (make install-vllm)") \
-                    from None
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ModuleNotFoundError:
+            raise CommandError("--engine vllm needs vLLM, which is not installed here (make install-vllm)") from None
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.workers is not None or args.engine == "vllm" or engine_args:  # the engine loads from a folder
+        model = str(_tiny_folder(args.model) if args.model.startswith("tiny:") else _folder(args.model) or args.model)
+    else:
+        model = _loading(args.model)
+    if args.workers is None and isinstance(model, str):
         from transformers.utils import logging
+
+        from .collect.collector import load
 
         logging.disable_progress_bar()
         with _console(stderr=True).status(f"loading {args.model}"):
-            from .collect.run import load
-
             try:
-                model = load(args.model, args.engine, engine_args) if args.engine == "vllm" or engine_args else \
-                    load_model(args.model, args.engine)
-            except CommandError:
-                raise
+                model = load(model, args.engine, engine_args)
             except (OSError, ValueError) as error:
                 raise CommandError(f"could not load {args.model!r}: {_line(error)}") from None
-    else:
-        model = args.model
     result = collect(model, corpus, args.features.split(","), args.out, layers=args.layers, top_k=args.top_k,
                      rows=args.rows, field=args.field, key_field=args.key_field, shard_size=args.shard_size,
                      batch_size=args.batch_size, engine=args.engine, engine_args=engine_args, workers=args.workers,

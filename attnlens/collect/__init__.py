@@ -3,7 +3,8 @@
 - `corpus.py`: streaming readers (JSONL, text, Parquet, `datasets.Dataset`);
 - `features.py`: the open registry of per-head features, computed inside the trace (in vLLM's worker on vLLM);
 - `store.py`: sharded Parquet, the commit protocol that makes a restart exactly-once, `read_table`;
-- `run.py`: the loop (`collect`), in this process; `ray_pool.py`: the same on Ray, one engine per worker.
+- `collector.py`: a window of prompts computed on one model; `run.py`: the loop (`collect`) and the run's
+  result; `ray_pool.py`: windows computed on Ray, one engine per worker.
 
 See docs/corpus.md.
 """

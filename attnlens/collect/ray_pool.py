@@ -23,13 +23,13 @@ IN_FLIGHT = 2
 
 
 class _Worker:
-    """One Ray actor: loads the model itself (each worker its own engine) and computes windows."""
+    """One Ray actor: loads the checkpoint itself (each worker its own engine) and computes windows."""
 
-    def __init__(self, spec: str, engine: str, engine_args: dict | None, options: dict):
+    def __init__(self, folder: str, engine: str, engine_args: dict | None, options: dict):
         os.environ.update(WORKER_ENV)
-        from .run import Collector, load
+        from .collector import Collector, load
 
-        self.collector = Collector(load(spec, engine, engine_args), **options)
+        self.collector = Collector(load(folder, engine, engine_args), **options)
 
     def describe(self) -> dict:
         c = self.collector
@@ -43,7 +43,7 @@ class RayPool:
     """`workers` actors, each with `cpus` CPUs (and `gpus` GPUs), on the Ray cluster `ray.init` finds (a running
     local or remote one, `RAY_ADDRESS`; or a new local one)."""
 
-    def __init__(self, spec: str, engine: str, engine_args: dict | None, options: dict, workers: int, *,
+    def __init__(self, folder: str, engine: str, engine_args: dict | None, options: dict, workers: int, *,
                  cpus: float = 1, gpus: float = 0):
         try:
             import ray
@@ -57,7 +57,7 @@ class RayPool:
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus)(_Worker)
         env = {"env_vars": {**WORKER_ENV, **({"PYTHONPATH": os.environ["PYTHONPATH"]}
                                              if "PYTHONPATH" in os.environ else {})}}
-        self.actors = [actor.options(runtime_env=env).remote(spec, engine, engine_args, options)
+        self.actors = [actor.options(runtime_env=env).remote(folder, engine, engine_args, options)
                        for _ in range(workers)]
         described = ray.get([a.describe.remote() for a in self.actors])
         first = described[0]
