@@ -2,6 +2,7 @@
 
 from . import models
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
+from .collect import collect
 from .editing import keep_masked, masked
 from .errors import (
     AttnlensError,
@@ -47,4 +48,6 @@ __all__ = [
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
     # seeing and summarising (show.py, plot.py, heads.py)
     "HeadSummaries", "View", "head_summaries", "plot", "show",
+    # corpus collection (attnlens/collect/)
+    "collect",
 ]

@@ -1,4 +1,4 @@
-"""The `attnlens` command line (also `python -m attnlens`): `families`, `support`, `show` and `heads`.
+"""The `attnlens` command line (also `python -m attnlens`): `families`, `support`, `show`, `heads` and `collect`.
 
 Every command has `--help`. Bad input ends in one line on stderr, `attnlens COMMAND: error: ...`, and a non-zero exit
 status: 2 for a malformed command line, 1 for what the model or the files refuse. MODEL is a bundled name (`smollm2`,
@@ -256,6 +256,71 @@ def run_heads(args) -> int:
     return 0
 
 
+def _engine_args(pairs: list[str] | None) -> dict:
+    """KEY=VALUE pairs (VALUE read as JSON where it parses: 256, true, "float32") -> engine keyword arguments."""
+    import json
+
+    found = {}
+    for pair in pairs or []:
+        key, equals, value = pair.partition("=")
+        if not equals or not key:
+            raise CommandError(f"--engine-arg {pair!r}: write KEY=VALUE, e.g. max_model_len=512")
+        try:
+            found[key] = json.loads(value)
+        except json.JSONDecodeError:
+            found[key] = value
+    return found
+
+
+def run_collect(args) -> int:
+    from rich.table import Table
+
+    from .collect import collect
+    from .collect.features import resolve
+
+    resolve(args.features.split(","))  # unknown names fail before a model loads
+    corpus = Path(args.corpus).expanduser()
+    if not corpus.is_file():
+        raise CommandError(f"CORPUS {args.corpus}: no such file (a .jsonl, .txt or .parquet file)")
+    engine_args = _engine_args(args.engine_arg)
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ModuleNotFoundError:
+            raise CommandError("--engine vllm needs vLLM, which is not installed here (make install-vllm)") from None
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.workers is not None or args.engine == "vllm" or engine_args:  # the engine loads from a folder
+        model = str(_tiny_folder(args.model) if args.model.startswith("tiny:") else _folder(args.model) or args.model)
+    else:
+        model = _loading(args.model)
+    if args.workers is None and isinstance(model, str):
+        from transformers.utils import logging
+
+        from .collect.collector import load
+
+        logging.disable_progress_bar()
+        with _console(stderr=True).status(f"loading {args.model}"):
+            try:
+                model = load(model, args.engine, engine_args)
+            except (OSError, ValueError) as error:
+                raise CommandError(f"could not load {args.model!r}: {_line(error)}") from None
+    result = collect(model, corpus, args.features.split(","), args.out, layers=args.layers, top_k=args.top_k,
+                     rows=args.rows, field=args.field, key_field=args.key_field, shard_size=args.shard_size,
+                     batch_size=args.batch_size, engine=args.engine, engine_args=engine_args, workers=args.workers,
+                     max_prompts=args.max_prompts, progress=True)
+    table = Table(title=f"attnlens collect · {args.out}", title_justify="left", show_header=False)
+    for name, value in (("prompts", f"{result.prompts} this run, {result.total} in the folder"),
+                        ("rows", str(result.rows)), ("errors", f"{result.errors} (in {args.out}/errors)"),
+                        ("time", f"{result.seconds:.1f} s"),
+                        ("throughput", f"{result.prompts_per_second:.1f} prompts/s, "
+                                       f"{result.tokens_per_second:,.0f} tokens/s"),
+                        ("layers", f"{len(result.layers)}" + (f" ({len(result.skipped)} skipped)"
+                                                               if result.skipped else ""))):
+        table.add_row(name, value)
+    _console().print(table)
+    return 0
+
+
 # --- the parser ------------------------------------------------------------------------------------------------------
 
 MODEL_HELP = "a bundled name (smollm2, gemma3-270m), tiny:FAMILY (e.g. tiny:llama), a folder or a hub name"
@@ -305,6 +370,39 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
     heads.add_argument("--top-k", type=int, default=3, help="top keys kept per head and prompt (3)")
     heads.set_defaults(run=run_heads)
+
+    from .collect import DEFAULT_FEATURES, FEATURES
+
+    collect = commands.add_parser("collect", help="per-head features of a whole corpus, to sharded Parquet",
+                                  description="Stream CORPUS (.jsonl, .txt or .parquet), compute per prompt, layer "
+                                              "and head the chosen features and write them to sharded Parquet in "
+                                              "--out. Run the same command again after a crash: committed prompts "
+                                              "are skipped. Prompts that cannot run go to OUT/errors. Features: "
+                                              + ", ".join(FEATURES) + ".")
+    collect.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    collect.add_argument("corpus", metavar="CORPUS", help="a .jsonl (objects with a text field), .txt (one prompt "
+                                                          "per line) or .parquet file")
+    collect.add_argument("--features", default=",".join(DEFAULT_FEATURES),
+                         help=f"comma-separated feature names or all (default {','.join(DEFAULT_FEATURES)})")
+    collect.add_argument("--out", type=Path, required=True, help="the collection folder (created, or continued)")
+    collect.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
+                         help="transformers (default) or vllm")
+    collect.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                         help="an engine keyword argument (repeatable), e.g. max_model_len=512, dtype=float32")
+    collect.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer "
+                                                                        "serving the features)")
+    collect.add_argument("--top-k", type=int, default=5, help="top keys kept per chosen row (5)")
+    collect.add_argument("--rows", type=int_list, default=[-1], help="query rows for top_keys and pattern, "
+                                                                    "negative from the end (-1)")
+    collect.add_argument("--field", default="text", help="the JSONL field or Parquet column with the text (text)")
+    collect.add_argument("--key-field", default="id", help="a field kept with each row as its key (id)")
+    collect.add_argument("--shard-size", type=int, default=256, help="prompts per shard, each one commit (256)")
+    collect.add_argument("--batch-size", type=int, default=None, help="prompts per forward (eager, 8) or per "
+                                                                      "trace (vLLM, 32)")
+    collect.add_argument("--max-prompts", type=int, default=None, help="stop after this many new prompts")
+    collect.add_argument("--workers", type=int, default=None, help="run on Ray with this many workers, one engine "
+                                                                   "each (RAY_ADDRESS names a cluster)")
+    collect.set_defaults(run=run_collect)
     return parser
 
 

@@ -1,0 +1,299 @@
+"""What computes a window of prompts, in this process or in a Ray worker.
+
+`Collector` holds one model and the plan (which layers, which values each reads, in forward order) and turns a window
+of `Record`s into columns: rows for the prompts that ran, errors for those that could not (empty, longer than the
+engine's context, undecodable, or failing alone). It runs in this process, or in each Ray worker (`ray_pool.py`); only
+the driver writes the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..errors import Unavailable
+from ..family import engine_named
+from ..values import BY_NAME
+from . import features as registry
+from .corpus import Record
+from .store import ERROR_COLUMNS, KEY_COLUMNS
+
+
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attnlens")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def load(folder: str | Path, engine: str = "transformers", engine_args: dict | None = None):
+    """The checkpoint in `folder` (or a hub name) on `engine`: eager attention on `StandardizedTransformer`, or an
+    in-process `StandardizedVLLM` (`uni` executor unless `engine_args` say otherwise)."""
+    engine = engine_named(engine)
+    if engine == "transformers":
+        from ..standardized import StandardizedTransformer
+
+        return StandardizedTransformer(str(folder), **{"attn_implementation": "eager", **(engine_args or {})})
+    if engine != "vllm":
+        raise ValueError(f"engine is 'transformers' or 'vllm'; got {engine!r}")
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from ..vllm import StandardizedVLLM
+
+    return StandardizedVLLM(str(folder), **{"distributed_executor_backend": "uni", **(engine_args or {})})
+
+
+class Collector:
+    """One model, its plan and its options; `window(records)` -> (rows, errors, tokens)."""
+
+    def __init__(self, model, features: Sequence[str], layers=None, *, top_k: int = 5, rows: Sequence[int] = (-1,),
+                 batch_size: int | None = None):
+        from ..heads import why_not
+
+        self.model = model
+        self.features = registry.resolve(features)
+        self.names = [f.name for f in self.features]
+        self.options = {"top_k": int(top_k), "rows": [int(r) for r in ([rows] if isinstance(rows, int) else rows)]}
+        if self.options["top_k"] < 1 and "top_keys" in self.names:
+            raise ValueError(f"top_k must be at least 1 with the top_keys feature; got {top_k}")
+        self.wants = {"previous": "previous" in self.names, "top": "top_keys" in self.names}
+        self.vllm = model.access.engine == "vllm"
+        self.batch_size = batch_size or (32 if self.vllm else 8)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+
+        def reason(layer: int) -> str | None:
+            for feature in self.features:
+                if feature.scored and why_not(model, layer) is not None:
+                    return f"{feature.name}: {why_not(model, layer)}"
+                for name in feature.reads:
+                    why = model.access.reasons(layer).get(name)
+                    if why is not None:
+                        return f"{feature.name}: {name} unavailable: {why}"
+            return None
+
+        if layers is None:
+            reasons = {layer: reason(layer) for layer in range(model.num_layers)}
+            self.layers = [layer for layer, why in reasons.items() if why is None]
+            self.skipped = {layer: why for layer, why in reasons.items() if why is not None}
+            if not self.layers:
+                raise Unavailable(f"collect: no layer of this {model.family.name} model serves {self.names}: "
+                                  f"{reasons[0]}")
+        else:
+            self.layers, self.skipped = [], {}
+            for layer in sorted({model.access.check_layer(layer) for layer in
+                                 ([layers] if isinstance(layers, int) else layers)}):
+                why = reason(layer)
+                if why is not None:
+                    raise Unavailable(f"collect: layer {layer} on {model.family.name}: {why}")
+                self.layers.append(layer)
+        #: (layer, the values read there in forward order)
+        self.plan = [(layer, sorted({name for f in self.features for name in f.reads},
+                                    key=lambda name: model.access.position(name, layer))) for layer in self.layers]
+        self.columns = {**KEY_COLUMNS, **{c: t for f in self.features for c, t in f.columns.items()}}
+        self.limit = context_limit(model)
+
+    # --- identity -------------------------------------------------------------------------------------------------
+
+    def identity(self) -> dict:
+        from ..heads import model_name
+
+        model = self.model
+        config = model.access.config
+        chosen = {"features": self.names, "options": self.options, "layers": self.layers,
+                  "columns": self.columns}
+        return {"model": model_name(model), "family": model.family.name,
+                "config_hash": _hash(config.to_dict()), "features": self.names, "options": self.options,
+                "features_hash": _hash(chosen), "layers": self.layers, "skipped": self.skipped,
+                "engine": model.access.engine, "dtype": str(model_dtype(model)).removeprefix("torch."),
+                "attnlens_version": _version(), "columns": self.columns, "context_limit": self.limit}
+
+    # --- one window ----------------------------------------------------------------------------------------------
+
+    def tokenize(self, record: Record) -> tuple[list[int] | None, str | None, str | None]:
+        """(token ids, reason, detail) of a record: ids when it can run, else why not."""
+        if record.problem is not None:
+            return None, "undecodable", record.problem
+        if record.ids is not None:
+            ids = record.ids
+        elif not record.text:
+            return None, "empty", "the prompt has no text"
+        else:
+            if self.model.tokenizer is None:
+                return None, "undecodable", "this model has no tokenizer: give token ids"
+            ids = self.model.tokenizer(record.text)["input_ids"]
+        if not ids:
+            return None, "empty", "the prompt has no tokens"
+        vocab = self.model.access.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            return None, "undecodable", f"token ids outside the vocabulary [0, {vocab})"
+        if self.limit is not None and len(ids) > self.limit:
+            return ids, "too_long", f"{len(ids)} tokens; the engine's context takes {self.limit}"
+        return ids, None, None
+
+    def window(self, records: Iterable[Record]) -> tuple[dict, dict, int]:
+        rows = {name: [] for name in self.columns}
+        errors = {name: [] for name in ERROR_COLUMNS}
+        runnable: list[tuple[Record, list[int]]] = []
+        for record in records:
+            ids, reason, detail = self.tokenize(record)
+            if reason is None:
+                runnable.append((record, ids))
+            else:
+                _error(errors, record, reason, detail, None if ids is None else len(ids))
+        tokens = 0
+        results: dict[int, dict] = {}
+        for batch in _batches(self.model, runnable, self.batch_size):
+            for (record, ids), found in zip(batch, self._run(batch, errors)):
+                if found is not None:
+                    results[record.index] = found
+                    tokens += len(ids)
+        for record, ids in sorted(runnable, key=lambda item: item[0].index):
+            if record.index in results:
+                self._rows(rows, record, len(ids), results[record.index])
+        return rows, errors, tokens
+
+    def _run(self, batch, errors) -> list[dict | None]:
+        """Each prompt's {layer: {column: per-head values}}; a batch that fails runs again prompt by prompt, and a
+        prompt that fails alone goes to the errors table."""
+        try:
+            return self._forward([ids for _, ids in batch])
+        except Exception as error:  # noqa: BLE001  one bad prompt must not stop the run
+            if len(batch) == 1:
+                record, ids = batch[0]
+                _error(errors, record, "failed", f"{type(error).__name__}: {' '.join(str(error).split())}", len(ids))
+                return [None]
+        return [self._run([item], errors)[0] for item in batch]
+
+    def _forward(self, prompts: list[list[int]]) -> list[dict]:
+        model, plan, features, options, wants = self.model, self.plan, self.features, self.options, self.wants
+        if self.vllm:  # one request per prompt; vLLM schedules the requests of a trace together
+            with torch.no_grad(), _quiet(model), model.trace(max_tokens=1, temperature=0.0) as tracer:
+                for i, ids in enumerate(prompts):
+                    with tracer.invoke(ids):
+                        found = list().save()
+                        compute(model, plan, features, options, wants, [len(ids)], [0], found, i)
+            found = found if len(prompts) > 1 else [found]  # a name saved by several requests comes back as a list
+            by_prompt = {entry[0][0]: entry[0][1] for entry in found}
+            return [by_prompt[i] for i in range(len(prompts))]
+        lengths = [len(ids) for ids in prompts]
+        pads = [max(lengths) - length for length in lengths]
+        batch_input = torch.tensor([prompts[0]]) if len(prompts) == 1 else [torch.tensor(ids) for ids in prompts]
+        found: list = []
+        with torch.no_grad(), model.trace(batch_input):
+            compute(model, plan, features, options, wants, lengths, pads, found, 0)
+        return [entry[1] for entry in sorted(found, key=lambda entry: entry[0])]
+
+    def _rows(self, rows: dict, record: Record, tokens: int, found: dict) -> None:
+        family = self.model.family
+        for layer in self.layers:
+            columns = found[layer]
+            geometry = self.model.access.geometry(layer)
+            group = geometry.num_heads // geometry.num_kv_heads
+            kv = family.repeat_kv(torch.arange(geometry.num_kv_heads).view(1, -1, 1, 1), group).flatten().tolist()
+            for head in range(geometry.num_heads):
+                rows["prompt"].append(record.index)
+                rows["key"].append(record.key)
+                rows["tokens"].append(tokens)
+                rows["layer"].append(layer)
+                rows["head"].append(head)
+                rows["kv_head"].append(kv[head])
+            for column, values in columns.items():
+                rows[column].extend(_plain(values))
+
+
+@contextlib.contextmanager
+def _quiet(model):
+    """vLLM's own progress bars off for the requests of a trace: the run has its own."""
+    engine = model.vllm_entrypoint
+    engine.generate = functools.partial(type(engine).generate, engine, use_tqdm=False)
+    try:
+        yield
+    finally:
+        del engine.generate
+
+
+def _plain(values) -> list:
+    """Per-head values (a tensor with heads first, or a list per head of tensors) -> Python values per head."""
+    if isinstance(values, torch.Tensor):
+        return values.tolist()
+    return [[row.tolist() for row in per_head] for per_head in values]
+
+
+def _error(errors: dict, record: Record, reason: str, detail: str, tokens: int | None) -> None:
+    for name, value in zip(ERROR_COLUMNS, (record.index, record.key, reason, detail, tokens)):
+        errors[name].append(value)
+
+
+def _batches(model, runnable: list, batch_size: int) -> list[list]:
+    """On eager, prompts of similar lengths together (little padding; equal lengths only where the family's values
+    change under left padding); on vLLM, in corpus order (vLLM batches the requests itself)."""
+    if model.access.engine == "vllm":
+        return [runnable[at:at + batch_size] for at in range(0, len(runnable), batch_size)]
+    from ..capture.runs import batches
+
+    return [[runnable[i] for i in batch] for batch in batches(model, [len(ids) for _, ids in runnable], batch_size)]
+
+
+def compute(model, plan, features, options, wants, lengths, pads, found, first) -> None:
+    """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch,
+    (its place, {layer: {column: per-head values}}) appended to `found`."""
+    from ..capture.plan import unpad
+
+    results = [{} for _ in pads]
+    for layer, reads in plan:
+        attn = model.layers[layer].self_attn
+        read = {name: getattr(attn, name) for name in reads}
+        for i, pad in enumerate(pads):
+            values = {name: unpad(tensor, BY_NAME[name].short, i, pad) for name, tensor in read.items()}
+            for name, tensor in values.items():  # a prefill split in chunks would be seen a chunk at a time
+                axes = BY_NAME[name].axes
+                seen = tensor.shape[axes.index("seq")] if "seq" in axes else lengths[i]
+                if seen != lengths[i]:
+                    raise ValueError(f"layer {layer}: {name} covers {seen} of the prompt's {lengths[i]} tokens; "
+                                     f"collect needs whole prefills (turn chunked prefill off or raise "
+                                     f"max_num_batched_tokens)")
+            context = registry.Context(attn, layer, lengths[i], values, options, wants)
+            columns: dict = {}
+            for feature in features:
+                computed = feature.compute(context)
+                columns.update({name: _detached(value) for name, value in computed.items()})
+            results[i][layer] = columns
+    found.extend((first + i, result) for i, result in enumerate(results))
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
+    return [[_detached(row) for row in per_head] for per_head in value]
+
+
+def context_limit(model) -> int | None:
+    """The longest prompt the engine takes: vLLM's `max_model_len` less the one token sampled, else the model's
+    positions."""
+    if model.access.engine == "vllm":
+        engine = getattr(model, "vllm_entrypoint", None)
+        if engine is not None:
+            return engine.llm_engine.model_config.max_model_len - 1
+    config = model.access.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def model_dtype(model):
+    if model.access.engine == "vllm":
+        engine = getattr(model, "vllm_entrypoint", None)
+        return engine.llm_engine.model_config.dtype if engine is not None else "auto"
+    return next(model._module.parameters()).dtype

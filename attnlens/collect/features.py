@@ -1,0 +1,175 @@
+"""The features a collection computes: per prompt, layer and head, small numbers reduced where the values are.
+
+A `Feature` names the standardized values it reads on a layer (`reads`), the columns it writes (one value per head,
+each an Arrow type) and `compute`, which turns one prompt's values into those columns. `compute` runs inside the
+trace: on `StandardizedVLLM` inside vLLM's worker, one request at a time, so only the reduced numbers leave it; on
+`StandardizedTransformer` on each prompt's unpadded slice of a batch. Everything scored from queries and keys goes
+through `attnlens.heads` (`summarize` and `score_function`, the family's own scores): the math lives there once.
+
+The registry is open: `register(Feature(...))` adds one (a per-head attribution total, say), and `collect` takes it
+by name like the built-in ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import heads
+
+#: Options every feature may read, with their defaults (part of the features' hash).
+DEFAULT_OPTIONS = {"top_k": 5, "rows": [-1]}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One feature: `columns` (name -> Arrow type, per head), computed by `compute(context)` -> {column: tensor
+    whose first axis is the query heads}, from the standardized values named in `reads`. `scored`: it scores
+    queries against keys with the family's score function, so only layers `heads.why_not` accepts serve it."""
+
+    name: str
+    description: str
+    reads: tuple[str, ...]
+    columns: dict[str, str]
+    compute: Callable[[Context], dict[str, torch.Tensor]]
+    scored: bool = False
+
+
+#: Feature name -> Feature, in the order columns are laid out.
+FEATURES: dict[str, Feature] = {}
+
+
+def register(feature: Feature) -> Feature:
+    """Add `feature` to the registry (a name already taken raises: features are part of a run's identity)."""
+    if feature.name in FEATURES:
+        raise ValueError(f"a feature named {feature.name!r} is registered already")
+    taken = {column: name for name, f in FEATURES.items() for column in f.columns}
+    clash = [column for column in feature.columns if column in taken or column in RESERVED]
+    if clash:
+        raise ValueError(f"feature {feature.name!r}: column(s) {clash} are taken (by "
+                         f"{', '.join(taken.get(c, 'the row keys') for c in clash)})")
+    FEATURES[feature.name] = feature
+    return feature
+
+
+#: Columns every row has (store.py writes them): which prompt, layer and head.
+RESERVED = ("prompt", "key", "tokens", "layer", "head", "kv_head")
+
+
+def resolve(names) -> list[Feature]:
+    """Features by name ("all": every registered one), in registry order; unknown names raise listing the known."""
+    names = [names] if isinstance(names, str) else list(names)
+    if names == ["all"]:
+        return list(FEATURES.values())
+    unknown = [name for name in names if name not in FEATURES]
+    if unknown or not names:
+        raise ValueError(f"unknown feature(s) {unknown or '(none given)'}; known: {', '.join(FEATURES)} (or 'all')")
+    return [f for f in FEATURES.values() if f.name in names]
+
+
+@dataclass
+class Context:
+    """One prompt on one layer, as a feature sees it: the values it reads (batch axis 1, unpadded), the attention
+    envoy (for the family's score function), the layer's heads and the run's options. `summary()` is
+    `heads.summarize`'s sums, computed once for every feature that needs them."""
+
+    attn: object
+    layer: int
+    tokens: int
+    values: dict[str, torch.Tensor]
+    options: dict
+    wants: dict = field(default_factory=dict)  # what summary() computes: previous-token targets, top rows
+    _summary: dict | None = None
+
+    @property
+    def access(self):
+        return self.attn.interleaver.attnlens
+
+    def rows(self) -> list[int]:
+        """The chosen query rows of this prompt, as positions (rows past its length are left out)."""
+        n = self.tokens
+        return sorted({row % n for row in self.options["rows"] if -n <= row < n})
+
+    def summary(self) -> dict[str, torch.Tensor]:
+        if self._summary is None:
+            queries, keys = self.values["attention_queries"], self.values["attention_keys"]
+            n = queries.shape[2]
+            targets = {}
+            if self.wants.get("previous"):
+                rows = torch.arange(n)
+                targets["previous"] = torch.where(rows >= 1, rows - 1, -1)
+            top_k = self.options["top_k"] if self.wants.get("top") else 0
+            self._summary = heads.summarize(heads.score_function(self.attn), queries, keys, targets=targets,
+                                            top_rows=self.rows() if top_k else (), top_k=top_k)
+        return self._summary
+
+    def per_query_head(self, per_kv_head: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, ...] -> [heads, ...]: each query head gets its key/value head's value, grouped as the family
+        groups them (`Family.repeat_kv`)."""
+        geometry = self.access.geometry(self.layer)
+        group = geometry.num_heads // geometry.num_kv_heads
+        shaped = per_kv_head.reshape(1, per_kv_head.shape[0], 1, -1)
+        return self.access.family.repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
+
+
+def _mean(sums: dict, name: str, rows: str) -> torch.Tensor:
+    return sums[name] / sums[rows]  # 0 / 0 = nan where no row counts (previous on a one-token prompt)
+
+
+def _top(context: Context) -> dict[str, torch.Tensor]:
+    sums = context.summary()
+    rows = torch.tensor(context.rows(), dtype=torch.int32)
+    num_heads = sums["entropy"].shape[0]
+    if "top_keys" not in sums:  # no row in range
+        empty = torch.zeros(num_heads, 0, context.options["top_k"])
+        return {"top_rows": rows.expand(num_heads, -1), "top_keys": empty.int(), "top_weights": empty}
+    return {"top_rows": rows.expand(num_heads, -1), "top_keys": sums["top_keys"][0].int(),
+            "top_weights": sums["top_weights"][0]}
+
+
+def _pattern(context: Context) -> dict[str, torch.Tensor]:
+    """Each chosen row's pattern, [heads, keys the row sees], scored alone by the family's score function."""
+    queries, keys = context.values["attention_queries"], context.values["attention_keys"]
+    scores = heads.score_function(context.attn)
+    rows = context.rows()
+    found = [scores(queries[:, :, row:row + 1], keys[:, :, :row + 1]).softmax(-1, dtype=torch.float32)[0, :, 0]
+             for row in rows]
+    num_heads = queries.shape[1]
+    return {"pattern_rows": torch.tensor(rows, dtype=torch.int32).expand(num_heads, -1),
+            "pattern": [[row[h] for row in found] for h in range(num_heads)]}
+
+
+def _norm(name: str, head_axis: int, kv: bool) -> Callable[[Context], dict[str, torch.Tensor]]:
+    def compute(context: Context) -> dict[str, torch.Tensor]:
+        tensor = context.values[name][0].float()  # without the batch axis
+        norms = tensor.norm(dim=-1).mean(dim=1 - head_axis)  # the mean over positions of each head's norm
+        column = FEATURE_OF[name]
+        return {column: context.per_query_head(norms) if kv else norms}
+    return compute
+
+
+QK = ("attention_queries", "attention_keys")
+register(Feature("entropy", "mean entropy of a row of the pattern, in nats", QK, {"entropy": "float32"},
+                 lambda c: {"entropy": _mean(c.summary(), "entropy", "rows")}, scored=True))
+register(Feature("sink", "mean weight on the first token", QK, {"sink": "float32"},
+                 lambda c: {"sink": _mean(c.summary(), "sink", "rows")}, scored=True))
+register(Feature("previous", "mean weight from a token to the one before it (nan on a one-token prompt)", QK,
+                 {"previous": "float32"}, lambda c: {"previous": _mean(c.summary(), "previous", "previous_rows")},
+                 scored=True))
+register(Feature("top_keys", "the top_k keys of each chosen row (top_rows) and their weights; -1 and 0 past the keys "
+                 "a row sees", QK,
+                 {"top_rows": "list<int32>", "top_keys": "list<list<int32>>", "top_weights": "list<list<float32>>"},
+                 _top, scored=True))
+register(Feature("pattern", "each chosen row's pattern (pattern_rows), over the keys it sees", QK,
+                 {"pattern_rows": "list<int32>", "pattern": "list<list<float32>>"}, _pattern, scored=True))
+
+#: The norm features: standardized value -> column, and where its head axis is (without the batch axis).
+NORMS = {"attention_queries": ("query_norm", 0, False), "attention_keys": ("key_norm", 0, True),
+         "attention_values": ("value_norm", 0, True), "attention_head_outputs": ("head_output_norm", 1, False)}
+FEATURE_OF = {name: column for name, (column, _, _) in NORMS.items()}
+for _value, (_column, _axis, _kv) in NORMS.items():
+    _whose = "its key/value head's, repeated over the query heads it serves" if _kv else "per query head"
+    register(Feature(_column, f"mean over positions of the L2 norm of {_value} ({_whose})", (_value,),
+                     {_column: "float32"}, _norm(_value, _axis, _kv)))

@@ -1,0 +1,147 @@
+"""What collecting head features over a corpus costs against plain vLLM prefilling the same corpus.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/collect.py [--prompts 1000] [--features entropy,sink,...]
+        [--repeats 1]
+
+In one process, on SmolLM2-135M float32 and a JSONL corpus of `--prompts` prompts of mixed lengths (8 to 400
+tokens, seeded): plain vLLM (`vllm.LLM` at its default settings: compiled, prefix caching, chunked prefill), one
+token per prompt; the attnlens engine running the same requests without a trace (nnsight's configuration: eager, no
+prefix cache, no chunked prefill); and `attnlens.collect` with the default features (entropy, sink, previous-token
+weight, top-5 keys of the last row on every layer and head), written to Parquet, all included. Runs alternate, best
+of `--repeats`. The resident memory of the process is sampled every 0.1 s during each collection, with the number of
+shards committed, so a growth per prompt would show as RSS rising with the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+import psutil
+
+import attnlens
+from attnlens.collect import DEFAULT_FEATURES
+
+ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=512 * 2**20, seed=0,
+              distributed_executor_backend="uni")
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "it", "an", "were", "which", "are", "this", "be", "has", "had", "attention", "head", "model", "layer", "token", "corpus", "river", "mountain", "city", "music", "history", "language", "science", "garden", "winter", "market", "story", "letter", "window", "morning"]
+
+
+def corpus(path: Path, count: int, seed: int = 0) -> list[str]:
+    """`count` prompts of 8 to 400 words, mostly short (a long tail, as real corpora have)."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        length = min(400, max(8, int(rng.lognormvariate(4.0, 0.8))))
+        texts.append(" ".join(rng.choice(WORDS) for _ in range(length)))
+    with open(path, "w") as file:
+        for i, text in enumerate(texts):
+            file.write(json.dumps({"id": i, "text": text}) + "\n")
+    return texts
+
+
+class Memory:
+    """The process's resident memory, sampled every 0.1 s, with the number of shards in `folder` at each sample."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.samples, self._stop = folder, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        process = psutil.Process()
+        while not self._stop.wait(0.1):
+            shards = len(list((self.folder / "data").glob("part-*.parquet"))) if (self.folder / "data").exists() else 0
+            self.samples.append((shards, process.memory_info().rss))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> str:
+        by_shard: dict[int, int] = {}
+        for shards, rss in self.samples:
+            by_shard[shards] = max(by_shard.get(shards, 0), rss)
+        first = [rss for shards, rss in self.samples if shards >= 1]
+        peak = max(rss for _, rss in self.samples)
+        return (f"peak RSS {peak / 2**20:.0f} MiB; after the first shard {min(first) / 2**20:.0f}-"
+                f"{max(first) / 2**20:.0f} MiB; per shard committed (MiB): "
+                + " ".join(f"{by_shard[k] / 2**20:.0f}" for k in sorted(by_shard)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--features", default=",".join(DEFAULT_FEATURES))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--shard-size", type=int, default=100)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    path = str(attnlens.models.smollm2_path())
+    work = Path(tempfile.mkdtemp(prefix="attnlens-bench-"))
+    texts = corpus(work / "corpus.jsonl", args.prompts)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    tokens = sum(len(i) for i in ids)
+    print(f"{len(ids)} prompts, {tokens} tokens ({min(map(len, ids))}-{max(map(len, ids))} per prompt)", flush=True)
+
+    llm = LLM(path, **ENGINE)
+    model = attnlens.StandardizedVLLM(path, **ENGINE)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    prompts = [{"prompt_token_ids": i} for i in ids]
+    memory: list[Memory] = []
+
+    def plain():
+        llm.generate(prompts, one, use_tqdm=False)
+
+    def untraced():
+        model.vllm_entrypoint.generate(prompts, one, use_tqdm=False)
+
+    def collected():
+        out = work / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        with Memory(out) as sampled:
+            result = attnlens.collect(model, work / "corpus.jsonl", args.features.split(","), out,
+                                      shard_size=args.shard_size, progress=False)
+        memory.append(sampled)
+        assert result.prompts == len(ids) and result.errors == 0, result
+
+    runs = {"plain vLLM, defaults": plain, "attnlens engine, no trace": untraced,
+            f"attnlens.collect ({args.features})": collected}
+    llm.generate(prompts[:16], one, use_tqdm=False)  # warm-up: compilation, first requests
+    untraced_warm = prompts[:16]
+    model.vllm_entrypoint.generate(untraced_warm, one, use_tqdm=False)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+            print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
+    base = min(times["plain vLLM, defaults"])
+    print(f"\nSmolLM2-135M float32, {len(ids)} prompts, {tokens} tokens, one process, best of {args.repeats}:")
+    for name, t in times.items():
+        best = min(t)
+        print(f"  {name:<60} {best:7.2f} s  {tokens / best:7.0f} tokens/s  {base / best:.2f}x of plain vLLM")
+    print("  memory during the collection: " + memory[-1].report())
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
