@@ -17,6 +17,7 @@ runs outside the compiled graph.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from nnsight.modeling.vllm import VLLM
@@ -165,7 +166,7 @@ class StandardizedVLLM(Helpful, VLLM):
                    for key, reason in found.reasons.items()}
         notes = {key: f"{note}; on this compiled engine, a static tap only (static_points)"
                  for key, note in found.notes.items() if key in served}
-        return found.model_copy(update={"reasons": reasons, "notes": notes})
+        return replace(found, reasons=reasons, notes=notes)
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer` served here; values read at one place share a rank."""
