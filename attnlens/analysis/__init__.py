@@ -6,6 +6,7 @@ paths from the family, so it runs on every family (and, where said, on vLLM) tha
 """
 
 from .attribution import Attribution, attribution
+from .lens import LogitLens, logit_lens
 from .reasons import ANALYSES, unavailable
 
-__all__ = ["ANALYSES", "Attribution", "attribution", "unavailable"]
+__all__ = ["ANALYSES", "Attribution", "LogitLens", "attribution", "logit_lens", "unavailable"]

@@ -101,6 +101,23 @@ def post_norm_form(model, layer: int) -> NormForm | None | str:
                                           f"attnlens can freeze at the run's scale")
 
 
+def head_between(model) -> str | None:
+    """Why the unembedding does not read the final norm's output directly: a module with weights of its own beside the
+    decoder and the output embedding (ModernBERT's prediction head); None where there is none (eager only: vLLM's
+    implementations are checked by their families)."""
+    if model.access.engine != "eager":
+        return None
+    root = model._module
+    output = root.get_output_embeddings()
+    layers = root.get_submodule(model.family.layers)
+    for name, child in root.named_children():
+        if child is output or any(m is layers for m in child.modules()) or next(child.parameters(), None) is None:
+            continue
+        return (f"{name} ({type(child).__name__}) sits between the final norm and the unembedding, so the logits are "
+                f"no linear read-out of final_norm_output")
+    return None
+
+
 def model_reason(model) -> str | None:
     """Why no analysis of the residual stream is served on this model (None: it is)."""
     cached = model.__dict__.setdefault("_attnlens_analysis", {})
@@ -114,6 +131,8 @@ def model_reason(model) -> str | None:
                 break
         if reason is None and model.support()["final_norm_output"] is not None:
             reason = f"final_norm_output is unavailable ({model.support()['final_norm_output']})"
+        if reason is None:
+            reason = head_between(model)
         if reason is None:
             form = final_norm_form(model)
             reason = form if isinstance(form, str) else None
