@@ -3,11 +3,11 @@ split layer's head pieces to its attention update; where a family cannot be deco
 
 import pytest
 import torch
+from conftest import ALL_CASES, PROMPT, tiny
 
 import attnlens
 from attnlens.analysis import attribution, unavailable
 from attnlens.analysis.reasons import model_reason, split_reason
-from conftest import ALL_CASES, PROMPT, tiny
 
 ROWS = [-1, 5]
 
@@ -105,7 +105,8 @@ def test_results_read(tmp_path):
     text = str(found)
     assert "logit('a')" in text and "logit('b')" in text and "frozen" in text
     rows = found.to_rows()
-    assert len(rows) == 3 * 4 * len(found.tokens) and {"layer", "head", "source", "token", "contribution"} <= set(rows[0])
+    assert len(rows) == 3 * 4 * len(found.tokens)
+    assert {"layer", "head", "source", "token", "contribution"} <= set(rows[0])
     assert abs(sum(term["value"] for term in found.terms()) - float(found.value[0])) < 1e-4
     assert found.plot(tmp_path / "grid.png").stat().st_size > 0
     assert found.plot(tmp_path / "layer.png", layer=1).stat().st_size > 0

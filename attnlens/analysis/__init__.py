@@ -7,6 +7,8 @@ paths from the family, so it runs on every family (and, where said, on vLLM) tha
 
 from .attribution import Attribution, attribution
 from .lens import LogitLens, logit_lens
+from .patching import PatchGrid, agreement, attribution_patching, logit_difference, patch
 from .reasons import ANALYSES, unavailable
 
-__all__ = ["ANALYSES", "Attribution", "LogitLens", "attribution", "logit_lens", "unavailable"]
+__all__ = ["ANALYSES", "Attribution", "LogitLens", "PatchGrid", "agreement", "attribution", "attribution_patching",
+           "logit_difference", "logit_lens", "patch", "unavailable"]

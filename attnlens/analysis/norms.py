@@ -49,7 +49,9 @@ class NormForm:
         """The form `module` computes, found by running it on random input; None where no form matches."""
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
-        if weight is not None and weight.dim() != 1 or bias is not None and (bias.dim() != 1 or not torch.is_tensor(bias)):
+        if weight is not None and weight.dim() != 1:
+            return None
+        if bias is not None and (not torch.is_tensor(bias) or bias.dim() != 1):
             return None
         eps = _eps(module)
         parameter = weight if weight is not None else next(module.parameters(), None)
