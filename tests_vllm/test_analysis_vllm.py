@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import attnlens
 from attnlens.analysis import attribution
 
 #: Relative tolerance between the engines in float32 (vLLM's kernels sum in another order).
@@ -33,3 +32,35 @@ def test_attribution_equals_eager(name, tmp_path_factory):
         assert _close(served.heads[layer], eager.heads[layer], scale), layer
         assert _close(served.rest[layer], eager.rest[layer], scale), layer
     assert _close(served.total, served.value, scale)  # the identity, on vLLM's own tensors
+
+
+def test_lens_equals_eager(llama):
+    from attnlens.analysis import logit_lens
+
+    eager = logit_lens(llama.eager, llama.prompt, rows=[-1, 2], tokens=["a"])
+    served = logit_lens(llama.vllm, llama.prompt, rows=[-1, 2], tokens=["a"])
+    assert served.sites == eager.sites
+    assert _close(served.token_logits, eager.token_logits, float(eager.last.abs().max()))
+    assert _close(served.last, eager.last, float(eager.last.abs().max()))
+
+
+def _knocked_steps(model, prompt, steps=3):
+    from attnlens.analysis import knock_out
+
+    with torch.no_grad(), model.generate(prompt, max_new_tokens=steps, do_sample=False) as tracer:
+        logits = list().save()
+        for _ in tracer.iter[:steps]:
+            knock_out(model, 1, list(range(5, 40)), [0, 1, 2], heads=[0, 3])
+            logits.append(model.logits[0, -1].clone())
+    return torch.stack(list(logits))
+
+
+def test_knockout_on_every_step_equals_eager(llama):
+    """The same knockout on the prefill and every decode step moves vLLM's logits as it moves eager's."""
+    served = _knocked_steps(llama.vllm, llama.prompt)
+    eager = _knocked_steps(llama.eager, llama.prompt)
+    assert served.shape == eager.shape == (3, eager.shape[-1])
+    assert _close(served, eager, float(eager.abs().max()))
+    with torch.no_grad(), llama.eager.trace(llama.prompt):
+        plain = llama.eager.logits[0, -1].save()
+    assert not torch.allclose(plain, eager[0], atol=1e-3)

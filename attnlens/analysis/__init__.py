@@ -6,9 +6,10 @@ paths from the family, so it runs on every family (and, where said, on vLLM) tha
 """
 
 from .attribution import Attribution, attribution
+from .knockout import knock_out, knocked
 from .lens import LogitLens, logit_lens
 from .patching import PatchGrid, agreement, attribution_patching, logit_difference, patch
 from .reasons import ANALYSES, unavailable
 
 __all__ = ["ANALYSES", "Attribution", "LogitLens", "PatchGrid", "agreement", "attribution", "attribution_patching",
-           "logit_difference", "logit_lens", "patch", "unavailable"]
+           "knock_out", "knocked", "logit_difference", "logit_lens", "patch", "unavailable"]
