@@ -110,3 +110,20 @@ def test_results_read(tmp_path):
     assert abs(sum(term["value"] for term in found.terms()) - float(found.value[0])) < 1e-4
     assert found.plot(tmp_path / "grid.png").stat().st_size > 0
     assert found.plot(tmp_path / "layer.png", layer=1).stat().st_size > 0
+
+
+def test_every_decode_step_adds_up():
+    model = tiny("qwen3")
+    steps = attribution(model, PROMPT, target="a", versus="b", max_new_tokens=3)
+    a, b = (model.tokenizer(t, add_special_tokens=False).input_ids[0] for t in "ab")
+    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
+        logits = list().save()
+        for _ in tracer.iter[:3]:
+            logits.append(model.logits[0, -1])
+    assert len(steps) == 3
+    for step, (found, last) in enumerate(zip(steps, logits)):
+        assert found.rows == [len(PROMPT) - 1 + step]
+        assert close(found.total, (last[a] - last[b])[None])
+        for layer in found.heads:
+            assert found.heads[layer].shape == (1, 4, len(PROMPT) + step)
+            assert close(found.split_total(layer), found.attention[layer])

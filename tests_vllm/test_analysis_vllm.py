@@ -64,3 +64,16 @@ def test_knockout_on_every_step_equals_eager(llama):
     with torch.no_grad(), llama.eager.trace(llama.prompt):
         plain = llama.eager.logits[0, -1].save()
     assert not torch.allclose(plain, eager[0], atol=1e-3)
+
+
+def test_attribution_on_every_decode_step_equals_eager(llama):
+    eager = attribution(llama.eager, llama.prompt, target="a", versus="b", max_new_tokens=3)
+    served = attribution(llama.vllm, llama.prompt, target="a", versus="b", max_new_tokens=3)
+    assert len(served) == len(eager) == 3
+    for mine, theirs in zip(served, eager):
+        scale = float(theirs.value.abs().max())
+        assert mine.rows == theirs.rows and _close(mine.value, theirs.value, scale)
+        for layer in theirs.heads:
+            assert mine.heads[layer].shape == theirs.heads[layer].shape
+            assert _close(mine.heads[layer], theirs.heads[layer], scale)
+        assert _close(mine.total, mine.value, scale)

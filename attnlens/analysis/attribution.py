@@ -21,7 +21,7 @@ runs in the worker, so only the `[rows, heads, sources]` numbers leave it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -471,18 +471,24 @@ def rows_of(rows, length: int) -> list[int]:
     return [row % length for row in rows]
 
 
-def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None, layers=None) -> Attribution:
+def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None, layers=None,
+                max_new_tokens: int = 0):
     """Direct attribution of `target`'s logit (minus `versus`'s), or of `direction . final_norm_output`, at query
     `rows` of `prompt` (default the last), split by layer, head and source position; see the module's docstring.
 
-    `layers` limits which layers are split by head (the others give their attention update as one term). Runs on
-    `StandardizedTransformer` (eager attention, or `rebuild_patterns=True`) and `StandardizedVLLM` (in the worker)."""
+    `layers` limits which layers are split by head (the others give their attention update as one term). With
+    `max_new_tokens`, the prompt is generated from greedily and a list comes back: the prefill's attribution, then one
+    per decode step (its new row, over every key of the context; generated sources are labelled `<generated i>`).
+    Runs on `StandardizedTransformer` (eager attention, or `rebuild_patterns=True`) and `StandardizedVLLM` (in the
+    worker, where only the terms leave it)."""
     from ..capture import prompts_of
 
     ids = prompts_of(model, prompt)[0]
     if len(ids) != 1:
         raise ValueError(f"attribution takes one prompt; got {len(ids)}")
     ids = ids[0]
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens is an int >= 0; got {max_new_tokens!r}")
     chosen = rows_of(rows, len(ids))
     split_layers = None if layers is None else [model.access.check_layer(layer) for layer in
                                                  ([layers] if isinstance(layers, int) else layers)]
@@ -491,14 +497,42 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
         if reason is not None:
             raise Unavailable(f"attribution: layer {layer} on {model.family.name} is not split by head: {reason}")
     the_plan = plan(model, chosen, target, versus, direction, split_layers=split_layers)
-    if model.access.engine == "vllm":
-        from .vllm import run_attribution
-
-        found = run_attribution(model, ids, the_plan)
-    else:
-        found = {}
-        with torch.no_grad(), model.trace(ids[None]):
-            collect(model, the_plan, found)
     tokens = [model.tokenizer.decode([int(i)]) for i in ids] if getattr(model, "tokenizer", None) else \
         [str(int(i)) for i in ids]
-    return _finish(model, the_plan, found, tokens)
+    vllm = model.access.engine == "vllm"
+    if max_new_tokens == 0:
+        if vllm:
+            from .vllm import run_attribution
+
+            found = run_attribution(model, ids, the_plan)
+        else:
+            found = {}
+            with torch.no_grad(), model.trace(ids[None]):
+                collect(model, the_plan, found)
+        return _finish(model, the_plan, found, tokens)
+    from .vllm import prepare as prepare_in_worker  # imported here: the body below runs in vLLM's worker
+
+    steps = [{} for _ in range(max_new_tokens)]  # filled in place on eager; on vLLM saved from the worker
+    with torch.no_grad(), model.generate(ids.tolist() if vllm else ids[None], max_new_tokens=max_new_tokens,
+                                         do_sample=False) as tracer:
+        if vllm:
+            steps = [{} for _ in range(max_new_tokens)].save()
+            prepare_in_worker(model, the_plan)
+        decode, step = decode_plan(the_plan), 0
+        for _ in tracer.iter[:max_new_tokens]:
+            collect(model, the_plan if step == 0 else decode, steps[step])
+            step += 1
+    found = []
+    for step, terms in enumerate(steps):
+        step_tokens = tokens + [f"<generated {i}>" for i in range(step)]
+        step_plan = the_plan if step == 0 else replace(decode_plan(the_plan, prepared=False),
+                                                       rows=[len(step_tokens) - 1])
+        found.append(_finish(model, step_plan, terms, step_tokens))
+    return found
+
+
+def decode_plan(plan: Plan, prepared: bool = True) -> Plan:
+    """`plan` for a decode step: its one new row (the last), the read-out of the first row."""
+    if not prepared or plan.directions is None:
+        return replace(plan, rows=[-1])
+    return replace(plan, rows=[-1], directions=plan.directions[:1], offsets=plan.offsets[:1])
