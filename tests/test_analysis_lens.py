@@ -4,12 +4,12 @@ that residual, on every family that serves it."""
 
 import pytest
 import torch
+from conftest import ALL_CASES, PROMPT, tiny
+from test_analysis_attribution import close, run_logits
 
 import attnlens
 from attnlens.analysis import logit_lens
 from attnlens.analysis.reasons import model_reason
-from conftest import ALL_CASES, PROMPT, tiny
-from test_analysis_attribution import close, run_logits
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
