@@ -7,6 +7,7 @@ from conftest import ALL_CASES, PROMPT, tiny
 
 import attnlens
 from attnlens.analysis import attribution, unavailable
+from attnlens.analysis.attribution import final_softcap
 from attnlens.analysis.reasons import model_reason, split_reason
 
 ROWS = [-1, 5]
@@ -20,7 +21,7 @@ def close(a, b):
 def run_logits(model):
     with torch.no_grad(), model.trace(PROMPT):
         logits = model.logits.save()
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    cap = final_softcap(model)
     return logits[0] if cap is None else cap * torch.atanh(logits[0] / cap)  # the logits before the cap
 
 

@@ -72,6 +72,13 @@ def _text_config(model):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def final_softcap(model) -> float | None:
+    """The soft-cap on the final logits, under either name transformers' configs give it (RecurrentGemma's
+    `logits_soft_cap`), or None."""
+    config = _text_config(model)
+    return getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+
+
 def unembedding(model, engine: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unembedding's weight [vocab, hidden] and bias [vocab] (or None), where the run is."""
     if engine == "vllm":
@@ -130,7 +137,7 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
         directions = offsets = None  # read off the unembedding where the run is (`prepare`)
         what = f"logit({_label(model, tokens[0])})" + (f" - logit({_label(model, tokens[1])})" if versus is not None
                                                        else "")
-        softcap = getattr(config, "final_logit_softcapping", None)
+        softcap = final_softcap(model)
     layers = {}
     chosen = range(model.num_layers) if split_layers is None else split_layers
     for layer in range(model.num_layers):

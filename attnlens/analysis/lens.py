@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import Unavailable
-from .attribution import _name, _readout_multiple, _text_config, rows_of, token_id, unembedding
+from .attribution import _name, _readout_multiple, final_softcap, rows_of, token_id, unembedding
 from .reasons import final_norm_form, model_reason
 
 SITES = ("layer_input", "layer_mid", "layer_output")
@@ -160,7 +160,7 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
     asked = [token_id(model, token) for token in tokens]
     engine = model.access.engine
     plan = LensPlan(sites, final_norm_form(model), rows_of(rows, len(ids)), asked, top_k,
-                    getattr(_text_config(model), "final_logit_softcapping", None), engine,
+                    final_softcap(model), engine,
                     model.family.path("final_norm", engine))
     if engine == "vllm":
         with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
