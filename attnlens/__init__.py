@@ -1,6 +1,7 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
 from . import models
+from .analysis import Attribution, LogitLens, PatchGrid, attribution, attribution_patching, logit_lens, patch
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
 from .collect import collect
 from .editing import keep_masked, masked
@@ -48,6 +49,8 @@ __all__ = [
     "Cache", "FusedQKV", "attn_out_gate", "capture_attention", "per_head_value", "run_with_cache", "split_fused_qkv",
     # seeing and summarising (show.py, plot.py, heads.py)
     "HeadSummaries", "View", "head_summaries", "plot", "show",
+    # analyses (attnlens/analysis/)
+    "Attribution", "LogitLens", "PatchGrid", "attribution", "attribution_patching", "logit_lens", "patch",
     # corpus collection (attnlens/collect/)
     "collect",
 ]

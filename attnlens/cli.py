@@ -321,6 +321,57 @@ def run_collect(args) -> int:
     return 0
 
 
+
+
+def _token(text: str):
+    """A token given on the command line: an id (digits) or its text."""
+    return int(text) if text.isdigit() else text
+
+
+def run_attribute(args) -> int:
+    from .analysis import attribution
+
+    out = None if args.out is None else _writable(args.out, (".png", ".csv"))
+    model = _loading(args.model, args.engine)
+    found = attribution(model, args.prompt, rows=args.row, target=_token(args.target),
+                        versus=None if args.versus is None else _token(args.versus))
+    _console().print(found.table(args.top))
+    if out is not None:
+        if out.suffix.lower() == ".png":
+            found.plot(out, layer=args.layer)
+        else:
+            _write_csv(out, found.to_rows())
+        print(out)
+    return 0
+
+
+def run_patch(args) -> int:
+    from .analysis import logit_difference, patch
+
+    out = None if args.out is None else _writable(args.out, (".png", ".csv"))
+    model = _loading(args.model)
+    metric = logit_difference(model, _token(args.target), None if args.versus is None else _token(args.versus))
+    found = patch(model, args.clean, args.corrupt, metric, over=args.over, layers=args.layers,
+                  batch_size=args.batch_size)
+    _console().print(found.table(args.top))
+    if out is not None:
+        if out.suffix.lower() == ".png":
+            found.plot(out)
+        else:
+            _write_csv(out, found.to_rows())
+        print(out)
+    return 0
+
+
+def _write_csv(out: Path, rows: list[dict]) -> None:
+    import csv
+
+    with out.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 # --- the parser ------------------------------------------------------------------------------------------------------
 
 MODEL_HELP = "a bundled name (smollm2, gemma3-270m), tiny:FAMILY (e.g. tiny:llama), a folder or a hub name"
@@ -403,6 +454,40 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--workers", type=int, default=None, help="run on Ray with this many workers, one engine "
                                                                    "each (RAY_ADDRESS names a cluster)")
     collect.set_defaults(run=run_collect)
+
+
+    attribute = commands.add_parser("attribute", help="direct attribution of a logit by layer, head and source",
+                                    description="Split the logit of TARGET (minus VERSUS's) at a query row into each "
+                                                "head's contribution by the key it reads, through the final norm "
+                                                "frozen at the run's scale; prints the largest pieces.")
+    attribute.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    attribute.add_argument("prompt", metavar="PROMPT", help="the text to run")
+    attribute.add_argument("--target", required=True, help="the token whose logit is split (text of one token, or id)")
+    attribute.add_argument("--versus", help="a token whose logit is subtracted")
+    attribute.add_argument("--row", type=int, default=-1, help="the query row (default -1, the last)")
+    attribute.add_argument("--top", type=int, default=15, help="pieces shown (15)")
+    attribute.add_argument("--layer", type=int, default=None, help="with a .png --out: that layer's heads x sources")
+    attribute.add_argument("--out", type=Path, help="FILE.png (layers x heads, or --layer's map) or FILE.csv")
+    attribute.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
+                           help="transformers (default) or vllm")
+    attribute.set_defaults(run=run_attribute)
+
+    patching = commands.add_parser("patch", help="activation patching from a clean into a corrupted prompt",
+                                   description="Patch each head (or position, pattern) of CLEAN into CORRUPT, a "
+                                               "batch of patches per forward, and print the logit difference each "
+                                               "restores.")
+    patching.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    patching.add_argument("clean", metavar="CLEAN", help="the clean prompt")
+    patching.add_argument("corrupt", metavar="CORRUPT", help="the corrupted prompt (as many tokens)")
+    patching.add_argument("--target", required=True, help="the metric's token (text of one token, or id)")
+    patching.add_argument("--versus", help="a token whose logit is subtracted")
+    patching.add_argument("--over", choices=("heads", "head_positions", "residual", "patterns"), default="heads",
+                          help="what is patched (heads)")
+    patching.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer)")
+    patching.add_argument("--batch-size", type=int, default=16, help="patches per forward (16)")
+    patching.add_argument("--top", type=int, default=15, help="pieces shown (15)")
+    patching.add_argument("--out", type=Path, help="FILE.png or FILE.csv")
+    patching.set_defaults(run=run_patch)
     return parser
 
 

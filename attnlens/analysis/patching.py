@@ -1,0 +1,259 @@
+"""Activation patching and attribution patching between a clean and a corrupted input of the same length.
+
+`patch(model, clean, corrupt, metric, over=...)` runs the corrupted input with one piece of the clean run put back
+(a head's output, a head's output at one position, or the residual at one position of a layer) and records
+`metric(logits)`; many patches share a forward as rows of one batch, so a grid of L x H costs about L x H / batch
+forwards. `attribution_patching` estimates the same grid from one forward and one backward of the corrupted run:
+`gradient . (clean - corrupt)`. `agreement` measures how well the two rank the pieces (Spearman's rank correlation).
+The metric takes the logits `[batch, seq, vocab]` and returns one number per row (`logit_difference` builds one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+
+from ..errors import Unavailable
+
+#: What can be patched: the value read and written, and the axes of the grid it gives.
+OVER = {
+    "heads": ("self_attn.attention_head_outputs", ("layer", "head")),
+    "head_positions": ("self_attn.attention_head_outputs", ("layer", "head", "position")),
+    "residual": ("layer_input", ("layer", "position")),
+    "patterns": ("self_attn.attention_probabilities", ("layer", "head")),
+}
+
+
+def logit_difference(model, target, versus=None, row: int = -1):
+    """A metric: `logit(target) - logit(versus)` (or `logit(target)`) at `row`, per batch row."""
+    from .attribution import token_id
+
+    t = token_id(model, target)
+    v = None if versus is None else token_id(model, versus)
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, row].float()
+        return last[:, t] - (last[:, v] if v is not None else 0)
+
+    metric.__name__ = f"logit difference at row {row}"
+    return metric
+
+
+@dataclass
+class PatchGrid:
+    """`values[layer, ...]`: the metric with that piece of the clean run patched into the corrupted one."""
+
+    over: str
+    axes: tuple[str, ...]
+    values: torch.Tensor
+    clean: float
+    corrupt: float
+    method: str  #: "activation patching" or "attribution patching"
+    forwards: int = 0
+    layers: list[int] = field(default_factory=list)
+
+    @property
+    def effect(self) -> torch.Tensor:
+        """The change the patch makes to the corrupted run's metric."""
+        return self.values - self.corrupt
+
+    @property
+    def recovered(self) -> torch.Tensor:
+        """The share of the clean-corrupt gap the patch restores (1: all of it)."""
+        return self.effect / (self.clean - self.corrupt)
+
+    def to_rows(self) -> list[dict]:
+        out = []
+        for index in product(*(range(n) for n in self.values.shape)):
+            row = dict(zip(self.axes, index))
+            row["layer"] = self.layers[row["layer"]]
+            row.update(value=float(self.values[index]), effect=float(self.effect[index]))
+            out.append(row)
+        return out
+
+    def to_dataframe(self):
+        import pandas
+
+        return pandas.DataFrame(self.to_rows())
+
+    def table(self, count: int = 15):
+        from rich.table import Table
+
+        table = Table(title=f"{self.method} over {self.over} · clean {self.clean:.4f} · corrupt {self.corrupt:.4f}",
+                      title_justify="left")
+        for column in (*self.axes, "metric", "effect"):
+            table.add_column(column, justify="right")
+        rows = sorted(self.to_rows(), key=lambda row: -abs(row["effect"]))[:count]
+        for row in rows:
+            table.add_row(*(str(row[axis]) for axis in self.axes), f"{row['value']:.4f}", f"{row['effect']:+.4f}")
+        table.caption = f"{self.forwards} forwards" if self.forwards else ""
+        return table
+
+    def __rich__(self):
+        return self.table()
+
+    def __str__(self) -> str:
+        from .results import render
+
+        return render(self.table())
+
+    def plot(self, out, dpi: int = 150):
+        from .results import heatmap
+
+        grid = self.effect if self.effect.dim() == 2 else self.effect.sum(-1)
+        return heatmap(grid, out, title=f"{self.method} over {self.over}", x_label=self.axes[1], y_label="layer",
+                       y_ticks=self.layers, dpi=dpi, label="effect on the metric")
+
+
+def _ids(model, text):
+    from ..capture import prompts_of
+
+    ids = prompts_of(model, text)[0]
+    if len(ids) != 1:
+        raise ValueError(f"patching takes one clean and one corrupted prompt; got {len(ids)}")
+    return ids[0]
+
+
+def _pieces(model, over: str, layers: list[int], length: int) -> list[tuple]:
+    _key, _axes = OVER[over]
+    pieces = []
+    for layer in layers:
+        if over == "residual":
+            pieces += [(layer, position) for position in range(length)]
+            continue
+        heads = model.layers[layer].self_attn.num_heads
+        if over == "head_positions":
+            pieces += [(layer, head, position) for head in range(heads) for position in range(length)]
+        else:
+            pieces += [(layer, head) for head in range(heads)]
+    return pieces
+
+
+def _check(model, over: str, layers) -> list[int]:
+    if over not in OVER:
+        raise ValueError(f"over must be one of {', '.join(OVER)}; got {over!r}")
+    chosen = list(range(model.num_layers)) if layers is None else sorted(
+        {model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
+    key = OVER[over][0]
+    for layer in chosen:
+        reason = model.support(layer)[key]
+        if reason is not None:
+            raise Unavailable(f"patching {over} on layer {layer} of {model.family.name}: {key} is unavailable "
+                              f"({reason})")
+    return chosen
+
+
+def _host(model, layer: int, key: str):
+    return (model.layers[layer].self_attn, key.split(".")[1]) if key.startswith("self_attn.") \
+        else (model.layers[layer], key)
+
+
+def clean_values(model, ids, key: str, layers: list[int]) -> dict[int, torch.Tensor]:
+    """`key` of every layer in `layers` on one run of `ids`."""
+    found = {}
+    with torch.no_grad(), model.trace(ids[None]):
+        for layer in layers:
+            host, name = _host(model, layer, key)
+            found[layer] = getattr(host, name).save()
+    return {layer: value.detach() for layer, value in found.items()}
+
+
+def _run(model, ids, metric, key: str, patches: list[list[tuple]], clean: dict, batch: int) -> torch.Tensor:
+    """The metric of each batch row, row b patched with every piece of `patches[b]` from `clean`."""
+    by_layer: dict[int, list[tuple[int, tuple]]] = {}
+    for b, pieces in enumerate(patches):
+        for piece in pieces:
+            by_layer.setdefault(piece[0], []).append((b, piece[1:]))
+    with torch.no_grad(), model.trace(ids[None].expand(len(patches), -1)):
+        for layer in sorted(by_layer):
+            host, name = _host(model, layer, key)
+            value = getattr(host, name)
+            source = clean[layer]
+            for b, where in by_layer[layer]:
+                if key == "layer_input" or key.endswith("attention_probabilities"):  # (position,)
+                    value[b, where[0]] = source[0, where[0]]
+                elif len(where) == 1:  # a head, every position
+                    value[b, :, where[0]] = source[0, :, where[0]]
+                else:  # a head at one position
+                    value[b, where[1], where[0]] = source[0, where[1], where[0]]
+        out = metric(model.logits).save()
+    return out.detach().float().cpu()
+
+
+def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch_size: int = 16) -> PatchGrid:
+    """Activation patching: the metric of the corrupted run with each piece `over` ("heads", "head_positions",
+    "residual" positions, "patterns" of each head) of the clean run patched in, `batch_size` patches per forward."""
+    chosen = _check(model, over, layers)
+    clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
+    if clean_ids.shape != corrupt_ids.shape:
+        raise ValueError(f"the clean and corrupted prompts must have the same length in tokens; got "
+                         f"{len(clean_ids)} and {len(corrupt_ids)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    key, axes = OVER[over]
+    sources = clean_values(model, clean_ids, key, chosen)
+    baseline = _run(model, corrupt_ids, metric, key, [[]], sources, 1)
+    reference = _run(model, clean_ids, metric, key, [[]], sources, 1)
+    pieces = _pieces(model, over, chosen, len(clean_ids))
+    found, forwards = [], 2
+    for start in range(0, len(pieces), batch_size):
+        group = pieces[start:start + batch_size]
+        found.append(_run(model, corrupt_ids, metric, key, [[piece] for piece in group], sources, len(group)))
+        forwards += 1
+    values = torch.cat(found)
+    shape = [len(chosen)] + [max(piece[i] for piece in pieces) + 1 for i in range(1, len(axes))]
+    return PatchGrid(over, axes, values.view(shape), float(reference[0]), float(baseline[0]), "activation patching",
+                     forwards, chosen)
+
+
+def attribution_patching(model, clean, corrupt, metric, over: str = "heads", layers=None) -> PatchGrid:
+    """The same grid estimated to first order: `gradient of the metric on the corrupted run . (clean - corrupt)`,
+    one forward and one backward (eager only: vLLM runs without gradients)."""
+    if model.access.engine != "transformers":
+        raise Unavailable("attribution patching takes gradients, which vLLM does not compute; use the eager engine")
+    chosen = _check(model, over, layers)
+    clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
+    if clean_ids.shape != corrupt_ids.shape:
+        raise ValueError(f"the clean and corrupted prompts must have the same length in tokens; got "
+                         f"{len(clean_ids)} and {len(corrupt_ids)}")
+    key, axes = OVER[over]
+    sources = clean_values(model, clean_ids, key, chosen)
+    reference = _run(model, clean_ids, metric, key, [[]], sources, 1)
+    grads, values = {}, {}
+    with model.trace(corrupt_ids[None]):
+        read = {}
+        for layer in chosen:
+            host, name = _host(model, layer, key)
+            read[layer] = getattr(host, name)
+        score = metric(model.logits).sum()
+        with score.backward():
+            for layer in reversed(chosen):
+                grads[layer] = read[layer].grad.save()
+        for layer in chosen:
+            values[layer] = read[layer].save()
+        baseline = score.save()
+    grid = []
+    for layer in chosen:
+        estimate = (grads[layer] * (sources[layer] - values[layer])).detach().float()[0]
+        if over == "heads":
+            grid.append(estimate.sum((0, 2)))
+        elif over == "head_positions":
+            grid.append(estimate.sum(-1).T)
+        elif over == "residual":
+            grid.append(estimate.sum(-1))
+        else:
+            grid.append(estimate.sum((1, 2)))
+    corrupt_metric = float(baseline.detach())
+    return PatchGrid(over, axes, torch.stack(grid) + corrupt_metric, float(reference[0]), corrupt_metric,
+                     "attribution patching", 2, chosen)
+
+
+def agreement(a: PatchGrid, b: PatchGrid) -> float:
+    """Spearman's rank correlation between two grids' effects, over every piece."""
+    x, y = a.effect.flatten(), b.effect.flatten()
+    if x.shape != y.shape:
+        raise ValueError(f"the grids have different shapes: {list(a.values.shape)} and {list(b.values.shape)}")
+    rx, ry = x.argsort().argsort().float(), y.argsort().argsort().float()
+    return float(torch.corrcoef(torch.stack([rx, ry]))[0, 1])

@@ -1,0 +1,180 @@
+"""Where the analyses are served, and why not: `unavailable(model, layer)`, from the family's facts and the model's
+own modules (each probed on random input, never in a run).
+
+Direct attribution splits a layer's attention update into `probabilities[h, q, s] * values_h[s] @ W_O[:, h]`, which
+is exact where the update is linear in the head outputs given the run's own statistics: the heads merged by
+concatenation, one output projection, then (optionally) a norm frozen at the run's scale and a constant residual
+multiplier. A layer that is not linear in that way is not split: its attention update is still one term of the
+decomposition (as an MLP is), and `unavailable` names why. The model-level reasons (no final norm of a known form, a
+residual stream that is not one vector) make the attribution unavailable on the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..family import Family
+from .norms import NormForm
+
+ATTRIBUTION = "attribution"
+LENS = "lens"
+#: The analyses `unavailable` answers for, and what each is.
+ANALYSES = {
+    ATTRIBUTION: "direct attribution by head and source position (attnlens.attribution)",
+    LENS: "the logit lens on the residual stream (attnlens.logit_lens)",
+}
+#: What the residual-stream analyses read on every layer.
+RESIDUAL = ("layer_input", "layer_output")
+#: What splitting a layer's attention by head and source reads.
+SPLIT = ("self_attn.attention_probabilities", "self_attn.attention_values", "self_attn.attention_output")
+
+
+def _overrides(family: Family, name: str) -> bool:
+    return getattr(type(family), name) is not getattr(Family, name)
+
+
+def hidden_size(model) -> int:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return config.hidden_size
+
+
+def final_norm_form(model) -> NormForm | str:
+    """The final norm's frozen form, or why it has none."""
+    family = model.family
+    if _overrides(family, "residual_read"):
+        return f"the {family.name} family's final norm reads several residual streams collapsed (residual_read)"
+    if model.access.engine == "vllm":
+        from .vllm import final_norm_form as vllm_form
+
+        return vllm_form(model)
+    try:
+        module = model._module.get_submodule(family.final_norm)
+    except AttributeError:
+        return f"the {family.name} family names no final norm module"
+    form = NormForm.of(module, hidden_size(model))
+    return form if form is not None else (f"the final norm {type(module).__name__} is neither an RMSNorm nor a "
+                                          f"LayerNorm attnlens can freeze at the run's scale")
+
+
+def residual_multiplier(model, layer: int) -> torch.Tensor | str:
+    """What the block's residual add multiplies the attention update by ([hidden], float32), or why it is not a
+    constant multiplier of the update added to the block's input."""
+    family = model.family
+    if not _overrides(family, "residual_add"):
+        return torch.ones(hidden_size(model))
+    if family.block_arguments:
+        return (f"the {family.name} family's residual add takes the block's arguments "
+                f"({', '.join(family.block_arguments)}) as well as the update")
+    if model.access.engine == "vllm":
+        return f"the {family.name} family's residual add (residual_add) is checked on the eager engine only"
+    block = model.layers[layer]._module
+    hidden = hidden_size(model)
+    generator = torch.Generator().manual_seed(0)
+    stream, update = (torch.randn(1, 2, hidden, generator=generator) for _ in range(2))
+    try:
+        with torch.no_grad():
+            kept = family.residual_add(block, "attention", stream, torch.zeros_like(update))
+            multiplier = family.residual_add(block, "attention", stream, torch.ones_like(update)) - kept
+            added = family.residual_add(block, "attention", stream, update) - kept
+    except Exception as error:  # noqa: BLE001  (a residual add that needs more than the two tensors)
+        return f"the {family.name} family's residual add could not be probed ({type(error).__name__}: {error})"
+    if not torch.allclose(kept, stream, atol=1e-6):
+        return f"the {family.name} block adds its update to something other than its input (residual_add)"
+    multiplier = multiplier[0, 0]
+    if not torch.allclose(added, update * multiplier, atol=1e-5, rtol=1e-4) or \
+            not torch.allclose(multiplier, multiplier.mean().expand_as(multiplier)):
+        return f"the {family.name} family's residual add is not a constant multiple of the update (residual_add)"
+    return multiplier.float()
+
+
+def post_norm_form(model, layer: int) -> NormForm | str | None:
+    """The frozen form of the norm between the attention output and the residual add (None: there is none), or why
+    it has none."""
+    name = model.family.attention_post_norm
+    if name is None:
+        return None
+    if model.access.engine == "vllm":
+        return f"the norm after attention ({name}) is checked on the eager engine only"
+    module = model.layers[layer]._module.get_submodule(name)
+    form = NormForm.of(module, hidden_size(model))
+    return form if form is not None else (f"the module after attention, {name} ({type(module).__name__}), is no norm "
+                                          f"attnlens can freeze at the run's scale")
+
+
+def head_between(model) -> str | None:
+    """Why the unembedding does not read the final norm's output directly: a module with weights of its own beside the
+    decoder and the output embedding (ModernBERT's prediction head); None where there is none (eager only: vLLM's
+    implementations are checked by their families)."""
+    if model.access.engine != "transformers":
+        return None
+    root = model._module
+    output = root.get_output_embeddings()
+    layers = root.get_submodule(model.family.layers)
+    for name, child in root.named_children():
+        if child is output or any(m is layers for m in child.modules()) or next(child.parameters(), None) is None:
+            continue
+        return (f"{name} ({type(child).__name__}) sits between the final norm and the unembedding, so the logits are "
+                f"no linear read-out of final_norm_output")
+    return None
+
+
+def model_reason(model) -> str | None:
+    """Why no analysis of the residual stream is served on this model (None: it is)."""
+    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    if "model" not in cached:
+        reason = None
+        for layer in range(model.num_layers):
+            report = model.support(layer)
+            missing = [name for name in RESIDUAL if report[name] is not None]
+            if missing:
+                reason = f"layer {layer}: {missing[0]} is unavailable ({report[missing[0]]})"
+                break
+        if reason is None and model.support()["final_norm_output"] is not None:
+            reason = f"final_norm_output is unavailable ({model.support()['final_norm_output']})"
+        if reason is None:
+            reason = head_between(model)
+        if reason is None:
+            form = final_norm_form(model)
+            reason = form if isinstance(form, str) else None
+        cached["model"] = reason
+    return cached["model"]
+
+
+def split_reason(model, layer: int) -> str | None:
+    """Why `layer`'s attention update is not split by head and source (None: it is)."""
+    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    if ("split", layer) not in cached:
+        cached["split", layer] = _split_reason(model, layer)
+    return cached["split", layer]
+
+
+def _split_reason(model, layer: int) -> str | None:
+    family = model.family
+    report = model.support(layer)
+    for name in SPLIT:
+        if report[name] is not None:
+            return f"{name.split('.')[-1]} is unavailable ({report[name]})"
+    for method, what in (("merge_heads", "transforms the head outputs before the output projection"),
+                         ("project_output", "computes the attention output otherwise than its output projection"),
+                         ("project_routed_output", "routes the output projection by the attention's input")):
+        if _overrides(family, method):
+            return f"the {family.name} family {what} ({method})"
+    for reason in (residual_multiplier(model, layer), post_norm_form(model, layer)):
+        if isinstance(reason, str):
+            return reason
+    return None
+
+
+def unavailable(model, layer: int) -> dict[str, str]:
+    """Analysis name (`ANALYSES`) -> why `layer` of `model` does not serve it; absent where it does. For
+    `attribution`, a layer that cannot be split by head still contributes its attention update as one term."""
+    layer = model.access.check_layer(layer)
+    reasons = {}
+    whole = model_reason(model)
+    if whole is not None:
+        reasons = dict.fromkeys(ANALYSES, whole)
+    else:
+        split = split_reason(model, layer)
+        if split is not None:
+            reasons[ATTRIBUTION] = f"layer {layer}'s attention is not split by head and source: {split}"
+    return reasons
