@@ -29,8 +29,15 @@ def describe(name: str, layer: int | None) -> str:
 class Access:
     """What one model serves on one engine, and the one path every read and write takes."""
 
-    def __init__(self, family: Family, config: Any, num_layers: int, engine: str,
-                 geometry: Callable[[int], HeadGeometry], rebuild_patterns: bool = False):
+    def __init__(
+        self,
+        family: Family,
+        config: Any,
+        num_layers: int,
+        engine: str,
+        geometry: Callable[[int], HeadGeometry],
+        rebuild_patterns: bool = False,
+    ):
         self.family, self.config, self.num_layers = family, config, num_layers
         self.engine = engine_named(engine)
         self._geometry = geometry
@@ -56,8 +63,10 @@ class Access:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"a layer index is an int; got {layer!r}")
         if not -n <= layer < n:
-            raise IndexError(f"layer {layer} is out of range: this model has {n} layers, so a layer index is in "
-                             f"[0, {n}), or [-{n}, -1] counting from the end")
+            raise IndexError(
+                f"layer {layer} is out of range: this model has {n} layers, so a layer index is in "
+                f"[0, {n}), or [-{n}, -1] counting from the end"
+            )
         return layer % n
 
     def layer_of(self, envoy) -> int:
@@ -129,8 +138,9 @@ class Access:
         layer = self.check_layer(layer)
         reasons = self.reasons(layer)
         report = {value.key: reasons.get(value.name) for value in LAYER_VALUES}
-        report.update({value.name: self.reasons(None).get(value.name) for value in ALL_VALUES
-                       if value.scope == "model"})
+        report.update(
+            {value.name: self.reasons(None).get(value.name) for value in ALL_VALUES if value.scope == "model"}
+        )
         notes = self.family.notes(self.config, layer, self.engine)
         for name in report:  # the location's own word on a value (a copy, a rebuilt pattern) joins the family's
             value = BY_NAME[name.rpartition(".")[2]]
@@ -140,8 +150,13 @@ class Access:
                 if said:
                     notes[value.name] = "; ".join(said)
         keyed = {BY_NAME[name].key: note for name, note in notes.items() if name in BY_NAME}
-        return Support(family=self.family.name, layer=layer, engine=self.engine, reasons=report,
-                       notes={key: note for key, note in keyed.items() if report.get(key) is None})
+        return Support(
+            family=self.family.name,
+            layer=layer,
+            engine=self.engine,
+            reasons=report,
+            notes={key: note for key, note in keyed.items() if report.get(key) is None},
+        )
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value `layer` serves; values read at one location share a rank."""
@@ -230,14 +245,18 @@ class Access:
         later = [read[:2] for read in found.__dict__.get("attnlens_reads", []) if read[3] > position]
         if later:
             return OrderError(self._order_message(name, layer, *later[-1]))
-        return OrderError(f"{describe(name, layer)} was requested after the forward pass had computed it; read "
-                          f"values in forward order (model.order(layer) gives it)")
+        return OrderError(
+            f"{describe(name, layer)} was requested after the forward pass had computed it; read "
+            f"values in forward order (model.order(layer) gives it)"
+        )
 
     @staticmethod
     def _order_message(name: str, layer: int | None, other_name: str, other_layer: int | None) -> str:
         this, other = describe(name, layer), describe(other_name, other_layer)
-        return (f"{this} was read after {other}, but the forward computes {this} first; read {this} before {other} "
-                f"(model.order(layer) gives the forward order)")
+        return (
+            f"{this} was read after {other}, but the forward computes {this} first; read {this} before {other} "
+            f"(model.order(layer) gives the forward order)"
+        )
 
     # --- writes that cannot mislead -----------------------------------------------------------------------------
 
@@ -249,12 +268,16 @@ class Access:
         if isinstance(new, (int, float)) or (isinstance(new, torch.Tensor) and new.dim() == 0):
             return torch.full_like(current, float(new))
         if not isinstance(new, torch.Tensor):
-            raise EditError(f"{describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "
-                            f"or a number; got {type(new).__name__}")
+            raise EditError(
+                f"{describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "
+                f"or a number; got {type(new).__name__}"
+            )
         if tuple(new.shape) != tuple(current.shape):
-            raise EditError(f"{describe(name, layer)} expects a tensor of layout "
-                            f"{self.layout(name, layer, current)}; got shape {list(new.shape)}."
-                            f"{self.shape_hint(name, layer, current, new)} Nothing was written.")
+            raise EditError(
+                f"{describe(name, layer)} expects a tensor of layout "
+                f"{self.layout(name, layer, current)}; got shape {list(new.shape)}."
+                f"{self.shape_hint(name, layer, current, new)} Nothing was written."
+            )
         return new.to(device=current.device, dtype=current.dtype)
 
     def layout(self, name: str, layer: int | None, current: torch.Tensor) -> str:
@@ -274,18 +297,29 @@ class Access:
                 kv = heads.num_kv_heads  # the first query head each key/value head pairs with, in the family's order
                 paired = self.family.repeat_kv(torch.arange(kv).view(1, kv, 1, 1), heads.groups).flatten().tolist()
                 first = [paired.index(head) for head in range(kv)]
-                pick = f"::{heads.groups}" if first == list(range(0, heads.num_heads, heads.groups)) else \
-                    f":{kv}" if first == list(range(kv)) else str(first)
-                return (f" Layer {layer} groups its {heads.num_heads} query heads over {kv} "
-                        f"key/value heads, and keys and values are read before the repetition: write "
-                        f"num_kv_heads={kv} heads (of a repeated tensor, new[:, {pick}]).")
+                pick = (
+                    f"::{heads.groups}"
+                    if first == list(range(0, heads.num_heads, heads.groups))
+                    else f":{kv}"
+                    if first == list(range(kv))
+                    else str(first)
+                )
+                return (
+                    f" Layer {layer} groups its {heads.num_heads} query heads over {kv} "
+                    f"key/value heads, and keys and values are read before the repetition: write "
+                    f"num_kv_heads={kv} heads (of a repeated tensor, new[:, {pick}])."
+                )
         if sorted(have) == sorted(want) and len(axes) == len(have):
             order = [axes[want.index(size)] if want.count(size) == 1 else "?" for size in have]
-            return (f" It has the right sizes in another order (it looks like [{', '.join(order)}]): permute it to "
-                    f"[{', '.join(axes)}].")
+            return (
+                f" It has the right sizes in another order (it looks like [{', '.join(order)}]): permute it to "
+                f"[{', '.join(axes)}]."
+            )
         if len(have) == len(want) - 1 and have[:-1] == want[:-2] and have[-1] == want[-2] * want[-1]:
-            return (f" Its last axis holds {want[-2]} x {want[-1]} merged: unflatten it with "
-                    f"new.unflatten(-1, ({want[-2]}, {want[-1]})).")
+            return (
+                f" Its last axis holds {want[-2]} x {want[-1]} merged: unflatten it with "
+                f"new.unflatten(-1, ({want[-2]}, {want[-1]}))."
+            )
         return ""
 
     def guard(self, tensor: torch.Tensor, name: str, layer: int | None, why: str) -> torch.Tensor:
@@ -310,14 +344,18 @@ class Access:
         asked = re.search(r"'(\d+)\.grad", message)
         for tensor, _, name, layer, why in registry if asked else ():
             if id(tensor) == int(asked.group(1)):
-                return Unavailable(f"the gradient of {describe(name, layer)} on {self.where} is unavailable: {why}, "
-                                   f"computed beside the forward, so no gradient from the loss reaches it. Take the "
-                                   f"gradient of a value the forward uses (the queries and keys, the head outputs)")
+                return Unavailable(
+                    f"the gradient of {describe(name, layer)} on {self.where} is unavailable: {why}, "
+                    f"computed beside the forward, so no gradient from the loss reaches it. Take the "
+                    f"gradient of a value the forward uses (the queries and keys, the head outputs)"
+                )
         return None
 
     def check_copies(self, registry: list | None = None) -> None:
-        for tensor, version, name, layer, why in (self._registry() if registry is None else registry):
+        for tensor, version, name, layer, why in self._registry() if registry is None else registry:
             if tensor._version != version:
-                raise EditError(f"{describe(name, layer)} was edited in place, but on {self.where} {why}, so the edit "
-                                f"could not reach the model. Assign it instead: "
-                                f"`... .{name} = edited` with an edited tensor or a clone you edit.")
+                raise EditError(
+                    f"{describe(name, layer)} was edited in place, but on {self.where} {why}, so the edit "
+                    f"could not reach the model. Assign it instead: "
+                    f"`... .{name} = edited` with an edited tensor or a clone you edit."
+                )

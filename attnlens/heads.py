@@ -40,7 +40,7 @@ METRICS = {
 ON_TEXT = ("entropy", "sink")
 TARGETED = tuple(name for name in METRICS if name not in ON_TEXT)
 #: Elements of one chunk of probabilities (all heads, a few rows, the keys they see): 64 MiB in float32.
-CHUNK_ELEMENTS = 2 ** 24
+CHUNK_ELEMENTS = 2**24
 
 #: (queries [batch, heads, rows, dim], keys [batch, kv_heads, keys, dim]) -> masked scores [batch, heads, rows, keys],
 #: the rows being the last `rows` positions of the keys.
@@ -49,9 +49,17 @@ ScoreFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # --- the core: a pure function of (score function, queries, keys, options) -----------------------------------------
 
-def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, *,
-              targets: dict[str, torch.Tensor] | None = None, top_rows: Sequence[int] = (), top_k: int = 0,
-              chunk_rows: int | None = None) -> dict[str, torch.Tensor]:
+
+def summarize(
+    scores: ScoreFunction,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    targets: dict[str, torch.Tensor] | None = None,
+    top_rows: Sequence[int] = (),
+    top_k: int = 0,
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-head sums over every row of the pattern `softmax(scores(queries, keys))`, computed a chunk of rows at a time.
 
     `queries` [batch, heads, query, dim] are the last `query` positions of `keys` [batch, kv_heads, key, dim]. Each
@@ -70,8 +78,9 @@ def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, 
     num_keys = keys.shape[2]
     offset = num_keys - num_queries  # query i sits at key offset + i
     if offset < 0:
-        raise ValueError(f"summarize: {num_queries} queries but only {num_keys} keys; the queries are the last "
-                         f"positions of the keys")
+        raise ValueError(
+            f"summarize: {num_queries} queries but only {num_keys} keys; the queries are the last positions of the keys"
+        )
     device = queries.device
     chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys))
     targets = {name: torch.as_tensor(t, device=device).long() for name, t in (targets or {}).items()}
@@ -81,8 +90,10 @@ def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, 
         out[name] = torch.zeros(num_heads, device=device)
     for name, target in targets.items():
         if target.shape != (num_queries,) or bool((target > positions).any()):
-            raise ValueError(f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
-                             f"position (or -1); got shape {tuple(target.shape)}")
+            raise ValueError(
+                f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
+                f"position (or -1); got shape {tuple(target.shape)}"
+            )
         out[f"{name}_rows"] = (target >= 0).sum().float() * batch
     top_rows = [row % num_queries for row in top_rows]
     if top_rows and top_k:
@@ -102,8 +113,8 @@ def summarize(scores: ScoreFunction, queries: torch.Tensor, keys: torch.Tensor, 
             if start <= row < stop and top_k:
                 seen = offset + row + 1  # the keys this row sees
                 weights, found = probs[:, :, row - start, :seen].topk(min(top_k, seen), dim=-1)
-                out["top_weights"][:, :, j, :found.shape[-1]] = weights
-                out["top_keys"][:, :, j, :found.shape[-1]] = found
+                out["top_weights"][:, :, j, : found.shape[-1]] = weights
+                out["top_keys"][:, :, j, : found.shape[-1]] = found
     return out
 
 
@@ -128,12 +139,15 @@ def why_not(model, layer: int) -> str | None:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
     beyond = model.family.beyond_queries_and_keys(model.config, layer)
     if beyond is not None:
-        return (f"{beyond}: head summaries score the queries and keys alone, so the family's score function is "
-                f"unavailable on this layer")
+        return (
+            f"{beyond}: head summaries score the queries and keys alone, so the family's score function is "
+            f"unavailable on this layer"
+        )
     return None
 
 
 # --- inputs: repeated random tokens ---------------------------------------------------------------------------------
+
 
 def bos_id(model) -> int | None:
     tokenizer = getattr(model, "tokenizer", None)
@@ -150,8 +164,10 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     total = 2 * length + (bos_id(model) is not None)
     if limit is not None and total > limit:
-        raise ValueError(f"repeated sequences of {total} tokens are longer than the model's {limit} positions; "
-                         f"choose length <= {(limit - 1) // 2}")
+        raise ValueError(
+            f"repeated sequences of {total} tokens are longer than the model's {limit} positions; "
+            f"choose length <= {(limit - 1) // 2}"
+        )
     special = set(getattr(getattr(model, "tokenizer", None), "all_special_ids", None) or [])
     special |= {getattr(config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
     allowed = torch.tensor([i for i in range(config.vocab_size) if i not in special])
@@ -168,12 +184,15 @@ def repeat_targets(total: int, length: int) -> dict[str, torch.Tensor]:
     """Key index per row of a `[BOS +] R + R` sequence of `total` tokens (-1: the row does not count)."""
     rows = torch.arange(total)
     second = rows >= total - length  # the rows of the second copy
-    return {"previous": torch.where(rows >= 1, rows - 1, -1),
-            "duplicate": torch.where(second, rows - length, -1),
-            "induction": torch.where(second, rows - length + 1, -1)}
+    return {
+        "previous": torch.where(rows >= 1, rows - 1, -1),
+        "duplicate": torch.where(second, rows - length, -1),
+        "induction": torch.where(second, rows - length + 1, -1),
+    }
 
 
 # --- the result -----------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class HeadSummaries:
@@ -192,14 +211,17 @@ class HeadSummaries:
         if metric not in METRICS:
             raise KeyError(f"{metric!r} is not a head summary; known: {', '.join(METRICS)}")
         if layer not in self.values[metric]:
-            raise KeyError(f"layer {layer} was not summarised; summarised: {self.layers}"
-                           + (f"; skipped: {self.skipped}" if layer in self.skipped else ""))
+            raise KeyError(
+                f"layer {layer} was not summarised; summarised: {self.layers}"
+                + (f"; skipped: {self.skipped}" if layer in self.skipped else "")
+            )
         return self.values[metric][layer]
 
     def ranked(self, metric: str, count: int | None = None, *, largest: bool = True) -> list[tuple[int, int]]:
         """(layer, head) pairs by `metric`, largest first (smallest with `largest=False`)."""
-        scored = [(float(v), layer, head) for layer in self.layers
-                  for head, v in enumerate(self.get(metric, layer).tolist())]
+        scored = [
+            (float(v), layer, head) for layer in self.layers for head, v in enumerate(self.get(metric, layer).tolist())
+        ]
         scored.sort(key=lambda item: -item[0] if largest else item[0])
         return [(layer, head) for _, layer, head in scored[:count]]
 
@@ -210,8 +232,10 @@ class HeadSummaries:
             for head in range(len(self.values["entropy"][layer])):
                 row = {"layer": layer, "head": head}
                 row.update({metric: round(float(self.values[metric][layer][head]), 6) for metric in METRICS})
-                row["top"] = [{"prompt": entry["prompt"], "row": entry["row"], "keys": entry["keys"][head]}
-                              for entry in self.top.get(layer, [])]
+                row["top"] = [
+                    {"prompt": entry["prompt"], "row": entry["row"], "keys": entry["keys"][head]}
+                    for entry in self.top.get(layer, [])
+                ]
                 rows.append(row)
         return rows
 
@@ -225,9 +249,17 @@ class HeadSummaries:
         return buffer.getvalue()
 
     def to_json(self) -> str:
-        return json.dumps({"model": self.model, "metrics": METRICS, "settings": self.settings,
-                           "skipped": {str(k): v for k, v in self.skipped.items()}, "heads": self.to_rows()},
-                          ensure_ascii=False, indent=1)
+        return json.dumps(
+            {
+                "model": self.model,
+                "metrics": METRICS,
+                "settings": self.settings,
+                "skipped": {str(k): v for k, v in self.skipped.items()},
+                "heads": self.to_rows(),
+            },
+            ensure_ascii=False,
+            indent=1,
+        )
 
     def table(self):
         from rich.table import Table
@@ -256,14 +288,16 @@ class HeadSummaries:
 
 # --- running a model -----------------------------------------------------------------------------------------------
 
+
 def _layers(model, layers) -> tuple[list[int], dict[int, str]]:
     """The layers to summarise and the ones left out, with reasons. Named layers that cannot be summarised raise."""
     if layers is None:
         reasons = {layer: why_not(model, layer) for layer in range(model.num_layers)}
         kept = [layer for layer, reason in reasons.items() if reason is None]
         if not kept:
-            raise Unavailable(f"head_summaries: no layer of this {model.family.name} model can be summarised: "
-                              f"{reasons[0]}")
+            raise Unavailable(
+                f"head_summaries: no layer of this {model.family.name} model can be summarised: {reasons[0]}"
+            )
         return kept, {layer: reason for layer, reason in reasons.items() if reason is not None}
     chosen = []
     for layer in [layers] if isinstance(layers, int) else list(layers):
@@ -279,8 +313,14 @@ def _progress(show: bool | None, total: int):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), disable=not (total > 1 if show is None else show))
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not (total > 1 if show is None else show),
+    )
 
 
 def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int, dict]]:
@@ -309,8 +349,8 @@ def _collect(model, layers, pads, options, results) -> None:
         read = {name: getattr(attn, name) for name in names}
         scores = score_function(attn)
         for i, pad in enumerate(pads):
-            queries = read["attention_queries"][i:i + 1, :, pad:]
-            keys = read["attention_keys"][i:i + 1, :, pad:]
+            queries = read["attention_queries"][i : i + 1, :, pad:]
+            keys = read["attention_keys"][i : i + 1, :, pad:]
             sums = summarize(scores, queries, keys, **options[i])
             results[i][layer] = {name: value.detach().cpu() for name, value in sums.items()}
 
@@ -340,9 +380,20 @@ def _token_text(model, ids: torch.Tensor) -> list[str]:
     return [tokenizer.decode([int(i)]) for i in ids]
 
 
-def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = None, *, length: int = 50,
-                   sequences: int = 8, seed: int = 0, top_k: int = 3, rows: int | Sequence[int] = -1,
-                   chunk_rows: int | None = None, batch_size: int = 8, progress: bool | None = None) -> HeadSummaries:
+def head_summaries(
+    model,
+    prompts=None,
+    layers: int | Iterable[int] | None = None,
+    *,
+    length: int = 50,
+    sequences: int = 8,
+    seed: int = 0,
+    top_k: int = 3,
+    rows: int | Sequence[int] = -1,
+    chunk_rows: int | None = None,
+    batch_size: int = 8,
+    progress: bool | None = None,
+) -> HeadSummaries:
     """Per layer and head, the summaries of `METRICS`, from the queries and keys, without the full pattern.
 
     - `prompts`: a prompt or a list of them (strings or token ids); the entropy, the sink and the `top_k` keys of
@@ -358,6 +409,7 @@ def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = Non
     where the sums are computed inside vLLM's worker, one request per prompt, and only they leave it.
     """
     from .capture import prompts_of
+
     if top_k < 0 or batch_size < 1:
         raise ValueError(f"top_k must be >= 0 and batch_size >= 1; got top_k={top_k}, batch_size={batch_size}")
     chosen, skipped = _layers(model, layers)
@@ -376,13 +428,34 @@ def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = Non
     forwards = -(-len(repeats) // batch_size) + (0 if prompts is None else -(-len(texts) // batch_size))
     with _progress(progress, forwards) as bar:
         if prompts is None:
-            on_repeats = on_text = _run(model, chosen, repeats, lambda i: {**repeat_options, **text_options},
-                                        batch_size=batch_size, bar=bar, description="attnlens heads: repeats")
+            on_repeats = on_text = _run(
+                model,
+                chosen,
+                repeats,
+                lambda i: {**repeat_options, **text_options},
+                batch_size=batch_size,
+                bar=bar,
+                description="attnlens heads: repeats",
+            )
         else:
-            on_repeats = _run(model, chosen, repeats, lambda i: repeat_options, batch_size=batch_size, bar=bar,
-                              description="attnlens heads: repeats")
-            on_text = _run(model, chosen, texts, lambda i: text_options, batch_size=batch_size, bar=bar,
-                           description="attnlens heads: prompts")
+            on_repeats = _run(
+                model,
+                chosen,
+                repeats,
+                lambda i: repeat_options,
+                batch_size=batch_size,
+                bar=bar,
+                description="attnlens heads: repeats",
+            )
+            on_text = _run(
+                model,
+                chosen,
+                texts,
+                lambda i: text_options,
+                batch_size=batch_size,
+                bar=bar,
+                description="attnlens heads: prompts",
+            )
 
     values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in METRICS}
     top: dict[int, list[dict]] = {}
@@ -390,14 +463,22 @@ def head_summaries(model, prompts=None, layers: int | Iterable[int] | None = Non
         for metric in ON_TEXT:
             values[metric][layer] = sum(r[layer][metric] for r in on_text) / sum(r[layer]["rows"] for r in on_text)
         for metric in TARGETED:
-            values[metric][layer] = (sum(r[layer][metric] for r in on_repeats)
-                                     / sum(r[layer][f"{metric}_rows"] for r in on_repeats))
+            values[metric][layer] = sum(r[layer][metric] for r in on_repeats) / sum(
+                r[layer][f"{metric}_rows"] for r in on_repeats
+            )
         if top_k:
             top[layer] = _top_entries(model, texts, [r[layer] for r in on_text], row_list)
-    settings = {"length": length, "sequences": sequences, "seed": seed, "top_k": top_k, "rows": row_list,
-                "prompts": None if prompts is None else len(texts)}
-    return HeadSummaries(model=model_name(model), layers=chosen, values=values, top=top, skipped=skipped,
-                         settings=settings)
+    settings = {
+        "length": length,
+        "sequences": sequences,
+        "seed": seed,
+        "top_k": top_k,
+        "rows": row_list,
+        "prompts": None if prompts is None else len(texts),
+    }
+    return HeadSummaries(
+        model=model_name(model), layers=chosen, values=values, top=top, skipped=skipped, settings=settings
+    )
 
 
 def _top_entries(model, texts, sums, rows) -> list[dict]:
@@ -405,9 +486,14 @@ def _top_entries(model, texts, sums, rows) -> list[dict]:
     for p, (ids, found) in enumerate(zip(texts, sums)):
         tokens = _token_text(model, ids)
         for j, row in enumerate(rows):
-            keys = [[[int(k), tokens[int(k)], round(float(w), 6)]
-                     for k, w in zip(found["top_keys"][0, h, j].tolist(), found["top_weights"][0, h, j].tolist())
-                     if k >= 0 and w > 0] for h in range(found["top_keys"].shape[1])]
+            keys = [
+                [
+                    [int(k), tokens[int(k)], round(float(w), 6)]
+                    for k, w in zip(found["top_keys"][0, h, j].tolist(), found["top_weights"][0, h, j].tolist())
+                    if k >= 0 and w > 0
+                ]
+                for h in range(found["top_keys"].shape[1])
+            ]
             entries.append({"prompt": p, "row": row % len(ids), "keys": keys})
     return entries
 
@@ -423,8 +509,10 @@ def model_name(model) -> str:
 
 # --- ablation: does a head matter? --------------------------------------------------------------------------------
 
-def repeat_loss(model, sequences: torch.Tensor, length: int, ablate: Iterable[tuple[int, int]] = (), *,
-                copy: int = 2) -> float:
+
+def repeat_loss(
+    model, sequences: torch.Tensor, length: int, ablate: Iterable[tuple[int, int]] = (), *, copy: int = 2
+) -> float:
     """The mean cross-entropy of a copy's tokens after its first on `sequences` ([count, total] from
     `repeated_tokens`), with the head outputs of the (layer, head) pairs in `ablate` set to zero. `copy=2` (the
     default): the repeated half, which in-context copying can predict; `copy=1`: the first, which nothing can."""
@@ -439,9 +527,12 @@ def repeat_loss(model, sequences: torch.Tensor, length: int, ablate: Iterable[tu
         logits = model.logits.save()
     total = sequences.shape[1]
     first = total - (3 - copy) * length + 1  # the copy's second token
-    predicted = logits[:, first - 1:first + length - 2].float()
-    return float(torch.nn.functional.cross_entropy(predicted.reshape(-1, predicted.shape[-1]),
-                                                   sequences[:, first:first + length - 1].reshape(-1)))
+    predicted = logits[:, first - 1 : first + length - 2].float()
+    return float(
+        torch.nn.functional.cross_entropy(
+            predicted.reshape(-1, predicted.shape[-1]), sequences[:, first : first + length - 1].reshape(-1)
+        )
+    )
 
 
 def random_heads(summaries: HeadSummaries, count: int, seed: int) -> list[tuple[int, int]]:

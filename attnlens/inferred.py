@@ -33,25 +33,25 @@ CHECKS = {
     "blocks": "a ModuleList of the text config's num_hidden_layers blocks (the decoder's where there are several)",
     "embeddings": "the input embeddings (get_input_embeddings()) are a module of the model",
     "model_forward": "the module holding the blocks builds transformers' causal masks (create_causal_mask, "
-                     "create_sliding_window_causal_mask) and runs the blocks in one loop, each block's output the "
-                     "next one's input",
+    "create_sliding_window_causal_mask) and runs the blocks in one loop, each block's output the "
+    "next one's input",
     "block_forward": "each block's forward is h = x + [post_norm](mixer(norm(x))), then h + [post_norm](mlp(norm(h))), "
-                     "read from its source (dropout aside)",
+    "read from its source (dropout aside)",
     "attention_module": "the mixer of at least one block calls the shared attention interface "
-                        "(ALL_ATTENTION_FUNCTIONS)",
+    "(ALL_ATTENTION_FUNCTIONS)",
     "same_names": "every block uses the same norm, MLP and attention names (a hybrid's other mixer aside)",
     "mask": "each attention layer is full or sliding-window causal attention (config.layer_types), and a window "
-            "read from the config is one the model builds a mask for",
+    "read from the config is one the model builds a mask for",
     "interface_call": f"the call is `{INTERFACE_CALL}(self, query, key, value, attention_mask, ...)` with "
-                      f"scaling=self.scaling, and no keyword beyond {', '.join(INTERFACE_KEYWORDS)} and **kwargs",
+    f"scaling=self.scaling, and no keyword beyond {', '.join(INTERFACE_KEYWORDS)} and **kwargs",
     "output_path": "the interface's output reaches the output projection only merged (reshape, view, contiguous), "
-                   "and the projection's output is the attention's output (dropout aside): no gate, norm or scale",
+    "and the projection's output is the attention's output (dropout aside): no gate, norm or scale",
     "anchors": "every operation the family reads passes the load-time check (`Family.verify`): the masked scores "
-               "and the pattern at their anchors in the eager function",
+    "and the pattern at their anchors in the eager function",
     "eager_function": "the eager function is the model module's `eager_attention_forward`, operation for operation "
-                      "the common one (Llama's): scale, mask, softmax, dropout, no soft-cap, no sinks",
+    "the common one (Llama's): scale, mask, softmax, dropout, no soft-cap, no sinks",
     "sizes": "num_heads, num_kv_heads, head_dim, scaling and num_key_value_groups read off the attention module and "
-             "its config, consistent with the projections' widths",
+    "its config, consistent with the projections' widths",
 }
 #: Methods that only merge heads or lay a tensor out in memory, between the interface's output and the projection.
 MERGES = ("reshape", "view", "contiguous")
@@ -81,8 +81,7 @@ def _refuse(check: str, detail: str):
 def _forward_tree(function: Callable) -> tuple[Callable, ast.FunctionDef]:
     innermost, code = compiled(function)
     tree = ast.parse(code.source)
-    return innermost, next(node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef,
-                                                                                 ast.AsyncFunctionDef)))
+    return innermost, next(node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
 def blocks_run_once(model: torch.nn.Module, layers: str) -> str | None:
@@ -94,15 +93,23 @@ def blocks_run_once(model: torch.nn.Module, layers: str) -> str | None:
         _, tree = _forward_tree(type(parent).forward)
     except Exception:  # noqa: BLE001  (no source: nothing can be said either way)
         return None
-    loops = [node for node in ast.walk(tree)
-             if isinstance(node, ast.For) and f"self.{attribute}" in ast.unparse(node.iter)]
-    outer = [node for node in ast.walk(tree) if isinstance(node, (ast.For, ast.While)) and node not in loops
-             and any(inner in loops for inner in ast.walk(node))]
+    loops = [
+        node for node in ast.walk(tree) if isinstance(node, ast.For) and f"self.{attribute}" in ast.unparse(node.iter)
+    ]
+    outer = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.For, ast.While))
+        and node not in loops
+        and any(inner in loops for inner in ast.walk(node))
+    ]
     if len(loops) == 1 and not outer:
         return None
     where = f"in {len(loops)} loops" if len(loops) != 1 else "in a loop inside another"
-    return (f"{type(parent).__name__}.forward runs self.{attribute} {where}: a block may run more than once per "
-            f"forward, or out of order, so it has no one input and output")
+    return (
+        f"{type(parent).__name__}.forward runs self.{attribute} {where}: a block may run more than once per "
+        f"forward, or out of order, so it has no one input and output"
+    )
 
 
 #: Module names of a decoder's cross-attention (what reads an encoder's output).
@@ -114,15 +121,23 @@ def not_a_plain_decoder(model: torch.nn.Module) -> str | None:
     config = model.config
     cross = next((name for name, _ in model.named_modules() if name.rpartition(".")[2] in CROSS_ATTENTION), None)
     if getattr(config, "is_encoder_decoder", False) or cross:  # MusicGen's decoder runs alone, with its own config
-        return ("the decoder of an encoder-decoder model: its cross-attention reads the encoder's output, which token "
-                "ids alone do not give")
+        return (
+            "the decoder of an encoder-decoder model: its cross-attention reads the encoder's output, which token "
+            "ids alone do not give"
+        )
     if any(flag in config.to_dict() for flag in ("is_decoder", "causal")):
-        return ("an encoder (BERT-style) that runs as a decoder only with its decoder flag "
-                f"(is_decoder={getattr(config, 'is_decoder', None)}): its blocks are not a decoder's")
-    if not any("attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
-               for module in model.modules()):
-        return "attention-free: no module of it is an attention module (a state-space or recurrent mixer), so there " \
-               "are no queries, keys or pattern"
+        return (
+            "an encoder (BERT-style) that runs as a decoder only with its decoder flag "
+            f"(is_decoder={getattr(config, 'is_decoder', None)}): its blocks are not a decoder's"
+        )
+    if not any(
+        "attention" in type(module).__name__.lower() or "attn" in type(module).__name__.lower()
+        for module in model.modules()
+    ):
+        return (
+            "attention-free: no module of it is an attention module (a state-space or recurrent mixer), so there "
+            "are no queries, keys or pattern"
+        )
     return None
 
 
@@ -150,9 +165,14 @@ def layouts(model: torch.nn.Module, family) -> dict[str, str]:
         handles.append(embeddings.register_forward_hook(lambda module, args, output: keep("embeddings", output)))
     if "layer_input" in served:
         for block in model.get_submodule(family.layers):  # as ModuleInput reads: the first argument, else keyword
-            handles.append(block.register_forward_pre_hook(
-                lambda module, args, kwargs: keep("layer_input", args[0] if args else next(iter(kwargs.values()),
-                                                                                            None)), with_kwargs=True))
+            handles.append(
+                block.register_forward_pre_hook(
+                    lambda module, args, kwargs: keep(
+                        "layer_input", args[0] if args else next(iter(kwargs.values()), None)
+                    ),
+                    with_kwargs=True,
+                )
+            )
             handles.append(block.register_forward_hook(lambda module, args, output: keep("layer_output", output)))
     vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None) or 16
     forward = f"a forward of {LAYOUT_PROMPTS} prompts of {LAYOUT_TOKENS[0]} tokens"
@@ -164,12 +184,17 @@ def layouts(model: torch.nn.Module, family) -> dict[str, str]:
             with torch.no_grad():
                 keep("logits", getattr(model(input_ids=tokens.to(model.device)), "logits", None))
             for name, kept in seen.items():  # the first block laid out otherwise, else the first
-                odd = (shape for shape in kept if len(shape) != len(BY_NAME[name].axes)
-                       or shape[:2] != (LAYOUT_PROMPTS, length))
+                odd = (
+                    shape
+                    for shape in kept
+                    if len(shape) != len(BY_NAME[name].axes) or shape[:2] != (LAYOUT_PROMPTS, length)
+                )
                 shapes.setdefault(name, []).append(next(odd, kept[0]))
     except Exception as error:  # noqa: BLE001  (a model that needs more than token ids: say it was not compared)
-        return {name: f"its layout was not compared with docs/values.md: {forward} failed at load "
-                      f"({type(error).__name__})" for name in served}
+        return {
+            name: f"its layout was not compared with docs/values.md: {forward} failed at load ({type(error).__name__})"
+            for name in served
+        }
     finally:
         for handle in handles:
             handle.remove()
@@ -182,12 +207,16 @@ def layouts(model: torch.nn.Module, family) -> dict[str, str]:
             if (seq, longer_seq) == (prompt, longer):
                 continue
             if seq * longer == longer_seq * prompt and seq % prompt == 0:  # the same multiple of both prompts
-                found[name] = (f"its seq axis holds {seq // prompt} streams of the prompt's positions, stacked, "
-                               f"not {documented}'s one ({given})")
+                found[name] = (
+                    f"its seq axis holds {seq // prompt} streams of the prompt's positions, stacked, "
+                    f"not {documented}'s one ({given})"
+                )
                 continue
             if seq - prompt == longer_seq - longer > 0:  # the same number of positions beyond both prompts
-                found[name] = (f"its seq axis holds {seq - prompt} positions of the model's own besides the "
-                               f"prompt's, not {documented}'s prompt alone ({given})")
+                found[name] = (
+                    f"its seq axis holds {seq - prompt} positions of the model's own besides the "
+                    f"prompt's, not {documented}'s prompt alone ({given})"
+                )
                 continue
         if len(short) == len(axes) and short[:2] == (LAYOUT_TOKENS[0], LAYOUT_PROMPTS):
             swapped = ", ".join([axes[1], axes[0], *axes[2:]])
@@ -205,8 +234,16 @@ def interface_call(cls) -> dict | None:
     if found is None:
         return None
     function, fallbacks, call = found
-    eager = next((function.__globals__[n] for n in fallbacks if callable(function.__globals__.get(n))
-                  and n != "ALL_ATTENTION_FUNCTIONS" and hasattr(function.__globals__[n], "__code__")), None)
+    eager = next(
+        (
+            function.__globals__[n]
+            for n in fallbacks
+            if callable(function.__globals__.get(n))
+            and n != "ALL_ATTENTION_FUNCTIONS"
+            and hasattr(function.__globals__[n], "__code__")
+        ),
+        None,
+    )
     return {**call, "eager": eager}
 
 
@@ -227,16 +264,28 @@ def _interface(cls) -> tuple[Callable, list[str], dict] | None:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         if isinstance(node.value, ast.Name) and any(isinstance(t, ast.Name) and t.id in names for t in targets):
             fallbacks.append(node.value.id)
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-             and node.func.id in names]
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+    ]
     if not calls:
         return None
     call = min(calls, key=lambda node: node.lineno)
-    operation = next((name for name, line in code.lines.items()
-                      if line == call.lineno and name.rsplit("_", 1)[0] == call.func.id), None)
-    return function, fallbacks, {"operation": operation, "arguments": [ast.unparse(a) for a in call.args],
-                                 "keywords": {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg},
-                                 "names": frozenset(names)}
+    operation = next(
+        (name for name, line in code.lines.items() if line == call.lineno and name.rsplit("_", 1)[0] == call.func.id),
+        None,
+    )
+    return (
+        function,
+        fallbacks,
+        {
+            "operation": operation,
+            "arguments": [ast.unparse(a) for a in call.args],
+            "keywords": {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg},
+            "names": frozenset(names),
+        },
+    )
 
 
 class Flow:
@@ -246,8 +295,13 @@ class Flow:
     identity (the model is evaluated); so are the methods in `transparent`. An `if` whose branches call children the
     owner lacks keeps only the branch it can take; where both can run and disagree, the names they set are "other"."""
 
-    def __init__(self, owner: torch.nn.Module, transparent: tuple[str, ...] = (), callables: tuple[str, ...] = (),
-                 interface: set[str] | frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        owner: torch.nn.Module,
+        transparent: tuple[str, ...] = (),
+        callables: tuple[str, ...] = (),
+        interface: set[str] | frozenset[str] = frozenset(),
+    ):
         self.owner, self.transparent, self.callables, self.interface = owner, transparent, callables, interface
 
     def run(self, function: Callable) -> tuple | None:
@@ -268,8 +322,11 @@ class Flow:
                     self.assign(target, value, env)
             elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 if isinstance(node.op, ast.Add):
-                    env[node.target.id] = ("add", env.get(node.target.id, ("other", node.target.id)),
-                                           self.value(node.value, env))
+                    env[node.target.id] = (
+                        "add",
+                        env.get(node.target.id, ("other", node.target.id)),
+                        self.value(node.value, env),
+                    )
                 else:
                     env[node.target.id] = ("other", ast.unparse(node))
             elif isinstance(node, ast.If):
@@ -283,8 +340,12 @@ class Flow:
                     (first, r1), (second, r2) = outcomes
                     if r1 is not None or r2 is not None:
                         return env, r1 if r1 == r2 else ("other", f"depends on `{ast.unparse(node.test)}`")
-                    env = {name: first.get(name) if first.get(name) == second.get(name) else
-                           ("other", f"depends on `{ast.unparse(node.test)}`") for name in {*first, *second}}
+                    env = {
+                        name: first.get(name)
+                        if first.get(name) == second.get(name)
+                        else ("other", f"depends on `{ast.unparse(node.test)}`")
+                        for name in {*first, *second}
+                    }
             elif isinstance(node, (ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith)):
                 for inner in ast.walk(node):
                     if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
@@ -301,9 +362,13 @@ class Flow:
     def live(self, body: list[ast.stmt]) -> bool:
         """Whether a branch can run on this owner: it calls none of `self`'s children that the owner lacks."""
         for node in ast.walk(ast.Module(body=body, type_ignores=[])):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
-                    not hasattr(self.owner, node.func.attr):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self"
+                and not hasattr(self.owner, node.func.attr)
+            ):
                 return False
         return True
 
@@ -326,9 +391,14 @@ class Flow:
 
     def call(self, node: ast.Call, env: dict) -> tuple | None:
         function = node.func
-        first = node.args[0] if node.args else next(
-            (k.value for k in node.keywords if k.arg == "hidden_states"),
-            node.keywords[0].value if node.keywords and node.keywords[0].arg else None)
+        first = (
+            node.args[0]
+            if node.args
+            else next(
+                (k.value for k in node.keywords if k.arg == "hidden_states"),
+                node.keywords[0].value if node.keywords and node.keywords[0].arg else None,
+            )
+        )
         if isinstance(function, ast.Name) and function.id in self.interface:
             return ("interface",)
         if isinstance(function, ast.Name) and function.id in self.callables and first is not None:
@@ -389,17 +459,27 @@ def block_names(block: torch.nn.Module) -> dict[str, str | None]:
     for mid in (output[1], output[2]) if output and output[0] == "add" else ():
         attention, mlp = sublayer(mid, ("input",)), sublayer(output, mid)
         if attention and mlp:
-            names = {"attention_norm": attention[-1], "mixer": attention[-2], "mlp_norm": mlp[-1], "mlp": mlp[-2],
-                     "attention_post_norm": attention[0] if len(attention) == 3 else None,
-                     "mlp_post_norm": mlp[0] if len(mlp) == 3 else None}
+            names = {
+                "attention_norm": attention[-1],
+                "mixer": attention[-2],
+                "mlp_norm": mlp[-1],
+                "mlp": mlp[-2],
+                "attention_post_norm": attention[0] if len(attention) == 3 else None,
+                "mlp_post_norm": mlp[0] if len(mlp) == 3 else None,
+            }
             for role, name in names.items():
                 kind = type(getattr(block, name or "", None)).__name__
                 if role.endswith("norm") and name and "norm" not in kind.lower():
-                    _refuse("block_forward", f"{type(block).__name__}.forward runs {name} ({kind}) where the common "
-                                             f"layout has a norm ({role}): {render(output)}")
+                    _refuse(
+                        "block_forward",
+                        f"{type(block).__name__}.forward runs {name} ({kind}) where the common "
+                        f"layout has a norm ({role}): {render(output)}",
+                    )
             return names
-    _refuse("block_forward", f"{type(block).__name__}.forward returns {render(output)}, not x + mixer(norm(x)) "
-                             f"followed by h + mlp(norm(h))")
+    _refuse(
+        "block_forward",
+        f"{type(block).__name__}.forward returns {render(output)}, not x + mixer(norm(x)) followed by h + mlp(norm(h))",
+    )
     return None
 
 
@@ -465,33 +545,47 @@ class Inferred(SparseMoE, Family):
         parent = model.get_submodule(parent_path)
         _, tree = _forward_tree(type(parent).forward)
         if not {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} & set(MASK_FUNCTIONS):
-            _refuse("model_forward", f"{type(parent).__name__}.forward builds no mask with "
-                                     f"{' or '.join(MASK_FUNCTIONS)}")
-        loops = [node for node in ast.walk(tree) if isinstance(node, ast.For)
-                 and f"self.{attribute}" in ast.unparse(node.iter)]
+            _refuse(
+                "model_forward", f"{type(parent).__name__}.forward builds no mask with {' or '.join(MASK_FUNCTIONS)}"
+            )
+        loops = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.For) and f"self.{attribute}" in ast.unparse(node.iter)
+        ]
         if len(loops) != 1 or not isinstance(loops[0].target, (ast.Name, ast.Tuple)):
             _refuse("model_forward", f"{type(parent).__name__}.forward does not run self.{attribute} in one loop")
         loop = loops[0]
         block = loop.target if isinstance(loop.target, ast.Name) else loop.target.elts[-1]
         stream = Flow(parent, callables=(block.id,)).statements(loop.body, {"hidden_states": ("input",)})[0]
         if stream.get("hidden_states") != ("call", block.id, ("input",)):
-            _refuse("model_forward", f"in {type(parent).__name__}.forward's loop, hidden_states becomes "
-                                     f"{render(stream.get('hidden_states'))}, not {block.id}(hidden_states)")
+            _refuse(
+                "model_forward",
+                f"in {type(parent).__name__}.forward's loop, hidden_states becomes "
+                f"{render(stream.get('hidden_states'))}, not {block.id}(hidden_states)",
+            )
         self._find_final_norm(parent_path, parent, tree, loop)
 
     def _find_final_norm(self, parent_path: str, parent, tree: ast.FunctionDef, loop: ast.For) -> None:
         """The norm the module holding the blocks runs once, after them; its value dropped where there is none."""
-        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-                 and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                 and node.func.value.id == "self" and "norm" in node.func.attr.lower()
-                 and isinstance(getattr(parent, node.func.attr, None), torch.nn.Module)]
+        calls = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+            and "norm" in node.func.attr.lower()
+            and isinstance(getattr(parent, node.func.attr, None), torch.nn.Module)
+        ]
         if len(calls) == 1 and calls[0].lineno > loop.end_lineno:
             self.final_norm = f"{parent_path}.{calls[0].func.attr}".lstrip(".")
         else:
             self.final_norm = None
             self.dropped["final_norm_output"] = (
                 f"{type(parent).__name__}.forward does not run one norm once after the blocks (it calls "
-                f"{', '.join(c.func.attr for c in calls) or 'no norm'}); register the family to name its final norm")
+                f"{', '.join(c.func.attr for c in calls) or 'no norm'}); register the family to name its final norm"
+            )
 
     def _find_blocks(self, blocks) -> None:
         self.checking = "block_forward"
@@ -502,8 +596,11 @@ class Inferred(SparseMoE, Family):
                 by_kind[kind] = block_names(block)
         found = [by_kind[type(block), tuple(block._modules)] for block in blocks]
         self.checking = "attention_module"
-        self.attention_layers = [i for i, (names, block) in enumerate(zip(found, blocks))
-                                 if interface_call(type(getattr(block, names["mixer"]))) is not None]
+        self.attention_layers = [
+            i
+            for i, (names, block) in enumerate(zip(found, blocks))
+            if interface_call(type(getattr(block, names["mixer"]))) is not None
+        ]
         if not self.attention_layers:
             kinds = sorted({type(getattr(b, names["mixer"])).__name__ for names, b in zip(found, blocks)})
             _refuse("attention_module", f"no block's mixer calls the attention interface ({', '.join(kinds)})")
@@ -511,8 +608,11 @@ class Inferred(SparseMoE, Family):
         first = found[self.attention_layers[0]]
         for layer, names in enumerate(found):
             same = {role: name for role, name in names.items() if role != "mixer" or layer in self.attention_layers}
-            differ = [f"{role} {name!r} (block {self.attention_layers[0]}: {first[role]!r})"
-                      for role, name in same.items() if name != first[role]]
+            differ = [
+                f"{role} {name!r} (block {self.attention_layers[0]}: {first[role]!r})"
+                for role, name in same.items()
+                if name != first[role]
+            ]
             if differ:
                 _refuse("same_names", f"block {layer} uses {', '.join(differ)}")
             if layer not in self.attention_layers:
@@ -541,14 +641,22 @@ class Inferred(SparseMoE, Family):
         if returned is None or returned[:2] != ("call", self.down_projection):
             self.dropped["mlp_neurons"] = (
                 f"{kind}.forward returns {render(returned)}, not the output of a {self.down_projection!r} (its "
-                f"modules: {children}); register the family to name what its down projection receives")
+                f"modules: {children}); register the family to name what its down projection receives"
+            )
         _, tree = _forward_tree(type(mlp).forward)
-        uses = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == self.activation
-                and isinstance(node.value, ast.Name) and node.value.id == "self"]
+        uses = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr == self.activation
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ]
         if not isinstance(getattr(mlp, self.activation, None), torch.nn.Module) or len(uses) != 1:
             self.dropped["mlp_activation"] = (
                 f"{kind} has no activation module {self.activation!r} used once in its forward (its modules: "
-                f"{children}); register the family to name its activation")
+                f"{children}); register the family to name its activation"
+            )
         return frozenset()
 
     # --- verifying the attention ------------------------------------------------------------------------------------
@@ -558,16 +666,20 @@ class Inferred(SparseMoE, Family):
         types = getattr(self.text_config, "layer_types", None)
         for layer in self.attention_layers:
             if types is not None and types[layer] not in MASKED:
-                _refuse("mask", f"layer {layer} is {types[layer]!r} attention (config.layer_types), not "
-                                f"{' or '.join(MASKED)}")
+                _refuse(
+                    "mask",
+                    f"layer {layer} is {types[layer]!r} attention (config.layer_types), not {' or '.join(MASKED)}",
+                )
         parent = model.get_submodule(self.layers.rpartition(".")[0])
         _, tree = _forward_tree(type(parent).forward)
-        windows = [layer for layer in self.attention_layers
-                   if self.sliding_window(self.text_config, layer) is not None]
+        windows = [layer for layer in self.attention_layers if self.sliding_window(self.text_config, layer) is not None]
         if windows and not any(isinstance(node, ast.Name) and node.id == MASK_FUNCTIONS[1] for node in ast.walk(tree)):
-            _refuse("mask", f"the config gives layers {windows} a sliding window of "
-                            f"{self.sliding_window(self.text_config, windows[0])}, but {type(parent).__name__}.forward "
-                            f"builds no {MASK_FUNCTIONS[1]}")
+            _refuse(
+                "mask",
+                f"the config gives layers {windows} a sliding window of "
+                f"{self.sliding_window(self.text_config, windows[0])}, but {type(parent).__name__}.forward "
+                f"builds no {MASK_FUNCTIONS[1]}",
+            )
 
     def _check_attention(self, model, layer: int, block) -> None:
         attention = getattr(block, self.attention)
@@ -575,21 +687,28 @@ class Inferred(SparseMoE, Family):
         self.checking = "interface_call"
         call = interface_call(type(attention))
         arguments, keywords = call["arguments"], call["keywords"]
-        mask = arguments[4:5] == ["attention_mask"] or (len(arguments) == 4 and \
-            keywords.get("attention_mask") == "attention_mask")
+        mask = arguments[4:5] == ["attention_mask"] or (
+            len(arguments) == 4 and keywords.get("attention_mask") == "attention_mask"
+        )
         if call["operation"] != INTERFACE_CALL or arguments[:1] != ["self"] or len(arguments) < 4 or not mask:
             _refuse("interface_call", f"{kind}.forward calls it as {call['operation']}({', '.join(arguments)}, ...)")
         extra = sorted(set(keywords) - set(INTERFACE_KEYWORDS) - {"attention_mask"})
         if keywords.get("scaling") != "self.scaling" or extra:
-            _refuse("interface_call", f"{kind}.forward passes scaling={keywords.get('scaling')}"
-                                      + (f" and {', '.join(extra)}" if extra else ""))
+            _refuse(
+                "interface_call",
+                f"{kind}.forward passes scaling={keywords.get('scaling')}"
+                + (f" and {', '.join(extra)}" if extra else ""),
+            )
         self.checking = "output_path"
         returned = Flow(attention, transparent=MERGES, interface=call["names"]).run(type(attention).forward)
         if returned is not None and returned[0] == "call" and returned[2] == ("interface",):
             self.output_projection = self.output_projection or returned[1]
         if returned != ("call", self.output_projection, ("interface",)):
-            _refuse("output_path", f"{kind}.forward returns {render(returned)}, not the output projection of the "
-                                   f"attention interface's output, merged (reshape, view, contiguous)")
+            _refuse(
+                "output_path",
+                f"{kind}.forward returns {render(returned)}, not the output projection of the "
+                f"attention interface's output, merged (reshape, view, contiguous)",
+            )
         self.checking = "anchors"
         try:
             self.verify(model, layer, block, attention)
@@ -604,31 +723,47 @@ class Inferred(SparseMoE, Family):
         module = sys.modules[type(attention).__module__]
         own = getattr(module, "eager_attention_forward", None)
         if eager is None or eager is not own:
-            _refuse("eager_function", f"{type(attention).__name__} falls back to "
-                                      f"{getattr(eager, '__qualname__', eager)}, not {module.__name__}."
-                                      f"eager_attention_forward")
+            _refuse(
+                "eager_function",
+                f"{type(attention).__name__} falls back to "
+                f"{getattr(eager, '__qualname__', eager)}, not {module.__name__}."
+                f"eager_attention_forward",
+            )
         found, expected = operation_lines(eager), operation_lines(common)
         for name in dict.fromkeys([*expected, *found]):
             if found.get(name) != expected.get(name):
-                _refuse("eager_function", f"{module.__name__}.eager_attention_forward has {name}: "
-                                          f"`{found.get(name)}`, the common one `{expected.get(name)}`")
+                _refuse(
+                    "eager_function",
+                    f"{module.__name__}.eager_attention_forward has {name}: "
+                    f"`{found.get(name)}`, the common one `{expected.get(name)}`",
+                )
 
     def _check_sizes(self, attention) -> None:
         kind = type(attention).__name__
         heads = self.geometry(attention)
         groups = attention.num_key_value_groups
         h, kv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
-        if not all(isinstance(n, int) and n > 0 for n in (h, kv, d)) or h % kv or groups != h // kv or \
-                not isinstance(heads.scale, float):
-            _refuse("sizes", f"{kind}: {h} heads, {kv} key/value heads, head_dim {d}, num_key_value_groups "
-                             f"{groups}, scaling {heads.scale!r}")
+        if (
+            not all(isinstance(n, int) and n > 0 for n in (h, kv, d))
+            or h % kv
+            or groups != h // kv
+            or not isinstance(heads.scale, float)
+        ):
+            _refuse(
+                "sizes",
+                f"{kind}: {h} heads, {kv} key/value heads, head_dim {d}, num_key_value_groups "
+                f"{groups}, scaling {heads.scale!r}",
+            )
         separate = getattr(attention, "q_proj", None) is not None
         expected = {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d} if separate else {"qkv_proj": (h + 2 * kv) * d}
         found = {name: getattr(getattr(attention, name, None), "out_features", None) for name in expected}
         width = getattr(getattr(attention, self.output_projection), "in_features", None)
         if found != expected or width != h * d:
-            _refuse("sizes", f"{kind}: projections {found} and {self.output_projection} of input width {width}, for "
-                             f"{h} heads and {kv} key/value heads of {d} (expected {expected}, {h * d})")
+            _refuse(
+                "sizes",
+                f"{kind}: projections {found} and {self.output_projection} of input width {width}, for "
+                f"{h} heads and {kv} key/value heads of {d} (expected {expected}, {h * d})",
+            )
 
     # --- what it serves ---------------------------------------------------------------------------------------------
 
@@ -647,68 +782,106 @@ class Inferred(SparseMoE, Family):
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         if "mixer" in kind:  # no softmax attention: the block's own values, and the mixer's output
-            return {name: location for name, location in locations.items()
-                    if name not in ATTENTION_VALUES or name == "attention_output"}
+            return {
+                name: location
+                for name, location in locations.items()
+                if name not in ATTENTION_VALUES or name == "attention_output"
+            }
         return locations
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if layer in self.mixers:
-            why = ("layer {}'s mixer is {} ({}), which does not call the attention interface: no softmax attention "
-                   "was verified there").format(layer, *self.mixers[layer])
+            why = (
+                "layer {}'s mixer is {} ({}), which does not call the attention interface: no softmax attention "
+                "was verified there"
+            ).format(layer, *self.mixers[layer])
             reasons.update({name: why for name in ATTENTION_VALUES if name in reasons})
         return reasons
 
     def notes(self, config, layer, engine="transformers"):
-        notes = {**super().notes(config, layer, engine),
-                 "layer_input": f"{self.name}: the common layout, inferred from the model's structure and verified "
-                                f"(attnlens.inferred.CHECKS); register the family to keep it (docs/inferred.md)"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "layer_input": f"{self.name}: the common layout, inferred from the model's structure and verified "
+            f"(attnlens.inferred.CHECKS); register the family to keep it (docs/inferred.md)",
+        }
         if layer in self.mixers:
             notes["attention_output"] = "the output of {} ({}), this block's mixer: not softmax attention".format(
-                *self.mixers[layer])
+                *self.mixers[layer]
+            )
         return notes
 
     # --- registering it properly --------------------------------------------------------------------------------
 
     def found(self) -> dict[str, str | None]:
         """The names found that differ from the common layout's (`attnlens.Family`)."""
-        roles = ("layers", "embed_tokens", "final_norm", "attention", "mlp", "attention_norm", "mlp_norm",
-                 "attention_post_norm", "mlp_post_norm", "output_projection", "activation", "down_projection")
+        roles = (
+            "layers",
+            "embed_tokens",
+            "final_norm",
+            "attention",
+            "mlp",
+            "attention_norm",
+            "mlp_norm",
+            "attention_post_norm",
+            "mlp_post_norm",
+            "output_projection",
+            "activation",
+            "down_projection",
+        )
         return {role: getattr(self, role) for role in roles if getattr(self, role) != getattr(Family, role)}
 
     def registration(self) -> str:
         """Source of a family registering what was inferred: the names found, the MoE layers, what is dropped."""
         title = "".join(part.capitalize() for part in self.model_type.replace("-", "_").split("_"))
         bases = "SparseMoE, attnlens.Family" if self.experts else "attnlens.Family"
-        lines = ["import attnlens"] + (["from attnlens.parts.moe import SparseMoE, moe_absent"] if self.experts
-                                       else [])
-        lines += ["", "", "@attnlens.register", f"class {title}({bases}):",
-                  f"    model_types = ({json.dumps(self.model_type)},)"]
+        lines = ["import attnlens"] + (["from attnlens.parts.moe import SparseMoE, moe_absent"] if self.experts else [])
+        lines += [
+            "",
+            "",
+            "@attnlens.register",
+            f"class {title}({bases}):",
+            f"    model_types = ({json.dumps(self.model_type)},)",
+        ]
         lines += [f"    {role} = {json.dumps(name) if name else None}" for role, name in self.found().items()]
         if self.mixers:
             mixers = sorted({f"{name} ({kind})" for name, kind in self.mixers.values()})
-            lines.append(f"    # layers {sorted(self.mixers)} run {', '.join(mixers)}, not softmax attention: "
-                         f"describe them with layer_kind and kind_locations")
+            lines.append(
+                f"    # layers {sorted(self.mixers)} run {', '.join(mixers)}, not softmax attention: "
+                f"describe them with layer_kind and kind_locations"
+            )
         absent = f"moe_absent({json.dumps(self.experts)})" if self.experts else "attnlens.Family.absent"
         if self.dropped:
-            lines += [f"    absent = {{**{absent},", *(f"              {json.dumps(name)}: {json.dumps(reason)},"
-                                                       for name, reason in self.dropped.items()), "    }"]
-            lines += ["", "    def locations(self):", "        locations = super().locations()",
-                      f"        for name in ({', '.join(map(json.dumps, self.dropped))},):",
-                      "            del locations[name]", "        return locations"]
+            lines += [
+                f"    absent = {{**{absent},",
+                *(f"              {json.dumps(name)}: {json.dumps(reason)}," for name, reason in self.dropped.items()),
+                "    }",
+            ]
+            lines += [
+                "",
+                "    def locations(self):",
+                "        locations = super().locations()",
+                f"        for name in ({', '.join(map(json.dumps, self.dropped))},):",
+                "            del locations[name]",
+                "        return locations",
+            ]
         elif self.experts:
             lines.append(f"    absent = {absent}")
         moe = [layer for layer, kind in self.kinds.items() if "moe" in kind]
         if self.experts and len(moe) < len(self.kinds):
-            lines += ["", "    def moe_layer(self, config, layer):",
-                      f"        return layer in {moe}  # in this model: state the config's rule"]
+            lines += [
+                "",
+                "    def moe_layer(self, config, layer):",
+                f"        return layer in {moe}  # in this model: state the config's rule",
+            ]
         return "\n".join(lines) + "\n"
 
     def advice(self) -> str:
         """The warning a model served by this family loads with."""
-        return (f"attnlens has no family for model type {self.model_type!r}, but its blocks are the common layout: "
-                f"every check of attnlens.inferred.CHECKS passed, so it serves the full vocabulary as {self.name}"
-                + (f" (except {', '.join(self.dropped)})" if self.dropped else "")
-                + ". To register it properly (and have it tested with the identities, attnlens.checks), add:\n\n"
-                + self.registration())
-
+        return (
+            f"attnlens has no family for model type {self.model_type!r}, but its blocks are the common layout: "
+            f"every check of attnlens.inferred.CHECKS passed, so it serves the full vocabulary as {self.name}"
+            + (f" (except {', '.join(self.dropped)})" if self.dropped else "")
+            + ". To register it properly (and have it tested with the identities, attnlens.checks), add:\n\n"
+            + self.registration()
+        )

@@ -28,8 +28,9 @@ def _check(prompt: Any) -> None:
             _check(prompt["prompt_token_ids"])
     elif isinstance(prompt, torch.Tensor):
         if prompt.numel() == 0:
-            raise ValueError(f"the prompt's token ids are empty (shape {list(prompt.shape)}): a forward needs at "
-                             f"least one token")
+            raise ValueError(
+                f"the prompt's token ids are empty (shape {list(prompt.shape)}): a forward needs at least one token"
+            )
     elif isinstance(prompt, (list, tuple)):
         if not prompt:
             raise ValueError("the list of prompts is empty: pass at least one prompt (a string or token ids)")

@@ -140,8 +140,9 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
         raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny.layouts)}")
     config_class, model_class, kwargs, layouts = recipe.tiny
     layout_kwargs = layouts.get(layout, {})
-    merged = {k: v for k, v in {**TINY_DEFAULTS, **kwargs, **layout_kwargs, **config_overrides}.items()
-              if v is not None}
+    merged = {
+        k: v for k, v in {**TINY_DEFAULTS, **kwargs, **layout_kwargs, **config_overrides}.items() if v is not None
+    }
     config = getattr(transformers, config_class)(**merged)
     # Set before construction: some families (Falcon) fix their attention path when built.
     config._attn_implementation = attn_implementation
@@ -156,11 +157,18 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
     return model
 
 
-def tiny(family: str, *, attn_implementation: str = "eager", seed: int = 0, rebuild_patterns: bool = False,
-         **config_overrides):
+def tiny(
+    family: str,
+    *,
+    attn_implementation: str = "eager",
+    seed: int = 0,
+    rebuild_patterns: bool = False,
+    **config_overrides,
+):
     """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
     from .standardized import StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    return StandardizedTransformer(model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation,
-                                   rebuild_patterns=rebuild_patterns)
+    return StandardizedTransformer(
+        model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
+    )

@@ -27,8 +27,10 @@ def split_name(name: str, layer: int | None) -> tuple[str, int | None]:
             name, layer = head, int(tail)
     if name != FUSED and name not in BY_SHORT and name not in BY_NAME:
         known = ", ".join([*CACHE_NAMES.values(), FUSED])
-        raise KeyError(f"{name!r} is not a cache name.{closest(name)} Known: {known} (or a standardized value "
-                       f"name), followed by '.<layer>' for block values")
+        raise KeyError(
+            f"{name!r} is not a cache name.{closest(name)} Known: {known} (or a standardized value "
+            f"name), followed by '.<layer>' for block values"
+        )
     short = FUSED if name == FUSED else CACHE_NAMES[value_of(name)]
     model_scope = name != FUSED and BY_SHORT[short].scope == "model"
     if model_scope and layer is not None:
@@ -52,8 +54,10 @@ class Cache:
     def get(self, name: str, layer: int | None = None) -> torch.Tensor:
         key = cache_key(name, layer)
         if key not in self._tensors:
-            raise KeyError(f"{key!r} was not captured; this cache holds {', '.join(self._tensors) or 'nothing'}: add "
-                           f"it to run_with_cache's names")
+            raise KeyError(
+                f"{key!r} was not captured; this cache holds {', '.join(self._tensors) or 'nothing'}: add "
+                f"it to run_with_cache's names"
+            )
         return self._tensors[key]
 
     def __getitem__(self, key: str) -> torch.Tensor:

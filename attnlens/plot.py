@@ -24,8 +24,17 @@ def _ticks(positions: list[int], tokens: list[str]) -> tuple[list[int], list[str
     return picked, [f"{positions[i]} {_label(tokens[positions[i]])}" for i in picked]
 
 
-def plot(source, prompt=None, layer: int | None = None, *, out: str | Path, columns: int | None = None,
-         vmax: float | None = 1.0, dpi: int = 150, **options) -> Path:
+def plot(
+    source,
+    prompt=None,
+    layer: int | None = None,
+    *,
+    out: str | Path,
+    columns: int | None = None,
+    vmax: float | None = 1.0,
+    dpi: int = 150,
+    **options,
+) -> Path:
     """Write a PNG heatmap of one layer: every head (or `heads=`) in a grid, tokens on both axes, head numbers, a
     colour bar, the model and layer in the title. Takes what `attnlens.show` takes (a model with `prompt` and
     `layer`, a `capture_attention` result, a [heads, query, key] tensor; see `attnlens.show.patterns`). `vmax=None`
@@ -37,15 +46,24 @@ def plot(source, prompt=None, layer: int | None = None, *, out: str | Path, colu
     return out
 
 
-def figure(source, prompt=None, layer: int | None = None, *, columns: int | None = None, vmax: float | None = 1.0,
-           dpi: int = 150, **options):
+def figure(
+    source,
+    prompt=None,
+    layer: int | None = None,
+    *,
+    columns: int | None = None,
+    vmax: float | None = 1.0,
+    dpi: int = 150,
+    **options,
+):
     """The matplotlib `Figure` `plot` writes (on an Agg canvas; pyplot's state is never touched)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("attnlens.plot needs matplotlib: pip install matplotlib (or attnlens[plot])") \
-            from None
+        raise ModuleNotFoundError(
+            "attnlens.plot needs matplotlib: pip install matplotlib (or attnlens[plot])"
+        ) from None
     shown = patterns(source, prompt, layer, **options)
     pattern = shown.layer(layer if len(shown.layers) > 1 else None)
     probs, num_heads = pattern.probs.numpy(), len(pattern.heads)

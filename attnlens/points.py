@@ -22,8 +22,10 @@ def reason(model, short: str, layer: int | None) -> str | None:
     """Why the point cannot be read on `model` (None: it can)."""
     if short == FUSED:
         if model.family.fused_qkv is None:
-            return (f"the {model.family.name} family has separate query, key and value projections; read "
-                    f"'query', 'key' and 'value' instead")
+            return (
+                f"the {model.family.name} family has separate query, key and value projections; read "
+                f"'query', 'key' and 'value' instead"
+            )
         return None
     return model.access.reasons(layer).get(value_of(short))
 
@@ -60,14 +62,17 @@ def read(model, short: str, layer: int | None):
         attn.source  # noqa: B018  instrument the attention forward now: values read through it come after
         return getattr(attn, model.family.fused_qkv.module).output
     value = BY_NAME[value_of(short)]
-    host = {"model": lambda: model, "layer": lambda: model.layers[layer],
-            "attention": lambda: model.layers[layer].self_attn, "mlp": lambda: model.layers[layer].mlp}[value.scope]()
+    host = {
+        "model": lambda: model,
+        "layer": lambda: model.layers[layer],
+        "attention": lambda: model.layers[layer].self_attn,
+        "mlp": lambda: model.layers[layer].mlp,
+    }[value.scope]()
     return getattr(host, value.name)
 
 
 def unpad(tensor: torch.Tensor, short: str, row: int, pad: int) -> torch.Tensor:
     """Row `row` of a batched value (batch axis kept), without its `pad` left-padding positions; a copy."""
     layout = ("batch", "seq", "fused") if short == FUSED else BY_NAME[value_of(short)].axes
-    index = [slice(row, row + 1)] + [slice(pad, None) if axis in POSITION_AXES else slice(None)
-                                     for axis in layout[1:]]
+    index = [slice(row, row + 1)] + [slice(pad, None) if axis in POSITION_AXES else slice(None) for axis in layout[1:]]
     return tensor[tuple(index)].clone()

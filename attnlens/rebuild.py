@@ -22,10 +22,12 @@ from .geometry import HeadGeometry
 from .locations import Location, Operation, context
 
 REBUILT = ("attention_scores", "attention_probabilities")
-NOTE = ("rebuilt, read-only: computed from the queries and keys with the family's score function and the model's "
-        "own mask (the model runs {implementation}, which never forms it); edits would not reach the model")
+NOTE = (
+    "rebuilt, read-only: computed from the queries and keys with the family's score function and the model's "
+    "own mask (the model runs {implementation}, which never forms it); edits would not reach the model"
+)
 #: Elements of one chunk of scores (all heads, a few query rows, every key): 64 MiB in float32.
-CHUNK_ELEMENTS = 2 ** 24
+CHUNK_ELEMENTS = 2**24
 
 
 def _interface_queries(family: Family, config, layer: int) -> Operation | None:
@@ -45,16 +47,21 @@ def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
     if not all(name in family.locations_for(config, layer) for name in REBUILT):
         return f"the {family.name} family has no softmax pattern on this layer"
     if family.softcap(config, layer) is not None:
-        return (f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
-                f"model's pattern is not the one the family's score function gives; load with "
-                f"attn_implementation='eager'")
+        return (
+            f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
+            f"model's pattern is not the one the family's score function gives; load with "
+            f"attn_implementation='eager'"
+        )
     beyond = family.beyond_queries_and_keys(config, layer)
     if beyond is not None:
-        return (f"{beyond}, which the rebuild from the queries and keys leaves out; load with "
-                f"attn_implementation='eager'")
+        return (
+            f"{beyond}, which the rebuild from the queries and keys leaves out; load with attn_implementation='eager'"
+        )
     if _interface_queries(family, config, layer) is None:
-        return (f"the {family.name} family reads its queries outside the attention function's call, where the mask "
-                f"is not at hand; load with attn_implementation='eager'")
+        return (
+            f"the {family.name} family reads its queries outside the attention function's call, where the mask "
+            f"is not at hand; load with attn_implementation='eager'"
+        )
     return None
 
 
@@ -75,8 +82,14 @@ def adjust(access, layer: int, reasons: dict[str, str]) -> dict[str, str]:
 def rebuilds(access, name: str, layer: int | None) -> bool:
     """Whether `name` is served rebuilt on `layer` (opted in, transformers engine, not eager attention, nothing in the
     way)."""
-    return (access.rebuild_patterns and name in REBUILT and layer is not None and access.engine == "transformers"
-            and access.config._attn_implementation != "eager" and name not in access.reasons(layer))
+    return (
+        access.rebuild_patterns
+        and name in REBUILT
+        and layer is not None
+        and access.engine == "transformers"
+        and access.config._attn_implementation != "eager"
+        and name not in access.reasons(layer)
+    )
 
 
 def interface_inputs(envoy, family: Family, config, layer: int):
@@ -91,8 +104,10 @@ def visible(mask) -> torch.Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise AttnlensError(f"rebuilding the pattern needs the attention mask as a tensor (or None); the model passed "
-                            f"a {type(mask).__name__}; load with attn_implementation='sdpa' or 'eager'")
+        raise AttnlensError(
+            f"rebuilding the pattern needs the attention mask as a tensor (or None); the model passed "
+            f"a {type(mask).__name__}; load with attn_implementation='sdpa' or 'eager'"
+        )
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
@@ -116,10 +131,21 @@ def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def pattern_rows(family: Family, geometry: HeadGeometry, config, layer: int, queries: torch.Tensor,
-                 keys: torch.Tensor, mask=None, *,
-                 rows: list[int] | None = None, heads: list[int] | None = None, chunk_rows: int | None = None,
-                 scores: bool = True, probabilities: bool = True) -> dict[str, torch.Tensor]:
+def pattern_rows(
+    family: Family,
+    geometry: HeadGeometry,
+    config,
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    mask=None,
+    *,
+    rows: list[int] | None = None,
+    heads: list[int] | None = None,
+    chunk_rows: int | None = None,
+    scores: bool = True,
+    probabilities: bool = True,
+) -> dict[str, torch.Tensor]:
     """Scores and/or probabilities of the query `rows` and `heads` (all by default), [batch, heads, rows, key].
 
     Rows are computed in chunks of `chunk_rows` consecutive rows (by default as many as fit `CHUNK_ELEMENTS`), each
@@ -146,8 +172,14 @@ def pattern_rows(family: Family, geometry: HeadGeometry, config, layer: int, que
         for start in range(first, first + length, chunk_rows):
             stop = min(start + chunk_rows, first + length)
             width = offset + stop  # the keys these rows can see
-            chunk = family.scores(geometry, config, queries[:, :, start:stop], keys[:, :, :width], layer,
-                                  None if real is None else real[:, :width])
+            chunk = family.scores(
+                geometry,
+                config,
+                queries[:, :, start:stop],
+                keys[:, :, :width],
+                layer,
+                None if real is None else real[:, :width],
+            )
             if seen is not None:
                 chunk = torch.where(seen[:, :, start:stop, :width], chunk, minimum)
             full = chunk.new_full((batch, num_heads, stop - start, num_keys), minimum)
@@ -179,9 +211,11 @@ class Rebuilt(Location):
 
     @property
     def why_not(self) -> str:
-        return (f"it is rebuilt from the queries and keys (rebuild_patterns=True), because the model runs "
-                f"{self.implementation!r}, which never forms it (edit the queries or keys, or load with "
-                f"attn_implementation='eager' to edit it)")
+        return (
+            f"it is rebuilt from the queries and keys (rebuild_patterns=True), because the model runs "
+            f"{self.implementation!r}, which never forms it (edit the queries or keys, or load with "
+            f"attn_implementation='eager' to edit it)"
+        )
 
     @property
     def key(self) -> str:
@@ -192,8 +226,17 @@ class Rebuilt(Location):
         layer = access.layer_of(envoy)
         queries, keys, mask = interface_inputs(envoy, access.family, access.config, layer)
         kind = "scores" if self.name == "attention_scores" else "probabilities"
-        return pattern_rows(access.family, access.geometry(layer), access.config, layer, queries, keys, mask,
-                            scores=kind == "scores", probabilities=kind == "probabilities")[kind]
+        return pattern_rows(
+            access.family,
+            access.geometry(layer),
+            access.config,
+            layer,
+            queries,
+            keys,
+            mask,
+            scores=kind == "scores",
+            probabilities=kind == "probabilities",
+        )[kind]
 
     def write(self, envoy, value):
         raise EditError(self.why_not)

@@ -34,8 +34,7 @@ def _built_in() -> dict[str, type[Family]]:
         for info in pkgutil.iter_modules(families.__path__):
             module = importlib.import_module(f"{families.__name__}.{info.name}")
             for _, found in inspect.getmembers(module, inspect.isclass):
-                if issubclass(found, Family) and found.__module__ == module.__name__ and \
-                        "model_types" in vars(found):
+                if issubclass(found, Family) and found.__module__ == module.__name__ and "model_types" in vars(found):
                     _BUILT_IN.update(dict.fromkeys(found.model_types, found))
     return _BUILT_IN
 
@@ -49,8 +48,10 @@ def family_for(model_type: str) -> Family:
     """A new instance of the family that serves `model_type`."""
     families = registered()
     if model_type not in families:
-        raise UnknownFamily(f"attnlens has no family registered for model type {model_type!r}; registered: "
-                            f"{', '.join(sorted(families))} (docs/extending.md adds one)")
+        raise UnknownFamily(
+            f"attnlens has no family registered for model type {model_type!r}; registered: "
+            f"{', '.join(sorted(families))} (docs/extending.md adds one)"
+        )
     return families[model_type]()
 
 
@@ -62,5 +63,7 @@ def resolve_family(family: Family | type[Family] | str) -> Family:
         return family()
     if isinstance(family, Family):
         return family
-    raise TypeError(f"family= takes a registered model type's name (e.g. 'llama'), an attnlens.Family subclass or "
-                    f"an instance; got {family!r}")
+    raise TypeError(
+        f"family= takes a registered model type's name (e.g. 'llama'), an attnlens.Family subclass or "
+        f"an instance; got {family!r}"
+    )

@@ -72,8 +72,10 @@ def _positions(given, count: int, total: int, axis: str) -> list[int]:
     """The token position of each of `count` entries on an axis: `given`, else the last `count` positions."""
     if given is None:
         if count > total:
-            raise ValueError(f"the pattern has {count} {axis}s but only {total} tokens are known; pass tokens= for "
-                             f"the whole context, or {axis}_positions=")
+            raise ValueError(
+                f"the pattern has {count} {axis}s but only {total} tokens are known; pass tokens= for "
+                f"the whole context, or {axis}_positions="
+            )
         return list(range(total - count, total))
     positions = given
     if len(positions) != count:
@@ -89,8 +91,9 @@ def _as_pattern(tensor, where: str) -> torch.Tensor:
     if tensor.dim() == 4 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != 3:
-        raise ValueError(f"{where}: a pattern is [heads, query, key] (or [1, heads, query, key]); got "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"{where}: a pattern is [heads, query, key] (or [1, heads, query, key]); got {tuple(tensor.shape)}"
+        )
     return tensor.detach().float().cpu()
 
 
@@ -109,8 +112,7 @@ def _tokens(model, prompt) -> tuple[list[str] | None, str]:
     if not single:
         raise ValueError("a picture shows one prompt; pass one (a string or 1-D token ids)")
     tokenizer = model.tokenizer
-    return [tokenizer.decode([int(i)]) for i in ids[0]], prompt if isinstance(prompt, str) else \
-        tokenizer.decode(ids[0])
+    return [tokenizer.decode([int(i)]) for i in ids[0]], prompt if isinstance(prompt, str) else tokenizer.decode(ids[0])
 
 
 def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:
@@ -133,8 +135,9 @@ def _given(source, layers) -> dict:
         data = {}
         for layer, entry in source.items():
             if not isinstance(entry, Mapping) or "probs" not in entry:
-                raise ValueError(f"layer {layer!r} of this capture holds no 'probs'; capture with keep including "
-                                 f"'probs'")
+                raise ValueError(
+                    f"layer {layer!r} of this capture holds no 'probs'; capture with keep including 'probs'"
+                )
             data[layer] = entry["probs"]
         if layers is None:
             return data
@@ -149,13 +152,25 @@ def _given(source, layers) -> dict:
         if layers is not None and not isinstance(layers, int):
             raise ValueError("a tensor is one layer's pattern: layers= labels it with one int")
         return {layers: source}
-    raise TypeError(f"show and plot take a model, a capture_attention result or a [heads, query, key] tensor; got "
-                    f"{type(source).__name__}")
+    raise TypeError(
+        f"show and plot take a model, a capture_attention result or a [heads, query, key] tensor; got "
+        f"{type(source).__name__}"
+    )
 
 
-def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[str] | None = None, heads=None,
-             head_labels: Sequence[int] | None = None, key_positions=None, query_positions=None,
-             title: str | None = None) -> Patterns:
+def patterns(
+    source,
+    prompt=None,
+    layers=None,
+    *,
+    model=None,
+    tokens: Sequence[str] | None = None,
+    heads=None,
+    head_labels: Sequence[int] | None = None,
+    key_positions=None,
+    query_positions=None,
+    title: str | None = None,
+) -> Patterns:
     """Normalise what `show` and `plot` accept into `Patterns`.
 
     `source` is one of:
@@ -180,8 +195,10 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
         raise ValueError("nothing to show: no layers")
     found, text = _tokens(model, prompt)
     tokens = list(tokens) if tokens is not None else found
-    key_positions, query_positions = (None if p is None else [int(i) for i in torch.as_tensor(p).flatten().tolist()]
-                                      for p in (key_positions, query_positions))
+    key_positions, query_positions = (
+        None if p is None else [int(i) for i in torch.as_tensor(p).flatten().tolist()]
+        for p in (key_positions, query_positions)
+    )
     out = []
     for layer, tensor in data.items():
         probs = _as_pattern(tensor, f"layer {layer}")
@@ -192,11 +209,20 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
             picked = _index_list(heads, probs.shape[0], "head")
             probs, labels = probs[picked], [labels[i] for i in picked]
         num_queries, num_keys = probs.shape[1:]
-        known = len(tokens) if tokens is not None else max([num_keys, *(1 + p for p in key_positions or []),
-                                                              *(1 + p for p in query_positions or [])])
-        out.append(LayerPattern(layer, probs, [int(h) for h in labels],
-                                _positions(query_positions, num_queries, known, "query"),
-                                _positions(key_positions, num_keys, known, "key")))
+        known = (
+            len(tokens)
+            if tokens is not None
+            else max([num_keys, *(1 + p for p in key_positions or []), *(1 + p for p in query_positions or [])])
+        )
+        out.append(
+            LayerPattern(
+                layer,
+                probs,
+                [int(h) for h in labels],
+                _positions(query_positions, num_queries, known, "query"),
+                _positions(key_positions, num_keys, known, "key"),
+            )
+        )
     if tokens is None:
         tokens = [str(i) for i in range(max(max(p.key_positions + p.query_positions) for p in out) + 1)]
     name = title if title is not None else model_name(model) if model is not None else ""
@@ -204,6 +230,7 @@ def patterns(source, prompt=None, layers=None, *, model=None, tokens: Sequence[s
 
 
 # --- the page ---------------------------------------------------------------------------------------------------------
+
 
 def _encode(pattern: LayerPattern) -> dict:
     """One layer for the page: weights as bytes on a square-root scale, each row up to its last non-zero byte. Byte 0
@@ -216,13 +243,23 @@ def _encode(pattern: LayerPattern) -> dict:
     lengths = (last + 1).tolist()
     kept = torch.arange(num_keys)[None, :] < (last + 1)[:, None]
     data = [base64.b64encode(q[h][kept].numpy().tobytes()).decode("ascii") for h in range(q.shape[0])]
-    return {"layer": pattern.layer, "heads": pattern.heads, "queries": pattern.query_positions,
-            "keys": pattern.key_positions, "lengths": lengths, "data": data}
+    return {
+        "layer": pattern.layer,
+        "heads": pattern.heads,
+        "queries": pattern.query_positions,
+        "keys": pattern.key_positions,
+        "lengths": lengths,
+        "data": data,
+    }
 
 
 def _json_for_script(data) -> str:
-    return json.dumps(data, ensure_ascii=True, separators=(",", ":")).replace("<", "\\u003c").replace(
-        ">", "\\u003e").replace("&", "\\u0026")
+    return (
+        json.dumps(data, ensure_ascii=True, separators=(",", ":"))
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+    )
 
 
 class View:
@@ -237,19 +274,26 @@ class View:
         p = self.patterns
         page = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": [_encode(x) for x in p.layers]}
         title = html.escape(f"attnlens · {p.model}" if p.model else "attnlens")
-        return (_STYLE.replace("#ROOT", f"#{self.id}")
-                + f'<div id="{self.id}" class="attnlens-view"><div class="al-title">{title}</div>'
-                f'<div class="al-meta"></div><div class="al-prompt">prompt: {html.escape(p.prompt)}</div>'
-                + _BODY + "</div>"
-                + f'<script type="application/json" id="{self.id}-data">{_json_for_script(page)}</script>'
-                + "<script>" + _SCRIPT.replace("ROOT_ID", self.id) + "</script>")
+        return (
+            _STYLE.replace("#ROOT", f"#{self.id}")
+            + f'<div id="{self.id}" class="attnlens-view"><div class="al-title">{title}</div>'
+            f'<div class="al-meta"></div><div class="al-prompt">prompt: {html.escape(p.prompt)}</div>'
+            + _BODY
+            + "</div>"
+            + f'<script type="application/json" id="{self.id}-data">{_json_for_script(page)}</script>'
+            + "<script>"
+            + _SCRIPT.replace("ROOT_ID", self.id)
+            + "</script>"
+        )
 
     def html(self) -> str:
         """The whole page: everything inline, nothing fetched."""
         layers = ", ".join(str(x.layer) for x in self.patterns.layers)
         title = html.escape(f"attnlens · {self.patterns.model} · layer {layers}")
-        return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title></head>'
-                f'<body style="margin:16px;background:#fff">{self.fragment()}</body></html>\n')
+        return (
+            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title></head>'
+            f'<body style="margin:16px;background:#fff">{self.fragment()}</body></html>\n'
+        )
 
     def _repr_html_(self) -> str:
         return self.fragment()
@@ -282,10 +326,12 @@ def _asset(name: str) -> str:
 #: `#ROOT` and `ROOT_ID` in them stand for the viewer's element id, so several viewers on one page keep apart.
 _STYLE = "<style>\n" + _asset("viewer.css") + "</style>"
 
-_BODY = ('<div class="al-bar"><label>layer <select class="al-layer"></select></label>'
-         '<label>head <select class="al-head"></select></label>'
-         '<label><input type="checkbox" class="al-sqrt"> square-root colour scale</label></div>'
-         '<div class="al-grid"></div><div class="al-large"><canvas class="al-big"></canvas></div>'
-         '<div class="al-tip"></div>')
+_BODY = (
+    '<div class="al-bar"><label>layer <select class="al-layer"></select></label>'
+    '<label>head <select class="al-head"></select></label>'
+    '<label><input type="checkbox" class="al-sqrt"> square-root colour scale</label></div>'
+    '<div class="al-grid"></div><div class="al-large"><canvas class="al-big"></canvas></div>'
+    '<div class="al-tip"></div>'
+)
 
 _SCRIPT = "\n" + _asset("viewer.js")

@@ -30,7 +30,8 @@ def _model_type(model: Any, kwargs: dict) -> str:
 
 def _unknown_family_message(model_type: str, refusal: str = "", kind: str | None = None) -> str:
     return (
-        f"attnlens has no family for model type {model_type!r}" + (f" ({kind})" if kind else "")
+        f"attnlens has no family for model type {model_type!r}"
+        + (f" ({kind})" if kind else "")
         + (f", and its blocks are not the common layout (check {refusal}; see docs/inferred.md)" if refusal else "")
         + ". Without one, layers[i].layer_input, "
         f"layers[i].layer_output, embeddings and logits work, and nnsight's own module paths; the attention, MLP "

@@ -11,8 +11,12 @@ from typing import Literal
 
 Scope = Literal["model", "layer", "attention", "mlp"]
 #: The envoy that carries each scope's values.
-HOSTS = {"model": "model", "layer": "model.layers[i]", "attention": "model.layers[i].self_attn",
-         "mlp": "model.layers[i].mlp"}
+HOSTS = {
+    "model": "model",
+    "layer": "model.layers[i]",
+    "attention": "model.layers[i].self_attn",
+    "mlp": "model.layers[i].mlp",
+}
 
 
 @dataclass(frozen=True)
@@ -40,38 +44,99 @@ MODEL_VALUES_BEFORE = (
 
 LAYER_VALUES = (
     Value("layer_input", "resid_pre", "layer", "batch seq hidden", "the residual stream entering the block"),
-    Value("attention_norm_output", "attn_norm", "layer", "batch seq hidden",
-          "the normalised residual the attention reads"),
-    Value("attention_queries", "query", "attention", "batch num_heads seq qk_head_dim",
-          "the queries entering attention, after the projection, rotary embedding and any QK-norm"),
-    Value("attention_keys", "key", "attention", "batch num_kv_heads seq qk_head_dim",
-          "the keys entering attention, before grouped heads are repeated; under generate, as long as the cache"),
-    Value("attention_values", "value", "attention", "batch num_kv_heads seq head_dim",
-          "the values entering attention, before grouped heads are repeated"),
-    Value("attention_key_positions", "key_pos", "attention", "batch key",
-          "each key's position in the sequence (read-only): 0..seq-1 on a prefill; under generate, the positions of "
-          "the keys the step attends over (on a sliding-window layer, the window's)"),
-    Value("attention_scores", "attn_scores", "attention", "batch num_heads query key",
-          "the scaled scores entering the softmax, soft-capped and masked (masked entries hold the dtype's minimum)"),
-    Value("attention_probabilities", "attn_probs", "attention", "batch num_heads query key",
-          "the pattern the values are mixed with: after the softmax and its dropout"),
-    Value("attention_sinks", "attn_sinks", "attention", "batch num_heads query",
-          "the share of each query's softmax mass taken by the head's sink logit (1 - the pattern's row sum)"),
-    Value("attention_head_outputs", "z", "attention", "batch seq num_heads head_dim",
-          "each head's mix of the values, before the heads are merged (and before any output gate)"),
-    Value("attention_gate", "attn_gate", "attention", "batch seq num_heads head_dim",
-          "the output gate multiplying each head's output (after its sigmoid): head outputs * gate, merged, is the "
-          "premix"),
-    Value("attention_premix", "premix", "attention", "batch seq num_heads*head_dim",
-          "what the output projection receives: the heads merged"),
+    Value(
+        "attention_norm_output", "attn_norm", "layer", "batch seq hidden", "the normalised residual the attention reads"
+    ),
+    Value(
+        "attention_queries",
+        "query",
+        "attention",
+        "batch num_heads seq qk_head_dim",
+        "the queries entering attention, after the projection, rotary embedding and any QK-norm",
+    ),
+    Value(
+        "attention_keys",
+        "key",
+        "attention",
+        "batch num_kv_heads seq qk_head_dim",
+        "the keys entering attention, before grouped heads are repeated; under generate, as long as the cache",
+    ),
+    Value(
+        "attention_values",
+        "value",
+        "attention",
+        "batch num_kv_heads seq head_dim",
+        "the values entering attention, before grouped heads are repeated",
+    ),
+    Value(
+        "attention_key_positions",
+        "key_pos",
+        "attention",
+        "batch key",
+        "each key's position in the sequence (read-only): 0..seq-1 on a prefill; under generate, the positions of "
+        "the keys the step attends over (on a sliding-window layer, the window's)",
+    ),
+    Value(
+        "attention_scores",
+        "attn_scores",
+        "attention",
+        "batch num_heads query key",
+        "the scaled scores entering the softmax, soft-capped and masked (masked entries hold the dtype's minimum)",
+    ),
+    Value(
+        "attention_probabilities",
+        "attn_probs",
+        "attention",
+        "batch num_heads query key",
+        "the pattern the values are mixed with: after the softmax and its dropout",
+    ),
+    Value(
+        "attention_sinks",
+        "attn_sinks",
+        "attention",
+        "batch num_heads query",
+        "the share of each query's softmax mass taken by the head's sink logit (1 - the pattern's row sum)",
+    ),
+    Value(
+        "attention_head_outputs",
+        "z",
+        "attention",
+        "batch seq num_heads head_dim",
+        "each head's mix of the values, before the heads are merged (and before any output gate)",
+    ),
+    Value(
+        "attention_gate",
+        "attn_gate",
+        "attention",
+        "batch seq num_heads head_dim",
+        "the output gate multiplying each head's output (after its sigmoid): head outputs * gate, merged, is the "
+        "premix",
+    ),
+    Value(
+        "attention_premix",
+        "premix",
+        "attention",
+        "batch seq num_heads*head_dim",
+        "what the output projection receives: the heads merged",
+    ),
     Value("attention_output", "attn_out", "attention", "batch seq hidden", "the attention sublayer's output"),
-    Value("layer_mid", "resid_mid", "layer", "batch seq hidden",
-          "the residual stream after attention, entering the MLP's norm"),
+    Value(
+        "layer_mid",
+        "resid_mid",
+        "layer",
+        "batch seq hidden",
+        "the residual stream after attention, entering the MLP's norm",
+    ),
     Value("mlp_norm_output", "mlp_norm", "layer", "batch seq hidden", "the output of the norm in front of the MLP"),
     Value("mlp_input", "mlp_in", "layer", "batch seq hidden", "what the MLP module receives"),
     Value("mlp_activation", "mlp_act", "mlp", "batch seq intermediate", "the activation function's output"),
-    Value("mlp_neurons", "mlp_neurons", "mlp", "batch seq intermediate",
-          "what the MLP's down projection receives (the activation times the up projection where gated)"),
+    Value(
+        "mlp_neurons",
+        "mlp_neurons",
+        "mlp",
+        "batch seq intermediate",
+        "what the MLP's down projection receives (the activation times the up projection where gated)",
+    ),
     Value("mlp_output", "mlp_out", "mlp", "batch seq hidden", "the MLP's output"),
     Value("layer_output", "resid_post", "layer", "batch seq hidden", "the residual stream leaving the block"),
 )

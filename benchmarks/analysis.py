@@ -56,8 +56,13 @@ def main() -> None:
         measure(attnlens.models.smollm2(), args.rounds, "eager")
     if args.engine in ("vllm", "both"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        model = attnlens.StandardizedVLLM(str(attnlens.models.smollm2_path()), dtype="float32", max_model_len=256,
-                                          distributed_executor_backend="uni", kv_cache_memory_bytes=64 * 2**20)
+        model = attnlens.StandardizedVLLM(
+            str(attnlens.models.smollm2_path()),
+            dtype="float32",
+            max_model_len=256,
+            distributed_executor_backend="uni",
+            kv_cache_memory_bytes=64 * 2**20,
+        )
         measure(model, args.rounds, "vllm")
 
 

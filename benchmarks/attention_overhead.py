@@ -58,8 +58,7 @@ def main():
     torch.set_grad_enabled(False)
     model = models.smollm2(attn_implementation="eager")
     vocab = model.config.vocab_size
-    print(f"SmolLM2-135M fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
+    print(f"SmolLM2-135M fp32, torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"{'tokens':>6}  {'run':<34}{'ms':>9}{'x sdpa':>8}{'x eager':>9}{'peak MiB':>10}")
     for length in args.lengths:
         ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))

@@ -42,7 +42,8 @@ def ids_of(length: int, vocab: int) -> torch.Tensor:
 RUNS = {
     "plain sdpa forward": lambda model, ids: model._module(ids),
     "last row, every layer": lambda model, ids: attnlens.capture_attention(
-        model, ids, range(model.num_layers), keep="probs", rows=-1),
+        model, ids, range(model.num_layers), keep="probs", rows=-1
+    ),
     f"layer {LAYER} full pattern": lambda model, ids: attnlens.capture_attention(model, ids, LAYER, keep="probs"),
 }
 
@@ -58,29 +59,43 @@ def one(run: str, length: int) -> dict:
         result = RUNS[run](model, ids)
         seconds = time.perf_counter() - start
     del result
-    return {"run": run, "tokens": length, "seconds": seconds, "peak_mib": memory.high / 2**20,
-            "rise_mib": (memory.high - memory.start) / 2**20, "loaded_mib": memory.start / 2**20,
-            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
+    return {
+        "run": run,
+        "tokens": length,
+        "seconds": seconds,
+        "peak_mib": memory.high / 2**20,
+        "rise_mib": (memory.high - memory.start) / 2**20,
+        "loaded_mib": memory.start / 2**20,
+        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+    }
 
 
 def memory(lengths: list[int]) -> None:
     print(f"SmolLM2-135M fp32, torch {torch.__version__}, {torch.get_num_threads()} threads; one fresh process per row")
-    print(f"{'tokens':>6}  {'run':<26}{'s':>8}{'peak MiB':>10}{'x plain':>9}{'rise MiB':>10}{'x plain':>9}"
-          f"{'maxrss':>8}")
+    print(
+        f"{'tokens':>6}  {'run':<26}{'s':>8}{'peak MiB':>10}{'x plain':>9}{'rise MiB':>10}{'x plain':>9}{'maxrss':>8}"
+    )
     for length in lengths:
         rows = {}
         for run in RUNS:
-            out = subprocess.run([sys.executable, __file__, "one", run, str(length)], capture_output=True, text=True,
-                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            out = subprocess.run(
+                [sys.executable, __file__, "one", run, str(length)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            )
             if out.returncode:
                 print(out.stderr[-2000:])
                 raise SystemExit(out.returncode)
             rows[run] = json.loads(out.stdout.strip().splitlines()[-1])
         plain = rows["plain sdpa forward"]
         for run, row in rows.items():
-            print(f"{length:>6}  {run:<26}{row['seconds']:>8.1f}{row['peak_mib']:>10.0f}"
-                  f"{row['peak_mib'] / plain['peak_mib']:>9.2f}{row['rise_mib']:>10.0f}"
-                  f"{row['rise_mib'] / plain['rise_mib']:>9.2f}{row['ru_maxrss_mib']:>8.0f}", flush=True)
+            print(
+                f"{length:>6}  {run:<26}{row['seconds']:>8.1f}{row['peak_mib']:>10.0f}"
+                f"{row['peak_mib'] / plain['peak_mib']:>9.2f}{row['rise_mib']:>10.0f}"
+                f"{row['rise_mib'] / plain['rise_mib']:>9.2f}{row['ru_maxrss_mib']:>8.0f}",
+                flush=True,
+            )
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -114,15 +129,19 @@ def rebuild(tokens: int, repeats: int) -> None:
     rows = {
         "plain sdpa forward": timed(lambda: model._module(ids), repeats),
         f"rebuilt: capture_attention, layer {LAYER}": timed(
-            lambda: attnlens.capture_attention(model, ids, LAYER, keep="probs"), repeats),
+            lambda: attnlens.capture_attention(model, ids, LAYER, keep="probs"), repeats
+        ),
         f"rebuilt: trace reading layer {LAYER}": timed(traced, repeats),
-        "eager, already loaded: capture": timed(lambda: attnlens.capture_attention(eager, ids, LAYER, keep="probs"),
-                                                repeats),
+        "eager, already loaded: capture": timed(
+            lambda: attnlens.capture_attention(eager, ids, LAYER, keep="probs"), repeats
+        ),
         "reload eager, then capture": timed(reload_eager, repeats),
     }
     plain_wall, plain_cpu = rows["plain sdpa forward"]
-    print(f"SmolLM2-135M fp32, {tokens} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {repeats}")
+    print(
+        f"SmolLM2-135M fp32, {tokens} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {repeats}"
+    )
     print(f"{'run':<44}{'wall ms':>9}{'x plain':>9}{'cpu ms':>9}{'x plain':>9}")
     for name, (wall, cpu) in rows.items():
         print(f"{name:<44}{wall * 1000:>9.0f}{wall / plain_wall:>9.2f}{cpu * 1000:>9.0f}{cpu / plain_cpu:>9.2f}")

@@ -32,9 +32,57 @@ import psutil
 import attnlens
 from attnlens.collect import DEFAULT_FEATURES
 
-ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=512 * 2**20, seed=0,
-              distributed_executor_backend="uni")
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "it", "an", "were", "which", "are", "this", "be", "has", "had", "attention", "head", "model", "layer", "token", "corpus", "river", "mountain", "city", "music", "history", "language", "science", "garden", "winter", "market", "story", "letter", "window", "morning"]
+ENGINE = dict(
+    dtype="float32", max_model_len=512, kv_cache_memory_bytes=512 * 2**20, seed=0, distributed_executor_backend="uni"
+)
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "it",
+    "an",
+    "were",
+    "which",
+    "are",
+    "this",
+    "be",
+    "has",
+    "had",
+    "attention",
+    "head",
+    "model",
+    "layer",
+    "token",
+    "corpus",
+    "river",
+    "mountain",
+    "city",
+    "music",
+    "history",
+    "language",
+    "science",
+    "garden",
+    "winter",
+    "market",
+    "story",
+    "letter",
+    "window",
+    "morning",
+]
 
 
 def corpus(path: Path, count: int, seed: int = 0) -> list[str]:
@@ -77,9 +125,11 @@ class Memory:
             by_shard[shards] = max(by_shard.get(shards, 0), rss)
         first = [rss for shards, rss in self.samples if shards >= 1]
         peak = max(rss for _, rss in self.samples)
-        return (f"peak RSS {peak / 2**20:.0f} MiB; after the first shard {min(first) / 2**20:.0f}-"
-                f"{max(first) / 2**20:.0f} MiB; per shard committed (MiB): "
-                + " ".join(f"{by_shard[k] / 2**20:.0f}" for k in sorted(by_shard)))
+        return (
+            f"peak RSS {peak / 2**20:.0f} MiB; after the first shard {min(first) / 2**20:.0f}-"
+            f"{max(first) / 2**20:.0f} MiB; per shard committed (MiB): "
+            + " ".join(f"{by_shard[k] / 2**20:.0f}" for k in sorted(by_shard))
+        )
 
 
 def main() -> None:
@@ -117,13 +167,17 @@ def main() -> None:
         out = work / "out"
         shutil.rmtree(out, ignore_errors=True)
         with Memory(out) as sampled:
-            result = attnlens.collect(model, work / "corpus.jsonl", args.features.split(","), out,
-                                      shard_size=args.shard_size, progress=False)
+            result = attnlens.collect(
+                model, work / "corpus.jsonl", args.features.split(","), out, shard_size=args.shard_size, progress=False
+            )
         memory.append(sampled)
         assert result.prompts == len(ids) and result.errors == 0, result
 
-    runs = {"plain vLLM, defaults": plain, "attnlens engine, no trace": untraced,
-            f"attnlens.collect ({args.features})": collected}
+    runs = {
+        "plain vLLM, defaults": plain,
+        "attnlens engine, no trace": untraced,
+        f"attnlens.collect ({args.features})": collected,
+    }
     llm.generate(prompts[:16], one, use_tqdm=False)  # warm-up: compilation, first requests
     untraced_warm = prompts[:16]
     model.vllm_entrypoint.generate(untraced_warm, one, use_tqdm=False)

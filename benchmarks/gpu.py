@@ -30,17 +30,55 @@ import torch
 import attnlens
 
 SHAPES = {
-    "tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=512)),
-    "smollm2": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                    tie_word_embeddings=True)),
-    "llama-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                                     tie_word_embeddings=True)),
-    "qwen3-4b": ("Qwen3Config", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                     vocab_size=151936, tie_word_embeddings=True)),
+    "tiny": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
+    "smollm2": (
+        "LlamaConfig",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-1b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-4b": (
+        "Qwen3Config",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 #: The eight attention values of the common layout, and where nnsight reaches each by hand.
 BY_HAND = {
@@ -90,9 +128,12 @@ def build(shape: str, implementation: str, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         inner = getattr(transformers, config_class.replace("Config", "ForCausalLM"))(config).to(dtype).eval()
-    return attnlens.StandardizedTransformer(inner, tokenizer=attnlens.models.char_tokenizer(),
-                                            attn_implementation=implementation,
-                                            rebuild_patterns=implementation == "sdpa")
+    return attnlens.StandardizedTransformer(
+        inner,
+        tokenizer=attnlens.models.char_tokenizer(),
+        attn_implementation=implementation,
+        rebuild_patterns=implementation == "sdpa",
+    )
 
 
 def rows(eager, sdpa, ids, timer, layer) -> dict:
@@ -120,6 +161,7 @@ def rows(eager, sdpa, ids, timer, layer) -> dict:
         def run():
             with model.trace(ids):
                 model.layers[layer].self_attn.attention_probabilities.save()
+
         return run
 
     def every_pattern():
@@ -135,29 +177,35 @@ def rows(eager, sdpa, ids, timer, layer) -> dict:
         found["attnlens, one layer's pattern (eager)"] = timer(one_pattern(eager))
         found["attnlens, one layer's pattern (rebuilt on sdpa)"] = timer(one_pattern(sdpa))
         found["capture_attention, one layer (eager)"] = timer(
-            lambda: attnlens.capture_attention(eager, ids, layer, keep="probs", progress=False))
+            lambda: attnlens.capture_attention(eager, ids, layer, keep="probs", progress=False)
+        )
         found["every layer's pattern, rebuilt on sdpa"] = timer(every_pattern)
     return found
 
 
 def generation(eager, sdpa, ids, timer, layer, tokens=32) -> dict:
     def plain(model):
-        return lambda: model._module.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                              pad_token_id=0)
+        return lambda: model._module.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+        )
 
     def reading(model):
         def run():
-            with model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                pad_token_id=0) as tracer:
+            with model.generate(
+                ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+            ) as tracer:
                 for _ in tracer.iter[:tokens]:
                     model.layers[layer].self_attn.attention_probabilities.sum().save()
+
         return run
 
     with torch.no_grad():
-        return {f"generate {tokens} tokens, sdpa": timer(plain(sdpa)),
-                f"generate {tokens} tokens, eager": timer(plain(eager)),
-                f"generate {tokens}, one layer's pattern every step (eager)": timer(reading(eager)),
-                f"generate {tokens}, one layer's pattern every step (rebuilt)": timer(reading(sdpa))}
+        return {
+            f"generate {tokens} tokens, sdpa": timer(plain(sdpa)),
+            f"generate {tokens} tokens, eager": timer(plain(eager)),
+            f"generate {tokens}, one layer's pattern every step (eager)": timer(reading(eager)),
+            f"generate {tokens}, one layer's pattern every step (rebuilt)": timer(reading(sdpa)),
+        }
 
 
 def main() -> None:

@@ -34,10 +34,16 @@ def main() -> None:
     found = heads.head_summaries(model, length=LENGTH, sequences=SEQUENCES, progress=False)
     seconds = time.perf_counter() - start
     top = found.ranked("induction")
-    print(f"summaries of {len(found.layers)} layers x 9 heads on {SEQUENCES} x {1 + 2 * LENGTH} tokens: "
-          f"{seconds:.1f} s")
-    print("top induction heads (layer, head, score): " + ", ".join(
-        f"L{layer}H{head} {float(found.get('induction', layer)[head]):.2f}" for layer, head in top[:max(args.counts)]))
+    print(
+        f"summaries of {len(found.layers)} layers x 9 heads on {SEQUENCES} x {1 + 2 * LENGTH} tokens: {seconds:.1f} s"
+    )
+    print(
+        "top induction heads (layer, head, score): "
+        + ", ".join(
+            f"L{layer}H{head} {float(found.get('induction', layer)[head]):.2f}"
+            for layer, head in top[: max(args.counts)]
+        )
+    )
 
     held_out = heads.repeated_tokens(model, LENGTH, SEQUENCES, seed=1)
     first = heads.repeat_loss(model, held_out, LENGTH, copy=1)
@@ -47,11 +53,15 @@ def main() -> None:
     print("|---|---|---|---|")
     for count in args.counts:
         ablated = heads.repeat_loss(model, held_out, LENGTH, top[:count])
-        draws = [heads.repeat_loss(model, held_out, LENGTH, heads.random_heads(found, count, seed))
-                 for seed in range(args.draws)]
+        draws = [
+            heads.repeat_loss(model, held_out, LENGTH, heads.random_heads(found, count, seed))
+            for seed in range(args.draws)
+        ]
         rises = [loss - base for loss in draws]
-        print(f"| {count} | {ablated:.2f} (+{ablated - base:.2f}) | {', '.join(f'{d:.2f}' for d in draws)} | "
-              f"+{statistics.mean(rises):.2f} |")
+        print(
+            f"| {count} | {ablated:.2f} (+{ablated - base:.2f}) | {', '.join(f'{d:.2f}' for d in draws)} | "
+            f"+{statistics.mean(rises):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ import torch
 import attnlens
 
 LAYER = 10
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books were "
-        "made, sold and read across Europe. ")
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were "
+    "made, sold and read across Europe. "
+)
 
 
 def browser(width: int = 1400, height: int = 1100):
@@ -49,15 +51,21 @@ def timing(tokens: int, repeats: int) -> None:
             for _ in range(repeats + 1):  # the first load warms the browser up
                 driver.get("about:blank")
                 driver.get(page.as_uri())
-                loads.append(driver.execute_script(
-                    "const t = performance.getEntriesByType('navigation')[0]; return t.loadEventEnd - t.startTime;"))
-                draws.append(float(driver.find_element("css selector", ".attnlens-view").get_attribute(
-                    "data-render-ms")))
+                loads.append(
+                    driver.execute_script(
+                        "const t = performance.getEntriesByType('navigation')[0]; return t.loadEventEnd - t.startTime;"
+                    )
+                )
+                draws.append(
+                    float(driver.find_element("css selector", ".attnlens-view").get_attribute("data-render-ms"))
+                )
         finally:
             driver.quit()
-    print(f"SmolLM2-135M layer {LAYER}, {ids.shape[1]} tokens x 9 heads: page {size / 2**20:.1f} MiB; "
-          f"load (navigation start to load end) median {statistics.median(loads[1:]):.0f} ms, drawing median "
-          f"{statistics.median(draws[1:]):.0f} ms over {repeats} loads (first load {loads[0]:.0f} ms)")
+    print(
+        f"SmolLM2-135M layer {LAYER}, {ids.shape[1]} tokens x 9 heads: page {size / 2**20:.1f} MiB; "
+        f"load (navigation start to load end) median {statistics.median(loads[1:]):.0f} ms, drawing median "
+        f"{statistics.median(draws[1:]):.0f} ms over {repeats} loads (first load {loads[0]:.0f} ms)"
+    )
 
 
 def screenshot(path: Path) -> None:
@@ -77,7 +85,8 @@ def screenshot(path: Path) -> None:
             x, y = driver.execute_script(f"return window.attnlens[{view.get_attribute('id')!r}].cell(13, 6)")
             big = view.find_element("css selector", "canvas.al-big")
             left, top = driver.execute_script(
-                "const r = arguments[0].getBoundingClientRect(); return [r.left, r.top];", big)
+                "const r = arguments[0].getBoundingClientRect(); return [r.left, r.top];", big
+            )
             actions = ActionBuilder(driver)
             actions.pointer_action.move_to_location(int(left + x), int(top + y))
             actions.perform()

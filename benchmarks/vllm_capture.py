@@ -83,17 +83,26 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
                         saved.append(attn.attention_probabilities)
         assert len(saved) == len(prompts) and len(saved[0]) == tokens
 
-    rows = interleaved({"plain vLLM": plain, "plain vLLM, eager (as for traces)": plain_eager,
-                        f"static capture, layer {layer} pattern": captured_statically,
-                        "attnlens engine for traces, no trace": untraced,
-                        f"traced capture, layer {layer} pattern": traced}, repeats)
+    rows = interleaved(
+        {
+            "plain vLLM": plain,
+            "plain vLLM, eager (as for traces)": plain_eager,
+            f"static capture, layer {layer} pattern": captured_statically,
+            "attnlens engine for traces, no trace": untraced,
+            f"traced capture, layer {layer} pattern": traced,
+        },
+        repeats,
+    )
     cache = model.vllm_entrypoint.collective_rpc("attnlens_cache_bytes")
     held = [stats["bytes"] for stats in model.kept()]
     c = model.text_config
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.head_dim or c.hidden_size // c.num_attention_heads)
     tokens_held = sum(len(model.tokenizer(p).input_ids) + tokens for p in prompts)
-    memory = {"KV cache (vLLM's, per rank)": cache, "attnlens beside it, after the traced run (per rank)": held,
-              "the copy the earlier design kept at the end of the run": per_token * 4 * tokens_held}
+    memory = {
+        "KV cache (vLLM's, per rank)": cache,
+        "attnlens beside it, after the traced run (per rank)": held,
+        "the copy the earlier design kept at the end of the run": per_token * 4 * tokens_held,
+    }
     return rows, memory
 
 
@@ -117,23 +126,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", action="store_true", help="also two tensor-parallel ranks, on Gemma-3-270M")
     args = parser.parse_args()
-    prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[:args.prompts]
+    prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
 
     import nnsight
     import vllm
 
-    print(f"vllm {vllm.__version__}, nnsight {nnsight.__version__}, torch {torch.__version__}, "
-          f"{os.cpu_count()} cores, {len(prompts)} prompts x {args.tokens} tokens, float32", flush=True)
-    rows = rows_for(str(attnlens.models.smollm2_path()), prompts, args.tokens, args.layer, args.repeats,
-                    distributed_executor_backend="uni", **ENGINE)
+    print(
+        f"vllm {vllm.__version__}, nnsight {nnsight.__version__}, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores, {len(prompts)} prompts x {args.tokens} tokens, float32",
+        flush=True,
+    )
+    rows = rows_for(
+        str(attnlens.models.smollm2_path()),
+        prompts,
+        args.tokens,
+        args.layer,
+        args.repeats,
+        distributed_executor_backend="uni",
+        **ENGINE,
+    )
     report("SmolLM2-135M, one process", rows)
     if args.tp:
         from vllm import envs
 
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
         envs.disable_envs_cache()
-        rows = rows_for(str(attnlens.models.gemma3_270m_path()), prompts, args.tokens, 9, args.repeats,
-                        distributed_executor_backend="mp", tensor_parallel_size=2, **ENGINE)
+        rows = rows_for(
+            str(attnlens.models.gemma3_270m_path()),
+            prompts,
+            args.tokens,
+            9,
+            args.repeats,
+            distributed_executor_backend="mp",
+            tensor_parallel_size=2,
+            **ENGINE,
+        )
         report("Gemma-3-270M, two tensor-parallel ranks", rows)
 
 

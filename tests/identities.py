@@ -10,8 +10,27 @@ import attnlens
 from attnlens.checks import close, failures, read_everything, visible
 from attnlens.models import char_tokenizer
 
-__all__ = ["LAYER", "N", "at", "attention_module", "close", "failures", "failures_with", "heads", "ids", "merged",
-           "mlp_of", "perturbed", "read_everything", "rope", "saved_for", "shared", "swapped", "trace", "visible"]
+__all__ = [
+    "LAYER",
+    "N",
+    "at",
+    "attention_module",
+    "close",
+    "failures",
+    "failures_with",
+    "heads",
+    "ids",
+    "merged",
+    "mlp_of",
+    "perturbed",
+    "read_everything",
+    "rope",
+    "saved_for",
+    "shared",
+    "swapped",
+    "trace",
+    "visible",
+]
 
 #: The test prompt's length in tokens (the character tokenizer: one per character).
 N = len(PROMPT)

@@ -45,8 +45,9 @@ def test_the_grid_is_one_patch_per_row(model):
     metric = logit_difference(model, "a", "b")
     grid = patch(model, CLEAN, CORRUPT, metric, batch_size=5)
     assert grid.values.shape == (3, 4) and grid.forwards == 2 + 3  # 12 patches, 5 per forward
-    clean = clean_values(model, model.tokenizer(CLEAN, return_tensors="pt").input_ids[0],
-                         "self_attn.attention_head_outputs", [1])[1]
+    clean = clean_values(
+        model, model.tokenizer(CLEAN, return_tensors="pt").input_ids[0], "self_attn.attention_head_outputs", [1]
+    )[1]
     with torch.no_grad(), model.trace(CORRUPT):  # one patch by hand
         model.layers[1].self_attn.attention_head_outputs[:, :, 2] = clean[:, :, 2]
         by_hand = metric(model.logits).save()

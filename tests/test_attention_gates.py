@@ -18,8 +18,11 @@ def test_gates_are_recomputed_from_the_gate_projection(case):
             expected = torch.sigmoid(module.gate_proj(x)).unflatten(-1, (-1, module.head_dim))
         else:
             gate = torch.nn.functional.softplus(module.g_proj(x))
-            expected = gate[..., None].expand(-1, -1, -1, module.head_dim) if module.gate_per_head else \
-                gate.unflatten(-1, (-1, module.head_dim))
+            expected = (
+                gate[..., None].expand(-1, -1, -1, module.head_dim)
+                if module.gate_per_head
+                else gate.unflatten(-1, (-1, module.head_dim))
+            )
     assert close(saved[(1, "attention_gate")], expected)
     if case.startswith("laguna"):
         assert model.layers[1].self_attn.num_heads == 8  # num_attention_heads_per_layer

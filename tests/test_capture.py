@@ -40,6 +40,7 @@ def forwards(model):
 
 # --- capture_attention ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_capture_and_helpers_equal_the_trace_values(case):
     """On every family: capture_attention is the trace's values; probs @ per_head_value is the head outputs (grouped,
@@ -54,19 +55,19 @@ def test_capture_and_helpers_equal_the_trace_values(case):
 
     out = attnlens.capture_attention(model, PROMPT, [layer])
     assert set(out) == {layer}
-    assert torch.equal(out[layer]["value"], saved["attention_values"][0].transpose(0, 1))   # [key, kv_heads, dim]
-    assert torch.equal(out[layer]["scores"], saved["attention_scores"][0])                  # [heads, query, key]
+    assert torch.equal(out[layer]["value"], saved["attention_values"][0].transpose(0, 1))  # [key, kv_heads, dim]
+    assert torch.equal(out[layer]["scores"], saved["attention_scores"][0])  # [heads, query, key]
     assert torch.equal(out[layer]["probs"], saved["attention_probabilities"][0])
 
-    cache = attnlens.run_with_cache(model, PROMPT, [f"value.{layer}", f"attn_probs.{layer}"] +
-                                    ([f"attn_gate.{layer}"] if gated else []))
+    cache = attnlens.run_with_cache(
+        model, PROMPT, [f"value.{layer}", f"attn_probs.{layer}"] + ([f"attn_gate.{layer}"] if gated else [])
+    )
     value = attnlens.per_head_value(model, cache, layer)
     attn = model.layers[layer].self_attn
     assert value.shape == (1, 18, attn.num_heads, attn.head_dim)
     mixed = torch.einsum("bhqk,bkhd->bqhd", cache.get("attn_probs", layer), value)
     assert torch.allclose(mixed, saved["attention_head_outputs"], atol=1e-5, rtol=1e-4)
-    assert attnlens.per_head_value(model, cache, layer, expand=False).shape == \
-        (1, 18, attn.num_kv_heads, attn.head_dim)
+    assert attnlens.per_head_value(model, cache, layer, expand=False).shape == (1, 18, attn.num_kv_heads, attn.head_dim)
     if gated:
         gate = attnlens.attn_out_gate(model, cache, layer)
         assert gate.shape == (1, 18, attn.num_heads, attn.head_dim)
@@ -81,14 +82,15 @@ def test_layouts_one_prompt_or_several():
     ids = model.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     one = attnlens.capture_attention(model, PROMPT, [0, 2])
     assert set(one) == {0, 2} and one[2]["probs"].shape == (4, 18, 18) and one[2]["value"].shape == (18, 2, 16)
-    assert isinstance(attnlens.capture_attention(model, model.tokenizer(PROMPT, return_tensors="pt").input_ids, 0),
-                      dict)                                                                   # [1, seq]: one prompt
+    assert isinstance(
+        attnlens.capture_attention(model, model.tokenizer(PROMPT, return_tensors="pt").input_ids, 0), dict
+    )  # [1, seq]: one prompt
     many = attnlens.capture_attention(model, PROMPTS, 1)
     assert [r[1]["probs"].shape[-1] for r in many] == [18, 2, 22]
-    from_encoding = attnlens.capture_attention(model, dict(ids), 1)                           # padding dropped
+    from_encoding = attnlens.capture_attention(model, dict(ids), 1)  # padding dropped
     assert [r[1]["probs"].shape[-1] for r in from_encoding] == [18, 2]
     batch = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
-    assert len(attnlens.capture_attention(model, batch, 1)) == 2                              # [batch, seq]: several
+    assert len(attnlens.capture_attention(model, batch, 1)) == 2  # [batch, seq]: several
 
 
 def test_keep_heads_and_rows():
@@ -117,8 +119,9 @@ def test_padded_batches_equal_one_prompt_at_a_time(case):
     shorter than the prompts, recurrences that skip the padding); families whose values padding would change
     (`Family.padding_changes_values`: TrOCR, RecurrentGemma) batch only prompts of one length."""
     model = tiny(case)
-    layers = [layer for layer in range(model.num_layers)
-              if model.support(layer)["self_attn.attention_probabilities"] is None]
+    layers = [
+        layer for layer in range(model.num_layers) if model.support(layer)["self_attn.attention_probabilities"] is None
+    ]
     if not layers:
         pytest.skip(f"{case} serves no pattern")
     batched = attnlens.capture_attention(model, PROMPTS, layers, batch_size=3)
@@ -155,44 +158,81 @@ def test_results_written_to_disk(tmp_path):
     model = tiny("llama")
     stored = attnlens.capture_attention(model, PROMPTS, [1], rows=-1, save_to=tmp_path / "capture", batch_size=2)
     in_memory = attnlens.capture_attention(model, PROMPTS, [1], rows=-1, batch_size=2)
-    assert len(stored) == 3 and sorted(p.name for p in (tmp_path / "capture").iterdir()) == \
-        ["000000.safetensors", "000001.safetensors", "000002.safetensors"]
+    assert len(stored) == 3 and sorted(p.name for p in (tmp_path / "capture").iterdir()) == [
+        "000000.safetensors",
+        "000001.safetensors",
+        "000002.safetensors",
+    ]
     for on_disk, held in zip(stored, in_memory):
         assert all(torch.equal(on_disk[1][kind], held[1][kind]) for kind in held[1])
     caches = attnlens.run_with_cache(model, PROMPTS, ["attn_probs.1", "logits"], save_to=tmp_path / "cache")
-    assert torch.equal(caches[2].get("attn_probs", 1), attnlens.run_with_cache(model, PROMPTS[2], ["attn_probs.1"])
-                       .get("attn_probs", 1))
+    assert torch.equal(
+        caches[2].get("attn_probs", 1),
+        attnlens.run_with_cache(model, PROMPTS[2], ["attn_probs.1"]).get("attn_probs", 1),
+    )
 
 
 def test_a_progress_bar_on_long_runs(capsys):
     model = tiny("llama")
     attnlens.capture_attention(model, PROMPTS, [1], keep="probs", batch_size=1)
     assert "attnlens capture" in capsys.readouterr().err
-    attnlens.capture_attention(model, PROMPTS, [1], keep="probs", batch_size=8)     # one batch: no bar
+    attnlens.capture_attention(model, PROMPTS, [1], keep="probs", batch_size=8)  # one batch: no bar
     assert "attnlens capture" not in capsys.readouterr().err
 
 
 # --- run_with_cache ---------------------------------------------------------------------------------------------------
 
+
 def test_every_standardized_value_has_one_cache_name():
     assert set(CACHE_NAMES) == {value.name for value in attnlens.ALL_VALUES}
     assert len(set(CACHE_NAMES.values()) | {FUSED}) == len(CACHE_NAMES) + 1
-    assert (CACHE_NAMES["attention_probabilities"], CACHE_NAMES["attention_values"],
-            CACHE_NAMES["attention_gate"]) == ("attn_probs", "value", "attn_gate")
+    assert (CACHE_NAMES["attention_probabilities"], CACHE_NAMES["attention_values"], CACHE_NAMES["attention_gate"]) == (
+        "attn_probs",
+        "value",
+        "attn_gate",
+    )
 
 
 def test_run_with_cache_equals_the_trace_values():
     model = tiny("gemma2")
-    names = ["embed", "resid_pre.1", "query.1", "key.1", "value.1", "attn_scores.1", "attn_probs.1", "z.1",
-             "premix.1", "attn_out.1", "resid_mid.1", "mlp_act.1", "mlp_out.1", "resid_post.1", "logits"]
-    cache = attnlens.run_with_cache(model, PROMPT, reversed(names))                   # any order: read in forward order
+    names = [
+        "embed",
+        "resid_pre.1",
+        "query.1",
+        "key.1",
+        "value.1",
+        "attn_scores.1",
+        "attn_probs.1",
+        "z.1",
+        "premix.1",
+        "attn_out.1",
+        "resid_mid.1",
+        "mlp_act.1",
+        "mlp_out.1",
+        "resid_post.1",
+        "logits",
+    ]
+    cache = attnlens.run_with_cache(model, PROMPT, reversed(names))  # any order: read in forward order
     layer, attn = model.layers[1], model.layers[1].self_attn
     with torch.no_grad(), model.trace(PROMPT):
         expected = list().save()
-        expected += [model.embeddings, layer.layer_input, attn.attention_queries, attn.attention_keys,
-                     attn.attention_values, attn.attention_scores, attn.attention_probabilities,
-                     attn.attention_head_outputs, attn.attention_premix, attn.attention_output, layer.layer_mid,
-                     layer.mlp.mlp_activation, layer.mlp.mlp_output, layer.layer_output, model.logits]
+        expected += [
+            model.embeddings,
+            layer.layer_input,
+            attn.attention_queries,
+            attn.attention_keys,
+            attn.attention_values,
+            attn.attention_scores,
+            attn.attention_probabilities,
+            attn.attention_head_outputs,
+            attn.attention_premix,
+            attn.attention_output,
+            layer.layer_mid,
+            layer.mlp.mlp_activation,
+            layer.mlp.mlp_output,
+            layer.layer_output,
+            model.logits,
+        ]
     for name, value in zip(names, expected):
         assert torch.equal(cache[name], value), name
     assert torch.equal(cache.get("attn_probs", 1), cache.get("attention_probabilities", 1))  # standardized names too
@@ -234,6 +274,7 @@ def test_unknown_and_unavailable_names_fail_before_the_model_runs():
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
 
+
 def test_gated_families_are_found():
     assert all(attention_layer(tiny(case), "attention_gate") is not None for case in ("qwen3_next", "qwen3_5_text"))
 
@@ -242,8 +283,9 @@ def test_the_gate_completes_the_head_outputs():
     """On a gated family z * gate, merged, is the premix: DFA from probs @ value alone is off by the gate."""
     model = tiny("qwen3_next")
     layer = attention_layer(model, "attention_gate")
-    cache = attnlens.run_with_cache(model, PROMPT, [f"value.{layer}", f"attn_probs.{layer}", f"attn_gate.{layer}",
-                                                    f"premix.{layer}"])
+    cache = attnlens.run_with_cache(
+        model, PROMPT, [f"value.{layer}", f"attn_probs.{layer}", f"attn_gate.{layer}", f"premix.{layer}"]
+    )
     z = torch.einsum("bhqk,bkhd->bqhd", cache.get("attn_probs", layer), attnlens.per_head_value(model, cache, layer))
     gated = z * attnlens.attn_out_gate(model, cache, layer)
     assert torch.allclose(gated.flatten(-2), cache.get("premix", layer), atol=1e-5)
@@ -254,8 +296,19 @@ FUSED_CASES = [case for case in ALL_CASES if attnlens.family_for(case.split(":")
 
 
 def test_fused_families_are_found():
-    assert {"gpt2", "gpt_bigcode", "gpt_bigcode:multi_head", "gpt_neox", "phi3", "bloom", "falcon", "falcon:alibi",
-            "falcon:multihead", "falcon:new_architecture", "mpt"} <= set(FUSED_CASES)
+    assert {
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_bigcode:multi_head",
+        "gpt_neox",
+        "phi3",
+        "bloom",
+        "falcon",
+        "falcon:alibi",
+        "falcon:multihead",
+        "falcon:new_architecture",
+        "mpt",
+    } <= set(FUSED_CASES)
 
 
 def _rotary(model):
@@ -283,9 +336,9 @@ def test_split_fused_qkv_refuses_what_does_not_match():
     gpt2 = tiny("gpt2")
     cache = attnlens.run_with_cache(gpt2, PROMPT, ["qkv.1", "value.1"])
     with pytest.raises(ValueError, match=r"last axis is 192 wide"):
-        attnlens.split_fused_qkv(gpt2, cache.get("value", 1))                 # already split per head
+        attnlens.split_fused_qkv(gpt2, cache.get("value", 1))  # already split per head
     with pytest.raises(ValueError, match="last axis"):
-        attnlens.split_fused_qkv(gpt2, cache.get("qkv", 1)[..., :-16])        # truncated
+        attnlens.split_fused_qkv(gpt2, cache.get("qkv", 1)[..., :-16])  # truncated
     with pytest.raises(attnlens.Unavailable, match="nothing is fused"):
         attnlens.split_fused_qkv(tiny("llama"), cache.get("qkv", 1))
     # one width, two layouts: the same tensor splits differently on a per-head family

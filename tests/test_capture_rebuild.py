@@ -18,7 +18,8 @@ def rebuilding(case):
     if case not in _rebuilding:
         try:
             _rebuilding[case] = attnlens.StandardizedTransformer(
-                tiny_model(case), tokenizer=char_tokenizer(), attn_implementation="sdpa", rebuild_patterns=True)
+                tiny_model(case), tokenizer=char_tokenizer(), attn_implementation="sdpa", rebuild_patterns=True
+            )
         except ValueError as error:  # "does not support an attention implementation through ... sdpa"
             _rebuilding[case] = str(error).split(".")[0]
     if isinstance(_rebuilding[case], str):
@@ -27,8 +28,11 @@ def rebuilding(case):
 
 
 def rebuilt_layers(model):
-    return [layer for layer in range(model.num_layers)
-            if all(model.support(layer)[f"self_attn.{name}"] is None for name in PATTERNS)]
+    return [
+        layer
+        for layer in range(model.num_layers)
+        if all(model.support(layer)[f"self_attn.{name}"] is None for name in PATTERNS)
+    ]
 
 
 def test_the_default_stays_honest():
@@ -68,13 +72,17 @@ def test_rebuilt_patterns_per_dtype(dtype):
     for implementation in ("sdpa", "eager"):
         inner = tiny_model("llama", attn_implementation=implementation).to(dtype)
         models[implementation] = attnlens.StandardizedTransformer(
-            inner, tokenizer=char_tokenizer(), attn_implementation=implementation, rebuild_patterns=True)
+            inner, tokenizer=char_tokenizer(), attn_implementation=implementation, rebuild_patterns=True
+        )
     got = {}
     for implementation, model in models.items():
         attn = model.layers[1].self_attn
         with torch.no_grad(), model.trace(prompt):
-            got[implementation] = (attn.attention_queries.save(), attn.attention_keys.save(),
-                                   attn.attention_probabilities.save())
+            got[implementation] = (
+                attn.attention_queries.save(),
+                attn.attention_keys.save(),
+                attn.attention_probabilities.save(),
+            )
     queries, keys, rebuilt = got["sdpa"]
     sdpa = models["sdpa"]
     scores = sdpa.family.scores(sdpa.layers[1].self_attn.heads, sdpa.config, queries, keys, 1)
@@ -89,8 +97,9 @@ def test_rebuilt_patterns_equal_eager(case):
     eager ones; where the family's pattern cannot be rebuilt, support() says why."""
     model, eager = rebuilding(case), tiny(case)
     layers = rebuilt_layers(model)
-    eager_layers = [layer for layer in range(eager.num_layers)
-                    if eager.support(layer)["self_attn.attention_probabilities"] is None]
+    eager_layers = [
+        layer for layer in range(eager.num_layers) if eager.support(layer)["self_attn.attention_probabilities"] is None
+    ]
     for layer in sorted(set(eager_layers) - set(layers)):
         assert "rebuild_patterns cannot rebuild it here" in model.support(layer)["self_attn.attention_probabilities"]
     if not layers:
@@ -104,8 +113,9 @@ def test_rebuilt_patterns_equal_eager(case):
             visible = ~attnlens.masked(want[layer]["scores"])
             assert torch.equal(visible, ~attnlens.masked(got[layer]["scores"]))
             # sdpa and eager layers before this one differ in the last bits; Granite's multipliers amplify them
-            assert torch.allclose(got[layer]["scores"][visible], want[layer]["scores"][visible], atol=1e-4,
-                                  rtol=1e-4), layer
+            assert torch.allclose(
+                got[layer]["scores"][visible], want[layer]["scores"][visible], atol=1e-4, rtol=1e-4
+            ), layer
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral"])
@@ -136,13 +146,16 @@ def test_a_sink_family_is_not_rebuilt_and_says_why():
 
 # --- long contexts ----------------------------------------------------------------------------------------------------
 
+
 def test_chunked_and_subset_patterns_equal_the_full_patterns_slices():
     model = rebuilding("gemma3")  # sliding windows shorter than the prompt on layers 0 and 2
     full = attnlens.capture_attention(model, PROMPTS, [0, 1, 2], keep=("scores", "probs"))
     chunked = attnlens.capture_attention(model, PROMPTS, [0, 1, 2], keep=("scores", "probs"), chunk_rows=3)
     rows, heads = [-1, 0, 5, 6, 7, 1], [3, 1]
-    subset = attnlens.capture_attention(model, PROMPTS, [0, 1, 2], keep=("scores", "probs"), rows=rows, heads=heads,
-                                        chunk_rows=2)
+    subset = attnlens.capture_attention(
+        model, PROMPTS, [0, 1, 2], keep=("scores", "probs"), rows=rows, heads=heads, chunk_rows=2
+    )
+
     def same(a, b):  # a chunk's matmul may round its last bit differently; the mask must be identical
         return torch.equal(attnlens.masked(a), attnlens.masked(b)) and torch.allclose(a, b, atol=1e-6, rtol=1e-6)
 
@@ -166,8 +179,8 @@ def test_subsets_never_form_the_full_matrix(monkeypatch):
 
     monkeypatch.setattr(model.family, "scores", recording)
     attnlens.capture_attention(model, PROMPT, [0, 1, 2], keep="probs", rows=-1)
-    assert shapes == [(1, 18)] * 3                     # the last row of each layer, against every key
+    assert shapes == [(1, 18)] * 3  # the last row of each layer, against every key
     shapes.clear()
     attnlens.capture_attention(model, PROMPT, [1], keep="probs", chunk_rows=4)
-    assert [q for q, _ in shapes] == [4, 4, 4, 4, 2]   # the full pattern, four query rows at a time
+    assert [q for q, _ in shapes] == [4, 4, 4, 4, 2]  # the full pattern, four query rows at a time
     assert [k for _, k in shapes] == [4, 8, 12, 16, 18]  # each chunk only against the keys it can see

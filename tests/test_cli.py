@@ -28,19 +28,38 @@ def commands(tmp: pathlib.Path) -> dict[str, tuple[list[str], str | None]]:
     return {
         "families": (["families"], None),
         "support": (["support", "tiny:llama", "--layer", "1"], None),
-        "page": (["show", "tiny:llama", "Hello world", "--layer", "1,2", "--heads", "0-2", "--out",
-                  str(tmp / "page.html")], None),
+        "page": (
+            ["show", "tiny:llama", "Hello world", "--layer", "1,2", "--heads", "0-2", "--out", str(tmp / "page.html")],
+            None,
+        ),
         "png": (["show", "tiny:gemma3", "Hello world", "--layer", "0", "--out", str(tmp / "layer0.png")], None),
-        "csv": (["heads", "tiny:llama", "--prompts", str(tmp / "prompts.txt"), "--format", "csv", "--length", "10",
-                 "--sequences", "2"], None),
-        "json": (["heads", "tiny:qwen3_next", "--prompts", "-", "--format", "json", "--length", "10", "--top-k", "2"],
-                 PROMPTS),
+        "csv": (
+            [
+                "heads",
+                "tiny:llama",
+                "--prompts",
+                str(tmp / "prompts.txt"),
+                "--format",
+                "csv",
+                "--length",
+                "10",
+                "--sequences",
+                "2",
+            ],
+            None,
+        ),
+        "json": (
+            ["heads", "tiny:qwen3_next", "--prompts", "-", "--format", "json", "--length", "10", "--top-k", "2"],
+            PROMPTS,
+        ),
         "vllm": (["support", "tiny:llama", "--engine", "vllm", "--layer", "1"], None),
         # errors
         "unknown model": (["support", "no-such-model"], None),
         "layer out of range": (["show", "tiny:llama", "Hi", "--layer", "7", "--out", str(tmp / "x.html")], None),
-        "bad heads": (["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "two", "--out", str(tmp / "x.html")],
-                      None),
+        "bad heads": (
+            ["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "two", "--out", str(tmp / "x.html")],
+            None,
+        ),
     }
 
 
@@ -48,13 +67,25 @@ def commands(tmp: pathlib.Path) -> dict[str, tuple[list[str], str | None]]:
 def runs(tmp_path_factory):
     """Every run of `commands`, as many at a time as there are cores."""
     tmp = tmp_path_factory.mktemp("cli")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "ATTNLENS_CACHE": os.environ.get("ATTNLENS_CACHE") or str(pathlib.Path.home() / ".cache" / "attnlens")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "ATTNLENS_CACHE": os.environ.get("ATTNLENS_CACHE") or str(pathlib.Path.home() / ".cache" / "attnlens"),
+    }
 
     def run(item):
         args, stdin = item
-        return subprocess.run([sys.executable, "-m", "attnlens", *args], cwd=ROOT, env=env, text=True, input=stdin,
-                              capture_output=True, timeout=600, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "attnlens", *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            input=stdin,
+            capture_output=True,
+            timeout=600,
+            check=False,
+        )
 
     planned = commands(tmp)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -130,11 +161,14 @@ def test_vllm_engine(runs):
         assert run.returncode == 1 and "make install-vllm" in run.stderr
 
 
-@pytest.mark.parametrize(("name", "status", "message"), [
-    ("unknown model", 1, "could not load 'no-such-model' as a hub name"),
-    ("layer out of range", 1, r"layer 7 is out of range: this model has 3 layers"),
-    ("bad heads", 2, "argument --heads: 'two' is not a list like"),
-])
+@pytest.mark.parametrize(
+    ("name", "status", "message"),
+    [
+        ("unknown model", 1, "could not load 'no-such-model' as a hub name"),
+        ("layer out of range", 1, r"layer 7 is out of range: this model has 3 layers"),
+        ("bad heads", 2, "argument --heads: 'two' is not a list like"),
+    ],
+)
 def test_errors_are_one_line(runs, name, status, message):
     run = runs[name]
     assert run.returncode == status
@@ -143,19 +177,24 @@ def test_errors_are_one_line(runs, name, status, message):
     assert message in lines[0] and "Traceback" not in run.stderr and run.stdout == ""
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "9", "--out", "{tmp}/x.html"],
-     "head 9 is out of range: there are 4"),
-    (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/prompts.txt/x.html"], "no such folder"),
-    (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/x.jpg"], "write .html or .htm or .png"),
-    (["show", "tiny:llama", "Hi", "--layer", "1,2", "--out", "{tmp}/x.png"], "a PNG shows one layer"),
-    (["heads", "tiny:llama", "--prompts", "{tmp}/empty.txt"], "no prompts (one per line)"),
-    (["heads", "tiny:llama", "--prompts", "{tmp}/missing.txt"], "No such file or directory"),
-    (["heads", "tiny:llama", "--length", "100"], "longer than the model's 128 positions"),
-    (["heads", "tiny:gpt_oss"], "no layer of this GptOss model can be summarised"),
-    (["support", "tiny:nope"], "no tiny model 'nope': no family has that model type"),
-    (["support", "./no/such/folder"], "no such folder: ./no/such/folder"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["show", "tiny:llama", "Hi", "--layer", "1", "--heads", "9", "--out", "{tmp}/x.html"],
+            "head 9 is out of range: there are 4",
+        ),
+        (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/prompts.txt/x.html"], "no such folder"),
+        (["show", "tiny:llama", "Hi", "--layer", "1", "--out", "{tmp}/x.jpg"], "write .html or .htm or .png"),
+        (["show", "tiny:llama", "Hi", "--layer", "1,2", "--out", "{tmp}/x.png"], "a PNG shows one layer"),
+        (["heads", "tiny:llama", "--prompts", "{tmp}/empty.txt"], "no prompts (one per line)"),
+        (["heads", "tiny:llama", "--prompts", "{tmp}/missing.txt"], "No such file or directory"),
+        (["heads", "tiny:llama", "--length", "100"], "longer than the model's 128 positions"),
+        (["heads", "tiny:gpt_oss"], "no layer of this GptOss model can be summarised"),
+        (["support", "tiny:nope"], "no tiny model 'nope': no family has that model type"),
+        (["support", "./no/such/folder"], "no such folder: ./no/such/folder"),
+    ],
+)
 def test_more_errors_in_process(tmp_path, capsys, args, message):
     (tmp_path / "prompts.txt").write_text(PROMPTS)
     (tmp_path / "empty.txt").write_text("\n\n")
@@ -169,4 +208,4 @@ def test_heads_table_to_a_file(tmp_path, capsys):
     assert cli.main(["heads", "tiny:llama", "--layers", "2", "--length", "10", "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     text = out.read_text()
-    assert "induction" in text and text.count("\n│     2 │") == 4   # layer 2's four heads
+    assert "induction" in text and text.count("\n│     2 │") == 4  # layer 2's four heads

@@ -50,8 +50,9 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
     """Every feature, on families with grouped heads, sliding windows and a LayerNorm block, batched with left
     padding (batch_size 3 over prompts of 1 to 41 tokens), equals the eager engine's own functions on the prompts."""
     model = tiny(case)
-    result = attnlens.collect(model, corpus, "all", tmp_path / "out", rows=ROWS, top_k=3, batch_size=3, shard_size=2,
-                              progress=False)
+    result = attnlens.collect(
+        model, corpus, "all", tmp_path / "out", rows=ROWS, top_k=3, batch_size=3, shard_size=2, progress=False
+    )
     layers = result.layers
     heads_of = model.access.geometry(layers[0]).num_heads
     assert result.rows == len(PROMPTS) * len(layers) * heads_of and result.errors == 0 and result.shards == 3
@@ -59,12 +60,14 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
     ids = [model.tokenizer(t)["input_ids"] for t in PROMPTS]
 
     # entropy and sink: head_summaries over the same prompts is the token-weighted mean of the per-prompt means
-    summaries = attnlens.head_summaries(model, PROMPTS, layers, length=4, sequences=1, top_k=3, rows=[-1],
-                                        progress=False)
+    summaries = attnlens.head_summaries(
+        model, PROMPTS, layers, length=4, sequences=1, top_k=3, rows=[-1], progress=False
+    )
     for layer in layers:
         for metric in ("entropy", "sink"):
-            got = torch.tensor([sum(table[p, layer, h][metric] * len(ids[p]) for p in range(len(PROMPTS)))
-                                for h in range(heads_of)]) / sum(map(len, ids))
+            got = torch.tensor(
+                [sum(table[p, layer, h][metric] * len(ids[p]) for p in range(len(PROMPTS))) for h in range(heads_of)]
+            ) / sum(map(len, ids))
             assert torch.allclose(got, summaries.get(metric, layer), **TOLERANCE), (metric, layer)
         for p, entry in enumerate(summaries.top[layer]):  # the last row's top keys, as head_summaries lists them
             row = table[p, layer, 0]
@@ -76,8 +79,9 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
 
     # the pattern rows, the previous-token weight and top weights from capture_attention's full eager patterns
     captured = attnlens.capture_attention(model, PROMPTS, layers, keep="probs", progress=False)
-    cache = attnlens.run_with_cache(model, PROMPTS, [f"{n}.{layer}" for layer in layers
-                                                     for n in ("query", "key", "value", "z")], progress=False)
+    cache = attnlens.run_with_cache(
+        model, PROMPTS, [f"{n}.{layer}" for layer in layers for n in ("query", "key", "value", "z")], progress=False
+    )
     for p, n in enumerate(map(len, ids)):
         rows = sorted({r % n for r in ROWS if -n <= r < n})
         for layer in layers:
@@ -87,15 +91,17 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
                 row = table[p, layer, h]
                 assert row["pattern_rows"] == rows == row["top_rows"] and row["tokens"] == n
                 for j, r in enumerate(rows):
-                    assert torch.allclose(torch.tensor(row["pattern"][j]), probs[h, r, :r + 1], **TOLERANCE)
-                    weights, keys = probs[h, r, :r + 1].topk(min(3, r + 1))
-                    assert torch.allclose(torch.tensor(row["top_weights"][j][:len(weights)]), weights, **TOLERANCE)
+                    assert torch.allclose(torch.tensor(row["pattern"][j]), probs[h, r, : r + 1], **TOLERANCE)
+                    weights, keys = probs[h, r, : r + 1].topk(min(3, r + 1))
+                    assert torch.allclose(torch.tensor(row["top_weights"][j][: len(weights)]), weights, **TOLERANCE)
                 previous = probs[h, 1:, :].diagonal().mean() if n > 1 else torch.tensor(float("nan"))
                 assert torch.allclose(torch.tensor(row["previous"]), previous, equal_nan=True, **TOLERANCE)
-                norms = {"query_norm": cache[p][f"query.{layer}"][0, h],
-                         "key_norm": cache[p][f"key.{layer}"][0, h // group],
-                         "value_norm": cache[p][f"value.{layer}"][0, h // group],
-                         "head_output_norm": cache[p][f"z.{layer}"][0, :, h]}
+                norms = {
+                    "query_norm": cache[p][f"query.{layer}"][0, h],
+                    "key_norm": cache[p][f"key.{layer}"][0, h // group],
+                    "value_norm": cache[p][f"value.{layer}"][0, h // group],
+                    "head_output_norm": cache[p][f"z.{layer}"][0, :, h],
+                }
                 for column, values in norms.items():
                     assert abs(row[column] - float(values.norm(dim=-1).mean())) < 1e-4, (column, p, layer, h)
                 assert row["kv_head"] == h // group
@@ -121,24 +127,39 @@ def test_the_output_is_one_table_in_every_reader(corpus, tmp_path):
     import pandas
     import polars
 
-    sql = f"SELECT layer, head, avg(sink) AS sink, count(*) AS n FROM read_parquet('{out}/data/*.parquet') " \
-          f"GROUP BY layer, head ORDER BY layer, head"
+    sql = (
+        f"SELECT layer, head, avg(sink) AS sink, count(*) AS n FROM read_parquet('{out}/data/*.parquet') "
+        f"GROUP BY layer, head ORDER BY layer, head"
+    )
     by_duckdb = duckdb.sql(sql).df()
     by_pandas = pandas.read_parquet(out / "data").groupby(["layer", "head"])["sink"].mean()
     assert len(by_duckdb) == 12 and (by_duckdb["n"] == len(PROMPTS)).all()
     assert torch.allclose(torch.tensor(by_duckdb["sink"].tolist()), torch.tensor(by_pandas.tolist()), atol=1e-6)
     assert polars.read_parquet(out / "data" / "*.parquet").height == expected
     datasets = pytest.importorskip("datasets")
-    loaded = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train",
-                                   cache_dir=str(tmp_path / "hf"))
+    loaded = datasets.load_dataset(
+        "parquet", data_files=str(out / "data" / "*.parquet"), split="train", cache_dir=str(tmp_path / "hf")
+    )
     assert len(loaded) == expected and loaded[0]["top_keys"] is not None
 
 
 def test_bad_prompts_go_to_the_errors_table_and_never_stop_the_run(tmp_path):
     model = tiny("llama")  # 128 positions
     path = tmp_path / "mixed.jsonl"
-    write_jsonl(path, [{"text": "fine"}, {"text": ""}, {"text": "y" * 300}, "{not json", {"title": "no text"},
-                       {"text": 12}, {"text": [1, 5, 9]}, {"text": [1, 999]}, {"text": "fine again", "id": 7}])
+    write_jsonl(
+        path,
+        [
+            {"text": "fine"},
+            {"text": ""},
+            {"text": "y" * 300},
+            "{not json",
+            {"title": "no text"},
+            {"text": 12},
+            {"text": [1, 5, 9]},
+            {"text": [1, 999]},
+            {"text": "fine again", "id": 7},
+        ],
+    )
     with open(path, "ab") as file:
         file.write(b'{"text": "bad \xff byte"}\n')
     result = attnlens.collect(model, path, ["sink"], tmp_path / "out", shard_size=4, progress=False)
@@ -160,8 +181,9 @@ def test_bad_prompts_go_to_the_errors_table_and_never_stop_the_run(tmp_path):
             raise RuntimeError("this prompt breaks the feature")
         return {"fragile": context.values["attention_queries"].new_zeros(context.values["attention_queries"].shape[1])}
 
-    registry.register(Feature("fragile", "fails on one length", ("attention_queries",), {"fragile": "float32"},
-                              fragile))
+    registry.register(
+        Feature("fragile", "fails on one length", ("attention_queries",), {"fragile": "float32"}, fragile)
+    )
     try:
         result = attnlens.collect(model, path, ["fragile"], tmp_path / "fragile", progress=False)
     finally:
@@ -175,16 +197,24 @@ def test_bad_prompts_go_to_the_errors_table_and_never_stop_the_run(tmp_path):
 def test_text_parquet_and_dataset_corpora_stream_the_same_prompts(tmp_path):
     model = tiny("llama")
     (tmp_path / "c.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
-    pq.write_table(pa.table({"text": PROMPTS, "id": [f"p{i}" for i in range(len(PROMPTS))]}), tmp_path / "c.parquet",
-                   row_group_size=2)
+    pq.write_table(
+        pa.table({"text": PROMPTS, "id": [f"p{i}" for i in range(len(PROMPTS))]}),
+        tmp_path / "c.parquet",
+        row_group_size=2,
+    )
     datasets = pytest.importorskip("datasets")
-    sources = {"txt": tmp_path / "c.txt", "parquet": tmp_path / "c.parquet",
-               "dataset": datasets.Dataset.from_dict({"text": PROMPTS})}
+    sources = {
+        "txt": tmp_path / "c.txt",
+        "parquet": tmp_path / "c.parquet",
+        "dataset": datasets.Dataset.from_dict({"text": PROMPTS}),
+    }
     for name, source in sources.items():
         records = list(Corpus(source))
         assert [r.text for r in records] == PROMPTS and len(Corpus(source)) == len(PROMPTS), name
-    tables = {name: read_table(attnlens.collect(model, source, ["entropy"], tmp_path / name, progress=False).out)
-              for name, source in sources.items()}
+    tables = {
+        name: read_table(attnlens.collect(model, source, ["entropy"], tmp_path / name, progress=False).out)
+        for name, source in sources.items()
+    }
     want = tables["txt"].sort_by([("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")])
     for name, table in tables.items():
         got = table.sort_by([("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")])
@@ -202,16 +232,20 @@ def test_a_folder_of_another_run_is_refused(corpus, tmp_path):
     attnlens.collect(tiny("llama"), corpus, ["sink", "entropy"], out, progress=False)
     again = attnlens.collect(tiny("llama"), corpus, ["entropy", "sink"], out, progress=False)  # same set: continued
     assert again.prompts == 0 and again.already_done == len(PROMPTS)
-    with pytest.raises(CollectMismatch, match=r"features: \['entropy', 'sink'\] there, \['entropy', 'sink', "
-                                              r"'previous'\] now"):
+    with pytest.raises(
+        CollectMismatch,
+        match=r"features: \['entropy', 'sink'\] there, \['entropy', 'sink', "
+        r"'previous'\] now",
+    ):
         attnlens.collect(tiny("llama"), corpus, ["sink", "entropy", "previous"], out, progress=False)
     with pytest.raises(CollectMismatch, match="family: 'Llama' there, 'GPT2' now"):
         attnlens.collect(tiny("gpt2"), corpus, ["sink", "entropy"], out, progress=False)
     with pytest.raises(CollectMismatch, match="features_hash"):
         attnlens.collect(tiny("llama"), corpus, ["sink", "entropy"], out, layers=[0], progress=False)
     with pytest.raises(CollectMismatch, match="corpus: "):
-        attnlens.collect(tiny("llama"), write_jsonl(tmp_path / "other.jsonl", ["{}"]), ["sink", "entropy"], out,
-                         progress=False)
+        attnlens.collect(
+            tiny("llama"), write_jsonl(tmp_path / "other.jsonl", ["{}"]), ["sink", "entropy"], out, progress=False
+        )
     with pytest.raises(CollectMismatch, match="config_hash"):
         attnlens.collect(tiny("llama", num_attention_heads=8), corpus, ["sink", "entropy"], out, progress=False)
     (tmp_path / "other").mkdir()
@@ -269,8 +303,22 @@ def test_a_run_killed_midway_restarts_with_every_prompt_exactly_once(tmp_path):
     texts[17] = ""  # one error
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts])
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "attnlens", "collect", "tiny:llama", str(path), "--features", "sink,previous",
-               "--out", str(out), "--shard-size", "8", "--batch-size", "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "attnlens",
+        "collect",
+        "tiny:llama",
+        str(path),
+        "--features",
+        "sink,previous",
+        "--out",
+        str(out),
+        "--shard-size",
+        "8",
+        "--batch-size",
+        "4",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -292,18 +340,28 @@ def test_a_run_killed_midway_restarts_with_every_prompt_exactly_once(tmp_path):
 
 def test_the_registry_is_open(corpus, tmp_path):
     """A feature registered from outside is computed like the built-in ones, from the values it names."""
+
     def max_weight(context):  # the largest weight of the last row, per head, from the shared summary
         return {"max_weight": context.summary()["top_weights"][0, :, -1, 0]}
 
     with pytest.raises(ValueError, match="taken"):
         registry.register(Feature("sink2", "a clash", ("attention_queries",), {"sink": "float32"}, max_weight))
-    registry.register(Feature("max_weight", "largest weight of the last row", registry.QK, {"max_weight": "float32"},
-                              max_weight, scored=True))
+    registry.register(
+        Feature(
+            "max_weight",
+            "largest weight of the last row",
+            registry.QK,
+            {"max_weight": "float32"},
+            max_weight,
+            scored=True,
+        )
+    )
     try:
         with pytest.raises(ValueError, match="already"):
             registry.register(registry.FEATURES["max_weight"])
-        result = attnlens.collect(tiny("llama"), corpus, ["top_keys", "max_weight"], tmp_path / "out", top_k=2,
-                                  progress=False)
+        result = attnlens.collect(
+            tiny("llama"), corpus, ["top_keys", "max_weight"], tmp_path / "out", top_k=2, progress=False
+        )
         for row in read_table(result.out).to_pylist():
             assert row["max_weight"] == pytest.approx(row["top_weights"][-1][0])
     finally:
@@ -323,18 +381,31 @@ def test_layers_that_cannot_serve_a_feature_are_skipped_or_refused(corpus, tmp_p
 def test_the_command_line_refuses_bad_input_in_one_line(corpus, tmp_path, capsys):
     from attnlens.cli import main
 
-    for args, message in ((["tiny:llama", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
-                           "no such file"),
-                          (["tiny:llama", str(corpus), "--out", str(tmp_path / "o"), "--features", "nope"],
-                           "unknown feature"),
-                          (["tiny:nosuch", str(corpus), "--out", str(tmp_path / "o")], "no tiny model"),
-                          (["tiny:llama", str(corpus), "--out", str(tmp_path / "o"), "--engine-arg", "dtype"],
-                           "write KEY=VALUE")):
+    for args, message in (
+        (["tiny:llama", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")], "no such file"),
+        (["tiny:llama", str(corpus), "--out", str(tmp_path / "o"), "--features", "nope"], "unknown feature"),
+        (["tiny:nosuch", str(corpus), "--out", str(tmp_path / "o")], "no tiny model"),
+        (["tiny:llama", str(corpus), "--out", str(tmp_path / "o"), "--engine-arg", "dtype"], "write KEY=VALUE"),
+    ):
         assert main(["collect", *args]) == 1
         err = capsys.readouterr().err
         assert err.startswith("attnlens collect: error: ") and message in err and len(err.strip().splitlines()) == 1
-    assert main(["collect", "tiny:llama", str(corpus), "--out", str(tmp_path / "o"), "--features", "sink",
-                 "--engine-arg", "dtype=float32"]) == 0
+    assert (
+        main(
+            [
+                "collect",
+                "tiny:llama",
+                str(corpus),
+                "--out",
+                str(tmp_path / "o"),
+                "--features",
+                "sink",
+                "--engine-arg",
+                "dtype=float32",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"{len(PROMPTS)} this run" in printed and "prompts/s" in printed and "tokens/s" in printed
 

@@ -12,8 +12,14 @@ def heads(x, module):
     return x.view(*x.shape[:2], -1, module.head_dim).transpose(1, 2)
 
 
-NAMES = ("attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities",
-         "attention_head_outputs")
+NAMES = (
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_head_outputs",
+)
 
 
 @pytest.mark.parametrize(("case", "layer"), [("zamba", 3), ("zamba2", 4), ("git", 2)])

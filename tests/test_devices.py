@@ -19,8 +19,19 @@ from attnlens import checks
 from attnlens.models import char_tokenizer, tiny_model
 
 PACKAGE = Path(attnlens.__file__).parent
-FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.eye, torch.linspace,
-             torch.rand, torch.randn, torch.randint}
+FACTORIES = {
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.tensor,
+    torch.eye,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+}
 #: Host-side code: token ids, the viewer's bytes and the command line.
 HOST = {"capture/runs.py", "show.py", "plot.py", "cli.py", "models.py", "heads.py"}
 
@@ -38,16 +49,19 @@ class DeviceDiscipline(TorchFunctionMode):
             if PACKAGE in path.parents:
                 where = path.relative_to(PACKAGE).as_posix()
                 if where not in HOST:
-                    raise AssertionError(f"attnlens/{where}:{frame.f_lineno} makes a tensor with {func.__name__}() "
-                                         f"without device=: on a GPU it lands on the CPU")
+                    raise AssertionError(
+                        f"attnlens/{where}:{frame.f_lineno} makes a tensor with {func.__name__}() "
+                        f"without device=: on a GPU it lands on the CPU"
+                    )
             self.calls += 1
         return func(*args, **kwargs)
 
 
 def sdpa(case):
     try:
-        return attnlens.StandardizedTransformer(tiny_model(case, attn_implementation="sdpa"),
-                                                tokenizer=char_tokenizer(), rebuild_patterns=True)
+        return attnlens.StandardizedTransformer(
+            tiny_model(case, attn_implementation="sdpa"), tokenizer=char_tokenizer(), rebuild_patterns=True
+        )
     except ValueError:  # transformers runs this family eager only
         return None
 

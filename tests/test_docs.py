@@ -42,8 +42,9 @@ def test_page_runs(page, tmp_path):
             exec(compile(block, str(script), "exec"), namespace)
         printed = buffer.getvalue().splitlines()
         for want in expected_output(block):
-            assert any(line.strip() == want.strip() for line in printed), \
+            assert any(line.strip() == want.strip() for line in printed), (
                 f"{page.name}: expected {want!r}, got {printed}"
+            )
 
 
 def _availability(table: str) -> list[str]:
@@ -55,8 +56,9 @@ def _availability(table: str) -> list[str]:
 def test_values_table_is_current():
     from tools.tables import values_table
 
-    assert values_table() in (DOCS / "values.md").read_text(), \
+    assert values_table() in (DOCS / "values.md").read_text(), (
         "regenerate the table between the markers: python -m tools.tables values"
+    )
 
 
 def test_family_table_is_current():
@@ -103,13 +105,17 @@ CONSOLE_PAGES = [page for page in PAGES if CONSOLE.search(page.read_text())]
 @pytest.mark.parametrize("page", CONSOLE_PAGES, ids=[p.name for p in CONSOLE_PAGES])
 def test_page_commands_run(page, tmp_path):
     root = str(DOCS.parent)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
     prelude = f'attnlens() {{ "{sys.executable}" -m attnlens "$@"; }}\n'
     for block in CONSOLE.findall(page.read_text()):
         for command, expected in console_steps(block):
-            run = subprocess.run(["bash", "-c", prelude + command], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True, timeout=600)
+            run = subprocess.run(
+                ["bash", "-c", prelude + command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+            )
             assert run.returncode == 0, f"{page.name}: `{command}` failed: {run.stderr}"
             printed = [" ".join(line.split()) for line in run.stdout.splitlines()]
             for want in expected:

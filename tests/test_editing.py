@@ -21,7 +21,7 @@ def test_ablating_a_head_matches_the_hand_recomputation(family):
             attn.attention_head_outputs[:, :, head] = 0
             ablated = model.logits.save()
         by_hand = premix.clone()
-        by_hand[..., head * d:(head + 1) * d] = 0
+        by_hand[..., head * d : (head + 1) * d] = 0
         projected = getattr(attn._module, model.family.output_projection)(by_hand)
         with model.trace(PROMPT):
             attn.attention_output = projected

@@ -45,14 +45,30 @@ def wrong_hidden(attn):
 
 
 WRONG = {
-    heads_first: ("attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=16]", "[1, 4, 18, 16]",
-                  "looks like [batch, num_heads, seq, head_dim]"),
-    no_batch_axis: ("attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=16]", "[18, 4, 16]",
-                    "no batch axis"),
-    merged_heads: ("attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=16]", "[1, 18, 64]",
-                   "unflatten it with new.unflatten(-1, (4, 16))"),
-    keys_per_query_head: ("attention_keys", "[batch=1, num_kv_heads=2, seq=18, qk_head_dim=16]", "[1, 4, 18, 16]",
-                          "groups its 4 query heads over 2 key/value heads"),
+    heads_first: (
+        "attention_head_outputs",
+        "[batch=1, seq=18, num_heads=4, head_dim=16]",
+        "[1, 4, 18, 16]",
+        "looks like [batch, num_heads, seq, head_dim]",
+    ),
+    no_batch_axis: (
+        "attention_head_outputs",
+        "[batch=1, seq=18, num_heads=4, head_dim=16]",
+        "[18, 4, 16]",
+        "no batch axis",
+    ),
+    merged_heads: (
+        "attention_head_outputs",
+        "[batch=1, seq=18, num_heads=4, head_dim=16]",
+        "[1, 18, 64]",
+        "unflatten it with new.unflatten(-1, (4, 16))",
+    ),
+    keys_per_query_head: (
+        "attention_keys",
+        "[batch=1, num_kv_heads=2, seq=18, qk_head_dim=16]",
+        "[1, 4, 18, 16]",
+        "groups its 4 query heads over 2 key/value heads",
+    ),
     wrong_hidden: ("attention_output", "[batch=1, seq=18, hidden=64]", "[1, 18, 32]", ""),
 }
 
@@ -71,8 +87,9 @@ def test_same_shape_tensors_and_numbers_are_written():
     model = tiny("llama")
     clean = write(model, lambda attn: None)
     zeroed = write(model, lambda attn: setattr(attn, "attention_head_outputs", 0))
-    by_tensor = write(model, lambda attn: setattr(attn, "attention_head_outputs",
-                                                  torch.zeros_like(attn.attention_head_outputs)))
+    by_tensor = write(
+        model, lambda attn: setattr(attn, "attention_head_outputs", torch.zeros_like(attn.attention_head_outputs))
+    )
     assert not torch.allclose(zeroed, clean) and torch.equal(zeroed, by_tensor)
 
 
@@ -86,18 +103,26 @@ def test_a_write_of_another_dtype_lands_in_the_models_dtype():
 
 
 def rebuilding(family="llama"):
-    return attnlens.StandardizedTransformer(tiny_model(family, attn_implementation="sdpa"), tokenizer=char_tokenizer(),
-                                            rebuild_patterns=True)
+    return attnlens.StandardizedTransformer(
+        tiny_model(family, attn_implementation="sdpa"), tokenizer=char_tokenizer(), rebuild_patterns=True
+    )
 
 
-@pytest.mark.parametrize("edit", [
-    lambda attn: attn.attention_probabilities.__setitem__(slice(None), 0),
-    lambda attn: attn.attention_scores[..., 0].__iadd__(100),
-    lambda attn: setattr(attn, "attention_probabilities", attn.attention_probabilities * 0),
-], ids=["probabilities[:] = 0", "scores[..., 0] += 100", "assigned"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda attn: attn.attention_probabilities.__setitem__(slice(None), 0),
+        lambda attn: attn.attention_scores[..., 0].__iadd__(100),
+        lambda attn: setattr(attn, "attention_probabilities", attn.attention_probabilities * 0),
+    ],
+    ids=["probabilities[:] = 0", "scores[..., 0] += 100", "assigned"],
+)
 def test_rebuilt_patterns_refuse_every_write(edit):
-    with pytest.raises(attnlens.EditError, match=r"attention_(probabilities|scores).*rebuilt from the queries and "
-                                                 r"keys.*edit the queries or keys"):
+    with pytest.raises(
+        attnlens.EditError,
+        match=r"attention_(probabilities|scores).*rebuilt from the queries and "
+        r"keys.*edit the queries or keys",
+    ):
         write(rebuilding(), edit)
 
 
@@ -180,11 +205,15 @@ def count_forwards(model):
     return calls, handle
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ("", "the prompt is an empty string"),
-    ([], "the list of prompts is empty"),
-    (torch.zeros(1, 0, dtype=torch.long), "token ids are empty"),
-], ids=["empty string", "empty list", "no ids"])
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("", "the prompt is an empty string"),
+        ([], "the list of prompts is empty"),
+        (torch.zeros(1, 0, dtype=torch.long), "token ids are empty"),
+    ],
+    ids=["empty string", "empty list", "no ids"],
+)
 def test_an_empty_prompt_is_refused_before_anything_runs(prompt, message):
     model = tiny("llama")
     calls, handle = count_forwards(model)
@@ -197,13 +226,17 @@ def test_an_empty_prompt_is_refused_before_anything_runs(prompt, message):
     assert calls == []
 
 
-@pytest.mark.parametrize(("run", "message"), [
-    (lambda m: attnlens.capture_attention(m, [], [0]), "the list of prompts is empty"),
-    (lambda m: attnlens.capture_attention(m, "", [0]), "the prompt is an empty string"),
-    (lambda m: attnlens.capture_attention(m, PROMPT, []), "the list of layers is empty"),
-    (lambda m: attnlens.run_with_cache(m, PROMPT, []), "no names given"),
-    (lambda m: attnlens.run_with_cache(m, [PROMPT, ""], ["logits"]), "the prompt is an empty string"),
-], ids=["capture no prompts", "capture empty prompt", "capture no layers", "cache no names", "cache one empty"])
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (lambda m: attnlens.capture_attention(m, [], [0]), "the list of prompts is empty"),
+        (lambda m: attnlens.capture_attention(m, "", [0]), "the prompt is an empty string"),
+        (lambda m: attnlens.capture_attention(m, PROMPT, []), "the list of layers is empty"),
+        (lambda m: attnlens.run_with_cache(m, PROMPT, []), "no names given"),
+        (lambda m: attnlens.run_with_cache(m, [PROMPT, ""], ["logits"]), "the prompt is an empty string"),
+    ],
+    ids=["capture no prompts", "capture empty prompt", "capture no layers", "cache no names", "cache one empty"],
+)
 def test_empty_capture_input_is_refused_before_anything_runs(run, message):
     model = tiny("llama")
     calls, handle = count_forwards(model)
@@ -217,11 +250,17 @@ def test_empty_capture_input_is_refused_before_anything_runs(run, message):
 
 def test_a_misspelled_value_suggests_the_standardized_names():
     model = tiny("llama")
-    with pytest.raises(AttributeError, match=r"attention_probs'. Did you mean "
-                                             r"model.layers\[i\].self_attn.attention_probabilities"):
+    with pytest.raises(
+        AttributeError,
+        match=r"attention_probs'. Did you mean "
+        r"model.layers\[i\].self_attn.attention_probabilities",
+    ):
         getattr(model.layers[LAYER].self_attn, "attention_probs")  # noqa: B009  the misspelling under test
-    with pytest.raises(AttributeError, match=r"attention_probabilities is read on model.layers\[i\].self_attn, not "
-                                             r"on model.layers\[i\]"):
+    with pytest.raises(
+        AttributeError,
+        match=r"attention_probabilities is read on model.layers\[i\].self_attn, not "
+        r"on model.layers\[i\]",
+    ):
         getattr(model.layers[LAYER], "attention_probabilities")  # noqa: B009  asked on the wrong envoy
     with pytest.raises(KeyError, match=r"'attn_prob' is not a cache name. Did you mean .*attention_probabilities"):
         attnlens.run_with_cache(model, PROMPT, ["attn_prob.1"])
@@ -233,8 +272,11 @@ def test_a_misspelled_value_suggests_the_standardized_names():
 def test_a_gradient_of_a_rebuilt_pattern_says_it_is_outside_the_graph():
     model = rebuilding()
     attn = model.layers[LAYER].self_attn
-    with pytest.raises(attnlens.Unavailable, match=r"gradient of layers\[1\].self_attn.attention_probabilities.*"
-                                                   r"rebuilt from the queries and keys"):
+    with pytest.raises(
+        attnlens.Unavailable,
+        match=r"gradient of layers\[1\].self_attn.attention_probabilities.*"
+        r"rebuilt from the queries and keys",
+    ):
         with model.trace(PROMPT):
             pattern = attn.attention_probabilities
             loss = model.logits.sum()
@@ -248,7 +290,7 @@ def test_gradients_of_standardized_values_equal_retain_grad():
     with model.trace(PROMPT):
         heads = attn.attention_head_outputs
         logits = model.logits
-        loss = (logits[0, -1, 5] - logits[0, -1, 7])
+        loss = logits[0, -1, 5] - logits[0, -1, 7]
         with loss.backward():
             grad = heads.grad.save()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids

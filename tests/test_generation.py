@@ -9,12 +9,19 @@ def test_each_decode_step_sees_the_whole_cache(family):
     layer = 2
     attn = model.layers[layer].self_attn
     n = len(model.tokenizer(PROMPT).input_ids)
-    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False,
-                                         pad_token_id=0) as tracer:
+    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0) as tracer:
         steps = list().save()
         for _ in tracer.iter[:3]:
-            steps.append((attn.attention_queries, attn.attention_keys, attn.attention_values,
-                          attn.attention_scores, attn.attention_probabilities, attn.attention_head_outputs))
+            steps.append(
+                (
+                    attn.attention_queries,
+                    attn.attention_keys,
+                    attn.attention_values,
+                    attn.attention_scores,
+                    attn.attention_probabilities,
+                    attn.attention_head_outputs,
+                )
+            )
     assert len(steps) == 3
     groups = attn.num_heads // attn.num_kv_heads
     # transformers keeps only the window in a sliding layer's cache, so its decode steps see the window's keys
@@ -28,7 +35,7 @@ def test_each_decode_step_sees_the_whole_cache(family):
         assert torch.allclose(mixed, heads, atol=1e-5)
     # the decode step's keys extend the prefill's (or its window's tail): the cache is what the step attends over
     cached = steps[1][1][:, :, :-1]
-    assert torch.allclose(cached, steps[0][1][:, :, n - cached.shape[2]:], atol=1e-6)
+    assert torch.allclose(cached, steps[0][1][:, :, n - cached.shape[2] :], atol=1e-6)
 
 
 def test_an_edit_on_one_step_changes_only_later_tokens():
@@ -44,4 +51,4 @@ def test_an_edit_on_one_step_changes_only_later_tokens():
             edited = tracer.result.save()
     n = len(model.tokenizer(PROMPT).input_ids)
     assert torch.equal(clean[:, : n + 2], edited[:, : n + 2])
-    assert not torch.equal(clean[:, n + 2:], edited[:, n + 2:])
+    assert not torch.equal(clean[:, n + 2 :], edited[:, n + 2 :])

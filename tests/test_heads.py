@@ -10,25 +10,32 @@ import attnlens
 from attnlens import heads
 from attnlens.models import char_tokenizer, tiny_model
 
-LENGTH, SEQUENCES = 12, 3                  # BOS + 12 + 12 = 25 tokens: past the tiny sliding windows (4)
+LENGTH, SEQUENCES = 12, 3  # BOS + 12 + 12 = 25 tokens: past the tiny sliding windows (4)
 PROMPTS = [PROMPT, "Hi", "The cat sat on the mat"]
 ROWS = [-1, 0, 1]
-TOLERANCE = dict(atol=2e-5, rtol=1e-5)     # float32 sums of up to 25 terms per row; the pattern rounds once more
+TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # float32 sums of up to 25 terms per row; the pattern rounds once more
 
 
 def reference(patterns, rows=(), top_k=3, repeated=False):
     """The summaries of full patterns ([heads, query, key] per text), computed the plain way."""
     patterns = [p.float() for p in patterns]
-    out = {"entropy": torch.cat([torch.special.entr(p).sum(-1) for p in patterns], dim=1).mean(1),
-           "sink": torch.cat([p[..., 0] for p in patterns], dim=1).mean(1)}
+    out = {
+        "entropy": torch.cat([torch.special.entr(p).sum(-1) for p in patterns], dim=1).mean(1),
+        "sink": torch.cat([p[..., 0] for p in patterns], dim=1).mean(1),
+    }
     # BOS + R + R, R of LENGTH: row i of the second copy (LENGTH + 1 .. 2 LENGTH) and its earlier occurrence i - LENGTH
     second = range(LENGTH + 1, 2 * LENGTH + 1)
-    stripes = {"previous": [(i, i - 1) for i in range(1, 2 * LENGTH + 1)],
-               "duplicate": [(i, i - LENGTH) for i in second], "induction": [(i, i - LENGTH + 1) for i in second]}
+    stripes = {
+        "previous": [(i, i - 1) for i in range(1, 2 * LENGTH + 1)],
+        "duplicate": [(i, i - LENGTH) for i in second],
+        "induction": [(i, i - LENGTH + 1) for i in second],
+    }
     for name, cells in stripes.items() if repeated else ():
         out[name] = torch.stack([p[:, i, j] for p in patterns for i, j in cells], dim=1).mean(1)
-    out["top"] = [[p[:, row % p.shape[1], :row % p.shape[1] + 1].topk(min(top_k, row % p.shape[1] + 1))
-                   for row in rows] for p in patterns]
+    out["top"] = [
+        [p[:, row % p.shape[1], : row % p.shape[1] + 1].topk(min(top_k, row % p.shape[1] + 1)) for row in rows]
+        for p in patterns
+    ]
     return out
 
 
@@ -49,13 +56,14 @@ def test_summaries_equal_the_full_pattern(case):
         with pytest.raises(attnlens.Unavailable, match="no layer"):
             heads.head_summaries(model, length=LENGTH, sequences=SEQUENCES)
         pytest.skip(f"no layer of {case} can be summarised: {heads.why_not(model, 0)}")
-    found = heads.head_summaries(model, PROMPTS, length=LENGTH, sequences=SEQUENCES, rows=ROWS, chunk_rows=4,
-                                 batch_size=2, progress=False)
+    found = heads.head_summaries(
+        model, PROMPTS, length=LENGTH, sequences=SEQUENCES, rows=ROWS, chunk_rows=4, batch_size=2, progress=False
+    )
     assert found.layers == layers and sorted(found.skipped) == sorted(set(range(model.num_layers)) - set(layers))
 
     repeats = heads.repeated_tokens(model, LENGTH, SEQUENCES, seed=0)
     assert repeats.shape == (SEQUENCES, 1 + 2 * LENGTH)
-    assert torch.equal(repeats[:, 1:1 + LENGTH], repeats[:, 1 + LENGTH:]) and (repeats[:, 0] == 1).all()
+    assert torch.equal(repeats[:, 1 : 1 + LENGTH], repeats[:, 1 + LENGTH :]) and (repeats[:, 0] == 1).all()
     on_repeats = attnlens.capture_attention(model, repeats, layers, keep="probs", progress=False)
     on_prompts = attnlens.capture_attention(model, PROMPTS, layers, keep="probs", progress=False)
     for layer in layers:
@@ -78,8 +86,9 @@ def test_summaries_equal_the_full_pattern(case):
 
 def test_rebuilt_sdpa_model_gives_the_same_summaries():
     """Only the queries and keys are read, so an sdpa model (patterns never formed) summarises as eager does."""
-    sdpa = attnlens.StandardizedTransformer(tiny_model("gemma3"), tokenizer=char_tokenizer(),
-                                            attn_implementation="sdpa")
+    sdpa = attnlens.StandardizedTransformer(
+        tiny_model("gemma3"), tokenizer=char_tokenizer(), attn_implementation="sdpa"
+    )
     assert sdpa.support(1)["self_attn.attention_probabilities"] is not None
     a = heads.head_summaries(sdpa, PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
     b = heads.head_summaries(tiny("gemma3"), PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
@@ -99,7 +108,7 @@ def test_summarize_never_forms_the_full_pattern():
         return score(q, k)
 
     chunked = heads.summarize(recording, queries, keys, chunk_rows=4, top_rows=[-1], top_k=2)
-    assert shapes == [(4, 4), (4, 8), (2, 10)]      # rows 4 at a time, each against the keys it can see
+    assert shapes == [(4, 4), (4, 8), (2, 10)]  # rows 4 at a time, each against the keys it can see
     whole = heads.summarize(score, queries, keys, top_rows=[-1], top_k=2)
     for name in whole:
         assert torch.allclose(chunked[name].float(), whole[name].float(), atol=1e-6), name
@@ -115,7 +124,7 @@ def test_summarize_on_a_decode_step():
     out = heads.summarize(score, queries, keys, targets={"previous": torch.tensor([6, 7])}, top_rows=[0], top_k=9)
     probs = score(queries, keys).softmax(-1)
     assert torch.allclose(out["previous"], probs[0, :, [0, 1], [6, 7]].sum(-1), atol=1e-6)
-    assert (out["top_keys"][0, :, 0, :4].sort(-1).values == torch.arange(4, 8)).all()   # the window of row 0
+    assert (out["top_keys"][0, :, 0, :4].sort(-1).values == torch.arange(4, 8)).all()  # the window of row 0
     assert (out["top_weights"][0, :, 0, 4:] == 0).all()
 
 
@@ -145,7 +154,7 @@ def test_errors_name_what_was_wrong():
         heads.head_summaries(model, length=100)
     with pytest.raises(KeyError, match="not a head summary"):
         heads.head_summaries(model, length=LENGTH, sequences=1, layers=[1], progress=False).get("nope", 1)
-    hybrid = tiny("qwen3_next")                   # layer 0 is linear attention: no queries and keys
+    hybrid = tiny("qwen3_next")  # layer 0 is linear attention: no queries and keys
     with pytest.raises(attnlens.Unavailable, match="layer 0 on Qwen3Next"):
         heads.head_summaries(hybrid, layers=[0])
 
@@ -159,7 +168,8 @@ def test_top_induction_heads_matter_on_smollm2():
     held_out = heads.repeated_tokens(model, 40, 4, seed=1)
     base = heads.repeat_loss(model, held_out, 40)
     top = heads.repeat_loss(model, held_out, 40, found.ranked("induction", 5))
-    random_rises = [heads.repeat_loss(model, held_out, 40, heads.random_heads(found, 5, seed)) - base
-                    for seed in range(3)]
-    assert base < heads.repeat_loss(model, held_out, 40, copy=1) / 2   # SmolLM2 copies the repeated half
+    random_rises = [
+        heads.repeat_loss(model, held_out, 40, heads.random_heads(found, 5, seed)) - base for seed in range(3)
+    ]
+    assert base < heads.repeat_loss(model, held_out, 40, copy=1) / 2  # SmolLM2 copies the repeated half
     assert top - base > 2 * max(random_rises), (base, top, random_rises)

@@ -6,9 +6,18 @@ from conftest import ALL_CASES, PROMPT, tiny
 from identities import failures, read_everything, saved_for, swapped
 
 #: Values every family must serve on at least one layer: a family that declared them away would pass the identities.
-ESSENTIAL = ("layer_input", "self_attn.attention_queries", "self_attn.attention_keys", "self_attn.attention_values",
-             "self_attn.attention_probabilities", "self_attn.attention_head_outputs", "self_attn.attention_premix",
-             "self_attn.attention_output", "layer_output", "logits")
+ESSENTIAL = (
+    "layer_input",
+    "self_attn.attention_queries",
+    "self_attn.attention_keys",
+    "self_attn.attention_values",
+    "self_attn.attention_probabilities",
+    "self_attn.attention_head_outputs",
+    "self_attn.attention_premix",
+    "self_attn.attention_output",
+    "layer_output",
+    "logits",
+)
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
@@ -85,8 +94,9 @@ def test_a_miswired_family_fails_the_identities(case, value):
     if value not in locations or other not in locations:
         pytest.skip(f"{case} has no {value} or {other} at layer {layer}")
     saved = saved_for(case)
-    if saved[(layer, value)].shape == saved[(layer, other)].shape and \
-            torch.equal(saved[(layer, value)], saved[(layer, other)]):  # DeepSeek-V4's keys are its values
+    if saved[(layer, value)].shape == saved[(layer, other)].shape and torch.equal(
+        saved[(layer, value)], saved[(layer, other)]
+    ):  # DeepSeek-V4's keys are its values
         pytest.skip(f"{case}'s {value} and {other} are one tensor at layer {layer}: reading one for the other is right")
     family = model.family
     family.locations_for = swapped(family.locations_for, layer, value, other)

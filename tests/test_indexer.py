@@ -19,20 +19,28 @@ def test_the_indexer_masks_the_keys_it_does_not_choose(case):
     model = tiny(case, index_topk=4)
     sees = indexer_choice(model)
     assert not sees.all()  # the choice binds
-    read = lambda m: {(i, name): getattr(m.layers[i].self_attn, name) for i in (0, 1)  # noqa: E731
-                      for name in ("attention_queries", "attention_keys", "attention_scores",
-                                   "attention_probabilities")}
+    read = lambda m: {
+        (i, name): getattr(m.layers[i].self_attn, name)
+        for i in (0, 1)
+        for name in ("attention_queries", "attention_keys", "attention_scores", "attention_probabilities")
+    }
     got = trace(model, read)
     for layer in (0, 1) if case == "glm_moe_dsa" else (0,):
         probs, scores = got[layer, "attention_probabilities"], got[layer, "attention_scores"]
         assert ((probs[0] > 0) == sees).all()
         assert torch.allclose(scores.softmax(-1), probs, atol=1e-6)
-        rebuilt = model.family.scores(model.layers[layer].self_attn.heads, model.config,
-                                      got[layer, "attention_queries"], got[layer, "attention_keys"], layer)
+        rebuilt = model.family.scores(
+            model.layers[layer].self_attn.heads,
+            model.config,
+            got[layer, "attention_queries"],
+            got[layer, "attention_keys"],
+            layer,
+        )
         assert torch.allclose(rebuilt[..., sees], scores[..., sees], atol=1e-5)
     assert "index_topk=4" in model.support(0).notes["self_attn.attention_probabilities"]
-    sdpa = attnlens.StandardizedTransformer(tiny_model(case, index_topk=4, attn_implementation="sdpa"),
-                                            tokenizer=char_tokenizer(), rebuild_patterns=True)
+    sdpa = attnlens.StandardizedTransformer(
+        tiny_model(case, index_topk=4, attn_implementation="sdpa"), tokenizer=char_tokenizer(), rebuild_patterns=True
+    )
     rebuilt = trace(sdpa, lambda m: {"p": m.layers[0].self_attn.attention_probabilities})["p"]
     # sdpa's run chooses for itself: ties in the indexer's scores may break otherwise than under eager
     assert ((rebuilt[0] > 0) == indexer_choice(sdpa)).all()

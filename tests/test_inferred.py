@@ -125,10 +125,12 @@ class CommonAttention(LlamaAttention):
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    eager_attention_forward)
-        attn_output, attn_weights = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling,
-                                                        **kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1)), attn_weights
 
 
@@ -138,8 +140,9 @@ class GatedAttention(CommonAttention):
         query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    eager_attention_forward)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1) * torch.sigmoid(self.gate(hidden_states))
         return self.o_proj(attn_output), attn_weights
@@ -151,8 +154,9 @@ class NormedAttention(CommonAttention):
         query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    eager_attention_forward)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(self, query, key, value, attention_mask, scaling=self.scaling)
         return self.o_proj(self.sub_norm(attn_output.reshape(*hidden_states.shape[:-1], -1))), attn_weights
 
@@ -178,7 +182,7 @@ def sharpened_eager(module, query, key, value, attention_mask, scaling, dropout=
     attn_weights = attn_weights + attention_mask
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_weights = attn_weights ** 2
+    attn_weights = attn_weights**2
     attn_output = torch.matmul(attn_weights, value_states)
     attn_output = attn_output.transpose(1, 2).contiguous()
     return attn_output, attn_weights
@@ -203,8 +207,16 @@ def altered(attention: type | None = None, layer: type | None = None, **modules)
             block.self_attn.__class__ = attention
             for name, make in modules.items():
                 setattr(block.self_attn, name, make())
-        for old, new in {"self_attn": "attn", "input_layernorm": "attn_norm", "mlp": "ffn",
-                         "post_attention_layernorm": "ffn_norm"}.items() if layer is not None else ():
+        for old, new in (
+            {
+                "self_attn": "attn",
+                "input_layernorm": "attn_norm",
+                "mlp": "ffn",
+                "post_attention_layernorm": "ffn_norm",
+            }.items()
+            if layer is not None
+            else ()
+        ):
             block.add_module(new, block._modules.pop(old))
         if layer is RenamedLayer:
             block.__class__ = layer
@@ -241,17 +253,36 @@ def test_the_printed_registration_serves_what_was_inferred(model_type):
 
 
 REFUSALS = {
-    "an output gate before o_proj": (dict(attention=GatedAttention, gate=lambda: nn.Linear(64, 64)), None,
-                                     "output_path", "o_proj(`attn_output.reshape"),
-    "a norm before o_proj": (dict(attention=NormedAttention, sub_norm=lambda: LlamaRMSNorm(64)), None, "output_path",
-                             "o_proj(sub_norm(the attention interface's output))"),
-    "the eager function's masked scores moved": (dict(attention=CommonAttention), moved_eager, "anchors",
-                                                 "expected operation 'attn_weights_1' on a line containing "
-                                                 "'+ attention_mask'"),
-    "a step added to the eager function": (dict(attention=CommonAttention), sharpened_eager, "eager_function",
-                                           "attn_weights_4: `attn_weights = attn_weights ** 2`"),
-    "modules renamed under the block's forward": (dict(layer=LlamaDecoderLayer), None, "block_forward",
-                                                  "self.self_attn(...), which LlamaDecoderLayer does not have"),
+    "an output gate before o_proj": (
+        dict(attention=GatedAttention, gate=lambda: nn.Linear(64, 64)),
+        None,
+        "output_path",
+        "o_proj(`attn_output.reshape",
+    ),
+    "a norm before o_proj": (
+        dict(attention=NormedAttention, sub_norm=lambda: LlamaRMSNorm(64)),
+        None,
+        "output_path",
+        "o_proj(sub_norm(the attention interface's output))",
+    ),
+    "the eager function's masked scores moved": (
+        dict(attention=CommonAttention),
+        moved_eager,
+        "anchors",
+        "expected operation 'attn_weights_1' on a line containing '+ attention_mask'",
+    ),
+    "a step added to the eager function": (
+        dict(attention=CommonAttention),
+        sharpened_eager,
+        "eager_function",
+        "attn_weights_4: `attn_weights = attn_weights ** 2`",
+    ),
+    "modules renamed under the block's forward": (
+        dict(layer=LlamaDecoderLayer),
+        None,
+        "block_forward",
+        "self.self_attn(...), which LlamaDecoderLayer does not have",
+    ),
 }
 
 
@@ -309,9 +340,14 @@ def test_blocks_run_more_than_once_serve_no_block_values():
         model.layers[1].layer_output.save()
 
 
-@pytest.mark.parametrize(("model_type", "kind"), [("bert", "an encoder (BERT-style) that runs as a decoder only"),
-                                              ("mamba", "attention-free: no module of it is an attention module"),
-                                              ("musicgen", "the decoder of an encoder-decoder model")])
+@pytest.mark.parametrize(
+    ("model_type", "kind"),
+    [
+        ("bert", "an encoder (BERT-style) that runs as a decoder only"),
+        ("mamba", "attention-free: no module of it is an attention module"),
+        ("musicgen", "the decoder of an encoder-decoder model"),
+    ],
+)
 def test_support_says_what_kind_of_model_is_no_plain_decoder(model_type, kind):
     if model_type == "musicgen" and not _builds(model_type):
         pytest.skip(f"the survey builds no musicgen on transformers {transformers.__version__}")
@@ -328,12 +364,18 @@ def _builds(model_type: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("model_type", "layout"), [
-    ("xlnet", "sequence-first here: [seq, batch, hidden], not [batch, seq, hidden] (a forward of 2 prompts of 5 "
-              "tokens gives [5, 2, 64] at load)"),
-    ("cpmant", "its seq axis holds 32 positions of the model's own besides the prompt's"),
-    ("prophetnet", "its seq axis holds 3 streams of the prompt's positions, stacked"),
-])
+@pytest.mark.parametrize(
+    ("model_type", "layout"),
+    [
+        (
+            "xlnet",
+            "sequence-first here: [seq, batch, hidden], not [batch, seq, hidden] (a forward of 2 prompts of 5 "
+            "tokens gives [5, 2, 64] at load)",
+        ),
+        ("cpmant", "its seq axis holds 32 positions of the model's own besides the prompt's"),
+        ("prophetnet", "its seq axis holds 3 streams of the prompt's positions, stacked"),
+    ],
+)
 def test_block_values_laid_out_otherwise_are_noted_as_they_read(model_type, layout):
     """XLNet runs its blocks sequence-first, CPM-Ant adds its prompt's positions, ProphetNet stacks its main and n-gram
     streams: the fallback still serves the blocks' inputs and outputs, and support() says how they are laid out."""
@@ -351,7 +393,8 @@ def test_embeddings_that_never_run_as_one_module_are_unavailable():
         pytest.skip(f"the survey builds no musicgen on transformers {transformers.__version__}")
     model = _load(_build("musicgen"))
     reason = model.support(0)["embeddings"]
-    assert reason.startswith("the input embeddings (model.decoder.embed_tokens) are a ModuleList of 1 modules that "
-                             "never runs as one module")
+    assert reason.startswith(
+        "the input embeddings (model.decoder.embed_tokens) are a ModuleList of 1 modules that never runs as one module"
+    )
     with pytest.raises(attnlens.Unavailable, match=re.escape(reason)), torch.no_grad(), model.trace("Hi"):
         model.embeddings.save()

@@ -59,7 +59,7 @@ def test_queries_and_keys_are_qk_normed_then_partially_rotated(case):
     attn = model.layers[full].self_attn
     module = attn._module
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qk_head_dim) == (4, 2, 16, 16)
-    assert attn.scale == 16 ** -0.5
+    assert attn.scale == 16**-0.5
     with torch.no_grad():
         x = saved[(full, "attention_norm_output")]
         b, s = x.shape[:2]
@@ -120,18 +120,35 @@ def test_linear_layers_report_what_they_lack_and_why(case):
     model, (full, linear, label) = tiny(case), CASES[case]
     report = model.support(linear)
     kind = f"layer {linear} of {label} is a Gated DeltaNet linear-attention layer (linear_attn)"
-    for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-                 "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate"):
+    for name in (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_scores",
+        "attention_probabilities",
+        "attention_sinks",
+        "attention_head_outputs",
+        "attention_gate",
+    ):
         assert report[f"self_attn.{name}"].startswith(kind), name
         assert "forms no query-key softmax pattern" in report[f"self_attn.{name}"]
     assert "silu(z)" in report["self_attn.attention_gate"]
     assert "no per-head mix of values" in report["self_attn.attention_head_outputs"]
-    for key in ("self_attn.attention_premix", "self_attn.attention_output", "layer_input", "layer_mid",
-                "layer_output", "mlp_input", "mlp.mlp_output"):
+    for key in (
+        "self_attn.attention_premix",
+        "self_attn.attention_output",
+        "layer_input",
+        "layer_mid",
+        "layer_output",
+        "mlp_input",
+        "mlp.mlp_output",
+    ):
         assert report[key] is None, key
     assert model.support(full)["self_attn.attention_gate"] is None
-    with pytest.raises(attnlens.Unavailable, match=re.escape(f"layers[{linear}].self_attn.attention_probabilities on "
-                                                             f"{model.family.name}: {kind}")):
+    with pytest.raises(
+        attnlens.Unavailable,
+        match=re.escape(f"layers[{linear}].self_attn.attention_probabilities on {model.family.name}: {kind}"),
+    ):
         with model.trace(PROMPT):
             model.layers[linear].self_attn.attention_probabilities.save()
 
@@ -163,24 +180,53 @@ def test_mixture_of_experts_layers_have_no_single_activation():
     assert f"layer 1 of Qwen3.5-MoE has a {reason}" in q35moe.support(1)["mlp.mlp_activation"]
 
 
-FULL_ORDER = ["layer_input", "attention_norm_output", "self_attn.attention_queries", "self_attn.attention_keys",
-              "self_attn.attention_key_positions", "self_attn.attention_values", "self_attn.attention_scores",
-              "self_attn.attention_probabilities", "self_attn.attention_head_outputs", "self_attn.attention_gate",
-              "self_attn.attention_premix", "self_attn.attention_output", "layer_mid", "mlp_norm_output", "mlp_input",
-              "mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output", "layer_output"]
+FULL_ORDER = [
+    "layer_input",
+    "attention_norm_output",
+    "self_attn.attention_queries",
+    "self_attn.attention_keys",
+    "self_attn.attention_key_positions",
+    "self_attn.attention_values",
+    "self_attn.attention_scores",
+    "self_attn.attention_probabilities",
+    "self_attn.attention_head_outputs",
+    "self_attn.attention_gate",
+    "self_attn.attention_premix",
+    "self_attn.attention_output",
+    "layer_mid",
+    "mlp_norm_output",
+    "mlp_input",
+    "mlp.mlp_activation",
+    "mlp.mlp_neurons",
+    "mlp.mlp_output",
+    "layer_output",
+]
 
 
-LINEAR_ORDER = ["layer_input", "attention_norm_output", "self_attn.attention_premix", "self_attn.attention_output",
-                "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_activation", "mlp.mlp_neurons",
-                "mlp.mlp_output", "layer_output"]
+LINEAR_ORDER = [
+    "layer_input",
+    "attention_norm_output",
+    "self_attn.attention_premix",
+    "self_attn.attention_output",
+    "layer_mid",
+    "mlp_norm_output",
+    "mlp_input",
+    "mlp.mlp_activation",
+    "mlp.mlp_neurons",
+    "mlp.mlp_output",
+    "layer_output",
+]
 
 
 def test_order_on_both_kinds_of_layer():
     q35, nxt = tiny("qwen3_5_text"), tiny("qwen3_next")
     assert list(q35.order(2)) == FULL_ORDER
     assert q35.order(2)["self_attn.attention_queries"] == q35.order(2)["self_attn.attention_values"]
-    assert q35.order(2)["self_attn.attention_head_outputs"] < q35.order(2)["self_attn.attention_gate"] \
+    assert (
+        q35.order(2)["self_attn.attention_head_outputs"]
+        < q35.order(2)["self_attn.attention_gate"]
         < q35.order(2)["self_attn.attention_premix"]
+    )
     assert list(q35.order(0)) == LINEAR_ORDER
     moe = ("mlp.mlp_activation", "mlp.mlp_neurons")
     assert list(nxt.order(1)) == [key for key in FULL_ORDER if key not in moe]

@@ -29,7 +29,12 @@ def test_mixer_layers_serve_the_mixer_output_and_say_why_not_the_rest(case):
     saved = saved_for(case)
     with torch.no_grad():
         out = getattr(model._module.get_submodule(model.family.layers)[layer], mixer)(
-            saved[(layer, "attention_norm_output")], **({"position_ids": torch.arange(len(PROMPT))[None],
-                                                          "attention_mask": None} if case == "recurrent_gemma" else {}))
+            saved[(layer, "attention_norm_output")],
+            **(
+                {"position_ids": torch.arange(len(PROMPT))[None], "attention_mask": None}
+                if case == "recurrent_gemma"
+                else {}
+            ),
+        )
     out = out[0] if isinstance(out, tuple) else out
     assert close(out, saved[(layer, "attention_output")])

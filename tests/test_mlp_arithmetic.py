@@ -20,12 +20,18 @@ BY_HAND = {
     "lfm2": (1, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),
     "lfm2_moe": (0, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),  # layer 0 is dense
     "lfm3": (1, lambda m, x, a: m.w2(a * m.w3(x)), lambda m, n: m.w2(n)),
-    "granitemoehybrid:dense": (1, lambda m, x, a: m.output_linear(a * _halves(m.input_linear(x))[1]),
-                               lambda m, n: m.output_linear(n)),
+    "granitemoehybrid:dense": (
+        1,
+        lambda m, x, a: m.output_linear(a * _halves(m.input_linear(x))[1]),
+        lambda m, n: m.output_linear(n),
+    ),
     "moshi": (1, lambda m, x, a: m.fc2(a * m.fc1(x).view(*x.shape[:2], 2, -1)[..., 1, :]), lambda m, n: m.fc2(n)),
     "modernbert-decoder": (1, lambda m, x, a: m.Wo(a * _halves(m.Wi(x))[1]), lambda m, n: m.Wo(n)),
-    "falcon_h1": (1, lambda m, x, a: m.down_proj(m.up_proj(x) * a) * m.down_multiplier,
-                  lambda m, n: m.down_proj(n) * m.down_multiplier),
+    "falcon_h1": (
+        1,
+        lambda m, x, a: m.down_proj(m.up_proj(x) * a) * m.down_multiplier,
+        lambda m, n: m.down_proj(n) * m.down_multiplier,
+    ),
 }
 
 

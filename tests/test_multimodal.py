@@ -13,8 +13,11 @@ def test_multimodal_types_serve_their_language_model(case, text):
     model, plain = tiny(case), tiny(text)
     assert type(model._module).__name__.endswith("ForConditionalGeneration")
     assert model.family.layers == "model.language_model.layers"
-    assert [model.family.sliding_window(model.config, i) for i in range(3)] == \
-        [plain.family.sliding_window(plain.config, i) for i in range(3)] != [None] * 3
+    assert (
+        [model.family.sliding_window(model.config, i) for i in range(3)]
+        == [plain.family.sliding_window(plain.config, i) for i in range(3)]
+        != [None] * 3
+    )
     notes, text_notes = model.support(0).notes, plain.support(0).notes
     assert notes["self_attn.attention_probabilities"].startswith(text_notes["self_attn.attention_probabilities"])
     assert "media" in notes["self_attn.attention_probabilities"]

@@ -3,7 +3,6 @@ functions bit for bit, edits through views and copies, decode steps.
 
 Generic over the mechanism; a family's own tests are in tests/families/test_<family>.py."""
 
-
 import pytest
 import torch
 from conftest import PROMPT, tiny
@@ -23,8 +22,9 @@ def test_score_function_is_exact_on_routed_and_biased_heads(case):
     for layer in range(model.num_layers):
         attn = model.layers[layer].self_attn
         q, k = saved[(layer, "attention_queries")], saved[(layer, "attention_keys")]
-        assert torch.equal(model.family.scores(attn.heads, model.config, q, k, layer),
-                           saved[(layer, "attention_scores")]), layer
+        assert torch.equal(
+            model.family.scores(attn.heads, model.config, q, k, layer), saved[(layer, "attention_scores")]
+        ), layer
 
 
 @pytest.mark.parametrize("case", ROUTED_AND_BIASED)
@@ -32,8 +32,14 @@ def test_decode_steps_see_the_whole_cache_on_routed_and_biased_heads(case):
     model = tiny(case)
     layer = 1
     attn = model.layers[layer].self_attn
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-             "attention_probabilities", "attention_head_outputs")
+    names = (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_scores",
+        "attention_probabilities",
+        "attention_head_outputs",
+    )
     with torch.no_grad(), model.generate(PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as tracer:
         steps = list().save()
         for _ in tracer.iter[:2]:
@@ -57,6 +63,7 @@ def attention_reads(layer):
     def read(model):
         attn = model.layers[layer].self_attn
         return {"q": attn.attention_queries, "k": attn.attention_keys, "s": attn.attention_scores}
+
     return read
 
 
@@ -82,8 +89,9 @@ def test_score_function_is_exact_with_left_padding(case):
     layer = 1
     got = trace(model, attention_reads(layer), dict(batch))
     module = model.layers[layer].self_attn._module
-    rebuilt = model.family.scores(model.family.geometry(module), model.config, got["q"], got["k"], layer,
-                                    key_mask=batch.attention_mask)
+    rebuilt = model.family.scores(
+        model.family.geometry(module), model.config, got["q"], got["k"], layer, key_mask=batch.attention_mask
+    )
     assert torch.equal(rebuilt, got["s"])
 
 
@@ -148,8 +156,14 @@ def test_decode_steps_see_the_whole_cache(case, options):
     model = tiny(case, **options)
     layer = 1
     attn = model.layers[layer].self_attn
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-             "attention_probabilities", "attention_head_outputs")
+    names = (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_scores",
+        "attention_probabilities",
+        "attention_head_outputs",
+    )
     order = model.order(layer)
     in_order = sorted(names, key=lambda name: order[f"self_attn.{name}"])  # MPT reads its values after the pattern
     with torch.no_grad(), model.generate(PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as tracer:
@@ -167,10 +181,16 @@ def test_decode_steps_see_the_whole_cache(case, options):
     assert close(steps[1][1][:, :, :N], steps[0][1])
 
 
-@pytest.mark.parametrize(("case", "reads"), [("gpt_neo", "read in GPTNeoSelfAttention._attn, which the "
-                                                     "'flash_attention_2' attention never calls"),
-                                         ("falcon", "the 'flash_attention_2' attention is FalconFlashAttention2, "
-                                                    "whose own forward attnlens does not read")])
+@pytest.mark.parametrize(
+    ("case", "reads"),
+    [
+        ("gpt_neo", "read in GPTNeoSelfAttention._attn, which the 'flash_attention_2' attention never calls"),
+        (
+            "falcon",
+            "the 'flash_attention_2' attention is FalconFlashAttention2, whose own forward attnlens does not read",
+        ),
+    ],
+)
 def test_flash_attention_is_reported_not_misread(case, reads):
     # flash-attn needs a GPU: the reasons are computed from the config alone, before anything runs
     model = tiny_model(case)

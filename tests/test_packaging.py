@@ -30,9 +30,11 @@ def _imported(tree: ast.AST) -> set[str]:
 
 
 def test_the_package_never_imports_the_workshop():
-    importing = sorted(str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")
-                       if any(name == "tools" or name.startswith("tools.")
-                              for name in _imported(ast.parse(path.read_text()))))
+    importing = sorted(
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if any(name == "tools" or name.startswith("tools.") for name in _imported(ast.parse(path.read_text())))
+    )
     assert importing == [], "the survey, the docs' tables and the demo live in tools/, outside the package"
 
 
@@ -44,8 +46,22 @@ def test_the_wheel_holds_the_package_data_and_not_the_workshop(tmp_path):
     shutil.copytree(PACKAGE, source / "attnlens", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "wheel"), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     names = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
     assert {f"attnlens/{name}" for name in DATA} <= names
     assert not any(name.startswith("tools/") for name in names)

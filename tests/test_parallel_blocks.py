@@ -10,8 +10,14 @@ from identities import LAYER, at, close
 import attnlens
 
 #: Parallel blocks where attention and the MLP read one norm output -> that norm.
-SHARED_NORM = {"gptj": "ln_1", "phi": "input_layernorm", "phi:qk_layernorm": "input_layernorm",
-               "cohere": "input_layernorm", "cohere:qk_norm": "input_layernorm", "stablelm:parallel": "input_layernorm"}
+SHARED_NORM = {
+    "gptj": "ln_1",
+    "phi": "input_layernorm",
+    "phi:qk_layernorm": "input_layernorm",
+    "cohere": "input_layernorm",
+    "cohere:qk_norm": "input_layernorm",
+    "stablelm:parallel": "input_layernorm",
+}
 
 
 PARALLEL = (*SHARED_NORM, "gpt_neox")
@@ -38,8 +44,11 @@ def test_shared_norm_is_the_mlp_norm_output(case):
     assert close(getattr(block, SHARED_NORM[case])(at(case, "layer_input")), norm_output)
     order = model.order(LAYER)
     assert order["mlp_norm_output"] == order["mlp_input"] > order["self_attn.attention_output"]
-    assert model.support(LAYER).notes["mlp_norm_output"].startswith(
-        f"a parallel block: attention and the MLP read the same {SHARED_NORM[case]} output")
+    assert (
+        model.support(LAYER)
+        .notes["mlp_norm_output"]
+        .startswith(f"a parallel block: attention and the MLP read the same {SHARED_NORM[case]} output")
+    )
 
 
 @pytest.mark.parametrize("case", ["gptj", "phi", "cohere", "stablelm:parallel"])

@@ -27,7 +27,7 @@ def test_a_model_layer_written_and_read_back(tmp_path):
     model = tiny("llama")
     path = plot(model, PROMPT, 1, out=tmp_path / "layer1.png")
     image = read_png(path)
-    assert image.size[0] > 600 and image.size[1] > 600 and spread(image) > 20   # 2 x 2 heads, not blank
+    assert image.size[0] > 600 and image.size[1] > 600 and spread(image) > 20  # 2 x 2 heads, not blank
     # the drawn pattern is the captured one: the darkest head panel's pixels follow the weights (checked on the figure)
     fig = figure(model, PROMPT, 1)
     axes = [ax for ax in fig.axes if ax.get_title().startswith("head ")]
@@ -48,7 +48,7 @@ def test_one_head_a_capture_and_a_tensor(tmp_path):
     assert one.size[0] < grid.size[0] and spread(one) > 20
     captured = attnlens.capture_attention(model, PROMPT, [1, 2], keep="probs")
     assert figure(captured, PROMPT, 2, model=model).axes[0].get_title() == "head 0"
-    decode = torch.softmax(torch.randn(2, 1, 60), -1)             # one query row, 60 keys: ticks are thinned
+    decode = torch.softmax(torch.randn(2, 1, 60), -1)  # one query row, 60 keys: ticks are thinned
     fig = figure(decode, layer=0, tokens=[f"w{i}" for i in range(60)])
     labels = [t.get_text() for t in fig.axes[1].get_xticklabels()]
     assert 10 < len(labels) < 60 and labels[0] == "0 w0"

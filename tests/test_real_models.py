@@ -22,7 +22,7 @@ def gemma3():
 def greedy(model, prompt, tokens):
     with torch.no_grad(), model.generate(prompt, max_new_tokens=tokens, do_sample=False) as tracer:
         result = tracer.result.save()
-    return model.tokenizer.decode(result[0, len(model.tokenizer(prompt).input_ids):])
+    return model.tokenizer.decode(result[0, len(model.tokenizer(prompt).input_ids) :])
 
 
 def patterns_match_output_attentions(model, prompt):
@@ -70,6 +70,6 @@ def test_gemma3_270m_generates_and_holds_the_identities(gemma3):
     ids = gemma3.tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
         plain = gemma3._module.generate(**ids, max_new_tokens=5, do_sample=False)
-    assert greedy(gemma3, prompt, 5) == gemma3.tokenizer.decode(plain[0, ids.input_ids.shape[1]:])
+    assert greedy(gemma3, prompt, 5) == gemma3.tokenizer.decode(plain[0, ids.input_ids.shape[1] :])
     saved = read_everything(gemma3, "The Eiffel Tower is in the city of")
     assert failures(gemma3, saved, 0) == [] and failures(gemma3, saved, 5) == []

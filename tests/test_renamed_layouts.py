@@ -11,10 +11,28 @@ from attnlens.models import char_tokenizer
 
 #: Families whose score function is more than the common one (own masks, own order of mask and scale) or whose queries
 #: and keys are read from an unusual place; each with a layer that has softmax attention.
-SCORES = {"openai-gpt": 1, "codegen": 1, "dbrx": 1, "persimmon": 1, "ctrl": 1, "diffllama": 1, "granite_swa": 0,
-          "laguna": 1, "jamba": 1, "recurrent_gemma": 1, "nemotron_h": 2, "falcon_h1": 1, "flint": 1, "beam": 1,
-          "minimax": 0, "moshi": 1, "olmo_hybrid": 1, "modernbert-decoder": 0, "xglm": 1,
-          "trocr": 1}
+SCORES = {
+    "openai-gpt": 1,
+    "codegen": 1,
+    "dbrx": 1,
+    "persimmon": 1,
+    "ctrl": 1,
+    "diffllama": 1,
+    "granite_swa": 0,
+    "laguna": 1,
+    "jamba": 1,
+    "recurrent_gemma": 1,
+    "nemotron_h": 2,
+    "falcon_h1": 1,
+    "flint": 1,
+    "beam": 1,
+    "minimax": 0,
+    "moshi": 1,
+    "olmo_hybrid": 1,
+    "modernbert-decoder": 0,
+    "xglm": 1,
+    "trocr": 1,
+}
 
 
 @pytest.mark.parametrize("case", SCORES)

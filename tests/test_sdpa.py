@@ -20,8 +20,14 @@ def test_sdpa_serves_all_but_scores_and_pattern(case):
     report = sdpa.support(LAYER)
     for key in ("self_attn.attention_scores", "self_attn.attention_probabilities"):
         assert "attn_implementation='eager'" in report[key]
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs", "attention_premix",
-             "attention_output")
+    names = (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_head_outputs",
+        "attention_premix",
+        "attention_output",
+    )
     got = []
     with torch.no_grad(), sdpa.trace(PROMPT):
         attn = sdpa.layers[LAYER].self_attn
@@ -40,8 +46,14 @@ def test_sdpa_serves_all_but_scores_and_pattern_on_llama_likes(case):
     report = sdpa.support(1)
     for key in ("self_attn.attention_scores", "self_attn.attention_probabilities"):
         assert "attn_implementation='eager'" in report[key]
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs", "attention_premix",
-             "attention_output")
+    names = (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_head_outputs",
+        "attention_premix",
+        "attention_output",
+    )
     got = {}
     for label, model in (("eager", eager), ("sdpa", sdpa)):
         with torch.no_grad(), model.trace(PROMPT):

@@ -31,7 +31,7 @@ def page_data(html: str) -> dict:
             assert len(raw) == sum(lengths)
             at = 0
             for r, n in enumerate(lengths):
-                part = raw[at:at + n]
+                part = raw[at : at + n]
                 weights[h, r, :n] = torch.where(part == 1, SMALLEST / 2, (part / 255) ** 2)
                 at += n
         layer["weights"] = weights
@@ -48,12 +48,13 @@ def close(shown, true) -> bool:
 
 # --- what show() takes ----------------------------------------------------------------------------------------------
 
+
 def test_a_model_and_prompt_a_capture_and_a_tensor_give_the_same_page_data():
     model = tiny("llama")
     captured = attnlens.capture_attention(model, PROMPT, [1, 2], keep="probs")
     from_model = patterns(model, PROMPT, [1, 2])
     from_capture = patterns(captured, PROMPT, model=model)
-    from_tensor = patterns(captured[2]["probs"][None], layers=2, tokens=list(PROMPT))   # a batch axis of one too
+    from_tensor = patterns(captured[2]["probs"][None], layers=2, tokens=list(PROMPT))  # a batch axis of one too
     assert [p.layer for p in from_model.layers] == [1, 2] == [p.layer for p in from_capture.layers]
     for a, b in zip(from_model.layers, from_capture.layers):
         assert torch.equal(a.probs, b.probs) and a.heads == [0, 1, 2, 3]
@@ -72,22 +73,23 @@ def test_a_model_and_prompt_a_capture_and_a_tensor_give_the_same_page_data():
 
 def test_heads_subsets_and_their_labels():
     model = tiny("llama")
-    picked = patterns(model, PROMPT, 1, heads=[3, 1])                      # head numbers on a model
+    picked = patterns(model, PROMPT, 1, heads=[3, 1])  # head numbers on a model
     assert picked.layers[0].heads == [3, 1] and picked.layers[0].probs.shape[0] == 2
     kept = attnlens.capture_attention(model, PROMPT, 1, keep="probs", heads=[3, 1])
     assert torch.equal(patterns(kept, PROMPT, model=model, head_labels=[3, 1]).layers[0].probs, picked.layers[0].probs)
     full = attnlens.capture_attention(model, PROMPT, 1, keep="probs")
-    one = patterns(full, PROMPT, model=model, heads=[2]).layers[0]         # indexes into the pattern's heads
+    one = patterns(full, PROMPT, model=model, heads=[2]).layers[0]  # indexes into the pattern's heads
     assert one.heads == [2] and torch.equal(one.probs, full[1]["probs"][[2]])
-    again = patterns(kept, PROMPT, model=model, head_labels=[3, 1], heads=[1]).layers[0]   # a subset of a subset
+    again = patterns(kept, PROMPT, model=model, head_labels=[3, 1], heads=[1]).layers[0]  # a subset of a subset
     assert again.heads == [1] and torch.equal(again.probs, full[1]["probs"][[1]])
     with pytest.raises(ValueError, match="head_labels names 3 heads for a pattern of 2"):
         patterns(kept, PROMPT, model=model, head_labels=[3, 1, 0])
 
 
 def test_rebuilt_patterns_on_sdpa():
-    model = attnlens.StandardizedTransformer(tiny_model("qwen3"), tokenizer=char_tokenizer(),
-                                             attn_implementation="sdpa", rebuild_patterns=True)
+    model = attnlens.StandardizedTransformer(
+        tiny_model("qwen3"), tokenizer=char_tokenizer(), attn_implementation="sdpa", rebuild_patterns=True
+    )
     rebuilt = patterns(model, PROMPT, [0, 2]).layers
     eager = patterns(tiny("qwen3"), PROMPT, [0, 2]).layers
     for a, b in zip(rebuilt, eager):
@@ -96,7 +98,7 @@ def test_rebuilt_patterns_on_sdpa():
 
 def test_a_sliding_window_decode_step_labels_its_keys_with_their_positions():
     """Eager transformers keeps only the window in the cache: a decode step's keys are the last W positions."""
-    model = tiny("mistral")                                                 # sliding window 4 on every layer
+    model = tiny("mistral")  # sliding window 4 on every layer
     window = model.config.sliding_window
     with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0) as tracer:
         steps = list().save()
@@ -104,11 +106,11 @@ def test_a_sliding_window_decode_step_labels_its_keys_with_their_positions():
             steps.append(model.layers[1].self_attn.attention_probabilities)
         result = tracer.result.save()
     tokens = [model.tokenizer.decode([int(i)]) for i in result[0]]
-    step = steps[2]                                                         # [1, heads, 1, window]
-    total = len(PROMPT) + 2                                                 # positions seen by the third step
+    step = steps[2]  # [1, heads, 1, window]
+    total = len(PROMPT) + 2  # positions seen by the third step
     assert step.shape[-1] == window
     given = patterns(step, layers=1, tokens=tokens[:total], key_positions=range(total - window, total)).layers[0]
-    default = patterns(step, layers=1, tokens=tokens[:total]).layers[0]   # the last keys, by default
+    default = patterns(step, layers=1, tokens=tokens[:total]).layers[0]  # the last keys, by default
     assert given.key_positions == default.key_positions == list(range(total - window, total))
     assert given.query_positions == [total - 1]
     with pytest.raises(ValueError, match="key_positions gives 3 positions for a pattern with 4 keys"):
@@ -149,17 +151,18 @@ def test_the_page_is_self_contained_and_escapes_its_text(tmp_path):
     view = show(torch.tensor([[[1.0, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]]]), tokens=tokens, title="m<i>")
     page = view.save(tmp_path / "page.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "m&lt;i&gt;" in page and "<i>" not in page
-    assert "</script>\"" not in page and page.count("</script>") == 2    # the JSON's tokens cannot end the script
-    assert not re.search(r"(src|href)\s*=|<link|@import|https?:", page)   # nothing fetched
+    assert '</script>"' not in page and page.count("</script>") == 2  # the JSON's tokens cannot end the script
+    assert not re.search(r"(src|href)\s*=|<link|@import|https?:", page)  # nothing fetched
     assert page_data(page)["tokens"] == tokens
     tiny = page_data(show(torch.tensor([[[1.0, 0], [1 - 1e-9, 1e-9]]])).html())["layers"][0]
-    assert tiny["lengths"] == [1, 2] and tiny["weights"][0, 1, 1] == SMALLEST / 2   # tiny, but not masked
+    assert tiny["lengths"] == [1, 2] and tiny["weights"][0, 1, 1] == SMALLEST / 2  # tiny, but not masked
     fragment = view._repr_html_()
     assert fragment.startswith("<style>") and view.id in fragment and "<html" not in fragment
-    assert show(torch.rand(1, 3, 3)).id != view.id                        # two views on one notebook page
+    assert show(torch.rand(1, 3, 3)).id != view.id  # two views on one notebook page
 
 
 # --- in a browser -----------------------------------------------------------------------------------------------------
+
 
 def _browser_missing() -> str | None:
     try:
@@ -168,14 +171,19 @@ def _browser_missing() -> str | None:
         return "selenium is not installed (pip install selenium)"
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
     if missing:
-        return (f"{' and '.join(missing)} missing: Debian's chromium and chromium-driver packages (`make install` "
-                f"installs them when it runs as root)")
+        return (
+            f"{' and '.join(missing)} missing: Debian's chromium and chromium-driver packages (`make install` "
+            f"installs them when it runs as root)"
+        )
     return None
 
 
 def _browser_required() -> bool:
-    return os.environ.get("ATTNLENS_REQUIRE_BROWSER") == "1" or \
-        os.environ.get("CI", "").lower() not in ("", "0", "false")
+    return os.environ.get("ATTNLENS_REQUIRE_BROWSER") == "1" or os.environ.get("CI", "").lower() not in (
+        "",
+        "0",
+        "false",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +220,18 @@ def hover_cell(driver, view, row, column):
     big = view.find_element("css selector", "canvas.al-big")
     x, y = driver.execute_script(f"return window.attnlens[{view.get_attribute('id')!r}].cell({row}, {column})")
     # bring the cell to the middle of its scrolling box and of the window, then point at it in window coordinates
-    at = driver.execute_script("""
+    at = driver.execute_script(
+        """
         const [canvas, x, y] = arguments, box = canvas.parentElement;
         box.scrollLeft = x - box.clientWidth / 2; box.scrollTop = y - box.clientHeight / 2;
         let rect = canvas.getBoundingClientRect();
         window.scrollBy(rect.left + x - window.innerWidth / 2, rect.top + y - window.innerHeight / 2);
         rect = canvas.getBoundingClientRect();
-        return [rect.left + x * rect.width / canvas.width, rect.top + y * rect.height / canvas.height];""", big, x, y)
+        return [rect.left + x * rect.width / canvas.width, rect.top + y * rect.height / canvas.height];""",
+        big,
+        x,
+        y,
+    )
     actions = ActionBuilder(driver)
     actions.pointer_action.move_to_location(int(at[0]), int(at[1]))
     actions.perform()
@@ -246,12 +259,12 @@ def test_the_viewer_in_a_browser(browser, tmp_path):
     assert (view.get_attribute("data-queries"), view.get_attribute("data-keys")) == (str(len(prompt)),) * 2
     assert "layer 1" in view.text and "a Llama model" in view.text and prompt in view.text
 
-    text, data = hover_cell(browser, view, 12, 4)       # query 12 'n' (of "on"), key 4 'c' (of "cat")
+    text, data = hover_cell(browser, view, 12, 4)  # query 12 'n' (of "on"), key 4 'c' (of "cat")
     assert f'query 12 "{prompt[12]}"' in text and f'key   4 "{prompt[4]}"' in text and "head 0" in text
     assert (data["head"], data["query"], data["key"]) == ("0", "12", "4")
     assert close(float(data["weight"]), probs[1]["probs"][0, 12, 4])
 
-    view.find_elements("css selector", "canvas.al-thumb")[3].click()   # head 3, large
+    view.find_elements("css selector", "canvas.al-thumb")[3].click()  # head 3, large
     assert view.get_attribute("data-head") == "3"
     text, data = hover_cell(browser, view, 20, 0)
     assert data["head"] == "3" and close(float(data["weight"]), probs[1]["probs"][3, 20, 0])
@@ -264,18 +277,21 @@ def test_the_viewer_in_a_browser(browser, tmp_path):
     assert "layer 2" in text and close(float(data["weight"]), probs[2]["probs"][0, 21, 21])
 
     big = view.find_element("css selector", "canvas.al-big")
-    assert pixel_spread(big.screenshot_as_png) > 10     # not blank
+    assert pixel_spread(big.screenshot_as_png) > 10  # not blank
     # above the diagonal nothing is attended: white; the heaviest cell of the row is darker than white
     above = browser.execute_script(
         "const c = arguments[0], [x, y] = window.attnlens[arguments[1]].cell(3, 10);"
-        "return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data);", big, view.get_attribute("id"))
+        "return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data);",
+        big,
+        view.get_attribute("id"),
+    )
     assert above == [255, 255, 255, 255]
 
 
 def test_a_decode_step_in_a_browser(browser, tmp_path):
     """One query row against a sliding window's keys: the key axis carries the real positions and tokens."""
     tokens = list("abcdefghij")
-    step = torch.tensor([[[0.1, 0.2, 0.3, 0.4]], [[0.7, 0.1, 0.1, 0.1]]])   # [2 heads, 1 query, 4 keys]
+    step = torch.tensor([[[0.1, 0.2, 0.3, 0.4]], [[0.7, 0.1, 0.1, 0.1]]])  # [2 heads, 1 query, 4 keys]
     path = show(step, layers=3, tokens=tokens, key_positions=[6, 7, 8, 9], title="decode").save(tmp_path / "d.html")
     view = open_page(browser, path)
     assert (view.get_attribute("data-queries"), view.get_attribute("data-keys")) == ("1", "4")
@@ -291,7 +307,7 @@ def test_a_thousand_tokens_and_every_head_load_fast(browser, tmp_path):
     scores = torch.randn(9, 1000, 1000, generator=generator) * 3
     probs = scores.masked_fill(torch.ones(1000, 1000).triu(1).bool(), float("-inf")).softmax(-1)
     path = show(probs, layers=10, tokens=[f"t{i}" for i in range(1000)]).save(tmp_path / "long.html")
-    assert path.stat().st_size < 8 * 2 ** 20
+    assert path.stat().st_size < 8 * 2**20
     start = time.perf_counter()
     view = open_page(browser, path)
     seconds = time.perf_counter() - start

@@ -15,9 +15,14 @@ import attnlens
 def test_sink_share_is_the_softmax_mass_of_the_sink_logit(case, layer):
     model = tiny(case)
     attn = model.layers[layer].self_attn
-    got = trace(model, lambda m: {"s": m.layers[layer].self_attn.attention_scores,
-                                  "sinks": m.layers[layer].self_attn.attention_sinks,
-                                  "p": m.layers[layer].self_attn.attention_probabilities})
+    got = trace(
+        model,
+        lambda m: {
+            "s": m.layers[layer].self_attn.attention_scores,
+            "sinks": m.layers[layer].self_attn.attention_sinks,
+            "p": m.layers[layer].self_attn.attention_probabilities,
+        },
+    )
     logits = attn._module.sinks.detach().reshape(1, -1, 1, 1).expand(*got["s"].shape[:3], 1)
     by_hand = torch.cat([got["s"], logits], dim=-1).softmax(-1)
     assert torch.allclose(got["sinks"], by_hand[..., -1], atol=1e-6)
@@ -29,8 +34,11 @@ def test_sink_share_is_the_softmax_mass_of_the_sink_logit(case, layer):
 def test_sinks_are_read_between_scores_and_pattern_and_are_read_only(case):
     model = tiny(case)
     order = model.order(0)
-    assert order["self_attn.attention_scores"] < order["self_attn.attention_sinks"] \
+    assert (
+        order["self_attn.attention_scores"]
+        < order["self_attn.attention_sinks"]
         < order["self_attn.attention_probabilities"]
+    )
     with pytest.raises(attnlens.OrderError, match="attention_sinks"):
         with model.trace(PROMPT):
             model.layers[0].self_attn.attention_probabilities.save()

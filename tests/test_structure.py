@@ -21,8 +21,14 @@ LAYERS = {
     "locations": ("attnlens.locations",),
     "parts": ("attnlens.parts",),
     "families": ("attnlens.family", "attnlens.families", "attnlens.registry", "attnlens.inferred"),
-    "access": ("attnlens.access", "attnlens.points", "attnlens.support", "attnlens.envoys", "attnlens.inputs",
-               "attnlens.rebuild"),
+    "access": (
+        "attnlens.access",
+        "attnlens.points",
+        "attnlens.support",
+        "attnlens.envoys",
+        "attnlens.inputs",
+        "attnlens.rebuild",
+    ),
     "engines": ("attnlens.standardized", "attnlens.vllm"),
 }
 ORDER = [*LAYERS, "tools"]
@@ -52,7 +58,7 @@ def imports(path: pathlib.Path, modules: set[str], source: str | None = None) ->
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
@@ -64,21 +70,27 @@ def graph() -> dict[str, set[str]]:
     modules = {module_name(path) for path in paths}
     found = {module_name(path): imports(path, modules) for path in paths}
     # a package's __init__ gathers its modules for users; importing a module of the package is not importing them
-    return {module: {m for m in deps if not (module.startswith(m + ".") and m in modules)} for module, deps in
-            found.items()}
+    return {
+        module: {m for m in deps if not (module.startswith(m + ".") and m in modules)} for module, deps in found.items()
+    }
 
 
 def test_no_import_goes_up_a_layer():
-    upward = sorted(f"{module} ({layer_of(module)}) imports {dep} ({layer_of(dep)})"
-                    for module, deps in graph().items() for dep in deps
-                    if ORDER.index(layer_of(dep)) > ORDER.index(layer_of(module)))
+    upward = sorted(
+        f"{module} ({layer_of(module)}) imports {dep} ({layer_of(dep)})"
+        for module, deps in graph().items()
+        for dep in deps
+        if ORDER.index(layer_of(dep)) > ORDER.index(layer_of(module))
+    )
     assert not upward, "\n".join(upward)
 
 
 def test_the_layer_test_sees_lazy_and_type_checking_imports():
     """The check itself: an upward import inside a function or under TYPE_CHECKING is found."""
-    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..access import Access\n"
-              "def f():\n    from ..vllm import model\n")
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..access import Access\n"
+        "def f():\n    from ..vllm import model\n"
+    )
     modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
     found = imports(PACKAGE / "locations" / "probe.py", modules, source)
     assert found == {"attnlens.access", "attnlens.vllm.model"}
@@ -106,15 +118,26 @@ def test_the_eager_library_stands_without_its_vllm_engine(tmp_path):
     shutil.copytree(PACKAGE, tmp_path / "attnlens", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.rmtree(tmp_path / "attnlens" / "vllm")
     shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-    modules = sorted(module_name(p) for p in PACKAGE.rglob("*.py") if "vllm" not in p.relative_to(PACKAGE).parts
-                     and p.name != "__main__.py")
+    modules = sorted(
+        module_name(p)
+        for p in PACKAGE.rglob("*.py")
+        if "vllm" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py"
+    )
     script = f"import importlib\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home())}
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    cases = [f"tests/test_identities.py::{test}[{case}]" for test in ("test_identities_hold", "test_model_values")
-             for case in ("llama", "gpt2", "qwen3_next", "deepseek_v3")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *cases],
-                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    cases = [
+        f"tests/test_identities.py::{test}[{case}]"
+        for test in ("test_identities_hold", "test_model_values")
+        for case in ("llama", "gpt2", "qwen3_next", "deepseek_v3")
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *cases],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout.splitlines()[-1]

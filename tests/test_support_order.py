@@ -23,8 +23,14 @@ def test_sdpa_reports_eager_only_values_and_refuses_them_before_the_forward(fami
     report = model.support(layer=1)
     for key in ("self_attn.attention_scores", "self_attn.attention_probabilities"):
         assert "attn_implementation='eager'" in report[key] and "'sdpa'" in report[key]
-    for key in ("self_attn.attention_premix", "self_attn.attention_output", "self_attn.attention_queries",
-                "self_attn.attention_head_outputs", "layer_input", "logits"):
+    for key in (
+        "self_attn.attention_premix",
+        "self_attn.attention_output",
+        "self_attn.attention_queries",
+        "self_attn.attention_head_outputs",
+        "layer_input",
+        "logits",
+    ):
         assert report[key] is None
     calls, handle = count_forwards(model)
     try:
@@ -43,8 +49,11 @@ def test_values_read_under_sdpa_equal_eager(family):
     for name, model in (("eager", eager), ("sdpa", sdpa)):
         attn = model.layers[1].self_attn
         with torch.no_grad(), model.trace(PROMPT):
-            got[name] = (attn.attention_queries.save(), attn.attention_head_outputs.save(),
-                         attn.attention_premix.save())
+            got[name] = (
+                attn.attention_queries.save(),
+                attn.attention_head_outputs.save(),
+                attn.attention_premix.save(),
+            )
     for a, b in zip(got["eager"], got["sdpa"]):
         assert torch.allclose(a, b, atol=1e-5)
 
@@ -69,13 +78,19 @@ def test_support_checks_the_layer():
 def test_order_ranks_every_value(family):
     order = tiny(family).order(1)
     assert len(order) == 18
-    assert order["self_attn.attention_queries"] == order["self_attn.attention_keys"] \
-        == order["self_attn.attention_values"]
+    assert (
+        order["self_attn.attention_queries"] == order["self_attn.attention_keys"] == order["self_attn.attention_values"]
+    )
     ranks = list(order.values())
     assert ranks == sorted(ranks) and ranks[0] == 0
-    assert order["self_attn.attention_scores"] < order["self_attn.attention_probabilities"] \
-        < order["self_attn.attention_head_outputs"] < order["self_attn.attention_premix"] \
-        < order["self_attn.attention_output"] < order["layer_output"]
+    assert (
+        order["self_attn.attention_scores"]
+        < order["self_attn.attention_probabilities"]
+        < order["self_attn.attention_head_outputs"]
+        < order["self_attn.attention_premix"]
+        < order["self_attn.attention_output"]
+        < order["layer_output"]
+    )
 
 
 def test_reading_in_order_succeeds_everywhere(family):
@@ -84,11 +99,14 @@ def test_reading_in_order_succeeds_everywhere(family):
     assert len(saved) == 3 * 18 + 3
 
 
-@pytest.mark.parametrize(("first", "second"), [
-    ("attention_output", "attention_probabilities"),
-    ("attention_head_outputs", "attention_scores"),
-    ("attention_premix", "attention_queries"),
-])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("attention_output", "attention_probabilities"),
+        ("attention_head_outputs", "attention_scores"),
+        ("attention_premix", "attention_queries"),
+    ],
+)
 def test_out_of_order_read_names_both_values(family, first, second):
     model = tiny(family)
     attn = model.layers[1].self_attn
@@ -117,8 +135,14 @@ def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it(mo
     registry.registered()  # the built-in families, loaded; Doge's taken away: a type attnlens has no family for
     monkeypatch.delitem(registry._BUILT_IN, "doge")
     torch.manual_seed(0)
-    config = DogeConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                        intermediate_size=64, vocab_size=128)
+    config = DogeConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+    )
     inner = DogeForCausalLM(config).eval()
     with pytest.warns(attnlens.UnknownFamilyWarning, match="attnlens.register") as warned:
         model = attnlens.StandardizedTransformer(inner, tokenizer=attnlens.models.char_tokenizer())
@@ -146,8 +170,9 @@ def test_a_moved_operation_fails_at_load_naming_family_and_value():
         scores_operation = ("attn_weights_0", "+ attention_mask")
 
     with pytest.raises(attnlens.LocationDrift) as error:
-        attnlens.StandardizedTransformer(attnlens.models.tiny_model("llama"), family=Renumbered,
-                                         tokenizer=attnlens.models.char_tokenizer())
+        attnlens.StandardizedTransformer(
+            attnlens.models.tiny_model("llama"), family=Renumbered, tokenizer=attnlens.models.char_tokenizer()
+        )
     message = str(error.value)
     assert "family Renumbered, value attention_scores" in message
     assert "attn_weights_1: `attn_weights = attn_weights + attention_mask`" in message

@@ -21,8 +21,10 @@ def _records_here() -> dict:
     other = DATA.get("other") or {}
     if other.get("versions", {}).get("transformers") == transformers.__version__:
         return other["records"]
-    pytest.skip(f"the survey covers transformers {DATA['versions']['transformers']} and "
-                f"{other.get('versions', {}).get('transformers')}, not {transformers.__version__}")
+    pytest.skip(
+        f"the survey covers transformers {DATA['versions']['transformers']} and "
+        f"{other.get('versions', {}).get('transformers')}, not {transformers.__version__}"
+    )
 
 
 def test_every_causal_lm_type_is_surveyed():
@@ -69,18 +71,29 @@ def test_an_update_replaces_only_the_types_surveyed_in_their_order(monkeypatch):
     def record(model_type, mark):
         return {"model_type": model_type, "build": {"ok": True, "seconds": 0.0, "error": None}, "mark": mark}
 
-    data = {"versions": {"transformers": "1"}, "other": {"versions": {"transformers": "0"}, "records": {
-        "a": {"mark": "old"}, "b": {"mark": "old"}}}, "records": {t: record(t, "old") for t in "abc"}}
+    data = {
+        "versions": {"transformers": "1"},
+        "other": {"versions": {"transformers": "0"}, "records": {"a": {"mark": "old"}, "b": {"mark": "old"}}},
+        "records": {t: record(t, "old") for t in "abc"},
+    }
     monkeypatch.setattr(command, "installed", lambda: {"versions": {"transformers": "1"}, "types": ["a", "b", "c"]})
     monkeypatch.setattr(command, "survey", lambda types, jobs=2: {t: record(t, "new") for t in types})
-    monkeypatch.setattr(command, "_other", lambda python, types=None: {
-        "versions": {"transformers": "0"}, "types": ["b", "a"], "records": {t: {"mark": "new"} for t in types
-                                                                            if t in ("a", "b")}})
+    monkeypatch.setattr(
+        command,
+        "_other",
+        lambda python, types=None: {
+            "versions": {"transformers": "0"},
+            "types": ["b", "a"],
+            "records": {t: {"mark": "new"} for t in types if t in ("a", "b")},
+        },
+    )
     updated = command.update(data, ["c", "a"], "python")
     assert list(updated["records"]) == ["a", "b", "c"]
     assert {t: r["mark"] for t, r in updated["records"].items()} == {"a": "new", "b": "old", "c": "new"}
-    assert updated["other"] == {"versions": {"transformers": "0"}, "records": {"b": {"mark": "old"},
-                                                                               "a": {"mark": "new"}}}
+    assert updated["other"] == {
+        "versions": {"transformers": "0"},
+        "records": {"b": {"mark": "old"}, "a": {"mark": "new"}},
+    }
     assert data["records"]["a"]["mark"] == "old"  # the committed data is not changed in place
     with pytest.raises(SystemExit, match="not causal-LM types"):
         command.update(data, ["zzz"], "python")

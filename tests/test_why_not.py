@@ -34,8 +34,9 @@ def surveyed() -> tuple:
 
     data = json.loads(survey.JSON_PATH.read_text())
     versions = [data, data.get("other") or {}]
-    records = next((v["records"] for v in versions if v.get("versions", {}).get("transformers")
-                    == transformers.__version__), {})
+    records = next(
+        (v["records"] for v in versions if v.get("versions", {}).get("transformers") == transformers.__version__), {}
+    )
     built = [t for t, r in records.items() if (r["build"]["ok"] if isinstance(r["build"], dict) else r["build"])]
     return survey.build, built
 

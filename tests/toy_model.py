@@ -31,7 +31,7 @@ class ToyAttention(nn.Module):
         batch, length, _ = x.shape
         fused = self.qkv(x).view(batch, length, 3, self.heads, self.head_size).permute(2, 0, 3, 1, 4)
         queries, keys, values = fused.unbind(0)
-        logits = torch.matmul(queries, keys.transpose(-1, -2)) * self.head_size ** -0.5
+        logits = torch.matmul(queries, keys.transpose(-1, -2)) * self.head_size**-0.5
         future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
         logits = logits.masked_fill(future, float("-inf"))
         pattern = torch.softmax(logits, dim=-1)

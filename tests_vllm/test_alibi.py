@@ -3,7 +3,6 @@ kernel's arithmetic.
 
 Generic over the mechanism; a family's own tests are in tests_vllm/families/test_<family>.py."""
 
-
 import test_equal_to_eager as equal
 import torch
 from conftest import PROMPT, layout, pair
@@ -33,8 +32,15 @@ def test_falcon_alibi_is_vllms_own_arithmetic(tmp_path_factory):
         steps = list().save()
         for _ in tracer.iter[:3]:
             attn = model.layers[1].self_attn
-            steps.append([attn.attention_queries.clone(), attn.attention_keys.clone(), attn.attention_values.clone(),
-                          attn.attention_probabilities.clone(), attn.attention_head_outputs.clone()])
+            steps.append(
+                [
+                    attn.attention_queries.clone(),
+                    attn.attention_keys.clone(),
+                    attn.attention_values.clone(),
+                    attn.attention_probabilities.clone(),
+                    attn.attention_head_outputs.clone(),
+                ]
+            )
     heads = model.layers[1].self_attn.heads
     assert heads.engine == "vllm"
     eager_arithmetic = dataclasses.replace(heads, engine="transformers")

@@ -35,8 +35,9 @@ def test_capture_attention_equals_eager(engines):
 def test_run_with_cache_and_per_head_value_equal_eager(engines):
     vllm, eager = engines
     names = ["value.1", "attn_probs.1", "z.1", "resid_post.1"]
-    for on_vllm, on_eager in zip(attnlens.run_with_cache(vllm, PROMPTS, names),
-                                 attnlens.run_with_cache(eager, PROMPTS, names)):
+    for on_vllm, on_eager in zip(
+        attnlens.run_with_cache(vllm, PROMPTS, names), attnlens.run_with_cache(eager, PROMPTS, names)
+    ):
         for key in on_eager:
             assert close(on_vllm[key], on_eager[key]), key
         z = torch.einsum("bhqk,bkhd->bqhd", on_vllm.get("attn_probs", 1), attnlens.per_head_value(vllm, on_vllm, 1))

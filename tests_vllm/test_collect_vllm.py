@@ -10,8 +10,16 @@ from conftest import engine_args
 import attnlens
 from attnlens.collect import read_table
 
-PROMPTS = ["Hello world, again", "Hi", "The cat sat on the mat", "x", "A longer prompt, past the windows of four",
-           "", "y" * 200, "Short prompt"]
+PROMPTS = [
+    "Hello world, again",
+    "Hi",
+    "The cat sat on the mat",
+    "x",
+    "A longer prompt, past the windows of four",
+    "",
+    "y" * 200,
+    "Short prompt",
+]
 ERRORS = {5: "empty", 6: "too_long"}  # 200 tokens: past both engines' contexts (127 + 1 sampled; 128 positions)
 ROWS = [-1, 0, 2]
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)  # float32, as the rest of tests_vllm
@@ -29,8 +37,9 @@ def corpus(tmp_path_factory):
 def on_vllm(llama, corpus, tmp_path_factory):
     """The one-process collection on vLLM (shared by the Ray test)."""
     out = tmp_path_factory.mktemp("vllm") / "out"
-    result = attnlens.collect(llama.vllm, corpus, "all", out, rows=ROWS, top_k=3, shard_size=3, batch_size=2,
-                              progress=False)
+    result = attnlens.collect(
+        llama.vllm, corpus, "all", out, rows=ROWS, top_k=3, shard_size=3, batch_size=2, progress=False
+    )
     return result
 
 
@@ -40,8 +49,12 @@ def assert_tables_close(got, want):
     for a, b in zip(got, want):
         for column, value in b.items():
             if isinstance(value, float):
-                assert torch.allclose(torch.tensor(a[column]), torch.tensor(value), equal_nan=True, **TOLERANCE), \
-                    (column, b["prompt"], b["layer"], b["head"])
+                assert torch.allclose(torch.tensor(a[column]), torch.tensor(value), equal_nan=True, **TOLERANCE), (
+                    column,
+                    b["prompt"],
+                    b["layer"],
+                    b["head"],
+                )
             elif column in ("pattern", "top_weights"):
                 for x, y in zip(a[column], value):
                     assert torch.allclose(torch.tensor(x), torch.tensor(y), **TOLERANCE), column
@@ -52,8 +65,9 @@ def assert_tables_close(got, want):
 def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tmp_path):
     """Every feature, computed per request inside vLLM's worker (several requests per trace), equals the eager
     engine's collection on the same weights; the same prompts fail for the same reasons; nothing is kept after."""
-    on_eager = attnlens.collect(llama.eager, corpus, "all", tmp_path / "eager", rows=ROWS, top_k=3, shard_size=3,
-                                progress=False)
+    on_eager = attnlens.collect(
+        llama.eager, corpus, "all", tmp_path / "eager", rows=ROWS, top_k=3, shard_size=3, progress=False
+    )
     assert on_vllm.layers == on_eager.layers == [0, 1, 2]
     assert on_vllm.rows == on_eager.rows == (len(PROMPTS) - len(ERRORS)) * 3 * 4
     assert_tables_close(read_table(on_vllm.out), read_table(on_eager.out))
@@ -72,14 +86,27 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
         assert ray.cluster_resources()["CPU"] == 2
-        result = attnlens.collect(str(llama.path), corpus, "all", tmp_path / "ray", rows=ROWS, top_k=3, shard_size=3,
-                                  batch_size=2, engine="vllm", engine_args=engine_args(128, 16 * 2**20), workers=2,
-                                  progress=False)
+        result = attnlens.collect(
+            str(llama.path),
+            corpus,
+            "all",
+            tmp_path / "ray",
+            rows=ROWS,
+            top_k=3,
+            shard_size=3,
+            batch_size=2,
+            engine="vllm",
+            engine_args=engine_args(128, 16 * 2**20),
+            workers=2,
+            progress=False,
+        )
     finally:
         ray.shutdown()
     assert result.prompts == len(PROMPTS) and result.errors == len(ERRORS) and result.shards == 3
     assert_tables_close(read_table(result.out), read_table(on_vllm.out))
-    assert read_table(result.out, "errors").sort_by("prompt").to_pylist() == \
-        read_table(on_vllm.out, "errors").sort_by("prompt").to_pylist()
+    assert (
+        read_table(result.out, "errors").sort_by("prompt").to_pylist()
+        == read_table(on_vllm.out, "errors").sort_by("prompt").to_pylist()
+    )
     identity = dict(json.loads((result.out / "collect.json").read_text()).items())
     assert identity == json.loads((on_vllm.out / "collect.json").read_text())

@@ -14,8 +14,12 @@ BLOCK = re.compile(r"```python vllm\n(.*?)```", re.S)
 
 def test_vllm_page_runs(smollm2, monkeypatch, tmp_path):
     build = attnlens.StandardizedVLLM  # a static engine (static_points) is built for real; others are the session's
-    monkeypatch.setattr(attnlens, "StandardizedVLLM", lambda path, **kwargs: build(path, **kwargs)
-                        if "static_points" in kwargs else smollm2.vllm, raising=False)
+    monkeypatch.setattr(
+        attnlens,
+        "StandardizedVLLM",
+        lambda path, **kwargs: build(path, **kwargs) if "static_points" in kwargs else smollm2.vllm,
+        raising=False,
+    )
     namespace = {"__name__": "docs_vllm"}
     blocks = BLOCK.findall(PAGE.read_text())
     assert blocks

@@ -56,8 +56,10 @@ def test_one_head_ablation_on_smollm2_matches_eager(smollm2):
     def ablate(attn):
         attn.attention_head_outputs[:, :, 4] = 0
 
-    vllm, eager = (next_logits(m, smollm2.prompt, ablate, layer=10) - next_logits(m, smollm2.prompt, layer=10)
-                   for m in (smollm2.vllm, smollm2.eager))
+    vllm, eager = (
+        next_logits(m, smollm2.prompt, ablate, layer=10) - next_logits(m, smollm2.prompt, layer=10)
+        for m in (smollm2.vllm, smollm2.eager)
+    )
     assert vllm.abs().max() > 1e-2 and close(eager, vllm)
 
 
@@ -108,8 +110,11 @@ def test_support_says_what_is_rebuilt_and_why_values_are_missing(llama):
 
 def test_a_late_read_names_the_value(llama):
     attn = llama.vllm.layers[1].self_attn
-    with pytest.raises(attnlens.OrderError, match=r"layers\[1\].self_attn.attention_queries was read after "
-                                                  r"layers\[1\].self_attn.attention_output"):
+    with pytest.raises(
+        attnlens.OrderError,
+        match=r"layers\[1\].self_attn.attention_queries was read after "
+        r"layers\[1\].self_attn.attention_output",
+    ):
         with llama.vllm.trace(llama.prompt, temperature=0.0):
             attn.attention_output.save()
             attn.attention_queries.save()
@@ -119,6 +124,8 @@ def test_importing_attnlens_does_not_import_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, attnlens; assert 'vllm' not in sys.modules; attnlens.StandardizedVLLM; "
-            "assert 'vllm' in sys.modules")
+    code = (
+        "import sys, attnlens; assert 'vllm' not in sys.modules; attnlens.StandardizedVLLM; "
+        "assert 'vllm' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

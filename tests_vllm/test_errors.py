@@ -24,18 +24,40 @@ def traced(model, prompt, edit, steps=1):
 # --- writes are checked against the layout with this run's sizes ------------------------------------------------
 
 
-@pytest.mark.parametrize(("edit", "name", "layout", "got", "hint"), [
-    (lambda attn, step: setattr(attn, "attention_head_outputs", attn.attention_head_outputs.transpose(1, 2)),
-     "attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=32]", "[1, 4, 18, 32]",
-     "looks like [batch, num_heads, seq, head_dim]"),
-    (lambda attn, step: setattr(attn, "attention_head_outputs", attn.attention_head_outputs[0]),
-     "attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=32]", "[18, 4, 32]", "no batch axis"),
-    (lambda attn, step: setattr(attn, "attention_head_outputs", torch.zeros(1, 18, 128)),
-     "attention_head_outputs", "[batch=1, seq=18, num_heads=4, head_dim=32]", "[1, 18, 128]", "unflatten"),
-    (lambda attn, step: setattr(attn, "attention_keys", attn.attention_keys.repeat_interleave(2, dim=1)),
-     "attention_keys", "[batch=1, num_kv_heads=2, seq=18, qk_head_dim=32]", "[1, 4, 18, 32]",
-     "groups its 4 query heads over 2 key/value heads"),
-], ids=["heads first", "no batch axis", "merged heads", "keys per query head"])
+@pytest.mark.parametrize(
+    ("edit", "name", "layout", "got", "hint"),
+    [
+        (
+            lambda attn, step: setattr(attn, "attention_head_outputs", attn.attention_head_outputs.transpose(1, 2)),
+            "attention_head_outputs",
+            "[batch=1, seq=18, num_heads=4, head_dim=32]",
+            "[1, 4, 18, 32]",
+            "looks like [batch, num_heads, seq, head_dim]",
+        ),
+        (
+            lambda attn, step: setattr(attn, "attention_head_outputs", attn.attention_head_outputs[0]),
+            "attention_head_outputs",
+            "[batch=1, seq=18, num_heads=4, head_dim=32]",
+            "[18, 4, 32]",
+            "no batch axis",
+        ),
+        (
+            lambda attn, step: setattr(attn, "attention_head_outputs", torch.zeros(1, 18, 128)),
+            "attention_head_outputs",
+            "[batch=1, seq=18, num_heads=4, head_dim=32]",
+            "[1, 18, 128]",
+            "unflatten",
+        ),
+        (
+            lambda attn, step: setattr(attn, "attention_keys", attn.attention_keys.repeat_interleave(2, dim=1)),
+            "attention_keys",
+            "[batch=1, num_kv_heads=2, seq=18, qk_head_dim=32]",
+            "[1, 4, 18, 32]",
+            "groups its 4 query heads over 2 key/value heads",
+        ),
+    ],
+    ids=["heads first", "no batch axis", "merged heads", "keys per query head"],
+)
 def test_a_write_of_another_shape_names_value_layout_and_shape(llama, edit, name, layout, got, hint):
     with pytest.raises(attnlens.EditError) as error:
         traced(llama.vllm, llama.prompt, edit)
@@ -55,14 +77,24 @@ def test_numbers_and_same_shape_tensors_are_written_the_same_as_on_eager(llama):
 # --- copies refuse in-place edits ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("edit", "name", "why"), [
-    (lambda attn, step: attn.attention_output.zero_(), "self_attn.attention_output", "it is a copy"),
-    (lambda attn, step: attn.attention_keys.zero_() if step == 1 else None, "self_attn.attention_keys",
-     "on a decode step it is a new tensor"),
-], ids=["attention output", "decode-step keys"])
+@pytest.mark.parametrize(
+    ("edit", "name", "why"),
+    [
+        (lambda attn, step: attn.attention_output.zero_(), "self_attn.attention_output", "it is a copy"),
+        (
+            lambda attn, step: attn.attention_keys.zero_() if step == 1 else None,
+            "self_attn.attention_keys",
+            "on a decode step it is a new tensor",
+        ),
+    ],
+    ids=["attention output", "decode-step keys"],
+)
 def test_an_in_place_edit_of_a_copy_is_refused(llama, edit, name, why):
-    with pytest.raises(attnlens.EditError, match=rf"layers\[1\].{name} was edited in place, but on Llama \(vllm\) "
-                                                 rf"{why}.*Assign it instead"):
+    with pytest.raises(
+        attnlens.EditError,
+        match=rf"layers\[1\].{name} was edited in place, but on Llama \(vllm\) "
+        rf"{why}.*Assign it instead",
+    ):
         traced(llama.vllm, llama.prompt, edit, steps=2)
 
 
@@ -92,8 +124,11 @@ def test_unavailable_order_and_index_errors_are_typed(llama):
     with pytest.raises(attnlens.Unavailable, match=r"layers\[1\].mlp.mlp_activation on Llama \(vllm\): vLLM fuses"):
         with model.trace(llama.prompt, temperature=0.0):
             model.layers[LAYER].mlp.mlp_activation.save()
-    with pytest.raises(attnlens.OrderError, match=r"layers\[1\].self_attn.attention_queries was read after "
-                                                  r"layers\[1\].self_attn.attention_output"):
+    with pytest.raises(
+        attnlens.OrderError,
+        match=r"layers\[1\].self_attn.attention_queries was read after "
+        r"layers\[1\].self_attn.attention_output",
+    ):
         with model.trace(llama.prompt, temperature=0.0):
             model.layers[LAYER].self_attn.attention_output.save()
             model.layers[LAYER].self_attn.attention_queries.save()
@@ -108,8 +143,14 @@ def test_a_wrong_family_fact_is_a_location_drift_at_load(tmp_path):
     tiny_model("gemma2", head_dim=32).save_pretrained(tmp_path)
     char_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(attnlens.LocationDrift, match="sliding window is 8 but vLLM's kernel uses 4"):
-        attnlens.StandardizedVLLM(str(tmp_path), family=WideWindow, dtype="float32", max_model_len=64,
-                                  distributed_executor_backend="uni", kv_cache_memory_bytes=8 * 2**20)
+        attnlens.StandardizedVLLM(
+            str(tmp_path),
+            family=WideWindow,
+            dtype="float32",
+            max_model_len=64,
+            distributed_executor_backend="uni",
+            kv_cache_memory_bytes=8 * 2**20,
+        )
 
 
 class WideWindow(attnlens.family_for("gemma2").__class__):
@@ -134,8 +175,14 @@ def test_empty_prompts_and_misspelled_values_read_as_on_eager(llama):
 
 
 def test_family_by_name_and_torch_dtype_are_accepted(llama):
-    model = attnlens.StandardizedVLLM(str(llama.path), family="llama", torch_dtype="float32", max_model_len=64,
-                                      distributed_executor_backend="uni", kv_cache_memory_bytes=8 * 2**20)
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        family="llama",
+        torch_dtype="float32",
+        max_model_len=64,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=8 * 2**20,
+    )
     assert model.family.name == "Llama" and model.support(1)["self_attn.attention_probabilities"] is None
     with pytest.raises(attnlens.UnknownFamily, match=r"'lama'.*registered: "):
         attnlens.StandardizedVLLM(str(llama.path), family="lama")

@@ -61,8 +61,12 @@ def test_support_on_vllm_says_what_is_rebuilt_and_why_vllm_differs(name, tmp_pat
     assert report.engine == "vllm" and report["self_attn.attention_probabilities"] is None
     heads = model.layers[0].self_attn.heads
     config = model.text_config
-    assert (heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim) == \
-        (4, 4, config.v_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim)
+    assert (heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim) == (
+        4,
+        4,
+        config.v_head_dim,
+        config.qk_nope_head_dim + config.qk_rope_head_dim,
+    )
     notes = report.notes
     assert "rebuilt per head from the latent" in notes["self_attn.attention_keys"]
     assert "latent @ W_UV" in notes["self_attn.attention_values"]

@@ -29,7 +29,8 @@ def check(eager, result):
             short = key.rpartition(".")[0]
             full = want[key]
             expected = {"query": full[:, :, rows], "key": full[:, :, :end], "value": full[:, :, :end]}.get(
-                short, full[:, :, rows, :end])
+                short, full[:, :, rows, :end]
+            )
             if short == "attn_scores":
                 visible = ~attnlens.masked(expected)
                 assert got[key].shape == expected.shape and close(got[key][visible], expected[visible]), (step, key)
@@ -45,8 +46,14 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(llama):
     """A static-capture engine at vLLM's defaults: compiled, prefix caching, chunked prefill (16-token chunks)."""
-    model = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, block_size=32,
-                                      max_num_batched_tokens=32, max_num_seqs=4, **engine_args(128, 16 * 2**20))
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        static_points=POINTS,
+        block_size=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        **engine_args(128, 16 * 2**20),
+    )
     assert model.compiled
     return model
 
@@ -67,8 +74,8 @@ def test_the_static_engine_runs_vllms_defaults(compiled):
 
 
 def test_a_prefix_another_request_cached_gives_the_same_captures_as_alone(compiled, llama):
-    first, = compiled.static_generate([PREFIX + "sang."], max_new_tokens=2, do_sample=False)
-    second, = compiled.static_generate([PREFIX + "slept all day."], max_new_tokens=3, do_sample=False)
+    (first,) = compiled.static_generate([PREFIX + "sang."], max_new_tokens=2, do_sample=False)
+    (second,) = compiled.static_generate([PREFIX + "slept all day."], max_new_tokens=3, do_sample=False)
     assert first.positions[0] == 0
     assert second.positions[0] == 64  # its first two blocks came from the prefix cache, unseen by the kernel
     check(llama.eager, first)
@@ -77,7 +84,7 @@ def test_a_prefix_another_request_cached_gives_the_same_captures_as_alone(compil
 
 def test_chunked_prefill_rows_equal_eager_prefill(compiled, llama):
     prompt = "The quick brown fox jumps over the lazy dog, again and again and again!"  # 71 tokens
-    result, = compiled.static_generate([prompt], max_new_tokens=2, do_sample=False)
+    (result,) = compiled.static_generate([prompt], max_new_tokens=2, do_sample=False)
     assert result.positions == [0, 32, 64, 71]  # three chunks of at most 32 tokens, then a decode step
     check(llama.eager, result)
 
@@ -86,8 +93,14 @@ def test_preemption_and_recomputation_give_the_same_captures(llama):
     """A KV cache of five 32-token blocks for six requests of about 60 tokens: vLLM preempts some and recomputes
     them; every step they ran (the abandoned ones too) equals the eager engine's rows."""
     block = 3 * 2 * 2 * 32 * 4 * 32  # bytes of one 32-token block: 3 layers, keys and values, 2 heads of 32, fp32
-    model = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, block_size=32, max_num_seqs=6,
-                                      enable_prefix_caching=False, **engine_args(128, 5 * block))
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        static_points=POINTS,
+        block_size=32,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+        **engine_args(128, 5 * block),
+    )
     prompts = [f"{i} " + PREFIX[: 20 + 4 * i] for i in range(6)]
     results = model.static_generate(prompts, max_new_tokens=24, do_sample=False, ignore_eos=True)
     recomputed = [r for r in results if any(b <= a for a, b in zip(r.positions, r.positions[1:]))]
@@ -137,7 +150,7 @@ def test_a_traced_request_reads_its_whole_prompt_after_another_cached_its_prefix
     assert steps[0].shape[2] == n  # every prompt row, none served from the cache
     for step, got in enumerate(steps):
         rows = slice(0, n) if step == 0 else slice(n + step - 1, n + step)
-        assert close(got, want[:, :, rows, :n + step]), step
+        assert close(got, want[:, :, rows, : n + step]), step
 
 
 def test_a_traced_request_that_edits_keys_does_not_feed_the_prefix_cache(traced, llama):
@@ -181,7 +194,7 @@ def test_traced_requests_preempted_and_recomputed_equal_their_runs_alone(traced,
         for step, got in enumerate(steps):
             count, end = got.shape[2:]
             recomputed += step > 0 and count > 1
-            assert close(got, want[:, :, end - count:end, :end]), (prompt, step)
+            assert close(got, want[:, :, end - count : end, :end]), (prompt, step)
     assert recomputed
 
 

@@ -42,8 +42,10 @@ def test_own_ports_share_one_activation_module(name, tmp_path_factory):
     same module, whose output nnsight cannot tell apart by layer."""
     model = pair(name, tmp_path_factory).vllm
     family = model.family
-    owners = [block if name == "opt" else block.get_submodule(family.mlp)  # OPT's block runs its MLP itself
-              for block in model._module.get_submodule(family.layers)]
+    owners = [
+        block if name == "opt" else block.get_submodule(family.mlp)  # OPT's block runs its MLP itself
+        for block in model._module.get_submodule(family.layers)
+    ]
     assert len({id(getattr(owner, family.activation)) for owner in owners}) == 1
     assert "down projection receives" in model.support(0).notes["mlp.mlp_activation"]
 

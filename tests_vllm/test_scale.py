@@ -29,15 +29,27 @@ def joined(steps, name, layer, prompt_length):
 
 
 def test_chunked_prefill_gives_each_chunks_rows_against_every_earlier_key(llama):
-    model = attnlens.StandardizedVLLM(str(llama.path), enable_chunked_prefill=True, max_num_batched_tokens=16,
-                                      max_num_seqs=2, **engine_args(128, 16 * 2**20))
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        **engine_args(128, 16 * 2**20),
+    )
     n = len(llama.eager.tokenizer(LONG).input_ids)
     names = ("attention_scores", "attention_probabilities", "attention_head_outputs")
     reads = [(1, "self_attn", name) for name in names]
     chunks = -(-n // 16)
     steps = read_steps(model, LONG, reads, steps=chunks + 2)
-    assert [step[(1, "attention_probabilities")].shape[2:] for step in steps] == \
-        [(16, 16), (16, 32), (16, 48), (16, 64), (n - 64, n), (1, n + 1), (1, n + 2)]
+    assert [step[(1, "attention_probabilities")].shape[2:] for step in steps] == [
+        (16, 16),
+        (16, 32),
+        (16, 48),
+        (16, 64),
+        (n - 64, n),
+        (1, n + 1),
+        (1, n + 2),
+    ]
     eager = read_steps(llama.eager, LONG, reads, steps=1)[0]
     for name in ("attention_scores", "attention_probabilities"):
         assert close(joined(steps, name, 1, n), eager[(1, name)]), name
@@ -87,8 +99,12 @@ def tp(tmp_path_factory):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
     envs.disable_envs_cache()  # vLLM froze its environment when the first engine started
     try:
-        model = attnlens.StandardizedVLLM(str(llama.path), tensor_parallel_size=2, static_points=STATIC,
-                                          **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"})
+        model = attnlens.StandardizedVLLM(
+            str(llama.path),
+            tensor_parallel_size=2,
+            static_points=STATIC,
+            **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
+        )
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return model, llama
@@ -106,11 +122,15 @@ def test_tensor_parallel_values_equal_eager_on_prefill_and_decode_steps(tp):
     assert model.kept() == [{"requests": 0, "bytes": 0}] * 2
 
 
-@pytest.mark.parametrize("edit", [
-    lambda attn: attn.attention_head_outputs.__setitem__((slice(None), slice(None), 3), 0),  # a head of rank 1
-    lambda attn: setattr(attn, "attention_queries", attn.attention_queries * 0),
-    lambda attn: attn.attention_probabilities[:, 2].__setitem__(slice(None), 0),  # recomputed from kept values
-], ids=["ablate head 3", "zero the queries", "zero head 2's pattern"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda attn: attn.attention_head_outputs.__setitem__((slice(None), slice(None), 3), 0),  # a head of rank 1
+        lambda attn: setattr(attn, "attention_queries", attn.attention_queries * 0),
+        lambda attn: attn.attention_probabilities[:, 2].__setitem__(slice(None), 0),  # recomputed from kept values
+    ],
+    ids=["ablate head 3", "zero the queries", "zero head 2's pattern"],
+)
 def test_tensor_parallel_edits_land_on_the_right_rank(tp, edit):
     model, llama = tp
 

@@ -18,8 +18,11 @@ def gemma4(tmp_path_factory):
 
 
 def shared_layers(model):
-    return {layer: Gemma4Text.shared_from(model.text_config, layer) for layer in range(model.num_layers)
-            if Gemma4Text.shared_from(model.text_config, layer) is not None}
+    return {
+        layer: Gemma4Text.shared_from(model.text_config, layer)
+        for layer in range(model.num_layers)
+        if Gemma4Text.shared_from(model.text_config, layer) is not None
+    }
 
 
 def test_a_shared_layer_attends_with_its_source_layers_keys_and_values_every_step(gemma4):
@@ -28,8 +31,13 @@ def test_a_shared_layer_attends_with_its_source_layers_keys_and_values_every_ste
     with torch.no_grad(), model.generate(gemma4.prompt, max_new_tokens=3, do_sample=False) as tracer:
         steps = list().save()
         for _ in tracer.iter[:3]:
-            steps.append({(i, name): getattr(model.layers[i].self_attn, name).clone()
-                          for i in {*shared, *shared.values()} for name in ("attention_keys", "attention_values")})
+            steps.append(
+                {
+                    (i, name): getattr(model.layers[i].self_attn, name).clone()
+                    for i in {*shared, *shared.values()}
+                    for name in ("attention_keys", "attention_values")
+                }
+            )
     for step, values in enumerate(steps):
         for layer, source in shared.items():
             for name in ("attention_keys", "attention_values"):

@@ -16,8 +16,9 @@ STEPS = 4
 def static(tmp_path_factory):
     llama = pair("llama", tmp_path_factory)  # the session's transformers engine and checkpoint
     # at most two requests at once, so a later request's prefill can share a step with another's decode
-    model = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, max_num_seqs=2,
-                                      **engine_args(128, 16 * 2**20))
+    model = attnlens.StandardizedVLLM(
+        str(llama.path), static_points=POINTS, max_num_seqs=2, **engine_args(128, 16 * 2**20)
+    )
     results = model.static_generate(PROMPTS, max_new_tokens=STEPS, do_sample=False)
     return model, llama.eager, results
 
@@ -73,8 +74,11 @@ def test_plain_vllm_requests_in_mixed_steps(static):
     (taken,) = model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(None,))
     assert len(taken) == 3  # keyed by vLLM's request ids
     for output in outputs:
-        steps = [v for k, v in taken.items() if k == output.request_id or output.request_id.startswith(k)
-                 or k.startswith(output.request_id)]
+        steps = [
+            v
+            for k, v in taken.items()
+            if k == output.request_id or output.request_id.startswith(k) or k.startswith(output.request_id)
+        ]
         assert len(steps) == 1, (output.request_id, list(taken))
         check(eager, output, [attnlens.Cache(step) for step in steps[0]["steps"]])
 
@@ -99,12 +103,15 @@ def test_static_generation_matches_plain_vllm_and_frees_state(static, tmp_path_f
     assert stats == [{}]  # everything static_generate ran was taken and freed
 
 
-@pytest.mark.parametrize(("points", "error", "words"), [
-    (["attn_gate.1"], attnlens.Unavailable, "no output gate"),
-    (["resid_post.1"], attnlens.Unavailable, "not a static tap"),
-    (["attn_probs.9"], IndexError, "layer 9 is out of range"),
-    (["probs.1"], KeyError, "not a cache name"),
-])
+@pytest.mark.parametrize(
+    ("points", "error", "words"),
+    [
+        (["attn_gate.1"], attnlens.Unavailable, "no output gate"),
+        (["resid_post.1"], attnlens.Unavailable, "not a static tap"),
+        (["attn_probs.9"], IndexError, "layer 9 is out of range"),
+        (["probs.1"], KeyError, "not a cache name"),
+    ],
+)
 def test_unavailable_or_unknown_taps_fail_at_load(tmp_path_factory, points, error, words):
     llama = pair("llama", tmp_path_factory)
     with pytest.raises(error, match=words):

@@ -12,8 +12,12 @@ def test_every_unserved_value_raises_its_reason(models):
         first.setdefault(tuple(model.support(layer).reasons.items()), layer)
     layers = list(first.values())
     asked = [(None, "model", v.name, model.support(layers[0])[v.key]) for v in ALL_VALUES if v.scope == "model"]
-    asked += [(layer, v.scope, v.name, model.support(layer)[v.key]) for layer in layers for v in ALL_VALUES
-              if v.scope != "model"]
+    asked += [
+        (layer, v.scope, v.name, model.support(layer)[v.key])
+        for layer in layers
+        for v in ALL_VALUES
+        if v.scope != "model"
+    ]
     asked = [entry for entry in asked if entry[3] is not None]
     with model.trace(models.prompt, temperature=0.0):
         raised = list().save()
@@ -26,7 +30,9 @@ def test_every_unserved_value_raises_its_reason(models):
                 raised.append(None)
             except Exception as error:  # noqa: BLE001  (recorded: every wrong outcome is reported at once)
                 raised.append((type(error).__name__, str(error)))
-    wrong = [f"{name}@{layer}: support() says {reason!r}; the read gave {outcome}"
-             for (layer, _, name, reason), outcome in zip(asked, raised, strict=True)
-             if outcome is None or outcome[0] != "Unavailable" or not outcome[1].endswith(f": {reason}")]
+    wrong = [
+        f"{name}@{layer}: support() says {reason!r}; the read gave {outcome}"
+        for (layer, _, name, reason), outcome in zip(asked, raised, strict=True)
+        if outcome is None or outcome[0] != "Unavailable" or not outcome[1].endswith(f": {reason}")
+    ]
     assert not wrong, "\n".join(wrong)

@@ -14,8 +14,13 @@ import attnlens
 #: words of its note on vLLM).
 CASES = {
     "cohere2": ("cohere2", {"head_dim": 32}, {"sliding_window": 5}, 0, "one more than transformers'"),
-    "qwen2_moe:mixed": ("qwen2_moe", {"hidden_size": 128, "head_dim": 32}, {"use_sliding_window": False}, 0,
-                        "full attention on vLLM"),
+    "qwen2_moe:mixed": (
+        "qwen2_moe",
+        {"hidden_size": 128, "head_dim": 32},
+        {"use_sliding_window": False},
+        0,
+        "full attention on vLLM",
+    ),
 }
 
 
@@ -27,8 +32,9 @@ def case(request, tmp_path_factory):
     attnlens.models.char_tokenizer().save_pretrained(folder)
     vllm = attnlens.StandardizedVLLM(str(folder), **engine_args(128, 16 * 2**20))
     same_weights = attnlens.models.tiny_model(model_type, **config, **reference)  # one seed: the same weights
-    eager = attnlens.StandardizedTransformer(same_weights, tokenizer=attnlens.models.char_tokenizer(),
-                                             attn_implementation="eager")
+    eager = attnlens.StandardizedTransformer(
+        same_weights, tokenizer=attnlens.models.char_tokenizer(), attn_implementation="eager"
+    )
     return request.param, vllm, eager, layer, words
 
 
@@ -58,4 +64,4 @@ def test_greedy_tokens_equal_transformers_run_with_that_window(case):
     with torch.no_grad():
         expected = eager._module.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     outputs = vllm.generate(PROMPT, max_tokens=8, temperature=0.0)
-    assert list(outputs[0].outputs[0].token_ids) == expected[0, ids.shape[1]:].tolist()
+    assert list(outputs[0].outputs[0].token_ids) == expected[0, ids.shape[1] :].tolist()

@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     ids = model.tokenizer(args.prompt).input_ids
     tokens = [model.tokenizer.decode([i]) for i in ids]
 
-    table = Table(title=f"layer {args.layer}: where each head attends from the last token {tokens[-1]!r}",
-                  title_justify="left")
+    table = Table(
+        title=f"layer {args.layer}: where each head attends from the last token {tokens[-1]!r}", title_justify="left"
+    )
     for column in ("head", "kv head", "top key (weight)", "second", "third"):
         table.add_column(column)
     last = pattern[0, :, -1]  # [heads, keys]
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     page = show(pattern, args.prompt, args.layer, model=model).save(args.out / f"layer{args.layer}.html")
     png = plot(pattern, args.prompt, args.layer, model=model, out=args.out / f"layer{args.layer}.png")
-    console.print(f"the pattern of layer {args.layer}, every head: {page.resolve()} (open it in a browser; hover a "
-                  f"cell for its weight)\nthe same as a PNG: {png.resolve()}")
+    console.print(
+        f"the pattern of layer {args.layer}, every head: {page.resolve()} (open it in a browser; hover a "
+        f"cell for its weight)\nthe same as a PNG: {png.resolve()}"
+    )
     console.print(f"demo took {time.perf_counter() - start:.1f} s")
 
 

@@ -11,5 +11,18 @@ from .lens import LogitLens, logit_lens
 from .patching import PatchGrid, agreement, attribution_patching, logit_difference, patch
 from .reasons import ANALYSES, unavailable
 
-__all__ = ["ANALYSES", "Attribution", "LogitLens", "PatchGrid", "agreement", "attribution", "attribution_patching",
-           "knock_out", "knocked", "logit_difference", "logit_lens", "patch", "unavailable"]
+__all__ = [
+    "ANALYSES",
+    "Attribution",
+    "LogitLens",
+    "PatchGrid",
+    "agreement",
+    "attribution",
+    "attribution_patching",
+    "knock_out",
+    "knocked",
+    "logit_difference",
+    "logit_lens",
+    "patch",
+    "unavailable",
+]

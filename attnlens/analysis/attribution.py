@@ -31,11 +31,16 @@ from .reasons import final_norm_form, model_reason, post_norm_form, residual_mul
 
 #: The residual values read per layer, and those a split layer adds.
 BLOCK_READS = ("layer_input", "layer_mid", "layer_output")
-SPLIT_READS = ("self_attn.attention_values", "self_attn.attention_probabilities", "self_attn.attention_gate",
-               "self_attn.attention_output")
+SPLIT_READS = (
+    "self_attn.attention_values",
+    "self_attn.attention_probabilities",
+    "self_attn.attention_gate",
+    "self_attn.attention_output",
+)
 
 
 # --- what to read and with which weights ---------------------------------------------------------------------------
+
 
 @dataclass
 class LayerPlan:
@@ -103,8 +108,10 @@ def token_id(model, token) -> int:
     ids = model.tokenizer(token, add_special_tokens=False).input_ids
     if len(ids) != 1:
         pieces = [model.tokenizer.decode([i]) for i in ids]
-        raise ValueError(f"{token!r} is {len(ids)} tokens ({pieces}), not one; pass a single token (mind the leading "
-                         f"space) or its id")
+        raise ValueError(
+            f"{token!r} is {len(ids)} tokens ({pieces}), not one; pass a single token (mind the leading "
+            f"space) or its id"
+        )
     return ids[0]
 
 
@@ -128,15 +135,18 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
             raise ValueError("versus goes with target, not with direction")
         direction = torch.as_tensor(direction, dtype=torch.float32)
         if direction.shape not in ((config.hidden_size,), (len(rows), config.hidden_size)):
-            raise ValueError(f"direction must be [{config.hidden_size}] (the final norm output's basis) or "
-                             f"[rows, {config.hidden_size}]; got {list(direction.shape)}")
+            raise ValueError(
+                f"direction must be [{config.hidden_size}] (the final norm output's basis) or "
+                f"[rows, {config.hidden_size}]; got {list(direction.shape)}"
+            )
         directions, offsets = direction.expand(len(rows), -1).clone(), torch.zeros(len(rows))
         tokens, softcap, what = None, None, "direction . final_norm_output"
     else:
         tokens = (token_id(model, target), None if versus is None else token_id(model, versus))
         directions = offsets = None  # read off the unembedding where the run is (`prepare`)
-        what = f"logit({_label(model, tokens[0])})" + (f" - logit({_label(model, tokens[1])})" if versus is not None
-                                                       else "")
+        what = f"logit({_label(model, tokens[0])})" + (
+            f" - logit({_label(model, tokens[1])})" if versus is not None else ""
+        )
         softcap = final_softcap(model)
     layers = {}
     chosen = range(model.num_layers) if split_layers is None else split_layers
@@ -209,8 +219,15 @@ def linear_map(module: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch
 
 # --- inside the run ------------------------------------------------------------------------------------------------
 
-def head_pieces(probabilities: torch.Tensor, values: torch.Tensor, kv_of_head: torch.Tensor, weight: torch.Tensor,
-                read: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+
+def head_pieces(
+    probabilities: torch.Tensor,
+    values: torch.Tensor,
+    kv_of_head: torch.Tensor,
+    weight: torch.Tensor,
+    read: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[rows, heads, sources]: what each head adds to `read . attention output`, split by the key it reads.
 
     `probabilities` [heads, rows, sources], `values` [kv_heads, sources, head_dim], `weight` the output projection's
@@ -263,7 +280,7 @@ def collect(model, plan: Plan, found: dict) -> None:
     terms["final_norm_output"] = final[rows].cpu()
     weight, bias = plan.unembedding
     plain = weight.float() @ final[-1] + (0 if bias is None else bias.float())
-    terms["last_plain"] = plain[:logits.shape[-1]].cpu()  # vLLM pads its vocabulary
+    terms["last_plain"] = plain[: logits.shape[-1]].cpu()  # vLLM pads its vocabulary
     terms["last_logits"] = logits.cpu()
     terms["directions"], terms["offsets"] = plan.directions.cpu(), plan.offsets.cpu()
     terms["final_form"] = plan.final.to("cpu")
@@ -282,19 +299,28 @@ def _split(layer_plan: LayerPlan, read: dict, pulled: torch.Tensor, rows, attent
         bias = bias + post.bias_term(into_output)
         into_output = post.pullback(into_output) / post.scale(output)
     gate = read.get("self_attn.attention_gate")
-    pieces = head_pieces(read["self_attn.attention_probabilities"], read["self_attn.attention_values"],
-                         layer_plan.kv_of_head, layer_plan.weight.to(device), into_output,
-                         None if gate is None else gate[rows])
+    pieces = head_pieces(
+        read["self_attn.attention_probabilities"],
+        read["self_attn.attention_values"],
+        layer_plan.kv_of_head,
+        layer_plan.weight.to(device),
+        into_output,
+        None if gate is None else gate[rows],
+    )
     if layer_plan.bias is not None:
         bias = bias + into_output @ layer_plan.bias.to(device)
     attention = attention_from_residual
     if attention is None:  # no layer_mid (a parallel block): the attention update through its own output
-        attention = (into_output * output).sum(-1) + bias - (into_output @ layer_plan.bias.to(device)
-                                                             if layer_plan.bias is not None else 0)
+        attention = (
+            (into_output * output).sum(-1)
+            + bias
+            - (into_output @ layer_plan.bias.to(device) if layer_plan.bias is not None else 0)
+        )
     return attention, pieces, bias
 
 
 # --- the result ----------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Attribution:
@@ -336,14 +362,17 @@ class Attribution:
         width = max((p.shape[1] for p in self.heads.values()), default=0)
         grid = torch.full((len(self.rest), width), math.nan)
         for layer, pieces in self.heads.items():
-            grid[layer, :pieces.shape[1]] = pieces[row].sum(-1)
+            grid[layer, : pieces.shape[1]] = pieces[row].sum(-1)
         return grid
 
     def top(self, count: int = 10, row: int = 0) -> list[tuple[int, int, int, float]]:
         """The `count` largest pieces by magnitude: (layer, head, source, contribution)."""
-        found = [(layer, head, source, float(pieces[row, head, source]))
-                 for layer, pieces in self.heads.items() for head in range(pieces.shape[1])
-                 for source in range(pieces.shape[2])]
+        found = [
+            (layer, head, source, float(pieces[row, head, source]))
+            for layer, pieces in self.heads.items()
+            for head in range(pieces.shape[1])
+            for source in range(pieces.shape[2])
+        ]
         return sorted(found, key=lambda item: -abs(item[3]))[:count]
 
     def to_rows(self) -> list[dict]:
@@ -353,8 +382,16 @@ class Attribution:
             for layer, pieces in self.heads.items():
                 for head in range(pieces.shape[1]):
                     for source in range(pieces.shape[2]):
-                        out.append({"row": row, "layer": layer, "head": head, "source": source,
-                                    "token": self.tokens[source], "contribution": float(pieces[r, head, source])})
+                        out.append(
+                            {
+                                "row": row,
+                                "layer": layer,
+                                "head": head,
+                                "source": source,
+                                "token": self.tokens[source],
+                                "contribution": float(pieces[r, head, source]),
+                            }
+                        )
         return out
 
     def terms(self, row: int = 0) -> list[dict]:
@@ -379,8 +416,11 @@ class Attribution:
     def table(self, count: int = 15, row: int = 0):
         from rich.table import Table
 
-        table = Table(title=f"attribution · {self.model} · {self.what} at row {self.rows[row]} "
-                            f"({self.tokens[self.rows[row]]!r}) = {float(self.value[row]):.4f}", title_justify="left")
+        table = Table(
+            title=f"attribution · {self.model} · {self.what} at row {self.rows[row]} "
+            f"({self.tokens[self.rows[row]]!r}) = {float(self.value[row]):.4f}",
+            title_justify="left",
+        )
         for column in ("layer", "head", "source", "token", "contribution"):
             table.add_column(column, justify="right" if column != "token" else "left")
         for layer, head, source, value in self.top(count, row):
@@ -402,16 +442,31 @@ class Attribution:
 
         if layer is None:
             grid = self.grid(row)
-            return heatmap(grid, out, title=f"{self.model} · {self.what} at row {self.rows[row]}",
-                           x_label="head", y_label="layer", dpi=dpi)
+            return heatmap(
+                grid,
+                out,
+                title=f"{self.model} · {self.what} at row {self.rows[row]}",
+                x_label="head",
+                y_label="layer",
+                dpi=dpi,
+            )
         if layer not in self.heads:
-            raise KeyError(f"layer {layer} is not split by head" + (f": {self.unsplit[layer]}"
-                                                                   if layer in self.unsplit else ""))
-        return heatmap(self.heads[layer][row], out, title=f"{self.model} · layer {layer} · {self.what}",
-                       x_label="source", y_label="head", x_ticks=self.tokens, dpi=dpi)
+            raise KeyError(
+                f"layer {layer} is not split by head" + (f": {self.unsplit[layer]}" if layer in self.unsplit else "")
+            )
+        return heatmap(
+            self.heads[layer][row],
+            out,
+            title=f"{self.model} · layer {layer} · {self.what}",
+            x_label="source",
+            y_label="head",
+            x_ticks=self.tokens,
+            dpi=dpi,
+        )
 
 
 # --- running it ----------------------------------------------------------------------------------------------------
+
 
 def _finish(model, plan: Plan, found: dict, tokens: list[str]) -> Attribution:
     """The run's terms scaled by the frozen final norm, the read-out's scale fitted and checked on the run."""
@@ -419,8 +474,10 @@ def _finish(model, plan: Plan, found: dict, tokens: list[str]) -> Attribution:
     residual, norm_output = found["final_residual"], found["final_norm_output"]
     if not torch.allclose(final.apply(residual), norm_output, atol=1e-3, rtol=1e-3):
         error = float((final.apply(residual) - norm_output).abs().max())
-        raise Unavailable(f"attribution on {model.family.name}: the final norm {final.module} frozen as {final.name} "
-                          f"does not give the run's final_norm_output (off by {error:.2e})")
+        raise Unavailable(
+            f"attribution on {model.family.name}: the final norm {final.module} frozen as {final.name} "
+            f"does not give the run's final_norm_output (off by {error:.2e})"
+        )
     scale = final.scale(residual)[:, 0]
     multiple, notes = _readout_multiple(model, plan, found), []
     factor = multiple / scale
@@ -438,11 +495,20 @@ def _finish(model, plan: Plan, found: dict, tokens: list[str]) -> Attribution:
         notes.append(f"the logits are {multiple:.6g} x the unembedding of the final norm's output")
     unsplit = {layer: p.reason for layer, p in plan.layers.items() if not p.split}
     return Attribution(
-        model=_name(model), tokens=tokens, rows=plan.rows, what=plan.what, value=value,
-        embeddings=scaled(found["embeddings"]), heads={k: v * factor[:, None, None] for k, v in found["heads"].items()},
+        model=_name(model),
+        tokens=tokens,
+        rows=plan.rows,
+        what=plan.what,
+        value=value,
+        embeddings=scaled(found["embeddings"]),
+        heads={k: v * factor[:, None, None] for k, v in found["heads"].items()},
         attention_bias={k: scaled(v) for k, v in found["attention_bias"].items()},
         attention={k: scaled(v) for k, v in found["attention"].items()},
-        rest={k: scaled(v) for k, v in found["rest"].items()}, final_bias=final_bias, unsplit=unsplit, notes=notes)
+        rest={k: scaled(v) for k, v in found["rest"].items()},
+        final_bias=final_bias,
+        unsplit=unsplit,
+        notes=notes,
+    )
 
 
 def _readout_multiple(model, plan: Plan, found: dict) -> float:
@@ -457,8 +523,10 @@ def _readout_multiple(model, plan: Plan, found: dict) -> float:
     multiple = float((logits * plain).sum() / (plain * plain).sum())
     multiple = 1.0 if abs(multiple - 1.0) < 1e-5 else multiple
     if not torch.allclose(multiple * plain, logits, atol=1e-3 * float(logits.abs().max()) + 1e-4, rtol=1e-3):
-        raise Unavailable(f"attribution on {model.family.name}: the logits are no multiple of the unembedding of "
-                          f"final_norm_output" + (" (soft-cap undone)" if plan.softcap else ""))
+        raise Unavailable(
+            f"attribution on {model.family.name}: the logits are no multiple of the unembedding of "
+            f"final_norm_output" + (" (soft-cap undone)" if plan.softcap else "")
+        )
     return multiple
 
 
@@ -478,8 +546,7 @@ def rows_of(rows, length: int) -> list[int]:
     return [row % length for row in rows]
 
 
-def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None, layers=None,
-                max_new_tokens: int = 0):
+def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None, layers=None, max_new_tokens: int = 0):
     """Direct attribution of `target`'s logit (minus `versus`'s), or of `direction . final_norm_output`, at query
     `rows` of `prompt` (default the last), split by layer, head and source position; see the module's docstring.
 
@@ -497,15 +564,21 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens is an int >= 0; got {max_new_tokens!r}")
     chosen = rows_of(rows, len(ids))
-    split_layers = None if layers is None else [model.access.check_layer(layer) for layer in
-                                                 ([layers] if isinstance(layers, int) else layers)]
+    split_layers = (
+        None
+        if layers is None
+        else [model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
+    )
     for layer in split_layers or ():
         reason = split_reason(model, layer)
         if reason is not None:
             raise Unavailable(f"attribution: layer {layer} on {model.family.name} is not split by head: {reason}")
     the_plan = plan(model, chosen, target, versus, direction, split_layers=split_layers)
-    tokens = [model.tokenizer.decode([int(i)]) for i in ids] if getattr(model, "tokenizer", None) else \
-        [str(int(i)) for i in ids]
+    tokens = (
+        [model.tokenizer.decode([int(i)]) for i in ids]
+        if getattr(model, "tokenizer", None)
+        else [str(int(i)) for i in ids]
+    )
     vllm = model.access.engine == "vllm"
     if max_new_tokens == 0:
         if vllm:
@@ -520,8 +593,10 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
     from .vllm import prepare as prepare_in_worker  # imported here: the body below runs in vLLM's worker
 
     steps = [{} for _ in range(max_new_tokens)]  # filled in place on eager; on vLLM saved from the worker
-    with torch.no_grad(), model.generate(ids.tolist() if vllm else ids[None], max_new_tokens=max_new_tokens,
-                                         do_sample=False) as tracer:
+    with (
+        torch.no_grad(),
+        model.generate(ids.tolist() if vllm else ids[None], max_new_tokens=max_new_tokens, do_sample=False) as tracer,
+    ):
         if vllm:
             steps = [{} for _ in range(max_new_tokens)].save()
             prepare_in_worker(model, the_plan)
@@ -532,8 +607,9 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
     found = []
     for step, terms in enumerate(steps):
         step_tokens = tokens + [f"<generated {i}>" for i in range(step)]
-        step_plan = the_plan if step == 0 else replace(decode_plan(the_plan, prepared=False),
-                                                       rows=[len(step_tokens) - 1])
+        step_plan = (
+            the_plan if step == 0 else replace(decode_plan(the_plan, prepared=False), rows=[len(step_tokens) - 1])
+        )
         found.append(_finish(model, step_plan, terms, step_tokens))
     return found
 

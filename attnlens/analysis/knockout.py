@@ -38,7 +38,7 @@ def knocked(pattern: torch.Tensor, queries=None, keys=None, heads: Iterable[int]
     (None: all) removed on `heads` (None: all), each affected row scaled back to its own total. The query rows are the
     last positions of the keys (a prefill, or a decode step over the whole context)."""
     _, num_heads, num_queries, num_keys = pattern.shape
-    query_mask = _positions(queries, num_keys, "query")[num_keys - num_queries:]
+    query_mask = _positions(queries, num_keys, "query")[num_keys - num_queries :]
     key_mask = _positions(keys, num_keys, "key")
     head_mask = _positions(None if heads is None else list(heads), num_heads, "head")
     if heads is not None and any(h >= num_heads for h in ([heads] if isinstance(heads, int) else heads)):
@@ -58,12 +58,19 @@ def knock_out(model, layer: int, queries=None, keys=None, heads: Iterable[int] |
     layer = access.check_layer(layer)
     reason = access.support(layer)["self_attn.attention_probabilities"]
     if reason is not None:
-        raise Unavailable(f"knock_out on layer {layer} of {access.family.name}: attention_probabilities is "
-                          f"unavailable ({reason})")
+        raise Unavailable(
+            f"knock_out on layer {layer} of {access.family.name}: attention_probabilities is unavailable ({reason})"
+        )
     pattern = attn.attention_probabilities
     window = access.family.window(access.config, layer, access.engine)
-    if access.engine == "transformers" and window is not None and access.tokens_seen is not None and \
-            pattern.shape[-1] < access.tokens_seen:
-        raise Unavailable(f"knock_out on layer {layer}: under generate transformers keeps only the sliding window's "
-                          f"keys, so key positions are not key indexes here; knock out on the prefill, or on vLLM")
+    if (
+        access.engine == "transformers"
+        and window is not None
+        and access.tokens_seen is not None
+        and pattern.shape[-1] < access.tokens_seen
+    ):
+        raise Unavailable(
+            f"knock_out on layer {layer}: under generate transformers keeps only the sliding window's "
+            f"keys, so key positions are not key indexes here; knock out on the prefill, or on vLLM"
+        )
     attn.attention_probabilities = knocked(pattern, queries, keys, heads)

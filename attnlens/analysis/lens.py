@@ -42,8 +42,11 @@ def collect(model, plan: LensPlan, found: dict) -> None:
 
         module = model._module.get_submodule(plan.final_norm_path)
         bias = getattr(module, "bias", None)
-        plan.final = replace(plan.final, gain=module.weight.detach().float() + (plan.final.enters == "one_plus"),
-                             bias=None if bias is None else bias.detach().float())
+        plan.final = replace(
+            plan.final,
+            gain=module.weight.detach().float() + (plan.final.enters == "one_plus"),
+            bias=None if bias is None else bias.detach().float(),
+        )
     weight, bias = unembedding(model, plan.engine)
     weight = weight.float()
     final = plan.final.to(weight.device)
@@ -64,11 +67,16 @@ def collect(model, plan: LensPlan, found: dict) -> None:
     stacked = torch.stack([x for _, x in read])  # [sites, rows, hidden]
     out = lens(stacked)  # [sites, rows, vocab]
     top = out.topk(plan.top_k, dim=-1)
-    found.update(sites=sites, top_values=top.values.cpu(), top_ids=top.indices.cpu(),
-                 token_logits=out[..., plan.tokens].cpu(), last_site=out[-1].cpu(),
-                 final_check=float((final.apply(stacked[-1]) - norm_output[plan.rows]).abs().max()),
-                 last_plain=(norm_output[-1] @ weight.T + (0 if bias is None else bias.float()))[:vocab].cpu(),
-                 last_logits=logits.cpu())
+    found.update(
+        sites=sites,
+        top_values=top.values.cpu(),
+        top_ids=top.indices.cpu(),
+        token_logits=out[..., plan.tokens].cpu(),
+        last_site=out[-1].cpu(),
+        final_check=float((final.apply(stacked[-1]) - norm_output[plan.rows]).abs().max()),
+        last_plain=(norm_output[-1] @ weight.T + (0 if bias is None else bias.float()))[:vocab].cpu(),
+        last_logits=logits.cpu(),
+    )
 
 
 @dataclass
@@ -91,9 +99,15 @@ class LogitLens:
         out = []
         for s, (layer, name) in enumerate(self.sites):
             for r, row in enumerate(self.rows):
-                entry = {"layer": layer, "site": name, "row": row,
-                         "top": [(self.decode[s][r][k], round(float(self.top_values[s, r, k]), 4))
-                                 for k in range(self.top_ids.shape[-1])]}
+                entry = {
+                    "layer": layer,
+                    "site": name,
+                    "row": row,
+                    "top": [
+                        (self.decode[s][r][k], round(float(self.top_values[s, r, k]), 4))
+                        for k in range(self.top_ids.shape[-1])
+                    ],
+                }
                 entry.update({f"logit[{t}]": float(self.token_logits[s, r, j]) for j, t in enumerate(self.asked)})
                 out.append(entry)
         return out
@@ -106,15 +120,20 @@ class LogitLens:
     def table(self, row: int = 0):
         from rich.table import Table
 
-        table = Table(title=f"logit lens · {self.model} · row {self.rows[row]} ({self.tokens[self.rows[row]]!r})",
-                      title_justify="left")
+        table = Table(
+            title=f"logit lens · {self.model} · row {self.rows[row]} ({self.tokens[self.rows[row]]!r})",
+            title_justify="left",
+        )
         for column in ("layer", "site", "top tokens", *(f"logit[{t}]" for t in self.asked)):
             table.add_column(column)
         for s, (layer, name) in enumerate(self.sites):
-            tops = ", ".join(f"{self.decode[s][row][k]!r} {float(self.top_values[s, row, k]):.2f}"
-                             for k in range(self.top_ids.shape[-1]))
-            table.add_row(str(layer), name, tops, *(f"{float(self.token_logits[s, row, j]):.3f}"
-                                                    for j in range(len(self.asked))))
+            tops = ", ".join(
+                f"{self.decode[s][row][k]!r} {float(self.top_values[s, row, k]):.2f}"
+                for k in range(self.top_ids.shape[-1])
+            )
+            table.add_row(
+                str(layer), name, tops, *(f"{float(self.token_logits[s, row, j]):.3f}" for j in range(len(self.asked)))
+            )
         table.caption = "; ".join(self.notes)
         return table
 
@@ -130,9 +149,17 @@ class LogitLens:
         """A PNG: the logits of the tokens asked for, per site (rows of the grid) and token."""
         from .results import heatmap
 
-        return heatmap(self.token_logits[:, row], out, title=f"{self.model} · logit lens at row {self.rows[row]}",
-                       x_label="token", y_label="site", x_ticks=[str(t) for t in self.asked],
-                       y_ticks=[f"{layer} {name}" for layer, name in self.sites], dpi=dpi, label="logit")
+        return heatmap(
+            self.token_logits[:, row],
+            out,
+            title=f"{self.model} · logit lens at row {self.rows[row]}",
+            x_label="token",
+            y_label="site",
+            x_ticks=[str(t) for t in self.asked],
+            y_ticks=[f"{layer} {name}" for layer, name in self.sites],
+            dpi=dpi,
+            label="logit",
+        )
 
 
 def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -> LogitLens:
@@ -149,8 +176,11 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
     if len(ids) != 1:
         raise ValueError(f"logit_lens takes one prompt; got {len(ids)}")
     ids = ids[0]
-    chosen = list(range(model.num_layers)) if layers is None else sorted(
-        {model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
+    chosen = (
+        list(range(model.num_layers))
+        if layers is None
+        else sorted({model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
+    )
     if chosen[-1] != model.num_layers - 1:
         chosen.append(model.num_layers - 1)  # the last layer_output anchors the identity with the logits
     sites = {}
@@ -159,9 +189,16 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         sites[layer] = sorted((name for name in SITES if name in order), key=lambda name: order[name])
     asked = [token_id(model, token) for token in tokens]
     engine = model.access.engine
-    plan = LensPlan(sites, final_norm_form(model), rows_of(rows, len(ids)), asked, top_k,
-                    final_softcap(model), engine,
-                    model.family.path("final_norm", engine))
+    plan = LensPlan(
+        sites,
+        final_norm_form(model),
+        rows_of(rows, len(ids)),
+        asked,
+        top_k,
+        final_softcap(model),
+        engine,
+        model.family.path("final_norm", engine),
+    )
     if engine == "vllm":
         with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
             found = [{}].save()
@@ -172,8 +209,10 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         with torch.no_grad(), model.trace(ids[None]):
             collect(model, plan, found)
     if found["final_check"] > 1e-3 * max(1.0, float(found["last_site"].abs().max())):
-        raise Unavailable(f"logit lens on {model.family.name}: the final norm frozen as {plan.final.name} does not "
-                          f"give the run's final_norm_output (off by {found['final_check']:.2e})")
+        raise Unavailable(
+            f"logit lens on {model.family.name}: the final norm frozen as {plan.final.name} does not "
+            f"give the run's final_norm_output (off by {found['final_check']:.2e})"
+        )
     multiple = _readout_multiple(model, plan, found)
     notes = [f"each residual row normalised by the final norm {plan.final.module} at its own scale"]
     if plan.softcap is not None:
@@ -186,7 +225,16 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         return tokenizer.decode([int(i)]) if tokenizer is not None else str(int(i))
 
     decode = [[[text(i) for i in row] for row in site] for site in found["top_ids"].tolist()]
-    return LogitLens(model=_name(model), tokens=[text(i) for i in ids], rows=plan.rows, sites=found["sites"],
-                     top_ids=found["top_ids"], top_values=found["top_values"] * multiple, asked=asked,
-                     token_logits=found["token_logits"] * multiple, last=found["last_site"] * multiple,
-                     decode=decode, notes=notes)
+    return LogitLens(
+        model=_name(model),
+        tokens=[text(i) for i in ids],
+        rows=plan.rows,
+        sites=found["sites"],
+        top_ids=found["top_ids"],
+        top_values=found["top_values"] * multiple,
+        asked=asked,
+        token_logits=found["token_logits"] * multiple,
+        last=found["last_site"] * multiple,
+        decode=decode,
+        notes=notes,
+    )

@@ -71,8 +71,15 @@ class NormForm:
             if enters != "none" and weight is None:
                 continue
             gain = {"weight": weight, "one_plus": 1 + weight if weight is not None else None, "none": ones}[enters]
-            form = cls(name, type(module).__name__, centred, gain.detach().float(),
-                       None if bias is None else bias.detach().float(), eps, enters)
+            form = cls(
+                name,
+                type(module).__name__,
+                centred,
+                gain.detach().float(),
+                None if bias is None else bias.detach().float(),
+                eps,
+                enters,
+            )
             if _close(form.apply(x.float()), out.float(), dtype):
                 return form
         return None

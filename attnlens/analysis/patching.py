@@ -81,8 +81,10 @@ class PatchGrid:
     def table(self, count: int = 15):
         from rich.table import Table
 
-        table = Table(title=f"{self.method} over {self.over} · clean {self.clean:.4f} · corrupt {self.corrupt:.4f}",
-                      title_justify="left")
+        table = Table(
+            title=f"{self.method} over {self.over} · clean {self.clean:.4f} · corrupt {self.corrupt:.4f}",
+            title_justify="left",
+        )
         for column in (*self.axes, "metric", "effect"):
             table.add_column(column, justify="right")
         rows = sorted(self.to_rows(), key=lambda row: -abs(row["effect"]))[:count]
@@ -103,8 +105,16 @@ class PatchGrid:
         from .results import heatmap
 
         grid = self.effect if self.effect.dim() == 2 else self.effect.sum(-1)
-        return heatmap(grid, out, title=f"{self.method} over {self.over}", x_label=self.axes[1], y_label="layer",
-                       y_ticks=self.layers, dpi=dpi, label="effect on the metric")
+        return heatmap(
+            grid,
+            out,
+            title=f"{self.method} over {self.over}",
+            x_label=self.axes[1],
+            y_label="layer",
+            y_ticks=self.layers,
+            dpi=dpi,
+            label="effect on the metric",
+        )
 
 
 def _ids(model, text):
@@ -134,20 +144,27 @@ def _pieces(model, over: str, layers: list[int], length: int) -> list[tuple]:
 def _check(model, over: str, layers) -> list[int]:
     if over not in OVER:
         raise ValueError(f"over must be one of {', '.join(OVER)}; got {over!r}")
-    chosen = list(range(model.num_layers)) if layers is None else sorted(
-        {model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
+    chosen = (
+        list(range(model.num_layers))
+        if layers is None
+        else sorted({model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
+    )
     key = OVER[over][0]
     for layer in chosen:
         reason = model.support(layer)[key]
         if reason is not None:
-            raise Unavailable(f"patching {over} on layer {layer} of {model.family.name}: {key} is unavailable "
-                              f"({reason})")
+            raise Unavailable(
+                f"patching {over} on layer {layer} of {model.family.name}: {key} is unavailable ({reason})"
+            )
     return chosen
 
 
 def _host(model, layer: int, key: str):
-    return (model.layers[layer].self_attn, key.split(".")[1]) if key.startswith("self_attn.") \
+    return (
+        (model.layers[layer].self_attn, key.split(".")[1])
+        if key.startswith("self_attn.")
         else (model.layers[layer], key)
+    )
 
 
 def clean_values(model, ids, key: str, layers: list[int]) -> dict[int, torch.Tensor]:
@@ -188,8 +205,10 @@ def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch
     chosen = _check(model, over, layers)
     clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
     if clean_ids.shape != corrupt_ids.shape:
-        raise ValueError(f"the clean and corrupted prompts must have the same length in tokens; got "
-                         f"{len(clean_ids)} and {len(corrupt_ids)}")
+        raise ValueError(
+            f"the clean and corrupted prompts must have the same length in tokens; got "
+            f"{len(clean_ids)} and {len(corrupt_ids)}"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     key, axes = OVER[over]
@@ -199,13 +218,14 @@ def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch
     pieces = _pieces(model, over, chosen, len(clean_ids))
     found, forwards = [], 2
     for start in range(0, len(pieces), batch_size):
-        group = pieces[start:start + batch_size]
+        group = pieces[start : start + batch_size]
         found.append(_run(model, corrupt_ids, metric, key, [[piece] for piece in group], sources, len(group)))
         forwards += 1
     values = torch.cat(found)
     shape = [len(chosen)] + [max(piece[i] for piece in pieces) + 1 for i in range(1, len(axes))]
-    return PatchGrid(over, axes, values.view(shape), float(reference[0]), float(baseline[0]), "activation patching",
-                     forwards, chosen)
+    return PatchGrid(
+        over, axes, values.view(shape), float(reference[0]), float(baseline[0]), "activation patching", forwards, chosen
+    )
 
 
 def attribution_patching(model, clean, corrupt, metric, over: str = "heads", layers=None) -> PatchGrid:
@@ -216,8 +236,10 @@ def attribution_patching(model, clean, corrupt, metric, over: str = "heads", lay
     chosen = _check(model, over, layers)
     clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
     if clean_ids.shape != corrupt_ids.shape:
-        raise ValueError(f"the clean and corrupted prompts must have the same length in tokens; got "
-                         f"{len(clean_ids)} and {len(corrupt_ids)}")
+        raise ValueError(
+            f"the clean and corrupted prompts must have the same length in tokens; got "
+            f"{len(clean_ids)} and {len(corrupt_ids)}"
+        )
     key, axes = OVER[over]
     sources = clean_values(model, clean_ids, key, chosen)
     reference = _run(model, clean_ids, metric, key, [[]], sources, 1)
@@ -246,8 +268,16 @@ def attribution_patching(model, clean, corrupt, metric, over: str = "heads", lay
         else:
             grid.append(estimate.sum((1, 2)))
     corrupt_metric = float(baseline.detach())
-    return PatchGrid(over, axes, torch.stack(grid) + corrupt_metric, float(reference[0]), corrupt_metric,
-                     "attribution patching", 2, chosen)
+    return PatchGrid(
+        over,
+        axes,
+        torch.stack(grid) + corrupt_metric,
+        float(reference[0]),
+        corrupt_metric,
+        "attribution patching",
+        2,
+        chosen,
+    )
 
 
 def agreement(a: PatchGrid, b: PatchGrid) -> float:

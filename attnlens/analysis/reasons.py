@@ -52,8 +52,14 @@ def final_norm_form(model) -> NormForm | str:
     except AttributeError:
         return f"the {family.name} family names no final norm module"
     form = NormForm.of(module, hidden_size(model))
-    return form if form is not None else (f"the final norm {type(module).__name__} is neither an RMSNorm nor a "
-                                          f"LayerNorm attnlens can freeze at the run's scale")
+    return (
+        form
+        if form is not None
+        else (
+            f"the final norm {type(module).__name__} is neither an RMSNorm nor a "
+            f"LayerNorm attnlens can freeze at the run's scale"
+        )
+    )
 
 
 def residual_multiplier(model, layer: int) -> torch.Tensor | str:
@@ -63,8 +69,10 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
     if not _overrides(family, "residual_add"):
         return torch.ones(hidden_size(model))
     if family.block_arguments:
-        return (f"the {family.name} family's residual add takes the block's arguments "
-                f"({', '.join(family.block_arguments)}) as well as the update")
+        return (
+            f"the {family.name} family's residual add takes the block's arguments "
+            f"({', '.join(family.block_arguments)}) as well as the update"
+        )
     if model.access.engine == "vllm":
         return f"the {family.name} family's residual add (residual_add) is checked on the eager engine only"
     block = model.layers[layer]._module
@@ -81,8 +89,9 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
     if not torch.allclose(kept, stream, atol=1e-6):
         return f"the {family.name} block adds its update to something other than its input (residual_add)"
     multiplier = multiplier[0, 0]
-    if not torch.allclose(added, update * multiplier, atol=1e-5, rtol=1e-4) or \
-            not torch.allclose(multiplier, multiplier.mean().expand_as(multiplier)):
+    if not torch.allclose(added, update * multiplier, atol=1e-5, rtol=1e-4) or not torch.allclose(
+        multiplier, multiplier.mean().expand_as(multiplier)
+    ):
         return f"the {family.name} family's residual add is not a constant multiple of the update (residual_add)"
     return multiplier.float()
 
@@ -97,8 +106,14 @@ def post_norm_form(model, layer: int) -> NormForm | str | None:
         return f"the norm after attention ({name}) is checked on the eager engine only"
     module = model.layers[layer]._module.get_submodule(name)
     form = NormForm.of(module, hidden_size(model))
-    return form if form is not None else (f"the module after attention, {name} ({type(module).__name__}), is no norm "
-                                          f"attnlens can freeze at the run's scale")
+    return (
+        form
+        if form is not None
+        else (
+            f"the module after attention, {name} ({type(module).__name__}), is no norm "
+            f"attnlens can freeze at the run's scale"
+        )
+    )
 
 
 def head_between(model) -> str | None:
@@ -113,8 +128,10 @@ def head_between(model) -> str | None:
     for name, child in root.named_children():
         if child is output or any(m is layers for m in child.modules()) or next(child.parameters(), None) is None:
             continue
-        return (f"{name} ({type(child).__name__}) sits between the final norm and the unembedding, so the logits are "
-                f"no linear read-out of final_norm_output")
+        return (
+            f"{name} ({type(child).__name__}) sits between the final norm and the unembedding, so the logits are "
+            f"no linear read-out of final_norm_output"
+        )
     return None
 
 
@@ -154,9 +171,11 @@ def _split_reason(model, layer: int) -> str | None:
     for name in SPLIT:
         if report[name] is not None:
             return f"{name.split('.')[-1]} is unavailable ({report[name]})"
-    for method, what in (("merge_heads", "transforms the head outputs before the output projection"),
-                         ("project_output", "computes the attention output otherwise than its output projection"),
-                         ("project_routed_output", "routes the output projection by the attention's input")):
+    for method, what in (
+        ("merge_heads", "transforms the head outputs before the output projection"),
+        ("project_output", "computes the attention output otherwise than its output projection"),
+        ("project_routed_output", "routes the output projection by the attention's input"),
+    ):
         if _overrides(family, method):
             return f"the {family.name} family {what} ({method})"
     for reason in (residual_multiplier(model, layer), post_norm_form(model, layer)):

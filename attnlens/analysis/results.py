@@ -17,8 +17,18 @@ def render(table, width: int = 140) -> str:
     return console.export_text()
 
 
-def heatmap(values: torch.Tensor, out, *, title: str, x_label: str, y_label: str, x_ticks=None, y_ticks=None,
-            dpi: int = 150, label: str = "contribution") -> Path:
+def heatmap(
+    values: torch.Tensor,
+    out,
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_ticks=None,
+    y_ticks=None,
+    dpi: int = 150,
+    label: str = "contribution",
+) -> Path:
     """Write a [rows, columns] grid of signed numbers as a PNG (a diverging map centred on zero, NaN blank)."""
     from ..plot import _label
 
@@ -34,8 +44,7 @@ def heatmap(values: torch.Tensor, out, *, title: str, x_label: str, y_label: str
     rows, columns = grid.shape
     finite = abs(grid[grid == grid]) if (grid == grid).any() else [1.0]
     top = float(max(finite.max() if hasattr(finite, "max") else 1.0, 1e-12))
-    fig = Figure(figsize=(min(14.0, 1.6 + 0.32 * columns), min(12.0, 1.4 + 0.26 * rows)), dpi=dpi,
-                 layout="constrained")
+    fig = Figure(figsize=(min(14.0, 1.6 + 0.32 * columns), min(12.0, 1.4 + 0.26 * rows)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdBu_r", vmin=-top, vmax=top, aspect="auto", interpolation="nearest")

@@ -18,9 +18,11 @@ from ..errors import Unavailable
 from .norms import NormForm, _eps
 
 #: vLLM's norm classes and the form each computes.
-NORM_CLASSES = {"RMSNorm": ("RMSNorm", False, "weight"),
-                "GemmaRMSNorm": ("RMSNorm with 1 + weight (Gemma)", False, "one_plus"),
-                "LayerNorm": ("LayerNorm", True, "weight")}
+NORM_CLASSES = {
+    "RMSNorm": ("RMSNorm", False, "weight"),
+    "GemmaRMSNorm": ("RMSNorm with 1 + weight (Gemma)", False, "one_plus"),
+    "LayerNorm": ("LayerNorm", True, "weight"),
+}
 
 
 def tensor_parallel(model) -> int:
@@ -34,8 +36,10 @@ def tensor_parallel(model) -> int:
 def final_norm_form(model) -> NormForm | str:
     """The final norm's form from its class (its weight is read in the worker), or why it has none."""
     if tensor_parallel(model) > 1:
-        return ("tensor parallelism shards the output projection over heads; the analyses run on one rank "
-                "(tensor_parallel_size=1)")
+        return (
+            "tensor parallelism shards the output projection over heads; the analyses run on one rank "
+            "(tensor_parallel_size=1)"
+        )
     module = model._module.get_submodule(model.family.path("final_norm", "vllm"))
     name = type(module).__name__
     if name not in NORM_CLASSES:
@@ -69,8 +73,11 @@ def prepare(model, plan) -> None:
 
     module = model._module.get_submodule(plan.paths["final_norm"])
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    gain = torch.ones(plan.directions.shape[-1] if plan.directions is not None else module.weight.shape[-1]) \
-        if weight is None else weight.detach().float() + (1 if plan.final.enters == "one_plus" else 0)
+    gain = (
+        torch.ones(plan.directions.shape[-1] if plan.directions is not None else module.weight.shape[-1])
+        if weight is None
+        else weight.detach().float() + (1 if plan.final.enters == "one_plus" else 0)
+    )
     plan.final = replace(plan.final, gain=gain, bias=None if bias is None else bias.detach().float())
     prepare_weights(model, plan)
 

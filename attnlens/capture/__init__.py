@@ -17,5 +17,17 @@ from .api import KINDS, capture_attention, run_with_cache
 from .helpers import attn_out_gate, per_head_value, split_fused_qkv
 from .runs import Stored, prompts_of
 
-__all__ = ["CACHE_NAMES", "FUSED", "KINDS", "Cache", "Stored", "attn_out_gate", "cache_key", "capture_attention",
-           "per_head_value", "prompts_of", "run_with_cache", "split_fused_qkv"]
+__all__ = [
+    "CACHE_NAMES",
+    "FUSED",
+    "KINDS",
+    "Cache",
+    "Stored",
+    "attn_out_gate",
+    "cache_key",
+    "capture_attention",
+    "per_head_value",
+    "prompts_of",
+    "run_with_cache",
+    "split_fused_qkv",
+]

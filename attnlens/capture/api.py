@@ -17,8 +17,15 @@ from ..values import BY_SHORT
 from . import runs
 
 
-def run_with_cache(model, inputs, names: Iterable[str], *, batch_size: int = 8, progress: bool | None = None,
-                   save_to: str | Path | None = None):
+def run_with_cache(
+    model,
+    inputs,
+    names: Iterable[str],
+    *,
+    batch_size: int = 8,
+    progress: bool | None = None,
+    save_to: str | Path | None = None,
+):
     """Run `inputs` and return a `Cache` of the named values (`"attn_probs.10"`, `"value.10"`, `"logits"`).
 
     Values keep their layouts, batch axis first. One prompt or a [batch, seq] tensor gives one `Cache`; a list of
@@ -31,11 +38,12 @@ def run_with_cache(model, inputs, names: Iterable[str], *, batch_size: int = 8, 
 
     def collect(indexes, pads):
         batch = {(short, layer): plan.read(model, short, layer) for short, layer in points}
-        return [{cache_key(short, layer): plan.unpad(t, short, row, pad) for (short, layer), t in batch.items()}
-                for row, pad in enumerate(pads)]
+        return [
+            {cache_key(short, layer): plan.unpad(t, short, row, pad) for (short, layer), t in batch.items()}
+            for row, pad in enumerate(pads)
+        ]
 
-    results = runs.run(model, prompts, collect, batch_size=batch_size, progress=progress, save_to=save_to,
-                       kind="cache")
+    results = runs.run(model, prompts, collect, batch_size=batch_size, progress=progress, save_to=save_to, kind="cache")
     if save_to is None and isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
         return Cache({key: torch.cat([flat[key] for flat in results]) for key in results[0]})  # a batch stays one
     return runs.deliver(results, single, save_to, Cache)
@@ -66,9 +74,19 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tenso
     return dict(sorted(out.items()))
 
 
-def capture_attention(model, inputs, layers, *, keep: Iterable[str] = ("scores", "probs", "value"), heads=None,
-                      rows=None, batch_size: int = 8, chunk_rows: int | None = None, progress: bool | None = None,
-                      save_to: str | Path | None = None):
+def capture_attention(
+    model,
+    inputs,
+    layers,
+    *,
+    keep: Iterable[str] = ("scores", "probs", "value"),
+    heads=None,
+    rows=None,
+    batch_size: int = 8,
+    chunk_rows: int | None = None,
+    progress: bool | None = None,
+    save_to: str | Path | None = None,
+):
     """Per layer, the scores, the pattern and the values of each prompt: `out[10]["probs"]`.
 
     Layouts (no batch axis): `"scores"` and `"probs"` [heads, query, key], `"value"` [key, kv_heads, head_dim].
@@ -103,8 +121,9 @@ def capture_attention(model, inputs, layers, *, keep: Iterable[str] = ("scores",
         results = [{} for _ in pads]
         for layer in layers:
             attn = model.layers[layer].self_attn
-            rebuilt = any(rebuild.rebuilds(model.access, KINDS[kind], layer) for kind in ("scores", "probs")
-                          if kind in keep)
+            rebuilt = any(
+                rebuild.rebuilds(model.access, KINDS[kind], layer) for kind in ("scores", "probs") if kind in keep
+            )
             if rebuilt:
                 queries, keys, mask = rebuild.interface_inputs(attn, family, model.config, layer)
             read = {}
@@ -118,12 +137,21 @@ def capture_attention(model, inputs, layers, *, keep: Iterable[str] = ("scores",
                 if values is not None:
                     out[f"{layer}.value"] = values[i, :, pad:].transpose(0, 1).clone()
                 if rebuilt:
-                    own_mask = None if mask is None else mask[i:i + 1 if mask.shape[0] > 1 else 1, :, pad:, pad:]
+                    own_mask = None if mask is None else mask[i : i + 1 if mask.shape[0] > 1 else 1, :, pad:, pad:]
                     patterns = rebuild.pattern_rows(
-                        family, model.access.geometry(layer), model.config, layer, queries[i:i + 1, :, pad:],
-                        keys[i:i + 1, :, pad:], own_mask,
-                        rows=row_list, heads=head_list, chunk_rows=chunk_rows, scores="scores" in keep,
-                        probabilities="probs" in keep)
+                        family,
+                        model.access.geometry(layer),
+                        model.config,
+                        layer,
+                        queries[i : i + 1, :, pad:],
+                        keys[i : i + 1, :, pad:],
+                        own_mask,
+                        rows=row_list,
+                        heads=head_list,
+                        chunk_rows=chunk_rows,
+                        scores="scores" in keep,
+                        probabilities="probs" in keep,
+                    )
                     for kind, name in (("scores", "scores"), ("probs", "probabilities")):
                         if kind in keep:
                             out[f"{layer}.{kind}"] = patterns[name][0]
@@ -135,6 +163,7 @@ def capture_attention(model, inputs, layers, *, keep: Iterable[str] = ("scores",
                     out[f"{layer}.{kind}"] = picked.clone()
         return results
 
-    results = runs.run(model, prompts, collect, batch_size=batch_size, progress=progress, save_to=save_to,
-                       kind="capture")
+    results = runs.run(
+        model, prompts, collect, batch_size=batch_size, progress=progress, save_to=save_to, kind="capture"
+    )
     return runs.deliver(results, single, save_to, _unflatten)

@@ -20,8 +20,10 @@ def per_head_value(model, cache: Cache, layer: int, *, expand: bool = True) -> t
     heads = model.access.geometry(layer)
     num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
     if values.shape[1] != num_kv_heads:
-        raise ValueError(f"'value.{layer}' has {values.shape[1]} heads, but layer {layer} of {model.family.name} "
-                         f"has {num_kv_heads} key/value heads: is this cache from this model?")
+        raise ValueError(
+            f"'value.{layer}' has {values.shape[1]} heads, but layer {layer} of {model.family.name} "
+            f"has {num_kv_heads} key/value heads: is this cache from this model?"
+        )
     if expand:
         values = model.family.repeat_kv(values, num_heads // num_kv_heads)
     return values.transpose(1, 2)
@@ -35,8 +37,9 @@ def attn_out_gate(model, cache: Cache, layer: int) -> torch.Tensor:
     layer = model.access.check_layer(layer)
     reason = model.access.reasons(layer).get("attention_gate")
     if reason is not None:
-        raise Unavailable(f"attn_out_gate: layer {layer} of the {model.family.name} family has no output gate: "
-                          f"{reason}")
+        raise Unavailable(
+            f"attn_out_gate: layer {layer} of the {model.family.name} family has no output gate: {reason}"
+        )
     return cache.get("attn_gate", layer)
 
 
@@ -49,8 +52,15 @@ def split_fused_qkv(model, fused: torch.Tensor, layer: int = 0) -> dict[str, tor
     layer = model.access.check_layer(layer)
     layout = model.family.fused_qkv
     if layout is None:
-        raise Unavailable(f"split_fused_qkv: the {model.family.name} family has separate query, key and value "
-                          f"projections; nothing is fused")
+        raise Unavailable(
+            f"split_fused_qkv: the {model.family.name} family has separate query, key and value "
+            f"projections; nothing is fused"
+        )
     heads = model.access.geometry(layer)
-    return layout.split(fused, heads.num_heads, heads.num_kv_heads, heads.head_dim,
-                        where=f"layer {layer} of the {model.family.name} family")
+    return layout.split(
+        fused,
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        where=f"layer {layer} of the {model.family.name} family",
+    )

@@ -60,7 +60,7 @@ def batches(model, lengths: list[int], batch_size: int) -> list[list[int]]:
     lengths share a forward where the family's values change under left padding (`Family.padding_changes_values`)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if model.family.padding_changes_values is None:
-        return [order[at:at + batch_size] for at in range(0, len(order), batch_size)]
+        return [order[at : at + batch_size] for at in range(0, len(order), batch_size)]
     found: list[list[int]] = []
     for i in order:
         if found and len(found[-1]) < batch_size and lengths[found[-1][0]] == lengths[i]:
@@ -75,8 +75,15 @@ def _progress(show: bool | None, total: int, batch_size: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     show = total > batch_size if show is None else show
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), disable=not show, transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not show,
+        transient=False,
+    )
 
 
 class Stored(Sequence):
@@ -101,8 +108,16 @@ class Stored(Sequence):
         return f"Stored({len(self)} results in {where})"
 
 
-def run(model, prompts: list[torch.Tensor], collect, *, batch_size: int, progress: bool | None,
-         save_to: str | Path | None, kind: str) -> list:
+def run(
+    model,
+    prompts: list[torch.Tensor],
+    collect,
+    *,
+    batch_size: int,
+    progress: bool | None,
+    save_to: str | Path | None,
+    kind: str,
+) -> list:
     """Run `prompts` in batches; `collect(indexes, pads)`, called inside each trace with the batch's prompt indexes
     and left padding, returns one flat dict of tensors per prompt. Returns them in prompt order, or their files."""
     if batch_size < 1:
@@ -115,8 +130,11 @@ def run(model, prompts: list[torch.Tensor], collect, *, batch_size: int, progres
     with _progress(progress, len(prompts), batch_size) as bar, torch.no_grad():
         task = bar.add_task(f"attnlens {kind}", total=len(prompts))
         for batch in batches(model, lengths, batch_size):
-            collected = _requests(model, prompts, batch, collect) if _per_request(model) else \
-                _padded(model, prompts, batch, collect)
+            collected = (
+                _requests(model, prompts, batch, collect)
+                if _per_request(model)
+                else _padded(model, prompts, batch, collect)
+            )
             for i, flat in zip(batch, collected):
                 results[i] = flat if folder is None else _write(folder / f"{i:06d}.safetensors", flat, kind)
             bar.advance(task, len(batch))

@@ -14,5 +14,16 @@ from .features import FEATURES, Context, Feature, register
 from .run import DEFAULT_FEATURES, CollectResult, collect
 from .store import CollectMismatch, read_table
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "CollectMismatch", "CollectResult", "Context", "Corpus", "Feature",
-           "Record", "collect", "read_table", "register"]
+__all__ = [
+    "DEFAULT_FEATURES",
+    "FEATURES",
+    "CollectMismatch",
+    "CollectResult",
+    "Context",
+    "Corpus",
+    "Feature",
+    "Record",
+    "collect",
+    "read_table",
+    "register",
+]

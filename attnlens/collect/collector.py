@@ -59,8 +59,16 @@ def load(folder: str | Path, engine: str = "transformers", engine_args: dict | N
 class Collector:
     """One model, its plan and its options; `window(records)` -> (rows, errors, tokens)."""
 
-    def __init__(self, model, features: Sequence[str], layers=None, *, top_k: int = 5, rows: Sequence[int] = (-1,),
-                 batch_size: int | None = None):
+    def __init__(
+        self,
+        model,
+        features: Sequence[str],
+        layers=None,
+        *,
+        top_k: int = 5,
+        rows: Sequence[int] = (-1,),
+        batch_size: int | None = None,
+    ):
         from ..heads import why_not
 
         self.model = model
@@ -90,19 +98,29 @@ class Collector:
             self.layers = [layer for layer, why in reasons.items() if why is None]
             self.skipped = {layer: why for layer, why in reasons.items() if why is not None}
             if not self.layers:
-                raise Unavailable(f"collect: no layer of this {model.family.name} model serves {self.names}: "
-                                  f"{reasons[0]}")
+                raise Unavailable(
+                    f"collect: no layer of this {model.family.name} model serves {self.names}: {reasons[0]}"
+                )
         else:
             self.layers, self.skipped = [], {}
-            for layer in sorted({model.access.check_layer(layer) for layer in
-                                 ([layers] if isinstance(layers, int) else layers)}):
+            for layer in sorted(
+                {model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)}
+            ):
                 why = reason(layer)
                 if why is not None:
                     raise Unavailable(f"collect: layer {layer} on {model.family.name}: {why}")
                 self.layers.append(layer)
         #: (layer, the values read there in forward order)
-        self.plan = [(layer, sorted({name for f in self.features for name in f.reads},
-                                    key=lambda name: model.access.position(name, layer))) for layer in self.layers]
+        self.plan = [
+            (
+                layer,
+                sorted(
+                    {name for f in self.features for name in f.reads},
+                    key=lambda name: model.access.position(name, layer),
+                ),
+            )
+            for layer in self.layers
+        ]
         self.columns = {**KEY_COLUMNS, **{c: t for f in self.features for c, t in f.columns.items()}}
         self.limit = context_limit(model)
 
@@ -113,13 +131,22 @@ class Collector:
 
         model = self.model
         config = model.access.config
-        chosen = {"features": self.names, "options": self.options, "layers": self.layers,
-                  "columns": self.columns}
-        return {"model": model_name(model), "family": model.family.name,
-                "config_hash": _hash(config.to_dict()), "features": self.names, "options": self.options,
-                "features_hash": _hash(chosen), "layers": self.layers, "skipped": self.skipped,
-                "engine": model.access.engine, "dtype": str(model_dtype(model)).removeprefix("torch."),
-                "attnlens_version": _version(), "columns": self.columns, "context_limit": self.limit}
+        chosen = {"features": self.names, "options": self.options, "layers": self.layers, "columns": self.columns}
+        return {
+            "model": model_name(model),
+            "family": model.family.name,
+            "config_hash": _hash(config.to_dict()),
+            "features": self.names,
+            "options": self.options,
+            "features_hash": _hash(chosen),
+            "layers": self.layers,
+            "skipped": self.skipped,
+            "engine": model.access.engine,
+            "dtype": str(model_dtype(model)).removeprefix("torch."),
+            "attnlens_version": _version(),
+            "columns": self.columns,
+            "context_limit": self.limit,
+        }
 
     # --- one window ----------------------------------------------------------------------------------------------
 
@@ -242,7 +269,7 @@ def _batches(model, runnable: list, batch_size: int) -> list[list]:
     """On eager, prompts of similar lengths together (little padding; equal lengths only where the family's values
     change under left padding); on vLLM, in corpus order (vLLM batches the requests itself)."""
     if model.access.engine == "vllm":
-        return [runnable[at:at + batch_size] for at in range(0, len(runnable), batch_size)]
+        return [runnable[at : at + batch_size] for at in range(0, len(runnable), batch_size)]
     from ..capture.runs import batches
 
     return [[runnable[i] for i in batch] for batch in batches(model, [len(ids) for _, ids in runnable], batch_size)]
@@ -263,9 +290,11 @@ def compute(model, plan, features, options, wants, lengths, pads, found, first) 
                 axes = BY_NAME[name].axes
                 seen = tensor.shape[axes.index("seq")] if "seq" in axes else lengths[i]
                 if seen != lengths[i]:
-                    raise ValueError(f"layer {layer}: {name} covers {seen} of the prompt's {lengths[i]} tokens; "
-                                     f"collect needs whole prefills (turn chunked prefill off or raise "
-                                     f"max_num_batched_tokens)")
+                    raise ValueError(
+                        f"layer {layer}: {name} covers {seen} of the prompt's {lengths[i]} tokens; "
+                        f"collect needs whole prefills (turn chunked prefill off or raise "
+                        f"max_num_batched_tokens)"
+                    )
             context = registry.Context(attn, layer, lengths[i], values, options, wants)
             columns: dict = {}
             for feature in features:

@@ -46,29 +46,36 @@ class Corpus:
         if isinstance(source, (str, Path)):
             path = Path(source).expanduser()
             if not path.is_file():
-                raise FileNotFoundError(f"corpus {source}: no such file (a .jsonl, .txt or .parquet file, or a "
-                                        f"datasets.Dataset)")
+                raise FileNotFoundError(
+                    f"corpus {source}: no such file (a .jsonl, .txt or .parquet file, or a datasets.Dataset)"
+                )
             kind = kind or SUFFIXES.get(path.suffix.lower())
             if kind not in SUFFIXES.values():
-                raise ValueError(f"corpus {source}: cannot tell its format from {path.suffix!r}; name a .jsonl, "
-                                 f".txt or .parquet file or pass kind='jsonl', 'text' or 'parquet'")
+                raise ValueError(
+                    f"corpus {source}: cannot tell its format from {path.suffix!r}; name a .jsonl, "
+                    f".txt or .parquet file or pass kind='jsonl', 'text' or 'parquet'"
+                )
             self.path: Path | None = path
         elif hasattr(source, "column_names") and hasattr(source, "__iter__"):
             kind, self.path = "dataset", None
             if source.column_names is not None and field not in source.column_names:
-                raise ValueError(f"corpus: the dataset has no column {field!r}; its columns: "
-                                 f"{', '.join(source.column_names)} (choose one with field=)")
+                raise ValueError(
+                    f"corpus: the dataset has no column {field!r}; its columns: "
+                    f"{', '.join(source.column_names)} (choose one with field=)"
+                )
         else:
-            raise TypeError(f"corpus: a path to a .jsonl, .txt or .parquet file or a datasets.Dataset; got "
-                            f"{type(source).__name__}")
+            raise TypeError(
+                f"corpus: a path to a .jsonl, .txt or .parquet file or a datasets.Dataset; got {type(source).__name__}"
+            )
         self.kind = kind
         if kind == "parquet":
             import pyarrow.parquet as pq
 
             names = pq.read_schema(self.path).names
             if field not in names:
-                raise ValueError(f"corpus {source}: no column {field!r}; its columns: {', '.join(names)} (choose one "
-                                 f"with field=)")
+                raise ValueError(
+                    f"corpus {source}: no column {field!r}; its columns: {', '.join(names)} (choose one with field=)"
+                )
             self.key_field = key_field if key_field in names else None
 
     def describe(self) -> str:
@@ -106,8 +113,11 @@ class Corpus:
                 try:
                     yield index, raw.decode("utf-8"), None
                 except UnicodeDecodeError as error:
-                    yield index, None, f"undecodable: line {index + 1} is not valid UTF-8 ({error.reason} at byte " \
-                                       f"{error.start})"
+                    yield (
+                        index,
+                        None,
+                        f"undecodable: line {index + 1} is not valid UTF-8 ({error.reason} at byte {error.start})",
+                    )
 
     def _text(self) -> Iterator[Record]:
         for index, line, problem in self._lines():
@@ -143,12 +153,18 @@ class Corpus:
         key = item.get(self.key_field) if self.key_field else None
         key = None if key is None else str(key)
         if self.field not in item:
-            return Record(index, key=key, problem=f"undecodable: no field {self.field!r} (has "
-                                                  f"{', '.join(map(str, item)) or 'none'})")
+            return Record(
+                index,
+                key=key,
+                problem=f"undecodable: no field {self.field!r} (has {', '.join(map(str, item)) or 'none'})",
+            )
         value = item[self.field]
         if isinstance(value, str):
             return Record(index, text=value, key=key)
         if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             return Record(index, ids=list(value), key=key)
-        return Record(index, key=key, problem=f"undecodable: field {self.field!r} holds {type(value).__name__}, "
-                                              f"not text or a list of token ids")
+        return Record(
+            index,
+            key=key,
+            problem=f"undecodable: field {self.field!r} holds {type(value).__name__}, not text or a list of token ids",
+        )

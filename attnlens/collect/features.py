@@ -48,8 +48,10 @@ def register(feature: Feature) -> Feature:
     taken = {column: name for name, f in FEATURES.items() for column in f.columns}
     clash = [column for column in feature.columns if column in taken or column in RESERVED]
     if clash:
-        raise ValueError(f"feature {feature.name!r}: column(s) {clash} are taken (by "
-                         f"{', '.join(taken.get(c, 'the row keys') for c in clash)})")
+        raise ValueError(
+            f"feature {feature.name!r}: column(s) {clash} are taken (by "
+            f"{', '.join(taken.get(c, 'the row keys') for c in clash)})"
+        )
     FEATURES[feature.name] = feature
     return feature
 
@@ -101,8 +103,14 @@ class Context:
                 rows = torch.arange(n)
                 targets["previous"] = torch.where(rows >= 1, rows - 1, -1)
             top_k = self.options["top_k"] if self.wants.get("top") else 0
-            self._summary = heads.summarize(heads.score_function(self.attn), queries, keys, targets=targets,
-                                            top_rows=self.rows() if top_k else (), top_k=top_k)
+            self._summary = heads.summarize(
+                heads.score_function(self.attn),
+                queries,
+                keys,
+                targets=targets,
+                top_rows=self.rows() if top_k else (),
+                top_k=top_k,
+            )
         return self._summary
 
     def per_query_head(self, per_kv_head: torch.Tensor) -> torch.Tensor:
@@ -125,8 +133,11 @@ def _top(context: Context) -> dict[str, torch.Tensor]:
     if "top_keys" not in sums:  # no row in range
         empty = torch.zeros(num_heads, 0, context.options["top_k"])
         return {"top_rows": rows.expand(num_heads, -1), "top_keys": empty.int(), "top_weights": empty}
-    return {"top_rows": rows.expand(num_heads, -1), "top_keys": sums["top_keys"][0].int(),
-            "top_weights": sums["top_weights"][0]}
+    return {
+        "top_rows": rows.expand(num_heads, -1),
+        "top_keys": sums["top_keys"][0].int(),
+        "top_weights": sums["top_weights"][0],
+    }
 
 
 def _pattern(context: Context) -> dict[str, torch.Tensor]:
@@ -134,11 +145,15 @@ def _pattern(context: Context) -> dict[str, torch.Tensor]:
     queries, keys = context.values["attention_queries"], context.values["attention_keys"]
     scores = heads.score_function(context.attn)
     rows = context.rows()
-    found = [scores(queries[:, :, row:row + 1], keys[:, :, :row + 1]).softmax(-1, dtype=torch.float32)[0, :, 0]
-             for row in rows]
+    found = [
+        scores(queries[:, :, row : row + 1], keys[:, :, : row + 1]).softmax(-1, dtype=torch.float32)[0, :, 0]
+        for row in rows
+    ]
     num_heads = queries.shape[1]
-    return {"pattern_rows": torch.tensor(rows, dtype=torch.int32).expand(num_heads, -1),
-            "pattern": [[row[h] for row in found] for h in range(num_heads)]}
+    return {
+        "pattern_rows": torch.tensor(rows, dtype=torch.int32).expand(num_heads, -1),
+        "pattern": [[row[h] for row in found] for h in range(num_heads)],
+    }
 
 
 def _norm(name: str, head_axis: int, kv: bool) -> Callable[[Context], dict[str, torch.Tensor]]:
@@ -147,29 +162,78 @@ def _norm(name: str, head_axis: int, kv: bool) -> Callable[[Context], dict[str, 
         norms = tensor.norm(dim=-1).mean(dim=1 - head_axis)  # the mean over positions of each head's norm
         column = FEATURE_OF[name]
         return {column: context.per_query_head(norms) if kv else norms}
+
     return compute
 
 
 QK = ("attention_queries", "attention_keys")
-register(Feature("entropy", "mean entropy of a row of the pattern, in nats", QK, {"entropy": "float32"},
-                 lambda c: {"entropy": _mean(c.summary(), "entropy", "rows")}, scored=True))
-register(Feature("sink", "mean weight on the first token", QK, {"sink": "float32"},
-                 lambda c: {"sink": _mean(c.summary(), "sink", "rows")}, scored=True))
-register(Feature("previous", "mean weight from a token to the one before it (nan on a one-token prompt)", QK,
-                 {"previous": "float32"}, lambda c: {"previous": _mean(c.summary(), "previous", "previous_rows")},
-                 scored=True))
-register(Feature("top_keys", "the top_k keys of each chosen row (top_rows) and their weights; -1 and 0 past the keys "
-                 "a row sees", QK,
-                 {"top_rows": "list<int32>", "top_keys": "list<list<int32>>", "top_weights": "list<list<float32>>"},
-                 _top, scored=True))
-register(Feature("pattern", "each chosen row's pattern (pattern_rows), over the keys it sees", QK,
-                 {"pattern_rows": "list<int32>", "pattern": "list<list<float32>>"}, _pattern, scored=True))
+register(
+    Feature(
+        "entropy",
+        "mean entropy of a row of the pattern, in nats",
+        QK,
+        {"entropy": "float32"},
+        lambda c: {"entropy": _mean(c.summary(), "entropy", "rows")},
+        scored=True,
+    )
+)
+register(
+    Feature(
+        "sink",
+        "mean weight on the first token",
+        QK,
+        {"sink": "float32"},
+        lambda c: {"sink": _mean(c.summary(), "sink", "rows")},
+        scored=True,
+    )
+)
+register(
+    Feature(
+        "previous",
+        "mean weight from a token to the one before it (nan on a one-token prompt)",
+        QK,
+        {"previous": "float32"},
+        lambda c: {"previous": _mean(c.summary(), "previous", "previous_rows")},
+        scored=True,
+    )
+)
+register(
+    Feature(
+        "top_keys",
+        "the top_k keys of each chosen row (top_rows) and their weights; -1 and 0 past the keys a row sees",
+        QK,
+        {"top_rows": "list<int32>", "top_keys": "list<list<int32>>", "top_weights": "list<list<float32>>"},
+        _top,
+        scored=True,
+    )
+)
+register(
+    Feature(
+        "pattern",
+        "each chosen row's pattern (pattern_rows), over the keys it sees",
+        QK,
+        {"pattern_rows": "list<int32>", "pattern": "list<list<float32>>"},
+        _pattern,
+        scored=True,
+    )
+)
 
 #: The norm features: standardized value -> column, and where its head axis is (without the batch axis).
-NORMS = {"attention_queries": ("query_norm", 0, False), "attention_keys": ("key_norm", 0, True),
-         "attention_values": ("value_norm", 0, True), "attention_head_outputs": ("head_output_norm", 1, False)}
+NORMS = {
+    "attention_queries": ("query_norm", 0, False),
+    "attention_keys": ("key_norm", 0, True),
+    "attention_values": ("value_norm", 0, True),
+    "attention_head_outputs": ("head_output_norm", 1, False),
+}
 FEATURE_OF = {name: column for name, (column, _, _) in NORMS.items()}
 for _value, (_column, _axis, _kv) in NORMS.items():
     _whose = "its key/value head's, repeated over the query heads it serves" if _kv else "per query head"
-    register(Feature(_column, f"mean over positions of the L2 norm of {_value} ({_whose})", (_value,),
-                     {_column: "float32"}, _norm(_value, _axis, _kv)))
+    register(
+        Feature(
+            _column,
+            f"mean over positions of the L2 norm of {_value} ({_whose})",
+            (_value,),
+            {_column: "float32"},
+            _norm(_value, _axis, _kv),
+        )
+    )

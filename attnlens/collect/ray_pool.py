@@ -43,8 +43,17 @@ class RayPool:
     """`workers` actors, each with `cpus` CPUs (and `gpus` GPUs), on the Ray cluster `ray.init` finds (a running
     local or remote one, `RAY_ADDRESS`; or a new local one)."""
 
-    def __init__(self, folder: str, engine: str, engine_args: dict | None, options: dict, workers: int, *,
-                 cpus: float = 1, gpus: float = 0):
+    def __init__(
+        self,
+        folder: str,
+        engine: str,
+        engine_args: dict | None,
+        options: dict,
+        workers: int,
+        *,
+        cpus: float = 1,
+        gpus: float = 0,
+    ):
         try:
             import ray
         except ModuleNotFoundError:
@@ -55,16 +64,23 @@ class RayPool:
         if not ray.is_initialized():
             ray.init(runtime_env={"env_vars": WORKER_ENV})
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus)(_Worker)
-        env = {"env_vars": {**WORKER_ENV, **({"PYTHONPATH": os.environ["PYTHONPATH"]}
-                                             if "PYTHONPATH" in os.environ else {})}}
-        self.actors = [actor.options(runtime_env=env).remote(folder, engine, engine_args, options)
-                       for _ in range(workers)]
+        env = {
+            "env_vars": {
+                **WORKER_ENV,
+                **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
+            }
+        }
+        self.actors = [
+            actor.options(runtime_env=env).remote(folder, engine, engine_args, options) for _ in range(workers)
+        ]
         described = ray.get([a.describe.remote() for a in self.actors])
         first = described[0]
         for other in described[1:]:
             if other["identity"] != first["identity"]:
-                raise RuntimeError("collect on Ray: the workers loaded different models or settings: "
-                                   f"{first['identity']} and {other['identity']}")
+                raise RuntimeError(
+                    "collect on Ray: the workers loaded different models or settings: "
+                    f"{first['identity']} and {other['identity']}"
+                )
         self.identity, self.columns = first["identity"], first["columns"]
         self.layers, self.skipped = first["layers"], first["skipped"]
 

@@ -21,6 +21,7 @@ DEFAULT_FEATURES = ("entropy", "sink", "previous", "top_keys")
 
 # --- the run ------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class CollectResult:
     """What a run did: this run's prompts, rows and errors, what earlier runs had committed, time and throughput."""
@@ -58,9 +59,11 @@ class CollectResult:
 
     def summary(self) -> str:
         earlier = f"; {self.already_done} committed before" if self.already_done else ""
-        return (f"collected {self.prompts} prompts ({self.rows} rows, {self.errors} errors) in {self.seconds:.1f} s: "
-                f"{self.prompts_per_second:.1f} prompts/s, {self.tokens_per_second:.0f} tokens/s; {self.total} of "
-                f"the corpus done{earlier}; {self.shards} shards in {self.out}")
+        return (
+            f"collected {self.prompts} prompts ({self.rows} rows, {self.errors} errors) in {self.seconds:.1f} s: "
+            f"{self.prompts_per_second:.1f} prompts/s, {self.tokens_per_second:.0f} tokens/s; {self.total} of "
+            f"the corpus done{earlier}; {self.shards} shards in {self.out}"
+        )
 
     __str__ = summary
 
@@ -76,12 +79,20 @@ def _progress(show: bool):
             if not elapsed:
                 return Text("")
             done = task.completed - task.fields.get("first", 0)
-            return Text(f"{done / elapsed:.1f} prompts/s {task.fields.get('tokens', 0) / elapsed:,.0f} tokens/s",
-                        no_wrap=True)
+            return Text(
+                f"{done / elapsed:.1f} prompts/s {task.fields.get('tokens', 0) / elapsed:,.0f} tokens/s", no_wrap=True
+            )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), Rates(),
-                    TextColumn("ETA"),
-                    TimeRemainingColumn(), console=Console(stderr=True), disable=not show)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        Rates(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not show,
+    )
 
 
 def windows(corpus: Corpus, done, size: int, limit: int | None = None):
@@ -102,11 +113,25 @@ def windows(corpus: Corpus, done, size: int, limit: int | None = None):
         yield window
 
 
-def collect(model: Any, corpus: Any, features: Sequence[str] | str = DEFAULT_FEATURES, out: str | Path = "collect", *,
-            layers=None, top_k: int = 5, rows: int | Sequence[int] = (-1,), field: str = "text",
-            key_field: str | None = "id", shard_size: int = 256, batch_size: int | None = None,
-            engine: str = "transformers", engine_args: dict | None = None, workers: int | None = None,
-            max_prompts: int | None = None, progress: bool | None = None) -> CollectResult:
+def collect(
+    model: Any,
+    corpus: Any,
+    features: Sequence[str] | str = DEFAULT_FEATURES,
+    out: str | Path = "collect",
+    *,
+    layers=None,
+    top_k: int = 5,
+    rows: int | Sequence[int] = (-1,),
+    field: str = "text",
+    key_field: str | None = "id",
+    shard_size: int = 256,
+    batch_size: int | None = None,
+    engine: str = "transformers",
+    engine_args: dict | None = None,
+    workers: int | None = None,
+    max_prompts: int | None = None,
+    progress: bool | None = None,
+) -> CollectResult:
     """Compute `features` of every prompt of `corpus` and write them to sharded Parquet under `out`.
 
     - `model`: a `StandardizedTransformer` or `StandardizedVLLM`, or a checkpoint folder loaded on `engine` ("transformers"
@@ -127,26 +152,53 @@ def collect(model: Any, corpus: Any, features: Sequence[str] | str = DEFAULT_FEA
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1; got {shard_size}")
     corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus, field=field, key_field=key_field)
-    options = dict(features=[features] if isinstance(features, str) else list(features), layers=layers,
-                   top_k=top_k, rows=rows, batch_size=batch_size)
+    options = dict(
+        features=[features] if isinstance(features, str) else list(features),
+        layers=layers,
+        top_k=top_k,
+        rows=rows,
+        batch_size=batch_size,
+    )
     if workers is not None:
         from .ray_pool import RayPool
 
         if not isinstance(model, (str, Path)):
-            raise TypeError("collect on Ray (workers=...) needs the model as a checkpoint folder each worker loads, "
-                            "not a loaded model")
+            raise TypeError(
+                "collect on Ray (workers=...) needs the model as a checkpoint folder each worker loads, "
+                "not a loaded model"
+            )
         pool = RayPool(str(model), engine, engine_args, options, workers)
         try:
-            return _drive(pool, pool.identity, pool.columns, pool.layers, pool.skipped, corpus, out, shard_size,
-                          max_prompts, progress)
+            return _drive(
+                pool,
+                pool.identity,
+                pool.columns,
+                pool.layers,
+                pool.skipped,
+                corpus,
+                out,
+                shard_size,
+                max_prompts,
+                progress,
+            )
         finally:
             pool.close()
     if isinstance(model, (str, Path)):
         model = load(str(model), engine, engine_args)
     collector = Collector(model, **options)
     local = _Local(collector)
-    return _drive(local, collector.identity(), collector.columns, collector.layers, collector.skipped, corpus, out,
-                  shard_size, max_prompts, progress)
+    return _drive(
+        local,
+        collector.identity(),
+        collector.columns,
+        collector.layers,
+        collector.skipped,
+        corpus,
+        out,
+        shard_size,
+        max_prompts,
+        progress,
+    )
 
 
 class _Local:
@@ -178,6 +230,16 @@ def _drive(pool, identity, columns, layers, skipped, corpus, out, shard_size, ma
             prompts, rows, errors = prompts + len(window), rows + len(found["prompt"]), errors + len(failed["prompt"])
             tokens, shards = tokens + used, shards + 1
             bar.update(task, advance=len(window), tokens=tokens)
-    return CollectResult(out=Path(out), prompts=prompts, rows=rows, errors=errors, tokens=tokens,
-                         seconds=time.perf_counter() - start, already_done=already, total=already + prompts,
-                         shards=shards, layers=layers, skipped=skipped)
+    return CollectResult(
+        out=Path(out),
+        prompts=prompts,
+        rows=rows,
+        errors=errors,
+        tokens=tokens,
+        seconds=time.perf_counter() - start,
+        already_done=already,
+        total=already + prompts,
+        shards=shards,
+        layers=layers,
+        skipped=skipped,
+    )

@@ -30,8 +30,14 @@ META_KEY = b"attnlens"
 MATCHED = ("corpus", "model", "family", "config_hash", "features", "features_hash", "layers", "engine", "dtype")
 
 ERROR_COLUMNS = {"prompt": "int64", "key": "string", "reason": "string", "detail": "string", "tokens": "int32"}
-KEY_COLUMNS = {"prompt": "int64", "key": "string", "tokens": "int32", "layer": "int16", "head": "int16",
-               "kv_head": "int16"}
+KEY_COLUMNS = {
+    "prompt": "int64",
+    "key": "string",
+    "tokens": "int32",
+    "layer": "int16",
+    "head": "int16",
+    "kv_head": "int16",
+}
 
 
 class CollectMismatch(AttnlensError, ValueError):
@@ -43,8 +49,13 @@ def arrow_type(name: str):
 
     if name.startswith("list<") and name.endswith(">"):
         return pa.list_(arrow_type(name[5:-1]))
-    return {"float32": pa.float32(), "int32": pa.int32(), "int16": pa.int16(), "int64": pa.int64(),
-            "string": pa.string()}[name]
+    return {
+        "float32": pa.float32(),
+        "int32": pa.int32(),
+        "int16": pa.int16(),
+        "int64": pa.int64(),
+        "string": pa.string(),
+    }[name]
 
 
 def schema(columns: dict[str, str], identity: dict | None = None):
@@ -55,6 +66,7 @@ def schema(columns: dict[str, str], identity: dict | None = None):
 
 
 # --- covered prompts as ranges ------------------------------------------------------------------------------------
+
 
 def ranges(indexes) -> list[list[int]]:
     """Sorted indexes -> [[start, stop), ...]."""
@@ -94,6 +106,7 @@ class Done:
 
 # --- the folder ---------------------------------------------------------------------------------------------------
 
+
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -131,11 +144,15 @@ class Store:
             changed = [name for name in MATCHED if found.get(name) != identity.get(name)]
             if changed:
                 detail = "; ".join(f"{name}: {found.get(name)!r} there, {identity.get(name)!r} now" for name in changed)
-                raise CollectMismatch(f"{folder} holds a collection of another run ({detail}); continue it with the "
-                                      f"same corpus, model, features and engine, or collect into a new folder")
+                raise CollectMismatch(
+                    f"{folder} holds a collection of another run ({detail}); continue it with the "
+                    f"same corpus, model, features and engine, or collect into a new folder"
+                )
         elif folder.exists() and any(folder.iterdir()):
-            raise CollectMismatch(f"{folder} is not empty and holds no {IDENTITY_FILE}: it is not an attnlens "
-                                  f"collection; collect into a new or empty folder")
+            raise CollectMismatch(
+                f"{folder} is not empty and holds no {IDENTITY_FILE}: it is not an attnlens "
+                f"collection; collect into a new or empty folder"
+            )
         for part in (DATA, ERRORS):
             (folder / part).mkdir(parents=True, exist_ok=True)
         if not marker.exists():

@@ -24,24 +24,49 @@ from ..parts.moe import SparseMoE, moe_absent
 def _afmoe_vllm_locations(family):
     locations = Family.vllm.locations(family)
     kernel = family.vllm.kernel
-    heads = per_head_on_ranks(ModuleOutput(kernel), label="attention_head_outputs",
-                              note="what vLLM's attention kernel returns, before the output gate")
-    gate = per_head_on_ranks(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)"), label="attention_gate",
-                             note="the sigmoid's output in vLLM's attention forward, per head")
-    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
-                         note="a copy of the token embedding's output (before any muP scaling)",
-                         why_not="it is a copy; layers[0].layer_input is what the first block receives")
-    locations = {**locations, "embeddings": embeddings, "attention_head_outputs": heads,
-                 "attention_scores": GatedPattern(kernel, "scores"),
-                 "attention_probabilities": GatedPattern(kernel, "probabilities")}
+    heads = per_head_on_ranks(
+        ModuleOutput(kernel),
+        label="attention_head_outputs",
+        note="what vLLM's attention kernel returns, before the output gate",
+    )
+    gate = per_head_on_ranks(
+        Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)"),
+        label="attention_gate",
+        note="the sigmoid's output in vLLM's attention forward, per head",
+    )
+    embeddings = Derived(
+        ModuleOutput(family.embed_tokens),
+        copy_with_batch,
+        drop_batch,
+        in_place=False,
+        note="a copy of the token embedding's output (before any muP scaling)",
+        why_not="it is a copy; layers[0].layer_input is what the first block receives",
+    )
+    locations = {
+        **locations,
+        "embeddings": embeddings,
+        "attention_head_outputs": heads,
+        "attention_scores": GatedPattern(kernel, "scores"),
+        "attention_probabilities": GatedPattern(kernel, "probabilities"),
+    }
     return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
 
 class Afmoe(SparseMoE, Family):
     model_types = ("afmoe",)
-    tiny = ("AfmoeConfig", "AfmoeForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "num_dense_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = (
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "num_dense_layers": 1,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    )
     mlp_norm = "pre_mlp_layernorm"
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
@@ -54,7 +79,6 @@ class Afmoe(SparseMoE, Family):
     # vLLM reads the router from the released config's fields, which transformers' config drops: transformers' router
     # is sigmoid scores, top-k renormalised, one group
 
-
     def moe_layer(self, config, layer):
         return layer >= config.num_dense_layers
 
@@ -65,14 +89,15 @@ class Afmoe(SparseMoE, Family):
     def notes(self, config, layer, engine="transformers"):
         local = config.layer_types[layer] == "sliding_attention"
         rotated = "then rotated" if local else "not rotated (full-attention layers have no positional encoding)"
-        notes = {**super().notes(config, layer, engine),
-                 "attention_queries": f"RMS-normalised per head (q_norm), {rotated}",
-                 "attention_keys": f"RMS-normalised per head (k_norm), {rotated}",
-                 "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                           "premix",
-                 "attention_gate": "sigmoid of gate_proj(x) per head, as the forward multiplies the merged heads by "
-                                   "it; a view of that tensor, so edits land",
-                 "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "attention_queries": f"RMS-normalised per head (q_norm), {rotated}",
+            "attention_keys": f"RMS-normalised per head (k_norm), {rotated}",
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid of gate_proj(x) per head, as the forward multiplies the merged heads by "
+            "it; a view of that tensor, so edits land",
+            "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
+        }
         if config.mup_enabled:
             notes["embeddings"] = "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size)"
         return notes

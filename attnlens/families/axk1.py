@@ -11,9 +11,11 @@ from dataclasses import replace
 from .deepseek_v3 import DeepseekV3
 
 #: Why a MoE layer's mlp_output is not served on vLLM.
-POST_MLP_NORM = ("vLLM's A.X-K1 applies post_mlp_layernorm in the block, after the MLP module returns (on eager it is "
-                 "inside the MLP), so no output of the MLP module is the normalised sum; layer_output - layer_mid "
-                 "is it")
+POST_MLP_NORM = (
+    "vLLM's A.X-K1 applies post_mlp_layernorm in the block, after the MLP module returns (on eager it is "
+    "inside the MLP), so no output of the MLP module is the normalised sum; layer_output - layer_mid "
+    "is it"
+)
 
 
 class AXK1(DeepseekV3):

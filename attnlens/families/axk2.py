@@ -32,14 +32,19 @@ class AXK2(DeepseekV32):
     tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):
-        gate = Derived(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"), _per_head, _flat,
-                       label="attention_gate")
+        gate = Derived(
+            Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states"),
+            _per_head,
+            _flat,
+            label="attention_gate",
+        )
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                          "premix",
-                "attention_gate": "sigmoid of each head's gate slice of q_gate_proj, as the forward multiplies the "
-                                  "merged heads by it; a view of that tensor, so in-place edits land, and assignment "
-                                  "lands too"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid of each head's gate slice of q_gate_proj, as the forward multiplies the "
+            "merged heads by it; a view of that tensor, so in-place edits land, and assignment "
+            "lands too",
+        }

@@ -17,9 +17,18 @@ from .youtu import LATENT_TINY
 
 class BailingHybrid(DeltaHybrid, DeepseekV2):
     model_types = ("bailing_hybrid",)
-    tiny = Tiny("BailingHybridConfig", "BailingHybridForCausalLM", {
-        **LATENT_TINY, **MOE, "q_lora_rank": None, "linear_head_dim": 16, "linear_num_heads": 4,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    tiny = Tiny(
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        {
+            **LATENT_TINY,
+            **MOE,
+            "q_lora_rank": None,
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        },
+    )
     label = "Bailing Hybrid"
 
     def locations(self):
@@ -29,8 +38,10 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if not self.is_mixer_layer(config, layer):
-            notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the " \
-                                              "premix"
-            notes["attention_gate"] = "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the " \
-                                      "head's v_head_dim channels"
+            notes["attention_head_outputs"] = (
+                "the mix before the output gate: times attention_gate, merged, is the premix"
+            )
+            notes["attention_gate"] = (
+                "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the head's v_head_dim channels"
+            )
         return notes

@@ -11,13 +11,17 @@ from ..parts.mixers import MixerLayers
 
 class Bamba(MixerLayers, Family):
     model_types = ("bamba",)
-    tiny = Tiny("BambaConfig", "BambaForCausalLM", {
-        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "attn_layer_indices": [1]})
+    tiny = Tiny(
+        "BambaConfig",
+        "BambaForCausalLM",
+        {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "attn_layer_indices": [1]},
+    )
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
-    mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
-                  "before out_proj")
+    mixer_kind = (
+        "a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised before out_proj"
+    )
 
     def is_mixer_layer(self, config, layer):
         return layer not in config.attn_layer_indices

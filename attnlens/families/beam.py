@@ -19,10 +19,21 @@ from ..parts.moe import SparseMoE, moe_absent
 
 class Beam(SparseMoE, Family):
     model_types = ("beam",)
-    tiny = Tiny("BeamConfig", "BeamForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "n_group": 1, "topk_group": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "mlp_layer_types": ["dense", "sparse", "dense"]})
+    tiny = Tiny(
+        "BeamConfig",
+        "BeamForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "mlp_layer_types": ["dense", "sparse", "dense"],
+        },
+    )
     mlp_norm = "pre_feedforward_layernorm"
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"
@@ -41,16 +52,19 @@ class Beam(SparseMoE, Family):
 
     def notes(self, config, layer, engine="transformers"):
         full = config.layer_types[layer] != "sliding_attention"
-        queries = ("RMS-normalised per head (q_norm), not rotated, times the position-dependent attention_scaling"
-                   if full else "RMS-normalised per head (q_norm), then rotated")
+        queries = (
+            "RMS-normalised per head (q_norm), not rotated, times the position-dependent attention_scaling"
+            if full
+            else "RMS-normalised per head (q_norm), then rotated"
+        )
         n = 2 * (layer + 1)
-        return {**super().notes(config, layer, engine), "attention_queries": queries,
-                "attention_keys": "RMS-normalised per head (k_norm)" + ("" if full else ", then rotated"),
-                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                          "premix",
-                "attention_gate": "sigmoid(gate_proj(x) + gate_bias) per head and channel, as the forward multiplies "
-                                  "the heads by it (edits land)",
-                "layer_mid": f"post_attention_layernorm(attention_output) / sqrt({n}) + layer_input * "
-                             f"sqrt({n - 1}/{n})",
-                "layer_output": f"post_feedforward_layernorm(mlp_output) / sqrt({n + 1}) + layer_mid * "
-                                f"sqrt({n}/{n + 1})"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": queries,
+            "attention_keys": "RMS-normalised per head (k_norm)" + ("" if full else ", then rotated"),
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid(gate_proj(x) + gate_bias) per head and channel, as the forward multiplies "
+            "the heads by it (edits land)",
+            "layer_mid": f"post_attention_layernorm(attention_output) / sqrt({n}) + layer_input * sqrt({n - 1}/{n})",
+            "layer_output": f"post_feedforward_layernorm(mlp_output) / sqrt({n + 1}) + layer_mid * sqrt({n}/{n + 1})",
+        }

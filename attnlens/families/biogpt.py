@@ -26,9 +26,13 @@ class BioGpt(Family):
     down_projection = "fc2"  # on the block, which runs the MLP (see `mlp_module`)
 
     def locations(self):
-        return {**super().locations(), "mlp_input": ModuleInput("fc1"),
-                "mlp_activation": ModuleInput(),  # fc2 receives the activation's output itself (dropout is off)
-                "mlp_neurons": ModuleInput(), "mlp_output": ModuleOutput()}
+        return {
+            **super().locations(),
+            "mlp_input": ModuleInput("fc1"),
+            "mlp_activation": ModuleInput(),  # fc2 receives the activation's output itself (dropout is off)
+            "mlp_neurons": ModuleInput(),
+            "mlp_output": ModuleOutput(),
+        }
 
     def mlp_module(self, block):
         return block  # the block calls fc1, activation_fn and fc2 itself
@@ -37,6 +41,8 @@ class BioGpt(Family):
         return block.fc2(block.activation_fn(block.fc1(mlp_input)))
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "mlp_activation": "what fc2 receives: activation_fn(fc1(x)), the same tensor as mlp_neurons (no gate)",
-                "embeddings": "the scaled token embedding's output; learned positions are added before layers[0]"}
+        return {
+            **super().notes(config, layer, engine),
+            "mlp_activation": "what fc2 receives: activation_fn(fc1(x)), the same tensor as mlp_neurons (no gate)",
+            "embeddings": "the scaled token embedding's output; learned positions are added before layers[0]",
+        }

@@ -26,15 +26,20 @@ class BitNet(Llama):
 
     def mlp_arithmetic(self, mlp):
         common = super().mlp_arithmetic(mlp)  # the Llama MLP's, with the sub-norm over the product
-        return replace(common, neurons=lambda x, activation: mlp.ffn_sub_norm(activation * mlp.up_proj(x)),
-                       says=(common.says[0], "ffn_sub_norm(activation * up(mlp input))", common.says[2]))
+        return replace(
+            common,
+            neurons=lambda x, activation: mlp.ffn_sub_norm(activation * mlp.up_proj(x)),
+            says=(common.says[0], "ffn_sub_norm(activation * up(mlp input))", common.says[2]),
+        )
 
     def project_output(self, module, premix):
         return module.o_proj(module.attn_sub_norm(premix))
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_premix": "the heads merged, what attn_sub_norm (an RMSNorm over all heads together) "
-                                    "receives; o_proj receives that norm's output",
-                "mlp_neurons": "what down_proj receives: ffn_sub_norm(mlp_activation * up_proj(x)), the gated "
-                               "product RMS-normalised over the neurons"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_premix": "the heads merged, what attn_sub_norm (an RMSNorm over all heads together) "
+            "receives; o_proj receives that norm's output",
+            "mlp_neurons": "what down_proj receives: ffn_sub_norm(mlp_activation * up_proj(x)), the gated "
+            "product RMS-normalised over the neurons",
+        }

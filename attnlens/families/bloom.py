@@ -19,7 +19,6 @@ vLLM's Bloom keeps these module names without the residual inside the modules, h
 (`VLLM_GELU`).
 """
 
-
 import torch
 
 from ..family import Family, Tiny, VLLMLayout
@@ -29,10 +28,12 @@ from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
 from ..parts.sizes import Sizes
 
-VLLM_GELU = ("vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
-             "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
-             "values differ from the transformers engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny "
-             "random checkpoint)")
+VLLM_GELU = (
+    "vLLM's BloomMLP uses the exact GELU (erf) where transformers' Bloom uses its tanh approximation "
+    "(bloom_gelu_forward): the two differ by up to 4.7e-4 per activation, so from the first MLP on vLLM's "
+    "values differ from the transformers engine's by about 1e-3 relative (9.4e-4 in the patterns of a tiny "
+    "random checkpoint)"
+)
 
 
 def _split(envoy, folded):
@@ -71,8 +72,12 @@ def _bloom_vllm_locations(family):
 
 class Bloom(Family):
     model_types = ("bloom",)
-    tiny = Tiny("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "intermediate_size": None,
-                                                "max_position_embeddings": None}, layouts={"post_norm_residual": {"apply_residual_connection_post_layernorm": True}})
+    tiny = Tiny(
+        "BloomConfig",
+        "BloomForCausalLM",
+        {"num_key_value_heads": None, "intermediate_size": None, "max_position_embeddings": None},
+        layouts={"post_norm_residual": {"apply_residual_connection_post_layernorm": True}},
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.word_embeddings"
     final_norm = "transformer.ln_f"
@@ -94,21 +99,24 @@ class Bloom(Family):
             "embeddings": ModuleOutput(self.embed_tokens),
             "layer_input": ModuleInput(),
             "attention_norm_output": ModuleOutput(self.attention_norm),
-            "attention_queries": Derived(Operation(("query_layer_0",), anchor="query_layer.reshape("),
-                                         _split, _fold, "attention_queries"),
-            "attention_keys": Derived(Operation(("key_layer_0",), anchor="key_layer.reshape("),
-                                      _split_keys, _fold_keys, "attention_keys"),
-            "attention_values": Derived(Operation(("value_layer_0",), anchor="value_layer.reshape("),
-                                        _split, _fold, "attention_values"),
+            "attention_queries": Derived(
+                Operation(("query_layer_0",), anchor="query_layer.reshape("), _split, _fold, "attention_queries"
+            ),
+            "attention_keys": Derived(
+                Operation(("key_layer_0",), anchor="key_layer.reshape("), _split_keys, _fold_keys, "attention_keys"
+            ),
+            "attention_values": Derived(
+                Operation(("value_layer_0",), anchor="value_layer.reshape("), _split, _fold, "attention_values"
+            ),
             "attention_scores": Operation(("attn_weights_1",), anchor="+ attention_mask"),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="self.attention_dropout("),
-            "attention_head_outputs": Derived(Operation(("torch_bmm_0",), anchor="torch.bmm("),
-                                              _heads, _unheads, "attention_head_outputs"),
+            "attention_head_outputs": Derived(
+                Operation(("torch_bmm_0",), anchor="torch.bmm("), _heads, _unheads, "attention_head_outputs"
+            ),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput(self.output_projection),
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
-
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor:
         """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""
@@ -130,8 +138,9 @@ class Bloom(Family):
         alibi = alibi.expand(batch, num_heads, 1, num_keys)
         folded_queries = queries.reshape(batch * num_heads, num_queries, dim)
         folded_keys = keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2)
-        scores = alibi.reshape(batch * num_heads, 1, num_keys).baddbmm(folded_queries, folded_keys, beta=1.0,
-                                                                        alpha=heads.scale)
+        scores = alibi.reshape(batch * num_heads, 1, num_keys).baddbmm(
+            folded_queries, folded_keys, beta=1.0, alpha=heads.scale
+        )
         mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device)  # no window
         return scores.view(batch, num_heads, num_queries, num_keys) + mask
 
@@ -148,8 +157,10 @@ class Bloom(Family):
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if config.pretraining_tp > 1 and config.slow_but_exact:
-            why = (f"config.pretraining_tp={config.pretraining_tp} with slow_but_exact=True runs the {{}} as sliced "
-                   f"F.linear calls, so `{{}}` is never called; load with slow_but_exact=False")
+            why = (
+                f"config.pretraining_tp={config.pretraining_tp} with slow_but_exact=True runs the {{}} as sliced "
+                f"F.linear calls, so `{{}}` is never called; load with slow_but_exact=False"
+            )
             reasons["attention_premix"] = reasons["attention_output"] = why.format("output projection", "dense")
             reasons["mlp_neurons"] = reasons["mlp_output"] = why.format("MLP's down projection", "dense_4h_to_h")
         return reasons
@@ -157,19 +168,27 @@ class Bloom(Family):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; word_embeddings_layernorm follows it before block 0"
-        notes["attention_scores"] = ("q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens "
-                                     "only), + the causal mask")
+        notes["attention_scores"] = (
+            "q·k/sqrt(d) + ALiBi (slope_h * key position, positions counting real tokens only), + the causal mask"
+        )
         if engine == "vllm":
-            notes["attention_scores"] += ("; vLLM's kernel adds slope_h * (key - query position) instead, which "
-                                          "shifts each row by a constant: the same pattern")
+            notes["attention_scores"] += (
+                "; vLLM's kernel adds slope_h * (key - query position) instead, which "
+                "shifts each row by a constant: the same pattern"
+            )
             notes["mlp_activation"] = VLLM_GELU
         else:
-            notes["attention_output"] = ("the output projection's output: the attention module itself returns "
-                                         "residual + this")
+            notes["attention_output"] = (
+                "the output projection's output: the attention module itself returns residual + this"
+            )
             notes["mlp_output"] = "the down projection's output: BloomMLP itself returns residual + this"
         if config.apply_residual_connection_post_layernorm:
-            notes["layer_mid"] = ("apply_residual_connection_post_layernorm: attention_norm_output + attention_output "
-                                  "(the block adds attention to the normed input, not to layer_input)")
-            notes["layer_output"] = ("apply_residual_connection_post_layernorm: mlp_norm_output + mlp_output (the "
-                                     "block adds the MLP to the normed stream, not to layer_mid)")
+            notes["layer_mid"] = (
+                "apply_residual_connection_post_layernorm: attention_norm_output + attention_output "
+                "(the block adds attention to the normed input, not to layer_input)"
+            )
+            notes["layer_output"] = (
+                "apply_residual_connection_post_layernorm: mlp_norm_output + mlp_output (the "
+                "block adds the MLP to the normed stream, not to layer_mid)"
+            )
         return notes

@@ -18,34 +18,62 @@ from ..locations import ModuleOutput
 from ..locations.views import snapshot
 from ..parts.sizes import Sizes
 
-STREAM = ("the local decoder's blocks (bytes); layer 0's input is the local encoder's output plus the cross-attention "
-          "from the global transformer's patches. The patcher's, the local encoder's and the global transformer's "
-          "blocks (the last over patches, not tokens) are not served")
+STREAM = (
+    "the local decoder's blocks (bytes); layer 0's input is the local encoder's output plus the cross-attention "
+    "from the global transformer's patches. The patcher's, the local encoder's and the global transformer's "
+    "blocks (the last over patches, not tokens) are not served"
+)
 
 
 class Blt(Family):
     model_types = ("blt",)
-    tiny = Tiny("BltConfig", "BltForCausalLM", {
-        "use_cache": False, "encoder_hash_byte_group_vocab": 128, "local_attention_window_len": 6, **{
-            part: {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-                   "num_hidden_layers": layers, "vocab_size": 128,
-                   **({"hidden_size_global": 64, "cross_attn_all_layers": False} if local else {})}
-            for part, layers, local in (("patcher_config", 1, False), ("encoder_config", 1, True),
-                                        ("decoder_config", 3, True), ("global_config", 2, False))}})
+    tiny = Tiny(
+        "BltConfig",
+        "BltForCausalLM",
+        {
+            "use_cache": False,
+            "encoder_hash_byte_group_vocab": 128,
+            "local_attention_window_len": 6,
+            **{
+                part: {
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": layers,
+                    "vocab_size": 128,
+                    **({"hidden_size_global": 64, "cross_attn_all_layers": False} if local else {}),
+                }
+                for part, layers, local in (
+                    ("patcher_config", 1, False),
+                    ("encoder_config", 1, True),
+                    ("decoder_config", 3, True),
+                    ("global_config", 2, False),
+                )
+            },
+        },
+    )
     # The tiny decoder has its one cross-attention in front of the first block: BLT's own layout has one in front of
     # every block, where a block's input is not the previous block's output, which the shared identities assume
     # (tests/families/test_blt.py checks that layout).
-    padding_changes_values = ("positions count from the padded start (BLT's rotary positions take no mask), and the "
-                              "patcher's entropies and the patches run over the padding")
+    padding_changes_values = (
+        "positions count from the padded start (BLT's rotary positions take no mask), and the "
+        "patcher's entropies and the patches run over the padding"
+    )
     layers = "model.local_decoder.layers"
     embed_tokens = "model.local_encoder.embed_tokens"
     final_norm = "model.local_decoder.norm"
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
 
     def locations(self):
-        return {**super().locations(), "embeddings": snapshot(
-            ModuleOutput(self.embed_tokens), "compute_hash_embeddings adds the hashed n-gram embeddings into "
-            "embed_tokens' output in place, so attnlens hands out a copy taken before those adds")}
+        return {
+            **super().locations(),
+            "embeddings": snapshot(
+                ModuleOutput(self.embed_tokens),
+                "compute_hash_embeddings adds the hashed n-gram embeddings into "
+                "embed_tokens' output in place, so attnlens hands out a copy taken before those adds",
+            ),
+        }
 
     def sliding_window(self, config, layer):
         # transformers 5.24 masks the local blocks with encoder_config.sliding_window (local_attention_window_len);
@@ -55,11 +83,16 @@ class Blt(Family):
     def notes(self, config, layer, engine="transformers"):
         stream = STREAM
         if config.decoder_config.cross_attn_all_layers and layer > 0:
-            stream = (f"{STREAM}. With cross_attn_all_layers a cross-attention from the patches "
-                      f"(local_decoder.cross_attn_layers[{layer}]) is added in front of every block: this is "
-                      f"layers[{layer - 1}].layer_output plus it")
+            stream = (
+                f"{STREAM}. With cross_attn_all_layers a cross-attention from the patches "
+                f"(local_decoder.cross_attn_layers[{layer}]) is added in front of every block: this is "
+                f"layers[{layer - 1}].layer_output plus it"
+            )
         elif layer > 0:
             stream = f"{STREAM}. Here layers[{layer - 1}].layer_output"
-        return {**super().notes(config, layer, engine), "layer_input": stream,
-                "embeddings": "local_encoder.embed_tokens' output, a copy taken before compute_hash_embeddings adds "
-                              "the hashed n-gram embeddings into it in place (the local encoder reads that sum)"}
+        return {
+            **super().notes(config, layer, engine),
+            "layer_input": stream,
+            "embeddings": "local_encoder.embed_tokens' output, a copy taken before compute_hash_embeddings adds "
+            "the hashed n-gram embeddings into it in place (the local encoder reads that sum)",
+        }

@@ -15,8 +15,11 @@ from .gptj import GPTJ
 
 class CodeGen(GPTJ):
     model_types = ("codegen",)
-    tiny = Tiny("CodeGenConfig", "CodeGenForCausalLM", {**GPTJ.tiny[2], "bos_token_id": 1, "eos_token_id": 2,
-                                                     "pad_token_id": None})
+    tiny = Tiny(
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        {**GPTJ.tiny[2], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None},
+    )
     attention_class = ("codegen.modeling_codegen", "CodeGenAttention")
     own_scores = ("attn_weights_2", "/ self.scale_attn")
 
@@ -30,7 +33,9 @@ class CodeGen(GPTJ):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.own_attn():
-            notes["attention_scores"] = ("float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the "
-                                         "scale, so masked entries are (score + the model dtype's minimum) / "
-                                         "sqrt(head_dim)")
+            notes["attention_scores"] = (
+                "float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the "
+                "scale, so masked entries are (score + the model dtype's minimum) / "
+                "sqrt(head_dim)"
+            )
         return notes

@@ -11,7 +11,6 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 `(layer output, their own input)`: `layer_input` and `layer_output` are the first items there, not the pair's sum.
 """
 
-
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleArgument, ModuleInput, ModuleOutput
 from ..locations.vllm import batched
@@ -21,9 +20,13 @@ from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_no
 def _cohere_vllm_locations(family):
     locations = parallel_locations(Family.vllm.locations(family), batched(ModuleInput(family.mlp)))
     # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-    return {**locations, "layer_input": batched(ModuleArgument("", 1)),
-            "attention_output": batched(ModuleOutput()), "mlp_output": batched(ModuleOutput()),
-            "layer_output": batched(ModuleOutput("", 0))}
+    return {
+        **locations,
+        "layer_input": batched(ModuleArgument("", 1)),
+        "attention_output": batched(ModuleOutput()),
+        "mlp_output": batched(ModuleOutput()),
+        "layer_output": batched(ModuleOutput("", 0)),
+    }
 
 
 class Cohere(Family):
@@ -39,7 +42,9 @@ class Cohere(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
-                "logits": f"the language-model head's output times config.logit_scale ({config.logit_scale})"}
+        return {
+            **super().notes(config, layer, engine),
+            "mlp_norm_output": shared_norm_note(self.attention_norm),
+            "logits": f"the language-model head's output times config.logit_scale ({config.logit_scale})",
+        }

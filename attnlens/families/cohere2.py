@@ -22,12 +22,20 @@ def _cohere2_vllm_window(family, config, layer):
 
 class Cohere2(Cohere):
     model_types = ("cohere2",)
-    tiny = Tiny("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny(
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    )
     # The tiny checkpoint is full attention only: with a sliding layer vLLM's values are transformers' with a wider
     # window, not the same checkpoint's (tests_vllm/test_windows.py tests those against transformers with
     # sliding_window + 1).
-    vllm = replace(Cohere.vllm, model_types=("cohere2",), tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
-                   window=_cohere2_vllm_window)
+    vllm = replace(
+        Cohere.vllm,
+        model_types=("cohere2",),
+        tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
+        window=_cohere2_vllm_window,
+    )
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
@@ -39,5 +47,6 @@ class Cohere2(Cohere):
             notes["attention_probabilities"] = (
                 f"sliding window: each query sees its last {window} keys, one more than transformers' "
                 f"config.sliding_window ({window - 1}): vLLM's CohereAttention passes sliding_window + 1 to its "
-                f"kernel; rebuilt over the whole context (zeros outside the window)")
+                f"kernel; rebuilt over the whole context (zeros outside the window)"
+            )
         return notes

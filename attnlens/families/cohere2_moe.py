@@ -16,12 +16,27 @@ from .cohere import Cohere
 
 class Cohere2Moe(SparseMoE, Cohere):
     model_types = ("cohere2_moe",)
-    tiny = Tiny("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "mlp_layer_types": ["dense", "sparse", "sparse"], "prefix_dense_intermediate_size": 128})
-    absent = {**Cohere.absent, **moe_absent("Cohere2MoeExperts", extra=", with the shared experts' output summed "
-                                            "or averaged in (shared_expert_combination_strategy)")}
+    tiny = Tiny(
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_shared_experts": 1,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "prefix_dense_intermediate_size": 128,
+        },
+    )
+    absent = {
+        **Cohere.absent,
+        **moe_absent(
+            "Cohere2MoeExperts",
+            extra=", with the shared experts' output summed or averaged in (shared_expert_combination_strategy)",
+        ),
+    }
 
     def moe_layer(self, config, layer):
         return config.mlp_layer_types[layer] != "dense"
@@ -29,13 +44,15 @@ class Cohere2Moe(SparseMoE, Cohere):
     @staticmethod
     def rotary(config, layer) -> bool:
         return config.layer_types[layer] == "sliding_attention" or (
-            config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1)
+            config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1
+        )
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if self.rotary(config, layer):
             notes["attention_queries"] = notes["attention_keys"] = "rotated (interleaved pairs)"
         else:
-            notes["attention_queries"] = notes["attention_keys"] = ("not rotated: this full-attention layer has no "
-                                                                    "positional encoding")
+            notes["attention_queries"] = notes["attention_keys"] = (
+                "not rotated: this full-attention layer has no positional encoding"
+            )
         return notes

@@ -21,10 +21,23 @@ def _replace(envoy, old, new):
 
 class CTRL(Family):
     model_types = ("ctrl",)
-    tiny = Tiny("CTRLConfig", "CTRLLMHeadModel", {
-        "n_layer": 3, "n_embd": 64, "n_head": 4, "dff": 128, "n_positions": 128, "num_hidden_layers": None,
-        "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
-        "max_position_embeddings": None})
+    tiny = Tiny(
+        "CTRLConfig",
+        "CTRLLMHeadModel",
+        {
+            "n_layer": 3,
+            "n_embd": 64,
+            "n_head": 4,
+            "dff": 128,
+            "n_positions": 128,
+            "num_hidden_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+            "max_position_embeddings": None,
+        },
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.w"
     final_norm = "transformer.layernorm"
@@ -38,12 +51,22 @@ class CTRL(Family):
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",))
 
     def locations(self):
-        return {**super().locations(), "embeddings": Derived(
-            ModuleOutput(self.embed_tokens), _snapshot, _replace, "embeddings", in_place=False,
-            why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right after")}
+        return {
+            **super().locations(),
+            "embeddings": Derived(
+                ModuleOutput(self.embed_tokens),
+                _snapshot,
+                _replace,
+                "embeddings",
+                in_place=False,
+                why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right after",
+            ),
+        }
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "embeddings": "a snapshot of the token embedding's output (assign it; in-place edits cannot land): "
-                              "CTRLModel multiplies it by sqrt(n_embd) in place and adds sinusoidal positions before "
-                              "layers[0]"}
+        return {
+            **super().notes(config, layer, engine),
+            "embeddings": "a snapshot of the token embedding's output (assign it; in-place edits cannot land): "
+            "CTRLModel multiplies it by sqrt(n_embd) in place and adds sinusoidal positions before "
+            "layers[0]",
+        }

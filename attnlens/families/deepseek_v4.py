@@ -30,19 +30,23 @@ from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
 
-MOE_REASON = ("a mixture-of-experts layer (every DeepSeek-V4 layer): the routed experts apply their clamped gated "
-              "activation inside a loop over experts, each to the tokens routed to it, so no [batch, seq, "
-              "intermediate] tensor exists (the shared expert, mlp.shared_experts, is one part of the sum)")
+MOE_REASON = (
+    "a mixture-of-experts layer (every DeepSeek-V4 layer): the routed experts apply their clamped gated "
+    "activation inside a loop over experts, each to the tokens routed to it, so no [batch, seq, "
+    "intermediate] tensor exists (the shared expert, mlp.shared_experts, is one part of the sum)"
+)
 KEY_AXIS = ("attention_keys", "attention_values", "attention_scores", "attention_sinks", "attention_probabilities")
 STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
 
 def _compressed_reason(layer_type: str) -> str:
     picked = " (the lightning indexer picks which per query)" if layer_type == "compressed_sparse_attention" else ""
-    return (f"a {layer_type} layer: the compressor appends one pooled key/value entry per compress_rate tokens to "
-            f"the sliding-window keys{picked}, so the key axis is seq + seq // compress_rate and the mask is "
-            f"extended with the compressor's own block bias; the catalogue's [.., seq, ..] key axis cannot hold "
-            f"them. The sliding_attention layers serve this value")
+    return (
+        f"a {layer_type} layer: the compressor appends one pooled key/value entry per compress_rate tokens to "
+        f"the sliding-window keys{picked}, so the key axis is seq + seq // compress_rate and the mask is "
+        f"extended with the compressor's own block bias; the catalogue's [.., seq, ..] key axis cannot hold "
+        f"them. The sliding_attention layers serve this value"
+    )
 
 
 def _flatten_groups(envoy, grouped):
@@ -55,31 +59,49 @@ def _unflatten_groups(envoy, grouped, premix):
 
 class DeepseekV4(SparseMoE, Family):
     model_types = ("deepseek_v4",)
-    tiny = Tiny("DeepseekV4Config", "DeepseekV4ForCausalLM", {
-        "num_key_value_heads": 1, "head_dim": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-        "intermediate_size": None, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "sliding_window": 4, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 2, "index_head_dim": 16,
-        "index_topk": 2, "hc_mult": 2, "num_nextn_predict_layers": 0,
-        # rates small enough that the 18-token test prompt fills compressor windows on both compressed kinds
-        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
-        "mlp_layer_types": ["moe", "moe", "moe"]})
+    tiny = Tiny(
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "intermediate_size": None,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_topk": 2,
+            "hc_mult": 2,
+            "num_nextn_predict_layers": 0,
+            # rates small enough that the 18-token test prompt fills compressor windows on both compressed kinds
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+            "mlp_layer_types": ["moe", "moe", "moe"],
+        },
+    )
     output_projection = "o_a_proj"
     probabilities_operation = ("attn_weights_2", "dropout(")
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
     vllm = VLLMLayout(
         refusal="vLLM reads DeepSeek-V4's config in its authors' format, not transformers': \"The "
-                    "`mlp_layer_types` entries must be in ('sparse', 'dense')\" (vLLM 0.32, on transformers' "
-                    "deepseek_v4 config, whose entries are 'moe')",
+        "`mlp_layer_types` entries must be in ('sparse', 'dense')\" (vLLM 0.32, on transformers' "
+        "deepseek_v4 config, whose entries are 'moe')",
     )
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
     sizes = Sizes(num_kv_heads=(kv_heads_from_groups,))
 
     def locations(self):
         locations = super().locations()
-        locations["attention_premix"] = Derived(ModuleInput(self.output_projection), _flatten_groups,
-                                                _unflatten_groups, "attention_premix")
+        locations["attention_premix"] = Derived(
+            ModuleInput(self.output_projection), _flatten_groups, _unflatten_groups, "attention_premix"
+        )
         locations["layer_mid"] = ModuleInput(self.mlp_streams)
         return with_sinks(locations, sink_share("probs_0"))
 
@@ -112,14 +134,16 @@ class DeepseekV4(SparseMoE, Family):
         transformers_module = sys.modules[type(module).__module__]
         positions = torch.arange(heads.shape[1], device=heads.device)[None]
         cos, sin = transformers_module.DeepseekV4RotaryEmbedding(module.config)(
-            heads, positions, layer_type=module.rope_layer_type)
+            heads, positions, layer_type=module.rope_layer_type
+        )
         rotated = transformers_module.apply_rotary_pos_emb(heads.transpose(1, 2), cos, -sin).transpose(1, 2)
         return rotated.reshape(*heads.shape[:2], -1)
 
     def residual_add(self, block, sublayer, stream, update):
         post, comb, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)
-        return post.to(stream.dtype).unsqueeze(-1) * update.unsqueeze(-2) + \
-            torch.matmul(comb.to(stream.dtype).transpose(-1, -2), stream)
+        return post.to(stream.dtype).unsqueeze(-1) * update.unsqueeze(-2) + torch.matmul(
+            comb.to(stream.dtype).transpose(-1, -2), stream
+        )
 
     def residual_read(self, owner, sublayer, stream):
         if sublayer == "final":
@@ -131,26 +155,41 @@ class DeepseekV4(SparseMoE, Family):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes.pop("attention_probabilities", None)
-        shared = ("the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, "
-                  f"with the rotary embedding on its trailing {config.qk_rope_head_dim} channels; an in-place edit "
-                  "of keys or values edits both, assigning one replaces only that argument")
-        notes.update({
-            "layer_input": STREAMS.format(config.hc_mult, "entering the block; attn_hc collapses them into what "
-                                                          "input_layernorm reads"),
-            "layer_mid": STREAMS.format(config.hc_mult, "after attention: post * attention_output + comb^T @ "
-                                                        "layer_input (attn_hc's weights); ffn_hc's input"),
-            "layer_output": STREAMS.format(config.hc_mult, "leaving the block: post * mlp_output + comb^T @ "
-                                                           "layer_mid (ffn_hc's weights)"),
-            "attention_head_outputs": "probabilities @ values: each head's output still carries the values' rotary "
-                                      "embedding on its trailing slice (the forward rotates it back before o_a_proj)",
-            "attention_premix": f"o_a_proj's input [batch, seq, o_groups={config.o_groups}, heads*head_dim/o_groups] "
-                                f"flattened: the head outputs rotated back at their query's position, merged; a view, "
-                                f"so in-place edits land, and assignment is reshaped back",
-            "attention_output": "o_b_proj(o_a_proj(premix by groups)): the grouped low-rank output projection",
-            "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
-        })
+        shared = (
+            "the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, "
+            f"with the rotary embedding on its trailing {config.qk_rope_head_dim} channels; an in-place edit "
+            "of keys or values edits both, assigning one replaces only that argument"
+        )
+        notes.update(
+            {
+                "layer_input": STREAMS.format(
+                    config.hc_mult, "entering the block; attn_hc collapses them into what input_layernorm reads"
+                ),
+                "layer_mid": STREAMS.format(
+                    config.hc_mult,
+                    "after attention: post * attention_output + comb^T @ "
+                    "layer_input (attn_hc's weights); ffn_hc's input",
+                ),
+                "layer_output": STREAMS.format(
+                    config.hc_mult, "leaving the block: post * mlp_output + comb^T @ layer_mid (ffn_hc's weights)"
+                ),
+                "attention_head_outputs": "probabilities @ values: each head's output still carries the values' rotary "
+                "embedding on its trailing slice (the forward rotates it back before o_a_proj)",
+                "attention_premix": f"o_a_proj's input [batch, seq, o_groups={config.o_groups}, heads*head_dim/o_groups] "
+                f"flattened: the head outputs rotated back at their query's position, merged; a view, "
+                f"so in-place edits land, and assignment is reshaped back",
+                "attention_output": "o_b_proj(o_a_proj(premix by groups)): the grouped low-rank output projection",
+                "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
+            }
+        )
         if config.layer_types[layer] == "sliding_attention":
-            notes.update({"attention_keys": shared, "attention_values": shared, "attention_sinks": SINK_NOTE,
-                          "attention_probabilities": f"sliding window of {config.sliding_window} keys; rows sum to "
-                                                     f"1 - attention_sinks"})
+            notes.update(
+                {
+                    "attention_keys": shared,
+                    "attention_values": shared,
+                    "attention_sinks": SINK_NOTE,
+                    "attention_probabilities": f"sliding window of {config.sliding_window} keys; rows sum to "
+                    f"1 - attention_sinks",
+                }
+            )
         return notes

@@ -20,8 +20,10 @@ from ..family import Family, Tiny
 from ..locations import Derived, Operation
 from ..parts.sizes import Sizes
 
-SECOND_CALL = "the forward runs the attention function twice with the same queries, keys and pattern (once per half " \
-              "of the values)"
+SECOND_CALL = (
+    "the forward runs the attention function twice with the same queries, keys and pattern (once per half "
+    "of the values)"
+)
 
 
 def _doubled(envoy, values):
@@ -35,9 +37,15 @@ def _same(envoy, tensor):
 
 
 def _first_call_only(location, label, what):
-    return Derived(location, _same, None, label, in_place=False,
-                   why_not=f"{SECOND_CALL}; {what} is the first call's, so an edit would reach only the first half "
-                           f"of every head's output")
+    return Derived(
+        location,
+        _same,
+        None,
+        label,
+        in_place=False,
+        why_not=f"{SECOND_CALL}; {what} is the first call's, so an edit would reach only the first half "
+        f"of every head's output",
+    )
 
 
 class DiffLlama(Family):
@@ -47,21 +55,33 @@ class DiffLlama(Family):
 
     def locations(self):
         locations = super().locations()
-        keys = Derived(locations["attention_keys"], _same, None, "attention_keys", in_place=True,
-                       why_not=f"{SECOND_CALL}; assigning the first call's keys would leave the second call's alone "
-                               f"(in-place edits reach both: it is one tensor)")
-        values = Derived(Operation(("torch_chunk_0",), "arg", 0, anchor="torch.chunk(value_states, 2, dim=1)"),
-                         _doubled, None, "attention_values", in_place=False,
-                         why_not="it is assembled from value_states: the forward never holds a head's doubled "
-                                 "values as one tensor; edit the values through v_proj's output instead")
+        keys = Derived(
+            locations["attention_keys"],
+            _same,
+            None,
+            "attention_keys",
+            in_place=True,
+            why_not=f"{SECOND_CALL}; assigning the first call's keys would leave the second call's alone "
+            f"(in-place edits reach both: it is one tensor)",
+        )
+        values = Derived(
+            Operation(("torch_chunk_0",), "arg", 0, anchor="torch.chunk(value_states, 2, dim=1)"),
+            _doubled,
+            None,
+            "attention_values",
+            in_place=False,
+            why_not="it is assembled from value_states: the forward never holds a head's doubled "
+            "values as one tensor; edit the values through v_proj's output instead",
+        )
         heads = {
             # the values are split before the first call, so they come before the keys the call receives
             "attention_queries": Operation(("apply_rotary_pos_emb_0",), item=0, anchor="apply_rotary_pos_emb("),
             "attention_values": values,
             "attention_keys": keys,
             "attention_scores": _first_call_only(locations["attention_scores"], "attention_scores", "the scores"),
-            "attention_probabilities": _first_call_only(locations["attention_probabilities"],
-                                                        "attention_probabilities", "the pattern"),
+            "attention_probabilities": _first_call_only(
+                locations["attention_probabilities"], "attention_probabilities", "the pattern"
+            ),
             "attention_head_outputs": Operation(("attn_output_0",), anchor="torch.cat([attn_output1, attn_output2]"),
         }
         ordered = {}
@@ -86,13 +106,15 @@ class DiffLlama(Family):
 
     def notes(self, config, layer, engine="transformers"):
         half = config.num_attention_heads // 2
-        return {**super().notes(config, layer, engine),
-                "attention_probabilities": f"each query head's own softmax pattern; differential head j (j < {half}) "
-                                           f"outputs (P_j - lambda * P_(j+{half})) @ values, a difference never "
-                                           f"formed as a tensor. A read-only copy: {SECOND_CALL}",
-                "attention_values": "each key/value head's values twice head_dim wide: [v_g | v_(g + kv/2)] for g mod "
-                                    "kv/2, as the two attention calls mix them; a read-only copy",
-                "attention_head_outputs": "pattern @ values per head, 2 x head_dim wide: the two attention calls' "
-                                          "outputs concatenated, before the differential combination",
-                "attention_premix": f"(1 - lambda_init) * groupnorm(out_j - lambda * out_(j+{half})) for each of the "
-                                    f"{half} head pairs, merged: what o_proj receives"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_probabilities": f"each query head's own softmax pattern; differential head j (j < {half}) "
+            f"outputs (P_j - lambda * P_(j+{half})) @ values, a difference never "
+            f"formed as a tensor. A read-only copy: {SECOND_CALL}",
+            "attention_values": "each key/value head's values twice head_dim wide: [v_g | v_(g + kv/2)] for g mod "
+            "kv/2, as the two attention calls mix them; a read-only copy",
+            "attention_head_outputs": "pattern @ values per head, 2 x head_dim wide: the two attention calls' "
+            "outputs concatenated, before the differential combination",
+            "attention_premix": f"(1 - lambda_init) * groupnorm(out_j - lambda * out_(j+{half})) for each of the "
+            f"{half} head pairs, merged: what o_proj receives",
+        }

@@ -34,10 +34,12 @@ from ..locations import ModuleOutput
 from .llama import Llama
 
 DYNAMIC = "Doge adds a dynamic mask exp(A * softplus(dt_proj(values))) per key/value head and key"
-CDMOE = ("a CDMoE layer (is_moe): its activation runs twice, on the retrieval experts' weights and on the dense "
-         "gated part, and down_proj gives only the dense part of mlp_output, to which the experts' states are added "
-         "(up_embed mixed by the activated, routing-weighted down_embed scores): no one tensor is what the "
-         "catalogue names")
+CDMOE = (
+    "a CDMoE layer (is_moe): its activation runs twice, on the retrieval experts' weights and on the dense "
+    "gated part, and down_proj gives only the dense part of mlp_output, to which the experts' states are added "
+    "(up_embed mixed by the activated, routing-weighted down_embed scores): no one tensor is what the "
+    "catalogue names"
+)
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,17 @@ class Doge(Llama):
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         if "cdmoe" in kind:
-            locations = {name: location for name, location in locations.items()
-                         if name not in ("mlp_activation", "mlp_neurons")}
+            locations = {
+                name: location for name, location in locations.items() if name not in ("mlp_activation", "mlp_neurons")
+            }
             locations["mlp_output"] = ModuleOutput("", 0)
         return locations
 
     def geometry(self, module):
         sizes = super().geometry(module)
-        return DogeHeads(**{f.name: getattr(sizes, f.name) for f in fields(HeadGeometry)}, A=module.A,
-                         dt_proj=module.dt_proj)
+        return DogeHeads(
+            **{f.name: getattr(sizes, f.name) for f in fields(HeadGeometry)}, A=module.A, dt_proj=module.dt_proj
+        )
 
     def residual_add(self, block, sublayer, stream, update, **arguments):
         weight = block.input_residual if sublayer == "attention" else block.post_attention_residual
@@ -90,8 +94,7 @@ class Doge(Llama):
     def scores(self, heads, config, queries, keys, layer, key_mask=None, values=None):
         """DogeAttention's scores: `q @ k^T * scale` plus `prepare_dynamic_mask` of the values (needed)."""
         if values is None:
-            raise ValueError(f"Doge's score function needs the layer's values (values=): {DYNAMIC}, computed "
-                             f"from them")
+            raise ValueError(f"Doge's score function needs the layer's values (values=): {DYNAMIC}, computed from them")
         groups = queries.shape[1] // keys.shape[1]
         scores = torch.matmul(queries, keys.repeat_interleave(groups, dim=1).transpose(2, 3)) * heads.scale
         num_queries, num_keys = queries.shape[2], keys.shape[2]
@@ -107,25 +110,38 @@ class Doge(Llama):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        window = (f"; past keep_window_size={config.keep_window_size} keys, each query keeps only the "
-                  f"keep_window_size keys of largest dynamic mask (the rest masked)")
-        notes.update({
-            "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
-            "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
-            "attention_scores": f"q @ k^T * scale + the dynamic mask: exp(A * softplus(dt_proj(values))) per key/value "
-                                f"head and key, the same for every query{window}; the family's score function "
-                                f"needs the values (scores(..., values=))",
-            "layer_mid": "input_residual * layer_input + attention_output (a learned weight per channel on the stream)",
-            "layer_output": "post_attention_residual * layer_mid + mlp_output (a learned weight per channel)",
-        })
+        window = (
+            f"; past keep_window_size={config.keep_window_size} keys, each query keeps only the "
+            f"keep_window_size keys of largest dynamic mask (the rest masked)"
+        )
+        notes.update(
+            {
+                "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
+                "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
+                "attention_scores": f"q @ k^T * scale + the dynamic mask: exp(A * softplus(dt_proj(values))) per key/value "
+                f"head and key, the same for every query{window}; the family's score function "
+                f"needs the values (scores(..., values=))",
+                "layer_mid": "input_residual * layer_input + attention_output (a learned weight per channel on the stream)",
+                "layer_output": "post_attention_residual * layer_mid + mlp_output (a learned weight per channel)",
+            }
+        )
         if config.keep_window_size is not None:
-            notes["attention_probabilities"] = "; ".join(filter(None, (
-                notes.get("attention_probabilities"), f"dynamic mask: past keep_window_size={config.keep_window_size} "
-                                                      f"keys, a query sees only the keep_window_size keys of largest "
-                                                      f"dynamic mask")))
+            notes["attention_probabilities"] = "; ".join(
+                filter(
+                    None,
+                    (
+                        notes.get("attention_probabilities"),
+                        f"dynamic mask: past keep_window_size={config.keep_window_size} "
+                        f"keys, a query sees only the keep_window_size keys of largest "
+                        f"dynamic mask",
+                    ),
+                )
+            )
         if config.is_moe:
-            notes["mlp_output"] = ("the CDMoE's output: down_proj(act(gate_proj(x)) * up_proj(x)) plus the retrieval "
-                                   "experts' states; its router pairs halves of different tokens' logits (view(2, "
-                                   "batch * seq, -1)), so a token's routing depends on the other tokens of the "
-                                   "forward, later ones and other prompts of a batch included")
+            notes["mlp_output"] = (
+                "the CDMoE's output: down_proj(act(gate_proj(x)) * up_proj(x)) plus the retrieval "
+                "experts' states; its router pairs halves of different tokens' logits (view(2, "
+                "batch * seq, -1)), so a token's routing depends on the other tokens of the "
+                "forward, later ones and other prompts of a batch included"
+            )
         return notes

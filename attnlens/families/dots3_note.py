@@ -24,8 +24,15 @@ from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
 from .youtu import LATENT_TINY
 
-SLIDING = {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16,
-           "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 8}
+SLIDING = {
+    "swa_num_attention_heads": 2,
+    "swa_num_key_value_heads": 2,
+    "swa_q_lora_rank": 32,
+    "swa_kv_lora_rank": 16,
+    "swa_head_dim": 24,
+    "swa_qk_nope_head_dim": 16,
+    "swa_v_head_dim": 8,
+}
 
 
 def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
@@ -38,13 +45,21 @@ def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
 
     def per_head(envoy, old, new):
         if not torch.equal(new, new[..., :1].expand_as(new)):
-            raise EditError("this family gates each head by one scalar per token: an assigned attention_gate must be "
-                            "constant along the head's channels")
+            raise EditError(
+                "this family gates each head by one scalar per token: an assigned attention_gate must be "
+                "constant along the head's channels"
+            )
         return new[..., :1] if trailing else new[..., 0]
 
-    return Derived(Operation((operation,), anchor=anchor), channels, per_head, label="attention_gate", in_place=False,
-                   why_not="the forward holds one gate value per head and token, broadcast over the channels; "
-                           "assign a gate constant along them")
+    return Derived(
+        Operation((operation,), anchor=anchor),
+        channels,
+        per_head,
+        label="attention_gate",
+        in_place=False,
+        why_not="the forward holds one gate value per head and token, broadcast over the channels; "
+        "assign a gate constant along them",
+    )
 
 
 class Dots3Note(DeepseekV32):
@@ -53,11 +68,25 @@ class Dots3Note(DeepseekV32):
         DeepseekV32.vllm,
         refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
     )
-    tiny = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {
-        **LATENT_TINY, **INDEXER_TINY, **SLIDING, "head_dim": 24, "sliding_window": 4, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
-        "mlp_layer_types": ["dense", "sparse", "dense"]})
+    tiny = (
+        "Dots3NoteTextConfig",
+        "Dots3NoteForCausalLM",
+        {
+            **LATENT_TINY,
+            **INDEXER_TINY,
+            **SLIDING,
+            "head_dim": 24,
+            "sliding_window": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
+            "mlp_layer_types": ["dense", "sparse", "dense"],
+        },
+    )
 
     def sizes(self, config, layer):
         return config.per_layer_config[layer]
@@ -70,10 +99,11 @@ class Dots3Note(DeepseekV32):
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "from the normed query latent times sqrt(hidden_size / q_lora_rank); the "
-                                     "rotary slice after the interleaved rotary embedding",
-                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                          "premix",
-                "attention_gate": "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the "
-                                  "head's v_head_dim channels"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": "from the normed query latent times sqrt(hidden_size / q_lora_rank); the "
+            "rotary slice after the interleaved rotary embedding",
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the "
+            "head's v_head_dim channels",
+        }

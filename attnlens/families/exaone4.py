@@ -23,14 +23,23 @@ def _exaone4_vllm_locations(family):
     locations = Llama.vllm.locations(family)
     del locations["attention_norm_output"], locations["mlp_norm_output"]
     # Nothing overwrites the sublayers' outputs in place here (no fused residual norm): no copies needed.
-    return {**locations, "layer_input": batched(ModuleArgument("", 1)),
-            "attention_output": batched(ModuleOutput()), "layer_mid": batched(ModuleInput(family.mlp)),
-            "mlp_output": batched(ModuleOutput()), "layer_output": batched(ModuleOutput("", 0))}
+    return {
+        **locations,
+        "layer_input": batched(ModuleArgument("", 1)),
+        "attention_output": batched(ModuleOutput()),
+        "layer_mid": batched(ModuleInput(family.mlp)),
+        "mlp_output": batched(ModuleOutput()),
+        "layer_output": batched(ModuleOutput("", 0)),
+    }
 
 
 class Exaone4(Llama):
     model_types = ("exaone4",)
-    tiny = Tiny("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny(
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    )
     attention_norm = None
     mlp_norm = None
     attention_post_norm = "post_attention_layernorm"
@@ -43,12 +52,15 @@ class Exaone4(Llama):
         del locations["attention_norm_output"], locations["mlp_norm_output"]
         return {**locations, "layer_mid": ModuleInput(self.mlp)}  # the MLP's input: one tensor, two names
 
-
     def notes(self, config, layer, engine="transformers"):
         rotated = getattr(config, "sliding_window", None) is None or self.sliding_window(config, layer) is not None
-        normed = "RMS-normalised per head (q_norm/k_norm over head_dim), then " + \
-                 ("rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary "
-                                            "embedding")
-        return {**super().notes(config, layer, engine), "attention_queries": normed, "attention_keys": normed,
-                "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
-                "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP"}
+        normed = "RMS-normalised per head (q_norm/k_norm over head_dim), then " + (
+            "rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary embedding"
+        )
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": normed,
+            "attention_keys": normed,
+            "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
+            "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP",
+        }

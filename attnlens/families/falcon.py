@@ -68,8 +68,10 @@ def _unmerged_heads(envoy, old, new):
     return new.transpose(1, 2).reshape(old.shape)
 
 
-DEDUPLICATED = ("it is a de-duplicated copy (the forward holds each key/value head broadcast to its whole group, "
-                "never one per group)")
+DEDUPLICATED = (
+    "it is a de-duplicated copy (the forward holds each key/value head broadcast to its whole group, "
+    "never one per group)"
+)
 
 
 def _plus_bias(envoy, output):
@@ -85,29 +87,40 @@ def _minus_bias(envoy, old, new):
 
 def _stream_copy(source):
     """The residual stream of vLLM's sequential block, which adds the attention output to it in place: a copy."""
-    return Derived(source, lambda envoy, value: value[None].clone(), lambda envoy, old, new: new[0], in_place=False,
-                   note="a copy: vLLM's sequential Falcon block adds the attention output to this tensor in place "
-                        "(assign it to edit)",
-                   why_not="it is a copy: vLLM's sequential Falcon block adds the attention output to it in place")
+    return Derived(
+        source,
+        lambda envoy, value: value[None].clone(),
+        lambda envoy, old, new: new[0],
+        in_place=False,
+        note="a copy: vLLM's sequential Falcon block adds the attention output to this tensor in place "
+        "(assign it to edit)",
+        why_not="it is a copy: vLLM's sequential Falcon block adds the attention output to it in place",
+    )
 
 
 def _keys_values(config):
     update = Operation(("layer_past_update_0",), item=0, anchor="layer_past.update(")
     values = Operation(("layer_past_update_0",), item=1, anchor="layer_past.update(")
     if config.new_decoder_architecture:
-        return tuple(Derived(source, _first_of_group, _rebroadcast, name, in_place=False, why_not=DEDUPLICATED)
-                     for source, name in ((update, "attention_keys"), (values, "attention_values")))
+        return tuple(
+            Derived(source, _first_of_group, _rebroadcast, name, in_place=False, why_not=DEDUPLICATED)
+            for source, name in ((update, "attention_keys"), (values, "attention_values"))
+        )
     return update, values
 
 
 class Falcon(Family):
     model_types = ("falcon",)
-    tiny = Tiny("FalconConfig", "FalconForCausalLM", {"ffn_hidden_size": 128, "num_key_value_heads": None,
-                                                  "intermediate_size": None}, layouts={
-        "multihead": {"multi_query": False, "parallel_attn": False},
-        "new_architecture": {"new_decoder_architecture": True, "num_kv_heads": 2},
-        "alibi": {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
-    })
+    tiny = Tiny(
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"ffn_hidden_size": 128, "num_key_value_heads": None, "intermediate_size": None},
+        layouts={
+            "multihead": {"multi_query": False, "parallel_attn": False},
+            "new_architecture": {"new_decoder_architecture": True, "num_kv_heads": 2},
+            "alibi": {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
+        },
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.word_embeddings"
     final_norm = "transformer.ln_f"
@@ -147,8 +160,12 @@ class Falcon(Family):
 
     def layer_kind(self, config, layer):
         """Falcon's layout is the config's: which of these hold, and which norms the block has."""
-        flags = {"alibi": config.alibi, "new_architecture": config.new_decoder_architecture,
-                 "parallel": self.parallel(config), "eager": config._attn_implementation == "eager"}
+        flags = {
+            "alibi": config.alibi,
+            "new_architecture": config.new_decoder_architecture,
+            "parallel": self.parallel(config),
+            "eager": config._attn_implementation == "eager",
+        }
         return frozenset({name for name, on in flags.items() if on} | {"norms=" + "+".join(self.norms(config))})
 
     def kind_locations(self, kind, config, engine):
@@ -162,9 +179,12 @@ class Falcon(Family):
 
         eager = {**self._layout_locations(config), "mlp_output": ModuleOutput()}
         stream = batched if self.parallel(config) else _stream_copy
-        with_bias = {"in_place": False, "note": "the module's output plus its bias, which vLLM's Falcon adds after the "
-                                                "module returns (a copy: assign it)",
-                     "why_not": "it is a copy: vLLM's Falcon adds the bias after the module returns"}
+        with_bias = {
+            "in_place": False,
+            "note": "the module's output plus its bias, which vLLM's Falcon adds after the "
+            "module returns (a copy: assign it)",
+            "why_not": "it is a copy: vLLM's Falcon adds the bias after the module returns",
+        }
         return {
             **mirrored(self, eager, own_port=True),
             "embeddings": stream(ModuleOutput(self.embed_tokens)),
@@ -186,9 +206,15 @@ class Falcon(Family):
                 "attention_scores": Operation(("F_softmax_1",), "arg", 0, anchor="attention_logits + attention_mask"),
                 "attention_probabilities": Operation(("attention_probs_2",), anchor="self.attention_dropout("),
                 "attention_head_outputs": (
-                    Derived(Operation(("attn_output_10",), anchor="attention_probs_reshaped @ value_layer"),
-                            _merged_heads, _unmerged_heads, "attention_head_outputs") if eager else
-                    Operation(("attn_output_7",), anchor="attn_output.transpose(1, 2)")),  # sdpa's branch
+                    Derived(
+                        Operation(("attn_output_10",), anchor="attention_probs_reshaped @ value_layer"),
+                        _merged_heads,
+                        _unmerged_heads,
+                        "attention_head_outputs",
+                    )
+                    if eager
+                    else Operation(("attn_output_7",), anchor="attn_output.transpose(1, 2)")
+                ),  # sdpa's branch
             }
         else:
             queries = Operation(("apply_rotary_pos_emb_0",), item=0, anchor="apply_rotary_pos_emb(")
@@ -210,8 +236,12 @@ class Falcon(Family):
             middle = {"layer_mid": ModuleInput(mlp_norm), "mlp_norm_output": ModuleOutput(mlp_norm)}
         else:
             # the block adds the attention output to the MLP's output in place: snapshot it
-            mlp_output = snapshot(ModuleOutput(), label="mlp_output", why="it is a snapshot: the block adds the attention output to the MLP's output "
-                                         "in place right after, so the live tensor is not the MLP's output")
+            mlp_output = snapshot(
+                ModuleOutput(),
+                label="mlp_output",
+                why="it is a snapshot: the block adds the attention output to the MLP's output "
+                "in place right after, so the live tensor is not the MLP's output",
+            )
             if mlp_norm == attention_norm:  # one shared norm: read as the MLP receives it (as Phi does)
                 middle = {"mlp_norm_output": ModuleInput(self.mlp)}
             else:  # the new architecture's own MLP norm runs before attention
@@ -275,34 +305,43 @@ class Falcon(Family):
         slopes = self.alibi_slopes(config, layer).to(queries.device)
         bias = slopes[:, None] * key_positions(keys.shape[2], key_mask, queries.device)[:, None, :]
         scores = scores + bias[:, :, None].to(scores.dtype)
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device, engine="vllm")
+        return scores + self.mask(
+            queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device, engine="vllm"
+        )
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
         Bloom's times 1 / sqrt(d); None without ALiBi."""
         if not config.alibi:
             return None
-        return alibi_slopes(config.num_attention_heads) * (1.0 / math.sqrt(config.hidden_size //
-                                                                          config.num_attention_heads))
+        return alibi_slopes(config.num_attention_heads) * (
+            1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
+        )
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.parallel(config):
             attention_norm, mlp_norm = self.norms(config)
-            norms = (f"one shared {attention_norm}" if attention_norm == mlp_norm else
-                     f"{attention_norm} and {mlp_norm} respectively")
+            norms = (
+                f"one shared {attention_norm}"
+                if attention_norm == mlp_norm
+                else f"{attention_norm} and {mlp_norm} respectively"
+            )
             reasons["layer_mid"] = PARALLEL_NO_MID.format(norms=norms)
         implementation = config._attn_implementation
         if engine == "transformers" and implementation not in ("eager", "sdpa"):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
-                reasons[name] = (f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
-                                 f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
-                                 f"load with attn_implementation='eager' or 'sdpa'")
+                reasons[name] = (
+                    f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
+                    f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
+                    f"load with attn_implementation='eager' or 'sdpa'"
+                )
         if engine == "transformers" and not config.use_cache:
             for name in ("attention_keys", "attention_values"):
-                reasons[name] = ("read at the cache update, which config.use_cache=False skips; load with "
-                                 "use_cache=True (the default)")
+                reasons[name] = (
+                    "read at the cache update, which config.use_cache=False skips; load with "
+                    "use_cache=True (the default)"
+                )
         return reasons
 
     def verify(self, model, layer, layer_module, attention_module):
@@ -313,26 +352,34 @@ class Falcon(Family):
         notes = super().notes(config, layer, engine)
         if engine == "vllm":
             return {**notes, **self._vllm_notes(config)}
-        cache = ("read at the cache update (the whole cache under generate); a forward called with use_cache=False "
-                 "never forms it")
+        cache = (
+            "read at the cache update (the whole cache under generate); a forward called with use_cache=False "
+            "never forms it"
+        )
         notes["attention_keys"] = notes["attention_values"] = cache
         if config.new_decoder_architecture:
-            dedup = ("a de-duplicated copy: _split_heads broadcasts each key/value head to its group, so the forward "
-                     "never holds them before repetition; this is the first head of each group. Assign it (it is "
-                     "re-broadcast to the group); in-place edits do not land")
+            dedup = (
+                "a de-duplicated copy: _split_heads broadcasts each key/value head to its group, so the forward "
+                "never holds them before repetition; this is the first head of each group. Assign it (it is "
+                "re-broadcast to the group); in-place edits do not land"
+            )
             notes["attention_keys"] = notes["attention_values"] = f"{dedup}; {cache}"
         if config.alibi:
-            notes["attention_scores"] = ("(q·k + alibi) / sqrt(d) + alibi / sqrt(d) + mask: the ALiBi bias enters "
-                                         "twice under eager (FalconModel also folds it into the mask); sdpa adds it "
-                                         "once. Slopes are Bloom's, rounded to bfloat16; float32 in a "
-                                         "half-precision model")
+            notes["attention_scores"] = (
+                "(q·k + alibi) / sqrt(d) + alibi / sqrt(d) + mask: the ALiBi bias enters "
+                "twice under eager (FalconModel also folds it into the mask); sdpa adds it "
+                "once. Slopes are Bloom's, rounded to bfloat16; float32 in a "
+                "half-precision model"
+            )
             notes["attention_head_outputs"] = "a view of the mix transformers holds as batch*heads, seq, head_dim"
         else:
             notes["attention_scores"] = "q·k / sqrt(d) + mask; the softmax's input (the scores are scaled in place)"
             notes["attention_probabilities"] = "the softmax's output: Falcon applies no attention dropout with rotary"
         if self.parallel(config):
-            notes["mlp_output"] = ("a snapshot (copy) of the MLP's output, taken before the block adds the attention "
-                                   "output to it in place: assign it, in-place edits do not land")
+            notes["mlp_output"] = (
+                "a snapshot (copy) of the MLP's output, taken before the block adds the attention "
+                "output to it in place: assign it, in-place edits do not land"
+            )
             attention_norm, mlp_norm = self.norms(config)
             if attention_norm == mlp_norm:
                 notes["mlp_norm_output"] = shared_norm_note(attention_norm)

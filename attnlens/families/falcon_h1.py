@@ -25,30 +25,57 @@ def _falconh1_vllm_locations(family):
     from ..locations.vllm import batched, copied
 
     locations = Family.vllm.locations(family)
-    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
-                         note="a copy of the token embedding's output, before embedding_multiplier",
-                         why_not="it is a copy; layers[0].layer_input is what the first block receives")
-    return {**locations, "embeddings": embeddings, "layer_input": batched(ModuleArgument("", 1)),
-            "attention_norm_output": batched(ModuleOutput(family.attention_norm)),
-            "attention_output": copied(ModuleOutput("", 0)),  # (output, residual)
-            "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
-            "layer_output": batched(ModuleOutput()), "final_norm_output": batched(ModuleOutput(family.final_norm))}
+    embeddings = Derived(
+        ModuleOutput(family.embed_tokens),
+        copy_with_batch,
+        drop_batch,
+        in_place=False,
+        note="a copy of the token embedding's output, before embedding_multiplier",
+        why_not="it is a copy; layers[0].layer_input is what the first block receives",
+    )
+    return {
+        **locations,
+        "embeddings": embeddings,
+        "layer_input": batched(ModuleArgument("", 1)),
+        "attention_norm_output": batched(ModuleOutput(family.attention_norm)),
+        "attention_output": copied(ModuleOutput("", 0)),  # (output, residual)
+        "layer_mid": batched(ModuleInput(family.mlp_norm)),
+        "mlp_output": batched(ModuleOutput()),
+        "layer_output": batched(ModuleOutput()),
+        "final_norm_output": batched(ModuleOutput(family.final_norm)),
+    }
 
 
 class FalconH1(Family):
     model_types = ("falcon_h1",)
     # multipliers away from 1, so a family ignoring one fails the identities
-    tiny = ("FalconH1Config", "FalconH1ForCausalLM", {
-        "head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128,
-        "key_multiplier": 0.5, "attention_in_multiplier": 2.0, "attention_out_multiplier": 0.5,
-        "ssm_out_multiplier": 0.25, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,
-        "mlp_multipliers": [2.0, 0.5]})
+    tiny = (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {
+            "head_dim": 16,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_d_ssm": 128,
+            "key_multiplier": 0.5,
+            "attention_in_multiplier": 2.0,
+            "attention_out_multiplier": 0.5,
+            "ssm_out_multiplier": 0.25,
+            "embedding_multiplier": 2.0,
+            "lm_head_multiplier": 0.5,
+            "mlp_multipliers": [2.0, 0.5],
+        },
+    )
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
     # vLLM: attention heads of 32 (CPU), Mamba-2 heads as Granite 4's
-    vllm = VLLMLayout(model_types=("falcon_h1",), tiny={"head_dim": 32, "mamba_d_head": 32, "mamba_d_ssm": 256}, locations=_falconh1_vllm_locations)
-
+    vllm = VLLMLayout(
+        model_types=("falcon_h1",),
+        tiny={"head_dim": 32, "mamba_d_head": 32, "mamba_d_ssm": 256},
+        locations=_falconh1_vllm_locations,
+    )
 
     def residual_add(self, block, sublayer, stream, update):
         if sublayer == "mlp":
@@ -57,25 +84,33 @@ class FalconH1(Family):
         return stream + update * block.attn_out_multiplier + mamba * block.ssm_out_multiplier
 
     def mlp_arithmetic(self, mlp):
-        return MLPArithmetic(lambda neurons: mlp.down_proj(neurons) * mlp.down_multiplier,
-                             lambda x: mlp.gate_proj(x) * mlp.gate_multiplier, lambda z: mlp.act_fn(z),
-                             lambda x, activation: mlp.up_proj(x) * activation,
-                             says=("gate(mlp input) * gate_multiplier", "up(mlp input) * activation",
-                                   "down projection(neurons) * down_multiplier"))
+        return MLPArithmetic(
+            lambda neurons: mlp.down_proj(neurons) * mlp.down_multiplier,
+            lambda x: mlp.gate_proj(x) * mlp.gate_multiplier,
+            lambda z: mlp.act_fn(z),
+            lambda x, activation: mlp.up_proj(x) * activation,
+            says=(
+                "gate(mlp input) * gate_multiplier",
+                "up(mlp input) * activation",
+                "down projection(neurons) * down_multiplier",
+            ),
+        )
 
     def notes(self, config, layer, engine="transformers"):
         gate, down = config.mlp_multipliers
-        return {**super().notes(config, layer, engine),
-                "attention_norm_output": "input_layernorm's output, read by the Mamba-2 mixer as it is and by the "
-                                         f"attention times attention_in_multiplier "
-                                         f"({config.attention_in_multiplier:g})",
-                "attention_keys": f"k_proj's output times key_multiplier ({config.key_multiplier:g}), then rotated",
-                "attention_output": "the attention module's output, before attention_out_multiplier "
-                                    f"({config.attention_out_multiplier:g})",
-                "layer_mid": f"layer_input + {config.attention_out_multiplier:g} * attention_output + "
-                             f"{config.ssm_out_multiplier:g} * the Mamba-2 mixer's output (the two run side by side)",
-                "mlp_activation": f"act(gate_proj(x) * gate_multiplier ({gate:g}))",
-                "mlp_output": f"down_proj(mlp_neurons) * down_multiplier ({down:g})",
-                "embeddings": f"the token embedding's output; layers[0].layer_input is it times embedding_multiplier "
-                              f"({config.embedding_multiplier:g})",
-                "logits": f"the LM head's output times lm_head_multiplier ({config.lm_head_multiplier:g})"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_norm_output": "input_layernorm's output, read by the Mamba-2 mixer as it is and by the "
+            f"attention times attention_in_multiplier "
+            f"({config.attention_in_multiplier:g})",
+            "attention_keys": f"k_proj's output times key_multiplier ({config.key_multiplier:g}), then rotated",
+            "attention_output": "the attention module's output, before attention_out_multiplier "
+            f"({config.attention_out_multiplier:g})",
+            "layer_mid": f"layer_input + {config.attention_out_multiplier:g} * attention_output + "
+            f"{config.ssm_out_multiplier:g} * the Mamba-2 mixer's output (the two run side by side)",
+            "mlp_activation": f"act(gate_proj(x) * gate_multiplier ({gate:g}))",
+            "mlp_output": f"down_proj(mlp_neurons) * down_multiplier ({down:g})",
+            "embeddings": f"the token embedding's output; layers[0].layer_input is it times embedding_multiplier "
+            f"({config.embedding_multiplier:g})",
+            "logits": f"the LM head's output times lm_head_multiplier ({config.lm_head_multiplier:g})",
+        }

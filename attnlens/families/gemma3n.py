@@ -63,20 +63,34 @@ class Gemma3nText(Gemma3):
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
     # per-layer-input branch (tests/families/test_gemma3n.py turns both on, the scale perturbed).
-    tiny = Tiny("Gemma3nTextConfig", "Gemma3nForCausalLM", {
-        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 4, "intermediate_size": 128,
-        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
-        "laurel_rank": 8, "activation_sparsity_pattern": [0.0] * 4, "altup_correct_scale": False,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]})
+    tiny = Tiny(
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "intermediate_size": 128,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": 128,
+            "laurel_rank": 8,
+            "activation_sparsity_pattern": [0.0] * 4,
+            "altup_correct_scale": False,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        },
+    )
     # the MLP post-norm is applied in residual_add, before AltUp's correction
     mlp_post_norm = None
     block_arguments = {"streams": 0, "per_layer_input": 2}
     shared_from = staticmethod(Gemma4Text.shared_from)
 
     def locations(self):
-        return {**super().locations(),
-                "layer_input": _streams(ModuleInput(), "layer_input"),
-                "layer_output": _streams(ModuleOutput(""), "layer_output")}
+        return {
+            **super().locations(),
+            "layer_input": _streams(ModuleInput(), "layer_input"),
+            "layer_output": _streams(ModuleOutput(""), "layer_output"),
+        }
 
     @staticmethod
     def predictions(block, streams):
@@ -95,7 +109,7 @@ class Gemma3nText(Gemma3):
         collapsed = [streams[0]]
         for i in range(1, model.config.altup_num_inputs):
             projected = model.altup_unembed_projections[i - 1](streams[i]).to(dtype=streams.dtype)
-            magnitude = torch.sqrt(torch.mean(projected ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+            magnitude = torch.sqrt(torch.mean(projected**2, dim=-1, keepdim=True).clamp(min=1e-5))
             collapsed.append(projected * target / magnitude)
         return torch.mean(torch.stack(collapsed), dim=0)
 
@@ -120,31 +134,36 @@ class Gemma3nText(Gemma3):
         notes = super().notes(config, layer, engine)
         n, active = config.altup_num_inputs, config.altup_active_idx
         streams = f"the {n} AltUp streams [batch, seq, {n}, hidden]"
-        notes.update({
-            "layer_input": f"{streams} entering the block (a view of its [{n}, batch, seq, hidden] input); attention "
-                           f"reads stream {active}'s prediction, altup.predict(layer_input)[{active}]",
-            "attention_norm_output": f"input_layernorm(altup.predict(layer_input)[{active}]): the active stream's "
-                                     f"prediction, normed",
-            "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
-            "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
-            "attention_values": "after v_norm (an RMSNorm without weights)",
-            "attention_scores": "not scaled (scaling 1.0): q_norm and k_norm set the scale",
-            "layer_mid": f"the active stream ({active}) after attention: (p + post_attention_layernorm("
-                         f"attention_output) + laurel(input_layernorm(p))) / sqrt(2), p = "
-                         f"altup.predict(layer_input)[{active}]; the other streams are still predictions",
-            "layer_output": f"{streams} leaving the block: altup.correct(altup.predict(layer_input), layer_mid + "
-                            f"post_feedforward_layernorm(mlp_output)), plus on every stream but {active} the "
-                            f"per-layer-input branch post_per_layer_input_norm(per_layer_projection(act("
-                            f"per_layer_input_gate(s)) * per_layer_input)), s the corrected stream {active}"
-                            + (" times altup.correct_output_scale" if config.altup_correct_scale else ""),
-        })
+        notes.update(
+            {
+                "layer_input": f"{streams} entering the block (a view of its [{n}, batch, seq, hidden] input); attention "
+                f"reads stream {active}'s prediction, altup.predict(layer_input)[{active}]",
+                "attention_norm_output": f"input_layernorm(altup.predict(layer_input)[{active}]): the active stream's "
+                f"prediction, normed",
+                "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
+                "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
+                "attention_values": "after v_norm (an RMSNorm without weights)",
+                "attention_scores": "not scaled (scaling 1.0): q_norm and k_norm set the scale",
+                "layer_mid": f"the active stream ({active}) after attention: (p + post_attention_layernorm("
+                f"attention_output) + laurel(input_layernorm(p))) / sqrt(2), p = "
+                f"altup.predict(layer_input)[{active}]; the other streams are still predictions",
+                "layer_output": f"{streams} leaving the block: altup.correct(altup.predict(layer_input), layer_mid + "
+                f"post_feedforward_layernorm(mlp_output)), plus on every stream but {active} the "
+                f"per-layer-input branch post_per_layer_input_norm(per_layer_projection(act("
+                f"per_layer_input_gate(s)) * per_layer_input)), s the corrected stream {active}"
+                + (" times altup.correct_output_scale" if config.altup_correct_scale else ""),
+            }
+        )
         source = self.shared_from(config, layer)
         if source is not None:
             notes["attention_keys"] = notes["attention_values"] = (
-                f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values)")
+                f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values)"
+            )
         sparsity = config.activation_sparsity_pattern[layer]
         if sparsity > 0:
-            notes["mlp_activation"] = (f"act_fn(topk(gate_proj(x))): activation sparsity {sparsity}, the gate keeps "
-                                       f"only values above mean + std * (the standard normal's {sparsity} quantile) "
-                                       f"over the intermediate axis, less that cutoff (0 elsewhere)")
+            notes["mlp_activation"] = (
+                f"act_fn(topk(gate_proj(x))): activation sparsity {sparsity}, the gate keeps "
+                f"only values above mean + std * (the standard normal's {sparsity} quantile) "
+                f"over the intermediate axis, less that cutoff (0 elsewhere)"
+            )
         return notes

@@ -32,11 +32,21 @@ from .granite import unpaired_locations
 
 #: Two layer types with their own head sizes: sliding layers of 2 key/value heads of 16, full layers (the last must
 #: be full) of one shared key/value head of 32 with values from the key projection; no per-layer inputs (see above).
-TINY = {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
-        "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0}
-SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
-          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
+TINY = {
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+    "hidden_size_per_layer_input": 0,
+    "final_logit_softcapping": 30.0,
+}
+SHARED = {
+    "num_hidden_layers": 4,
+    "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+}
 
 #: vLLM's tiny checkpoints: keys and values shared by the last two layers, CPU head sizes of 32 (sliding), 64 (full).
 VLLM_SIZES = {**SHARED, "head_dim": 32, "global_head_dim": 64}
@@ -47,8 +57,11 @@ def shared_kv_locations(locations: dict) -> dict:
     from ..locations.vllm import SharedKernelInput
 
     kernel = locations["attention_queries"].kernel
-    return {**locations, "attention_keys": SharedKernelInput(kernel, 1),
-            "attention_values": SharedKernelInput(kernel, 2)}
+    return {
+        **locations,
+        "attention_keys": SharedKernelInput(kernel, 1),
+        "attention_values": SharedKernelInput(kernel, 2),
+    }
 
 
 def _gemma4text_vllm_locations(family):
@@ -70,8 +83,9 @@ class Gemma4Text(Gemma3):
     # Keys and values shared across layers are tested on Gemma 4 Unified (the same attention code): transformers 5.24's
     # Gemma 4 slices per-layer inputs when it reaches the shared layers, so sharing needs them, which tiny recipes
     # leave out (tests/families/test_flagships.py runs both).
-    tiny_layouts = {"moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                            "moe_intermediate_size": 32}}
+    tiny_layouts = {
+        "moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+    }
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
@@ -89,8 +103,9 @@ class Gemma4Text(Gemma3):
             update = block.post_feedforward_layernorm_1(update) + block.post_feedforward_layernorm_2(experts)
         h = stream + block.post_feedforward_layernorm(update)
         if getattr(block, "hidden_size_per_layer_input", 0):  # the per-layer-input branch, from the block's input
-            h = h + block.post_per_layer_input_norm(block.per_layer_projection(
-                block.act_fn(block.per_layer_input_gate(h)) * per_layer_input))
+            h = h + block.post_per_layer_input_norm(
+                block.per_layer_projection(block.act_fn(block.per_layer_input_gate(h)) * per_layer_input)
+            )
         return h * block.layer_scalar
 
     def layer_kind(self, config, layer):
@@ -102,7 +117,6 @@ class Gemma4Text(Gemma3):
         if engine == "vllm" and "kv_shared" in kind:
             locations = shared_kv_locations(locations)
         return locations
-
 
     @staticmethod
     def shared_from(config, layer: int) -> int | None:
@@ -122,24 +136,34 @@ class Gemma4Text(Gemma3):
             notes["attention_values"] += "; the key projection's output (this layer has no v_proj), not rotated"
         source = self.shared_from(config, layer)
         if source is not None:
-            reused = (f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values); "
-                      f"in generate's prefill transformers runs this layer on the last position only")
+            reused = (
+                f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values); "
+                f"in generate's prefill transformers runs this layer on the last position only"
+            )
             notes["attention_keys"] = notes["attention_values"] = reused
         notes["attention_scores"] = "not scaled (scaling 1.0): q_norm and k_norm set the scale"
         if getattr(config, "use_bidirectional_attention", None) == "all":
-            notes["attention_scores"] += ("; use_bidirectional_attention='all': the model attends in both directions, "
-                                          "the family's score function is causal and does not reproduce it")
+            notes["attention_scores"] += (
+                "; use_bidirectional_attention='all': the model attends in both directions, "
+                "the family's score function is causal and does not reproduce it"
+            )
         parts = "post_feedforward_layernorm(mlp_output)"
         if getattr(config, "enable_moe_block", False):
-            parts = ("post_feedforward_layernorm(post_feedforward_layernorm_1(mlp_output) + the experts branch: "
-                     "post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(layer_mid))), routed by router)")
-            notes["mlp_output"] = ("the dense MLP's output only: the experts branch beside it (on layer_mid) is no "
-                                   "standardized value; layer_output's note has how they join")
+            parts = (
+                "post_feedforward_layernorm(post_feedforward_layernorm_1(mlp_output) + the experts branch: "
+                "post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(layer_mid))), routed by router)"
+            )
+            notes["mlp_output"] = (
+                "the dense MLP's output only: the experts branch beside it (on layer_mid) is no "
+                "standardized value; layer_output's note has how they join"
+            )
         ple = ""
         if getattr(config, "hidden_size_per_layer_input", 0):
-            ple = (" + post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(h)) * per_layer_input"
-                   "))) with h the sum so far: the per-layer-input branch, no standardized value (the identities "
-                   "recompute it from the block's per_layer_input argument)")
+            ple = (
+                " + post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(h)) * per_layer_input"
+                "))) with h the sum so far: the per-layer-input branch, no standardized value (the identities "
+                "recompute it from the block's per_layer_input argument)"
+            )
         notes["layer_output"] = f"(layer_mid + {parts}{ple}) * layer_scalar"
         return notes
 
@@ -150,7 +174,7 @@ class Gemma4UnifiedText(Gemma4Text):
         Gemma4Text.vllm,
         model_types=(),
         refusal="vLLM 0.32 registers no Gemma4UnifiedForCausalLM: it runs Gemma 4 Unified only as the multimodal "
-                    "Gemma4UnifiedForConditionalGeneration (model type 'gemma4_unified', served)",
+        "Gemma4UnifiedForConditionalGeneration (model type 'gemma4_unified', served)",
     )
     tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
     tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
@@ -159,31 +183,52 @@ class Gemma4UnifiedText(Gemma4Text):
 
 class Gemma4(LanguageModelOf, Gemma4Text):
     model_types = ("gemma4",)
-    tiny = ("Gemma4Config", "Gemma4ForConditionalGeneration",
-            {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}})
+    tiny = (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        {"text_config": {"model_type": "gemma4_text", **TINY_DEFAULTS, **TINY}},
+    )
     tiny_layouts = {}
     vllm = replace(
         Gemma4Text.vllm,
         model_types=("gemma4",),
         names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm)
-        tiny={"text_config": {**tiny[2]["text_config"], **Gemma4Text.vllm.tiny},
-                 "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
-                                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                   "head_dim": 16, "position_embedding_size": 64}},
+        tiny={
+            "text_config": {**tiny[2]["text_config"], **Gemma4Text.vllm.tiny},
+            "vision_config": {
+                "model_type": "gemma4_vision",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "position_embedding_size": 64,
+            },
+        },
     )
     # vLLM builds the vision tower's config even where no prompt has an image: a tiny one
 
 
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
     model_types = ("gemma4_unified",)
-    tiny = ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
-            {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}})
+    tiny = (
+        "Gemma4UnifiedConfig",
+        "Gemma4UnifiedForConditionalGeneration",
+        {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}},
+    )
     tiny_layouts = {}
     vllm = replace(
         Gemma4UnifiedText.vllm,
         model_types=("gemma4_unified",),
         names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_unified, its Gemma4ForCausalLM as language_model
-        tiny={"text_config": {**tiny[2]["text_config"], **VLLM_SIZES, "use_double_wide_mlp": True},
-                 "vision_config": {"model_type": "gemma4_unified_vision", "mm_embed_dim": 32, "mm_posemb_size": 16,
-                                   "output_proj_dims": 64}},
+        tiny={
+            "text_config": {**tiny[2]["text_config"], **VLLM_SIZES, "use_double_wide_mlp": True},
+            "vision_config": {
+                "model_type": "gemma4_unified_vision",
+                "mm_embed_dim": 32,
+                "mm_posemb_size": 16,
+                "output_proj_dims": 64,
+            },
+        },
     )

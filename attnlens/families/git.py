@@ -21,8 +21,10 @@ from ..locations.views import snapshot
 from ..parts.sizes import Sizes
 
 POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
-TEXT_ONLY = ("on token ids alone: causal over the text. With pixel_values GIT prepends the image's tokens, which "
-             "attend each other both ways; attnlens's mask and positions describe token ids only")
+TEXT_ONLY = (
+    "on token ids alone: causal over the text. With pixel_values GIT prepends the image's tokens, which "
+    "attend each other both ways; attnlens's mask and positions describe token ids only"
+)
 
 
 def _keys(envoy, transposed):
@@ -45,10 +47,21 @@ class _GitMLP:
 
 class Git(Family):
     model_types = ("git",)
-    tiny = Tiny("GitConfig", "GitForCausalLM", {
-        "num_key_value_heads": None, "vision_config": {
-            "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-            "image_size": 32, "patch_size": 16}})
+    tiny = Tiny(
+        "GitConfig",
+        "GitForCausalLM",
+        {
+            "num_key_value_heads": None,
+            "vision_config": {
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "image_size": 32,
+                "patch_size": 16,
+            },
+        },
+    )
     layers = "git.encoder.layer"
     embed_tokens = "git.embeddings.word_embeddings"
     final_norm = None
@@ -58,8 +71,11 @@ class Git(Family):
     down_projection = "dense"
     eager_only = ()  # GitSelfAttention is GIT's only attention: it always forms the scores and the pattern
     padding_changes_values = "positions count from the padded start: GIT's position embeddings take no mask"
-    sizes = Sizes(num_heads=("self.num_attention_heads",), head_dim=("self.attention_head_size",),
-                  scale=(lambda module, found: found["head_dim"] ** -0.5,))
+    sizes = Sizes(
+        num_heads=("self.num_attention_heads",),
+        head_dim=("self.attention_head_size",),
+        scale=(lambda module, found: found["head_dim"] ** -0.5,),
+    )
 
     def renames(self, engine="transformers"):
         from transformers.models.git import modeling_git as git
@@ -71,13 +87,16 @@ class Git(Family):
         inner = dict(module="self")
         return {
             # GitEmbeddings adds the position embeddings into word_embeddings' output in place: served as a copy
-            "embeddings": snapshot(ModuleOutput(self.embed_tokens),
-                                 "GitEmbeddings adds the position embeddings into word_embeddings' output in place, "
-                                 "so attnlens hands out a copy taken before that add"),
+            "embeddings": snapshot(
+                ModuleOutput(self.embed_tokens),
+                "GitEmbeddings adds the position embeddings into word_embeddings' output in place, "
+                "so attnlens hands out a copy taken before that add",
+            ),
             "layer_input": ModuleInput(),
             "attention_queries": Operation(("query_layer_0",), anchor="transpose", **inner),
-            "attention_keys": Derived(Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys,
-                                      _untranspose, "attention_keys"),
+            "attention_keys": Derived(
+                Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys, _untranspose, "attention_keys"
+            ),
             "attention_scores": Operation(("attention_scores_2",), anchor="+ attention_mask", **inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
             # the values as the pattern mixes them (after any cache update): read after the pattern
@@ -107,32 +126,39 @@ class Git(Family):
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
-        reasons.update({
-            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
-            "layer_mid": POST_NORM.format(what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
-                                               "+ attention_output) (mlp_input), and no norm precedes the MLP"),
-            "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
-            "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
-                                 "ends in that block's own LayerNorm",
-        })
+        reasons.update(
+            {
+                "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+                "layer_mid": POST_NORM.format(
+                    what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
+                    "+ attention_output) (mlp_input), and no norm precedes the MLP"
+                ),
+                "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
+                "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
+                "ends in that block's own LayerNorm",
+            }
+        )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        notes.update({
-            "attention_queries": "no rotary embedding: positions were added to the embeddings",
-            "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
-            "attention_probabilities": TEXT_ONLY,
-            "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows); the "
-                                "stream after it is attention.output.LayerNorm(layer_input + attention_output)",
-            "mlp_input": "what intermediate receives: attention.output.LayerNorm(layer_input + attention_output)",
-            "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
-            "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
-            "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
-                          "output.LayerNorm(mlp_input + mlp_output)",
-        })
-        notes["embeddings"] = ("word_embeddings' output, a copy taken before GitEmbeddings adds the position "
-                               "embeddings into it in place")
+        notes.update(
+            {
+                "attention_queries": "no rotary embedding: positions were added to the embeddings",
+                "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
+                "attention_probabilities": TEXT_ONLY,
+                "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows); the "
+                "stream after it is attention.output.LayerNorm(layer_input + attention_output)",
+                "mlp_input": "what intermediate receives: attention.output.LayerNorm(layer_input + attention_output)",
+                "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
+                "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
+                "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
+                "output.LayerNorm(mlp_input + mlp_output)",
+            }
+        )
+        notes["embeddings"] = (
+            "word_embeddings' output, a copy taken before GitEmbeddings adds the position embeddings into it in place"
+        )
         if layer == 0:
             notes["layer_input"] = "LayerNorm(word + learned position embeddings): GitEmbeddings' output"
         return notes

@@ -28,5 +28,9 @@ class Glm4(Llama):
     def notes(self, config, layer, engine="transformers"):
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rotary = f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
-        return {**super().notes(config, layer, engine), "attention_queries": rotary, "attention_keys": rotary,
-                "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": rotary,
+            "attention_keys": rotary,
+            "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
+        }

@@ -17,10 +17,23 @@ from .llama import Llama
 class Glm4Moe(SparseMoE, Llama):
     model_types = ("glm4_moe",)
     # Layer 0 keeps a dense MLP, so both kinds of layer are tested.
-    tiny = Tiny("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
-             "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "use_qk_norm": True})
-    absent = moe_absent("Glm4MoeExperts", ", plus the shared experts (mlp.shared_experts, a dense MLP reading the "
-                                          "same input)")
+    tiny = Tiny(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "use_qk_norm": True,
+        },
+    )
+    absent = moe_absent(
+        "Glm4MoeExperts", ", plus the shared experts (mlp.shared_experts, a dense MLP reading the same input)"
+    )
     vllm = replace(Llama.vllm, model_types=("glm4_moe",))
 
     def moe_layer(self, config, layer):

@@ -10,13 +10,16 @@ from .deepseek_v32 import DeepseekV32
 
 class GlmMoeDsa(DeepseekV32):
     model_types = ("glm_moe_dsa",)
-    tiny = Tiny("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**DeepseekV32.tiny[2],
-                                                           "indexer_types": ["full", "shared", "full"]})
+    tiny = Tiny(
+        "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**DeepseekV32.tiny[2], "indexer_types": ["full", "shared", "full"]}
+    )
 
     def indexer_note(self, config, layer):
         note = super().indexer_note(config, layer)
         types = getattr(config, "indexer_types", None)
         if types and types[layer] == "shared":
-            note = note.replace("self_attn.indexer chooses", "the previous indexed layer's indexer chose (this "
-                                                              "layer has none: indexer_types[layer] is 'shared')")
+            note = note.replace(
+                "self_attn.indexer chooses",
+                "the previous indexed layer's indexer chose (this layer has none: indexer_types[layer] is 'shared')",
+            )
         return note

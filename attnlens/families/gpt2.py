@@ -17,10 +17,23 @@ def _gpt2_vllm_locations(family):
 
 class GPT2(Family):
     model_types = ("gpt2",)
-    tiny = Tiny("GPT2Config", "GPT2LMHeadModel", {
-        "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 128, "num_hidden_layers": None,
-        "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
-        "max_position_embeddings": None})
+    tiny = Tiny(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {
+            "n_layer": 3,
+            "n_embd": 64,
+            "n_head": 4,
+            "n_inner": 128,
+            "n_positions": 128,
+            "num_hidden_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+            "max_position_embeddings": None,
+        },
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.ln_f"
@@ -40,13 +53,20 @@ class GPT2(Family):
     )
     sizes = Sizes(num_heads=("num_heads",))
 
-
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if getattr(config, "reorder_and_upcast_attn", False):
-            for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-                         "attention_probabilities", "attention_head_outputs"):
-                reasons[name] = ("config.reorder_and_upcast_attn=True routes GPT-2 attention through "
-                                 "_upcast_and_reordered_attn, which attnlens does not read; load with "
-                                 "reorder_and_upcast_attn=False")
+            for name in (
+                "attention_queries",
+                "attention_keys",
+                "attention_values",
+                "attention_scores",
+                "attention_probabilities",
+                "attention_head_outputs",
+            ):
+                reasons[name] = (
+                    "config.reorder_and_upcast_attn=True routes GPT-2 attention through "
+                    "_upcast_and_reordered_attn, which attnlens does not read; load with "
+                    "reorder_and_upcast_attn=False"
+                )
         return reasons

@@ -8,7 +8,6 @@ refuses to edit in place (assign them instead); the keys and values edit in plac
 the scores are not scaled at all.
 """
 
-
 from dataclasses import replace
 
 from ..family import Family, Tiny
@@ -20,7 +19,12 @@ from .gpt2 import GPT2
 class GPTBigCode(GPT2):
     model_types = ("gpt_bigcode",)
     vllm = transformers_backend(("gpt_bigcode",), tiny={"n_embd": 128})  # head size 32
-    tiny = Tiny("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**GPT2.tiny[2], "multi_query": True}, layouts={"multi_head": {"multi_query": False}})
+    tiny = Tiny(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        {**GPT2.tiny[2], "multi_query": True},
+        layouts={"multi_head": {"multi_query": False}},
+    )
     probabilities_operation = Family.probabilities_operation
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
     sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))

@@ -16,8 +16,14 @@ from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"
-OWN_ARITHMETIC = ("attention_queries", "attention_keys", "attention_values", "attention_scores",
-                  "attention_probabilities", "attention_head_outputs")
+OWN_ARITHMETIC = (
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_head_outputs",
+)
 
 
 def _heads_view(envoy, mix):
@@ -32,13 +38,15 @@ class GPTNeo(Family):
     model_types = ("gpt_neo",)
     vllm = VLLMLayout(
         refusal="vLLM does not run GPT-Neo: \"Model architectures ['GPTNeoForCausalLM'] are not supported for "
-                    "now\" (vLLM 0.32): it has no implementation of its own, and its Transformers backend cannot run "
-                    "it, because GPTNeoSelfAttention computes attention in its own _attn instead of calling "
-                    "transformers' attention interface",
+        'now" (vLLM 0.32): it has no implementation of its own, and its Transformers backend cannot run '
+        "it, because GPTNeoSelfAttention computes attention in its own _attn instead of calling "
+        "transformers' attention interface",
     )
-    tiny = Tiny("GPTNeoConfig", "GPTNeoForCausalLM", {
-        "attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 4,
-        "num_key_value_heads": None})
+    tiny = Tiny(
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        {"attention_types": [[["global", "local"], 1], [["global"], 1]], "window_size": 4, "num_key_value_heads": None},
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.ln_f"
@@ -60,8 +68,12 @@ class GPTNeo(Family):
             "attention_values": Operation((ATTN,), "arg", 2, anchor="self._attn("),
             "attention_scores": Operation((ATTN, "attn_weights_2"), anchor="+ attention_mask"),
             "attention_probabilities": Operation((ATTN, "attn_weights_5"), anchor="self.attn_dropout("),
-            "attention_head_outputs": Derived(Operation((ATTN,), "output", 0, anchor="self._attn("),
-                                              _heads_view, _heads_unview, "attention_head_outputs"),
+            "attention_head_outputs": Derived(
+                Operation((ATTN,), "output", 0, anchor="self._attn("),
+                _heads_view,
+                _heads_unview,
+                "attention_head_outputs",
+            ),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
             **self.after_attention(),
@@ -72,8 +84,10 @@ class GPTNeo(Family):
         implementation = config._attn_implementation
         if implementation != "eager":
             for name in OWN_ARITHMETIC:
-                reasons[name] = (f"read in GPTNeoSelfAttention._attn, which the {implementation!r} attention never "
-                                 f"calls; load with attn_implementation='eager'")
+                reasons[name] = (
+                    f"read in GPTNeoSelfAttention._attn, which the {implementation!r} attention never "
+                    f"calls; load with attn_implementation='eager'"
+                )
         return reasons
 
     def verify(self, model, layer, layer_module, attention_module):
@@ -92,7 +106,7 @@ class GPTNeo(Family):
         scores = torch.matmul(queries.to(torch.float32), keys.to(torch.float32).transpose(-1, -2))
         num_queries, num_keys = scores.shape[-2:]
         key_positions = torch.arange(num_keys, device=scores.device)[None, :]
-        back = key_positions.T[num_keys - num_queries:] - key_positions  # how far back each key is
+        back = key_positions.T[num_keys - num_queries :] - key_positions  # how far back each key is
         window = self.sliding_window(config, layer)
         in_buffer = (back >= 0) & (back < (window or num_keys))
         scores = torch.where(in_buffer, scores, torch.finfo(scores.dtype).min)
@@ -106,10 +120,13 @@ class GPTNeo(Family):
         notes = super().notes(config, layer, engine)
         notes["embeddings"] = "the token embedding's output; block 0's input also holds the position embeddings"
         window = self.sliding_window(config, layer)
-        where = (f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else "")
-        notes["attention_scores"] = (f"unscaled (scale 1), float32; {where}future keys, masked by the layer's buffer "
-                                     f"and again by the causal mask, hold float32's minimum plus the model dtype's: "
-                                     f"-inf in a float32 model")
-        notes["attention_head_outputs"] = ("a transposed view of what `_attn` returns (batch, heads, seq, head_dim): "
-                                           "in-place edits land")
+        where = f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else ""
+        notes["attention_scores"] = (
+            f"unscaled (scale 1), float32; {where}future keys, masked by the layer's buffer "
+            f"and again by the causal mask, hold float32's minimum plus the model dtype's: "
+            f"-inf in a float32 model"
+        )
+        notes["attention_head_outputs"] = (
+            "a transposed view of what `_attn` returns (batch, heads, seq, head_dim): in-place edits land"
+        )
         return notes

@@ -21,7 +21,12 @@ from ..parts.sizes import Sizes
 class GPTNeoX(Family):
     model_types = ("gpt_neox",)
     vllm = transformers_backend(("gpt_neox",), tiny={"hidden_size": 128})  # head size 32
-    tiny = Tiny("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "num_key_value_heads": None}, layouts={"sequential": {"use_parallel_residual": False}})
+    tiny = Tiny(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {"rotary_pct": 0.25, "num_key_value_heads": None},
+        layouts={"sequential": {"use_parallel_residual": False}},
+    )
     layers = "gpt_neox.layers"
     embed_tokens = "gpt_neox.embed_in"
     final_norm = "gpt_neox.final_layer_norm"
@@ -30,8 +35,9 @@ class GPTNeoX(Family):
     activation = "act"
     down_projection = "dense_4h_to_h"
     fused_qkv = FusedQKV("query_key_value", "groups")
-    absent = {"layer_mid": PARALLEL_NO_MID.format(norms="input_layernorm for attention, post_attention_layernorm "
-                                                        "for the MLP")}  # parallel layout only
+    absent = {
+        "layer_mid": PARALLEL_NO_MID.format(norms="input_layernorm for attention, post_attention_layernorm for the MLP")
+    }  # parallel layout only
     sizes = Sizes(num_kv_heads=("config.num_attention_heads",), head_dim=("head_size",))
 
     def layer_kind(self, config, layer):
@@ -44,6 +50,7 @@ class GPTNeoX(Family):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if getattr(config, "use_parallel_residual", True):
-            notes["mlp_norm_output"] = ("a parallel block: post_attention_layernorm of the block input (not of a "
-                                        "residual after attention)")
+            notes["mlp_norm_output"] = (
+                "a parallel block: post_attention_layernorm of the block input (not of a residual after attention)"
+            )
         return notes

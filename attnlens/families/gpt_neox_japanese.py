@@ -36,7 +36,11 @@ def _heads_first(envoy, old, new):
 
 class GPTNeoXJapanese(Family):
     model_types = ("gpt_neox_japanese",)
-    tiny = Tiny("GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM", {"num_key_value_heads": None, "intermediate_size": None, "rotary_pct": 0.25, "is_decoder": True})
+    tiny = Tiny(
+        "GPTNeoXJapaneseConfig",
+        "GPTNeoXJapaneseForCausalLM",
+        {"num_key_value_heads": None, "intermediate_size": None, "rotary_pct": 0.25, "is_decoder": True},
+    )
     layers = "gpt_neox_japanese.layers"
     embed_tokens = "gpt_neox_japanese.embed_in"
     final_norm = "gpt_neox_japanese.final_layer_norm"
@@ -46,8 +50,12 @@ class GPTNeoXJapanese(Family):
     down_projection = "dense_4h_to_h"
     eager_only = ()  # `_attn` is the only attention path: the pattern exists under any attn_implementation
     fused_qkv = FusedQKV("query_key_value", "groups")
-    sizes = Sizes(num_heads=("num_attention_heads",), num_kv_heads=("num_attention_heads",), head_dim=("head_size",),
-                  scale=(lambda module, found: 1.0 / module.norm_factor,))
+    sizes = Sizes(
+        num_heads=("num_attention_heads",),
+        num_kv_heads=("num_attention_heads",),
+        head_dim=("head_size",),
+        scale=(lambda module, found: 1.0 / module.norm_factor,),
+    )
 
     def locations(self):
         return {
@@ -55,11 +63,13 @@ class GPTNeoXJapanese(Family):
             "attention_queries": Operation((ATTN,), "arg", 0),
             "attention_keys": Operation((ATTN,), "arg", 1),
             "attention_values": Operation((ATTN,), "arg", 2),
-            "attention_scores": Operation((ATTN, "nn_functional_softmax_0"), "arg", 0,
-                                          anchor="softmax(attention_scores"),
+            "attention_scores": Operation(
+                (ATTN, "nn_functional_softmax_0"), "arg", 0, anchor="softmax(attention_scores"
+            ),
             "attention_probabilities": Operation((ATTN, "attn_weights_2"), anchor=".to(value.dtype)"),
-            "attention_head_outputs": Derived(Operation((ATTN,), "output", 0), _heads_last, _heads_first,
-                                              "attention_head_outputs (held heads first)"),
+            "attention_head_outputs": Derived(
+                Operation((ATTN,), "output", 0), _heads_last, _heads_first, "attention_head_outputs (held heads first)"
+            ),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
         }
@@ -76,11 +86,15 @@ class GPTNeoXJapanese(Family):
         num_keys = keys.shape[2]
         flat = torch.baddbmm(
             torch.zeros(batch * num_heads, num_queries, num_keys, dtype=queries.dtype, device=queries.device),
-            queries.reshape(batch * num_heads, num_queries, dim), keys.reshape(batch * num_heads, num_keys, dim)
-            .transpose(1, 2), beta=1.0, alpha=heads.scale)
+            queries.reshape(batch * num_heads, num_queries, dim),
+            keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2),
+            beta=1.0,
+            alpha=heads.scale,
+        )
         scores = flat.view(batch, num_heads, num_queries, num_keys)
-        return scores + self.mask(num_queries, num_keys, config, layer, key_mask, scores.dtype, scores.device,
-                                  engine=heads.engine)
+        return scores + self.mask(
+            num_queries, num_keys, config, layer, key_mask, scores.dtype, scores.device, engine=heads.engine
+        )
 
     def residual_add(self, block, sublayer, stream, update):
         bias = block.attention.dense_bias if sublayer == "attention" else None
@@ -90,13 +104,15 @@ class GPTNeoXJapanese(Family):
         notes = {
             **super().notes(config, layer, engine),
             "attention_queries": "after the rotary embedding over the first partial_rotary_factor of each head, as "
-                                 "_attn receives them",
+            "_attn receives them",
             "attention_scores": "q @ k^T / sqrt(head_dim) (baddbmm), plus the model's additive mask: the softmax's "
-                                "input",
+            "input",
             "attention_head_outputs": "a transposed view of _attn's (batch, heads, seq, dim) result",
         }
         if layer == config.num_hidden_layers - 1:
-            notes["attention_output"] = ("dense(premix), without the last layer's dense_bias: the attention returns "
-                                         "that bias separately and the block adds it before the residual")
+            notes["attention_output"] = (
+                "dense(premix), without the last layer's dense_bias: the attention returns "
+                "that bias separately and the block adds it before the residual"
+            )
             notes["layer_mid"] = "layer_input + attention_output + attention.dense_bias (the last layer's own bias)"
         return notes

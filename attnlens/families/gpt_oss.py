@@ -12,8 +12,10 @@ from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
-MOE_REASON = ("a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
-              "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists")
+MOE_REASON = (
+    "a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
+    "over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists"
+)
 
 
 def _gptoss_vllm_locations(family):
@@ -28,12 +30,28 @@ def _gptoss_vllm_locations(family):
 
 class GptOss(SparseMoE, Family):
     model_types = ("gpt_oss",)
-    tiny = Tiny("GptOssConfig", "GptOssForCausalLM", {
-        "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        # GPT-OSS's yarn rope, scaled to the tiny context (the default's 4096 original positions would warn)
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}})
+    tiny = Tiny(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            # GPT-OSS's yarn rope, scaled to the tiny context (the default's 4096 original positions would warn)
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    )
     probabilities_operation = ("attn_weights_2", "dropout(")
     sink_operation = "probs_0"
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
@@ -46,10 +64,11 @@ class GptOss(SparseMoE, Family):
     def locations(self):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
 
-
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["attention_sinks"] = SINK_NOTE
-        notes["attention_probabilities"] = ("rows sum to 1 - attention_sinks: the sink column is dropped after "
-                                            "the softmax. " + notes.get("attention_probabilities", "")).strip()
+        notes["attention_probabilities"] = (
+            "rows sum to 1 - attention_sinks: the sink column is dropped after "
+            "the softmax. " + notes.get("attention_probabilities", "")
+        ).strip()
         return notes

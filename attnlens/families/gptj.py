@@ -39,10 +39,24 @@ def _gptj_vllm_locations(family):
 
 class GPTJ(Family):
     model_types = ("gptj",)
-    tiny = Tiny("GPTJConfig", "GPTJForCausalLM", {
-        "n_layer": 3, "n_embd": 64, "n_head": 4, "n_inner": 128, "rotary_dim": 8, "n_positions": 128,
-        "num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None,
-        "intermediate_size": None, "max_position_embeddings": None})
+    tiny = Tiny(
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        {
+            "n_layer": 3,
+            "n_embd": 64,
+            "n_head": 4,
+            "n_inner": 128,
+            "rotary_dim": 8,
+            "n_positions": 128,
+            "num_hidden_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+            "max_position_embeddings": None,
+        },
+    )
     layers = "transformer.h"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.ln_f"
@@ -61,29 +75,37 @@ class GPTJ(Family):
     def own_attn(self) -> bool:
         module, name = self.attention_class
         return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), "_attn")
+
     vllm = VLLMLayout(
         locations=_gptj_vllm_locations,
         model_types=("gptj",),  # vLLM's own GPTJForCausalLM
         tiny={"n_embd": 128},  # head size 32
     )
-    sizes = Sizes(num_heads=("num_attention_heads",), num_kv_heads=("num_attention_heads",),
-                  scale=(lambda module, found: 1 / module.scale_attn, "scaling"))
+    sizes = Sizes(
+        num_heads=("num_attention_heads",),
+        num_kv_heads=("num_attention_heads",),
+        scale=(lambda module, found: 1 / module.scale_attn, "scaling"),
+    )
 
     def locations(self):
         locations = parallel_locations(super().locations(), ModuleInput(self.mlp))
         if self.own_attn():
-            locations.update({
-                "attention_queries": Operation((OWN_ATTN,), "arg", 0),
-                "attention_keys": Operation((OWN_ATTN,), "arg", 1),
-                "attention_values": Operation((OWN_ATTN,), "arg", 2),
-                "attention_scores": Operation((OWN_ATTN, self.own_scores[0]), anchor=self.own_scores[1]),
-                "attention_probabilities": Operation((OWN_ATTN, "attn_weights_5"), anchor="attn_dropout("),
-                "attention_head_outputs": Derived(Operation((OWN_ATTN,), "output", 0), _heads_last,
-                                                  lambda envoy, old, new: new.transpose(1, 2),
-                                                  "attention_head_outputs (GPT-J's _attn returns heads first)"),
-            })
+            locations.update(
+                {
+                    "attention_queries": Operation((OWN_ATTN,), "arg", 0),
+                    "attention_keys": Operation((OWN_ATTN,), "arg", 1),
+                    "attention_values": Operation((OWN_ATTN,), "arg", 2),
+                    "attention_scores": Operation((OWN_ATTN, self.own_scores[0]), anchor=self.own_scores[1]),
+                    "attention_probabilities": Operation((OWN_ATTN, "attn_weights_5"), anchor="attn_dropout("),
+                    "attention_head_outputs": Derived(
+                        Operation((OWN_ATTN,), "output", 0),
+                        _heads_last,
+                        lambda envoy, old, new: new.transpose(1, 2),
+                        "attention_head_outputs (GPT-J's _attn returns heads first)",
+                    ),
+                }
+            )
         return locations
-
 
     def drilled_functions(self, attention_module):
         if self.own_attn():
@@ -95,14 +117,20 @@ class GPTJ(Family):
         # 5.19 divides by sqrt(head_dim), later versions multiply by its inverse: not always the same float
         scores = scores * heads.scale
         # the mask is built in the model's dtype and added to the float32 scores
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype,
-                                   queries.device)
+        return scores + self.mask(
+            queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
+        )
 
     def notes(self, config, layer, engine="transformers"):
-        notes = {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm),
-                 "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
-                                     "q @ k^T; masked entries are the score plus the model dtype's minimum"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "mlp_norm_output": shared_norm_note(self.attention_norm),
+            "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
+            "q @ k^T; masked entries are the score plus the model dtype's minimum",
+        }
         if self.own_attn() and engine == "transformers":
-            notes["attention_head_outputs"] = ("transposed from _attn's (batch, heads, seq, dim) output: a view, so "
-                                               "in-place edits land; assignment is transposed back")
+            notes["attention_head_outputs"] = (
+                "transposed from _attn's (batch, heads, seq, dim) output: a view, so "
+                "in-place edits land; assignment is transposed back"
+            )
         return notes

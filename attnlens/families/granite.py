@@ -22,32 +22,40 @@ from .llama import Llama
 
 
 def _granite_vllm_locations(family):
-    embeddings = Derived(ModuleOutput(family.embed_tokens), copy_with_batch, drop_batch, in_place=False,
-                         note="a copy: vLLM then multiplies this tensor by embedding_multiplier in place; assign "
-                              "it to edit",
-                         why_not="it is a copy (vLLM multiplies the tensor by embedding_multiplier in place)")
+    embeddings = Derived(
+        ModuleOutput(family.embed_tokens),
+        copy_with_batch,
+        drop_batch,
+        in_place=False,
+        note="a copy: vLLM then multiplies this tensor by embedding_multiplier in place; assign it to edit",
+        why_not="it is a copy (vLLM multiplies the tensor by embedding_multiplier in place)",
+    )
     return {**unpaired_locations(family, Llama.vllm.locations(family)), "embeddings": embeddings}
 
 
 class Granite(Llama):
     model_types = ("granite",)
     # Multipliers far from 1 (and a score scale unlike 1/sqrt(16)), so a family ignoring one fails the identities.
-    tiny = Tiny("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
-             "logits_scaling": 4.0})
+    tiny = Tiny(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {"attention_multiplier": 0.5, "residual_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 4.0},
+    )
     vllm = replace(Llama.vllm, model_types=("granite",), locations=_granite_vllm_locations)
-
 
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_multiplier
 
     def notes(self, config, layer, engine="transformers"):
         r = config.residual_multiplier
-        notes = {**super().notes(config, layer, engine),
-                 "attention_scores": f"scaled by config.attention_multiplier ({config.attention_multiplier:g}), "
-                                     f"not 1/sqrt(head_dim)",
-                 "layer_mid": f"layer_input + residual_multiplier ({r:g}) * attention_output",
-                 "layer_output": f"layer_mid + residual_multiplier ({r:g}) * mlp_output",
-                 "embeddings": f"before embedding_multiplier: layers[0].layer_input is embeddings * "
-                               f"{config.embedding_multiplier:g}",
-                 "logits": f"the LM head's output divided by logits_scaling ({config.logits_scaling:g})"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "attention_scores": f"scaled by config.attention_multiplier ({config.attention_multiplier:g}), "
+            f"not 1/sqrt(head_dim)",
+            "layer_mid": f"layer_input + residual_multiplier ({r:g}) * attention_output",
+            "layer_output": f"layer_mid + residual_multiplier ({r:g}) * mlp_output",
+            "embeddings": f"before embedding_multiplier: layers[0].layer_input is embeddings * "
+            f"{config.embedding_multiplier:g}",
+            "logits": f"the LM head's output divided by logits_scaling ({config.logits_scaling:g})",
+        }
         return notes

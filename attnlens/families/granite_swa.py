@@ -24,11 +24,15 @@ from ..locations.vllm import RebuiltPattern, worker_of
 from .granite import Granite
 
 #: Why an edited pattern cannot reach vLLM here, and why the head outputs are not served there.
-KERNEL_SINK = ("vLLM's kernel applies the sink as a logit in its softmax, so it returns the mix already rescaled by "
-               "the sink's factor")
+KERNEL_SINK = (
+    "vLLM's kernel applies the sink as a logit in its softmax, so it returns the mix already rescaled by "
+    "the sink's factor"
+)
 
-SINK_AS_GATE = ("the sink is applied after the mix, as a rescaling of each head's output by sigmoid(logsumexp(scores) "
-                "- sink): served as attention_gate (1 - gate is the sink's share); the pattern's rows sum to one")
+SINK_AS_GATE = (
+    "the sink is applied after the mix, as a rescaling of each head's output by sigmoid(logsumexp(scores) "
+    "- sink): served as attention_gate (1 - gate is the sink's share); the pattern's rows sum to one"
+)
 
 
 def _per_head_dim(envoy, scale):
@@ -74,8 +78,10 @@ class SinklessPattern(RebuiltPattern):
 
     in_place = False
     writable = False
-    why_not = (f"{KERNEL_SINK}; attnlens's worker would recompute an edited pattern's head outputs without it; edit "
-               f"the queries or keys instead")
+    why_not = (
+        f"{KERNEL_SINK}; attnlens's worker would recompute an edited pattern's head outputs without it; edit "
+        f"the queries or keys instead"
+    )
 
 
 def _sinkscale_vllm_locations(family):
@@ -96,24 +102,37 @@ class SinkScale:
     """Mixin: the eager function rescales each head's output by its sink factor after the mix (Granite SWA)."""
 
     absent = {**Granite.absent, "attention_sinks": SINK_AS_GATE}
-    vllm = replace(Granite.vllm, locations=_sinkscale_vllm_locations, unavailable={
-        **Granite.vllm.unavailable,
-        "attention_head_outputs": f"{KERNEL_SINK}: the mix before that rescaling is never formed; attention_premix is "
-                                  f"head outputs * attention_gate, merged"})
+    vllm = replace(
+        Granite.vllm,
+        locations=_sinkscale_vllm_locations,
+        unavailable={
+            **Granite.vllm.unavailable,
+            "attention_head_outputs": f"{KERNEL_SINK}: the mix before that rescaling is never formed; attention_premix is "
+            f"head outputs * attention_gate, merged",
+        },
+    )
 
     def softmax(self, scores, sinks=None):
         """The pattern without the sink column, on either engine: the sink rescales the mix (served as the gate)."""
         return super().softmax(scores)
 
-
     def locations(self):
         locations = super().locations()
-        gate = Derived(Operation((INTERFACE_CALL, "sink_scale_0"), anchor="sigmoid()"), _per_head_dim, None,
-                       "attention_gate", in_place=False,
-                       why_not="the forward holds one scale per head and query (repeated here over head_dim); edit "
-                               "the scores or the head outputs instead")
-        heads = Derived(Operation((INTERFACE_CALL, "attn_output_0"), anchor="torch.matmul(attn_weights, value_states)"),
-                        _heads_last, _heads_first, "attention_head_outputs (the mix before the sink's rescaling)")
+        gate = Derived(
+            Operation((INTERFACE_CALL, "sink_scale_0"), anchor="sigmoid()"),
+            _per_head_dim,
+            None,
+            "attention_gate",
+            in_place=False,
+            why_not="the forward holds one scale per head and query (repeated here over head_dim); edit "
+            "the scores or the head outputs instead",
+        )
+        heads = Derived(
+            Operation((INTERFACE_CALL, "attn_output_0"), anchor="torch.matmul(attn_weights, value_states)"),
+            _heads_last,
+            _heads_first,
+            "attention_head_outputs (the mix before the sink's rescaling)",
+        )
         ordered = {}
         for name, location in locations.items():
             if name == "attention_probabilities":  # the factor is computed from the scores, before the softmax
@@ -122,10 +141,12 @@ class SinkScale:
         return ordered
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_gate": "sigmoid(logsumexp(scores) - sink) per head and query, repeated over head_dim: the "
-                                  "sink's rescaling of each head's output (1 - gate is the sink's share); read-only",
-                "attention_head_outputs": "pattern @ values, before the sink's rescaling (a transposed view)"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_gate": "sigmoid(logsumexp(scores) - sink) per head and query, repeated over head_dim: the "
+            "sink's rescaling of each head's output (1 - gate is the sink's share); read-only",
+            "attention_head_outputs": "pattern @ values, before the sink's rescaling (a transposed view)",
+        }
 
 
 class GraniteSWA(SinkScale, Granite):
@@ -134,6 +155,12 @@ class GraniteSWA(SinkScale, Granite):
         SinkScale.vllm,
         model_types=("granite_swa",),  # vLLM's Granite class
     )
-    tiny = ("GraniteSWAConfig", "GraniteSWAForCausalLM", {
-        **Granite.tiny[2], "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention",
-                                                                 "sliding_attention"]})
+    tiny = (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        {
+            **Granite.tiny[2],
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    )

@@ -14,7 +14,11 @@ from .granite import Granite
 
 class GraniteMoe(SparseMoE, Granite):
     model_types = ("granitemoe",)
-    tiny = Tiny("GraniteMoeConfig", "GraniteMoeForCausalLM", {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny(
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2},
+    )
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeExperts")
     vllm = replace(

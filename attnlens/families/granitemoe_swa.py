@@ -10,9 +10,16 @@ from .granitemoeshared import GraniteMoeShared
 
 class GraniteMoeSWA(SinkScale, GraniteMoeShared):
     model_types = ("granitemoe_swa",)
-    tiny = Tiny("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", {
-        **GraniteMoeShared.tiny[2], "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, layouts=GraniteMoeShared.tiny.layouts)
+    tiny = Tiny(
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        {
+            **GraniteMoeShared.tiny[2],
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        layouts=GraniteMoeShared.tiny.layouts,
+    )
     absent = {**GraniteMoeShared.absent, **SinkScale.absent}
     vllm = replace(
         SinkScale.vllm,

@@ -25,9 +25,11 @@ from ..locations.vllm import batched
 from ..parts.mixers import MixerLayers
 from .granite import Granite
 
-ROUTED = ("the MLP is the routed experts (block_sparse_moe, each activating only its own tokens) plus shared_mlp, "
-          "summed in the block itself: no module returns the sum and no [batch, seq, intermediate] tensor covers both; "
-          "layer_output - layer_mid is residual_multiplier times it")
+ROUTED = (
+    "the MLP is the routed experts (block_sparse_moe, each activating only its own tokens) plus shared_mlp, "
+    "summed in the block itself: no module returns the sum and no [batch, seq, intermediate] tensor covers both; "
+    "layer_output - layer_mid is residual_multiplier times it"
+)
 
 
 def _granitemoehybrid_vllm_locations(family):
@@ -37,10 +39,20 @@ def _granitemoehybrid_vllm_locations(family):
 
 class GraniteMoeHybrid(MixerLayers, Granite):
     model_types = ("granitemoehybrid",)
-    tiny = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
-        **Granite.tiny[2], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "shared_intermediate_size": 64,
-        "num_local_experts": 4, "num_experts_per_tok": 2,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    tiny = (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            **Granite.tiny[2],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "shared_intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        },
+    )
     tiny_layouts = {"dense": {"num_local_experts": 0}}
     mlp = "shared_mlp"
     activation = "activation"
@@ -52,12 +64,16 @@ class GraniteMoeHybrid(MixerLayers, Granite):
     vllm = replace(
         Granite.vllm,
         model_types=("granitemoehybrid",),
-        tiny={"hidden_size": 128, "mamba_d_head": 32,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
-                 locations=_granitemoehybrid_vllm_locations,
+        tiny={
+            "hidden_size": 128,
+            "mamba_d_head": 32,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+        },
+        locations=_granitemoehybrid_vllm_locations,
     )
-    mixer_kind = ("a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised "
-                  "before out_proj")
+    mixer_kind = (
+        "a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised before out_proj"
+    )
 
     def is_mixer_layer(self, config, layer):
         return config.layers_block_type[layer] == "linear_attention"
@@ -73,15 +89,21 @@ class GraniteMoeHybrid(MixerLayers, Granite):
         dropped = ("mlp_activation", "mlp_neurons", "mlp_output")
         return {name: location for name, location in locations.items() if name not in dropped}
 
-
     def mlp_arithmetic(self, mlp):
         def halves(x):
             return mlp.input_linear(x).chunk(2, dim=-1)
 
-        return MLPArithmetic(lambda neurons: mlp.output_linear(neurons), lambda x: halves(x)[0],
-                             lambda z: mlp.activation(z), lambda x, activation: activation * halves(x)[1],
-                             says=("first half of input_linear(mlp input)",
-                                   "activation * second half of input_linear(mlp input)", "output_linear(neurons)"))
+        return MLPArithmetic(
+            lambda neurons: mlp.output_linear(neurons),
+            lambda x: halves(x)[0],
+            lambda z: mlp.activation(z),
+            lambda x, activation: activation * halves(x)[1],
+            says=(
+                "first half of input_linear(mlp input)",
+                "activation * second half of input_linear(mlp input)",
+                "output_linear(neurons)",
+            ),
+        )
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

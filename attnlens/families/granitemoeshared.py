@@ -14,14 +14,20 @@ from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .granite import Granite
 
-SHARED = ("the MLP's output is block_sparse_moe's output plus shared_mlp's, summed in the block itself (no module "
-          "returns it): layer_output - layer_mid is residual_multiplier times it")
+SHARED = (
+    "the MLP's output is block_sparse_moe's output plus shared_mlp's, summed in the block itself (no module "
+    "returns it): layer_output - layer_mid is residual_multiplier times it"
+)
 
 
 class GraniteMoeShared(SparseMoE, Granite):
     model_types = ("granitemoeshared",)
-    tiny = Tiny("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {
-        **Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}, layouts={"no_shared_mlp": {"shared_intermediate_size": 0}})
+    tiny = Tiny(
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        {**Granite.tiny[2], "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32},
+        layouts={"no_shared_mlp": {"shared_intermediate_size": 0}},
+    )
     mlp = "block_sparse_moe"
     absent = moe_absent("GraniteMoeSharedExperts")
     vllm = replace(
@@ -48,6 +54,7 @@ class GraniteMoeShared(SparseMoE, Granite):
         notes = super().notes(config, layer, engine)
         if config.shared_intermediate_size:
             notes["mlp_input"] = "what the routed experts receive; shared_mlp receives the same tensor"
-            notes["layer_output"] = (f"layer_mid + residual_multiplier ({config.residual_multiplier:g}) * "
-                                     f"(experts + shared_mlp)")
+            notes["layer_output"] = (
+                f"layer_mid + residual_multiplier ({config.residual_multiplier:g}) * (experts + shared_mlp)"
+            )
         return notes

@@ -35,26 +35,36 @@ class HrmText(Family):
     def unavailable(self, config, layer, engine="transformers"):
         per_stack = config.num_layers_per_stack
         low = config.H_cycles * config.L_cycles
-        runs = (f"HRM-Text runs its two stacks of {per_stack} blocks recurrently: each block of the high stack "
-                f"(model.H_module.layers, attnlens's layers) runs H_cycles={config.H_cycles} times per forward and "
-                f"each block of the low stack (model.L_module.layers) H_cycles * L_cycles={low} times, each call a "
-                f"cache slot of config.num_hidden_layers={config.num_hidden_layers}")
+        runs = (
+            f"HRM-Text runs its two stacks of {per_stack} blocks recurrently: each block of the high stack "
+            f"(model.H_module.layers, attnlens's layers) runs H_cycles={config.H_cycles} times per forward and "
+            f"each block of the low stack (model.L_module.layers) H_cycles * L_cycles={low} times, each call a "
+            f"cache slot of config.num_hidden_layers={config.num_hidden_layers}"
+        )
         reasons = {}
         for value in ALL_VALUES:
             if value.name in ("embeddings", "logits"):
                 continue
             if value.name == "final_norm_output":
-                reasons[value.name] = (f"{runs}; each stack ends in its own final_norm, which the high stack runs "
-                                       f"{config.H_cycles} times, so there is no one final norm output per forward")
+                reasons[value.name] = (
+                    f"{runs}; each stack ends in its own final_norm, which the high stack runs "
+                    f"{config.H_cycles} times, so there is no one final norm output per forward"
+                )
             elif config.H_cycles > 1:
-                reasons[value.name] = (f"{runs}, so layers[{layer}] has no one {value.name.replace('_', ' ')} per "
-                                       f"forward; read a given call with nnsight (iterate over the module's calls)")
+                reasons[value.name] = (
+                    f"{runs}, so layers[{layer}] has no one {value.name.replace('_', ' ')} per "
+                    f"forward; read a given call with nnsight (iterate over the module's calls)"
+                )
             else:  # the high stack runs once here, the low stack still L_cycles times
-                reasons[value.name] = (f"{runs}; with H_cycles=1 the high stack's blocks run once, but attnlens's "
-                                       f"HRM-Text family serves no block (its attention's sigmoid output gate and the "
-                                       f"recurrent low stack are not described); read it with nnsight")
+                reasons[value.name] = (
+                    f"{runs}; with H_cycles=1 the high stack's blocks run once, but attnlens's "
+                    f"HRM-Text family serves no block (its attention's sigmoid output gate and the "
+                    f"recurrent low stack are not described); read it with nnsight"
+                )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):
-        return {"embeddings": f"embed_tokens' output; the stacks receive it times embedding_scale "
-                              f"({config.embedding_scale})"}
+        return {
+            "embeddings": f"embed_tokens' output; the stacks receive it times embedding_scale "
+            f"({config.embedding_scale})"
+        }

@@ -5,7 +5,6 @@ after both.
 vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
-
 from ..parts.mirrored import transformers_backend
 from .llama import Llama
 
@@ -17,6 +16,8 @@ class HunYuanDense(Llama):
     vllm = transformers_backend(("hunyuan_v1_dense",), fused_activation=True)
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "after the rotary embedding and query_layernorm (RMSNorm per head)",
-                "attention_keys": "after the rotary embedding and key_layernorm (RMSNorm per head)"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": "after the rotary embedding and query_layernorm (RMSNorm per head)",
+            "attention_keys": "after the rotary embedding and key_layernorm (RMSNorm per head)",
+        }

@@ -29,11 +29,23 @@ class HYV4(GlmMoeDsa):
         GlmMoeDsa.vllm,
         refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
     )
-    tiny = ("HYV4Config", "HYV4ForCausalLM", {
-        **LATENT_TINY, **INDEXER_TINY, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hc_mult": 2, "mlp_layer_types": ["dense", "sparse",
-                                                                                                 "dense"],
-        "indexer_types": ["full", "shared", "full"]})
+    tiny = (
+        "HYV4Config",
+        "HYV4ForCausalLM",
+        {
+            **LATENT_TINY,
+            **INDEXER_TINY,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "hc_mult": 2,
+            "mlp_layer_types": ["dense", "sparse", "dense"],
+            "indexer_types": ["full", "shared", "full"],
+        },
+    )
     probabilities_operation = ("attn_weights_2", "dropout(")
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
@@ -41,8 +53,10 @@ class HYV4(GlmMoeDsa):
     def locations(self):
         locations = with_sinks(super().locations(), sink_share("probs_0"))
         gate = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)")
-        return {**insert_after(locations, "attention_head_outputs", "attention_gate", gate),
-                "layer_mid": ModuleInput(self.mlp_streams)}
+        return {
+            **insert_after(locations, "attention_head_outputs", "attention_gate", gate),
+            "layer_mid": ModuleInput(self.mlp_streams),
+        }
 
     def residual_add(self, block, sublayer, stream, update):
         post, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)
@@ -57,20 +71,24 @@ class HYV4(GlmMoeDsa):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        notes.update({
-            "layer_input": STREAMS.format(config.hc_mult, "entering the block; attn_hc's weighted sum of them is "
-                                                          "what input_layernorm reads"),
-            "layer_mid": STREAMS.format(config.hc_mult, "after attention: post * attention_output + layer_input "
-                                                        "(attn_hc's post weights); ffn_hc's input"),
-            "layer_output": STREAMS.format(config.hc_mult, "leaving the block: post * mlp_output + layer_mid "
-                                                           "(ffn_hc's post weights)"),
-            "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
-            "attention_sinks": SINK_NOTE,
-            "attention_probabilities": f"rows sum to 1 - attention_sinks; {notes['attention_probabilities']}",
-            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
-            "attention_gate": "sigmoid of each head's gate_proj slice, the tensor the forward multiplies the heads "
-                              "by; edits land (in place and assigned)",
-        })
+        notes.update(
+            {
+                "layer_input": STREAMS.format(
+                    config.hc_mult, "entering the block; attn_hc's weighted sum of them is what input_layernorm reads"
+                ),
+                "layer_mid": STREAMS.format(
+                    config.hc_mult,
+                    "after attention: post * attention_output + layer_input (attn_hc's post weights); ffn_hc's input",
+                ),
+                "layer_output": STREAMS.format(
+                    config.hc_mult, "leaving the block: post * mlp_output + layer_mid (ffn_hc's post weights)"
+                ),
+                "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
+                "attention_sinks": SINK_NOTE,
+                "attention_probabilities": f"rows sum to 1 - attention_sinks; {notes['attention_probabilities']}",
+                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+                "attention_gate": "sigmoid of each head's gate_proj slice, the tensor the forward multiplies the heads "
+                "by; edits land (in place and assigned)",
+            }
+        )
         return notes
-
-

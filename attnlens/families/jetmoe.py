@@ -27,14 +27,16 @@ from ..parts.moe import PER_EXPERT, SparseMoE
 
 REDUCE = "self_experts_reduce_0"  # JetMoeMoA.reduce, the output experts, called from JetMoeAttention.forward
 
-EXPERT_MLP = ("a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. JetMoeMoE.forward groups "
-              "the flattened tokens by expert (each token once per chosen expert) and forms act(gate) * up as "
-              "[tokens * top_k, intermediate] between input_linear and output_linear, one expert's rows after "
-              "another; mlp_output is the routing-weighted sum of the chosen experts plus the MoE's bias")
+EXPERT_MLP = (
+    "a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. JetMoeMoE.forward groups "
+    "the flattened tokens by expert (each token once per chosen expert) and forms act(gate) * up as "
+    "[tokens * top_k, intermediate] between input_linear and output_linear, one expert's rows after "
+    "another; mlp_output is the routing-weighted sum of the chosen experts plus the MoE's bias"
+)
 
 
 def _untile(envoy, tiled):
-    return tiled[:, :tiled.shape[1] // envoy._module.top_k]
+    return tiled[:, : tiled.shape[1] // envoy._module.top_k]
 
 
 def _tile(envoy, old, new):
@@ -49,13 +51,17 @@ def _unmerge(envoy, old, new):
     return new.view(old.shape)
 
 
-UNTILED = "a copy of the first of the top_k tiles the attention function receives: an in-place edit would reach one " \
-          "tile only; assign the value instead (it is tiled back)"
+UNTILED = (
+    "a copy of the first of the top_k tiles the attention function receives: an in-place edit would reach one "
+    "tile only; assign the value instead (it is tiled back)"
+)
 
 
 class JetMoe(SparseMoE, Family):
     model_types = ("jetmoe",)
-    tiny = Tiny("JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16})
+    tiny = Tiny(
+        "JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}
+    )
     attention = "self_attention"
     output_projection = "experts"
     activation = None
@@ -65,12 +71,28 @@ class JetMoe(SparseMoE, Family):
     def locations(self):
         return {
             **super().locations(),
-            "attention_keys": Derived(Operation((INTERFACE_CALL,), "arg", 2), _untile, _tile,
-                                      "attention_keys (held tiled top_k times)", in_place=False, why_not=UNTILED),
-            "attention_values": Derived(Operation((INTERFACE_CALL,), "arg", 3), _untile, _tile,
-                                        "attention_values (held tiled top_k times)", in_place=False, why_not=UNTILED),
-            "attention_premix": Derived(Operation((REDUCE,), "arg", 0, anchor="experts.reduce"), _merge, _unmerge,
-                                        "attention_premix (held as [.., top_k, kv_heads * head_dim])"),
+            "attention_keys": Derived(
+                Operation((INTERFACE_CALL,), "arg", 2),
+                _untile,
+                _tile,
+                "attention_keys (held tiled top_k times)",
+                in_place=False,
+                why_not=UNTILED,
+            ),
+            "attention_values": Derived(
+                Operation((INTERFACE_CALL,), "arg", 3),
+                _untile,
+                _tile,
+                "attention_values (held tiled top_k times)",
+                in_place=False,
+                why_not=UNTILED,
+            ),
+            "attention_premix": Derived(
+                Operation((REDUCE,), "arg", 0, anchor="experts.reduce"),
+                _merge,
+                _unmerge,
+                "attention_premix (held as [.., top_k, kv_heads * head_dim])",
+            ),
             "attention_output": ModuleOutput("", 0),
         }
 
@@ -94,15 +116,15 @@ class JetMoe(SparseMoE, Family):
         return {
             **super().notes(config, layer, engine),
             "attention_queries": f"query head j is the query projection by the token's (j // {kv})-th chosen "
-                                 f"attention expert (of {top_k}, highest router logit first) for key/value head "
-                                 f"j % {kv}: one head index holds different experts' queries at different positions",
+            f"attention expert (of {top_k}, highest router logit first) for key/value head "
+            f"j % {kv}: one head index holds different experts' queries at different positions",
             "attention_keys": f"tiled, not interleaved: query head j reads key head j % {kv}; {UNTILED}",
             "attention_values": f"tiled, not interleaved: query head j reads value head j % {kv}; {UNTILED}",
             "attention_head_outputs": "before the output experts: head j goes to the token's (j // "
-                                      f"{kv})-th chosen expert's output_linear",
+            f"{kv})-th chosen expert's output_linear",
             "attention_premix": "what the output experts (experts.reduce) receive, [.., top_k, kv_heads * head_dim] "
-                                "merged (a view)",
+            "merged (a view)",
             "attention_output": "experts.reduce: each chosen expert's output_linear of its slot's heads, weighted by "
-                                "its gate, summed, plus experts.bias",
+            "its gate, summed, plus experts.bias",
             "mlp_output": "the MoE's output: the routing-weighted sum of the chosen experts plus its bias",
         }

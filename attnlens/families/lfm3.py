@@ -15,8 +15,12 @@ from .lfm2 import Lfm2
 
 class Lfm3(Lfm2):
     model_types = ("lfm3",)
-    tiny = Tiny("Lfm3Config", "Lfm3ForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]}, layouts={"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}})
+    tiny = Tiny(
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        {"head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]},
+        layouts={"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}},
+    )
     output_projection = "o_proj"
     attention_post_norm = "post_operator_norm"
     mlp_post_norm = "post_ffn_norm"

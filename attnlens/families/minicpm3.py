@@ -23,9 +23,11 @@ from .deepseek_v2 import LatentAttention
 from .granite import unpaired_locations
 from .youtu import LATENT_TINY
 
-PADDED = ("vLLM's MiniCPM3 pads each head's values with zeros from v_head_dim to qk_head_dim for its kernel, so an "
-          "edited pattern's head outputs cannot be recomputed at the width o_proj takes; edit the queries, keys, "
-          "values or head outputs instead")
+PADDED = (
+    "vLLM's MiniCPM3 pads each head's values with zeros from v_head_dim to qk_head_dim for its kernel, so an "
+    "edited pattern's head outputs cannot be recomputed at the width o_proj takes; edit the queries, keys, "
+    "values or head outputs instead"
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def _v_width(envoy):
 
 
 def _unpadded(envoy, heads):
-    return heads[..., :_v_width(envoy)]
+    return heads[..., : _v_width(envoy)]
 
 
 def _v_heads(envoy, flat):
@@ -57,14 +59,27 @@ def _minicpm3_vllm_locations(family) -> dict[str, Location]:
     """vLLM's plain attention kernel on keys and values expanded from the latent (module docstring)."""
     locations = unpaired_locations(family, Family.vllm.locations(family))  # the plain kernel's, not MLA's
     kernel = family.vllm.kernel
-    values = Derived(KernelInput(kernel, 2), _unpadded, None, in_place=False,
-                     note="what vLLM's kernel receives, cut from qk_head_dim (zero-padded) to v_head_dim",
-                     why_not="it is the kernel's padded values cut to v_head_dim, a copy")
-    heads = Derived(ModuleInput(family.output_projection), _v_heads, _v_merged,
-                    note="the output projection's input, split into v_head_dim heads")
-    return {**locations, "attention_values": values, "attention_head_outputs": heads,
-            "attention_scores": UnpaddedPattern(kernel, "scores"),
-            "attention_probabilities": UnpaddedPattern(kernel, "probabilities")}
+    values = Derived(
+        KernelInput(kernel, 2),
+        _unpadded,
+        None,
+        in_place=False,
+        note="what vLLM's kernel receives, cut from qk_head_dim (zero-padded) to v_head_dim",
+        why_not="it is the kernel's padded values cut to v_head_dim, a copy",
+    )
+    heads = Derived(
+        ModuleInput(family.output_projection),
+        _v_heads,
+        _v_merged,
+        note="the output projection's input, split into v_head_dim heads",
+    )
+    return {
+        **locations,
+        "attention_values": values,
+        "attention_head_outputs": heads,
+        "attention_scores": UnpaddedPattern(kernel, "scores"),
+        "attention_probabilities": UnpaddedPattern(kernel, "probabilities"),
+    }
 
 
 class MiniCPM3(LatentAttention):
@@ -80,18 +95,23 @@ class MiniCPM3(LatentAttention):
         locations=_minicpm3_vllm_locations,
     )
 
-
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_scale
 
     def notes(self, config, layer, engine="transformers"):
         scale = config.scale_depth / math.sqrt(config.num_hidden_layers)
         # vLLM rotates flat queries and keys here (no MLA kernel), so its CPU rotary is right: eager's notes
-        latent = {name: note for name, note in super().notes(config, layer, "transformers").items()
-                  if name in ("attention_queries", "attention_keys")}
-        return {**super().notes(config, layer, engine), **latent,
-                "layer_mid": f"layer_input + {scale:g} * attention_output (scale_depth / sqrt(num_hidden_layers))",
-                "layer_output": f"layer_mid + {scale:g} * mlp_output (scale_depth / sqrt(num_hidden_layers))",
-                "embeddings": f"the scaled embedding's output: token embeddings times scale_emb ({config.scale_emb:g})",
-                "logits": f"the LM head applied to final_norm_output / {config.hidden_size / config.dim_model_base:g} "
-                          f"(hidden_size / dim_model_base)"}
+        latent = {
+            name: note
+            for name, note in super().notes(config, layer, "transformers").items()
+            if name in ("attention_queries", "attention_keys")
+        }
+        return {
+            **super().notes(config, layer, engine),
+            **latent,
+            "layer_mid": f"layer_input + {scale:g} * attention_output (scale_depth / sqrt(num_hidden_layers))",
+            "layer_output": f"layer_mid + {scale:g} * mlp_output (scale_depth / sqrt(num_hidden_layers))",
+            "embeddings": f"the scaled embedding's output: token embeddings times scale_emb ({config.scale_emb:g})",
+            "logits": f"the LM head applied to final_norm_output / {config.hidden_size / config.dim_model_base:g} "
+            f"(hidden_size / dim_model_base)",
+        }

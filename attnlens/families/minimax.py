@@ -17,16 +17,31 @@ from ..parts.moe import SparseMoE, moe_absent
 
 class MiniMax(MixerLayers, SparseMoE, Family):
     model_types = ("minimax",)
-    tiny = Tiny("MiniMaxConfig", "MiniMaxForCausalLM", {
-        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 4,
-        "layer_types": ["full_attention", "linear_attention", "full_attention"],
-        "full_attn_alpha_factor": 2.0, "full_attn_beta_factor": 0.5, "linear_attn_alpha_factor": 1.5,
-        "linear_attn_beta_factor": 0.75, "mlp_alpha_factor": 0.5, "mlp_beta_factor": 2.0})
+    tiny = Tiny(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "block_size": 4,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+            "full_attn_alpha_factor": 2.0,
+            "full_attn_beta_factor": 0.5,
+            "linear_attn_alpha_factor": 1.5,
+            "linear_attn_beta_factor": 0.75,
+            "mlp_alpha_factor": 0.5,
+            "mlp_beta_factor": 2.0,
+        },
+    )
     mixer = "self_attn"  # lightning attention keeps the attention's name
-    mixer_kind = ("a lightning-attention layer: linear attention with a per-head exponential decay, computed block by "
-                  "block over a recurrent key-value state, RMS-normalised and gated by sigmoid(output_gate)")
-    mixer_premix = ("what its out_proj receives is the gated, normalised linear-attention output, not softmax heads "
-                    "merged")
+    mixer_kind = (
+        "a lightning-attention layer: linear attention with a per-head exponential decay, computed block by "
+        "block over a recurrent key-value state, RMS-normalised and gated by sigmoid(output_gate)"
+    )
+    mixer_premix = (
+        "what its out_proj receives is the gated, normalised linear-attention output, not softmax heads merged"
+    )
     absent = moe_absent("MiniMaxExperts")
 
     def residual_add(self, block, sublayer, stream, update):
@@ -37,8 +52,10 @@ class MiniMax(MixerLayers, SparseMoE, Family):
     def notes(self, config, layer, engine="transformers"):
         kind = "linear" if self.is_mixer_layer(config, layer) else "full"
         alpha, beta = getattr(config, f"{kind}_attn_alpha_factor"), getattr(config, f"{kind}_attn_beta_factor")
-        return {**super().notes(config, layer, engine),
-                "layer_mid": f"{alpha:g} * input_layernorm(layer_input) + {beta:g} * attention_output: the attention "
-                             f"adds to the normalised stream",
-                "layer_output": f"{config.mlp_alpha_factor:g} * post_attention_layernorm(layer_mid) + "
-                                f"{config.mlp_beta_factor:g} * mlp_output"}
+        return {
+            **super().notes(config, layer, engine),
+            "layer_mid": f"{alpha:g} * input_layernorm(layer_input) + {beta:g} * attention_output: the attention "
+            f"adds to the normalised stream",
+            "layer_output": f"{config.mlp_alpha_factor:g} * post_attention_layernorm(layer_mid) + "
+            f"{config.mlp_beta_factor:g} * mlp_output",
+        }

@@ -28,9 +28,11 @@ from .deepseek_v32 import Indexed
 from .llama import Llama
 
 SPARSE_ATTENTION = "minimax_m3_sparse"
-INLINE_ACTIVATION = ("the dense MLP computes its activation inline, without an activation module: gate and up are "
-                     "gate_up_proj(x) chunked, clamped at swiglu_limit, and down_proj receives (up + 1) * gate * "
-                     "sigmoid(swiglu_alpha * gate) (mlp_neurons); the activation alone is never bound to a name")
+INLINE_ACTIVATION = (
+    "the dense MLP computes its activation inline, without an activation module: gate and up are "
+    "gate_up_proj(x) chunked, clamped at swiglu_limit, and down_proj receives (up + 1) * gate * "
+    "sigmoid(swiglu_alpha * gate) (mlp_neurons); the activation alone is never bound to a name"
+)
 
 
 class MiniMaxM3Text(Indexed, SparseMoE, Llama):
@@ -39,18 +41,36 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
     # Layer 1 is block-sparse (blocks of 4 keys; 8 blocks kept, so the 18-token test prompt keeps every causal key
     # and the identities hold on the causal mask: tests/families/test_minimax_m3_vl.py makes the choice
     # bind); layer 0 keeps a dense MLP.
-    tiny = Tiny("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {
-        "head_dim": 16, "rotary_dim": 8, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "dense_intermediate_size": 128, "shared_intermediate_size": 32,
-        "layer_types": ["full_attention", SPARSE_ATTENTION, "full_attention"],
-        "mlp_layer_types": ["dense", "sparse", "sparse"],
-        "index_n_heads": 2, "index_head_dim": 16, "index_block_size": 4, "index_topk_blocks": 8,
-        "index_local_blocks": 1})
-    padding_changes_values = ("on minimax_m3_sparse layers the indexer compares the keys' indexes (counted from the "
-                              "padded start) with the queries' positions (counted from the first real token): left "
-                              "padding hides each query's latest keys and shifts its blocks")
-    routed = moe_absent("MiniMaxM3VLExperts", " times routed_scaling_factor, plus the shared expert "
-                                              "(mlp.shared_experts, a dense clamped-SwiGLU MLP on the same input)")
+    tiny = Tiny(
+        "MiniMaxM3VLTextConfig",
+        "MiniMaxM3VLForCausalLM",
+        {
+            "head_dim": 16,
+            "rotary_dim": 8,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "dense_intermediate_size": 128,
+            "shared_intermediate_size": 32,
+            "layer_types": ["full_attention", SPARSE_ATTENTION, "full_attention"],
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_block_size": 4,
+            "index_topk_blocks": 8,
+            "index_local_blocks": 1,
+        },
+    )
+    padding_changes_values = (
+        "on minimax_m3_sparse layers the indexer compares the keys' indexes (counted from the "
+        "padded start) with the queries' positions (counted from the first real token): left "
+        "padding hides each query's latest keys and shifts its blocks"
+    )
+    routed = moe_absent(
+        "MiniMaxM3VLExperts",
+        " times routed_scaling_factor, plus the shared expert "
+        "(mlp.shared_experts, a dense clamped-SwiGLU MLP on the same input)",
+    )
     absent = {**routed, "mlp_activation": INLINE_ACTIVATION}
 
     def moe_layer(self, config, layer):
@@ -71,12 +91,14 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
         return reasons
 
     def indexer_note(self, config, layer):
-        return (f"block-sparse: each query sees only the keys of the index_topk_blocks={config.index_topk_blocks} "
-                f"blocks of index_block_size={config.index_block_size} keys self_attn.indexer chooses for its "
-                f"key/value group (the index_local_blocks={config.index_local_blocks} blocks ending at its own "
-                f"always among them); a causal key outside them is masked (the dtype's minimum in the scores, "
-                f"exactly 0 in the pattern). The family's score function applies the causal mask only, so it equals "
-                f"these scores on the chosen keys, and everywhere while a query has at most index_topk_blocks blocks")
+        return (
+            f"block-sparse: each query sees only the keys of the index_topk_blocks={config.index_topk_blocks} "
+            f"blocks of index_block_size={config.index_block_size} keys self_attn.indexer chooses for its "
+            f"key/value group (the index_local_blocks={config.index_local_blocks} blocks ending at its own "
+            f"always among them); a causal key outside them is masked (the dtype's minimum in the scores, "
+            f"exactly 0 in the pattern). The family's score function applies the causal mask only, so it equals "
+            f"these scores on the chosen keys, and everywhere while a query has at most index_topk_blocks blocks"
+        )
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
@@ -84,9 +106,13 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
         notes["attention_queries"] = f"after q_norm (RMSNorm, weight + 1) and {rotary}"
         notes["attention_keys"] = f"after k_norm (RMSNorm, weight + 1) and {rotary}"
         if not self.moe_layer(config, layer):
-            notes["mlp_neurons"] = ("what down_proj receives: (clamp(up) + 1) * clamp(gate) * sigmoid(swiglu_alpha * "
-                                    "clamp(gate)), gate and up the halves of gate_up_proj(x), clamped at swiglu_limit")
+            notes["mlp_neurons"] = (
+                "what down_proj receives: (clamp(up) + 1) * clamp(gate) * sigmoid(swiglu_alpha * "
+                "clamp(gate)), gate and up the halves of gate_up_proj(x), clamped at swiglu_limit"
+            )
         else:
-            notes["mlp_output"] = ("the routed experts' weighted sum times routed_scaling_factor, plus the shared "
-                                   "expert (mlp.shared_experts)")
+            notes["mlp_output"] = (
+                "the routed experts' weighted sum times routed_scaling_factor, plus the shared "
+                "expert (mlp.shared_experts)"
+            )
         return notes

@@ -20,6 +20,8 @@ from .mistral import Mistral
 
 class Mixtral(SparseMoE, Mistral):
     model_types = ("mixtral",)
-    tiny = Tiny("MixtralConfig", "MixtralForCausalLM", {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2})
+    tiny = Tiny(
+        "MixtralConfig", "MixtralForCausalLM", {"sliding_window": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+    )
     absent = moe_absent("MixtralExperts")
     vllm = replace(Mistral.vllm, model_types=("mixtral",), names={"mlp": "block_sparse_moe"})

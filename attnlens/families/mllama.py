@@ -34,15 +34,20 @@ class Mllama(Llama):
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)
         if "cross" in kind:  # only the model's own values (layer None reads as layer 0) stay
-            locations = {name: location for name, location in locations.items()
-                         if name in ("embeddings", "final_norm_output", "logits")}
+            locations = {
+                name: location
+                for name, location in locations.items()
+                if name in ("embeddings", "final_norm_output", "logits")
+            }
         return locations
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.cross_attention(config, layer):
-            why = (f"layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends "
-                   f"from the text to the vision tower's states and runs only when cross_attention_states are given "
-                   f"or cached; on text alone the model skips it, and attnlens serves the self-attention blocks only")
+            why = (
+                f"layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends "
+                f"from the text to the vision tower's states and runs only when cross_attention_states are given "
+                f"or cached; on text alone the model skips it, and attnlens serves the self-attention blocks only"
+            )
             reasons.update({value.name: why for value in ALL_VALUES if value.scope != "model"})
         return reasons

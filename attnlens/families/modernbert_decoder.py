@@ -15,9 +15,15 @@ from ..parts.sizes import Sizes
 
 class ModernBertDecoder(Family):
     model_types = ("modernbert-decoder",)
-    tiny = Tiny("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", {
-        "num_key_value_heads": None, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny(
+        "ModernBertDecoderConfig",
+        "ModernBertDecoderForCausalLM",
+        {
+            "num_key_value_heads": None,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    )
     embed_tokens = "model.embeddings.tok_embeddings"
     final_norm = "model.final_norm"
     attention = "attn"
@@ -32,18 +38,23 @@ class ModernBertDecoder(Family):
         def halves(x):
             return mlp.Wi(x).chunk(2, dim=-1)
 
-        return MLPArithmetic(lambda neurons: mlp.Wo(neurons), lambda x: halves(x)[0], lambda z: mlp.act(z),
-                             lambda x, activation: mlp.drop(activation * halves(x)[1]),
-                             says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))",
-                                   "Wo(neurons)"))
+        return MLPArithmetic(
+            lambda neurons: mlp.Wo(neurons),
+            lambda x: halves(x)[0],
+            lambda z: mlp.act(z),
+            lambda x, activation: mlp.drop(activation * halves(x)[1]),
+            says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))", "Wo(neurons)"),
+        )
 
     def notes(self, config, layer, engine="transformers"):
-        notes = {**super().notes(config, layer, engine),
-                 "embeddings": "the token embedding's output; model.embeddings normalises it before layers[0]",
-                 "mlp_activation": "act(a), a the first half of Wi(x)",
-                 "mlp_neurons": "what Wo receives: act(a) * b, the halves of Wi(x) (after drop, a dropout: the "
-                                "identity in eval mode)",
-                 "logits": "decoder(lm_head(final_norm_output)): lm_head is a dense layer, activation and norm"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "embeddings": "the token embedding's output; model.embeddings normalises it before layers[0]",
+            "mlp_activation": "act(a), a the first half of Wi(x)",
+            "mlp_neurons": "what Wo receives: act(a) * b, the halves of Wi(x) (after drop, a dropout: the "
+            "identity in eval mode)",
+            "logits": "decoder(lm_head(final_norm_output)): lm_head is a dense layer, activation and norm",
+        }
         if layer == 0:
             notes["attention_norm_output"] = "layer_input itself: layer 0's attn_norm is the identity"
         return notes

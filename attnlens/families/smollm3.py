@@ -4,7 +4,6 @@ embedding to its queries and keys.
 vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
-
 from ..parts.mirrored import transformers_backend
 from .llama import Llama
 

@@ -23,14 +23,18 @@ def _stablelm_vllm_locations(family):
 
 class StableLm(Family):
     model_types = ("stablelm",)
-    tiny = Tiny("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}, layouts={"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}})
+    tiny = Tiny(
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25},
+        layouts={"qk_layernorm": {"qk_layernorm": True}, "parallel": {"use_parallel_residual": True}},
+    )
     absent = {"layer_mid": PARALLEL_NO_MID.format(norms="one shared input_layernorm")}  # parallel layout only
     vllm = VLLMLayout(
         locations=_stablelm_vllm_locations,
         model_types=("stablelm",),
         tiny={"hidden_size": 128, "head_dim": 32},  # vLLM's head size is hidden_size // num_attention_heads
     )
-
 
     def layer_kind(self, config, layer):
         return frozenset({"parallel"}) if getattr(config, "use_parallel_residual", False) else frozenset()

@@ -6,7 +6,6 @@ active only in training); `embeddings` is the token embedding before `config.emb
 dropouts are the identity.
 """
 
-
 from ..family import Tiny
 from ..parts.mirrored import transformers_backend
 from .mistral import Mistral
@@ -16,11 +15,18 @@ class Starcoder2(Mistral):
     model_types = ("starcoder2",)
     vllm = transformers_backend(("starcoder2",))
     # Dropouts set so that the identities would catch them acting outside training.
-    tiny = Tiny("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1})
+    tiny = Tiny(
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        {"sliding_window": 4, "residual_dropout": 0.1, "embedding_dropout": 0.1},
+    )
     activation = "act"
     down_projection = "c_proj"
 
     def notes(self, config, layer, engine="transformers"):
         dropout = "after the residual dropout (p=config.residual_dropout, active only in training)"
-        return {**super().notes(config, layer, engine), "attention_output": f"o_proj's output {dropout}",
-                "mlp_output": f"c_proj's output {dropout}"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_output": f"o_proj's output {dropout}",
+            "mlp_output": f"c_proj's output {dropout}",
+        }

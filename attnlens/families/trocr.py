@@ -17,11 +17,24 @@ from .xglm import XGLM, _folded
 
 class TrOCR(XGLM):
     model_types = ("trocr",)
-    tiny = Tiny("TrOCRConfig", "TrOCRForCausalLM", {
-        "decoder_layers": 3, "d_model": 64, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
-        "cross_attention_hidden_size": 64, "num_hidden_layers": None, "hidden_size": None,
-        "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None,
-        "max_position_embeddings": 128}, layouts={"learned_positions": {"use_learned_position_embeddings": True, "layernorm_embedding": True}})
+    tiny = Tiny(
+        "TrOCRConfig",
+        "TrOCRForCausalLM",
+        {
+            "decoder_layers": 3,
+            "d_model": 64,
+            "decoder_attention_heads": 4,
+            "decoder_ffn_dim": 128,
+            "cross_attention_hidden_size": 64,
+            "num_hidden_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+            "max_position_embeddings": 128,
+        },
+        layouts={"learned_positions": {"use_learned_position_embeddings": True, "layernorm_embedding": True}},
+    )
     padding_changes_values = "positions count from the padded start: TrOCR's position embeddings take no mask"
     layers = "model.decoder.layers"
     embed_tokens = "model.decoder.embed_tokens"
@@ -31,21 +44,22 @@ class TrOCR(XGLM):
     absent = {
         **Family.absent,
         "attention_norm_output": "a post-norm block: attention reads the block input itself (layer_input); "
-                                 "self_attn_layer_norm normalises layer_input + attention_output after it",
+        "self_attn_layer_norm normalises layer_input + attention_output after it",
         "final_norm_output": "no final norm: each block ends in its own final_layer_norm, so the last layer_output "
-                             "is what the output projection reads",
+        "is what the output projection reads",
     }
 
     def locations(self):
         locations = super().locations()
         del locations["attention_norm_output"], locations["final_norm_output"]
-        return {**locations,
-                "attention_scores": _folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores")}
+        return {
+            **locations,
+            "attention_scores": _folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores"),
+        }
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries, keys.transpose(-1, -2))
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device)
+        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device)
 
     def residual_add(self, block, sublayer, stream, update):
         if sublayer == "attention":

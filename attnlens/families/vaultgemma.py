@@ -4,7 +4,6 @@ each sublayer (no norm after attention or the MLP); the MLP's norm is `pre_feedf
 vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
-
 from ..parts.mirrored import transformers_backend
 from .gemma2 import Gemma2
 

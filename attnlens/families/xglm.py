@@ -33,36 +33,52 @@ def _folded(name, anchor, label):
 
 class XGLM(BioGpt):
     model_types = ("xglm",)
-    tiny = Tiny("XGLMConfig", "XGLMForCausalLM", {
-        "num_layers": 3, "d_model": 64, "attention_heads": 4, "ffn_dim": 128, "num_hidden_layers": None,
-        "hidden_size": None, "num_attention_heads": None, "num_key_value_heads": None, "intermediate_size": None})
+    tiny = Tiny(
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        {
+            "num_layers": 3,
+            "d_model": 64,
+            "attention_heads": 4,
+            "ffn_dim": 128,
+            "num_hidden_layers": None,
+            "hidden_size": None,
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "intermediate_size": None,
+        },
+    )
     layers = "model.layers"
     embed_tokens = "model.embed_tokens"
     final_norm = "model.layer_norm"
     sizes = replace(BioGpt.sizes, num_heads=("num_heads",), scale=(1.0,))
 
     def locations(self):
-        return {**super().locations(),
-                "attention_queries": _folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
-                "attention_keys": _folded("key_states_3", "key_states.reshape(*proj_shape)", "keys"),
-                "attention_values": _folded("value_states_3", "value_states.reshape(*proj_shape)", "values"),
-                "attention_scores": _folded("attn_weights_3", "attn_weights.view(bsz * self.num_heads", "scores"),
-                "attention_probabilities": _folded("attn_probs_0", "dropout(", "probabilities"),
-                "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)")}
+        return {
+            **super().locations(),
+            "attention_queries": _folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
+            "attention_keys": _folded("key_states_3", "key_states.reshape(*proj_shape)", "keys"),
+            "attention_values": _folded("value_states_3", "value_states.reshape(*proj_shape)", "values"),
+            "attention_scores": _folded("attn_weights_3", "attn_weights.view(bsz * self.num_heads", "scores"),
+            "attention_probabilities": _folded("attn_probs_0", "dropout(", "probabilities"),
+            "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)"),
+        }
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):
         scores = torch.matmul(queries, keys.transpose(-1, -2))
-        scores = scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                    scores.device)
+        scores = scores + self.mask(
+            queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device
+        )
         return torch.clamp(scores, min=torch.finfo(scores.dtype).min)
 
     def sliding_window(self, config, layer):
         return None
 
     def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine),
-                "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the "
-                                     "heads folded into the batch",
-                "attention_scores": "queries @ keys^T + mask, clamped at the dtype's minimum (the queries carry the "
-                                    "scale)",
-                "embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0]"}
+        return {
+            **super().notes(config, layer, engine),
+            "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the "
+            "heads folded into the batch",
+            "attention_scores": "queries @ keys^T + mask, clamped at the dtype's minimum (the queries carry the scale)",
+            "embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0]",
+        }

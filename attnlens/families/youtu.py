@@ -5,8 +5,14 @@ from ..family import Tiny
 from .deepseek_v2 import LatentAttention
 
 #: The latent sizes every tiny MLA recipe shares (the survey's, DeepSeek-V2's).
-LATENT_TINY = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16,
-               "qk_rope_head_dim": 8, "v_head_dim": 16}
+LATENT_TINY = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
 
 
 class Youtu(LatentAttention):

@@ -42,9 +42,19 @@ class BoundMLP:
 
 class Zamba(Family):
     model_types = ("zamba",)
-    tiny = Tiny("ZambaConfig", "ZambaForCausalLM", {
-        "num_hidden_layers": 5, "mamba_d_state": 8, "mamba_dt_rank": 4, "n_mamba_heads": 2, "attn_layer_period": 2,
-        "attn_layer_offset": 0, "initializer_range": 0.1})
+    tiny = Tiny(
+        "ZambaConfig",
+        "ZambaForCausalLM",
+        {
+            "num_hidden_layers": 5,
+            "mamba_d_state": 8,
+            "mamba_dt_rank": 4,
+            "n_mamba_heads": 2,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 0,
+            "initializer_range": 0.1,
+        },
+    )
     label = "Zamba"
     final_norm = "model.final_layernorm"
     shared = "shared_transf"
@@ -100,17 +110,26 @@ class Zamba(Family):
                 f"output enters the block's pre_ff_layernorm with no residual add (the block reads "
                 f"concat(layer_input, embeddings) and returns its MLP's output, which `linear` projects and adds to "
                 f"the Mamba layer's input, not to the stream), so no residual stream lies between attention and the "
-                f"MLP")
+                f"MLP"
+            )
             return reasons
-        what = (f"layer {layer} of {self.label} is {self.mixer_kind} ({self.mixer}, read as self_attn), not softmax "
-                f"attention: it forms no queries, keys or pattern")
+        what = (
+            f"layer {layer} of {self.label} is {self.mixer_kind} ({self.mixer}, read as self_attn), not softmax "
+            f"attention: it forms no queries, keys or pattern"
+        )
         reasons.update(dict.fromkeys(NO_SOFTMAX, what))
         reasons["attention_head_outputs"] = f"{what}, so no head mixes values by a pattern"
-        reasons["attention_premix"] = (f"{what}; what its out_proj receives is the gated scan output, not attention "
-                                       f"heads merged")
-        reasons.update(dict.fromkeys(MLP_VALUES, f"layer {layer} of {self.label} is a Mamba layer, which has no MLP "
-                                                 f"(the MLPs are in the shared attention blocks of the hybrid "
-                                                 f"layers)"))
+        reasons["attention_premix"] = (
+            f"{what}; what its out_proj receives is the gated scan output, not attention heads merged"
+        )
+        reasons.update(
+            dict.fromkeys(
+                MLP_VALUES,
+                f"layer {layer} of {self.label} is a Mamba layer, which has no MLP "
+                f"(the MLPs are in the shared attention blocks of the hybrid "
+                f"layers)",
+            )
+        )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):
@@ -122,16 +141,20 @@ class Zamba(Family):
             return notes
         shared = self.shared_note(config, layer)
         notes["attention_norm_output"] = (
-            f"{self.shared}.input_layernorm over concat(layer_input, embeddings): [batch, seq, 2 * hidden]")
+            f"{self.shared}.input_layernorm over concat(layer_input, embeddings): [batch, seq, 2 * hidden]"
+        )
         if not getattr(config, "use_mem_rope", False):
             notes["attention_queries"] = notes["attention_keys"] = "no positional encoding: nothing is rotated"
         notes["attention_output"] = (
             f"the shared attention's o_proj output{shared}; it joins no residual stream itself: pre_ff_layernorm reads "
             f"it directly. The hybrid layer's Mamba mixer is not served: read it with nnsight at "
-            f"layers[{layer}].mamba_decoder.mamba")
+            f"layers[{layer}].mamba_decoder.mamba"
+        )
         notes["mlp_norm_output"] = "pre_ff_layernorm(attention_output): no residual is added before it"
-        notes["mlp_output"] = (f"the shared block's output; layer_output = layer_input + mamba(input_layernorm("
-                               f"layer_input + linear(mlp_output))), through layers[{layer}].mamba_decoder")
+        notes["mlp_output"] = (
+            f"the shared block's output; layer_output = layer_input + mamba(input_layernorm("
+            f"layer_input + linear(mlp_output))), through layers[{layer}].mamba_decoder"
+        )
         return notes
 
     def shared_note(self, config, layer) -> str:

@@ -32,9 +32,19 @@ from .llama import Llama
 class Zaya(SparseMoE, Llama):
     model_types = ("zaya",)
     vllm = replace(Llama.vllm, model_types=())
-    tiny = Tiny("ZayaConfig", "ZayaForCausalLM", {
-        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
-        "router_hidden_size": 32, "sliding_window": 4, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"]})
+    tiny = Tiny(
+        "ZayaConfig",
+        "ZayaForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "router_hidden_size": 32,
+            "sliding_window": 4,
+            "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        },
+    )
     absent = moe_absent("ZayaExperts", "; a token routed to the skip class gets nothing from it")
     block_arguments = {"router_state": 1}
     attention_residual, mlp_residual = "post_attention_residual_scale", "post_mlp_residual_scale"
@@ -49,8 +59,11 @@ class Zaya(SparseMoE, Llama):
         return getattr(block, self.attention_residual if sublayer == "attention" else self.mlp_residual)(update, stream)
 
     def residual_read(self, owner, sublayer, stream):
-        norm = owner.model.norm if sublayer == "final" else \
-            getattr(owner, self.attention_norm if sublayer == "attention" else self.mlp_norm)
+        norm = (
+            owner.model.norm
+            if sublayer == "final"
+            else getattr(owner, self.attention_norm if sublayer == "attention" else self.mlp_norm)
+        )
         return stream.to(dtype=norm.weight.dtype)
 
     def mlp_forward(self, mlp, mlp_input, router_state=None, **arguments):
@@ -58,19 +71,25 @@ class Zaya(SparseMoE, Llama):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        notes.update({
-            "layer_input": "the float32 residual stream" + (" (block 0: (embeddings + input_hidden_states_bias) * "
-                                                            "input_hidden_states_scale)" if layer == 0 else ""),
-            "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * s_h "
-                         "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
-            "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
-            "attention_queries": "after the CCA projection (a causal convolution over time on q and k), qk_norm "
-                                 "(each head scaled to norm sqrt(head_dim)) and the rotary embedding",
-            "attention_keys": "after the CCA projection, qk_norm (norm sqrt(head_dim), times the learned per-head "
-                              "temp) and the rotary embedding",
-            "attention_values": "half of each head from the current token's projection, half from the previous "
-                                "token's delayed projection (v_proj_current, v_proj_delayed)",
-            "mlp_output": "the routed experts' weighted sum (the skip class adds nothing); the routing also depends "
-                          "on the router state the previous block hands this one (prev_router_hidden_states)",
-        })
+        notes.update(
+            {
+                "layer_input": "the float32 residual stream"
+                + (
+                    " (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)"
+                    if layer == 0
+                    else ""
+                ),
+                "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * s_h "
+                "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
+                "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
+                "attention_queries": "after the CCA projection (a causal convolution over time on q and k), qk_norm "
+                "(each head scaled to norm sqrt(head_dim)) and the rotary embedding",
+                "attention_keys": "after the CCA projection, qk_norm (norm sqrt(head_dim), times the learned per-head "
+                "temp) and the rotary embedding",
+                "attention_values": "half of each head from the current token's projection, half from the previous "
+                "token's delayed projection (v_proj_current, v_proj_delayed)",
+                "mlp_output": "the routed experts' weighted sum (the skip class adds nothing); the routing also depends "
+                "on the router state the previous block hands this one (prev_router_hidden_states)",
+            }
+        )
         return notes

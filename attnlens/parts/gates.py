@@ -10,8 +10,9 @@ from ..errors import EditError
 from ..locations import Derived, Location, Operation, context
 from ..locations.views import gather_heads
 
-REPEATED_WHY = ("the forward holds one factor per head (repeated here over head_dim); edit the head outputs or the "
-                "premix instead")
+REPEATED_WHY = (
+    "the forward holds one factor per head (repeated here over head_dim); edit the head outputs or the premix instead"
+)
 
 
 def _head_dim(envoy) -> int:
@@ -51,10 +52,18 @@ def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
 
     def per_head(envoy, old, new):
         if not torch.equal(new, new[..., :1].expand_as(new)):
-            raise EditError("this family gates each head by one scalar per token: an assigned attention_gate must be "
-                            "constant along the head's channels")
+            raise EditError(
+                "this family gates each head by one scalar per token: an assigned attention_gate must be "
+                "constant along the head's channels"
+            )
         return new[..., :1] if trailing else new[..., 0]
 
-    return Derived(Operation((operation,), anchor=anchor), channels, per_head, label="attention_gate", in_place=False,
-                   why_not="the forward holds one gate value per head and token, broadcast over the channels; "
-                           "assign a gate constant along them")
+    return Derived(
+        Operation((operation,), anchor=anchor),
+        channels,
+        per_head,
+        label="attention_gate",
+        in_place=False,
+        why_not="the forward holds one gate value per head and token, broadcast over the channels; "
+        "assign a gate constant along them",
+    )

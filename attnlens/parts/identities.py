@@ -66,22 +66,31 @@ class Identities:
             return getattr(mlp, self.down_projection)(neurons)
 
         if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):
-            return MLPArithmetic(down, lambda x: mlp.gate_proj(x), lambda z: getattr(mlp, self.activation)(z),
-                                 lambda x, activation: activation * mlp.up_proj(x))
+            return MLPArithmetic(
+                down,
+                lambda x: mlp.gate_proj(x),
+                lambda z: getattr(mlp, self.activation)(z),
+                lambda x, activation: activation * mlp.up_proj(x),
+            )
         if hasattr(mlp, "gate_up_proj"):  # fused: the first half is the gate (Phi-3's and GLM-4's chunk(2))
-            return MLPArithmetic(down, lambda x: mlp.gate_up_proj(x).chunk(2, dim=-1)[0],
-                                 lambda z: getattr(mlp, self.activation)(z),
-                                 lambda x, activation: activation * mlp.gate_up_proj(x).chunk(2, dim=-1)[1])
-        return MLPArithmetic(down, neurons=lambda x, activation: activation,
-                             says=("", "activation", "down projection(neurons)"))
+            return MLPArithmetic(
+                down,
+                lambda x: mlp.gate_up_proj(x).chunk(2, dim=-1)[0],
+                lambda z: getattr(mlp, self.activation)(z),
+                lambda x, activation: activation * mlp.gate_up_proj(x).chunk(2, dim=-1)[1],
+            )
+        return MLPArithmetic(
+            down, neurons=lambda x, activation: activation, says=("", "activation", "down projection(neurons)")
+        )
 
     def mlp_module(self, block) -> torch.nn.Module:
         """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
         MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
         return getattr(block, self.mlp)
 
-    def residual_add(self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor,
-                     **arguments) -> torch.Tensor:
+    def residual_add(
+        self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor, **arguments
+    ) -> torch.Tensor:
         """The residual stream after `sublayer` ("attention" or "mlp") of `block` adds `update` (the sublayer's output,
         after any post-norm) to `stream`: their sum, unless the family scales the update (Granite's
         `residual_multiplier`) or the residual is several mixed streams (DeepSeek-V4's hyper-connections)."""

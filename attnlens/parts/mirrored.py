@@ -61,15 +61,20 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
         "attention_values": KernelInput(kernel, 2),
         "attention_scores": RebuiltPattern(kernel, "scores"),
         "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
-        "attention_head_outputs": heads_of(ModuleInput(projection)) if own_port else
-        Derived(ModuleInput(projection), _split_heads, _merge_heads, note="the output projection's input, split "
-                                                                          "into heads"),
+        "attention_head_outputs": heads_of(ModuleInput(projection))
+        if own_port
+        else Derived(
+            ModuleInput(projection), _split_heads, _merge_heads, note="the output projection's input, split into heads"
+        ),
     }
     if own_port and "mlp_activation" in eager:
         replaced["mlp_activation"] = Derived(
-            eager["mlp_neurons"], _add_batch, _drop_batch,
+            eager["mlp_neurons"],
+            _add_batch,
+            _drop_batch,
             note="read as what the down projection receives (the same tensor: no gate): vLLM shares one activation "
-                 "module between every layer")
+            "module between every layer",
+        )
     out = {}
     for name, location in eager.items():
         if name in replaced:
@@ -81,8 +86,10 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
                 location = ModuleOutput(location.module, 0)  # a tensor is read whole; a tuple's first item
             out[name] = batched(location) if own_port else location
         else:
-            raise ValueError(f"family {family.name}, value {name}: no vLLM location mirrors {location!r}; state it "
-                             f"in the family's vllm = VLLMLayout(locations=...)")
+            raise ValueError(
+                f"family {family.name}, value {name}: no vLLM location mirrors {location!r}; state it "
+                f"in the family's vllm = VLLMLayout(locations=...)"
+            )
     return out
 
 
@@ -103,8 +110,9 @@ def transformers_backend(model_types: tuple[str, ...], fused_activation: bool = 
 
     if not fused_activation:
         fields.setdefault("unavailable", {})
-    return VLLMLayout(model_types=model_types, names=_backend_names, locations=locations, backend="transformers",
-                      **fields)
+    return VLLMLayout(
+        model_types=model_types, names=_backend_names, locations=locations, backend="transformers", **fields
+    )
 
 
 def _backend_names(family) -> dict[str, str]:
@@ -117,4 +125,4 @@ def _backend_names(family) -> dict[str, str]:
 def _in_vllm_model(family, path: str) -> str:
     """A module path of the eager model in vLLM's: the base model is `model` there."""
     base = family.layers.split(".")[0]
-    return "model" + path[len(base):] if path.split(".")[0] == base else path
+    return "model" + path[len(base) :] if path.split(".")[0] == base else path

@@ -13,9 +13,18 @@ from __future__ import annotations
 from typing import ClassVar
 
 #: What a layer without softmax attention lacks (less what its mixer still serves, `MixerLayers.mixer_serves`).
-NO_SOFTMAX = ("attention_queries", "attention_keys", "attention_values", "attention_key_positions", "attention_scores",
-              "attention_probabilities", "attention_sinks", "attention_head_outputs", "attention_gate",
-              "attention_premix")
+NO_SOFTMAX = (
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_key_positions",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_sinks",
+    "attention_head_outputs",
+    "attention_gate",
+    "attention_premix",
+)
 
 
 class MixerLayers:
@@ -27,8 +36,10 @@ class MixerLayers:
     #: What the mixer is: "a Mamba-2 layer: a selective state-space scan over a recurrent state".
     mixer_kind = "a Mamba layer: a selective state-space scan over a recurrent state"
     #: What its output projection receives, and why that is not a premix (None: it has none).
-    mixer_premix = ("what its out_proj receives is the gated scan output, not attention heads merged (on the fused "
-                    "CUDA-kernel path it is never formed as a tensor)")
+    mixer_premix = (
+        "what its out_proj receives is the gated scan output, not attention heads merged (on the fused "
+        "CUDA-kernel path it is never formed as a tensor)"
+    )
     #: Whether the mixer is renamed `self_attn`; not where the block keeps a `self_attn = None` attribute on those
     #: layers (nnsight refuses an alias that shadows one), and then its output is not served either.
     mixer_renamed = True
@@ -73,17 +84,21 @@ class MixerLayers:
         if self.is_mixer_layer(config, layer):
             renamed = self.mixer_renamed and self.mixer != "self_attn"
             read_as = f"{self.mixer}, read as self_attn" if renamed else self.mixer
-            what = (f"layer {layer} of {self.name} is {self.mixer_kind} ({read_as}), not softmax attention: it forms "
-                    f"no queries, keys or pattern")
+            what = (
+                f"layer {layer} of {self.name} is {self.mixer_kind} ({read_as}), not softmax attention: it forms "
+                f"no queries, keys or pattern"
+            )
             for name in self.mixer_lacks:
                 reasons[name] = what
             if self.mixer_premix and "attention_premix" in self.mixer_lacks:
                 reasons["attention_premix"] = f"{what}; {self.mixer_premix}"
             reasons["attention_head_outputs"] = f"{what}, so no head mixes values by a pattern"
             if not self.mixer_renamed:
-                reasons["attention_output"] = (f"{what}; its output is layers[{layer}].{self.mixer}'s, which attnlens "
-                                               f"cannot name self_attn (the block keeps self_attn = None there): read "
-                                               f"it with nnsight as model.layers[{layer}].{self.mixer}.output")
+                reasons["attention_output"] = (
+                    f"{what}; its output is layers[{layer}].{self.mixer}'s, which attnlens "
+                    f"cannot name self_attn (the block keeps self_attn = None there): read "
+                    f"it with nnsight as model.layers[{layer}].{self.mixer}.output"
+                )
         return reasons
 
     def notes(self, config, layer, engine="transformers"):

@@ -18,10 +18,12 @@ PER_EXPERT = ("mlp_activation", "mlp_neurons")
 def moe_absent(experts: str, extra: str = "") -> dict[str, str]:
     """The reasons `mlp_activation` and `mlp_neurons` are missing on a sparse MoE layer, naming the experts' module
     (`extra` adds what else joins the output)."""
-    reason = (f"a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. Each expert's "
-              f"act_fn(gate) * up is formed per expert, only for the tokens routed to it, inside mlp.experts "
-              f"({experts}.forward, one expert at a time over the flattened tokens); mlp_output is the "
-              f"routing-weighted sum of the chosen experts{extra}")
+    reason = (
+        f"a sparse mixture of experts: no [batch, seq, intermediate] tensor exists. Each expert's "
+        f"act_fn(gate) * up is formed per expert, only for the tokens routed to it, inside mlp.experts "
+        f"({experts}.forward, one expert at a time over the flattened tokens); mlp_output is the "
+        f"routing-weighted sum of the chosen experts{extra}"
+    )
     return dict.fromkeys(PER_EXPERT, reason)
 
 

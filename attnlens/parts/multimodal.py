@@ -12,8 +12,11 @@ the text model does.
 from __future__ import annotations
 
 #: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
-VLLM_LANGUAGE_MODEL = {"layers": "language_model.model.layers", "embed_tokens": "language_model.model.embed_tokens",
-                       "final_norm": "language_model.model.norm"}
+VLLM_LANGUAGE_MODEL = {
+    "layers": "language_model.model.layers",
+    "embed_tokens": "language_model.model.embed_tokens",
+    "final_norm": "language_model.model.norm",
+}
 
 
 def _text(config):
@@ -51,9 +54,11 @@ class LanguageModelOf:
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(_text(config), layer, engine)
-        media = ("with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
-                 "other in both directions; the pattern read is the model's, the family's score function is causal "
-                 "(text)")
+        media = (
+            "with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
+            "other in both directions; the pattern read is the model's, the family's score function is causal "
+            "(text)"
+        )
         notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
         return notes
 

@@ -87,8 +87,9 @@ class ScoreFunction:
         cap = self.softcap(config, layer)
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype,
-                                  scores.device, engine=heads.engine)
+        return scores + self.mask(
+            queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device, engine=heads.engine
+        )
 
     def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
         """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's
@@ -96,8 +97,9 @@ class ScoreFunction:
         `repeat_kv`), unless the family tiles them (JetMoE's `repeat(1, top_k, 1, 1)`)."""
         return tensor.repeat_interleave(groups, dim=1)
 
-    def softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def softmax(
+        self, scores: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pattern from the scores, in float32 as the eager functions compute it, and each query's sink share
         where the layer's heads have sink logits (`sinks` [heads]; None without): the softmax over the keys and one
         sink column, the column dropped (GPT-OSS's eager function), so each row sums to one less the share."""
@@ -109,12 +111,21 @@ class ScoreFunction:
         probabilities = joined.softmax(-1, dtype=joined.dtype)
         return probabilities[..., :-1], probabilities[..., -1]
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32,
-             device=None, engine="transformers") -> torch.Tensor:
+    def mask(
+        self,
+        num_queries,
+        num_keys,
+        config,
+        layer,
+        key_mask=None,
+        dtype=torch.float32,
+        device=None,
+        engine="transformers",
+    ) -> torch.Tensor:
         """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
         [batch or 1, 1, q, k]."""
         key_positions = torch.arange(num_keys, device=device)
-        query_positions = key_positions[num_keys - num_queries:, None]
+        query_positions = key_positions[num_keys - num_queries :, None]
         visible = key_positions[None, :] <= query_positions
         window = self.window(config, layer, engine)
         if window is not None:

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 from ..locations import INTERFACE_CALL, Derived, Operation
 
-SINK_NOTE = ("the softmax probability of the head's sink logit, the key column the eager function concatenates "
-             "and drops after the softmax: 1 - the pattern's row sum; read-only (a view of the softmax output, "
-             "whose sink column is discarded, so an edit could change nothing)")
+SINK_NOTE = (
+    "the softmax probability of the head's sink logit, the key column the eager function concatenates "
+    "and drops after the softmax: 1 - the pattern's row sum; read-only (a view of the softmax output, "
+    "whose sink column is discarded, so an edit could change nothing)"
+)
 
 
 def sink_share(operation: str) -> Derived:
     """`attention_sinks`: the last column of the softmax over [scores | sink] (assignment `operation`)."""
-    return Derived(Operation((INTERFACE_CALL, operation), anchor="softmax("),
-                   view=lambda envoy, probs: probs[..., -1], label="attention_sinks", in_place=False,
-                   why_not="it is the softmax's sink column, which the forward drops right after the softmax, so "
-                           "nothing reads it; edit attention_scores or attention_probabilities instead")
+    return Derived(
+        Operation((INTERFACE_CALL, operation), anchor="softmax("),
+        view=lambda envoy, probs: probs[..., -1],
+        label="attention_sinks",
+        in_place=False,
+        why_not="it is the softmax's sink column, which the forward drops right after the softmax, so "
+        "nothing reads it; edit attention_scores or attention_probabilities instead",
+    )
 
 
 def with_sinks(locations: dict, sinks: Derived) -> dict:

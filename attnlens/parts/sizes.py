@@ -44,8 +44,11 @@ class Sizes:
         for size in fields(self):
             entries = getattr(self, size.name)
             for entry in entries if isinstance(entries, tuple) else (entries,):
-                value = getattr(family, entry.name)(module) if isinstance(entry, FamilyMethod) else \
-                    _value(entry, module, found)
+                value = (
+                    getattr(family, entry.name)(module)
+                    if isinstance(entry, FamilyMethod)
+                    else _value(entry, module, found)
+                )
                 if value is not None:
                     found[size.name] = value
                     break

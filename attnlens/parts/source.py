@@ -59,13 +59,15 @@ class Anchored:
             where = f"{type(host).__name__}.forward"
             for depth, op_name in enumerate(location.path):
                 lines = operation_lines(function)
-                if op_name not in lines or (location.anchor and depth == len(location.path) - 1 \
-                        and location.anchor not in lines[op_name]):
+                if op_name not in lines or (
+                    location.anchor and depth == len(location.path) - 1 and location.anchor not in lines[op_name]
+                ):
                     stem = op_name.rsplit("_", 1)[0]
                     similar = {n: line for n, line in lines.items() if n.rsplit("_", 1)[0] == stem}
                     found = "; ".join(f"{n}: `{line}`" for n, line in similar.items()) or "no operation of that name"
-                    expected = f"operation {op_name!r}" + (f" on a line containing {location.anchor!r}"
-                                                           if location.anchor else "")
+                    expected = f"operation {op_name!r}" + (
+                        f" on a line containing {location.anchor!r}" if location.anchor else ""
+                    )
                     raise LocationDrift(
                         f"family {self.name}, value {name}: expected {expected} in {where} "
                         f"(transformers {__version__}), found {found}. The installed transformers moved this value; "

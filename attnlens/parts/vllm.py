@@ -40,7 +40,7 @@ def common_vllm_locations(family: Any) -> dict[str, Location]:
 #: Why the common layout's `mlp_activation` is missing on vLLM.
 FUSED_ACTIVATION = {
     "mlp_activation": "vLLM fuses the activation with the up projection (act_and_mul on gate_up_proj), so the "
-                      "activation alone is never formed; mlp_neurons is its output",
+    "activation alone is never formed; mlp_neurons is its output",
 }
 
 
@@ -92,22 +92,38 @@ class VLLMLayout:
         """Why `StandardizedVLLM` does not serve `model_type` on `family` (None: it does)."""
         if model_type in self.model_types:
             return None
-        return self.refusal or (f"the {family.name} family's vLLM locations are not checked for model type "
-                                f"{model_type!r}; check them against vLLM's implementation, state where they differ "
-                                f"in the family's vllm = VLLMLayout(...), and add the type to its model_types")
+        return self.refusal or (
+            f"the {family.name} family's vLLM locations are not checked for model type "
+            f"{model_type!r}; check them against vLLM's implementation, state where they differ "
+            f"in the family's vllm = VLLMLayout(...), and add the type to its model_types"
+        )
 
 
 #: attnlens 0.1's `vllm_*` class attributes -> the `VLLMLayout` field each became.
-LEGACY_VLLM = {"model_types": "model_types", "names": "names", "refusal": "refusal", "kernel": "kernel",
-               "tiny": "tiny", "dtype": "dtype", "tolerance": "tolerance", "absent": "unavailable",
-               "cpu_fault": "cpu_fault", "cpu_moe_fault": "cpu_moe_fault", "cpu_rope_fault": "cpu_rope_fault"}
+LEGACY_VLLM = {
+    "model_types": "model_types",
+    "names": "names",
+    "refusal": "refusal",
+    "kernel": "kernel",
+    "tiny": "tiny",
+    "dtype": "dtype",
+    "tolerance": "tolerance",
+    "absent": "unavailable",
+    "cpu_fault": "cpu_fault",
+    "cpu_moe_fault": "cpu_moe_fault",
+    "cpu_rope_fault": "cpu_rope_fault",
+}
 
 
 def unpaired_locations(family, locations):
     """vLLM locations for blocks that pass the residual stream as one tensor, not vLLM's `(hidden, residual)` pair
     (Granite, StableLM): the residual values are the modules' own inputs and outputs, with a batch axis of one.
     `layer_input` stays the pair's reader, which reads the hidden state alone where no residual is passed."""
-    return {**locations, "attention_output": batched(ModuleOutput()),
-            "layer_mid": batched(ModuleInput(family.mlp_norm)), "mlp_output": batched(ModuleOutput()),
-            "layer_output": batched(ModuleOutput("", 0)),
-            "final_norm_output": batched(ModuleOutput(family.final_norm))}
+    return {
+        **locations,
+        "attention_output": batched(ModuleOutput()),
+        "layer_mid": batched(ModuleInput(family.mlp_norm)),
+        "mlp_output": batched(ModuleOutput()),
+        "layer_output": batched(ModuleOutput("", 0)),
+        "final_norm_output": batched(ModuleOutput(family.final_norm)),
+    }

@@ -24,8 +24,10 @@ def _quantized(kernel: torch.nn.Module) -> None:
     if str(getattr(kernel, "kv_cache_dtype", "auto")) != "auto":
         from ..errors import Unavailable
 
-        raise Unavailable(f"the KV cache is quantized ({kernel.kv_cache_dtype}); attnlens reads earlier keys and "
-                          f"values only from an unquantized cache (kv_cache_dtype='auto')")
+        raise Unavailable(
+            f"the KV cache is quantized ({kernel.kv_cache_dtype}); attnlens reads earlier keys and "
+            f"values only from an unquantized cache (kv_cache_dtype='auto')"
+        )
 
 
 def _split(cache: torch.Tensor) -> bool:
@@ -68,8 +70,10 @@ def block_layout(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor
         if holders.numel() != index.numel() or bool((layout < 0).any()) or scratch.numel() % (2 * index.numel()):
             from ..errors import LocationDrift
 
-            raise LocationDrift(f"{kernel.layer_name}: the {impl.__class__.__name__} cache update does not place each "
-                                f"key and value channel once in a block; attnlens cannot read its cache")
+            raise LocationDrift(
+                f"{kernel.layer_name}: the {impl.__class__.__name__} cache update does not place each "
+                f"key and value channel once in a block; attnlens cannot read its cache"
+            )
         layouts.append(layout.view(size, heads, dim).transpose(0, 1))  # [heads, slot, dim]
     kernel._attnlens_layout = tuple(layouts)
     return kernel._attnlens_layout
@@ -89,10 +93,12 @@ def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: i
         if cache.shape[1] != block_size:
             from ..errors import LocationDrift
 
-            raise LocationDrift(f"{kernel.layer_name}: the latent cache's blocks hold {cache.shape[1]} positions "
-                                f"but the block table's {block_size}")
+            raise LocationDrift(
+                f"{kernel.layer_name}: the latent cache's blocks hold {cache.shape[1]} positions "
+                f"but the block table's {block_size}"
+            )
         rows = cache.view(-1, cache.shape[-1])[block * block_size + offset]
-        first, second = rows[:, :kernel.kv_lora_rank], rows[:, kernel.kv_lora_rank:]
+        first, second = rows[:, : kernel.kv_lora_rank], rows[:, kernel.kv_lora_rank :]
     else:  # one flat index per channel, into the cache's storage: only the rows asked for are copied
         layouts = block_layout(kernel, block_size)
         flat = cache.view(-1)  # vLLM's per-layer cache is one contiguous tensor (a view raises otherwise)
@@ -124,8 +130,11 @@ class BlockTables:
 
     def row(self, kernel: torch.nn.Module, request_id: str) -> tuple[torch.Tensor, int]:
         if self.groups is None:  # the KV cache is configured after the model loads
-            self.groups = {name: index for index, group in enumerate(self.runner.kv_cache_config.kv_cache_groups)
-                           for name in group.layer_names}
+            self.groups = {
+                name: index
+                for index, group in enumerate(self.runner.kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+            }
         table = self.runner.input_batch.block_table[self.groups[kernel.layer_name]]
         row = self.runner.input_batch.req_id_to_index[request_id]
         return table.get_cpu_tensor()[row], table.block_size

@@ -38,8 +38,19 @@ from . import static, worker
 from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
-TYPED = {cls.__name__: cls for cls in (errors.Unavailable, errors.OrderError, errors.EditError,
-                                       errors.LocationDrift, errors.UnknownFamily, IndexError, TypeError, ValueError)}
+TYPED = {
+    cls.__name__: cls
+    for cls in (
+        errors.Unavailable,
+        errors.OrderError,
+        errors.EditError,
+        errors.LocationDrift,
+        errors.UnknownFamily,
+        IndexError,
+        TypeError,
+        ValueError,
+    )
+}
 
 
 @add_model_values
@@ -51,8 +62,14 @@ class StandardizedVLLM(Helpful, VLLM):
     request, with a batch axis of one.
     """
 
-    def __init__(self, model: Any, family: Family | type[Family] | str | None = None, static_points: Any = None,
-                 enforce_eager: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        family: Family | type[Family] | str | None = None,
+        static_points: Any = None,
+        enforce_eager: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         from transformers import AutoConfig
 
         path = str(model)
@@ -61,7 +78,8 @@ class StandardizedVLLM(Helpful, VLLM):
                 f"pipeline_parallel_size={kwargs['pipeline_parallel_size']}: attnlens reads values inside vLLM's "
                 f"workers through nnsight, which runs every trace body on every worker; under pipeline parallelism a "
                 f"worker holds only its stage's blocks, so a body reading blocks of another stage waits for values "
-                f"that never reach it. Use tensor_parallel_size to spread a model over devices instead.")
+                f"that never reach it. Use tensor_parallel_size to spread a model over devices instead."
+            )
         if "torch_dtype" in kwargs:
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
@@ -83,10 +101,11 @@ class StandardizedVLLM(Helpful, VLLM):
         if not worker.has_accelerator():
             worker.adapt_client_for_cpu()
         family_class = type(self.family)
-        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}),
-                                       "attnlens_family": f"{family_class.__module__}:{family_class.__qualname__}"}
-        self.access = Access(self.family, self.text_config, self.text_config.num_hidden_layers, "vllm",
-                             self._geometry)
+        kwargs["additional_config"] = {
+            **(kwargs.get("additional_config") or {}),
+            "attnlens_family": f"{family_class.__module__}:{family_class.__qualname__}",
+        }
+        self.access = Access(self.family, self.text_config, self.text_config.num_hidden_layers, "vllm", self._geometry)
         self.static_points = static.declare(self, static_points) if static_points is not None else []
         if self.static_points:  # checked before the engine is built; the worker hooks them (static.py)
             kwargs["additional_config"][static.CONFIG_KEY] = self.static_points
@@ -145,8 +164,14 @@ class StandardizedVLLM(Helpful, VLLM):
             return kernel_geometry(module, self.text_config)
         c = self.text_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return HeadGeometry(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                            head_dim, head_dim, head_dim ** -0.5, "vllm")
+        return HeadGeometry(
+            c.num_attention_heads,
+            getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim,
+            head_dim,
+            head_dim**-0.5,
+            "vllm",
+        )
 
     # --- what is served, and in what order ------------------------------------------------------------------
 
@@ -158,14 +183,23 @@ class StandardizedVLLM(Helpful, VLLM):
         if not self.compiled:
             return found
         layer = self.access.check_layer(layer)
-        served = {BY_SHORT[short].key for short, where in static.taps(self.family, self.text_config, layer).items()
-                  if where == "kernel"}
-        eager = ("this engine runs vLLM's compiled model (built for static capture), where only the attention op's "
-                 "values are tapped; build StandardizedVLLM(..., enforce_eager=True) to trace this value")
-        reasons = {key: reason if reason is not None or key in served else eager
-                   for key, reason in found.reasons.items()}
-        notes = {key: f"{note}; on this compiled engine, a static tap only (static_points)"
-                 for key, note in found.notes.items() if key in served}
+        served = {
+            BY_SHORT[short].key
+            for short, where in static.taps(self.family, self.text_config, layer).items()
+            if where == "kernel"
+        }
+        eager = (
+            "this engine runs vLLM's compiled model (built for static capture), where only the attention op's "
+            "values are tapped; build StandardizedVLLM(..., enforce_eager=True) to trace this value"
+        )
+        reasons = {
+            key: reason if reason is not None or key in served else eager for key, reason in found.reasons.items()
+        }
+        notes = {
+            key: f"{note}; on this compiled engine, a static tap only (static_points)"
+            for key, note in found.notes.items()
+            if key in served
+        }
         return replace(found, reasons=reasons, notes=notes)
 
     def order(self, layer: int = 0) -> dict[str, int]:
@@ -195,7 +229,8 @@ class StandardizedVLLM(Helpful, VLLM):
             raise Unavailable(
                 "this engine runs vLLM's compiled model (it was built for static capture: static_points and no "
                 "enforce_eager), where nnsight's module handoffs never run, so it serves no traces. Build it with "
-                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)")
+                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)"
+            )
         (prompts, params, loras), kwargs = super()._batch(invokes, fn)
         prompts = [_salted(prompt) for prompt in prompts]
         return (prompts, params, loras), kwargs
@@ -262,7 +297,8 @@ def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dic
         raise Unavailable(
             f"static points {', '.join(static.needs_eager(model, model.static_points))} are read before the output "
             f"projection, inside vLLM's compiled graph, where no hook runs; drop enforce_eager=False (the engine then "
-            f"runs eagerly) or tap them with attnlens.StandardizedVLLM(..., enforce_eager=True)")
+            f"runs eagerly) or tap them with attnlens.StandardizedVLLM(..., enforce_eager=True)"
+        )
     if not enforce_eager:
         kwargs.setdefault("enable_chunked_prefill", True)
     recurrent = any(handoffs(model.family, model.text_config, layer)[0] is None for layer in range(model.num_layers))
@@ -299,4 +335,3 @@ def _refusal_of_folder(path: str) -> str | None:
 def _refusal(family: Family, model_type: str) -> str | None:
     refused = family.vllm.refused(family, model_type)
     return None if refused is None else f"StandardizedVLLM does not serve {model_type!r} on {family.name}: {refused}"
-

@@ -40,13 +40,15 @@ def check(family: Any, config: Any, layer: int, kernel: torch.nn.Module) -> int 
     stated = getattr(family, "shared_from", None)
     says = stated(config, layer) if stated is not None else None
     if says != source:
+
         def whose(index):
             return "its own" if index is None else f"layer {index}'s"
 
         raise LocationDrift(
             f"family {family.name}, layer {layer}: the family says the layer attends with {whose(says)} keys and "
             f"values, vLLM's kernel with {whose(source)}; the rebuilt pattern would be wrong. Fix the family's "
-            f"shared_from.")
+            f"shared_from."
+        )
     return source
 
 

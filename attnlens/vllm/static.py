@@ -49,8 +49,9 @@ def taps(family, config, layer: int) -> dict[str, str]:
     for name, location in locations.items():
         if isinstance(location, (KernelInput, RebuiltPattern)) and getattr(location, "static_tap", True):
             found[BY_NAME[name].short] = "kernel"
-        elif premix is not None and name in ("attention_head_outputs", "attention_premix") \
-                and location.key == premix.key:
+        elif (
+            premix is not None and name in ("attention_head_outputs", "attention_premix") and location.key == premix.key
+        ):
             found[BY_NAME[name].short] = "projection"
     return found
 
@@ -79,8 +80,10 @@ def declare(model: Any, names: Any) -> list[str]:
     for short, layer in points:
         allowed = {} if layer is None else taps(model.family, model.text_config, layer)
         if layer is not None and not allowed:
-            raise Unavailable(f"{short}.{layer} on {model.family.name}: layer {layer} has no attention kernel on vLLM, "
-                              f"so no static taps; read its values with a trace")
+            raise Unavailable(
+                f"{short}.{layer} on {model.family.name}: layer {layer} has no attention kernel on vLLM, "
+                f"so no static taps; read its values with a trace"
+            )
         if short not in allowed:
             raise Unavailable(
                 f"{short if layer is None else f'{short}.{layer}'} on {model.family.name}: not a static tap on vLLM; "
@@ -237,8 +240,10 @@ class StaticRecorder:
                     table, size = values.tables.row(kernel, request_id)
                     earlier = kept.cached(kernel, table, size, position)
                     flat = tuple(torch.cat([before, now]) for before, now in zip(earlier, flat))
-                keys, vals = (gathered_heads(x, dim, heads.num_kv_heads)
-                              for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim)))
+                keys, vals = (
+                    gathered_heads(x, dim, heads.num_kv_heads)
+                    for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim))
+                )
                 for short, tensor in (("key", keys), ("value", vals)):
                     if short in shorts:
                         step[f"{short}.{layer}"] = tensor if position else tensor.clone()
@@ -248,6 +253,7 @@ class StaticRecorder:
                     built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
                     for short in pattern:
                         step[f"{short}.{layer}"] = built[short]
+
         return hook
 
     def _projection_hook(self, layer: int):
@@ -258,10 +264,11 @@ class StaticRecorder:
             premix = args[0] if args else next(iter(kwargs.values()))
             premix = premix.reshape(-1, premix.shape[-1])  # the Transformers backend keeps a batch axis of one
             for request, _, start, count, _ in self._spans():
-                local = premix[start:start + count].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
+                local = premix[start : start + count].unflatten(-1, (-1, heads.head_dim))[None]  # this rank's heads
                 z = gather_heads(local.clone(), heads.num_heads, 2)
                 for short in shorts & {"z", "premix"}:
                     request.steps[-1][f"{short}.{layer}"] = z if short == "z" else z.flatten(-2)
+
         return hook
 
     # --- taking the captures ---------------------------------------------------------------------------------
@@ -279,9 +286,13 @@ class StaticRecorder:
         return found
 
     def stats(self) -> dict:
-        return {"requests": len(self.requests), "running": len(self.tags),
-                "bytes": sum(t.numel() * t.element_size() for r in self.requests.values() for s in r.steps
-                             for t in s.values())}
+        return {
+            "requests": len(self.requests),
+            "running": len(self.tags),
+            "bytes": sum(
+                t.numel() * t.element_size() for r in self.requests.values() for s in r.steps for t in s.values()
+            ),
+        }
 
 
 def install(runner: Any) -> StaticRecorder | None:
@@ -300,8 +311,9 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
     from vllm import SamplingParams
 
     if not getattr(model, "static_points", None):
-        raise RuntimeError("this engine declared no static points: load it with StandardizedVLLM(..., "
-                           "static_points=[...])")
+        raise RuntimeError(
+            "this engine declared no static points: load it with StandardizedVLLM(..., static_points=[...])"
+        )
     single = isinstance(prompts, str)
     prompts = [prompts] if single else list(prompts)
     sampling = model._sampling_kwargs(dict(kwargs))
@@ -312,6 +324,8 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
     for per_worker in model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)):
         taken = per_worker  # every rank holds the same gathered captures; rank 0's are kept
         break
-    results = [StaticResult(output, [Cache(step) for step in taken[tag]["steps"]], taken[tag]["positions"])
-               for output, tag in zip(outputs, tags)]
+    results = [
+        StaticResult(output, [Cache(step) for step in taken[tag]["steps"]], taken[tag]["positions"])
+        for output, tag in zip(outputs, tags)
+    ]
     return results[0] if single else results

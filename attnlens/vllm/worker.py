@@ -111,8 +111,7 @@ class WorkerValues:
                     self.kv_sources[index] = source
                 sinks = getattr(envoy._module.impl, "sinks", None)
                 if sinks is not None:  # this rank's heads: every rank gathers them, here, once
-                    self.sinks[index] = gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads,
-                                                          1)[0]
+                    self.sinks[index] = gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads, 1)[0]
             if projection is not None:
                 self.projections[f"{child(attention, projection).path}.input"] = index
         self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
@@ -136,15 +135,18 @@ class WorkerValues:
         load, not with a wrong pattern."""
         impl = kernel.impl
         facts = {
-            "sliding window": (self.family.window(self.config, layer, "vllm"),
-                               _none_if(getattr(impl, "sliding_window", None), -1)),  # MLA impls have none
+            "sliding window": (
+                self.family.window(self.config, layer, "vllm"),
+                _none_if(getattr(impl, "sliding_window", None), -1),
+            ),  # MLA impls have none
             "soft-cap": (self.family.softcap(self.config, layer), _none_if(getattr(impl, "logits_soft_cap", None), 0)),
         }
         slopes, kernel_slopes = self.family.alibi_slopes(self.config, layer), getattr(impl, "alibi_slopes", None)
         if slopes is not None:
             slopes = local_heads(slopes, slopes.shape[0], 0)  # this rank's heads
         if (slopes is None) != (kernel_slopes is None) or (
-                slopes is not None and not torch.equal(slopes.to(kernel_slopes), kernel_slopes)):
+            slopes is not None and not torch.equal(slopes.to(kernel_slopes), kernel_slopes)
+        ):
             facts["ALiBi slopes"] = (slopes, kernel_slopes)
         for what, (family_says, vllm_says) in facts.items():
             if what == "ALiBi slopes" or family_says != vllm_says:
@@ -201,8 +203,13 @@ class WorkerValues:
             with torch.inference_mode(False), torch.no_grad():
                 scores = self.family.scores(self.geometry[layer], self.config, queries.clone(), keys.clone(), layer)
                 probabilities, sinks = self.family.softmax(scores, self.sinks.get(layer))
-            handed.update(scores=scores, scores_version=scores._version, probabilities=probabilities,
-                          probabilities_version=probabilities._version, sinks=sinks)
+            handed.update(
+                scores=scores,
+                scores_version=scores._version,
+                probabilities=probabilities,
+                probabilities_version=probabilities._version,
+                sinks=sinks,
+            )
         return handed
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
@@ -237,8 +244,13 @@ class WorkerValues:
     def stats(self) -> dict:
         """Requests attnlens tracks and the bytes it holds for them: this step's patterns, no keys (those are read from
         vLLM's cache)."""
-        held = sum(t.numel() * t.element_size() for s in self.states.values() for handed in s.patterns.values()
-                   for t in handed.values() if isinstance(t, torch.Tensor))
+        held = sum(
+            t.numel() * t.element_size()
+            for s in self.states.values()
+            for handed in s.patterns.values()
+            for t in handed.values()
+            if isinstance(t, torch.Tensor)
+        )
         return {"requests": len(self.states), "bytes": held}
 
     def before_output_projection(self, layer: int, value: Any) -> None:
@@ -258,7 +270,7 @@ class WorkerValues:
                 continue
             heads = self.heads_from_pattern(state, layer, pattern)
             premix = value[0][0]  # (args, kwargs) of the output projection: this rank's heads, before nnsight gathers
-            premix[start:start + count] = heads.reshape(count, -1).to(premix.dtype)
+            premix[start : start + count] = heads.reshape(count, -1).to(premix.dtype)
 
     def heads_from_pattern(self, state: RequestState, layer: int, pattern: torch.Tensor) -> torch.Tensor:
         """`pattern @ values` over the cached values (this rank's, as its kernel wrote them this step and before),
@@ -390,8 +402,11 @@ def single_rank_groups_with_experts() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
-    if parallel_state.model_parallel_is_initialized() and parallel_state._EP is None \
-            and parallel_state.get_world_group().world_size == 1:
+    if (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state._EP is None
+        and parallel_state.get_world_group().world_size == 1
+    ):
         parallel_state.destroy_model_parallel()
         with set_current_vllm_config(VllmConfig()):  # no model config: every group, the experts' included
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

@@ -12,8 +12,10 @@ def test_bloom_attention_output_is_the_projection_and_layer_mid_the_module_outpu
     model = tiny("bloom")
     saved = saved_for("bloom")
     block = model.layers[1]._module
-    v = {name: saved[(1, name)] for name in ("layer_input", "attention_premix", "attention_output", "layer_mid",
-                                             "mlp_output", "layer_output")}
+    v = {
+        name: saved[(1, name)]
+        for name in ("layer_input", "attention_premix", "attention_output", "layer_mid", "mlp_output", "layer_output")
+    }
     with torch.no_grad():
         assert torch.equal(block.self_attention.dense(v["attention_premix"]), v["attention_output"])
     assert torch.equal(v["layer_input"] + v["attention_output"], v["layer_mid"])  # dropout_add, in eval
@@ -27,8 +29,18 @@ def test_bloom_residual_after_the_norm():
     """apply_residual_connection_post_layernorm: the block adds to the norms' outputs; the notes say so."""
     model = tiny("bloom:post_norm_residual")
     saved = read_everything(model, PROMPT)
-    v = {name: saved[(1, name)] for name in ("layer_input", "attention_norm_output", "attention_output", "layer_mid",
-                                             "mlp_norm_output", "mlp_output", "layer_output")}
+    v = {
+        name: saved[(1, name)]
+        for name in (
+            "layer_input",
+            "attention_norm_output",
+            "attention_output",
+            "layer_mid",
+            "mlp_norm_output",
+            "mlp_output",
+            "layer_output",
+        )
+    }
     assert torch.equal(v["attention_norm_output"] + v["attention_output"], v["layer_mid"])
     assert torch.equal(v["mlp_norm_output"] + v["mlp_output"], v["layer_output"])
     assert not close(v["layer_input"] + v["attention_output"], v["layer_mid"])
@@ -41,8 +53,10 @@ def test_bloom_residual_after_the_norm():
 def test_bloom_sliced_tensor_parallel_projections_are_unavailable():
     model = tiny("bloom", pretraining_tp=2, slow_but_exact=True)
     report = model.support(1)
-    why = ("config.pretraining_tp=2 with slow_but_exact=True runs the {} as sliced F.linear calls, so `{}` is never "
-           "called; load with slow_but_exact=False")
+    why = (
+        "config.pretraining_tp=2 with slow_but_exact=True runs the {} as sliced F.linear calls, so `{}` is never "
+        "called; load with slow_but_exact=False"
+    )
     for key in ("self_attn.attention_premix", "self_attn.attention_output"):
         assert report[key] == why.format("output projection", "dense")
     for key in ("mlp.mlp_neurons", "mlp.mlp_output"):

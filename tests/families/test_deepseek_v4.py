@@ -9,8 +9,14 @@ import attnlens
 
 
 def v4_attention(layer):
-    names = ("attention_keys", "attention_values", "attention_probabilities", "attention_head_outputs",
-             "attention_premix", "attention_output")
+    names = (
+        "attention_keys",
+        "attention_values",
+        "attention_probabilities",
+        "attention_head_outputs",
+        "attention_premix",
+        "attention_output",
+    )
     return lambda m: {n: getattr(m.layers[layer].self_attn, n) for n in names}
 
 
@@ -52,8 +58,9 @@ def test_v4_premix_is_the_grouped_projection_input_after_the_inverse_rotation():
     assert not torch.allclose(heads.reshape(1, len(PROMPT), -1), premix, atol=1e-3)  # the rotation matters
     assert torch.allclose(family.merge_heads(module, heads), premix, atol=1e-5)
     rope = model.config.qk_rope_head_dim  # only the trailing rotary channels of each head change
-    assert torch.allclose(heads[..., :-rope].reshape(1, len(PROMPT), 4, -1),
-                          premix.view(1, len(PROMPT), 4, 16)[..., :-rope], atol=1e-6)
+    assert torch.allclose(
+        heads[..., :-rope].reshape(1, len(PROMPT), 4, -1), premix.view(1, len(PROMPT), 4, 16)[..., :-rope], atol=1e-6
+    )
 
 
 def test_v4_premix_edits_land_in_place_and_by_assignment():
@@ -75,9 +82,16 @@ def test_v4_premix_edits_land_in_place_and_by_assignment():
 def test_v4_residual_is_hyper_connection_streams():
     model = tiny("deepseek_v4")
     hc = model.config.hc_mult
-    got = trace(model, lambda m: {"e": m.embeddings, "in": m.layers[0].layer_input,
-                                  "a": m.layers[0].self_attn.attention_output, "mid": m.layers[0].layer_mid,
-                                  "out": m.layers[0].layer_output})
+    got = trace(
+        model,
+        lambda m: {
+            "e": m.embeddings,
+            "in": m.layers[0].layer_input,
+            "a": m.layers[0].self_attn.attention_output,
+            "mid": m.layers[0].layer_mid,
+            "out": m.layers[0].layer_output,
+        },
+    )
     assert got["in"].shape == got["mid"].shape == got["out"].shape == (1, len(PROMPT), hc, 64)
     assert torch.equal(got["in"], got["e"][:, :, None].expand(-1, -1, hc, -1))
     assert not torch.allclose(got["mid"], got["in"] + got["a"][:, :, None], atol=1e-3)  # not a plain sum
@@ -89,13 +103,14 @@ def test_v4_residual_is_hyper_connection_streams():
     assert all("hyper-connection streams" in notes[k] for k in ("layer_input", "layer_mid", "layer_output"))
 
 
-@pytest.mark.parametrize(("layer", "kind", "entries"), [(1, "heavily_compressed_attention", 18 // 8),
-                                                  (2, "compressed_sparse_attention", 18 // 4)])
+@pytest.mark.parametrize(
+    ("layer", "kind", "entries"),
+    [(1, "heavily_compressed_attention", 18 // 8), (2, "compressed_sparse_attention", 18 // 4)],
+)
 def test_v4_compressed_layers_report_their_longer_key_axis(layer, kind, entries):
     model = tiny("deepseek_v4")
     report = model.support(layer)
-    for key in ("attention_keys", "attention_values", "attention_scores", "attention_probabilities",
-                "attention_sinks"):
+    for key in ("attention_keys", "attention_values", "attention_scores", "attention_probabilities", "attention_sinks"):
         assert kind in report[f"self_attn.{key}"] and "seq + seq // compress_rate" in report[f"self_attn.{key}"]
     for key in ("attention_queries", "attention_head_outputs", "attention_premix", "attention_output"):
         assert report[f"self_attn.{key}"] is None

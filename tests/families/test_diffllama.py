@@ -20,8 +20,11 @@ def test_diffllama_heads_mix_doubled_values_then_combine_in_pairs():
         # kv head g carries [v_(g mod kv/2) | v_(g mod kv/2 + kv/2)]
         assert close(values[:, 0], torch.cat([v[:, 0], v[:, 1]], -1)) and close(values[:, 1], values[:, 0])
         heads = saved[(1, "attention_head_outputs")]
-        lam = (torch.exp((module.lambda_q1 * module.lambda_k1).sum()) - torch.exp((module.lambda_q2 * module.lambda_k2)
-                                                                                  .sum()) + module.lambda_init)
+        lam = (
+            torch.exp((module.lambda_q1 * module.lambda_k1).sum())
+            - torch.exp((module.lambda_q2 * module.lambda_k2).sum())
+            + module.lambda_init
+        )
         pair = heads[:, :, 0] - lam * heads[:, :, 2]  # head 0 with head 0 + num_heads / 2
         premix = saved[(1, "attention_premix")].view(1, len(PROMPT), 2, 32)
         assert close((1 - module.lambda_init) * module.groupnorm(pair), premix[:, :, 0])

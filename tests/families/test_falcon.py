@@ -27,8 +27,15 @@ def test_falcon_alibi_enters_twice_under_eager_once_under_sdpa():
     eager, sdpa = tiny("falcon:alibi"), falcon_sdpa("falcon:alibi")
     layer = 1
     attn = sdpa.layers[layer].self_attn
-    got = trace(sdpa, lambda m: {"q": attn.attention_queries, "k": attn.attention_keys, "v": attn.attention_values,
-                                 "heads": attn.attention_head_outputs})
+    got = trace(
+        sdpa,
+        lambda m: {
+            "q": attn.attention_queries,
+            "k": attn.attention_keys,
+            "v": attn.attention_values,
+            "heads": attn.attention_head_outputs,
+        },
+    )
     module = attn._module
     # the family's (eager) score function
     double = eager.family.scores(eager.family.geometry(module), eager.config, got["q"], got["k"], layer)
@@ -111,9 +118,15 @@ def test_falcon_parallel_mlp_output_is_a_snapshot_before_the_in_place_add():
     assert model.support(1).notes["mlp.mlp_output"].startswith("a snapshot (copy) of the MLP's output")
 
 
-ATTENTION_ORDER = ["self_attn.attention_queries", "self_attn.attention_keys", "self_attn.attention_scores",
-                   "self_attn.attention_probabilities", "self_attn.attention_head_outputs",
-                   "self_attn.attention_premix", "self_attn.attention_output"]
+ATTENTION_ORDER = [
+    "self_attn.attention_queries",
+    "self_attn.attention_keys",
+    "self_attn.attention_scores",
+    "self_attn.attention_probabilities",
+    "self_attn.attention_head_outputs",
+    "self_attn.attention_premix",
+    "self_attn.attention_output",
+]
 
 
 MLP_ORDER = ["mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output", "layer_output"]
@@ -122,13 +135,33 @@ MLP_ORDER = ["mlp.mlp_activation", "mlp.mlp_neurons", "mlp.mlp_output", "layer_o
 FALCON_ORDERS = {
     # one shared norm: the MLP's norm output is read as the MLP receives it
     "falcon": ["layer_input", "attention_norm_output", *ATTENTION_ORDER, "mlp_norm_output", *MLP_ORDER],
-    "falcon:multihead": ["layer_input", "attention_norm_output", *ATTENTION_ORDER, "layer_mid", "mlp_norm_output",
-                         "mlp_input", *MLP_ORDER],
+    "falcon:multihead": [
+        "layer_input",
+        "attention_norm_output",
+        *ATTENTION_ORDER,
+        "layer_mid",
+        "mlp_norm_output",
+        "mlp_input",
+        *MLP_ORDER,
+    ],
     # ln_mlp runs before attention
-    "falcon:new_architecture": ["layer_input", "attention_norm_output", "mlp_norm_output", *ATTENTION_ORDER,
-                                "mlp_input", *MLP_ORDER],
-    "falcon:alibi": ["layer_input", "attention_norm_output", *ATTENTION_ORDER, "layer_mid", "mlp_norm_output",
-                     "mlp_input", *MLP_ORDER],
+    "falcon:new_architecture": [
+        "layer_input",
+        "attention_norm_output",
+        "mlp_norm_output",
+        *ATTENTION_ORDER,
+        "mlp_input",
+        *MLP_ORDER,
+    ],
+    "falcon:alibi": [
+        "layer_input",
+        "attention_norm_output",
+        *ATTENTION_ORDER,
+        "layer_mid",
+        "mlp_norm_output",
+        "mlp_input",
+        *MLP_ORDER,
+    ],
 }
 
 
@@ -166,8 +199,11 @@ def test_falcon_new_architecture_reads_the_mlp_norm_before_attention():
         norm = layer.mlp_norm_output.save()
         queries = layer.self_attn.attention_queries.save()
     assert norm.shape == (1, N, 64) and queries.shape == (1, 4, N, 16)
-    with pytest.raises(attnlens.OrderError, match=r"layers\[1\].mlp_norm_output was read after "
-                                                  r"layers\[1\].self_attn.attention_queries"):
+    with pytest.raises(
+        attnlens.OrderError,
+        match=r"layers\[1\].mlp_norm_output was read after "
+        r"layers\[1\].self_attn.attention_queries",
+    ):
         with torch.no_grad(), model.trace(PROMPT):
             layer.self_attn.attention_queries.save()
             layer.mlp_norm_output.save()
@@ -191,9 +227,12 @@ def test_falcon_parallel_block_has_no_layer_mid(case):
     model = tiny(case)
     reason = model.support(1)["layer_mid"]
     norms = "one shared input_layernorm" if case == "falcon" else "ln_attn and ln_mlp respectively"
-    assert reason == ("a parallel block: attention and the MLP both read the block input (through " + norms +
-                      ") and the block adds both outputs to it at once, so no residual stream exists between "
-                      "attention and the MLP; layer_input + attention_output + mlp_output == layer_output")
+    assert reason == (
+        "a parallel block: attention and the MLP both read the block input (through "
+        + norms
+        + ") and the block adds both outputs to it at once, so no residual stream exists between "
+        "attention and the MLP; layer_input + attention_output + mlp_output == layer_output"
+    )
     with pytest.raises(attnlens.Unavailable, match="a parallel block"):
         with torch.no_grad(), model.trace(PROMPT):
             model.layers[1].layer_mid.save()
@@ -202,8 +241,9 @@ def test_falcon_parallel_block_has_no_layer_mid(case):
 def test_falcon_keys_need_the_cache():
     model = tiny("falcon", use_cache=False)
     reason = model.support(1)["self_attn.attention_values"]
-    assert reason == ("read at the cache update, which config.use_cache=False skips; load with use_cache=True "
-                      "(the default)")
+    assert reason == (
+        "read at the cache update, which config.use_cache=False skips; load with use_cache=True (the default)"
+    )
     with pytest.raises(attnlens.Unavailable, match=r"config\.use_cache=False"):
         with torch.no_grad(), model.trace(PROMPT):
             model.layers[1].self_attn.attention_keys.save()
@@ -215,13 +255,18 @@ def test_falcon_sdpa_serves_all_but_scores_and_pattern(case):
     assert sdpa.config._attn_implementation == "sdpa"
     report = sdpa.support(1)
     for key in ("self_attn.attention_scores", "self_attn.attention_probabilities"):
-        assert report[key].startswith("read inside transformers' eager attention function, but this model runs "
-                                      "'sdpa'")
+        assert report[key].startswith("read inside transformers' eager attention function, but this model runs 'sdpa'")
     with pytest.raises(attnlens.Unavailable, match="'sdpa'"):
         with torch.no_grad(), sdpa.trace(PROMPT):
             sdpa.layers[1].self_attn.attention_scores.save()
-    names = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs",
-             "attention_premix", "attention_output")
+    names = (
+        "attention_queries",
+        "attention_keys",
+        "attention_values",
+        "attention_head_outputs",
+        "attention_premix",
+        "attention_output",
+    )
     layer = 1
     if case == "falcon:alibi":  # eager doubles ALiBi, sdpa doesn't: the mix differs from layer 0 on (tested above)
         names, layer = names[:3], 0

@@ -30,7 +30,10 @@ def test_falcon_h1_layer_mid_holds_the_mamba_branch():
     config = model.config
     with torch.no_grad(), model.trace(PROMPT):
         mamba = model.layers[1].mamba.output.save()
-    expected = (saved[(1, "layer_input")] + config.attention_out_multiplier * saved[(1, "attention_output")]
-                + config.ssm_out_multiplier * mamba)
+    expected = (
+        saved[(1, "layer_input")]
+        + config.attention_out_multiplier * saved[(1, "attention_output")]
+        + config.ssm_out_multiplier * mamba
+    )
     assert close(expected, saved[(1, "layer_mid")])
     assert "times key_multiplier (0.5)" in model.support(1).notes["self_attn.attention_keys"]

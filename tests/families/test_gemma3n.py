@@ -10,9 +10,16 @@ from attnlens.checks import failures, read_everything
 def test_gemma3n_streams_and_the_active_stream():
     needs("gemma3n_text")
     model = tiny("gemma3n_text")
-    got = trace(model, lambda m: {"in": m.layers[1].layer_input, "norm": m.layers[1].attention_norm_output,
-                                  "mid": m.layers[1].layer_mid, "out": m.layers[1].layer_output,
-                                  "next": m.layers[2].layer_input})
+    got = trace(
+        model,
+        lambda m: {
+            "in": m.layers[1].layer_input,
+            "norm": m.layers[1].attention_norm_output,
+            "mid": m.layers[1].layer_mid,
+            "out": m.layers[1].layer_output,
+            "next": m.layers[2].layer_input,
+        },
+    )
     assert got["in"].shape == got["out"].shape == (1, N, 4, 64) and got["mid"].shape == (1, N, 64)
     assert torch.equal(got["out"], got["next"])
     block = model._module.model.layers[1]
@@ -27,8 +34,12 @@ def test_gemma3n_correction_and_per_layer_inputs_need_the_block_arguments():
     """With altup_correct_scale and its scale off zero, every identity holds; the per-layer input is what closes the
     last residual add, and the activation-sparse layer's activation is act(topk(gate))."""
     needs("gemma3n_text")
-    model = perturbed("gemma3n_text", {"correct_output_scale"}, altup_correct_scale=True,
-                      activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    model = perturbed(
+        "gemma3n_text",
+        {"correct_output_scale"},
+        altup_correct_scale=True,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    )
     saved = read_everything(model, PROMPT)
     assert [failures(model, saved, i) for i in range(4)] == [["activation == act(gate(mlp input))"], [], [], []]
     mlp = model._module.model.layers[0].mlp
@@ -40,8 +51,13 @@ def test_gemma3n_correction_and_per_layer_inputs_need_the_block_arguments():
         block, arguments = model._module.model.layers[i], saved[(i, "block_arguments")]
         update = saved[(i, "mlp_output")]
         with torch.no_grad():
-            without = model.family.residual_add(block, "mlp", saved[(i, "layer_mid")], update, **{
-                **arguments, "per_layer_input": torch.zeros_like(arguments["per_layer_input"])})
+            without = model.family.residual_add(
+                block,
+                "mlp",
+                saved[(i, "layer_mid")],
+                update,
+                **{**arguments, "per_layer_input": torch.zeros_like(arguments["per_layer_input"])},
+            )
         assert torch.allclose(without[:, :, 0], saved[(i, "layer_output")][:, :, 0], atol=1e-5)  # the active one
         assert not torch.allclose(without, saved[(i, "layer_output")], atol=1e-3)
 
@@ -49,9 +65,14 @@ def test_gemma3n_correction_and_per_layer_inputs_need_the_block_arguments():
 def test_gemma3n_shared_keys_and_unscaled_scores():
     needs("gemma3n_text")
     model = tiny("gemma3n_text")
-    got = trace(model, lambda m: {(i, name): getattr(m.layers[i].self_attn, name) for i in range(4)
-                                  for name in ("attention_queries", "attention_keys", "attention_values",
-                                               "attention_scores")})
+    got = trace(
+        model,
+        lambda m: {
+            (i, name): getattr(m.layers[i].self_attn, name)
+            for i in range(4)
+            for name in ("attention_queries", "attention_keys", "attention_values", "attention_scores")
+        },
+    )
     for shared, source in ((2, 0), (3, 1)):
         for name in ("attention_keys", "attention_values"):
             assert torch.equal(got[shared, name], got[source, name])

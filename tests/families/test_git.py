@@ -11,7 +11,7 @@ def test_git_post_norm_values():
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         embeddings = inner.git.embeddings
-        positions = embeddings.position_embeddings.weight[:len(PROMPT)]
+        positions = embeddings.position_embeddings.weight[: len(PROMPT)]
         first = embeddings.LayerNorm(embeddings.word_embeddings(ids) + positions)
         assert close(first, saved[(0, "layer_input")])
         for layer in range(model.num_layers):
@@ -52,4 +52,4 @@ def test_git_embeddings_are_the_word_embeddings_before_positions_are_added_in_pl
         first = model.layers[0].layer_input.save()
     with torch.no_grad():
         assert torch.equal(embeddings, inner.word_embeddings(ids))
-        assert close(first, inner.LayerNorm(inner.position_embeddings.weight[:len(PROMPT)])[None])
+        assert close(first, inner.LayerNorm(inner.position_embeddings.weight[: len(PROMPT)])[None])

@@ -16,7 +16,7 @@ def test_gpt_bigcode_split(case):
     with torch.no_grad():
         fused = module.c_attn(at(case, "attention_norm_output"))
     if model.config.multi_query:  # [q (all heads) | k (one head) | v (one head)]
-        q, k, v = heads(fused[..., :h * d], d), fused[..., None, h * d:h * d + d], fused[..., None, h * d + d:]
+        q, k, v = heads(fused[..., : h * d], d), fused[..., None, h * d : h * d + d], fused[..., None, h * d + d :]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         assert model.layers[LAYER].self_attn.num_kv_heads == 1
     else:  # per head [q|k|v]

@@ -23,8 +23,10 @@ def test_gpt_neox_parallel_mlp_norm_reads_the_block_input():
         assert close(block.post_attention_layernorm(saved[(LAYER, "layer_input")]), norm_output)
     assert not close(norm_output, saved[(LAYER, "attention_norm_output")])
     sequential = tiny("gpt_neox:sequential").layers[LAYER]._module
-    assert close(sequential.post_attention_layernorm(at("gpt_neox:sequential", "layer_mid")),
-                 at("gpt_neox:sequential", "mlp_norm_output"))
+    assert close(
+        sequential.post_attention_layernorm(at("gpt_neox:sequential", "layer_mid")),
+        at("gpt_neox:sequential", "mlp_norm_output"),
+    )
 
 
 @pytest.mark.parametrize("case", ["gpt_neox", "gpt_neox:sequential"])

@@ -8,9 +8,14 @@ from identities import trace
 def test_score_function_serves_decode_queries_against_a_sliding_window():
     # Fewer queries than keys, as at a decode step: the family's mask must place them at the end.
     model = tiny("gpt_oss")
-    got = trace(model, lambda m: {"q": m.layers[0].self_attn.attention_queries,
-                                  "k": m.layers[0].self_attn.attention_keys,
-                                  "s": m.layers[0].self_attn.attention_scores})
+    got = trace(
+        model,
+        lambda m: {
+            "q": m.layers[0].self_attn.attention_queries,
+            "k": m.layers[0].self_attn.attention_keys,
+            "s": m.layers[0].self_attn.attention_scores,
+        },
+    )
     module = model.layers[0].self_attn._module
     last = model.family.scores(model.family.geometry(module), model.config, got["q"][:, :, -3:], got["k"], 0)
     assert torch.equal(last == torch.finfo(last.dtype).min, got["s"][:, :, -3:] == torch.finfo(last.dtype).min)

@@ -9,7 +9,7 @@ def test_granite_scores_use_the_attention_multiplier():
     model = tiny("granite")
     saved = saved_for("granite")
     attn = model.layers[1].self_attn
-    assert attn.scale == model.config.attention_multiplier != attn.head_dim ** -0.5
+    assert attn.scale == model.config.attention_multiplier != attn.head_dim**-0.5
     q, k = saved[(1, "attention_queries")], saved[(1, "attention_keys")]
     by_hand = q @ k.repeat_interleave(2, dim=1).transpose(2, 3) * model.config.attention_multiplier
     length = q.shape[2]

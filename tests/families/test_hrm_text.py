@@ -10,12 +10,23 @@ def hrm(h_cycles):
 
     import attnlens
 
-    config = transformers.HrmTextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, head_dim=16, H_cycles=h_cycles, L_cycles=3,
-                                        pad_token_id=0)
+    config = transformers.HrmTextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        H_cycles=h_cycles,
+        L_cycles=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
-    return attnlens.StandardizedTransformer(transformers.HrmTextForCausalLM(config).eval(),
-                                            tokenizer=attnlens.models.char_tokenizer(), attn_implementation="eager")
+    return attnlens.StandardizedTransformer(
+        transformers.HrmTextForCausalLM(config).eval(),
+        tokenizer=attnlens.models.char_tokenizer(),
+        attn_implementation="eager",
+    )
 
 
 def test_hrm_text_serves_the_embeddings_and_logits_and_says_why_not_the_blocks():

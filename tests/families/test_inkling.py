@@ -14,10 +14,15 @@ def test_inkling_scores_add_the_hidden_state_bias_within_its_extent(layer):
     model = tiny("inkling_text")
     attn = model.layers[layer].self_attn
     module = attn._module
-    got = trace(model, lambda m: {"x": m.layers[layer].attention_norm_output,
-                                  "q": m.layers[layer].self_attn.attention_queries,
-                                  "k": m.layers[layer].self_attn.attention_keys,
-                                  "s": m.layers[layer].self_attn.attention_scores})
+    got = trace(
+        model,
+        lambda m: {
+            "x": m.layers[layer].attention_norm_output,
+            "q": m.layers[layer].self_attn.attention_queries,
+            "k": m.layers[layer].self_attn.attention_keys,
+            "s": m.layers[layer].self_attn.attention_scores,
+        },
+    )
     assert attn.scale == pytest.approx(1 / attn.head_dim)
     plain = model.family.scores(attn.heads, model.config, got["q"], got["k"], layer)
     bias = got["s"] - plain
@@ -37,8 +42,14 @@ def test_inkling_scores_add_the_hidden_state_bias_within_its_extent(layer):
 def test_inkling_keys_and_values_pass_their_short_convolutions():
     model = tiny("inkling_text")
     module = model.layers[1].self_attn._module
-    got = trace(model, lambda m: {"x": m.layers[1].attention_norm_output, "k": m.layers[1].self_attn.attention_keys,
-                                  "v": m.layers[1].self_attn.attention_values})
+    got = trace(
+        model,
+        lambda m: {
+            "x": m.layers[1].attention_norm_output,
+            "k": m.layers[1].self_attn.attention_keys,
+            "v": m.layers[1].self_attn.attention_values,
+        },
+    )
     heads, size = module.num_key_value_heads, module.head_dim
     with torch.no_grad():
         keys = module.k_norm(module.k_sconv(module.k_proj(got["x"])).view(1, N, heads, size)).transpose(1, 2)

@@ -9,8 +9,10 @@ def test_inkling2_the_blocks_mlp_input_module_moves_aside_for_the_value():
     model = tiny("inkling2_text")
     layer = model.layers[1]
     assert type(layer.E_mlp_input._module).__name__ == "Inkling2BlockAttentionResidual"
-    got = trace(model, lambda m: {"mid": m.layers[1].layer_mid, "mix": m.layers[1].E_mlp_input.output,
-                                  "x": m.layers[1].mlp_input})
+    got = trace(
+        model,
+        lambda m: {"mid": m.layers[1].layer_mid, "mix": m.layers[1].E_mlp_input.output, "x": m.layers[1].mlp_input},
+    )
     with torch.no_grad():
         assert torch.allclose(layer._module.post_attention_layernorm(got["mix"][0]), got["x"], atol=1e-6)
     assert got["mid"].dtype == torch.float32
@@ -19,10 +21,15 @@ def test_inkling2_the_blocks_mlp_input_module_moves_aside_for_the_value():
 def test_inkling2_sinks_are_each_querys_own_logit():
     model = tiny("inkling2_text")
     module = model.layers[0].self_attn._module
-    got = trace(model, lambda m: {"x": m.layers[0].attention_norm_output,
-                                  "s": m.layers[0].self_attn.attention_scores,
-                                  "z": m.layers[0].self_attn.attention_sinks,
-                                  "p": m.layers[0].self_attn.attention_probabilities})
+    got = trace(
+        model,
+        lambda m: {
+            "x": m.layers[0].attention_norm_output,
+            "s": m.layers[0].self_attn.attention_scores,
+            "z": m.layers[0].self_attn.attention_sinks,
+            "p": m.layers[0].self_attn.attention_probabilities,
+        },
+    )
     with torch.no_grad():
         logits = module.sink_proj(got["x"]).transpose(1, 2)  # [batch, heads, query]
     by_hand = torch.cat([got["s"], logits[..., None]], dim=-1).softmax(-1)

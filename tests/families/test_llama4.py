@@ -21,10 +21,15 @@ def chunked(length, size, start=0):
 def test_llama4_chunked_layers_see_only_their_chunk():
     model = tiny("llama4_text")
     size = model.config.attention_chunk_size
-    assert [model.config.layer_types[i] for i in range(3)] == ["chunked_attention", "full_attention",
-                                                               "chunked_attention"]
-    got = trace(model, lambda m: {0: m.layers[0].self_attn.attention_probabilities,
-                                  1: m.layers[1].self_attn.attention_probabilities})
+    assert [model.config.layer_types[i] for i in range(3)] == [
+        "chunked_attention",
+        "full_attention",
+        "chunked_attention",
+    ]
+    got = trace(
+        model,
+        lambda m: {0: m.layers[0].self_attn.attention_probabilities, 1: m.layers[1].self_attn.attention_probabilities},
+    )
     sees = chunked(N, size)
     assert ((got[0][0] > 0) == sees).all()  # exactly zero outside the chunk, positive inside
     assert ((got[1][0] > 0) == torch.ones(N, N, dtype=torch.bool).tril()).all()  # the NoPE layer sees everything
@@ -35,9 +40,15 @@ def test_llama4_chunks_count_from_the_first_real_token():
     """Left padding shifts the chunks (transformers' chunked_overlay): the score function follows with key_mask."""
     model = tiny("llama4_text")
     prompts = [PROMPT, "Hi there"]
-    got = trace(model, lambda m: {"q": m.layers[0].self_attn.attention_queries,
-                                  "k": m.layers[0].self_attn.attention_keys,
-                                  "s": m.layers[0].self_attn.attention_scores}, prompts)
+    got = trace(
+        model,
+        lambda m: {
+            "q": m.layers[0].self_attn.attention_queries,
+            "k": m.layers[0].self_attn.attention_keys,
+            "s": m.layers[0].self_attn.attention_scores,
+        },
+        prompts,
+    )
     pad = N - len(prompts[1])
     key_mask = torch.ones(2, N)
     key_mask[1, :pad] = 0
@@ -50,9 +61,16 @@ def test_llama4_chunks_count_from_the_first_real_token():
 
 def test_llama4_nope_queries_are_read_after_temperature_tuning():
     model = tiny("llama4_text", floor_scale=4, attn_scale=0.5)  # binds within the test prompt
-    got = trace(model, lambda m: {f"{i}{name}": getattr(m.layers[i], name) if name == "attention_norm_output" else
-                                  getattr(m.layers[i].self_attn, name)
-                                  for i in (0, 1) for name in ("attention_norm_output", "attention_queries")})
+    got = trace(
+        model,
+        lambda m: {
+            f"{i}{name}": getattr(m.layers[i], name)
+            if name == "attention_norm_output"
+            else getattr(m.layers[i].self_attn, name)
+            for i in (0, 1)
+            for name in ("attention_norm_output", "attention_queries")
+        },
+    )
     module = model.layers[1].self_attn._module
     positions = torch.arange(N, dtype=torch.float32)
     tuned = torch.log1p(torch.floor((positions + 1) / 4)) * 0.5 + 1
@@ -80,14 +98,16 @@ def test_llama4_moe_output_is_read_and_assigned_per_token():
 
 
 def test_llama4_composite_type_loads_as_the_text_model():
-    config = transformers.Llama4Config(text_config={**TINY_DEFAULTS, **Llama4.tiny[2]},
-                                       vision_config={"num_hidden_layers": 1, "hidden_size": 32,
-                                                      "num_attention_heads": 2, "intermediate_size": 64})
+    config = transformers.Llama4Config(
+        text_config={**TINY_DEFAULTS, **Llama4.tiny[2]},
+        vision_config={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
+    )
     assert config.model_type == "llama4" and attnlens.registered()["llama4"] is attnlens.registered()["llama4_text"]
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = attnlens.StandardizedTransformer(transformers.AutoModelForCausalLM.from_config(config),
-                                             tokenizer=char_tokenizer())
+    model = attnlens.StandardizedTransformer(
+        transformers.AutoModelForCausalLM.from_config(config), tokenizer=char_tokenizer()
+    )
     assert type(model._module).__name__ == "Llama4ForCausalLM"
     saved = read_everything(model, PROMPT)
     assert [failures(model, saved, layer) for layer in range(model.num_layers)] == [[], [], []]

@@ -8,8 +8,9 @@ from identities import N, trace
 def test_longcat_serves_the_first_of_each_blocks_two_attentions():
     model = tiny("longcat_flash")
     block = model._module.model.layers[0]
-    got = trace(model, lambda m: {"x": m.layers[0].attention_norm_output,
-                                  "out": m.layers[0].self_attn.attention_output})
+    got = trace(
+        model, lambda m: {"x": m.layers[0].attention_norm_output, "out": m.layers[0].self_attn.attention_output}
+    )
     with torch.no_grad():
         rotary = type(model._module.model.rotary_emb)(model.config)
         mask = model.family.mask(N, N, model.config, 0)

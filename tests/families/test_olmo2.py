@@ -11,11 +11,23 @@ import attnlens
 def test_olmo2_order_and_missing_norms():
     model = tiny("olmo2")
     assert model.order(1) == {
-        "layer_input": 0, "self_attn.attention_queries": 1, "self_attn.attention_keys": 1,
-        "self_attn.attention_values": 1, "self_attn.attention_key_positions": 1, "self_attn.attention_scores": 2,
-        "self_attn.attention_probabilities": 3, "self_attn.attention_head_outputs": 4, "self_attn.attention_premix": 5,
-        "self_attn.attention_output": 6, "layer_mid": 7, "mlp_input": 7, "mlp.mlp_activation": 8,
-        "mlp.mlp_neurons": 9, "mlp.mlp_output": 10, "layer_output": 11}
+        "layer_input": 0,
+        "self_attn.attention_queries": 1,
+        "self_attn.attention_keys": 1,
+        "self_attn.attention_values": 1,
+        "self_attn.attention_key_positions": 1,
+        "self_attn.attention_scores": 2,
+        "self_attn.attention_probabilities": 3,
+        "self_attn.attention_head_outputs": 4,
+        "self_attn.attention_premix": 5,
+        "self_attn.attention_output": 6,
+        "layer_mid": 7,
+        "mlp_input": 7,
+        "mlp.mlp_activation": 8,
+        "mlp.mlp_neurons": 9,
+        "mlp.mlp_output": 10,
+        "layer_output": 11,
+    }
     report = model.support(1)
     assert report["attention_norm_output"].startswith("no norm in front of attention")
     assert report["mlp_norm_output"].startswith("no norm in front of the MLP")

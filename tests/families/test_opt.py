@@ -14,7 +14,7 @@ def test_opt_queries_are_pre_scaled_and_scores_unscaled():
     module = attn._module
     assert attn.scale == 1.0
     with torch.no_grad():
-        q = heads(module.q_proj(at("opt", "attention_norm_output")) * module.head_dim ** -0.5, module.head_dim)
+        q = heads(module.q_proj(at("opt", "attention_norm_output")) * module.head_dim**-0.5, module.head_dim)
     queries, keys = at("opt", "attention_queries"), at("opt", "attention_keys")
     assert close(queries, q)
     n = queries.shape[2]

@@ -13,13 +13,19 @@ from attnlens.models import char_tokenizer, tiny_model
 
 def test_out_of_order_reads_raise_on_both_kinds_of_layer():
     model = tiny("qwen3_next")
-    with pytest.raises(attnlens.OrderError, match=r"layers\[1\].self_attn.attention_head_outputs was read after "
-                                                  r"layers\[1\].self_attn.attention_gate"):
+    with pytest.raises(
+        attnlens.OrderError,
+        match=r"layers\[1\].self_attn.attention_head_outputs was read after "
+        r"layers\[1\].self_attn.attention_gate",
+    ):
         with model.trace(PROMPT):
             model.layers[1].self_attn.attention_gate.save()
             model.layers[1].self_attn.attention_head_outputs.save()
-    with pytest.raises(attnlens.OrderError, match=r"layers\[0\].self_attn.attention_premix was read after "
-                                                  r"layers\[0\].self_attn.attention_output"):
+    with pytest.raises(
+        attnlens.OrderError,
+        match=r"layers\[0\].self_attn.attention_premix was read after "
+        r"layers\[0\].self_attn.attention_output",
+    ):
         with model.trace(PROMPT):
             model.layers[0].self_attn.attention_output.save()
             model.layers[0].self_attn.attention_premix.save()
@@ -36,8 +42,12 @@ class _DriftOn(Qwen3Next):
         if layer is None or self.is_mixer_layer(config, layer) != self.drift_linear:
             return locations
         name = "attention_premix" if self.drift_linear else "attention_head_outputs"
-        return {**locations, name: Operation(("attention_interface_1",), "output", 0, anchor="no such text")
-                if not self.drift_linear else Operation(("no_such_operation_0",))}
+        return {
+            **locations,
+            name: Operation(("attention_interface_1",), "output", 0, anchor="no such text")
+            if not self.drift_linear
+            else Operation(("no_such_operation_0",)),
+        }
 
 
 @pytest.mark.parametrize("linear", [True, False], ids=["linear layers", "full layers"])
@@ -55,8 +65,11 @@ def test_location_drift_is_caught_on_either_kind_of_layer(linear):
 def test_the_gate_location_is_checked_at_load():
     family = Qwen3Next()
     family.gate_operation = ("torch_sigmoid_0", "torch.tanh(gate)")
-    with pytest.raises(attnlens.LocationDrift, match=r"value attention_gate: expected operation 'torch_sigmoid_0' on a "
-                                                     r"line containing 'torch.tanh\(gate\)'.*torch.sigmoid\(gate\)"):
+    with pytest.raises(
+        attnlens.LocationDrift,
+        match=r"value attention_gate: expected operation 'torch_sigmoid_0' on a "
+        r"line containing 'torch.tanh\(gate\)'.*torch.sigmoid\(gate\)",
+    ):
         attnlens.StandardizedTransformer(tiny_model("qwen3_next"), tokenizer=char_tokenizer(), family=family)
 
 
@@ -71,9 +84,14 @@ def test_sdpa_serves_the_same_values_except_the_pattern():
     for name, model in (("eager", eager), ("sdpa", sdpa)):
         with torch.no_grad(), model.trace(PROMPT):
             attn = model.layers[full].self_attn
-            got[name] = [attn.attention_queries.save(), attn.attention_head_outputs.save(),
-                         attn.attention_gate.save(), attn.attention_premix.save(),
-                         model.layers[2].self_attn.attention_premix.save(), model.logits.save()]
+            got[name] = [
+                attn.attention_queries.save(),
+                attn.attention_head_outputs.save(),
+                attn.attention_gate.save(),
+                attn.attention_premix.save(),
+                model.layers[2].self_attn.attention_premix.save(),
+                model.logits.save(),
+            ]
     for a, b in zip(got["eager"], got["sdpa"]):
         assert close(a, b, atol=1e-4)  # sdpa's float error, grown through a later linear layer
 
@@ -86,11 +104,14 @@ def test_generate_serves_both_kinds_of_layer_per_step():
         shapes = list().save()
         for _ in tracer.iter[:3]:
             premix = linear.attention_premix
-            shapes.append((tuple(premix.shape), tuple(full.attention_probabilities.shape),
-                           tuple(full.attention_gate.shape)))
-    assert shapes == [((1, 11, 64), (1, 4, 11, 11), (1, 11, 4, 16)),
-                      ((1, 1, 64), (1, 4, 1, 12), (1, 1, 4, 16)),
-                      ((1, 1, 64), (1, 4, 1, 13), (1, 1, 4, 16))]
+            shapes.append(
+                (tuple(premix.shape), tuple(full.attention_probabilities.shape), tuple(full.attention_gate.shape))
+            )
+    assert shapes == [
+        ((1, 11, 64), (1, 4, 11, 11), (1, 11, 4, 16)),
+        ((1, 1, 64), (1, 4, 1, 12), (1, 1, 4, 16)),
+        ((1, 1, 64), (1, 4, 1, 13), (1, 1, 4, 16)),
+    ]
 
 
 def test_on_vllm_head_outputs_are_the_kernels_before_the_gate_and_gated_deltanet_serves_its_premix():

@@ -15,8 +15,15 @@ from attnlens.models import char_tokenizer, tiny_model
 def test_qwen4_exp_streams_are_the_flat_residual_per_stream(case):
     model = tiny(case)
     count, hidden = 2, model.config.get_text_config().hidden_size
-    got = trace(model, lambda m: {"e": m.embeddings, "x0": m.layers[0].layer_input, "o": m.layers[2].layer_output,
-                                  "f": m.final_norm_output})
+    got = trace(
+        model,
+        lambda m: {
+            "e": m.embeddings,
+            "x0": m.layers[0].layer_input,
+            "o": m.layers[2].layer_output,
+            "f": m.final_norm_output,
+        },
+    )
     assert got["x0"].shape == (1, N, count, hidden)
     # the model repeats the embeddings into every stream before the first block
     assert torch.equal(got["x0"], got["e"][:, :, None].expand(-1, -1, count, -1))
@@ -37,12 +44,18 @@ def test_qwen4_exp_the_indexer_masks_the_keys_it_does_not_choose():
     needs("qwen4_exp_text")
     # a budget of 4 keys in blocks of 2: each query sees the 2 best blocks among its complete ones, plus its tail
     model = attnlens.StandardizedTransformer(
-        tiny_model("qwen4_exp_text", indexer_budget=4), tokenizer=char_tokenizer(), attn_implementation="eager")
+        tiny_model("qwen4_exp_text", indexer_budget=4), tokenizer=char_tokenizer(), attn_implementation="eager"
+    )
     assert failures(model, read_everything(model, "Hi"), 1) == []  # 2 tokens: the budget does not bind
-    got = trace(model, lambda m: {"q": m.layers[1].self_attn.attention_queries,
-                                  "k": m.layers[1].self_attn.attention_keys,
-                                  "s": m.layers[1].self_attn.attention_scores,
-                                  "p": m.layers[1].self_attn.attention_probabilities})
+    got = trace(
+        model,
+        lambda m: {
+            "q": m.layers[1].self_attn.attention_queries,
+            "k": m.layers[1].self_attn.attention_keys,
+            "s": m.layers[1].self_attn.attention_scores,
+            "p": m.layers[1].self_attn.attention_probabilities,
+        },
+    )
     seen = got["p"][0, 0] > 0
     assert (seen == (got["p"][0] > 0)).all()  # one choice for every head
     causal = torch.ones(N, N, dtype=torch.bool).tril()
@@ -64,11 +77,18 @@ def test_qwen4_exp_the_indexer_masks_the_keys_it_does_not_choose():
 def test_qwen4_exp_ple_layers_add_their_branch_before_the_hyper_connection():
     needs("qwen4_exp_text")
     # PLE on layer 0 (ple_layer_ids are 1-based and must be linear-attention layers)
-    module = tiny_model("qwen4_exp_text", ple_layer_ids=[1], ple_embed_dim=32, ngram_vocab_size_base=1000,
-                        split_ngram_parts=1)
+    module = tiny_model(
+        "qwen4_exp_text", ple_layer_ids=[1], ple_embed_dim=32, ngram_vocab_size_base=1000, split_ngram_parts=1
+    )
     model = attnlens.StandardizedTransformer(module, tokenizer=char_tokenizer(), attn_implementation="eager")
-    got = trace(model, lambda m: {"x": m.layers[0].layer_input, "a": m.layers[0].self_attn.attention_output,
-                                  "m": m.layers[0].layer_mid})
+    got = trace(
+        model,
+        lambda m: {
+            "x": m.layers[0].layer_input,
+            "a": m.layers[0].self_attn.attention_output,
+            "m": m.layers[0].layer_mid,
+        },
+    )
     block = module.model.layers[0]
     with torch.no_grad():
         flat = got["x"].flatten(-2)
@@ -87,14 +107,17 @@ def test_qwen4_exp_composite_serves_its_language_model_as_the_text_model():
     needs("qwen4_exp")
     text, composite = tiny("qwen4_exp_text"), tiny("qwen4_exp")
     assert composite.family.layers == "model.language_model.layers"
-    assert composite.support(1).notes["self_attn.attention_probabilities"] == text.support(1).notes[
-        "self_attn.attention_probabilities"]
+    assert (
+        composite.support(1).notes["self_attn.attention_probabilities"]
+        == text.support(1).notes["self_attn.attention_probabilities"]
+    )
     assert "vision tower" in composite.support(0).notes["embeddings"]
     # the same text weights give the same values (a fresh composite: the session's tiny models stay unedited)
     module = tiny_model("qwen4_exp")
     inner = text._module.state_dict()
-    module.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in inner.items()
-                                                 if k.startswith("model.")})
+    module.model.language_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in inner.items() if k.startswith("model.")}
+    )
     module.lm_head.load_state_dict(text._module.lm_head.state_dict())
     composite = attnlens.StandardizedTransformer(module, tokenizer=char_tokenizer(), attn_implementation="eager")
     a = trace(text, lambda m: {"p": m.layers[1].self_attn.attention_probabilities, "l": m.logits})

@@ -1,6 +1,5 @@
 """Bloom on vLLM: where vLLM's Bloom differs from transformers' (its exact GELU)."""
 
-
 import torch
 from conftest import PROMPT, pair
 

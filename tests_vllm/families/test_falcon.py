@@ -1,7 +1,6 @@
 """Falcon on vLLM: its other layouts (sequential blocks, the new decoder architecture) against eager; the default
 layout is test_equal_to_eager's."""
 
-
 import pytest
 import test_equal_to_eager as equal
 from conftest import layout

@@ -1,6 +1,5 @@
 """MiMo-V2-Flash on vLLM: refused before an engine starts."""
 
-
 import pytest
 
 import attnlens

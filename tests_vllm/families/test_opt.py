@@ -1,6 +1,5 @@
 """OPT on vLLM: the kernel scales the queries itself."""
 
-
 import pytest
 import test_equal_to_eager as equal
 import torch
@@ -27,7 +26,9 @@ def test_opt_queries_and_scale_give_eagers_scores(tmp_path_factory):
     assert equal.close(queries * scale, eager_queries) and equal.close(scores, eager_scores)
     unmasked = ~attnlens.masked(scores)
     assert torch.allclose((queries @ keys.transpose(-1, -2) * scale)[unmasked], scores[unmasked], atol=1e-5)
-    summaries = [attnlens.head_summaries(model, [PROMPT], length=8, sequences=2, top_k=1, progress=False)
-                 for model in (models.vllm, models.eager)]
+    summaries = [
+        attnlens.head_summaries(model, [PROMPT], length=8, sequences=2, top_k=1, progress=False)
+        for model in (models.vllm, models.eager)
+    ]
     for metric in attnlens.heads.METRICS:
         assert torch.allclose(summaries[0].get(metric, 1), summaries[1].get(metric, 1), atol=1e-4), metric

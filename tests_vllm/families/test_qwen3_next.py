@@ -59,8 +59,9 @@ def test_an_edit_moves_the_logits_as_on_eager(edit, tmp_path_factory):
 
 def test_closing_a_heads_gate_is_ablating_it(tmp_path_factory):
     models = pair("qwen3_next", tmp_path_factory)
-    assert torch.equal(next_logits(models.vllm, models.prompt, close_gate),
-                       next_logits(models.vllm, models.prompt, ablate_head))
+    assert torch.equal(
+        next_logits(models.vllm, models.prompt, close_gate), next_logits(models.vllm, models.prompt, ablate_head)
+    )
 
 
 def test_the_pattern_of_a_gated_layer_is_read_only_on_vllm(tmp_path_factory):

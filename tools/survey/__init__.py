@@ -15,5 +15,15 @@ from .build import build, tiny_kwargs
 from .probe import survey, survey_type
 from .render import JSON_PATH, MARKDOWN_PATH, candidate, compact, dump, render
 
-__all__ = ["JSON_PATH", "MARKDOWN_PATH", "build", "candidate", "compact", "dump", "render", "survey", "survey_type",
-           "tiny_kwargs"]
+__all__ = [
+    "JSON_PATH",
+    "MARKDOWN_PATH",
+    "build",
+    "candidate",
+    "compact",
+    "dump",
+    "render",
+    "survey",
+    "survey_type",
+    "tiny_kwargs",
+]

@@ -38,8 +38,11 @@ def _other(python: str, types: list[str] | None = None) -> dict | None:
         out = Path(folder) / "other.json"
         subprocess.run([python, "-m", "tools.survey", "--json", str(out), *(types or [])], cwd=ROOT, check=True)
         data = json.loads(out.read_text())
-    return {"versions": data["versions"], "types": data["types"],
-            "records": {t: compact(r) for t, r in data["records"].items()}}
+    return {
+        "versions": data["versions"],
+        "types": data["types"],
+        "records": {t: compact(r) for t, r in data["records"].items()},
+    }
 
 
 def everything(other_python: str) -> dict:
@@ -61,8 +64,10 @@ def update(data: dict, types: list[str], other_python: str) -> dict:
     the installed versions are not the ones `data` was made with: a page must not mix them."""
     here = installed()
     if here["versions"] != data["versions"]:
-        raise SystemExit(f"docs/survey.json was made with {data['versions']}, this Python has {here['versions']}: "
-                         "run the whole survey (python -m tools.survey)")
+        raise SystemExit(
+            f"docs/survey.json was made with {data['versions']}, this Python has {here['versions']}: "
+            "run the whole survey (python -m tools.survey)"
+        )
     unknown = [t for t in types if t not in here["types"]]
     if unknown:
         raise SystemExit(f"not causal-LM types of transformers {here['versions']['transformers']}: {unknown}")
@@ -72,8 +77,10 @@ def update(data: dict, types: list[str], other_python: str) -> dict:
     other = _other(other_python, types) if previous is not None else None
     if other is not None:
         if other["versions"] != previous["versions"]:
-            raise SystemExit(f"the other survey was made with {previous['versions']}, {other_python} has "
-                             f"{other['versions']}: run the whole survey (python -m tools.survey)")
+            raise SystemExit(
+                f"the other survey was made with {previous['versions']}, {other_python} has "
+                f"{other['versions']}: run the whole survey (python -m tools.survey)"
+            )
         records = {**previous["records"], **other["records"]}
         data["other"] = {"versions": previous["versions"], "records": {t: records[t] for t in other["types"]}}
     elif previous is not None:
@@ -87,17 +94,25 @@ def write(data: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.survey", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.survey",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     parser.add_argument("types", nargs="*", help="survey these types only (printed, or with --update or --json)")
-    parser.add_argument("--update", action="store_true",
-                        help="re-survey TYPES on both transformers and update their records in docs/survey.json and "
-                             "the page")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="re-survey TYPES on both transformers and update their records in docs/survey.json and the page",
+    )
     parser.add_argument("--render", action="store_true", help="only write docs/survey.md from docs/survey.json")
     parser.add_argument("--json", help="write the installed transformers' records here (no docs)")
-    parser.add_argument("--other", default=str(OTHER_PYTHON),
-                        help="the Python of the other supported transformers (default: %(default)s)")
+    parser.add_argument(
+        "--other",
+        default=str(OTHER_PYTHON),
+        help="the Python of the other supported transformers (default: %(default)s)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -114,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         here = installed()
         types = [t for t in args.types if t in here["types"]] if args.types else here["types"]
-        Path(args.json).write_text(dump({"versions": here["versions"], "types": here["types"],
-                                         "records": survey(types)}))
+        Path(args.json).write_text(
+            dump({"versions": here["versions"], "types": here["types"], "records": survey(types)})
+        )
         return None
     if args.types:
         for record in survey(args.types, jobs=min(2, len(args.types))).values():

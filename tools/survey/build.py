@@ -13,24 +13,71 @@ from attnlens.family import TINY_DEFAULTS
 #: Sizes a tiny model starts from, each set where the config class's default has the attribute with a value of the
 #: same type (under any alias): attnlens's TINY_DEFAULTS, then the other names configs use for the same sizes.
 SIZES = {
-    **TINY_DEFAULTS, "head_dim": 16, "sliding_window": 4,
-    "n_layer": 3, "n_layers": 3, "num_layers": 3, "decoder_layers": 3, "n_embd": 64, "d_model": 64, "n_head": 4,
-    "n_heads": 4, "num_heads": 4, "decoder_attention_heads": 4, "n_inner": 128, "ffn_dim": 128, "decoder_ffn_dim": 128,
-    "n_positions": 128, "encoder_layers": 3, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
-    "num_decoder_layers": 3, "num_encoder_layers": 3, "num_decoder_attention_heads": 4,
+    **TINY_DEFAULTS,
+    "head_dim": 16,
+    "sliding_window": 4,
+    "n_layer": 3,
+    "n_layers": 3,
+    "num_layers": 3,
+    "decoder_layers": 3,
+    "n_embd": 64,
+    "d_model": 64,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "decoder_attention_heads": 4,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "n_positions": 128,
+    "encoder_layers": 3,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "num_decoder_layers": 3,
+    "num_encoder_layers": 3,
+    "num_decoder_attention_heads": 4,
     "num_encoder_attention_heads": 4,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-    "v_head_dim": 16, "n_group": 1, "topk_group": 1, "attention_chunk_size": 4, "rotary_dim": 8,
-    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+    "attention_chunk_size": 4,
+    "rotary_dim": 8,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
 }
 #: Sizes of the other towers of a composite config (vision, audio): one layer, so their block lists never match the
 #: text model's.
-TOWER_SIZES = {**SIZES, "num_hidden_layers": 1, "depth": 1, "num_layers": 1, "n_layers": 1, "hidden_size": 32,
-               "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "num_heads": 2,
-               "out_hidden_size": 64, "projection_dim": 32}
+TOWER_SIZES = {
+    **SIZES,
+    "num_hidden_layers": 1,
+    "depth": 1,
+    "num_layers": 1,
+    "n_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "projection_dim": 32,
+}
 #: Sizes that follow from what else the config has: latent attention's head_dim is its rotary part, and its keys and
 #: values are expanded to every query head.
 WHEN = {"qk_rope_head_dim": {"head_dim": 8}, "kv_lora_rank": {"num_key_value_heads": 4}}
@@ -49,29 +96,75 @@ OVERRIDES: dict[str, dict] = {
     "bamba": {"attn_layer_indices": [1]},
     # bytes -> patches -> a global transformer -> bytes; its cache cannot be built from BltConfig (no
     # num_hidden_layers), so it runs without one
-    "blt": {"use_cache": False, "encoder_hash_byte_group_vocab": 128, **{
-        part: {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-               "num_hidden_layers": layers, "vocab_size": 128, **({"hidden_size_global": 64} if local else {})}
-        for part, layers, local in (("patcher_config", 1, False), ("encoder_config", 1, True),
-                                    ("decoder_config", 3, True), ("global_config", 2, False))}},
-    "cohere_compass_text": {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0}
-                                                for kind in ("full_attention", "sliding_attention")}},
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    "blt": {
+        "use_cache": False,
+        "encoder_hash_byte_group_vocab": 128,
+        **{
+            part: {
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "intermediate_size": 128,
+                "num_hidden_layers": layers,
+                "vocab_size": 128,
+                **({"hidden_size_global": 64} if local else {}),
+            }
+            for part, layers, local in (
+                ("patcher_config", 1, False),
+                ("encoder_config", 1, True),
+                ("decoder_config", 3, True),
+                ("global_config", 2, False),
+            )
+        },
+    },
+    "cohere_compass_text": {
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("full_attention", "sliding_attention")
+        }
+    },
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
-    "dots3_note": {"vision_config": {"per_layer_config": {}, "mlp_layer_types": ["dense"], "adapter_in_dim": 32,
-                                     "adapter_out_dim": 64},
-                   "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 64}},
+    "dots3_note": {
+        "vision_config": {
+            "per_layer_config": {},
+            "mlp_layer_types": ["dense"],
+            "adapter_in_dim": 32,
+            "adapter_out_dim": 64,
+        },
+        "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 64},
+    },
     # per-layer configs: the sliding layers' sizes come as swa_* arguments
-    "dots3_note_text": {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
-                        "head_dim": 24, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
-                        "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16,
-                        "swa_v_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4},
+    "dots3_note_text": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "head_dim": 24,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 32,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 24,
+        "swa_qk_nope_head_dim": 16,
+        "swa_v_head_dim": 16,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+    },
     "falcon_h1": {"mamba_d_ssm": 128},
-    "gemma3n_text": {"num_hidden_layers": 4, "intermediate_size": [128] * 4, "num_kv_shared_layers": 2,
-                     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128, "laurel_rank": 8,
-                     "activation_sparsity_pattern": [0.0] * 4},
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "intermediate_size": [128] * 4,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 128,
+        "laurel_rank": 8,
+        "activation_sparsity_pattern": [0.0] * 4,
+    },
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
@@ -84,10 +177,21 @@ OVERRIDES: dict[str, dict] = {
     "mllama_text_model": {"cross_attention_layers": [1]},
     "musicgen": {"decoder": {"num_codebooks": 1}},
     "musicgen_melody": {"decoder": {"num_codebooks": 1}},
-    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
-                       "indexer_compress_ratio": 2, "hc_lowrank": 16, "ple_embed_dim": 64},
-    "reformer": {"axial_pos_embds": False, "attention_head_size": 16, "feed_forward_size": 128,
-                 "attn_layers": ["local", "lsh", "local"]},
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+        "hc_lowrank": 16,
+        "ple_embed_dim": 64,
+    },
+    "reformer": {
+        "axial_pos_embds": False,
+        "attention_head_size": 16,
+        "feed_forward_size": 128,
+        "attn_layers": ["local", "lsh", "local"],
+    },
     "smollm3": {"no_rope_layers": [1, 0, 1]},
     "xlstm": {"embedding_dim": 64, "num_blocks": 3, "qk_dim_factor": 1.0},  # 0.5 fails the tiny recurrent step
     "xmod": {"default_language": "en_XX"},
@@ -241,7 +345,16 @@ def static_facts(model_type: str) -> dict:
     inputs = [p for p in inspect.signature(forward).parameters if any(w in p for w in MODALITY_WORDS)]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    same = sorted(t for t in registered()  # registered types the mapping lacks (mllama_text_model) have no class
-                  if t != model_type and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) == model_class)
-    return {"config_class": config_class, "causal_lm_class": model_class, "sub_configs": towers,
-            "modality_inputs": inputs, "encoder_decoder": bool(default.is_encoder_decoder), "same_class_as": same}
+    same = sorted(
+        t
+        for t in registered()  # registered types the mapping lacks (mllama_text_model) have no class
+        if t != model_type and MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) == model_class
+    )
+    return {
+        "config_class": config_class,
+        "causal_lm_class": model_class,
+        "sub_configs": towers,
+        "modality_inputs": inputs,
+        "encoder_decoder": bool(default.is_encoder_decoder),
+        "same_class_as": same,
+    }

@@ -44,8 +44,14 @@ class _Softmaxes(torch.overrides.TorchFunctionMode):
     keep."""
 
     #: A softmax, or its normaliser where the forward writes it as exp(x - logsumexp(x)) (Reformer).
-    FUNCTIONS = (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax,
-                 torch.logsumexp, torch.Tensor.logsumexp)
+    FUNCTIONS = (
+        torch.softmax,
+        torch.nn.functional.softmax,
+        torch.Tensor.softmax,
+        torch.special.softmax,
+        torch.logsumexp,
+        torch.Tensor.logsumexp,
+    )
 
     def __init__(self, model, layers_path: str, length: int):
         super().__init__()
@@ -59,8 +65,11 @@ class _Softmaxes(torch.overrides.TorchFunctionMode):
         self.modules = dict(model.named_modules())
         self.handles = []
         for name, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, name=name: self._enter(name, args, kwargs), with_kwargs=True))
+            self.handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, args, kwargs, name=name: self._enter(name, args, kwargs), with_kwargs=True
+                )
+            )
             self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave(), always_call=True))
 
     def _enter(self, name: str, args, kwargs) -> None:  # hooks return None, or they would replace the input or output
@@ -78,12 +87,21 @@ class _Softmaxes(torch.overrides.TorchFunctionMode):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
             block = next((name for name in self.stack if name in self.blocks), None)
-            if block and x.ndim >= 3 and dim in (-1, x.ndim - 1) and x.shape[-2] in self.lengths[block] \
-                    and x.shape[-1] >= x.shape[-2]:
-                inner = next(name for name in reversed(self.stack)  # the module computing, not an nn.Softmax
-                             if not isinstance(self.modules[name], torch.nn.Softmax))
-                self.seen.append((self.blocks[block], inner[len(block) + 1:] if inner.startswith(block) else
-                                  "/" + inner))
+            if (
+                block
+                and x.ndim >= 3
+                and dim in (-1, x.ndim - 1)
+                and x.shape[-2] in self.lengths[block]
+                and x.shape[-1] >= x.shape[-2]
+            ):
+                inner = next(
+                    name
+                    for name in reversed(self.stack)  # the module computing, not an nn.Softmax
+                    if not isinstance(self.modules[name], torch.nn.Softmax)
+                )
+                self.seen.append(
+                    (self.blocks[block], inner[len(block) + 1 :] if inner.startswith(block) else "/" + inner)
+                )
         return func(*args, **kwargs)
 
     def remove(self):
@@ -137,8 +155,13 @@ def interface_call(cls) -> dict | None:
     if call is None:
         return None
     eager = call["eager"]
-    return {"operation": call["operation"], "arguments": call["arguments"], "keywords": list(call["keywords"]),
-            "eager": _qualname(eager) if eager else None, **(eager_operations(eager) if eager else {})}
+    return {
+        "operation": call["operation"],
+        "arguments": call["arguments"],
+        "keywords": list(call["keywords"]),
+        "eager": _qualname(eager) if eager else None,
+        **(eager_operations(eager) if eager else {}),
+    }
 
 
 def _qualname(function) -> str:
@@ -147,8 +170,10 @@ def _qualname(function) -> str:
 
 def _assignment(lines: dict[str, str], anchor: str) -> str | None:
     """The first assignment operation (`x_N` on a line `x = ...`) whose line contains `anchor`."""
-    return next((name for name, line in lines.items() if anchor in line
-                 and line.startswith(name.rsplit("_", 1)[0] + " =")), None)
+    return next(
+        (name for name, line in lines.items() if anchor in line and line.startswith(name.rsplit("_", 1)[0] + " =")),
+        None,
+    )
 
 
 def eager_operations(function) -> dict:
@@ -159,8 +184,11 @@ def eager_operations(function) -> dict:
     lines = operation_lines(function)
     source = _compiled(function)[1].source
     extras = [name for name, words in EAGER_EXTRAS.items() if any(word in source for word in words)]
-    return {"scores": _assignment(lines, Family.scores_operation[1]),
-            "probabilities": _assignment(lines, Family.probabilities_operation[1]), "eager_extras": extras}
+    return {
+        "scores": _assignment(lines, Family.scores_operation[1]),
+        "probabilities": _assignment(lines, Family.probabilities_operation[1]),
+        "eager_extras": extras,
+    }
 
 
 #: What the eager function may do besides the common arithmetic, and the words in its source that show it.
@@ -188,8 +216,13 @@ def _children(module, word: str = "") -> list[str]:
 #: The common layout's roles whose absence the inferred layout can take: the blocks and the embeddings are found from
 #: the model's structure (as `UnknownLayout` finds them), and a missing final norm or MLP part costs only its value.
 #: Role -> the value it costs (None: nothing). Every other difference blocks.
-TOLERATED = {"layers": None, "embed_tokens": None, "final_norm": "final_norm_output", "activation": "mlp_activation",
-             "down_projection": "mlp_neurons"}
+TOLERATED = {
+    "layers": None,
+    "embed_tokens": None,
+    "final_norm": "final_norm_output",
+    "activation": "mlp_activation",
+    "down_projection": "mlp_neurons",
+}
 
 
 def model_paths(model, layers_path: str) -> dict[str, str]:
@@ -198,8 +231,11 @@ def model_paths(model, layers_path: str) -> dict[str, str]:
     names = {id(m): n for n, m in model.named_modules()}
     parent = layers_path.rpartition(".")[0]
     norm = f"{parent}.{Family.final_norm.rpartition('.')[2]}".lstrip(".")
-    return {"layers": layers_path, "embed_tokens": names.get(id(model.get_input_embeddings())),
-            "final_norm": norm if _module(model, norm) is not None else None}
+    return {
+        "layers": layers_path,
+        "embed_tokens": names.get(id(model.get_input_embeddings())),
+        "final_norm": norm if _module(model, norm) is not None else None,
+    }
 
 
 def differences(model, layers_path: str, attention: dict[int, str]) -> list[dict]:
@@ -210,8 +246,15 @@ def differences(model, layers_path: str, attention: dict[int, str]) -> list[dict
     found: list[dict] = []
 
     def differ(role, expected, actual, layer=None):
-        found.append({"role": role, "expected": expected, "found": actual, "blocking": role not in TOLERATED,
-                      **({"layer": layer} if layer is not None else {})})
+        found.append(
+            {
+                "role": role,
+                "expected": expected,
+                "found": actual,
+                "blocking": role not in TOLERATED,
+                **({"layer": layer} if layer is not None else {}),
+            }
+        )
 
     for role, actual in model_paths(model, layers_path).items():
         if actual != getattr(common, role):
@@ -241,23 +284,42 @@ def differences(model, layers_path: str, attention: dict[int, str]) -> list[dict
         if call["operation"] != INTERFACE_CALL:
             differ("interface_call", INTERFACE_CALL, call["operation"], layer)
         if call["arguments"][:1] != ["self"] or len(call["arguments"]) < 4:  # read by position; the rest may be named
-            differ("interface_arguments", "self, query, key, value, ...",
-                   ", ".join(call["arguments"] + [f"{k}=" for k in call["keywords"]]), layer)
+            differ(
+                "interface_arguments",
+                "self, query, key, value, ...",
+                ", ".join(call["arguments"] + [f"{k}=" for k in call["keywords"]]),
+                layer,
+            )
         if call["eager"] is None:
             differ("eager_function", "eager_attention_forward", None, layer)
             continue
-        for role, (operation, anchor) in (("scores", Family.scores_operation),
-                                          ("probabilities", Family.probabilities_operation)):
+        for role, (operation, anchor) in (
+            ("scores", Family.scores_operation),
+            ("probabilities", Family.probabilities_operation),
+        ):
             if call[role] != operation:
                 differ(f"{role}_operation", f"{operation} on a line with {anchor!r}", call[role], layer)
     return found
 
 
 #: Config attributes that change attention, reported where set (lists summarised).
-CONFIG_FEATURES = ("layer_types", "sliding_window", "attention_chunk_size", "no_rope_layers", "kv_lora_rank",
-                   "attn_logit_softcapping",
-                   "final_logit_softcapping", "partial_rotary_factor", "use_qk_norm", "attention_multiplier",
-                   "logit_scale", "residual_multiplier", "embedding_multiplier", "clip_qkv", "alibi")
+CONFIG_FEATURES = (
+    "layer_types",
+    "sliding_window",
+    "attention_chunk_size",
+    "no_rope_layers",
+    "kv_lora_rank",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "partial_rotary_factor",
+    "use_qk_norm",
+    "attention_multiplier",
+    "logit_scale",
+    "residual_multiplier",
+    "embedding_multiplier",
+    "clip_qkv",
+    "alibi",
+)
 
 
 def features(model, layers_path: str, attention: dict[int, str]) -> dict[str, str]:
@@ -371,7 +433,6 @@ def check(model, family: Family, layers: list[int]) -> dict:
     return {"ok": not failures, "error": None, "failures": failures}
 
 
-
 def layout(kinds: list[str]) -> str:
     """The model's layout from its blocks' kinds ("interface", "own", "none")."""
     present = set(kinds)
@@ -453,10 +514,18 @@ def _layers(model, layers_path: str | None, softmaxes: dict[int, list[str]]) -> 
         kinds.append(kind)
         key = (kind, type(block).__name__, path, type(module).__name__ if module is not None else None)
         groups.setdefault(key, []).append(layer)
-    described = [{"layers": layers, "kind": kind, "block": block, "attention": path, "class": cls,
-                  **({"children": _children(blocks[layers[0]])} if kind == "none" else {}),
-                  **({"softmax_modules": softmaxes[layers[0]]} if len(softmaxes.get(layers[0], [])) > 1 else {})}
-                 for (kind, block, path, cls), layers in groups.items()]
+    described = [
+        {
+            "layers": layers,
+            "kind": kind,
+            "block": block,
+            "attention": path,
+            "class": cls,
+            **({"children": _children(blocks[layers[0]])} if kind == "none" else {}),
+            **({"softmax_modules": softmaxes[layers[0]]} if len(softmaxes.get(layers[0], [])) > 1 else {}),
+        }
+        for (kind, block, path, cls), layers in groups.items()
+    ]
     return {"layers": kinds, "layout": layout(kinds), "kinds": described}
 
 
@@ -472,8 +541,11 @@ def _inferred(model, depth: int) -> dict:
         return {"inferred": None, "refused": {"check": refusal.check, "detail": refusal.detail[:300]}}
     common = set(Family().locations_for(model.config, 0))  # what a common-layout attention layer serves
     served = [set(family.locations_for(model.config, layer)) for layer in family.attention_layers]
-    return {"inferred": family.name, "dropped": sorted(common - set.intersection(*served)),
-            "check": check(model, family, list(range(depth)))}
+    return {
+        "inferred": family.name,
+        "dropped": sorted(common - set.intersection(*served)),
+        "check": check(model, family, list(range(depth))),
+    }
 
 
 def _unknown(model) -> dict:
@@ -490,8 +562,7 @@ def _common(model, layers_path: str, attention: dict[int, str]) -> dict:
     blocks (where those hold their attention at `self_attn`, so that the probe can read it). `fits`: the identities
     hold and nothing blocking differs; `dropped`: the values it would then not serve."""
     found = differences(model, layers_path, attention)
-    result = {"differences": found, "features": features(model, layers_path, attention), "check": None,
-              "dropped": []}
+    result = {"differences": found, "features": features(model, layers_path, attention), "check": None, "dropped": []}
     if all(d["role"] != "attention" for d in found):
         probe = CommonLayoutProbe(model, layers_path, sorted(attention))
         result["check"] = check(model, probe, sorted(attention))
@@ -533,8 +604,13 @@ def _chain(python: str, types: list[str], records: dict) -> None:
 
     pending = list(types)
     while pending:
-        process = subprocess.Popen([python, "-m", "tools.survey", "--worker", *pending], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=None if VERBOSE else subprocess.DEVNULL, text=True)
+        process = subprocess.Popen(
+            [python, "-m", "tools.survey", "--worker", *pending],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=None if VERBOSE else subprocess.DEVNULL,
+            text=True,
+        )
         current, timer = None, None
         for line in process.stdout:
             if timer:
@@ -552,8 +628,14 @@ def _chain(python: str, types: list[str], records: dict) -> None:
         process.wait()
         if current in pending:
             pending.remove(current)
-            records[current] = {"model_type": current, "build": {
-                "ok": False, "seconds": None, "error": f"the worker died surveying it (exit {process.returncode})"}}
+            records[current] = {
+                "model_type": current,
+                "build": {
+                    "ok": False,
+                    "seconds": None,
+                    "error": f"the worker died surveying it (exit {process.returncode})",
+                },
+            }
 
 
 def survey(types: list[str], python: str = sys.executable, jobs: int = 2) -> dict[str, dict]:
@@ -575,5 +657,11 @@ def installed() -> dict:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return {"versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                         "nnsight": nnsight.__version__}, "types": list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}
+    return {
+        "versions": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "nnsight": nnsight.__version__,
+        },
+        "types": list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+    }

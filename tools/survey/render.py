@@ -18,18 +18,18 @@ MARKDOWN_PATH = ROOT / "docs" / "survey.md"
 NOTES = {
     "gemma3n": "its vision tower is a timm model (TimmWrapperModel), and timm is not installed",
     "gemma4_assistant": "a draft model for speculative decoding: its forward takes the target model's inputs_embeds "
-                        "and shared_kv_states, not token ids",
+    "and shared_kv_states, not token ids",
     "gemma4_unified_assistant": "a draft model for speculative decoding: its forward takes the target model's "
-                                "inputs_embeds and shared_kv_states, not token ids",
+    "inputs_embeds and shared_kv_states, not token ids",
     "cpmant": "the prompt's tokens (its context) see each other both ways; only generated tokens are causal",
     "blt": "bytes are grouped into patches: the global transformer's blocks attend over patches, the local encoder "
-           "and decoder cross-attend between bytes and patches",
+    "and decoder cross-attend between bytes and patches",
     "xlnet": "a permutation language model: bidirectional unless given a perm_mask",
     "mllama": "its cross-attention blocks (block 1 here) run only with image inputs; on text alone they are skipped",
     "dory": "its recurrent blocks run more than once per forward",
     "nanochat": "model.norm runs twice: on the embeddings before the first block, and after the last",
     "xlm": "no block modules: parallel lists (transformer.attentions, layer_norm1, ffns, layer_norm2), so the "
-           "attention modules are the blocks found",
+    "attention modules are the blocks found",
     "zamba": "one transformer block is shared by the hybrid layers",
     "zamba2": "transformer blocks are shared by the hybrid layers",
 }
@@ -93,22 +93,35 @@ def categories(data: dict) -> dict[str, list[str]]:
         "… hybrid: some blocks without softmax attention": having(lambda r: r.get("layout") == "hybrid"),
         "attention-free": having(lambda r: r.get("layout") == "attention-free"),
         "encoder-style: an encoder run as a decoder, or an encoder-decoder's decoder": having(
-            lambda r: r.get("encoder_style") or r.get("encoder_decoder")),
+            lambda r: r.get("encoder_style") or r.get("encoder_decoder")
+        ),
         "multimodal: a vision or audio tower, or non-text inputs": having(_multimodal),
         "not causal as built": having(lambda r: r.get("causal") is False),
         "registered in attnlens": having(lambda r: r["registered"]),
         "… whose family's checks pass on the survey's model": having(
-            lambda r: r["registered"] and (r.get("serves") or {}).get("check", {}).get("ok")),
+            lambda r: r["registered"] and (r.get("serves") or {}).get("check", {}).get("ok")
+        ),
         "served by the inferred common layout (unregistered, every check of `attnlens.inferred` passes)": having(
-            lambda r: (r.get("serves") or {}).get("inferred")),
+            lambda r: (r.get("serves") or {}).get("inferred")
+        ),
         "… whose identities pass on the survey's model": having(
-            lambda r: (r.get("serves") or {}).get("inferred") and r["serves"]["check"]["ok"]),
+            lambda r: (r.get("serves") or {}).get("inferred") and r["serves"]["check"]["ok"]
+        ),
         "attention-bearing, not registered": having(lambda r: attention_bearing(r) and not r["registered"]),
         "common-layout candidates: not registered, the common layout fits": having(candidate),
         "… without dropping a value": having(lambda r: candidate(r) and not r["common_layout"]["dropped"]),
-        **({f"in transformers {other['versions']['transformers']} too": [t for t in records if t in other["records"]],
-            f"served by the inferred common layout in transformers {other['versions']['transformers']}": [
-                t for t, r in other["records"].items() if r.get("inferred")]} if other else {}),
+        **(
+            {
+                f"in transformers {other['versions']['transformers']} too": [
+                    t for t in records if t in other["records"]
+                ],
+                f"served by the inferred common layout in transformers {other['versions']['transformers']}": [
+                    t for t, r in other["records"].items() if r.get("inferred")
+                ],
+            }
+            if other
+            else {}
+        ),
     }
 
 
@@ -138,8 +151,9 @@ def group(record: dict) -> str:
 def _blocks(record: dict) -> str:
     kinds = record.get("layers") or []
     softmax = [i for i, kind in enumerate(kinds) if kind != "none"]
-    return f"{len(softmax)}/{len(kinds)}" + (f" ({', '.join(map(str, softmax))})" if 0 < len(softmax) < len(kinds)
-                                             else "")
+    return f"{len(softmax)}/{len(kinds)}" + (
+        f" ({', '.join(map(str, softmax))})" if 0 < len(softmax) < len(kinds) else ""
+    )
 
 
 def _serves(record: dict) -> str:
@@ -220,8 +234,12 @@ def render(data: dict) -> str:
         "",
         f"Generated by `python -m tools.survey` with transformers {versions['transformers']}, torch "
         f"{versions['torch']} and nnsight {versions['nnsight']}"
-        + (f"; the {other['versions']['transformers']} column with transformers {other['versions']['transformers']}"
-           if other else "") + ".",
+        + (
+            f"; the {other['versions']['transformers']} column with transformers {other['versions']['transformers']}"
+            if other
+            else ""
+        )
+        + ".",
         "The data, one record per type, is `docs/survey.json`; how each column is found is at the end of the page.",
         "",
         "| | types |",
@@ -236,30 +254,48 @@ def render(data: dict) -> str:
         if attention_bearing(record) and not record["registered"]:
             grouped.setdefault(group(record), []).append(model_type)
     for label in sorted(grouped, key=lambda g: (not g.startswith("fits"), g)):
-        lines += [f"- {label} ({len(grouped[label])}): " + ", ".join(
-            f"`{t}`" + (" (hybrid)" if records[t]["layout"] == "hybrid" else "") for t in grouped[label])]
-    lines += ["", "## Attention-bearing types attnlens does not register, by what the inferred common layout makes of "
-                  "them", "", "Served where every check of `attnlens.inferred.CHECKS` passes, else refused at the "
-                  "first check that fails (docs/inferred.md):", ""]
+        lines += [
+            f"- {label} ({len(grouped[label])}): "
+            + ", ".join(f"`{t}`" + (" (hybrid)" if records[t]["layout"] == "hybrid" else "") for t in grouped[label])
+        ]
+    lines += [
+        "",
+        "## Attention-bearing types attnlens does not register, by what the inferred common layout makes of them",
+        "",
+        "Served where every check of `attnlens.inferred.CHECKS` passes, else refused at the "
+        "first check that fails (docs/inferred.md):",
+        "",
+    ]
     inferred: dict[str, list[str]] = {}
     for model_type, record in records.items():
         serves = record.get("serves") or {}
         if attention_bearing(record) and not record["registered"]:
-            label = "inferred" if serves.get("inferred") else f"refused at `{serves['refused']['check']}`" \
-                if serves.get("refused") else "not tried"
+            label = (
+                "inferred"
+                if serves.get("inferred")
+                else f"refused at `{serves['refused']['check']}`"
+                if serves.get("refused")
+                else "not tried"
+            )
             inferred.setdefault(label, []).append(model_type)
     order = ["inferred", *(f"refused at `{c}`" for c in _checks()), "not tried"]
     for label in sorted(inferred, key=order.index):
         lines.append(f"- {label} ({len(inferred[label])}): " + ", ".join(f"`{t}`" for t in inferred[label]))
     version = other["versions"]["transformers"] if other else "other"
-    lines += ["", "## Every type", "",
-              f"| type | builds | layout | softmax blocks | attnlens serves | {version} | common layout | notes |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Every type",
+        "",
+        f"| type | builds | layout | softmax blocks | attnlens serves | {version} | common layout | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model_type, record in records.items():
         built = record["build"]["ok"]
-        lines.append(f"| `{model_type}` | {'yes' if built else 'no'} | {record.get('layout') or '—'} | "
-                     f"{_blocks(record) if built else '—'} | {_serves(record)} | "
-                     f"{_other_text(model_type, record, other)} | {_common_text(record)} | {_notes(record, other)} |")
+        lines.append(
+            f"| `{model_type}` | {'yes' if built else 'no'} | {record.get('layout') or '—'} | "
+            f"{_blocks(record) if built else '—'} | {_serves(record)} | "
+            f"{_other_text(model_type, record, other)} | {_common_text(record)} | {_notes(record, other)} |"
+        )
     return "\n".join([*lines, "", FIELDS]) + "\n"
 
 
@@ -311,23 +347,30 @@ FIELDS = """## How each column is found
 
 def dump(data: dict) -> str:
     """The data as JSON, each type's record on one line (so a diff names the types that changed)."""
+
     def records(mapping: dict, indent: str) -> str:
-        rows = [f'{indent} {json.dumps(t)}: {json.dumps(r, default=str)}' for t, r in mapping.items()]
+        rows = [f"{indent} {json.dumps(t)}: {json.dumps(r, default=str)}" for t, r in mapping.items()]
         return "{\n" + ",\n".join(rows) + f"\n{indent}}}"
 
     other = data.get("other")
-    parts = [f' {json.dumps(k)}: {json.dumps(v)}' for k, v in data.items() if k not in ("records", "other")]
+    parts = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k not in ("records", "other")]
     if other is not None:
-        parts.append(f' "other": {{"versions": {json.dumps(other["versions"])}, "records": '
-                     f'{records(other["records"], "  ")}}}')
+        parts.append(
+            f' "other": {{"versions": {json.dumps(other["versions"])}, "records": {records(other["records"], "  ")}}}'
+        )
     parts.append(f' "records": {records(data["records"], " ")}')
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def compact(record: dict) -> dict:
     """What the page keeps of a record from the other transformers."""
-    return {"build": record["build"]["ok"], "error": record["build"]["error"], "layout": record.get("layout"),
-            "layers": record.get("layers"), "registered": record.get("registered"),
-            "serves_ok": (record.get("serves") or {}).get("check", {}).get("ok"),
-            "inferred": (record.get("serves") or {}).get("inferred"),
-            "fits": (record.get("common_layout") or {}).get("fits")}
+    return {
+        "build": record["build"]["ok"],
+        "error": record["build"]["error"],
+        "layout": record.get("layout"),
+        "layers": record.get("layers"),
+        "registered": record.get("registered"),
+        "serves_ok": (record.get("serves") or {}).get("check", {}).get("ok"),
+        "inferred": (record.get("serves") or {}).get("inferred"),
+        "fits": (record.get("common_layout") or {}).get("fits"),
+    }
