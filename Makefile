@@ -42,11 +42,11 @@ ESLINT := npx --yes eslint@9.39.5
 STYLELINT := npx --yes stylelint@16.26.1
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	@if command -v npx >/dev/null; then $(ESLINT) attnlens/viewer/ && $(STYLELINT) "attnlens/viewer/*.css"; \
 	else echo "npx not found (install node): the viewer's JavaScript and CSS are not linted"; fi
 
-# Joins lint (as `$(PY) -m ruff format --check .`) once the whole tree has been formatted.
 format-check: install
 	$(PY) -m ruff format --check .
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -17,7 +17,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from .errors import EditError, OrderError, Unavailable
 from .family import Family, engine_named
 from .geometry import HeadGeometry
-from .locations import Location, mediator
+from .locations import Location, context, mediator
 from .support import Support
 from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
 
@@ -359,3 +359,8 @@ class Access:
                     f"could not reach the model. Assign it instead: "
                     f"`... .{name} = edited` with an edited tensor or a clone you edit."
                 )
+
+
+def access_of(envoy: Any) -> Access:
+    """The `Access` of the model `envoy` belongs to: the `locations.Context` its engine attached."""
+    return cast(Access, context(envoy))

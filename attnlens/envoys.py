@@ -11,9 +11,9 @@ import functools
 
 from nnsight.intervention.envoy import Envoy
 
+from .access import access_of
 from .errors import LocationDrift
 from .geometry import HeadGeometry
-from .locations import context
 from .values import ALL_VALUES, HOSTS, Value, closest
 
 #: The standardized sublayers of a block: the envoy name and the scope of the values it carries.
@@ -24,7 +24,7 @@ def value_property(value: Value) -> property:
     name, per_layer = value.name, value.scope != "model"
 
     def read(envoy):
-        access = context(envoy)
+        access = access_of(envoy)
         return access.read(envoy, name, access.layer_of(envoy) if per_layer else None)
 
     def write(envoy, new):
@@ -33,7 +33,7 @@ def value_property(value: Value) -> property:
             object.__setattr__(envoy, mounted, new)
             envoy._aliases[mounted] = name
             return
-        access = context(envoy)
+        access = access_of(envoy)
         access.write(envoy, name, access.layer_of(envoy) if per_layer else None, new)
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
@@ -67,7 +67,7 @@ class LayersEnvoy(Envoy):
 
     def __getitem__(self, key):
         if isinstance(key, int) and not isinstance(key, bool):
-            key = context(self).check_layer(key)
+            key = access_of(self).check_layer(key)
         return super().__getitem__(key)
 
 
@@ -135,7 +135,7 @@ class AttentionEnvoy(Helpful, Envoy):
     @property
     def heads(self) -> HeadGeometry:
         """The heads' sizes and scale (what the family's score function takes)."""
-        access = context(self)
+        access = access_of(self)
         return access.geometry(access.layer_of(self))
 
     num_heads = property(lambda self: self.heads.num_heads, doc="query heads")

@@ -19,11 +19,14 @@ def test_the_indexer_masks_the_keys_it_does_not_choose(case):
     model = tiny(case, index_topk=4)
     sees = indexer_choice(model)
     assert not sees.all()  # the choice binds
-    read = lambda m: {
-        (i, name): getattr(m.layers[i].self_attn, name)
-        for i in (0, 1)
-        for name in ("attention_queries", "attention_keys", "attention_scores", "attention_probabilities")
-    }
+
+    def read(m):
+        return {
+            (i, name): getattr(m.layers[i].self_attn, name)
+            for i in (0, 1)
+            for name in ("attention_queries", "attention_keys", "attention_scores", "attention_probabilities")
+        }
+
     got = trace(model, read)
     for layer in (0, 1) if case == "glm_moe_dsa" else (0,):
         probs, scores = got[layer, "attention_probabilities"], got[layer, "attention_scores"]

@@ -134,8 +134,8 @@ def collect(
 ) -> CollectResult:
     """Compute `features` of every prompt of `corpus` and write them to sharded Parquet under `out`.
 
-    - `model`: a `StandardizedTransformer` or `StandardizedVLLM`, or a checkpoint folder loaded on `engine` ("transformers"
-      or "vllm") with `engine_args` (the command line also takes bundled names and tiny:FAMILY).
+    - `model`: a `StandardizedTransformer` or `StandardizedVLLM`, or a checkpoint folder loaded on `engine`
+      ("transformers" or "vllm") with `engine_args` (the command line also takes bundled names and tiny:FAMILY).
     - `corpus`: a .jsonl, .txt or .parquet file or a local `datasets.Dataset`, streamed (`field`: the text column or
       JSON field; `key_field`: an optional id kept with each row).
     - `features`: names from `attnlens.collect.FEATURES` (or "all"); `layers` (default every layer serving them),

@@ -59,7 +59,8 @@ class CTRL(Family):
                 _replace,
                 "embeddings",
                 in_place=False,
-                why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right after",
+                why_not="it is a snapshot: CTRLModel multiplies the embedding output by sqrt(n_embd) in place right "
+                "after",
             ),
         }
 

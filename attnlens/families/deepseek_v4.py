@@ -175,7 +175,8 @@ class DeepseekV4(SparseMoE, Family):
                 ),
                 "attention_head_outputs": "probabilities @ values: each head's output still carries the values' rotary "
                 "embedding on its trailing slice (the forward rotates it back before o_a_proj)",
-                "attention_premix": f"o_a_proj's input [batch, seq, o_groups={config.o_groups}, heads*head_dim/o_groups] "
+                "attention_premix": f"o_a_proj's input [batch, seq, o_groups={config.o_groups}, "
+                f"heads*head_dim/o_groups] "
                 f"flattened: the head outputs rotated back at their query's position, merged; a view, "
                 f"so in-place edits land, and assignment is reshaped back",
                 "attention_output": "o_b_proj(o_a_proj(premix by groups)): the grouped low-rank output projection",

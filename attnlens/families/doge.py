@@ -118,10 +118,13 @@ class Doge(Llama):
             {
                 "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
                 "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
-                "attention_scores": f"q @ k^T * scale + the dynamic mask: exp(A * softplus(dt_proj(values))) per key/value "
+                "attention_scores": f"q @ k^T * scale + the dynamic mask: exp(A * softplus(dt_proj(values))) per "
+                f"key/value "
                 f"head and key, the same for every query{window}; the family's score function "
-                f"needs the values (scores(..., values=))",
-                "layer_mid": "input_residual * layer_input + attention_output (a learned weight per channel on the stream)",
+                f"needs the values (scores(..., "
+                f"values=))",
+                "layer_mid": "input_residual * layer_input + attention_output (a learned weight per channel on the "
+                "stream)",
                 "layer_output": "post_attention_residual * layer_mid + mlp_output (a learned weight per channel)",
             }
         )

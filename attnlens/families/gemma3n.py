@@ -136,7 +136,8 @@ class Gemma3nText(Gemma3):
         streams = f"the {n} AltUp streams [batch, seq, {n}, hidden]"
         notes.update(
             {
-                "layer_input": f"{streams} entering the block (a view of its [{n}, batch, seq, hidden] input); attention "
+                "layer_input": f"{streams} entering the block (a view of its [{n}, batch, seq, hidden] input); "
+                f"attention "
                 f"reads stream {active}'s prediction, altup.predict(layer_input)[{active}]",
                 "attention_norm_output": f"input_layernorm(altup.predict(layer_input)[{active}]): the active stream's "
                 f"prediction, normed",

@@ -107,7 +107,8 @@ class SinkScale:
         locations=_sinkscale_vllm_locations,
         unavailable={
             **Granite.vllm.unavailable,
-            "attention_head_outputs": f"{KERNEL_SINK}: the mix before that rescaling is never formed; attention_premix is "
+            "attention_head_outputs": f"{KERNEL_SINK}: the mix before that rescaling is never formed; attention_premix "
+            f"is "
             f"head outputs * attention_gate, merged",
         },
     )

@@ -142,7 +142,8 @@ class Inkling(SparseMoE, Family):
                 "attention_output": f"self_attn's output (o_proj), before attn_sconv ({conv})",
                 "layer_mid": "layer_input + attn_sconv(attention_output): a short convolution follows attention",
                 "layer_output": "layer_mid + mlp_sconv(mlp_output): a short convolution follows the MLP",
-                "logits": "lm_head(final_norm_output / logits_mup_width_multiplier), cut to unpadded_vocab_size where set",
+                "logits": "lm_head(final_norm_output / logits_mup_width_multiplier), cut to unpadded_vocab_size where "
+                "set",
             }
         )
         if not self.moe_layer(config, layer):

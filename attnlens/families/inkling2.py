@@ -193,10 +193,10 @@ class Inkling2(SparseMoE, Family):
                 "attention_sinks": SINK_NOTE.replace(
                     "the head's sink logit", "the query's sink logit for the head (sink_proj of its hidden state)"
                 ),
-                "attention_probabilities": "rows sum to 1 - attention_sinks: the sink column is dropped after the softmax"
-                + (f"; sliding window of {config.sliding_window_size} keys" if sliding else ""),
-                "attention_gate": "sigmoid(o_proj.gate_proj(x)) per head, x the attention's (query-side) input, as o_proj "
-                "multiplies the merged heads by it (in float32); a view, so in-place edits land",
+                "attention_probabilities": "rows sum to 1 - attention_sinks: the sink column is dropped after the "
+                "softmax" + (f"; sliding window of {config.sliding_window_size} keys" if sliding else ""),
+                "attention_gate": "sigmoid(o_proj.gate_proj(x)) per head, x the attention's (query-side) input, as "
+                "o_proj multiplies the merged heads by it (in float32); a view, so in-place edits land",
                 "attention_premix": "what o_proj.linear receives: the merged head outputs times attention_gate",
                 "attention_output": f"self_attn's output, before post_attention_convolution ({conv})",
                 "layer_mid": (

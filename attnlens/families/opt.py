@@ -156,7 +156,8 @@ class OPT(Family):
         notes.update(
             {
                 "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5, bias included (attn.scale is 1.0)",
-                "attention_scores": "queries @ keys^T with no further factor (the queries carry head_dim ** -0.5), masked",
+                "attention_scores": "queries @ keys^T with no further factor (the queries carry head_dim ** -0.5), "
+                "masked",
                 "mlp_activation": "activation_fn's output, read as what fc2 receives (the same tensor); " + FLAT,
                 "mlp_neurons": "what fc2 receives, equal to mlp_activation (no gate); " + FLAT,
             }

@@ -197,7 +197,8 @@ class Qwen4ExpText(Indexed, Qwen3Next):
                     f"reads the residual here"
                 ),
                 "mlp_input": "mlp_hyper_connection's collapse of the streams of layer_mid (as attention_norm_output)",
-                "final_norm_output": "hyper_connection_mixer(last layer_output): the streams collapsed as in each block; "
+                "final_norm_output": "hyper_connection_mixer(last layer_output): the streams collapsed as in each "
+                "block; "
                 "there is no other final norm",
             }
         )

@@ -26,7 +26,8 @@ class Zamba2(Zamba):
         {
             "num_hidden_layers": 5,
             "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid", "hybrid"],
-            "num_key_value_heads": None,  # the adapters' outputs are attention_hidden_size wide: as many kv heads as heads
+            # the adapters' outputs are attention_hidden_size wide: as many kv heads as heads
+            "num_key_value_heads": None,
             "mamba_d_state": 8,
             "n_mamba_heads": 4,
             "num_mem_blocks": 2,
