@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from ..family import TINY_DEFAULTS
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
+from ..parts.sizes import kv_heads_from_groups
 from .gemma3 import Gemma3
 from .granite import unpaired_locations
 
@@ -70,6 +71,8 @@ def _gemma4text_vllm_locations(family):
 
 class Gemma4Text(Gemma3):
     model_types = ("gemma4_text",)
+    # per layer: full layers may have fewer key/value heads
+    sizes = replace(Gemma3.sizes, num_kv_heads=(kv_heads_from_groups,))
     tiny = ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY)
     # vLLM (model_executor/models/gemma4.py): the same module names; each block passes the residual stream as one
     # tensor (`unpaired_locations`); the kernel gets per-layer head counts and sizes, scale 1.0; a shared layer's kernel
@@ -89,9 +92,6 @@ class Gemma4Text(Gemma3):
     block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
-
-    def num_kv_heads(self, module):
-        return self.num_heads(module) // module.num_key_value_groups  # per layer: full layers may have fewer
 
     def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
         if sublayer != "mlp":

@@ -13,6 +13,8 @@ vLLM's Laguna (model_executor/models/laguna.py) multiplies the kernel's output b
 the premix what `o_proj` receives, and the rebuilt pattern is read-only (as on Qwen3-Next's gated layers).
 """
 
+from dataclasses import replace
+
 from ..family import Family, VLLMLayout
 from ..locations import ModuleOutput, Operation, insert_after
 from ..locations.views import per_head, per_head_on_ranks
@@ -39,6 +41,7 @@ def _laguna_vllm_locations(family):
 
 class Laguna(SparseMoE, Family):
     model_types = ("laguna",)
+    sizes = replace(Family.sizes, num_heads=("num_heads",))  # a head count per layer
     tiny = (
         "LagunaConfig",
         "LagunaForCausalLM",
@@ -90,9 +93,6 @@ class Laguna(SparseMoE, Family):
             gate = (per_head if eager else per_head_on_ranks)(source, label="attention_gate")
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
-
-    def num_heads(self, module):
-        return module.num_heads
 
     def notes(self, config, layer, engine="transformers"):
         shape = (
