@@ -12,7 +12,7 @@ the MLP; attnlens does not read it, and there the MLP's input is `encoder_attn_l
 import torch
 
 from ..family import Family, Tiny
-from .xglm import XGLM, _folded
+from .xglm import XGLM, folded
 
 
 class TrOCR(XGLM):
@@ -54,7 +54,7 @@ class TrOCR(XGLM):
         del locations["attention_norm_output"], locations["final_norm_output"]
         return {
             **locations,
-            "attention_scores": _folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores"),
+            "attention_scores": folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores"),
         }
 
     def scores(self, heads, config, queries, keys, layer, key_mask=None):

@@ -14,21 +14,14 @@ from dataclasses import replace
 import torch
 
 from ..family import Tiny
-from ..locations import Derived, Operation
+from ..locations import Operation
+from ..locations.views import batch_folded
 from .biogpt import BioGpt
 
 
-def _unfold(envoy, folded):
-    heads = envoy._module.num_heads
-    return folded.view(folded.shape[0] // heads, heads, *folded.shape[1:])
-
-
-def _fold(envoy, old, new):
-    return new.reshape(old.shape)
-
-
-def _folded(name, anchor, label):
-    return Derived(Operation((name,), anchor=anchor), _unfold, _fold, label)
+def folded(name, anchor, label):
+    """The operation `name`'s `[batch * heads, ...]` tensor as `[batch, heads, ...]` (a view)."""
+    return batch_folded(Operation((name,), anchor=anchor), label)
 
 
 class XGLM(BioGpt):
@@ -56,11 +49,11 @@ class XGLM(BioGpt):
     def locations(self):
         return {
             **super().locations(),
-            "attention_queries": _folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
-            "attention_keys": _folded("key_states_3", "key_states.reshape(*proj_shape)", "keys"),
-            "attention_values": _folded("value_states_3", "value_states.reshape(*proj_shape)", "values"),
-            "attention_scores": _folded("attn_weights_3", "attn_weights.view(bsz * self.num_heads", "scores"),
-            "attention_probabilities": _folded("attn_probs_0", "dropout(", "probabilities"),
+            "attention_queries": folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
+            "attention_keys": folded("key_states_3", "key_states.reshape(*proj_shape)", "keys"),
+            "attention_values": folded("value_states_3", "value_states.reshape(*proj_shape)", "values"),
+            "attention_scores": folded("attn_weights_3", "attn_weights.view(bsz * self.num_heads", "scores"),
+            "attention_probabilities": folded("attn_probs_0", "dropout(", "probabilities"),
             "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)"),
         }
 

@@ -62,6 +62,22 @@ def snapshot(source: Location, why: str, label: str = "") -> Derived:
     return Derived(source, _clone, _new, label, in_place=False, why_not=why)
 
 
+def unfold_heads(envoy, folded):
+    """`[batch * heads, ...]`, the heads folded into the batch (Bloom's, XGLM's arithmetic), as `[batch, heads, ...]`:
+    a view."""
+    heads = _heads(envoy).num_heads
+    return folded.view(folded.shape[0] // heads, heads, *folded.shape[1:])
+
+
+def fold_heads(envoy, old, new):
+    return new.reshape(old.shape)
+
+
+def batch_folded(source: Location, label: str = "") -> Derived:
+    """`source`'s `[batch * heads, ...]` tensor as `[batch, heads, ...]`, a view (assignments fold it back)."""
+    return Derived(source, unfold_heads, fold_heads, label)
+
+
 def per_head(source: Location, **options) -> Derived:
     """`source`'s flat heads `[..., heads * head_dim]` split, a view (assignments merge them back)."""
     return Derived(source, split_heads, merge_heads, **options)
