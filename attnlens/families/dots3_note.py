@@ -17,10 +17,8 @@ types map here.
 
 from dataclasses import replace
 
-import torch
-
-from ..errors import EditError
-from ..locations import Derived, Operation, insert_after
+from ..locations import insert_after
+from ..parts.gates import head_scalar_gate
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
 from .youtu import LATENT_TINY
 
@@ -33,33 +31,6 @@ SLIDING = {
     "swa_qk_nope_head_dim": 16,
     "swa_v_head_dim": 8,
 }
-
-
-def head_scalar_gate(operation: str, anchor: str, trailing: bool) -> Derived:
-    """`attention_gate` where the forward gates each head by one scalar per token: the sigmoid's output (`[batch, seq,
-    heads, 1]` where `trailing`, else `[batch, seq, heads]`) broadcast over the head's `v_head_dim` channels."""
-
-    def channels(envoy, gate):
-        gate = gate if trailing else gate.unsqueeze(-1)
-        return gate.expand(*gate.shape[:3], envoy._module.v_head_dim)
-
-    def per_head(envoy, old, new):
-        if not torch.equal(new, new[..., :1].expand_as(new)):
-            raise EditError(
-                "this family gates each head by one scalar per token: an assigned attention_gate must be "
-                "constant along the head's channels"
-            )
-        return new[..., :1] if trailing else new[..., 0]
-
-    return Derived(
-        Operation((operation,), anchor=anchor),
-        channels,
-        per_head,
-        label="attention_gate",
-        in_place=False,
-        why_not="the forward holds one gate value per head and token, broadcast over the channels; "
-        "assign a gate constant along them",
-    )
 
 
 class Dots3Note(DeepseekV32):
@@ -88,7 +59,7 @@ class Dots3Note(DeepseekV32):
         },
     )
 
-    def sizes(self, config, layer):
+    def layer_config(self, config, layer):
         return config.per_layer_config[layer]
 
     def indexed(self, config, layer):
