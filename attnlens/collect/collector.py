@@ -278,7 +278,7 @@ def _batches(model, runnable: list, batch_size: int) -> list[list]:
 def compute(model, plan, features, options, wants, lengths, pads, found, first) -> None:
     """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch,
     (its place, {layer: {column: per-head values}}) appended to `found`."""
-    from ..capture.plan import unpad
+    from ..points import unpad
 
     results = [{} for _ in pads]
     for layer, reads in plan:
