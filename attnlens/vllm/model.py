@@ -302,6 +302,8 @@ def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dic
     if not enforce_eager:
         kwargs.setdefault("enable_chunked_prefill", True)
     recurrent = any(handoffs(model.family, model.text_config, layer)[0] is None for layer in range(model.num_layers))
+    # a recurrent mixer beside attention in the same block (Falcon-H1's Mamba-2): a config that sizes one
+    recurrent = recurrent or any(name.startswith(("mamba_", "linear_", "conv_L")) for name in vars(model.text_config))
     if kwargs.get("enable_chunked_prefill") or not recurrent:  # vLLM caches a recurrent state only chunk-aligned
         kwargs.setdefault("enable_prefix_caching", True)
     return not enforce_eager
