@@ -275,7 +275,7 @@ REFUSALS = {
         dict(attention=CommonAttention),
         sharpened_eager,
         "eager_function",
-        "attn_weights_4: `attn_weights = attn_weights ** 2`",
+        "attn_weights_4: `attn_weights = attn_weights**2`",
     ),
     "modules renamed under the block's forward": (
         dict(layer=LlamaDecoderLayer),
