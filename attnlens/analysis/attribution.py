@@ -584,7 +584,7 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
         if vllm:
             from .vllm import run_attribution
 
-            found = run_attribution(model, ids, the_plan)
+            found = run_attribution(model, ids, the_plan, prepare, collect)
         else:
             found = {}
             with torch.no_grad(), model.trace(ids[None]):
@@ -599,7 +599,7 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
     ):
         if vllm:
             steps = [{} for _ in range(max_new_tokens)].save()
-            prepare_in_worker(model, the_plan)
+            prepare_in_worker(model, the_plan, prepare)
         decode, step = decode_plan(the_plan), 0
         for _ in tracer.iter[:max_new_tokens]:
             collect(model, the_plan if step == 0 else decode, steps[step])

@@ -67,10 +67,9 @@ def unembedding(module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, getattr(head, "bias", None)
 
 
-def prepare(model, plan) -> None:
-    """In the worker: the final norm's weights, the unembedding and the output projections (`attribution.prepare`)."""
-    from .attribution import prepare as prepare_weights
-
+def prepare(model, plan, prepare_weights) -> None:
+    """In the worker: the final norm's weights, then the unembedding and the output projections (`prepare_weights`:
+    `attribution.prepare`, passed in so this module need not import it back)."""
     module = model._module.get_submodule(plan.paths["final_norm"])
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     gain = (
@@ -82,12 +81,10 @@ def prepare(model, plan) -> None:
     prepare_weights(model, plan)
 
 
-def run_attribution(model, ids: torch.Tensor, plan) -> dict:
-    """One request of `ids`, its prefill only; the terms computed in the worker."""
-    from .attribution import collect
-
+def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
+    """One request of `ids`, its prefill only; the terms computed in the worker (`collect`: `attribution.collect`)."""
     with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
         found = [{}].save()
-        prepare(model, plan)
+        prepare(model, plan, prepare_weights)
         collect(model, plan, found[0])
     return found[0]
