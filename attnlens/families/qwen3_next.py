@@ -88,9 +88,9 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
         locations=_qwen3next_vllm_locations,
         model_types=("qwen3_next",),
         dtype="bfloat16",
-        # bfloat16 on both engines, rounded in different orders: attention_output measured 3.5e-2 apart relative
-        # (tests_vllm), past the one-step default of 3e-2
-        tolerance=5e-2,
+        # bfloat16 on both engines, rounded in different orders, through a routed MoE layer: measured 3.5e-2
+        # (attention_output) to 5.1e-2 (layer 1's mlp_output) apart relative across runs, past the one-step 3e-2
+        tolerance=8e-2,
         tiny={
             "head_dim": 32,
             "linear_key_head_dim": 64,
