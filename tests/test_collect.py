@@ -415,3 +415,18 @@ def test_the_docs_list_every_feature_and_its_columns():
     for name, feature in registry.FEATURES.items():
         listed = f"| `{name}` | " + ", ".join(f"`{column}`" for column in feature.columns) + " |"
         assert listed in page, listed
+
+
+def test_a_fault_of_the_code_stops_the_run_rather_than_failing_every_prompt(tmp_path, monkeypatch):
+    """A missing module or name is no prompt's doing: raised, not written to the errors table prompt by prompt."""
+    from attnlens.collect import collector
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Hello world, again\nAnother prompt here\n")
+
+    def broken(self, prompts):
+        raise ModuleNotFoundError("No module named 'attnlens.nowhere'")
+
+    monkeypatch.setattr(collector.Collector, "_forward", broken)
+    with pytest.raises(ModuleNotFoundError, match=r"attnlens\.nowhere"):
+        attnlens.collect(tiny("llama"), corpus, ["sink"], tmp_path / "out", progress=False)

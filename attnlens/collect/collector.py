@@ -198,6 +198,8 @@ class Collector:
         prompt that fails alone goes to the errors table."""
         try:
             return self._forward([ids for _, ids in batch])
+        except (ImportError, NameError, SyntaxError):  # the code's fault, not a prompt's: every prompt would fail
+            raise
         except Exception as error:  # noqa: BLE001  one bad prompt must not stop the run
             if len(batch) == 1:
                 record, ids = batch[0]
