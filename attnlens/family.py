@@ -287,6 +287,10 @@ class Family(ScoreFunction, Identities, Anchored):
                 stacklevel=2,
             )
             cls.vllm = replace(cls.vllm, **{LEGACY_VLLM[field]: value for field, value in legacy.items()})
+        elif "model_types" in vars(cls) and "vllm" not in vars(cls) and cls.vllm.refusal is not None:
+            # A refusal speaks for the model types of the family that states it: a subclass serving types of its
+            # own inherits the parent's layout (unchecked for its types) but not the parent's reason.
+            cls.vllm = replace(cls.vllm, refusal=None)
 
 
 Family.vllm = VLLMLayout()

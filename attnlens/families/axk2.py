@@ -8,8 +8,6 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
-from dataclasses import replace
-
 from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import DeepseekV32
 
@@ -25,10 +23,6 @@ def _flat(envoy, old, new):
 
 class AXK2(DeepseekV32):
     model_types = ("axk2",)
-    vllm = replace(
-        DeepseekV32.vllm,
-        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
-    )
     tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
 
     def locations(self):

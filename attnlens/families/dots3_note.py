@@ -15,8 +15,6 @@ of other sizes, with a sigmoid gate per head and token, and normed, rescaled lat
 types map here.
 """
 
-from dataclasses import replace
-
 from ..locations import insert_after
 from ..parts.gates import head_scalar_gate
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
@@ -35,10 +33,6 @@ SLIDING = {
 
 class Dots3Note(DeepseekV32):
     model_types = ("dots3_note_text", "dots3_note")
-    vllm = replace(
-        DeepseekV32.vllm,
-        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
-    )
     tiny = (
         "Dots3NoteTextConfig",
         "Dots3NoteForCausalLM",

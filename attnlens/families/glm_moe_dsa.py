@@ -4,12 +4,15 @@ Layers marked "shared" in `config.indexer_types` have no indexer (`self_attn.ind
 top-k keys the previous indexed layer chose for each query. Everything else is DeepSeek-V3.2's.
 """
 
+from dataclasses import replace
+
 from ..family import Tiny
-from .deepseek_v32 import DeepseekV32
+from .deepseek_v32 import DSA_REFUSAL, DeepseekV32
 
 
 class GlmMoeDsa(DeepseekV32):
     model_types = ("glm_moe_dsa",)
+    vllm = replace(DeepseekV32.vllm, refusal=DSA_REFUSAL)  # vLLM runs it through DeepSeek-V3.2's sparse attention
     tiny = Tiny(
         "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**DeepseekV32.tiny[2], "indexer_types": ["full", "shared", "full"]}
     )

@@ -12,8 +12,6 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   `layer_input`, `layer_mid` and `layer_output` are the streams.
 """
 
-from dataclasses import replace
-
 from ..locations import ModuleInput, Operation, insert_after
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
@@ -25,10 +23,6 @@ STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
 class HYV4(GlmMoeDsa):
     model_types = ("hy_v4",)
-    vllm = replace(
-        GlmMoeDsa.vllm,
-        refusal=None,  # DeepSeek-V3.2's refusal names its vLLM module; this family's is not checked yet
-    )
     tiny = (
         "HYV4Config",
         "HYV4ForCausalLM",
