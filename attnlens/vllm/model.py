@@ -28,13 +28,14 @@ from ..envoys import Helpful, add_model_values, adopt_hosts, envoy_classes
 from ..errors import Unavailable, UnknownFamily
 from ..family import Family
 from ..geometry import HeadGeometry
+from ..inferred import Inferred
 from ..inputs import check_inputs
 from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
 from ..values import BY_SHORT
-from . import static, worker
+from . import inferred, static, worker
 from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
@@ -94,7 +95,10 @@ class StandardizedVLLM(Helpful, VLLM):
         self.text_config = config.get_text_config()
         # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
         model_type = config.model_type if config.model_type in registered() else self.text_config.model_type
-        self.family: Family = family_for(model_type) if family is None else resolve_family(family)
+        if family is None and model_type not in registered():  # the common layout, inferred and checked for vLLM
+            self.family: Family = inferred.infer(config, kwargs.get("model_impl", "auto"))
+        else:
+            self.family = family_for(model_type) if family is None else resolve_family(family)
         refused = _refusal(self.family, model_type)
         if refused is not None:
             raise UnknownFamily(refused)
@@ -103,7 +107,10 @@ class StandardizedVLLM(Helpful, VLLM):
         family_class = type(self.family)
         kwargs["additional_config"] = {
             **(kwargs.get("additional_config") or {}),
-            "attnlens_family": f"{family_class.__module__}:{family_class.__qualname__}",
+            "attnlens_family": inferred.MARKER
+            if isinstance(self.family, Inferred)
+            else f"{family_class.__module__}:{family_class.__qualname__}",
+            "attnlens_model_impl": kwargs.get("model_impl", "auto"),
         }
         self.access = Access(self.family, self.text_config, self.text_config.num_hidden_layers, "vllm", self._geometry)
         self.static_points = static.declare(self, static_points) if static_points is not None else []
@@ -118,6 +125,8 @@ class StandardizedVLLM(Helpful, VLLM):
         super().__init__(path, rename=self.family.renames("vllm"), envoys=envoys, **kwargs)
         # the blocks vLLM built (LongCat-Flash's num_hidden_layers counts its two sublayers per block)
         self.access.num_layers = len(self._module.get_submodule(self.family.path("layers", "vllm")))
+        if isinstance(self.family, Inferred):
+            inferred.verify(self.family, self._module)
         attach(self.interleaver, self.access)
         adopt_hosts(self)
 

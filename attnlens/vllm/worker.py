@@ -25,7 +25,7 @@ from ..locations.views import gather_heads, gathered_heads, local_heads
 from ..locations.vllm import kernel_arg, kernel_geometry
 from ..registry import family_for
 from ..values import BY_NAME
-from . import kept, shared_kv, static
+from . import inferred, kept, shared_kv, static
 from .blocks import attention_block, handoffs
 
 
@@ -65,6 +65,8 @@ def adapt_client_for_cpu() -> None:
 def family_of(config: Any, additional: dict | None) -> Family:
     """The family the client chose (named in the engine's `additional_config`), else the registered one."""
     named = (additional or {}).get("attnlens_family")
+    if named == inferred.MARKER:  # inferred again from the same config: the same family
+        return inferred.infer(config, (additional or {}).get("attnlens_model_impl", "auto"))
     if named:
         module, _, qualname = named.partition(":")
         return getattr(importlib.import_module(module), qualname)()
