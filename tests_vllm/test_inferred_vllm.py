@@ -21,8 +21,15 @@ from tools import survey
 RECORDS = json.loads(survey.JSON_PATH.read_text())["records"]
 #: Unregistered types the survey infers, and the implementation vLLM 0.32 runs each with: a backend type listed as
 #: such (Arcee: a plain MLP; Seed-OSS: a GLU, whose activation vLLM fuses), one vLLM does not list (Helium: the
-#: backend is vLLM's fallback), and one vLLM runs with its Llama subclass (Ministral 3, vLLM's mistral.py).
-SERVED = {"arcee": "transformers", "seed_oss": "transformers", "helium": "transformers", "ministral3": "mistral"}
+#: backend is vLLM's fallback), one whose GLU transformers already fuses (GLM), and one vLLM runs with its Llama
+#: subclass (Ministral 3, vLLM's mistral.py).
+SERVED = {
+    "arcee": "transformers",
+    "glm": "transformers",  # its GLU's gate and up projections are one module already: its activation is dropped
+    "seed_oss": "transformers",
+    "helium": "transformers",
+    "ministral3": "mistral",
+}
 
 
 def _checkpoint(model_type: str, folder) -> None:

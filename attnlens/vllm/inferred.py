@@ -115,9 +115,10 @@ def verify(family: Inferred, vllm_model: torch.nn.Module) -> None:
                 "vllm_modules",
                 f"vLLM built {type(vllm_model).__name__} with blocks {sorted(c.__name__ for c in built)}",
             )
-        fused = hasattr(vllm_model.get_submodule(f"{family.path('layers', 'vllm')}.0.{family.mlp}"), "gate_up_proj")
-        if fused != (family.vllm.unavailable.get("mlp_activation") is not None):
-            raise _refuse(family.model_type, "vllm_modules", "vLLM fused the MLP otherwise than expected")
+        expected = family.vllm.unavailable.get("mlp_activation") is not None  # a split GLU, to be fused
+        mlp = vllm_model.get_submodule(f"{family.path('layers', 'vllm')}.0.{family.mlp}")
+        if expected and not hasattr(mlp, "gate_up_proj"):
+            raise _refuse(family.model_type, "vllm_modules", "vLLM left the GLU's gate and up projections apart")
     elif not all(isinstance(block, LlamaDecoderLayer) for block in blocks):
         raise _refuse(
             family.model_type,
