@@ -7,7 +7,7 @@ tests_vllm/families/test_<family>.py."""
 import re
 
 import pytest
-from conftest import FAMILIES, pair
+from conftest import FAMILIES, engine_args, pair
 
 import attnlens
 
@@ -68,4 +68,19 @@ def test_a_family_vllm_does_not_run_says_why_in_vllms_words(name, tmp_path):
         ModelConfig(model=str(tmp_path))
     assert family.vllm.refused(family, name) == family.vllm.refusal
     with pytest.raises(attnlens.UnknownFamily, match=re.escape(quoted)):
+        attnlens.StandardizedVLLM(str(tmp_path))
+
+
+def test_vllm_cannot_load_dbrx_as_its_refusal_says(tmp_path):
+    """DBRX's refusal quotes vLLM 0.32's load error: plain vLLM raises it on the tiny checkpoint (a vLLM that loads
+    it fails here: check the family's locations and serve it), and StandardizedVLLM refuses before an engine starts."""
+    from vllm import LLM
+
+    family = attnlens.registered()["dbrx"]()
+    missing = re.search(r"KeyError: '(.+?)'", family.vllm.refusal).group(1)
+    attnlens.models.tiny_model("dbrx").save_pretrained(tmp_path)
+    attnlens.models.char_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(KeyError, match=re.escape(missing)):
+        LLM(str(tmp_path), enforce_eager=True, **engine_args(128, 16 * 2**20))
+    with pytest.raises(attnlens.UnknownFamily, match="cannot load DBRX"):
         attnlens.StandardizedVLLM(str(tmp_path))

@@ -20,6 +20,15 @@ def _cohere2_vllm_window(family, config, layer):
     return None if window is None else window + 1
 
 
+def vllm_window_note(window: int) -> str:
+    """The pattern's note on a sliding layer on vLLM, whose kernel sees `window` = sliding_window + 1 keys."""
+    return (
+        f"sliding window: each query sees its last {window} keys, one more than transformers' "
+        f"config.sliding_window ({window - 1}): vLLM's attention passes sliding_window + 1 to its "
+        f"kernel; rebuilt over the whole context (zeros outside the window)"
+    )
+
+
 class Cohere2(Cohere):
     model_types = ("cohere2",)
     tiny = Tiny(
@@ -44,9 +53,5 @@ class Cohere2(Cohere):
             rotary = "not rotated: a full-attention layer has no rotary embedding"
             notes.update(attention_queries=rotary, attention_keys=rotary)
         elif engine == "vllm":
-            notes["attention_probabilities"] = (
-                f"sliding window: each query sees its last {window} keys, one more than transformers' "
-                f"config.sliding_window ({window - 1}): vLLM's CohereAttention passes sliding_window + 1 to its "
-                f"kernel; rebuilt over the whole context (zeros outside the window)"
-            )
+            notes["attention_probabilities"] = vllm_window_note(window)
         return notes

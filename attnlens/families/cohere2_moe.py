@@ -7,11 +7,18 @@ As in Cohere, attention and the MLP read one `input_layernorm` output and join t
 positional encoding at all), except the dense prefix layers when `prefix_dense_sliding_window_pattern == 1`. Layers
 whose `config.mlp_layer_types` entry is not `"dense"` route tokens to experts (each applying its gated activation to
 its own tokens), plus shared experts averaged or summed in, so no activation or neuron tensor exists there.
+
+vLLM's own Cohere2-MoE (cohere2_moe.py) has Cohere 2's layout on vLLM: the parallel block, the same rule for which
+layers rotate, and a sliding layer's kernel sees `sliding_window + 1` keys (as Cohere 2's there; checked against each
+kernel at load).
 """
+
+from dataclasses import replace
 
 from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .cohere import Cohere
+from .cohere2 import _cohere2_vllm_window, vllm_window_note
 
 
 class Cohere2Moe(SparseMoE, Cohere):
@@ -29,6 +36,14 @@ class Cohere2Moe(SparseMoE, Cohere):
             "mlp_layer_types": ["dense", "sparse", "sparse"],
             "prefix_dense_intermediate_size": 128,
         },
+    )
+    # The tiny checkpoint's window (64) is longer than the test's context: its sliding layers rotate and slide on
+    # both engines, yet vLLM's wider window (sliding_window + 1, tests_vllm/test_windows.py on Cohere 2) never bites.
+    vllm = replace(
+        Cohere.vllm,
+        model_types=("cohere2_moe",),  # tests_vllm
+        tiny={"head_dim": 32, "sliding_window": 64},
+        window=_cohere2_vllm_window,
     )
     absent = {
         **Cohere.absent,
@@ -55,4 +70,7 @@ class Cohere2Moe(SparseMoE, Cohere):
             notes["attention_queries"] = notes["attention_keys"] = (
                 "not rotated: this full-attention layer has no positional encoding"
             )
+        window = self.window(config, layer, engine)
+        if engine == "vllm" and window is not None:
+            notes["attention_probabilities"] = vllm_window_note(window)
         return notes

