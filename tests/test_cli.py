@@ -16,8 +16,9 @@ import tomllib
 
 from attnlens import cli
 
-#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
-pytestmark = pytest.mark.any_transformers
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it); on one
+#: worker under pytest-xdist (`--dist loadgroup`), so the module's `runs` is made once
+pytestmark = [pytest.mark.any_transformers, pytest.mark.xdist_group("cli")]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = "Hello world, again\nThe cat sat on the mat\n\n"
