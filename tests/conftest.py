@@ -51,6 +51,16 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_sessionstart(session):
+    """Under pytest-xdist (`-n`), the real checkpoints are converted here, once, before the workers start: two workers
+    converting at once on a fresh machine would write the same cache folder (`attnlens.models.converted`)."""
+    config = session.config
+    parallel = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if parallel and "not real" not in (config.option.markexpr or ""):
+        attnlens.models.smollm2_path()
+        attnlens.models.gemma3_270m_path()
+
+
 @pytest.fixture(params=CORE_FAMILIES)
 def family(request):
     return request.param

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -16,6 +16,10 @@ import tomllib
 
 from attnlens import cli
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it); on one
+#: worker under pytest-xdist (`--dist loadgroup`), so the module's `runs` is made once
+pytestmark = [pytest.mark.any_transformers, pytest.mark.xdist_group("cli")]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = "Hello world, again\nThe cat sat on the mat\n\n"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -155,6 +159,7 @@ def test_heads_in_every_format(runs):
 
 
 def test_vllm_engine(runs):
+    # `make test` runs this file where vLLM is missing; tests_vllm/test_cli_vllm.py checks the served engine
     run = runs["vllm"]
     if HAS_VLLM:
         assert "Llama · layer 1 · vllm" in ok(run) and "rebuilt in vLLM's worker" in run.stdout

@@ -19,6 +19,9 @@ import attnlens
 from attnlens.collect import CollectMismatch, Corpus, Feature, read_table, store
 from attnlens.collect import features as registry
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 PROMPTS = ["Hello world, again", "Hi", "The cat sat on the mat", "x", "A longer prompt, past the windows of four"]
 ROWS = [-1, 0, 2]
 TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # float32 sums over up to 40 rows, as test_heads

@@ -12,6 +12,9 @@ from packaging.version import Version
 
 import attnlens
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 PACKAGE = Path(attnlens.__file__).parent
 ROOT = PACKAGE.parent
 #: Files the package reads at run time besides its modules.

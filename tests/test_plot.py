@@ -7,6 +7,9 @@ from conftest import PROMPT, tiny
 import attnlens
 from attnlens.plot import figure, plot
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("matplotlib")
 

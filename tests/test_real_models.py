@@ -6,7 +6,8 @@ from identities import failures, read_everything
 
 import attnlens
 
-pytestmark = pytest.mark.real
+#: on one worker under pytest-xdist (`--dist loadgroup`), so each checkpoint is loaded once
+pytestmark = [pytest.mark.real, pytest.mark.xdist_group("real_checkpoints")]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,10 @@ import attnlens
 from attnlens.models import char_tokenizer, tiny_model
 from attnlens.show import patterns, show
 
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it); on one
+#: worker under pytest-xdist (`--dist loadgroup`), so its browser starts once
+pytestmark = [pytest.mark.any_transformers, pytest.mark.xdist_group("browser")]
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 #: One byte per weight on a square-root scale: a weight is known to half a step of its square root; byte 0 is exactly
 #: zero, byte 1 any weight below SMALLEST (shown as its middle).

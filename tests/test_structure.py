@@ -11,6 +11,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+#: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attnlens"
 
