@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
     #: A note or reason in `Family.kind_notes` / `kind_reasons`: a template formatted with `config`, `family` and
     #: `layer` (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None (None: nothing said),
-    #: or `Appended`.
-    Note = str | Callable[["Family", object, int], str | None] | "Appended"
+    #: or `Joined`.
+    Note = str | Callable[["Family", object, int], str | None] | "Joined"
 
 #: The sizes every tiny model shares: grouped heads (4 query, 2 key/value), three blocks, a wide initialisation so
 #: patterns are far from uniform.
@@ -76,11 +76,13 @@ TINY_DEFAULTS = dict(
 )
 
 
-class Appended(NamedTuple):
-    """A note (a template or a function, as in `Family.kind_notes`) joined with "; " to what is said of the value so
-    far, instead of replacing it."""
+class Joined(NamedTuple):
+    """A note (a template or a function, as in `Family.kind_notes`) joined to what is said of the value so far instead
+    of replacing it: after it, or `before` it, with `sep` between."""
 
     note: object
+    sep: str = "; "
+    before: bool = False
 
 
 def selects(selector: str, tags: frozenset[str]) -> bool:
@@ -144,7 +146,7 @@ class Family(ScoreFunction, Identities, Anchored):
     #: What `support()` says of values, as data: selector -> {value name: note}. A selector is "*" (every layer) or
     #: words that must all hold (`selects`): a tag of the layer (`note_tags`: its `layer_kind`, its
     #: `config.layer_types` entry, the engine) or "!tag" for one it lacks. A note is a template formatted from the
-    #: config (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None, or `Appended(note)`.
+    #: config (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None, or `Joined(note)`.
     #: A class's table is applied on top of what its `notes()` override (or its bases) say: a subclass's entries win.
     kind_notes: ClassVar[dict[str, dict[str, Note]]] = {}
     #: Why values are unavailable, as data, keyed as `kind_notes`; on top of the `absent` and vLLM reasons.
@@ -265,10 +267,13 @@ class Family(ScoreFunction, Identities, Anchored):
             if not selects(selector, tags):
                 continue
             for name, note in entries.items():
-                appended = isinstance(note, Appended)
-                text = self.formatted(note.note if appended else note, config, layer)
+                joined = isinstance(note, Joined)
+                text = self.formatted(note.note if joined else note, config, layer)
+                if text is not None and joined:
+                    parts = (text, said.get(name)) if note.before else (said.get(name), text)
+                    text = note.sep.join(filter(None, parts))
                 if text is not None:
-                    said[name] = "; ".join(filter(None, (said.get(name), text))) if appended else text
+                    said[name] = text
         return said
 
     def formatted(self, note, config, layer: int) -> str | None:

@@ -115,12 +115,11 @@ class DeepseekV4(SparseMoE, Family):
             locations = {name: location for name, location in locations.items() if name not in KEY_AXIS}
         return locations
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        layer_type = config.layer_types[layer]
-        if layer_type != "sliding_attention":
-            reasons.update({name: _compressed_reason(layer_type) for name in KEY_AXIS})
-        return reasons
+    kind_reasons = {
+        "compressed": dict.fromkeys(
+            KEY_AXIS, lambda family, config, layer: _compressed_reason(config.layer_types[layer])
+        )
+    }
 
     def sliding_window(self, config, layer):
         return config.sliding_window  # every layer type uses the sliding-window mask

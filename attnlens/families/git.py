@@ -124,21 +124,18 @@ class Git(Family):
         norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
         return norm(stream + update)
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        reasons.update(
-            {
-                "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
-                "layer_mid": POST_NORM.format(
-                    what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
-                    "+ attention_output) (mlp_input), and no norm precedes the MLP"
-                ),
-                "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
-                "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
-                "ends in that block's own LayerNorm",
-            }
-        )
-        return reasons
+    kind_reasons = {
+        "*": {
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+            "layer_mid": POST_NORM.format(
+                what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
+                "+ attention_output) (mlp_input), and no norm precedes the MLP"
+            ),
+            "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
+            "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
+            "ends in that block's own LayerNorm",
+        }
+    }
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

@@ -113,9 +113,10 @@ class JetMoe(SparseMoE, Family):
 
     kind_notes = {
         "*": {
-            "attention_queries": "query head j is the query projection by the token's (j // {config.num_key_value_heads})"
-            "-th chosen attention expert (of {config.num_experts_per_tok}, highest router logit first) for key/value "
-            "head j % {config.num_key_value_heads}: one head index holds different experts' queries at different "
+            "attention_queries": "query head j is the query projection by the token's "
+            "(j // {config.num_key_value_heads})-th chosen attention expert (of {config.num_experts_per_tok}, "
+            "highest router logit first) for key/value head j % {config.num_key_value_heads}: one head index "
+            "holds different experts' queries at different "
             "positions",
             "attention_keys": "tiled, not interleaved: query head j reads key head "
             "j % {config.num_key_value_heads}; " + UNTILED,

@@ -68,10 +68,8 @@ class Moshi(Family):
 
     kind_notes = {
         "*": {
-            "attention_probabilities": lambda family, config, layer: (
-                f"full causal on a prefill: the mask ignores config.sliding_window ({config.get_text_config().sliding_window}); under generate the cache "
-                f"keeps only the last {config.get_text_config().sliding_window} keys"
-            ),
+            "attention_probabilities": "full causal on a prefill: the mask ignores config.sliding_window "
+            "({config.sliding_window}); under generate the cache keeps only the last {config.sliding_window} keys",
             "mlp_activation": "activation_fn(a), a the first half of fc1(x)",
             "mlp_neurons": "what fc2 receives: activation_fn(a) * b, the halves of fc1(x)",
         }
