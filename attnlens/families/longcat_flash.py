@@ -55,7 +55,7 @@ def _longcatflash_vllm_locations(family):
     return locations
 
 
-FIRST = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
+FIRST_ONLY = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
 
 
 class LongcatFlash(SparseMoE, LatentAttention):
@@ -138,10 +138,10 @@ class LongcatFlash(SparseMoE, LatentAttention):
         "vllm": {"layer_input": "declared from vLLM's code, {family.vllm.cpu_fault}"},
         "*": {
             "attention_queries": Joined(
-                f"{FIRST}; the query latent's output times sqrt(hidden_size / q_lora_rank)"
+                f"{FIRST_ONLY}; the query latent's output times sqrt(hidden_size / q_lora_rank)"
             ),
-            "attention_keys": Joined(FIRST),
-            "attention_output": Joined(FIRST),
+            "attention_keys": Joined(FIRST_ONLY),
+            "attention_output": Joined(FIRST_ONLY),
             "mlp_output": "the MoE shortcut's output (mlp), added at the end of the block",
             "layer_mid": "layer_input + attention_output: the stream after the first attention sublayer",
             "layer_output": "the block's output: layer_mid + mlps[0](post_attention_layernorm[0](layer_mid)), "
