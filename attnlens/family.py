@@ -146,7 +146,8 @@ class Family(ScoreFunction, Identities, Anchored):
     #: What `support()` says of values, as data: selector -> {value name: note}. A selector is "*" (every layer) or
     #: words that must all hold (`selects`): a tag of the layer (`note_tags`: its `layer_kind`, its
     #: `config.layer_types` entry, the engine) or "!tag" for one it lacks. A note is a template formatted from the
-    #: config (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None, or `Joined(note)`.
+    #: config (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None (None: nothing said),
+    #: `Joined(note)`, or None (no note: drops one a base class gave).
     #: A class's table is applied on top of what its `notes()` override (or its bases) say: a subclass's entries win.
     kind_notes: ClassVar[dict[str, dict[str, Note]]] = {}
     #: Why values are unavailable, as data, keyed as `kind_notes`; on top of the `absent` and vLLM reasons.
@@ -267,6 +268,9 @@ class Family(ScoreFunction, Identities, Anchored):
             if not selects(selector, tags):
                 continue
             for name, note in entries.items():
+                if note is None:  # the layer has no note on the value: drop one a base class gave
+                    said.pop(name, None)
+                    continue
                 joined = isinstance(note, Joined)
                 text = self.formatted(note.note if joined else note, config, layer)
                 if text is not None and joined:

@@ -31,9 +31,9 @@ class OddLlama(Llama):
 
 
 class OddChild(OddLlama):
-    """A subclass's table applies on top of its parent's (a parent's notes() override included)."""
+    """A subclass's table applies on top of its parent's (a parent's notes() override included); None drops a note."""
 
-    kind_notes = {"odd": {"attention_queries": Joined("the child's", before=True)}}
+    kind_notes = {"odd": {"attention_queries": Joined("the child's", before=True)}, "!odd": {"attention_keys": None}}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_a_subclass_table_applies_over_its_parents():
     config = attnlens.models.tiny_model("llama").config
     notes = OddChild().notes(config, 1)
     assert notes["attention_queries"] == "the child's; odd layer 1 of OddChild; on transformers"
-    assert OddChild().notes(config, 0) == OddLlama().notes(config, 0)
+    assert "attention_keys" in OddLlama().notes(config, 0) and "attention_keys" not in OddChild().notes(config, 0)
 
 
 def test_families_state_their_notes_as_tables():
