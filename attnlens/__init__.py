@@ -15,7 +15,7 @@ from .errors import (
     UnknownFamily,
     UnknownFamilyWarning,
 )
-from .family import Family, MLPArithmetic, Tiny
+from .family import Family, Joined, MLPArithmetic, Tiny
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
@@ -45,6 +45,7 @@ __all__ = [
     "Derived",
     "EditError",
     "Family",
+    "Joined",
     "HeadGeometry",
     "InferredFamilyWarning",
     "Location",

@@ -52,6 +52,9 @@ def _afmoe_vllm_locations(family):
     return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
 
+NOT_ROTATED = "not rotated (full-attention layers have no positional encoding)"
+
+
 class Afmoe(SparseMoE, Family):
     model_types = ("afmoe",)
     tiny = (
@@ -86,18 +89,24 @@ class Afmoe(SparseMoE, Family):
         gate = per_head(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate_states)"), label="attention_gate")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        local = config.layer_types[layer] == "sliding_attention"
-        rotated = "then rotated" if local else "not rotated (full-attention layers have no positional encoding)"
-        notes = {
-            **super().notes(config, layer, engine),
-            "attention_queries": f"RMS-normalised per head (q_norm), {rotated}",
-            "attention_keys": f"RMS-normalised per head (k_norm), {rotated}",
+    kind_notes = {
+        "sliding_attention": {
+            "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+            "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+        },
+        "!sliding_attention": {
+            "attention_queries": f"RMS-normalised per head (q_norm), {NOT_ROTATED}",
+            "attention_keys": f"RMS-normalised per head (k_norm), {NOT_ROTATED}",
+        },
+        "*": {
             "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
             "attention_gate": "sigmoid of gate_proj(x) per head, as the forward multiplies the merged heads by "
             "it; a view of that tensor, so edits land",
             "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
-        }
-        if config.mup_enabled:
-            notes["embeddings"] = "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size)"
-        return notes
+            "embeddings": lambda family, config, layer: (
+                "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size)"
+                if config.mup_enabled
+                else None
+            ),
+        },
+    }

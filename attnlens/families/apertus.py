@@ -24,10 +24,10 @@ class Apertus(Llama):
     # constants in bfloat16 (transformers in float32): 1.3e-3 apart at mlp_activation, 1.5e-3 at mlp_output (tiny).
     vllm = replace(Llama.vllm, model_types=("apertus",), tolerance=2e-3, locations=_apertus_vllm_locations)
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "RMS-normalised per head (q_norm), then rotated",
             "attention_keys": "RMS-normalised per head (k_norm), then rotated",
             "mlp_neurons": "what down_proj receives: the activation of up_proj(x), no gate",
         }
+    }

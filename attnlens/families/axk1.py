@@ -37,8 +37,6 @@ class AXK1(DeepseekV3):
             locations.pop("mlp_output")
         return locations
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if self.moe_layer(config, layer):
-            notes["mlp_output"] = "mlp.post_mlp_layernorm(routed experts + shared expert): the MoE block's own norm"
-        return notes
+    kind_notes = {
+        "moe": {"mlp_output": "mlp.post_mlp_layernorm(routed experts + shared expert): the MoE block's own norm"},
+    }

@@ -34,11 +34,11 @@ class AXK2(DeepseekV32):
         )
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
             "attention_gate": "sigmoid of each head's gate slice of q_gate_proj, as the forward multiplies the "
             "merged heads by it; a view of that tensor, so in-place edits land, and assignment "
             "lands too",
         }
+    }

@@ -35,13 +35,10 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
         gate = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj", trailing=False)
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if not self.is_mixer_layer(config, layer):
-            notes["attention_head_outputs"] = (
-                "the mix before the output gate: times attention_gate, merged, is the premix"
-            )
-            notes["attention_gate"] = (
-                "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the head's v_head_dim channels"
-            )
-        return notes
+    kind_notes = {
+        "!mixer": {
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the head's "
+            "v_head_dim channels",
+        }
+    }

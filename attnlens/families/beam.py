@@ -50,21 +50,27 @@ class Beam(SparseMoE, Family):
         n = block.attn_residual_add_idx if sublayer == "attention" else block.mlp_residual_add_idx
         return update * (1.0 / math.sqrt(n)) + stream * math.sqrt((n - 1) / n)
 
-    def notes(self, config, layer, engine="transformers"):
-        full = config.layer_types[layer] != "sliding_attention"
-        queries = (
-            "RMS-normalised per head (q_norm), not rotated, times the position-dependent attention_scaling"
-            if full
-            else "RMS-normalised per head (q_norm), then rotated"
-        )
-        n = 2 * (layer + 1)
-        return {
-            **super().notes(config, layer, engine),
-            "attention_queries": queries,
-            "attention_keys": "RMS-normalised per head (k_norm)" + ("" if full else ", then rotated"),
+    kind_notes = {
+        "!sliding_attention": {
+            "attention_queries": "RMS-normalised per head (q_norm), not rotated, times the position-dependent "
+            "attention_scaling",
+            "attention_keys": "RMS-normalised per head (k_norm)",
+        },
+        "sliding_attention": {
+            "attention_queries": "RMS-normalised per head (q_norm), then rotated",
+            "attention_keys": "RMS-normalised per head (k_norm), then rotated",
+        },
+        "*": {
             "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
             "attention_gate": "sigmoid(gate_proj(x) + gate_bias) per head and channel, as the forward multiplies "
             "the heads by it (edits land)",
-            "layer_mid": f"post_attention_layernorm(attention_output) / sqrt({n}) + layer_input * sqrt({n - 1}/{n})",
-            "layer_output": f"post_feedforward_layernorm(mlp_output) / sqrt({n + 1}) + layer_mid * sqrt({n}/{n + 1})",
-        }
+            "layer_mid": lambda family, config, layer: (
+                f"post_attention_layernorm(attention_output) / sqrt({(n := 2 * (layer + 1))}) + layer_input * "
+                f"sqrt({n - 1}/{n})"
+            ),
+            "layer_output": lambda family, config, layer: (
+                f"post_feedforward_layernorm(mlp_output) / sqrt({(n := 2 * (layer + 1)) + 1}) + layer_mid * "
+                f"sqrt({n}/{n + 1})"
+            ),
+        },
+    }

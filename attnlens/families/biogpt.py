@@ -40,9 +40,9 @@ class BioGpt(Family):
     def mlp_forward(self, block, mlp_input):
         return block.fc2(block.activation_fn(block.fc1(mlp_input)))
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "mlp_activation": "what fc2 receives: activation_fn(fc1(x)), the same tensor as mlp_neurons (no gate)",
             "embeddings": "the scaled token embedding's output; learned positions are added before layers[0]",
         }
+    }

@@ -35,11 +35,11 @@ class BitNet(Llama):
     def project_output(self, module, premix):
         return module.o_proj(module.attn_sub_norm(premix))
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_premix": "the heads merged, what attn_sub_norm (an RMSNorm over all heads together) "
             "receives; o_proj receives that norm's output",
             "mlp_neurons": "what down_proj receives: ffn_sub_norm(mlp_activation * up_proj(x)), the gated "
             "product RMS-normalised over the neurons",
         }
+    }

@@ -30,12 +30,13 @@ class CodeGen(GPTJ):
         mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device)
         return (scores + mask) * heads.scale
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if self.own_attn():
-            notes["attention_scores"] = (
-                "float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the "
-                "scale, so masked entries are (score + the model dtype's minimum) / "
-                "sqrt(head_dim)"
-            )
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_scores": lambda family, config, layer: (
+                "float32: (q @ k^T + mask) / sqrt(head_dim), the mask added before the scale, so masked entries are "
+                "(score + the model dtype's minimum) / sqrt(head_dim)"
+                if family.own_attn()
+                else None
+            ),
+        }
+    }

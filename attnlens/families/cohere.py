@@ -14,7 +14,7 @@ vLLM's Cohere blocks receive its `(hidden, residual)` pair but use only `hidden`
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleArgument, ModuleInput, ModuleOutput
 from ..locations.vllm import batched
-from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 
 
 def _cohere_vllm_locations(family):
@@ -42,9 +42,9 @@ class Cohere(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
-            "mlp_norm_output": shared_norm_note(self.attention_norm),
-            "logits": f"the language-model head's output times config.logit_scale ({config.logit_scale})",
+    kind_notes = {
+        "*": {
+            "mlp_norm_output": shared_attention_norm,
+            "logits": "the language-model head's output times config.logit_scale ({config.logit_scale})",
         }
+    }

@@ -64,10 +64,10 @@ class CTRL(Family):
             ),
         }
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "embeddings": "a snapshot of the token embedding's output (assign it; in-place edits cannot land): "
             "CTRLModel multiplies it by sqrt(n_embd) in place and adds sinusoidal positions before "
             "layers[0]",
         }
+    }

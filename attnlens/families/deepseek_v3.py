@@ -10,7 +10,7 @@ rotates the halves (rotate_half) while vLLM still rotates interleaved pairs, ano
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import Joined, Tiny
 from .deepseek_v2 import DeepseekV2
 
 #: DeepSeek-V3's yarn rope, scaled to the tiny context.
@@ -24,6 +24,18 @@ YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
 }
+
+
+def _vllm_rotary_order(family, config, layer) -> str:
+    if family.deinterleaved_rope(config):
+        return (
+            "rotary channels in transformers' order (the even ones, then the odd ones: transformers "
+            "de-interleaves them before rotating; vLLM rotates interleaved pairs in place)"
+        )
+    return (
+        "vLLM reads no rope_interleave: it rotates interleaved pairs where transformers (rope_interleave "
+        "False) rotates the halves, so its queries and keys, and the pattern, differ from transformers'"
+    )
 
 
 class DeepseekV3(DeepseekV2):
@@ -47,16 +59,4 @@ class DeepseekV3(DeepseekV2):
         """Whether transformers stores the rotary channels de-interleaved (`attnlens.locations.latent`)."""
         return bool(getattr(config, "rope_interleave", True))
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if engine == "vllm":
-            order = (
-                "rotary channels in transformers' order (the even ones, then the odd ones: transformers "
-                "de-interleaves them before rotating; vLLM rotates interleaved pairs in place)"
-                if self.deinterleaved_rope(config)
-                else "vLLM reads no rope_interleave: it rotates interleaved pairs where transformers (rope_interleave "
-                "False) rotates the halves, so its queries and keys, and the pattern, differ from transformers'"
-            )
-            for name in ("attention_queries", "attention_keys"):
-                notes[name] = f"{notes[name]}; {order}" if name in notes else order
-        return notes
+    kind_notes = {"vllm": dict.fromkeys(("attention_queries", "attention_keys"), Joined(_vllm_rotary_order))}

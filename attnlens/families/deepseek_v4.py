@@ -37,6 +37,11 @@ MOE_REASON = (
 )
 KEY_AXIS = ("attention_keys", "attention_values", "attention_scores", "attention_sinks", "attention_probabilities")
 STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
+SHARED_KV = (
+    "the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, with the rotary "
+    "embedding on its trailing {config.qk_rope_head_dim} channels; an in-place edit of keys or values edits both, "
+    "assigning one replaces only that argument"
+)
 
 
 def _compressed_reason(layer_type: str) -> str:
@@ -115,12 +120,11 @@ class DeepseekV4(SparseMoE, Family):
             locations = {name: location for name, location in locations.items() if name not in KEY_AXIS}
         return locations
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        layer_type = config.layer_types[layer]
-        if layer_type != "sliding_attention":
-            reasons.update({name: _compressed_reason(layer_type) for name in KEY_AXIS})
-        return reasons
+    kind_reasons = {
+        "compressed": dict.fromkeys(
+            KEY_AXIS, lambda family, config, layer: _compressed_reason(config.layer_types[layer])
+        )
+    }
 
     def sliding_window(self, config, layer):
         return config.sliding_window  # every layer type uses the sliding-window mask
@@ -152,45 +156,31 @@ class DeepseekV4(SparseMoE, Family):
             return owner(stream)
         return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[2]
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes.pop("attention_probabilities", None)
-        shared = (
-            "the shared key/value head [batch, 1, seq, head_dim]: one tensor passed as both key and value, "
-            f"with the rotary embedding on its trailing {config.qk_rope_head_dim} channels; an in-place edit "
-            "of keys or values edits both, assigning one replaces only that argument"
-        )
-        notes.update(
-            {
-                "layer_input": STREAMS.format(
-                    config.hc_mult, "entering the block; attn_hc collapses them into what input_layernorm reads"
-                ),
-                "layer_mid": STREAMS.format(
-                    config.hc_mult,
-                    "after attention: post * attention_output + comb^T @ "
-                    "layer_input (attn_hc's weights); ffn_hc's input",
-                ),
-                "layer_output": STREAMS.format(
-                    config.hc_mult, "leaving the block: post * mlp_output + comb^T @ layer_mid (ffn_hc's weights)"
-                ),
-                "attention_head_outputs": "probabilities @ values: each head's output still carries the values' rotary "
-                "embedding on its trailing slice (the forward rotates it back before o_a_proj)",
-                "attention_premix": f"o_a_proj's input [batch, seq, o_groups={config.o_groups}, "
-                f"heads*head_dim/o_groups] "
-                f"flattened: the head outputs rotated back at their query's position, merged; a view, "
-                f"so in-place edits land, and assignment is reshaped back",
-                "attention_output": "o_b_proj(o_a_proj(premix by groups)): the grouped low-rank output projection",
-                "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
-            }
-        )
-        if config.layer_types[layer] == "sliding_attention":
-            notes.update(
-                {
-                    "attention_keys": shared,
-                    "attention_values": shared,
-                    "attention_sinks": SINK_NOTE,
-                    "attention_probabilities": f"sliding window of {config.sliding_window} keys; rows sum to "
-                    f"1 - attention_sinks",
-                }
-            )
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_probabilities": None,  # the window's note: the sliding layers' below says it
+            "layer_input": STREAMS.format(
+                "{config.hc_mult}", "entering the block; attn_hc collapses them into what input_layernorm reads"
+            ),
+            "layer_mid": STREAMS.format(
+                "{config.hc_mult}",
+                "after attention: post * attention_output + comb^T @ layer_input (attn_hc's weights); ffn_hc's input",
+            ),
+            "layer_output": STREAMS.format(
+                "{config.hc_mult}", "leaving the block: post * mlp_output + comb^T @ layer_mid (ffn_hc's weights)"
+            ),
+            "attention_head_outputs": "probabilities @ values: each head's output still carries the values' rotary "
+            "embedding on its trailing slice (the forward rotates it back before o_a_proj)",
+            "attention_premix": "o_a_proj's input [batch, seq, o_groups={config.o_groups}, heads*head_dim/o_groups] "
+            "flattened: the head outputs rotated back at their query's position, merged; a view, so in-place edits "
+            "land, and assignment is reshaped back",
+            "attention_output": "o_b_proj(o_a_proj(premix by groups)): the grouped low-rank output projection",
+            "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
+        },
+        "sliding_attention": {
+            **dict.fromkeys(("attention_keys", "attention_values"), SHARED_KV),
+            "attention_sinks": SINK_NOTE,
+            "attention_probabilities": "sliding window of {config.sliding_window} keys; rows sum to "
+            "1 - attention_sinks",
+        },
+    }

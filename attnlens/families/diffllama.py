@@ -104,17 +104,20 @@ class DiffLlama(Family):
         mixed = first - self.lambda_full(module, heads.dtype) * second
         return ((1 - module.lambda_init) * module.groupnorm(mixed)).reshape(*heads.shape[:2], -1)
 
-    def notes(self, config, layer, engine="transformers"):
-        half = config.num_attention_heads // 2
-        return {
-            **super().notes(config, layer, engine),
-            "attention_probabilities": f"each query head's own softmax pattern; differential head j (j < {half}) "
-            f"outputs (P_j - lambda * P_(j+{half})) @ values, a difference never "
-            f"formed as a tensor. A read-only copy: {SECOND_CALL}",
+    kind_notes = {
+        "*": {
+            "attention_probabilities": lambda family, config, layer: (
+                f"each query head's own softmax pattern; differential head j (j < "
+                f"{(half := config.num_attention_heads // 2)}) outputs (P_j - lambda * P_(j+{half})) @ values, a "
+                f"difference never formed as a tensor. A read-only copy: {SECOND_CALL}"
+            ),
             "attention_values": "each key/value head's values twice head_dim wide: [v_g | v_(g + kv/2)] for g mod "
             "kv/2, as the two attention calls mix them; a read-only copy",
             "attention_head_outputs": "pattern @ values per head, 2 x head_dim wide: the two attention calls' "
             "outputs concatenated, before the differential combination",
-            "attention_premix": f"(1 - lambda_init) * groupnorm(out_j - lambda * out_(j+{half})) for each of the "
-            f"{half} head pairs, merged: what o_proj receives",
+            "attention_premix": lambda family, config, layer: (
+                f"(1 - lambda_init) * groupnorm(out_j - lambda * out_(j+{(half := config.num_attention_heads // 2)})) "
+                f"for each of the {half} head pairs, merged: what o_proj receives"
+            ),
         }
+    }

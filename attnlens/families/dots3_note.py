@@ -63,12 +63,12 @@ class Dots3Note(DeepseekV32):
         gate = head_scalar_gate("gate_sigmoid_0", "gate.sigmoid()", trailing=True)
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "from the normed query latent times sqrt(hidden_size / q_lora_rank); the "
             "rotary slice after the interleaved rotary embedding",
             "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
             "attention_gate": "sigmoid(g_proj(hidden)): one scalar per head and token, broadcast over the "
             "head's v_head_dim channels",
         }
+    }

@@ -33,6 +33,14 @@ def _exaone4_vllm_locations(family):
     }
 
 
+def _normed(family, config, layer) -> str:
+    """Queries' and keys' note: normed, and rotated unless a hybrid's full-attention layer."""
+    rotated = getattr(config, "sliding_window", None) is None or family.sliding_window(config, layer) is not None
+    return "RMS-normalised per head (q_norm/k_norm over head_dim), then " + (
+        "rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary embedding"
+    )
+
+
 class Exaone4(Llama):
     model_types = ("exaone4",)
     tiny = Tiny(
@@ -52,15 +60,11 @@ class Exaone4(Llama):
         del locations["attention_norm_output"], locations["mlp_norm_output"]
         return {**locations, "layer_mid": ModuleInput(self.mlp)}  # the MLP's input: one tensor, two names
 
-    def notes(self, config, layer, engine="transformers"):
-        rotated = getattr(config, "sliding_window", None) is None or self.sliding_window(config, layer) is not None
-        normed = "RMS-normalised per head (q_norm/k_norm over head_dim), then " + (
-            "rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary embedding"
-        )
-        return {
-            **super().notes(config, layer, engine),
-            "attention_queries": normed,
-            "attention_keys": normed,
+    kind_notes = {
+        "*": {
+            "attention_queries": _normed,
+            "attention_keys": _normed,
             "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
             "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP",
         }
+    }

@@ -98,10 +98,10 @@ def _stream_copy(source):
     )
 
 
-def _keys_values(config):
+def _keys_values(new_architecture: bool):
     update = Operation(("layer_past_update_0",), item=0, anchor="layer_past.update(")
     values = Operation(("layer_past_update_0",), item=1, anchor="layer_past.update(")
-    if config.new_decoder_architecture:
+    if new_architecture:
         return tuple(
             Derived(source, _first_of_group, _rebroadcast, name, in_place=False, why_not=DEDUPLICATED)
             for source, name in ((update, "attention_keys"), (values, "attention_values"))
@@ -150,13 +150,12 @@ class Falcon(Family):
             return "input_layernorm", "input_layernorm"
         return "input_layernorm", "post_attention_layernorm"
 
-    def locations(self):
-        """The default layout's (multi-query, rotary, parallel, eager); every layout's: `kind_locations`."""
-        from transformers import FalconConfig
+    #: The kind of FalconConfig()'s layout: multi-query, rotary, one shared norm in front of a parallel block.
+    DEFAULT_KIND = frozenset({"parallel", "eager", "norms=input_layernorm+input_layernorm"})
 
-        config = FalconConfig()
-        config._attn_implementation = "eager"
-        return self._layout_locations(config)
+    def locations(self):
+        """The default layout's (`DEFAULT_KIND`, eager); every layout's: `kind_locations`."""
+        return self._layout_locations(self.DEFAULT_KIND)
 
     def layer_kind(self, config, layer):
         """Falcon's layout is the config's: which of these hold, and which norms the block has."""
@@ -169,16 +168,17 @@ class Falcon(Family):
         return frozenset({name for name, on in flags.items() if on} | {"norms=" + "+".join(self.norms(config))})
 
     def kind_locations(self, kind, config, engine):
-        return self._layout_locations(config) if engine == "transformers" else self._vllm_layout_locations(config)
+        """Falcon's layout follows from its kind alone (`layer_kind` names every flag that sets it)."""
+        return self._layout_locations(kind) if engine == "transformers" else self._vllm_layout_locations(kind)
 
-    def _vllm_layout_locations(self, config):
+    def _vllm_layout_locations(self, kind):
         """vLLM's FalconDecoderLayer has the same modules; it returns (output, bias) from attention and the MLP, and on
         a sequential block adds attention's output to its input in place (`residual += attention_output`)."""
         from ..locations import ModuleArgument
         from ..locations.vllm import batched
 
-        eager = {**self._layout_locations(config), "mlp_output": ModuleOutput()}
-        stream = batched if self.parallel(config) else _stream_copy
+        eager = {**self._layout_locations(kind), "mlp_output": ModuleOutput()}
+        stream = batched if "parallel" in kind else _stream_copy
         with_bias = {
             "in_place": False,
             "note": "the module's output plus its bias, which vLLM's Falcon adds after the "
@@ -194,11 +194,12 @@ class Falcon(Family):
             "layer_output": stream(ModuleOutput("", 0)),
         }
 
-    def _layout_locations(self, config):
-        attention_norm, mlp_norm = self.norms(config)
-        keys, values = _keys_values(config)
-        eager = config._attn_implementation == "eager"
-        if config.alibi:
+    def _layout_locations(self, kind):
+        (norms,) = (tag.removeprefix("norms=") for tag in kind if tag.startswith("norms="))
+        attention_norm, mlp_norm = norms.split("+")
+        keys, values = _keys_values("new_architecture" in kind)
+        eager = "eager" in kind
+        if "alibi" in kind:
             attention = {
                 "attention_queries": Operation(("query_layer_0",), anchor="query_layer.transpose(1, 2)"),
                 "attention_keys": keys,
@@ -231,7 +232,7 @@ class Falcon(Family):
             "layer_input": ModuleInput(),
             "attention_norm_output": ModuleOutput(attention_norm),
         }
-        if not self.parallel(config):
+        if "parallel" not in kind:
             mlp_output = ModuleOutput()
             middle = {"layer_mid": ModuleInput(mlp_norm), "mlp_norm_output": ModuleOutput(mlp_norm)}
         else:

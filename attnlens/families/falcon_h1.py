@@ -96,21 +96,19 @@ class FalconH1(Family):
             ),
         )
 
-    def notes(self, config, layer, engine="transformers"):
-        gate, down = config.mlp_multipliers
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_norm_output": "input_layernorm's output, read by the Mamba-2 mixer as it is and by the "
-            f"attention times attention_in_multiplier "
-            f"({config.attention_in_multiplier:g})",
-            "attention_keys": f"k_proj's output times key_multiplier ({config.key_multiplier:g}), then rotated",
+            "attention times attention_in_multiplier ({config.attention_in_multiplier:g})",
+            "attention_keys": "k_proj's output times key_multiplier ({config.key_multiplier:g}), then rotated",
             "attention_output": "the attention module's output, before attention_out_multiplier "
-            f"({config.attention_out_multiplier:g})",
-            "layer_mid": f"layer_input + {config.attention_out_multiplier:g} * attention_output + "
-            f"{config.ssm_out_multiplier:g} * the Mamba-2 mixer's output (the two run side by side)",
-            "mlp_activation": f"act(gate_proj(x) * gate_multiplier ({gate:g}))",
-            "mlp_output": f"down_proj(mlp_neurons) * down_multiplier ({down:g})",
-            "embeddings": f"the token embedding's output; layers[0].layer_input is it times embedding_multiplier "
-            f"({config.embedding_multiplier:g})",
-            "logits": f"the LM head's output times lm_head_multiplier ({config.lm_head_multiplier:g})",
+            "({config.attention_out_multiplier:g})",
+            "layer_mid": "layer_input + {config.attention_out_multiplier:g} * attention_output + "
+            "{config.ssm_out_multiplier:g} * the Mamba-2 mixer's output (the two run side by side)",
+            "mlp_activation": "act(gate_proj(x) * gate_multiplier ({config.mlp_multipliers[0]:g}))",
+            "mlp_output": "down_proj(mlp_neurons) * down_multiplier ({config.mlp_multipliers[1]:g})",
+            "embeddings": "the token embedding's output; layers[0].layer_input is it times embedding_multiplier "
+            "({config.embedding_multiplier:g})",
+            "logits": "the LM head's output times lm_head_multiplier ({config.lm_head_multiplier:g})",
         }
+    }

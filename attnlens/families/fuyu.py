@@ -36,9 +36,9 @@ class Fuyu(Persimmon):
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.final_layernorm"
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "embeddings": "the token embedding's output; with image_patches, the patches' embeddings replace "
             "the image tokens' before layers[0]",
         }
+    }

@@ -25,7 +25,7 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS
+from ..family import TINY_DEFAULTS, Joined
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from ..parts.sizes import kv_heads_from_groups
 from .gemma3 import Gemma3
@@ -126,36 +126,50 @@ class Gemma4Text(Gemma3):
             return None
         return max(i for i in range(first) if config.layer_types[i] == config.layer_types[layer])
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        full = config.layer_types[layer] == "full_attention"
-        notes["attention_queries"] = "after q_norm (RMSNorm) and the rotary embedding"
-        notes["attention_keys"] = "after k_norm (RMSNorm) and the rotary embedding"
-        notes["attention_values"] = "after v_norm (an RMSNorm without weights)"
-        if full and config.attention_k_eq_v:
-            notes["attention_values"] += "; the key projection's output (this layer has no v_proj), not rotated"
-        source = self.shared_from(config, layer)
-        if source is not None:
-            reused = (
-                f"reused from layer {source} (num_kv_shared_layers: this layer computes no keys or values); "
-                f"in generate's prefill transformers runs this layer on the last position only"
-            )
-            notes["attention_keys"] = notes["attention_values"] = reused
-        notes["attention_scores"] = "not scaled (scaling 1.0): q_norm and k_norm set the scale"
-        if getattr(config, "use_bidirectional_attention", None) == "all":
-            notes["attention_scores"] += (
-                "; use_bidirectional_attention='all': the model attends in both directions, "
-                "the family's score function is causal and does not reproduce it"
-            )
+    kind_notes = {
+        "*": {
+            "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
+            "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
+            "attention_values": "after v_norm (an RMSNorm without weights)",
+            "attention_scores": lambda family, config, layer: "not scaled (scaling 1.0): q_norm and k_norm set the "
+            "scale"
+            + (
+                "; use_bidirectional_attention='all': the model attends in both directions, the family's score "
+                "function is causal and does not reproduce it"
+                if getattr(config, "use_bidirectional_attention", None) == "all"
+                else ""
+            ),
+            "mlp_output": lambda family, config, layer: (
+                "the dense MLP's output only: the experts branch beside it (on layer_mid) is no standardized value; "
+                "layer_output's note has how they join"
+                if getattr(config, "enable_moe_block", False)
+                else None
+            ),
+            "layer_output": lambda family, config, layer: family.layer_output_note(config),
+        },
+        "full_attention": {
+            "attention_values": Joined(
+                lambda family, config, layer: "the key projection's output (this layer has no v_proj), not rotated"
+                if config.attention_k_eq_v
+                else None
+            ),
+        },
+        "kv_shared": dict.fromkeys(
+            ("attention_keys", "attention_values"),
+            lambda family, config, layer: (
+                f"reused from layer {family.shared_from(config, layer)} (num_kv_shared_layers: this layer computes no "
+                f"keys or values); in generate's prefill transformers runs this layer on the last position only"
+            ),
+        ),
+    }
+
+    @staticmethod
+    def layer_output_note(config) -> str:
         parts = "post_feedforward_layernorm(mlp_output)"
         if getattr(config, "enable_moe_block", False):
             parts = (
                 "post_feedforward_layernorm(post_feedforward_layernorm_1(mlp_output) + the experts branch: "
                 "post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(layer_mid))), routed by router)"
-            )
-            notes["mlp_output"] = (
-                "the dense MLP's output only: the experts branch beside it (on layer_mid) is no "
-                "standardized value; layer_output's note has how they join"
             )
         ple = ""
         if getattr(config, "hidden_size_per_layer_input", 0):
@@ -164,8 +178,7 @@ class Gemma4Text(Gemma3):
                 "))) with h the sum so far: the per-layer-input branch, no standardized value (the identities "
                 "recompute it from the block's per_layer_input argument)"
             )
-        notes["layer_output"] = f"(layer_mid + {parts}{ple}) * layer_scalar"
-        return notes
+        return f"(layer_mid + {parts}{ple}) * layer_scalar"
 
 
 class Gemma4UnifiedText(Gemma4Text):

@@ -124,41 +124,35 @@ class Git(Family):
         norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
         return norm(stream + update)
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        reasons.update(
-            {
-                "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
-                "layer_mid": POST_NORM.format(
-                    what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
-                    "+ attention_output) (mlp_input), and no norm precedes the MLP"
-                ),
-                "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
-                "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
-                "ends in that block's own LayerNorm",
-            }
-        )
-        return reasons
+    kind_reasons = {
+        "*": {
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+            "layer_mid": POST_NORM.format(
+                what="the stream entering the MLP is attention.output.LayerNorm(layer_input "
+                "+ attention_output) (mlp_input), and no norm precedes the MLP"
+            ),
+            "mlp_norm_output": POST_NORM.format(what="no norm precedes the MLP (output.LayerNorm follows it)"),
+            "final_norm_output": "GIT has no final norm: the LM head (output) reads the last block's output, which "
+            "ends in that block's own LayerNorm",
+        }
+    }
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes.update(
-            {
-                "attention_queries": "no rotary embedding: positions were added to the embeddings",
-                "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
-                "attention_probabilities": TEXT_ONLY,
-                "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows); the "
-                "stream after it is attention.output.LayerNorm(layer_input + attention_output)",
-                "mlp_input": "what intermediate receives: attention.output.LayerNorm(layer_input + attention_output)",
-                "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
-                "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
-                "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
-                "output.LayerNorm(mlp_input + mlp_output)",
-            }
-        )
-        notes["embeddings"] = (
-            "word_embeddings' output, a copy taken before GitEmbeddings adds the position embeddings into it in place"
-        )
-        if layer == 0:
-            notes["layer_input"] = "LayerNorm(word + learned position embeddings): GitEmbeddings' output"
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_queries": "no rotary embedding: positions were added to the embeddings",
+            "attention_scores": "(queries @ keys^T) / sqrt(head_dim), masked; " + TEXT_ONLY,
+            "attention_probabilities": TEXT_ONLY,
+            "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows); the "
+            "stream after it is attention.output.LayerNorm(layer_input + attention_output)",
+            "mlp_input": "what intermediate receives: attention.output.LayerNorm(layer_input + attention_output)",
+            "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
+            "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
+            "mlp_output": "output.dense's output (its dropout, the identity in eval, follows); layer_output is "
+            "output.LayerNorm(mlp_input + mlp_output)",
+            "embeddings": "word_embeddings' output, a copy taken before GitEmbeddings adds the position embeddings "
+            "into it in place",
+            "layer_input": lambda family, config, layer: (
+                "LayerNorm(word + learned position embeddings): GitEmbeddings' output" if layer == 0 else None
+            ),
+        }
+    }

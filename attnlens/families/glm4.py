@@ -14,6 +14,11 @@ from ..family import Tiny
 from .llama import Llama
 
 
+def rotary_note(family, config, layer) -> str:
+    factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    return f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
+
+
 class Glm4(Llama):
     model_types = ("glm4",)
     tiny = Tiny("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16})
@@ -25,12 +30,10 @@ class Glm4(Llama):
     mlp_post_norm = "post_mlp_layernorm"
     activation = "activation_fn"
 
-    def notes(self, config, layer, engine="transformers"):
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        rotary = f"rotated on the first {factor:g} of each head's dimensions, in interleaved pairs; the rest unrotated"
-        return {
-            **super().notes(config, layer, engine),
-            "attention_queries": rotary,
-            "attention_keys": rotary,
+    kind_notes = {
+        "*": {
+            "attention_queries": rotary_note,
+            "attention_keys": rotary_note,
             "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
         }
+    }

@@ -14,6 +14,11 @@ from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
 
+def rotary_note(family, config, layer) -> str:
+    factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    return f"rotated on the first {factor:g} of each head's dimensions; the rest unrotated"
+
+
 class Glm4Moe(SparseMoE, Llama):
     model_types = ("glm4_moe",)
     # Layer 0 keeps a dense MLP, so both kinds of layer are tested.
@@ -39,7 +44,4 @@ class Glm4Moe(SparseMoE, Llama):
     def moe_layer(self, config, layer):
         return layer >= config.first_k_dense_replace
 
-    def notes(self, config, layer, engine="transformers"):
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        rotary = f"rotated on the first {factor:g} of each head's dimensions; the rest unrotated"
-        return {**super().notes(config, layer, engine), "attention_queries": rotary, "attention_keys": rotary}
+    kind_notes = {"*": {"attention_queries": rotary_note, "attention_keys": rotary_note}}

@@ -53,20 +53,21 @@ class GPT2(Family):
     )
     sizes = Sizes(num_heads=("num_heads",))
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if getattr(config, "reorder_and_upcast_attn", False):
-            for name in (
+    kind_reasons = {
+        "*": dict.fromkeys(
+            (
                 "attention_queries",
                 "attention_keys",
                 "attention_values",
                 "attention_scores",
                 "attention_probabilities",
                 "attention_head_outputs",
-            ):
-                reasons[name] = (
-                    "config.reorder_and_upcast_attn=True routes GPT-2 attention through "
-                    "_upcast_and_reordered_attn, which attnlens does not read; load with "
-                    "reorder_and_upcast_attn=False"
-                )
-        return reasons
+            ),
+            lambda family, config, layer: (
+                "config.reorder_and_upcast_attn=True routes GPT-2 attention through _upcast_and_reordered_attn, which "
+                "attnlens does not read; load with reorder_and_upcast_attn=False"
+                if getattr(config, "reorder_and_upcast_attn", False)
+                else None
+            ),
+        )
+    }

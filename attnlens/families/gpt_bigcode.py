@@ -29,9 +29,12 @@ class GPTBigCode(GPT2):
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
     sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if config.multi_query:
-            for name in ("attention_keys", "attention_values"):
-                notes[name] = "multi-query: one head shared by every query head (repeated inside the eager function)"
-        return notes
+    kind_notes = {
+        "*": dict.fromkeys(
+            ("attention_keys", "attention_values"),
+            lambda family, config, layer: "multi-query: one head shared by every query head (repeated inside the eager "
+            "function)"
+            if config.multi_query
+            else None,
+        )
+    }

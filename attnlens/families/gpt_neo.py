@@ -116,17 +116,20 @@ class GPTNeo(Family):
         zero = torch.zeros((), dtype=queries.dtype, device=scores.device)
         return scores + torch.where(visible, zero, torch.finfo(queries.dtype).min)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes["embeddings"] = "the token embedding's output; block 0's input also holds the position embeddings"
+    kind_notes = {
+        "*": {
+            "embeddings": "the token embedding's output; block 0's input also holds the position embeddings",
+            "attention_scores": lambda family, config, layer: (
+                f"unscaled (scale 1), float32; {family.local_keys(config, layer)}future keys, masked by the layer's "
+                "buffer and again by the causal mask, hold float32's minimum plus the model dtype's: -inf in a "
+                "float32 model"
+            ),
+            "attention_head_outputs": "a transposed view of what `_attn` returns (batch, heads, seq, head_dim): "
+            "in-place edits land",
+        }
+    }
+
+    def local_keys(self, config, layer) -> str:
+        """What the scores' note says of a local layer's window ("" on a global layer)."""
         window = self.sliding_window(config, layer)
-        where = f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else ""
-        notes["attention_scores"] = (
-            f"unscaled (scale 1), float32; {where}future keys, masked by the layer's buffer "
-            f"and again by the causal mask, hold float32's minimum plus the model dtype's: "
-            f"-inf in a float32 model"
-        )
-        notes["attention_head_outputs"] = (
-            "a transposed view of what `_attn` returns (batch, heads, seq, head_dim): in-place edits land"
-        )
-        return notes
+        return f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else ""

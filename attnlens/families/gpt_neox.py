@@ -47,10 +47,9 @@ class GPTNeoX(Family):
         locations = super().kind_locations(kind, config, engine)
         return parallel_locations(locations, ModuleOutput(self.mlp_norm)) if "parallel" in kind else locations
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if getattr(config, "use_parallel_residual", True):
-            notes["mlp_norm_output"] = (
-                "a parallel block: post_attention_layernorm of the block input (not of a residual after attention)"
-            )
-        return notes
+    kind_notes = {
+        "parallel": {
+            "mlp_norm_output": "a parallel block: post_attention_layernorm of the block input (not of a residual after "
+            "attention)",
+        }
+    }

@@ -100,19 +100,23 @@ class GPTNeoXJapanese(Family):
         bias = block.attention.dense_bias if sublayer == "attention" else None
         return stream + update if bias is None else stream + (update + bias)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "after the rotary embedding over the first partial_rotary_factor of each head, as "
             "_attn receives them",
             "attention_scores": "q @ k^T / sqrt(head_dim) (baddbmm), plus the model's additive mask: the softmax's "
             "input",
             "attention_head_outputs": "a transposed view of _attn's (batch, heads, seq, dim) result",
+            "attention_output": lambda family, config, layer: (
+                "dense(premix), without the last layer's dense_bias: the attention returns that bias separately and "
+                "the block adds it before the residual"
+                if layer == config.num_hidden_layers - 1
+                else None
+            ),
+            "layer_mid": lambda family, config, layer: (
+                "layer_input + attention_output + attention.dense_bias (the last layer's own bias)"
+                if layer == config.num_hidden_layers - 1
+                else None
+            ),
         }
-        if layer == config.num_hidden_layers - 1:
-            notes["attention_output"] = (
-                "dense(premix), without the last layer's dense_bias: the attention returns "
-                "that bias separately and the block adds it before the residual"
-            )
-            notes["layer_mid"] = "layer_input + attention_output + attention.dense_bias (the last layer's own bias)"
-        return notes
+    }

@@ -8,7 +8,7 @@ output. The MLP returns `(output, router scores)`; `mlp_output` is the first ite
 experts that apply their gated activation in a loop over experts, so no activation or neuron tensor exists.
 """
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Joined, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
@@ -64,11 +64,11 @@ class GptOss(SparseMoE, Family):
     def locations(self):
         return with_sinks(super().locations(), sink_share(self.sink_operation))
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes["attention_sinks"] = SINK_NOTE
-        notes["attention_probabilities"] = (
-            "rows sum to 1 - attention_sinks: the sink column is dropped after "
-            "the softmax. " + notes.get("attention_probabilities", "")
-        ).strip()
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_sinks": SINK_NOTE,
+            "attention_probabilities": Joined(
+                "rows sum to 1 - attention_sinks: the sink column is dropped after the softmax.", sep=" ", before=True
+            ),
+        }
+    }

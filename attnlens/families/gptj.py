@@ -19,7 +19,7 @@ import torch
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, Operation
 from ..parts.mirrored import mirrored
-from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 from ..parts.sizes import Sizes
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
@@ -121,16 +121,18 @@ class GPTJ(Family):
             queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
         )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = {
-            **super().notes(config, layer, engine),
-            "mlp_norm_output": shared_norm_note(self.attention_norm),
+    kind_notes = {
+        "*": {
+            "mlp_norm_output": shared_attention_norm,
             "attention_scores": "float32 whatever the model's dtype: queries and keys are upcast before "
             "q @ k^T; masked entries are the score plus the model dtype's minimum",
-        }
-        if self.own_attn() and engine == "transformers":
-            notes["attention_head_outputs"] = (
-                "transposed from _attn's (batch, heads, seq, dim) output: a view, so "
-                "in-place edits land; assignment is transposed back"
-            )
-        return notes
+        },
+        "transformers": {
+            "attention_head_outputs": lambda family, config, layer: (
+                "transposed from _attn's (batch, heads, seq, dim) output: a view, so in-place edits land; assignment "
+                "is transposed back"
+                if family.own_attn()
+                else None
+            ),
+        },
+    }

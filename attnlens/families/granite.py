@@ -46,16 +46,14 @@ class Granite(Llama):
     def residual_add(self, block, sublayer, stream, update):
         return stream + update * block.residual_multiplier
 
-    def notes(self, config, layer, engine="transformers"):
-        r = config.residual_multiplier
-        notes = {
-            **super().notes(config, layer, engine),
-            "attention_scores": f"scaled by config.attention_multiplier ({config.attention_multiplier:g}), "
-            f"not 1/sqrt(head_dim)",
-            "layer_mid": f"layer_input + residual_multiplier ({r:g}) * attention_output",
-            "layer_output": f"layer_mid + residual_multiplier ({r:g}) * mlp_output",
-            "embeddings": f"before embedding_multiplier: layers[0].layer_input is embeddings * "
-            f"{config.embedding_multiplier:g}",
-            "logits": f"the LM head's output divided by logits_scaling ({config.logits_scaling:g})",
+    kind_notes = {
+        "*": {
+            "attention_scores": "scaled by config.attention_multiplier ({config.attention_multiplier:g}), "
+            "not 1/sqrt(head_dim)",
+            "layer_mid": "layer_input + residual_multiplier ({config.residual_multiplier:g}) * attention_output",
+            "layer_output": "layer_mid + residual_multiplier ({config.residual_multiplier:g}) * mlp_output",
+            "embeddings": "before embedding_multiplier: layers[0].layer_input is embeddings * "
+            "{config.embedding_multiplier:g}",
+            "logits": "the LM head's output divided by logits_scaling ({config.logits_scaling:g})",
         }
-        return notes
+    }

@@ -141,13 +141,13 @@ class SinkScale:
             ordered[name] = heads if name == "attention_head_outputs" else location
         return ordered
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_gate": "sigmoid(logsumexp(scores) - sink) per head and query, repeated over head_dim: the "
             "sink's rescaling of each head's output (1 - gate is the sink's share); read-only",
             "attention_head_outputs": "pattern @ values, before the sink's rescaling (a transposed view)",
         }
+    }
 
 
 class GraniteSWA(SinkScale, Granite):

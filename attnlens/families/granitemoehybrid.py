@@ -105,19 +105,13 @@ class GraniteMoeHybrid(MixerLayers, Granite):
             ),
         )
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if config.num_local_experts:
-            reasons.update(dict.fromkeys(("mlp_activation", "mlp_neurons", "mlp_output"), ROUTED))
-        return reasons
+    kind_reasons = {"routed": dict.fromkeys(("mlp_activation", "mlp_neurons", "mlp_output"), ROUTED)}
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if self.is_mixer_layer(config, layer):
-            notes["layer_mid"] = f"layer_input + residual_multiplier ({config.residual_multiplier:g}) * mamba's output"
-        if config.num_local_experts:
-            notes["mlp_input"] = "what shared_mlp and the routed experts (block_sparse_moe) both receive"
-        else:
-            notes["mlp_activation"] = "activation(a), a the first half of input_linear(x)"
-            notes["mlp_neurons"] = "what output_linear receives: activation(a) * b, the halves of input_linear(x)"
-        return notes
+    kind_notes = {
+        "mixer": {"layer_mid": "layer_input + residual_multiplier ({config.residual_multiplier:g}) * mamba's output"},
+        "routed": {"mlp_input": "what shared_mlp and the routed experts (block_sparse_moe) both receive"},
+        "!routed": {
+            "mlp_activation": "activation(a), a the first half of input_linear(x)",
+            "mlp_neurons": "what output_linear receives: activation(a) * b, the halves of input_linear(x)",
+        },
+    }

@@ -44,17 +44,11 @@ class GraniteMoeShared(SparseMoE, Granite):
         locations = super().kind_locations(kind, config, engine)
         return {n: loc for n, loc in locations.items() if n != "mlp_output"} if "shared" in kind else locations
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if config.shared_intermediate_size:
-            reasons["mlp_output"] = SHARED
-        return reasons
+    kind_reasons = {"shared": {"mlp_output": SHARED}}
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if config.shared_intermediate_size:
-            notes["mlp_input"] = "what the routed experts receive; shared_mlp receives the same tensor"
-            notes["layer_output"] = (
-                f"layer_mid + residual_multiplier ({config.residual_multiplier:g}) * (experts + shared_mlp)"
-            )
-        return notes
+    kind_notes = {
+        "shared": {
+            "mlp_input": "what the routed experts receive; shared_mlp receives the same tensor",
+            "layer_output": "layer_mid + residual_multiplier ({config.residual_multiplier:g}) * (experts + shared_mlp)",
+        }
+    }

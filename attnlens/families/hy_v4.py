@@ -12,6 +12,7 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   `layer_input`, `layer_mid` and `layer_output` are the streams.
 """
 
+from ..family import Joined
 from ..locations import ModuleInput, Operation, insert_after
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
@@ -63,26 +64,23 @@ class HYV4(GlmMoeDsa):
             return owner(stream)
         return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[1]
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes.update(
-            {
-                "layer_input": STREAMS.format(
-                    config.hc_mult, "entering the block; attn_hc's weighted sum of them is what input_layernorm reads"
-                ),
-                "layer_mid": STREAMS.format(
-                    config.hc_mult,
-                    "after attention: post * attention_output + layer_input (attn_hc's post weights); ffn_hc's input",
-                ),
-                "layer_output": STREAMS.format(
-                    config.hc_mult, "leaving the block: post * mlp_output + layer_mid (ffn_hc's post weights)"
-                ),
-                "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
-                "attention_sinks": SINK_NOTE,
-                "attention_probabilities": f"rows sum to 1 - attention_sinks; {notes['attention_probabilities']}",
-                "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
-                "attention_gate": "sigmoid of each head's gate_proj slice, the tensor the forward multiplies the heads "
-                "by; edits land (in place and assigned)",
-            }
-        )
-        return notes
+    kind_notes = {
+        "*": {
+            "layer_input": lambda family, config, layer: STREAMS.format(
+                config.hc_mult, "entering the block; attn_hc's weighted sum of them is what input_layernorm reads"
+            ),
+            "layer_mid": lambda family, config, layer: STREAMS.format(
+                config.hc_mult,
+                "after attention: post * attention_output + layer_input (attn_hc's post weights); ffn_hc's input",
+            ),
+            "layer_output": lambda family, config, layer: STREAMS.format(
+                config.hc_mult, "leaving the block: post * mlp_output + layer_mid (ffn_hc's post weights)"
+            ),
+            "final_norm_output": "norm(hc_head(last layer_output)): hc_head collapses the streams before the norm",
+            "attention_sinks": SINK_NOTE,
+            "attention_probabilities": Joined("rows sum to 1 - attention_sinks", before=True),
+            "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
+            "attention_gate": "sigmoid of each head's gate_proj slice, the tensor the forward multiplies the heads "
+            "by; edits land (in place and assigned)",
+        }
+    }

@@ -13,10 +13,10 @@ class HyperCLOVAX(Granite):
     attention_post_norm = "post_norm1"
     mlp_post_norm = "post_norm2"
 
-    def notes(self, config, layer, engine="transformers"):
-        r = config.residual_multiplier
-        return {
-            **super().notes(config, layer, engine),
-            "layer_mid": f"layer_input + residual_multiplier ({r:g}) * post_norm1(attention_output)",
-            "layer_output": f"layer_mid + residual_multiplier ({r:g}) * post_norm2(mlp_output)",
+    kind_notes = {
+        "*": {
+            "layer_mid": "layer_input + residual_multiplier ({config.residual_multiplier:g}) * "
+            "post_norm1(attention_output)",
+            "layer_output": "layer_mid + residual_multiplier ({config.residual_multiplier:g}) * post_norm2(mlp_output)",
         }
+    }

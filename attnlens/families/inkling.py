@@ -109,11 +109,7 @@ class Inkling(SparseMoE, Family):
             bias = (bias.float() * tau.view(1, 1, -1, 1)).to(bias.dtype)
         return bias
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if self.moe_layer(config, layer):
-            reasons.update(dict.fromkeys(PER_EXPERT, MOE_REASON))
-        return reasons
+    kind_reasons = {"moe": dict.fromkeys(PER_EXPERT, MOE_REASON)}
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

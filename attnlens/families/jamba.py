@@ -49,8 +49,8 @@ class Jamba(MixerLayers, SparseMoE, Family):
     def moe_layer(self, config, layer):
         return config.layers_num_experts[layer] > 1
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if not self.is_mixer_layer(config, layer):
-            notes["attention_queries"] = notes["attention_keys"] = "no positional encoding: Jamba rotates nothing"
-        return notes
+    kind_notes = {
+        "!mixer": dict.fromkeys(
+            ("attention_queries", "attention_keys"), "no positional encoding: Jamba rotates nothing"
+        ),
+    }

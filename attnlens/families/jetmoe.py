@@ -111,20 +111,23 @@ class JetMoe(SparseMoE, Family):
     def project_output(self, module, premix):
         raise NotImplementedError("JetMoE's output projection is routed per token: use project_routed_output")
 
-    def notes(self, config, layer, engine="transformers"):
-        kv, top_k = config.num_key_value_heads, config.num_experts_per_tok
-        return {
-            **super().notes(config, layer, engine),
-            "attention_queries": f"query head j is the query projection by the token's (j // {kv})-th chosen "
-            f"attention expert (of {top_k}, highest router logit first) for key/value head "
-            f"j % {kv}: one head index holds different experts' queries at different positions",
-            "attention_keys": f"tiled, not interleaved: query head j reads key head j % {kv}; {UNTILED}",
-            "attention_values": f"tiled, not interleaved: query head j reads value head j % {kv}; {UNTILED}",
+    kind_notes = {
+        "*": {
+            "attention_queries": "query head j is the query projection by the token's "
+            "(j // {config.num_key_value_heads})-th chosen attention expert (of {config.num_experts_per_tok}, "
+            "highest router logit first) for key/value head j % {config.num_key_value_heads}: one head index "
+            "holds different experts' queries at different "
+            "positions",
+            "attention_keys": "tiled, not interleaved: query head j reads key head "
+            "j % {config.num_key_value_heads}; " + UNTILED,
+            "attention_values": "tiled, not interleaved: query head j reads value head "
+            "j % {config.num_key_value_heads}; " + UNTILED,
             "attention_head_outputs": "before the output experts: head j goes to the token's (j // "
-            f"{kv})-th chosen expert's output_linear",
+            "{config.num_key_value_heads})-th chosen expert's output_linear",
             "attention_premix": "what the output experts (experts.reduce) receive, [.., top_k, kv_heads * head_dim] "
             "merged (a view)",
             "attention_output": "experts.reduce: each chosen expert's output_linear of its slot's heads, weighted by "
             "its gate, summed, plus experts.bias",
             "mlp_output": "the MoE's output: the routing-weighted sum of the chosen experts plus its bias",
         }
+    }

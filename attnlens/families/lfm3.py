@@ -36,9 +36,9 @@ class Lfm3(Lfm2):
         gate = repeated_head_gate(Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(self.g_proj(hidden_states))"))
         return insert_after(locations, "attention_head_outputs", "attention_gate", gate)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if config.use_attention_gate and not self.is_mixer_layer(config, layer):
-            notes["attention_gate"] = "sigmoid(g_proj(x)), one per head and position, repeated over head_dim"
-            notes["attention_head_outputs"] = "the mix before the gate: times attention_gate, merged, is the premix"
-        return notes
+    kind_notes = {
+        "gated": {
+            "attention_gate": "sigmoid(g_proj(x)), one per head and position, repeated over head_dim",
+            "attention_head_outputs": "the mix before the gate: times attention_gate, merged, is the premix",
+        }
+    }

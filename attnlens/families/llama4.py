@@ -183,9 +183,11 @@ class Llama4(SparseMoE, Family):
                     f"{config.floor_scale})) at its position p, as the attention function receives it; p counts "
                     f"the batch's positions, left padding included (transformers' arange), so padding changes it"
                 )
-        if self.moe_layer(config, layer):
-            notes["mlp_output"] = (
-                "the MoE block's output (routed experts plus the shared expert), flat [batch * "
-                "seq, hidden] in the forward, viewed as [batch, seq, hidden]; in-place edits land"
-            )
         return notes
+
+    kind_notes = {
+        "moe": {
+            "mlp_output": "the MoE block's output (routed experts plus the shared expert), flat [batch * seq, hidden] "
+            "in the forward, viewed as [batch, seq, hidden]; in-place edits land",
+        }
+    }

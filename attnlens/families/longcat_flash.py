@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 
+from ..family import Joined
 from ..parts.moe import SparseMoE
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
@@ -52,6 +53,9 @@ def _longcatflash_vllm_locations(family):
                 location, source=dataclasses.replace(source, module=".".join(filter(None, (FIRST, source.module))))
             )
     return locations
+
+
+FIRST_ONLY = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
 
 
 class LongcatFlash(SparseMoE, LatentAttention):
@@ -130,18 +134,17 @@ class LongcatFlash(SparseMoE, LatentAttention):
         hidden = hidden + second(x, rotary(x, positions), mask)[0]
         return hidden + block.mlps[1](block.post_attention_layernorm[1](hidden)) + update
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if engine == "vllm":
-            notes["layer_input"] = f"declared from vLLM's code, {self.vllm.cpu_fault}"
-        first = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
-        for name in ("attention_queries", "attention_keys", "attention_output"):
-            notes[name] = f"{notes[name]}; {first}" if name in notes else first
-        notes["attention_queries"] += "; the query latent's output times sqrt(hidden_size / q_lora_rank)"
-        notes["mlp_output"] = "the MoE shortcut's output (mlp), added at the end of the block"
-        notes["layer_mid"] = "layer_input + attention_output: the stream after the first attention sublayer"
-        notes["layer_output"] = (
-            "the block's output: layer_mid + mlps[0](post_attention_layernorm[0](layer_mid)), "
-            "then the second attention and MLP sublayers, plus mlp_output"
-        )
-        return notes
+    kind_notes = {
+        "vllm": {"layer_input": "declared from vLLM's code, {family.vllm.cpu_fault}"},
+        "*": {
+            "attention_queries": Joined(
+                f"{FIRST_ONLY}; the query latent's output times sqrt(hidden_size / q_lora_rank)"
+            ),
+            "attention_keys": Joined(FIRST_ONLY),
+            "attention_output": Joined(FIRST_ONLY),
+            "mlp_output": "the MoE shortcut's output (mlp), added at the end of the block",
+            "layer_mid": "layer_input + attention_output: the stream after the first attention sublayer",
+            "layer_output": "the block's output: layer_mid + mlps[0](post_attention_layernorm[0](layer_mid)), "
+            "then the second attention and MLP sublayers, plus mlp_output",
+        },
+    }

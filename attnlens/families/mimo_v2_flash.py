@@ -66,17 +66,22 @@ class MiMoV2Flash(SparseMoE, Family):
             return with_sinks(locations, sink_share("probs_0"))
         return locations
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        scale = config.attention_value_scale if config.attention_value_scale is not None else 1.0
-        notes["attention_values"] = (
-            f"v_proj's output times attention_value_scale={scale}: the forward scales the "
-            f"values before the attention function, so these are what the heads mix"
-        )
-        if config.layer_types[layer] == "sliding_attention":
-            notes["attention_sinks"] = SINK_NOTE
-            notes["attention_keys"] = (
-                f"{2 * config.num_key_value_heads} key/value heads on this sliding layer "
-                f"(twice config.num_key_value_heads)"
-            )
-        return notes
+    @staticmethod
+    def value_scale(config) -> float:
+        return config.attention_value_scale if config.attention_value_scale is not None else 1.0
+
+    kind_notes = {
+        "*": {
+            "attention_values": lambda family, config, layer: (
+                f"v_proj's output times attention_value_scale={family.value_scale(config)}: the forward scales the "
+                "values before the attention function, so these are what the heads mix"
+            ),
+        },
+        "sinks": {
+            "attention_sinks": SINK_NOTE,
+            "attention_keys": lambda family, config, layer: (
+                f"{2 * config.num_key_value_heads} key/value heads on this sliding layer (twice "
+                f"config.num_key_value_heads)"
+            ),
+        },
+    }

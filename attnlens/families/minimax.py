@@ -49,13 +49,19 @@ class MiniMax(MixerLayers, SparseMoE, Family):
             return block.input_layernorm(stream) * block.attn_alpha_factor + update * block.attn_beta_factor
         return block.post_attention_layernorm(stream) * block.mlp_alpha_factor + update * block.mlp_beta_factor
 
-    def notes(self, config, layer, engine="transformers"):
-        kind = "linear" if self.is_mixer_layer(config, layer) else "full"
-        alpha, beta = getattr(config, f"{kind}_attn_alpha_factor"), getattr(config, f"{kind}_attn_beta_factor")
-        return {
-            **super().notes(config, layer, engine),
-            "layer_mid": f"{alpha:g} * input_layernorm(layer_input) + {beta:g} * attention_output: the attention "
-            f"adds to the normalised stream",
-            "layer_output": f"{config.mlp_alpha_factor:g} * post_attention_layernorm(layer_mid) + "
-            f"{config.mlp_beta_factor:g} * mlp_output",
+    kind_notes = {
+        "*": {
+            "layer_mid": lambda family, config, layer: (
+                f"{family.factor(config, layer, 'alpha'):g} * input_layernorm(layer_input) + "
+                f"{family.factor(config, layer, 'beta'):g} * attention_output: the attention adds to the normalised "
+                "stream"
+            ),
+            "layer_output": "{config.mlp_alpha_factor:g} * post_attention_layernorm(layer_mid) + "
+            "{config.mlp_beta_factor:g} * mlp_output",
         }
+    }
+
+    def factor(self, config, layer, which: str) -> float:
+        """The layer's attention residual factor (`which`: "alpha", "beta"), its kind's: linear or full."""
+        kind = "linear" if "mixer" in self.layer_kind(config, layer) else "full"
+        return getattr(config, f"{kind}_attn_{which}_factor")

@@ -84,11 +84,7 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
         del locations["mlp_activation"]
         return locations
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if self.moe_layer(config, layer):
-            reasons["mlp_activation"] = self.routed["mlp_activation"]
-        return reasons
+    kind_reasons = {"moe": {"mlp_activation": lambda family, config, layer: family.routed["mlp_activation"]}}
 
     def indexer_note(self, config, layer):
         return (
@@ -100,19 +96,19 @@ class MiniMaxM3Text(Indexed, SparseMoE, Llama):
             f"these scores on the chosen keys, and everywhere while a query has at most index_topk_blocks blocks"
         )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        rotary = f"the rotary embedding on the first {config.rotary_dim} of {config.head_dim} channels"
-        notes["attention_queries"] = f"after q_norm (RMSNorm, weight + 1) and {rotary}"
-        notes["attention_keys"] = f"after k_norm (RMSNorm, weight + 1) and {rotary}"
-        if not self.moe_layer(config, layer):
-            notes["mlp_neurons"] = (
-                "what down_proj receives: (clamp(up) + 1) * clamp(gate) * sigmoid(swiglu_alpha * "
-                "clamp(gate)), gate and up the halves of gate_up_proj(x), clamped at swiglu_limit"
-            )
-        else:
-            notes["mlp_output"] = (
-                "the routed experts' weighted sum times routed_scaling_factor, plus the shared "
-                "expert (mlp.shared_experts)"
-            )
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_queries": "after q_norm (RMSNorm, weight + 1) and the rotary embedding on the first "
+            "{config.rotary_dim} of {config.head_dim} channels",
+            "attention_keys": "after k_norm (RMSNorm, weight + 1) and the rotary embedding on the first "
+            "{config.rotary_dim} of {config.head_dim} channels",
+        },
+        "!moe": {
+            "mlp_neurons": "what down_proj receives: (clamp(up) + 1) * clamp(gate) * sigmoid(swiglu_alpha * "
+            "clamp(gate)), gate and up the halves of gate_up_proj(x), clamped at swiglu_limit",
+        },
+        "moe": {
+            "mlp_output": "the routed experts' weighted sum times routed_scaling_factor, plus the shared "
+            "expert (mlp.shared_experts)",
+        },
+    }

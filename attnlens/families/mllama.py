@@ -15,6 +15,12 @@ from ..family import Tiny
 from ..values import ALL_VALUES
 from .llama import Llama
 
+CROSS = (
+    "layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends from the text "
+    "to the vision tower's states and runs only when cross_attention_states are given or cached; on text alone the "
+    "model skips it, and attnlens serves the self-attention blocks only"
+)
+
 
 class Mllama(Llama):
     model_types = ("mllama", "mllama_text_model")
@@ -41,13 +47,4 @@ class Mllama(Llama):
             }
         return locations
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if self.cross_attention(config, layer):
-            why = (
-                f"layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends "
-                f"from the text to the vision tower's states and runs only when cross_attention_states are given "
-                f"or cached; on text alone the model skips it, and attnlens serves the self-attention blocks only"
-            )
-            reasons.update({value.name: why for value in ALL_VALUES if value.scope != "model"})
-        return reasons
+    kind_reasons = {"cross": {value.name: CROSS for value in ALL_VALUES if value.scope != "model"}}

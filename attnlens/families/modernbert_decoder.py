@@ -46,15 +46,15 @@ class ModernBertDecoder(Family):
             says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))", "Wo(neurons)"),
         )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "embeddings": "the token embedding's output; model.embeddings normalises it before layers[0]",
             "mlp_activation": "act(a), a the first half of Wi(x)",
             "mlp_neurons": "what Wo receives: act(a) * b, the halves of Wi(x) (after drop, a dropout: the "
             "identity in eval mode)",
             "logits": "decoder(lm_head(final_norm_output)): lm_head is a dense layer, activation and norm",
+            "attention_norm_output": lambda family, config, layer: (
+                "layer_input itself: layer 0's attn_norm is the identity" if layer == 0 else None
+            ),
         }
-        if layer == 0:
-            notes["attention_norm_output"] = "layer_input itself: layer 0's attn_norm is the identity"
-        return notes
+    }

@@ -66,12 +66,11 @@ class Moshi(Family):
     def sliding_window(self, config, layer):
         return None  # the mask is create_causal_mask's: full causal on a prefill
 
-    def notes(self, config, layer, engine="transformers"):
-        window = config.get_text_config().sliding_window
-        return {
-            **super().notes(config, layer, engine),
-            "attention_probabilities": f"full causal on a prefill: the mask ignores config.sliding_window "
-            f"({window}); under generate the cache keeps only the last {window} keys",
+    kind_notes = {
+        "*": {
+            "attention_probabilities": "full causal on a prefill: the mask ignores config.sliding_window "
+            "({config.sliding_window}); under generate the cache keeps only the last {config.sliding_window} keys",
             "mlp_activation": "activation_fn(a), a the first half of fc1(x)",
             "mlp_neurons": "what fc2 receives: activation_fn(a) * b, the halves of fc1(x)",
         }
+    }

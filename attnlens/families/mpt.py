@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Joined, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
@@ -116,18 +116,21 @@ class MPT(Family):
         # MptMLP adds the residual it is given; with a zero one its output is the down projection's.
         return mlp(mlp_input, torch.zeros_like(mlp_input))
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        clip = config.attn_config.clip_qkv
-        notes["attention_scores"] = (
-            "q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
-            "masked with masked_fill(finfo.min); float32 in a half-precision model (the "
-            "bias is float32)"
-        )
-        if clip:
-            notes["attention_queries"] = (
-                f"{notes['attention_queries']}; the fused projection is clamped to +-{clip} (clip_qkv) before the split"
-            )
-            notes["attention_keys"] = notes["attention_values"] = f"clamped to +-{clip} (clip_qkv) before the split"
-        notes["mlp_output"] = "the down projection's output: MptMLP itself returns residual + this"
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_scores": "q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
+            "masked with masked_fill(finfo.min); float32 in a half-precision model (the bias is float32)",
+            "attention_queries": Joined(
+                lambda family, config, layer: f"the fused projection is clamped to +-{clip} (clip_qkv) before the split"
+                if (clip := config.attn_config.clip_qkv)
+                else None
+            ),
+            **dict.fromkeys(
+                ("attention_keys", "attention_values"),
+                lambda family, config, layer: f"clamped to +-{clip} (clip_qkv) before the split"
+                if (clip := config.attn_config.clip_qkv)
+                else None,
+            ),
+            "mlp_output": "the down projection's output: MptMLP itself returns residual + this",
+        }
+    }

@@ -19,12 +19,12 @@ class NanoChat(Family):
     def locations(self):
         return {**super().locations(), "final_norm_output": ModuleInput("lm_head")}
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "rotated, then RMS-normalised per head (q_norm)",
             "attention_keys": "rotated, then RMS-normalised per head (k_norm)",
             "embeddings": "the token embedding's output; layers[0].layer_input is model.norm of it",
             "final_norm_output": "what the LM head receives: model.norm's second run, on the last block's output "
             "(under generate, only the positions whose logits are kept)",
         }
+    }

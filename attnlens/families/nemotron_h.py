@@ -21,7 +21,7 @@ clamps the time step to (0, inf) where transformers clamps it below at `time_ste
 checkpoint sets that near 0, so both compute the same.
 """
 
-from ..family import Family, VLLMLayout
+from ..family import Family, Joined, VLLMLayout
 from ..locations import ModuleInput, ModuleOutput, insert_after
 from ..locations.vllm import ResidualPair, batched
 from ..parts.mixers import NO_SOFTMAX
@@ -47,6 +47,20 @@ KINDS = {
 def _nemotronh_vllm_locations(family):
     activation = batched(ModuleOutput(family.activation))  # relu2, a module of its own
     return insert_after(Family.vllm.locations(family), "mlp_input", "mlp_activation", activation)
+
+
+NO_MLP = "it has no MLP (the MLPs are blocks of their own)"
+NOT_SOFTMAX = "not softmax attention: it forms no queries, keys or pattern"
+
+
+def _block(kind: str | None = None, rest: str = ""):
+    """A `kind_reasons` template opening with what a block of `kind` is; kind None: a function, for the block type
+    the config names."""
+    if kind is None:
+        return lambda family, config, layer: (
+            f"layer {layer} of Nemotron-H is {KINDS.get(k := family.block_type(config, layer), k)}{rest}"
+        )
+    return f"layer {{layer}} of Nemotron-H is {KINDS[kind]}{rest}"
 
 
 class NemotronH(Family):
@@ -137,47 +151,34 @@ class NemotronH(Family):
             if name not in dropped
         }
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        kind = self.block_type(config, layer)
-        what = f"layer {layer} of Nemotron-H is {KINDS.get(kind, kind)}"
-        if kind in ("full_attention", "linear_attention"):
-            reasons.update(dict.fromkeys(MLP_VALUES, f"{what}: it has no MLP (the MLPs are blocks of their own)"))
-            if kind == "linear_attention":
-                reasons.update(
-                    dict.fromkeys(NO_SOFTMAX, f"{what}, not softmax attention: it forms no queries, keys or pattern")
-                )
-        else:
-            reasons.update(
-                dict.fromkeys(
-                    ATTENTION_VALUES,
-                    f"{what}: it has no attention (attention and Mamba-2 layers are blocks of their own)",
-                )
-            )
-            if kind == "moe":
-                reasons.update(
-                    dict.fromkeys(
-                        PER_EXPERT,
-                        f"{what}: each routed expert applies relu2 to its own "
-                        f"tokens inside mlp.experts, and a shared expert is added, so "
-                        f"no [batch, seq, intermediate] tensor exists",
-                    )
-                )
-        return reasons
+    kind_reasons = {
+        "full_attention": dict.fromkeys(MLP_VALUES, f"{_block('full_attention')}: {NO_MLP}"),
+        "linear_attention": {
+            **dict.fromkeys(MLP_VALUES, f"{_block('linear_attention')}: {NO_MLP}"),
+            **dict.fromkeys(NO_SOFTMAX, f"{_block('linear_attention')}, {NOT_SOFTMAX}"),
+        },
+        "!full_attention !linear_attention": dict.fromkeys(
+            ATTENTION_VALUES,
+            _block(rest=": it has no attention (attention and Mamba-2 layers are blocks of their own)"),
+        ),
+        "moe": dict.fromkeys(
+            PER_EXPERT,
+            f"{_block('moe')}: each routed expert applies relu2 to its own tokens inside mlp.experts, and a shared "
+            "expert is added, so no [batch, seq, intermediate] tensor exists",
+        ),
+    }
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        kind = self.block_type(config, layer)
-        if kind in ("full_attention", "linear_attention"):
-            notes["layer_mid"] = "the block's output: the block runs only its mixer, no MLP"
-            if kind == "full_attention":
-                notes["attention_queries"] = notes["attention_keys"] = "no positional encoding: nothing is rotated"
-            else:
-                notes["attention_output"] = f"the mixer's output: {KINDS[kind]}"
-                if engine == "vllm":
-                    notes["attention_output"] += f"; {TIME_STEP}"
-        else:
-            notes["layer_mid"] = "the block's input: the block runs only its MLP"
-        if engine == "vllm" and kind == "moe":
-            notes["layer_output"] = f"declared, not testable on CPU: {self.vllm.cpu_moe_fault}"
-        return notes
+    kind_notes = {
+        "full_attention": {
+            "layer_mid": "the block's output: the block runs only its mixer, no MLP",
+            "attention_queries": "no positional encoding: nothing is rotated",
+            "attention_keys": "no positional encoding: nothing is rotated",
+        },
+        "linear_attention": {
+            "layer_mid": "the block's output: the block runs only its mixer, no MLP",
+            "attention_output": f"the mixer's output: {KINDS['linear_attention']}",
+        },
+        "vllm linear_attention": {"attention_output": Joined(TIME_STEP)},
+        "!full_attention !linear_attention": {"layer_mid": "the block's input: the block runs only its MLP"},
+        "vllm moe": {"layer_output": "declared, not testable on CPU: {family.vllm.cpu_moe_fault}"},
+    }

@@ -16,16 +16,17 @@ class Olmo(Llama):
     # A clip that binds: with these weights the projections reach well past 1.
     tiny = Tiny("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 1.0}, layouts={"noclip": {"clip_qkv": None}})
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        clip = getattr(config, "clip_qkv", None)
-        if clip is not None:
+    kind_notes = {
+        "*": {
+            name: (
+                lambda family, config, layer, after=after: None
+                if (clip := getattr(config, "clip_qkv", None)) is None
+                else f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
+            )
             for name, after in (
                 ("attention_queries", " and rotated"),
                 ("attention_keys", " and rotated"),
                 ("attention_values", ""),
-            ):
-                notes[name] = (
-                    f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
-                )
-        return notes
+            )
+        }
+    }

@@ -38,9 +38,8 @@ class Olmo2(Llama):
         # The MLP's input is the residual stream after attention: one tensor, two names.
         return {**locations, "layer_mid": ModuleInput(self.mlp)}
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
             "before the head split, then rotated",
             "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
@@ -48,3 +47,4 @@ class Olmo2(Llama):
             "mlp_input": "the same tensor as layer_mid: no norm in front of the MLP",
             "layer_output": "layer_mid + post_feedforward_layernorm(mlp_output): a norm follows the MLP",
         }
+    }

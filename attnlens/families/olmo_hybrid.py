@@ -91,14 +91,12 @@ class OlmoHybrid(MixerLayers, Olmo2):
         norm = block.post_attention_layernorm if sublayer == "attention" else block.post_feedforward_layernorm
         return stream + norm(update)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if engine == "vllm":
-            notes["layer_input"] = f"declared from vLLM's code, {self.vllm.cpu_fault}"
-        if self.is_mixer_layer(config, layer):
-            for name in ("mlp_input", "layer_output"):
-                notes.pop(name, None)  # OLMo 2's notes describe the attention blocks
-            notes["layer_mid"] = "layer_input + attention_output (this block normalises in front, not after)"
-        else:
-            notes["layer_mid"] = "layer_input + post_attention_layernorm(attention_output): a norm follows attention"
-        return notes
+    kind_notes = {
+        "vllm": {"layer_input": "declared from vLLM's code, {family.vllm.cpu_fault}"},
+        "mixer": {
+            "mlp_input": None,  # OLMo 2's notes describe the attention blocks
+            "layer_output": None,
+            "layer_mid": "layer_input + attention_output (this block normalises in front, not after)",
+        },
+        "!mixer": {"layer_mid": "layer_input + post_attention_layernorm(attention_output): a norm follows attention"},
+    }

@@ -9,7 +9,7 @@ vLLM's OLMoE does not clamp: with `clip_qkv` set, its queries, keys and values a
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import Joined, Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
@@ -24,19 +24,20 @@ class Olmoe(SparseMoE, Llama):
         tiny={"hidden_size": 128},  # vLLM's head size is hidden_size // num_attention_heads
     )
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "RMS-normalised over all heads together (q_norm over num_heads * head_dim) "
             "before the head split, then rotated",
             "attention_keys": "RMS-normalised over all key/value heads together (k_norm) before the head split, "
             "then rotated",
-        }
-        if engine == "vllm" and config.clip_qkv is not None:
-            unclipped = (
-                f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
+        },
+        "vllm": dict.fromkeys(
+            ("attention_queries", "attention_keys", "attention_values"),
+            Joined(
+                lambda family, config, layer: None
+                if config.clip_qkv is None
+                else f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
                 f"differ from transformers' wherever a projection exceeds it"
-            )
-            for name in ("attention_queries", "attention_keys", "attention_values"):
-                notes[name] = f"{notes[name]}; {unclipped}" if name in notes else unclipped
-        return notes
+            ),
+        ),
+    }

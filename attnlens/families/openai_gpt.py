@@ -129,9 +129,8 @@ class OpenAIGPT(Family):
             return stream + update
         return block.ln_2(block.ln_1(stream) + update)  # post-norm: the MLP adds to ln_1's output, then ln_2
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_keys": "a transposed view of the split (the forward holds [batch, heads, head_dim, seq]): "
             "in-place edits land, assignment is transposed back",
             "attention_scores": "q @ k / sqrt(head_dim), future keys replaced by -10000 (not the dtype's "
@@ -144,3 +143,4 @@ class OpenAIGPT(Family):
             "mlp_activation": "what c_proj receives (the same tensor as mlp_neurons): the activation module is "
             "one instance shared by every block, so its own output cannot name a layer",
         }
+    }

@@ -27,15 +27,17 @@ class Persimmon(Family):
     fused_qkv = FusedQKV("query_key_value", "groups")
     sizes = Sizes(num_kv_heads=(same_as("num_heads"),))
 
-    def notes(self, config, layer, engine="transformers"):
-        text = config.get_text_config()
-        normed = "LayerNorm over each head (q_layernorm), then " if text.qk_layernorm else ""
-        rotary = int(self.rotary_fraction(text) * text.hidden_size // text.num_attention_heads)
-        return {
-            **super().notes(config, layer, engine),
-            "attention_queries": f"{normed}a rotary embedding on the first {rotary} dims of each head",
-            "attention_keys": f"{normed.replace('q_', 'k_')}a rotary embedding on the first {rotary} dims",
+    kind_notes = {
+        "*": {
+            "attention_queries": lambda family, config, layer: family.rotary_note(config.get_text_config(), "q_"),
+            "attention_keys": lambda family, config, layer: family.rotary_note(config.get_text_config(), "k_", ""),
         }
+    }
+
+    def rotary_note(self, text, norm: str, of: str = " of each head") -> str:
+        normed = f"LayerNorm over each head ({norm}layernorm), then " if text.qk_layernorm else ""
+        rotary = int(self.rotary_fraction(text) * text.hidden_size // text.num_attention_heads)
+        return f"{normed}a rotary embedding on the first {rotary} dims{of}"
 
     @staticmethod
     def rotary_fraction(text) -> float:

@@ -11,7 +11,7 @@ LayerNorm over each head's queries and keys runs before it. The queries and keys
 from ..family import Family, Tiny
 from ..locations import ModuleInput
 from ..parts.mirrored import transformers_backend
-from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 
 
 class Phi(Family):
@@ -29,5 +29,4 @@ class Phi(Family):
     def locations(self):
         return parallel_locations(super().locations(), ModuleInput(self.mlp))
 
-    def notes(self, config, layer, engine="transformers"):
-        return {**super().notes(config, layer, engine), "mlp_norm_output": shared_norm_note(self.attention_norm)}
+    kind_notes = {"*": {"mlp_norm_output": shared_attention_norm}}

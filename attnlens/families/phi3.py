@@ -24,9 +24,9 @@ class Phi3(Llama):
     activation = "activation_fn"
     fused_qkv = FusedQKV("qkv_proj", "blocks")
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "mlp_activation": "activation_fn(gate), gate the first half of the fused gate_up_proj output",
             "mlp_neurons": "up * activation_fn(gate), up the second half of the fused gate_up_proj output",
         }
+    }

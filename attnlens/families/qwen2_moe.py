@@ -64,12 +64,13 @@ class Qwen2Moe(SparseMoE, Qwen2):
     def mixed_windows(config):
         return len(set(getattr(config, "layer_types", None) or ())) > 1
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        window = self.sliding_window(config, layer)
-        if engine == "vllm" and window is not None and self.mixed_windows(config):
-            notes["attention_probabilities"] = (
+    kind_notes = {
+        "vllm": {
+            "attention_probabilities": lambda family, config, layer: (
                 f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's Qwen2-MoE "
                 f"passes no per-layer window and slides only when every layer does"
-            )
-        return notes
+                if (window := family.sliding_window(config, layer)) is not None and family.mixed_windows(config)
+                else None
+            ),
+        }
+    }

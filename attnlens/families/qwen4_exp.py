@@ -162,10 +162,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
 
     # --- what is special --------------------------------------------------------------------------------------------
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        reasons["mlp_norm_output"] = NORM_REASON
-        return reasons
+    kind_reasons = {"*": {"mlp_norm_output": NORM_REASON}}
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

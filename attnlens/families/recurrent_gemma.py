@@ -44,15 +44,14 @@ class RecurrentGemma(MixerLayers, Family):
     def sliding_window(self, config, layer):
         return None if self.is_mixer_layer(config, layer) else config.attention_window_size
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "embeddings": "the token embedding's output; layers[0].layer_input is it times sqrt(hidden_size), "
             "rounded to bfloat16",
-            "logits": f"soft-capped: tanh(l / {config.logits_soft_cap}) * {config.logits_soft_cap}",
-        }
-        if not self.is_mixer_layer(config, layer):
-            notes["attention_queries"] = notes["attention_keys"] = (
-                f"rotated over the first {int(config.head_dim * 0.5)} dims of each head"
-            )
-        return notes
+            "logits": "soft-capped: tanh(l / {config.logits_soft_cap}) * {config.logits_soft_cap}",
+        },
+        "!mixer": dict.fromkeys(
+            ("attention_queries", "attention_keys"),
+            lambda family, config, layer: f"rotated over the first {int(config.head_dim * 0.5)} dims of each head",
+        ),
+    }

@@ -14,8 +14,9 @@ class SmolLM3(Llama):
     # vLLM's Transformers backend (tests_vllm), the GLU's gate and up projections fused with the activation
     vllm = transformers_backend(("smollm3",), fused_activation=True)
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if not config.no_rope_layers[layer]:
-            notes["attention_queries"] = notes["attention_keys"] = "a NoPE layer: no rotary embedding"
-        return notes
+    kind_notes = {
+        "*": dict.fromkeys(
+            ("attention_queries", "attention_keys"),
+            lambda family, config, layer: None if config.no_rope_layers[layer] else "a NoPE layer: no rotary embedding",
+        )
+    }

@@ -13,7 +13,7 @@ as one tensor (no `(hidden, residual)` pair); it refuses the other two layouts' 
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleInput
-from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_norm_note
+from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 from ..parts.vllm import unpaired_locations
 
 
@@ -43,8 +43,4 @@ class StableLm(Family):
         locations = super().kind_locations(kind, config, engine)
         return parallel_locations(locations, ModuleInput(self.mlp)) if "parallel" in kind else locations
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        if getattr(config, "use_parallel_residual", False):
-            notes["mlp_norm_output"] = shared_norm_note(self.attention_norm)
-        return notes
+    kind_notes = {"parallel": {"mlp_norm_output": shared_attention_norm}}

@@ -10,6 +10,8 @@ from ..family import Tiny
 from ..parts.mirrored import transformers_backend
 from .mistral import Mistral
 
+DROPOUT = "after the residual dropout (p=config.residual_dropout, active only in training)"
+
 
 class Starcoder2(Mistral):
     model_types = ("starcoder2",)
@@ -23,10 +25,9 @@ class Starcoder2(Mistral):
     activation = "act"
     down_projection = "c_proj"
 
-    def notes(self, config, layer, engine="transformers"):
-        dropout = "after the residual dropout (p=config.residual_dropout, active only in training)"
-        return {
-            **super().notes(config, layer, engine),
-            "attention_output": f"o_proj's output {dropout}",
-            "mlp_output": f"c_proj's output {dropout}",
+    kind_notes = {
+        "*": {
+            "attention_output": f"o_proj's output {DROPOUT}",
+            "mlp_output": f"c_proj's output {DROPOUT}",
         }
+    }

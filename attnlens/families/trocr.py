@@ -66,10 +66,11 @@ class TrOCR(XGLM):
             return stream + update
         return block.final_layer_norm(block.self_attn_layer_norm(stream) + update)  # post-norm
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes["attention_scores"] = "queries @ keys^T + mask (the queries carry the scale)"
-        notes["layer_mid"] = "layer_input + attention_output, what self_attn_layer_norm receives (post-norm)"
-        notes["mlp_norm_output"] = "self_attn_layer_norm(layer_mid): the MLP's input and the stream its output joins"
-        notes["layer_output"] = "final_layer_norm(mlp_norm_output + mlp_output): post-norm"
-        return notes
+    kind_notes = {
+        "*": {
+            "attention_scores": "queries @ keys^T + mask (the queries carry the scale)",
+            "layer_mid": "layer_input + attention_output, what self_attn_layer_norm receives (post-norm)",
+            "mlp_norm_output": "self_attn_layer_norm(layer_mid): the MLP's input and the stream its output joins",
+            "layer_output": "final_layer_norm(mlp_norm_output + mlp_output): post-norm",
+        }
+    }

@@ -67,11 +67,11 @@ class XGLM(BioGpt):
     def sliding_window(self, config, layer):
         return None
 
-    def notes(self, config, layer, engine="transformers"):
-        return {
-            **super().notes(config, layer, engine),
+    kind_notes = {
+        "*": {
             "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the "
             "heads folded into the batch",
             "attention_scores": "queries @ keys^T + mask, clamped at the dtype's minimum (the queries carry the scale)",
             "embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0]",
         }
+    }

@@ -25,6 +25,11 @@ from ..locations import ModuleOutput
 from ..parts.mixers import NO_SOFTMAX
 
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
+#: What a Mamba layer lacks, as `kind_reasons` open it.
+MAMBA = (
+    "layer {layer} of {family.label} is {family.mixer_kind} ({family.mixer}, read as self_attn), not softmax "
+    "attention: it forms no queries, keys or pattern"
+)
 
 
 class BoundMLP:
@@ -102,35 +107,25 @@ class Zamba(Family):
             return stream
         return block.mamba_decoder(stream, transformer_hidden_states=block.linear(update))
 
-    def unavailable(self, config, layer, engine="transformers"):
-        reasons = super().unavailable(config, layer, engine)
-        if self.is_hybrid(config, layer):
-            reasons["layer_mid"] = (
-                f"layer {layer} of {self.label} runs the shared attention block, then a Mamba layer: the attention "
-                f"output enters the block's pre_ff_layernorm with no residual add (the block reads "
-                f"concat(layer_input, embeddings) and returns its MLP's output, which `linear` projects and adds to "
-                f"the Mamba layer's input, not to the stream), so no residual stream lies between attention and the "
-                f"MLP"
-            )
-            return reasons
-        what = (
-            f"layer {layer} of {self.label} is {self.mixer_kind} ({self.mixer}, read as self_attn), not softmax "
-            f"attention: it forms no queries, keys or pattern"
-        )
-        reasons.update(dict.fromkeys(NO_SOFTMAX, what))
-        reasons["attention_head_outputs"] = f"{what}, so no head mixes values by a pattern"
-        reasons["attention_premix"] = (
-            f"{what}; what its out_proj receives is the gated scan output, not attention heads merged"
-        )
-        reasons.update(
-            dict.fromkeys(
+    kind_reasons = {
+        "hybrid": {
+            "layer_mid": "layer {layer} of {family.label} runs the shared attention block, then a Mamba layer: the "
+            "attention output enters the block's pre_ff_layernorm with no residual add (the block reads "
+            "concat(layer_input, embeddings) and returns its MLP's output, which `linear` projects and adds to the "
+            "Mamba layer's input, not to the stream), so no residual stream lies between attention and the MLP",
+        },
+        "mixer": {
+            **dict.fromkeys(NO_SOFTMAX, MAMBA),
+            "attention_head_outputs": f"{MAMBA}, so no head mixes values by a pattern",
+            "attention_premix": f"{MAMBA}; what its out_proj receives is the gated scan output, not attention heads "
+            "merged",
+            **dict.fromkeys(
                 MLP_VALUES,
-                f"layer {layer} of {self.label} is a Mamba layer, which has no MLP "
-                f"(the MLPs are in the shared attention blocks of the hybrid "
-                f"layers)",
-            )
-        )
-        return reasons
+                "layer {layer} of {family.label} is a Mamba layer, which has no MLP (the MLPs are in the shared "
+                "attention blocks of the hybrid layers)",
+            ),
+        },
+    }
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

@@ -69,29 +69,20 @@ class Zaya(SparseMoE, Llama):
     def mlp_forward(self, mlp, mlp_input, router_state=None, **arguments):
         return mlp(mlp_input, router_state)[0]
 
-    def notes(self, config, layer, engine="transformers"):
-        notes = super().notes(config, layer, engine)
-        notes.update(
-            {
-                "layer_input": "the float32 residual stream"
-                + (
-                    " (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)"
-                    if layer == 0
-                    else ""
-                ),
-                "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * "
-                "s_h "
-                "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
-                "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
-                "attention_queries": "after the CCA projection (a causal convolution over time on q and k), qk_norm "
-                "(each head scaled to norm sqrt(head_dim)) and the rotary embedding",
-                "attention_keys": "after the CCA projection, qk_norm (norm sqrt(head_dim), times the learned per-head "
-                "temp) and the rotary embedding",
-                "attention_values": "half of each head from the current token's projection, half from the previous "
-                "token's delayed projection (v_proj_current, "
-                "v_proj_delayed)",
-                "mlp_output": "the routed experts' weighted sum (the skip class adds nothing); the routing also "
-                "depends on the router state the previous block hands this one (prev_router_hidden_states)",
-            }
-        )
-        return notes
+    kind_notes = {
+        "*": {
+            "layer_input": lambda family, config, layer: "the float32 residual stream"
+            + (" (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)" if layer == 0 else ""),
+            "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * s_h "
+            "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
+            "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
+            "attention_queries": "after the CCA projection (a causal convolution over time on q and k), qk_norm "
+            "(each head scaled to norm sqrt(head_dim)) and the rotary embedding",
+            "attention_keys": "after the CCA projection, qk_norm (norm sqrt(head_dim), times the learned per-head "
+            "temp) and the rotary embedding",
+            "attention_values": "half of each head from the current token's projection, half from the previous "
+            "token's delayed projection (v_proj_current, v_proj_delayed)",
+            "mlp_output": "the routed experts' weighted sum (the skip class adds nothing); the routing also "
+            "depends on the router state the previous block hands this one (prev_router_hidden_states)",
+        }
+    }

@@ -23,6 +23,11 @@ def parallel_locations(locations: dict[str, Location], mlp_norm_output: Location
     }
 
 
+def shared_attention_norm(family, config, layer) -> str:
+    """A `kind_notes` note for mlp_norm_output where the MLP reads the attention's norm."""
+    return shared_norm_note(family.attention_norm)
+
+
 def shared_norm_note(norm: str) -> str:
     return (
         f"a parallel block: attention and the MLP read the same {norm} output, so this is that tensor as the MLP "
