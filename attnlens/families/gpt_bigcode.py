@@ -32,9 +32,10 @@ class GPTBigCode(GPT2):
     kind_notes = {
         "*": dict.fromkeys(
             ("attention_keys", "attention_values"),
-            lambda family, config, layer: "multi-query: one head shared by every query head (repeated inside the eager "
-            "function)"
-            if config.multi_query
-            else None,
+            lambda family, config, layer: (
+                "multi-query: one head shared by every query head (repeated inside the eager function)"
+                if config.multi_query
+                else None
+            ),
         )
     }

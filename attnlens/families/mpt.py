@@ -121,15 +121,19 @@ class MPT(Family):
             "attention_scores": "q·k * softmax_scale + ALiBi (slope_h * (key - last key), alibi_bias_max 8), "
             "masked with masked_fill(finfo.min); float32 in a half-precision model (the bias is float32)",
             "attention_queries": Joined(
-                lambda family, config, layer: f"the fused projection is clamped to +-{clip} (clip_qkv) before the split"
-                if (clip := config.attn_config.clip_qkv)
-                else None
+                lambda family, config, layer: (
+                    f"the fused projection is clamped to +-{clip} (clip_qkv) before the split"
+                    if (clip := config.attn_config.clip_qkv)
+                    else None
+                )
             ),
             **dict.fromkeys(
                 ("attention_keys", "attention_values"),
-                lambda family, config, layer: f"clamped to +-{clip} (clip_qkv) before the split"
-                if (clip := config.attn_config.clip_qkv)
-                else None,
+                lambda family, config, layer: (
+                    f"clamped to +-{clip} (clip_qkv) before the split"
+                    if (clip := config.attn_config.clip_qkv)
+                    else None
+                ),
             ),
             "mlp_output": "the down projection's output: MptMLP itself returns residual + this",
         }

@@ -19,9 +19,11 @@ class Olmo(Llama):
     kind_notes = {
         "*": {
             name: (
-                lambda family, config, layer, after=after: None
-                if (clip := getattr(config, "clip_qkv", None)) is None
-                else f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
+                lambda family, config, layer, after=after: (
+                    None
+                    if (clip := getattr(config, "clip_qkv", None)) is None
+                    else f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
+                )
             )
             for name, after in (
                 ("attention_queries", " and rotated"),

@@ -34,10 +34,12 @@ class Olmoe(SparseMoE, Llama):
         "vllm": dict.fromkeys(
             ("attention_queries", "attention_keys", "attention_values"),
             Joined(
-                lambda family, config, layer: None
-                if config.clip_qkv is None
-                else f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
-                f"differ from transformers' wherever a projection exceeds it"
+                lambda family, config, layer: (
+                    None
+                    if config.clip_qkv is None
+                    else f"not clamped to config.clip_qkv ({config.clip_qkv:g}): vLLM's OLMoE ignores it, so values "
+                    f"differ from transformers' wherever a projection exceeds it"
+                )
             ),
         ),
     }

@@ -71,8 +71,14 @@ class Zaya(SparseMoE, Llama):
 
     kind_notes = {
         "*": {
-            "layer_input": lambda family, config, layer: "the float32 residual stream"
-            + (" (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)" if layer == 0 else ""),
+            "layer_input": lambda family, config, layer: (
+                "the float32 residual stream"
+                + (
+                    " (block 0: (embeddings + input_hidden_states_bias) * input_hidden_states_scale)"
+                    if layer == 0
+                    else ""
+                )
+            ),
             "layer_mid": "post_attention_residual_scale(attention_output, layer_input): (attention_output + b_h) * s_h "
             "+ (layer_input + b_r) * s_r, float32; the MLP's norm reads it cast to its weights' dtype",
             "layer_output": "post_mlp_residual_scale(mlp_output, layer_mid), affine as layer_mid's, float32",
