@@ -137,16 +137,49 @@ def unavailable(family: Any, config: Any, layer: int, engine: str, reasons: dict
 # --- transformers' cache ----------------------------------------------------------------------------------------
 
 
+#: The keywords transformers' attention modules take their cache by.
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
 def find_cache(args: tuple, kwargs: dict) -> Any:
-    """The `transformers.Cache` an attention module was called with (`past_key_values`, `cache`, `layer_past`), or
-    None (a forward without a cache)."""
+    """The `transformers.Cache` an attention module was called with (`cache`, `past_key_values`, `layer_past`), or
+    None (a forward without a cache). A cache of another kind (a family's own class) is refused by its class."""
     from transformers.cache_utils import Cache
 
-    return next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
+    found = next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
+    if found is None:
+        other = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        empty = other is not None and callable(getattr(other, "get_seq_length", None)) and not other.get_seq_length()
+        if other is not None and not empty:  # an empty one holds nothing to read: the prompt's step
+            raise Unavailable(
+                f"the attention was called with a {type(other).__name__}, not a transformers Cache; attnlens reads "
+                f"and edits {', '.join(SUPPORTED)} layers of transformers' caches"
+            )
+    return found
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+    """The hidden states the attention module was called with: its first tensor argument."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    return next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+
+
+def cache_entry(module: torch.nn.Module, args: tuple, kwargs: dict, layer: int) -> Any:
+    """The cache layer an attention call reads and writes (None without a cache): the one its `layer_idx` names (an
+    argument where one module serves several blocks, Zamba's shared attention; else the module's own)."""
+    cache = find_cache(args, kwargs)
+    if cache is None:
+        return None
+    index = kwargs.get("layer_idx", getattr(module, "layer_idx", None))
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise Unavailable(
+            f"{describe(NAMES[0], layer)}: the attention of layer {layer} names no cache layer (layer_idx), so "
+            f"attnlens cannot tell which of the cache's layers it reads"
+        )
+    return cache.layers[index] if index < len(cache.layers) else None
 
 
 class _Transformers:
@@ -156,19 +189,25 @@ class _Transformers:
         self.envoy, self.layer, self.args, self.kwargs = envoy, layer, args, kwargs
         self.module = envoy._module
         self.hidden = _hidden(args, kwargs)
-        cache = find_cache(args, kwargs)
-        index = getattr(self.module, "layer_idx", layer)
-        self.entry = cache.layers[index] if cache is not None and index < len(cache.layers) else None
-        if self.entry is not None and type(self.entry).__name__ not in SUPPORTED:
+        self.entry = cache_entry(self.module, args, kwargs, layer)
+        filled = self.entry is not None and getattr(self.entry, "is_initialized", False)
+        if filled and type(self.entry).__name__ not in SUPPORTED:
             raise Unavailable(
                 f"{describe(NAMES[0], layer)}: the cache of layer {layer} is transformers' "
                 f"{type(self.entry).__name__}; attnlens reads and edits {', '.join(SUPPORTED)} (the DynamicCache "
                 f"generate builds by default), so run without cache_implementation= or a cache object of that kind"
             )
-        filled = self.entry is not None and self.entry.is_initialized and self.entry.keys is not None
+        filled = filled and getattr(self.entry, "keys", None) is not None
         self.seen = self.entry.get_seq_length() if filled else 0
         self.held = self.entry.keys.shape[-2] if filled and self.seen else 0
         self.start = self.seen - self.held  # positions before `start` left a sliding window
+        total = context(envoy).tokens_seen
+        if total is not None and total - self.hidden.shape[1] != self.seen:  # not this sequence's cache
+            raise Unavailable(
+                f"{describe(NAMES[0], layer)}: the cache layer this attention was called with holds "
+                f"{self.seen} positions, but the sequence had {total - self.hidden.shape[1]} before this step; "
+                f"attnlens serves a cache that holds the sequence's own positions"
+            )
 
     def _empty(self, which: int) -> torch.Tensor:
         heads = context(self.envoy).geometry(self.layer)
@@ -255,10 +294,7 @@ def _watch(module: torch.nn.Module) -> None:
     module._attnlens_hides = True
 
     def hide(module, args, kwargs):
-        cache = find_cache(args, kwargs)
-        index = module.layer_idx
-        entry = cache.layers[index] if cache is not None and index < len(cache.layers) else None
-        if getattr(entry, "attnlens_removed", None) is None:
+        if getattr(cache_entry(module, args, kwargs, -1), "attnlens_removed", None) is None:
             return None
         return args, {**kwargs, "attention_mask": masked(module, kwargs, args)}
 
@@ -270,7 +306,7 @@ def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Ten
     hold the dtype's minimum (eager's additive mask) or False (sdpa's boolean one); a call without a mask (sdpa's
     causal shortcut) gets the causal mask built first."""
     hidden = _hidden(args, kwargs)
-    entry = find_cache(args, kwargs).layers[module.layer_idx]
+    entry = cache_entry(module, args, kwargs, -1)
     removed = entry.attnlens_removed
     batch, queries = hidden.shape[:2]
     seen = entry.get_seq_length() if entry.is_initialized and entry.keys is not None else 0

@@ -177,7 +177,7 @@ class RequestCaches:
 
     def _window_start(self, layer: int, end: int) -> int:
         """The first position a step starting at `end` still attends to on `layer` (0 without a sliding window)."""
-        window = _none_if_negative(getattr(self.worker.kernels[layer].impl, "sliding_window", None))
+        window = self.worker.family.window(self.worker.config, layer, "vllm")  # checked against the kernel's at load
         return 0 if window is None else max(end - window + 1, 0)
 
     def read(self, layer: int, which: int) -> torch.Tensor:
@@ -277,6 +277,3 @@ class RequestCaches:
         scores = worker.family.scores(heads, worker.config, queries, keys, layer)
         return worker.family.softmax(self.hide_scores(state, layer, scores), worker.sinks.get(layer))[0]
 
-
-def _none_if_negative(window: Any) -> int | None:
-    return None if window is None or window < 0 else int(window)
