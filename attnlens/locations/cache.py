@@ -173,7 +173,7 @@ def cache_entry(module: torch.nn.Module, args: tuple, kwargs: dict, layer: int) 
     cache = find_cache(args, kwargs)
     if cache is None:
         return None
-    index = kwargs.get("layer_idx", getattr(module, "layer_idx", None))
+    index = kwargs.get("layer_idx", getattr(module, "layer_idx", getattr(module, "layer_id", layer)))
     if isinstance(index, bool) or not isinstance(index, int):
         raise Unavailable(
             f"{describe(NAMES[0], layer)}: the attention of layer {layer} names no cache layer (layer_idx), so "
@@ -249,6 +249,7 @@ class _Transformers:
                     f"through which attnlens masks a removed position. Nothing was written."
                 )
             self.entry.attnlens_removed = hide | self.removed()
+            self.module._attnlens_layer = self.layer
             _watch(self.module)
             mask = masked(self.module, self.kwargs, self.args)
             self.envoy.inputs = (self.args, {**self.kwargs, "attention_mask": mask})
@@ -294,7 +295,7 @@ def _watch(module: torch.nn.Module) -> None:
     module._attnlens_hides = True
 
     def hide(module, args, kwargs):
-        if getattr(cache_entry(module, args, kwargs, -1), "attnlens_removed", None) is None:
+        if getattr(cache_entry(module, args, kwargs, module._attnlens_layer), "attnlens_removed", None) is None:
             return None
         return args, {**kwargs, "attention_mask": masked(module, kwargs, args)}
 
@@ -306,7 +307,7 @@ def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Ten
     hold the dtype's minimum (eager's additive mask) or False (sdpa's boolean one); a call without a mask (sdpa's
     causal shortcut) gets the causal mask built first."""
     hidden = _hidden(args, kwargs)
-    entry = cache_entry(module, args, kwargs, -1)
+    entry = cache_entry(module, args, kwargs, module._attnlens_layer)
     removed = entry.attnlens_removed
     batch, queries = hidden.shape[:2]
     seen = entry.get_seq_length() if entry.is_initialized and entry.keys is not None else 0
