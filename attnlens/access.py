@@ -17,7 +17,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from .errors import EditError, OrderError, Unavailable
 from .family import Family, engine_named
 from .geometry import HeadGeometry
-from .locations import Location, context, mediator
+from .locations import Location, cache, context, mediator
 from .support import Support
 from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
 
@@ -114,6 +114,8 @@ class Access:
             from . import rebuild
 
             reasons = self.family.unavailable(self.config, 0 if layer is None else layer, self.engine)
+            if layer is not None:  # the KV cache values: the same words on both engines (locations/cache.py)
+                reasons = cache.unavailable(self.family, self.config, layer, self.engine, reasons)
             if self.rebuild_patterns and layer is not None:
                 reasons = rebuild.adjust(self, layer, reasons)
             self._reasons[layer] = reasons

@@ -22,6 +22,7 @@ import torch
 from .errors import UnknownFamily
 from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
+from .locations.cache import with_cache
 from .parts.identities import Identities, MLPArithmetic  # noqa: F401  (re-exported: families build MLPArithmetic)
 from .parts.scoring import ScoreFunction
 from .parts.sizes import FamilyMethod, Sizes
@@ -216,7 +217,7 @@ class Family(ScoreFunction, Identities, Anchored):
         engine = engine_named(engine)
         cache = self.__dict__.setdefault("_by_kind", {})
         if (kind, engine) not in cache:
-            cache[kind, engine] = with_key_positions(self.kind_locations(kind, config, engine))
+            cache[kind, engine] = with_cache(with_key_positions(self.kind_locations(kind, config, engine)))
         return cache[kind, engine]
 
     def path(self, role: str, engine: str = "transformers") -> str:

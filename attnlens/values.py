@@ -48,6 +48,30 @@ LAYER_VALUES = (
         "attention_norm_output", "attn_norm", "layer", "batch seq hidden", "the normalised residual the attention reads"
     ),
     Value(
+        "attention_cache_keys",
+        "cache_key",
+        "attention",
+        "batch num_kv_heads position qk_head_dim",
+        "the keys the request's KV cache holds for the positions before this step (as the kernel receives them: "
+        "after rotary embedding and any QK-norm), read as the step enters the attention; assigning them edits the "
+        "cache, which this step and every later one attend to",
+    ),
+    Value(
+        "attention_cache_values",
+        "cache_value",
+        "attention",
+        "batch num_kv_heads position head_dim",
+        "the values the request's KV cache holds for the positions before this step; assigning them edits the cache",
+    ),
+    Value(
+        "attention_cache_visible",
+        "cache_visible",
+        "attention",
+        "batch position",
+        "True where this step and later ones attend to a cached position (False outside a sliding window or once "
+        "removed); assign False at a position to remove it from what they attend to",
+    ),
+    Value(
         "attention_queries",
         "query",
         "attention",

@@ -19,8 +19,9 @@ from attnlens import models
 
 
 def attention_values(model) -> list[str]:
-    """Every attention value the model serves (eight on SmolLM2), in forward order."""
-    return [key.split(".", 1)[1] for key in model.order(0) if key.startswith("self_attn.")]
+    """Every attention value the model serves (eight on SmolLM2, the KV cache's aside), in forward order."""
+    keys = [key for key in model.order(0) if key.startswith("self_attn.") and "attention_cache_" not in key]
+    return [key.split(".", 1)[1] for key in keys]
 
 
 def plain(model, ids):

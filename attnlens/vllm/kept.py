@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from ..errors import EditError
+from ..locations.views import gathered_heads, merge_local
+from ..locations.vllm import kernel_arg
+
 #: vLLM's null block: the id a request's block table holds where the cache manager freed a block the request no
 #: longer needs (a sliding-window layer's blocks that left the window).
 NULL_BLOCK = 0
@@ -100,24 +104,33 @@ def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: i
         rows = cache.view(-1, cache.shape[-1])[block * block_size + offset]
         first, second = rows[:, : kernel.kv_lora_rank], rows[:, kernel.kv_lora_rank :]
     else:  # one flat index per channel, into the cache's storage: only the rows asked for are copied
-        layouts = block_layout(kernel, block_size)
         flat = cache.view(-1)  # vLLM's per-layer cache is one contiguous tensor (a view raises otherwise)
-        per_block = cache[:, :1].numel() if _split(cache) else cache[:1].numel()
-        blocks = cache.shape[1] if _split(cache) else cache.shape[0]
-        first, second = [], []
-        for layout, out in zip(layouts, (first, second)):
-            f = layout[:, offset].transpose(0, 1).reshape(end, -1)  # [end, heads * dim], within one block
-            if _split(cache):  # f = kv * R + r over [2, 1, R]: the kv half, then the rest, in [2, blocks, R]
-                half = per_block // 2
-                f = (f // half) * blocks * half + block[:, None] * half + f % half
-            else:
-                f = block[:, None] * per_block + f
-            out.append(flat[f])
-        first, second = first[0], second[0]
+        first, second = (flat[index] for index in flat_indexes(kernel, block, offset, block_size))
     freed = (block == NULL_BLOCK)[:, None]
     if bool(freed.any()):
         first, second = first.masked_fill(freed, 0), second.masked_fill(freed, 0)
     return first.reshape(end, -1), second.reshape(end, -1)
+
+
+def flat_indexes(
+    kernel: torch.nn.Module, block: torch.Tensor, offset: torch.Tensor, block_size: int
+) -> list[torch.Tensor]:
+    """For positions at (`block`, `offset`), the index of each key and each value channel into the layer's flat cache
+    storage, `[positions, this rank's heads * dim]` each: where `cached` reads and `RequestCaches.write` writes."""
+    cache = kernel.kv_cache
+    layouts = block_layout(kernel, block_size)
+    per_block = cache[:, :1].numel() if _split(cache) else cache[:1].numel()
+    blocks = cache.shape[1] if _split(cache) else cache.shape[0]
+    found = []
+    for layout in layouts:
+        f = layout[:, offset].transpose(0, 1).reshape(offset.shape[0], -1)  # [positions, heads * dim], in one block
+        if _split(cache):  # f = kv * R + r over [2, 1, R]: the kv half, then the rest, in [2, blocks, R]
+            half = per_block // 2
+            f = (f // half) * blocks * half + block[:, None] * half + f % half
+        else:
+            f = block[:, None] * per_block + f
+        found.append(f)
+    return found
 
 
 class BlockTables:
@@ -138,3 +151,129 @@ class BlockTables:
         table = self.runner.input_batch.block_table[self.groups[kernel.layer_name]]
         row = self.runner.input_batch.req_id_to_index[request_id]
         return table.get_cpu_tensor()[row], table.block_size
+
+
+class RequestCaches:
+    """A traced request's KV cache as values (`attnlens.locations.cache`), in vLLM's worker: its keys and values of
+    the positions before this step, read and written in the paged cache through its block table, and the positions
+    removed from what its later steps attend to.
+
+    vLLM's kernel attends to every cached position, so where a request removed some at a layer, that layer's head
+    outputs are recomputed at its output projection from the pattern rebuilt without them (the family's score
+    function over the cached keys, this step's included) and the cached values: the queries are kept from the
+    kernel's input (`keep_queries`) only for such layers.
+
+    An edit writes into the request's own blocks. A traced request never starts on a cached prefix and its blocks
+    carry a cache salt of its own (`StandardizedVLLM._batch`), so no other request reads them; a block another running
+    request's table holds too (a prompt's blocks shared by `n > 1` samples) is refused rather than edited for both.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.queries: dict[tuple[str, int], torch.Tensor] = {}  # (request, layer) -> this step's kernel queries
+        self.hiding = False  # whether any tracked request removed a position (so queries are kept)
+
+    # --- the values ------------------------------------------------------------------------------------------
+
+    def _window_start(self, layer: int, end: int) -> int:
+        """The first position a step starting at `end` still attends to on `layer` (0 without a sliding window)."""
+        window = self.worker.family.window(self.worker.config, layer, "vllm")  # checked against the kernel's at load
+        return 0 if window is None else max(end - window + 1, 0)
+
+    def read(self, layer: int, which: int) -> torch.Tensor:
+        worker = self.worker
+        state = worker.state()
+        end, heads = state.position, worker.geometry[layer]
+        start = self._window_start(layer, end)
+        if which == 2:
+            visible = torch.ones(1, end, dtype=torch.bool)
+            visible[:, :start] = False
+            hidden = state.hidden.get(layer)
+            if hidden is not None:
+                visible[:, : hidden.shape[0]] &= ~hidden[:end]
+            return visible
+        dim = heads.qk_head_dim if which == 0 else heads.head_dim
+        kernel = worker.kernels[layer]
+        if end == 0:
+            return kernel.kv_cache.new_zeros(1, heads.num_kv_heads, 0, dim)
+        rows = worker.cached(state, layer, end)[which].clone()
+        rows[:start] = 0
+        return gathered_heads(rows, dim, heads.num_kv_heads).clone()
+
+    def write(self, layer: int, which: int, new: torch.Tensor) -> None:
+        from ..locations.cache import NAMES, check_visible, check_window
+
+        worker = self.worker
+        state = worker.state()
+        current = self.read(layer, which)
+        if which == 2:
+            hide = check_visible(current, new, layer)[0]
+            if bool(hide.any()):
+                before = state.hidden.get(layer)
+                if before is not None:
+                    hide[: before.shape[0]] |= before[: hide.shape[0]]
+                state.hidden[layer] = hide
+                self.hiding = True
+            return
+        end = state.position
+        check_window(current, new, self._window_start(layer, end), NAMES[which], layer)
+        heads = worker.geometry[layer]
+        changed = (new != current)[0].any(-1).any(0).nonzero().flatten()  # the positions written
+        if changed.numel() == 0:
+            return
+        kernel = worker.kernels[layer]
+        _quantized(kernel)
+        table, size = worker.tables.row(kernel, state.request_id)
+        block = table[changed.cpu() // size].long()
+        self._refuse_shared(kernel, state.request_id, block, NAMES[which], layer)
+        offset = (changed.cpu() % size).to(kernel.kv_cache.device)
+        index = flat_indexes(kernel, block.to(kernel.kv_cache.device), offset, size)[which]
+        rows = merge_local(new, heads.num_kv_heads)[changed]  # [positions, this rank's heads * dim]
+        kernel.kv_cache.view(-1)[index] = rows.to(kernel.kv_cache.dtype)
+
+    def _refuse_shared(self, kernel: torch.nn.Module, request_id: str, blocks: torch.Tensor, name: str, layer: int):
+        """An edit of a block another running request's table holds too is refused: it would edit both caches."""
+        runner = self.worker.tables.runner
+        table = runner.input_batch.block_table[self.worker.tables.groups[kernel.layer_name]]
+        rows = table.get_cpu_tensor()
+        for other, row in runner.input_batch.req_id_to_index.items():
+            if other != request_id and bool(torch.isin(blocks, rows[row, : table.num_blocks_per_row[row]]).any()):
+                raise EditError(
+                    f"layers[{layer}].self_attn.{name}: a block of this request's cache is shared with another "
+                    f"running request ({other}; `n > 1` samples share their prompt's blocks), so an edit would change "
+                    f"that request's cache too. Run each sample as a request of its own. Nothing was written."
+                )
+
+    # --- removed positions ----------------------------------------------------------------------------------------
+
+    def keep_queries(self, layer: int, inputs: Any) -> None:
+        """At `layer`'s kernel input: keep this step's queries of each request that removed a position there."""
+        args, kwargs = inputs
+        queries = kernel_arg(args, kwargs, 0)
+        for state, start, count in self.worker.spans:
+            if layer in state.hidden:
+                self.queries[state.request_id, layer] = queries[start : start + count].reshape(count, -1)
+
+    def hide_scores(self, state: Any, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [1, heads, queries, keys over the whole context] with the removed positions' keys masked."""
+        hidden = state.hidden.get(layer)
+        if hidden is None:
+            return scores
+        columns = hidden.nonzero().flatten()
+        columns = columns[columns < scores.shape[-1]].to(scores.device)
+        return scores.index_fill(-1, columns, torch.finfo(scores.dtype).min)
+
+    def pattern(self, state: Any, layer: int) -> torch.Tensor | None:
+        """This step's pattern of `layer` without the positions the request removed there, or None where it removed
+        none."""
+        queries = self.queries.pop((state.request_id, layer), None)
+        if layer not in state.hidden or queries is None:
+            return None
+        worker, heads = self.worker, self.worker.geometry[layer]
+        end = state.position + queries.shape[0]
+        keys = worker.cached(state, layer, end)[0]  # this step's included: the kernel wrote them
+        queries = gathered_heads(queries, heads.qk_head_dim, heads.num_heads)
+        keys = gathered_heads(keys, heads.qk_head_dim, heads.num_kv_heads)
+        scores = worker.family.scores(heads, worker.config, queries, keys, layer)
+        return worker.family.softmax(self.hide_scores(state, layer, scores), worker.sinks.get(layer))[0]
+

@@ -81,6 +81,7 @@ class RequestState:
         self.request_id = request_id
         self.position = 0
         self.patterns: dict = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> positions removed from what later steps attend to
 
 
 class WorkerValues:
@@ -95,6 +96,8 @@ class WorkerValues:
         layers = child(root, self.family.path("layers", "vllm"))
         self.kernels: dict[int, torch.nn.Module] = {}  # layer -> its attention kernel module
         self.tables = kept.BlockTables(runner)
+        self.kv_cache = kept.RequestCaches(self)  # the cache values (locations/cache.py)
+        self.kernel_inputs: dict[str, int] = {}  # the kernel's input handoff -> its layer
         self.projections: dict[str, int] = {}
         self.geometry = {}
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
@@ -106,6 +109,7 @@ class WorkerValues:
             if kernel is not None:
                 envoy = child(attention, kernel)
                 self.kernels[index] = envoy._module
+                self.kernel_inputs[f"{envoy.path}.input"] = index
                 self.geometry[index] = kernel_geometry(envoy._module, self.config)
                 self._check_kernel(envoy._module, index)
                 source = shared_kv.check(self.family, self.config, index, envoy._module)
@@ -204,6 +208,7 @@ class WorkerValues:
             # outside inference mode, so the tensors count in-place edits (`_version`)
             with torch.inference_mode(False), torch.no_grad():
                 scores = self.family.scores(self.geometry[layer], self.config, queries.clone(), keys.clone(), layer)
+                scores = self.kv_cache.hide_scores(self.state(), layer, scores)
                 probabilities, sinks = self.family.softmax(scores, self.sinks.get(layer))
             handed.update(
                 scores=scores,
@@ -256,18 +261,19 @@ class WorkerValues:
         return {"requests": len(self.states), "bytes": held}
 
     def before_output_projection(self, layer: int, value: Any) -> None:
-        """Recompute head outputs from a pattern edited this step, from the cached values (edits included)."""
+        """Recompute head outputs from a pattern edited this step, or rebuilt without the positions the request
+        removed at this layer, from the cached values (edits included)."""
         for state, start, count in self.spans:
-            handed = state.patterns.pop(layer, None)
-            if handed is None:
-                continue
+            handed = state.patterns.pop(layer, None) or {}
             pattern = handed.get("assigned")
-            if pattern is None:
+            if pattern is None and handed:
                 probabilities, scores = handed.get("probabilities"), handed.get("scores")
                 if probabilities is not None and probabilities._version != handed["probabilities_version"]:
                     pattern = probabilities
                 elif scores is not None and scores._version != handed["scores_version"]:
                     pattern = self.family.softmax(scores, self.sinks.get(layer))[0]
+            removed = self.kv_cache.pattern(state, layer)  # None where the request removed no position here
+            pattern = removed if pattern is None else pattern
             if pattern is None:
                 continue
             heads = self.heads_from_pattern(state, layer, pattern)
@@ -297,6 +303,8 @@ def _recording(base: type) -> type:
         def handle(self, provider: str, value: Any) -> Any:
             values = self.attnlens_worker
             if values.spans:
+                if values.kv_cache.hiding and provider in values.kernel_inputs:
+                    values.kv_cache.keep_queries(values.kernel_inputs[provider], value)
                 layer = values.projections.get(provider)
                 if layer is not None:
                     values.before_output_projection(layer, value)
