@@ -1,5 +1,7 @@
-"""`attnlens.collect` on vLLM: features reduced inside vLLM's worker equal the eager engine's on the same weights, and
-the same collection on a local Ray cluster of two CPU workers (one engine each) gives the one-process table."""
+"""`attnlens.collect` on vLLM: features reduced inside vLLM's worker (in a trace, or at the attention op from static
+taps on an engine at vLLM's defaults: compiled, prefix caching, chunked prefill) equal the eager engine's on the same
+weights, and the same collection on a local Ray cluster of two CPU workers (one engine each) gives the one-process
+table."""
 
 import json
 
@@ -8,7 +10,9 @@ import torch
 from conftest import engine_args
 
 import attnlens
-from attnlens.collect import read_table
+from attnlens.collect import FEATURES, read_table
+from attnlens.collect.collector import Collector
+from attnlens.collect.inworker import points_for, servable
 
 PROMPTS = [
     "Hello world, again",
@@ -96,7 +100,7 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
             shard_size=3,
             batch_size=2,
             engine="vllm",
-            engine_args=engine_args(128, 16 * 2**20),
+            engine_args={**engine_args(128, 16 * 2**20), "enforce_eager": True},  # eager: no compile per worker
             workers=2,
             progress=False,
         )
@@ -110,3 +114,43 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
     )
     identity = dict(json.loads((result.out / "collect.json").read_text()).items())
     assert identity == json.loads((on_vllm.out / "collect.json").read_text())
+
+
+PREFIX = "Once upon a time, in a land far away, there lived a small dragon who loved to read. "  # 85 tokens
+#: The features tapped at the attention op (every feature but the head outputs')
+REDUCED = [name for name, feature in FEATURES.items() if servable([feature])]
+
+
+def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(llama, tmp_path):
+    """Static taps at the attention op, reduced there: plain requests, a batch per `generate`, on the compiled engine
+    with prefix caching and 32-token chunks. A prompt split in chunks and one whose prefix an earlier batch cached
+    give the eager engine's features (the prefix is cached: a static request afterwards starts past it)."""
+    assert "head_output_norm" not in REDUCED and {"entropy", "top_keys", "pattern", "value_norm"} <= set(REDUCED)
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        static_points=points_for([FEATURES[name] for name in REDUCED]),
+        block_size=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        **engine_args(128, 16 * 2**20),
+    )
+    config = model.vllm_entrypoint.llm_engine.vllm_config
+    assert model.compiled and config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+    assert Collector(model, REDUCED).reduced and not Collector(llama.vllm, REDUCED).reduced
+    path = tmp_path / "corpus.jsonl"
+    texts = [*PROMPTS[:4], PREFIX + "sang.", *PROMPTS[4:], PREFIX + "slept all day."]  # one in each window
+    path.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    options = dict(rows=ROWS, top_k=3, shard_size=5, progress=False)
+    reduced = attnlens.collect(model, path, REDUCED, tmp_path / "reduced", batch_size=4, **options)
+    eager = attnlens.collect(llama.eager, path, REDUCED, tmp_path / "eager", **options)
+    assert reduced.rows == eager.rows == (len(texts) - len(ERRORS)) * 3 * 4
+    assert_tables_close(read_table(reduced.out), read_table(eager.out))
+    errors = read_table(reduced.out, "errors").to_pylist()
+    assert {e["prompt"]: e["reason"] for e in errors} == {prompt + 1: reason for prompt, reason in ERRORS.items()}
+    (again,) = model.static_generate([PREFIX + "ran."], max_new_tokens=1, do_sample=False)
+    assert again.positions[0] == 64  # vLLM cached the prefix; collect's requests read every row regardless
+    taken = model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(None,))[0]
+    assert taken == {}  # nothing of collect's requests is left in the worker
+    with pytest.raises(attnlens.Unavailable, match="head_output_norm"):
+        Collector(model, ["entropy", "head_output_norm"])
