@@ -4,6 +4,7 @@ weights, and the same collection on a local Ray cluster of two CPU workers (one 
 table."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ ERRORS = {5: "empty", 6: "too_long"}  # 200 tokens: past both engines' contexts 
 ROWS = [-1, 0, 2]
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)  # float32, as the rest of tests_vllm
 SORT = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")]
+#: The features reduced at the attention op, without a trace (all but head_output_norm and head_attribution)
+REDUCED = [name for name, feature in FEATURES.items() if servable([feature])]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,14 @@ def on_vllm(llama, corpus, tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def reduced_on_vllm(llama, corpus, tmp_path_factory):
+    """The attention-op features collected in one process on the traced path (an engine without static points)."""
+    out = tmp_path_factory.mktemp("reduced") / "out"
+    assert not Collector(llama.vllm, REDUCED).reduced
+    return attnlens.collect(llama.vllm, corpus, REDUCED, out, rows=ROWS, top_k=3, shard_size=3, progress=False)
+
+
 def assert_tables_close(got, want):
     got, want = got.sort_by(SORT).to_pylist(), want.sort_by(SORT).to_pylist()
     assert len(got) == len(want)
@@ -62,6 +73,8 @@ def assert_tables_close(got, want):
             elif column in ("pattern", "top_weights"):
                 for x, y in zip(a[column], value):
                     assert torch.allclose(torch.tensor(x), torch.tensor(y), **TOLERANCE), column
+            elif column == "attribution":  # a float per chosen row
+                assert torch.allclose(torch.tensor(a[column]), torch.tensor(value), **TOLERANCE), column
             else:
                 assert a[column] == value, (column, b["prompt"], b["layer"], b["head"])
 
@@ -83,9 +96,11 @@ def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tm
     assert llama.vllm.kept() == [{"requests": 0, "bytes": 0}]
 
 
-def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, on_vllm, tmp_path):
-    """A local Ray cluster of two CPU workers, one vLLM engine each, started and stopped here: the table equals the
-    one-process table, and the folder's identity is the same run (so either can continue the other)."""
+def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
+    """A local Ray cluster of two CPU workers, one vLLM engine each (built by collect with static taps: reduced at the
+    attention op), started and stopped here: the table equals the one-process traced table, and the folder's
+    identity is the same run (so either can continue the other)."""
+    on_vllm = reduced_on_vllm
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
@@ -93,7 +108,7 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
         result = attnlens.collect(
             str(llama.path),
             corpus,
-            "all",
+            REDUCED,
             tmp_path / "ray",
             rows=ROWS,
             top_k=3,
@@ -117,8 +132,6 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
 
 
 PREFIX = "Once upon a time, in a land far away, there lived a small dragon who loved to read. "  # 85 tokens
-#: The features tapped at the attention op (every feature but the head outputs')
-REDUCED = [name for name, feature in FEATURES.items() if servable([feature])]
 
 
 def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(llama, tmp_path):
@@ -154,3 +167,27 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
     assert taken == {}  # nothing of collect's requests is left in the worker
     with pytest.raises(attnlens.Unavailable, match="head_output_norm"):
         Collector(model, ["entropy", "head_output_norm"])
+
+
+def test_reduced_on_two_tensor_parallel_ranks_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
+    """Two CPU ranks (the `mp` executor): the taps gather both ranks' heads, rank 0 reduces; the table equals the
+    one-process one."""
+    from vllm import envs
+
+    from attnlens.collect.collector import load
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
+    envs.disable_envs_cache()
+    args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp", "tensor_parallel_size": 2}
+    try:
+        model = load(str(llama.path), "vllm", {**args, "enforce_eager": True}, REDUCED)  # eager: no compile per rank
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    try:
+        assert Collector(model, REDUCED).reduced
+        result = attnlens.collect(model, corpus, REDUCED, tmp_path / "tp", rows=ROWS, top_k=3, progress=False)
+        errors = read_table(result.out, "errors").to_pylist()
+        assert {e["prompt"]: e["reason"] for e in errors} == ERRORS, errors
+        assert_tables_close(read_table(result.out), read_table(reduced_on_vllm.out))
+    finally:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()

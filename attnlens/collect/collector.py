@@ -248,7 +248,8 @@ class Collector:
         model, plan, features, options, wants = self.model, self.plan, self.features, self.options, self.wants
         if self.reduced:
             if not self._installed:  # this collection's features, options and plan, in every worker
-                model.vllm_entrypoint.collective_rpc(inworker.install, args=(features, options, wants, plan))
+                args = (inworker.pickled(features), options, wants, plan)
+                model.vllm_entrypoint.collective_rpc(inworker.install, args=args)
                 self._installed = True
             return inworker.forward(model, prompts)
         if self.vllm:  # one traced request per prompt; vLLM schedules the requests of a trace together

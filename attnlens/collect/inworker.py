@@ -149,10 +149,19 @@ def _rank() -> int:
         return 0
 
 
-def install(worker: Any, features, options: dict, wants: dict, plan: list) -> None:
-    """Run in each worker (`collective_rpc`): the recorder reduces collect's requests from now on."""
+def install(worker: Any, features: bytes, options: dict, wants: dict, plan: list) -> None:
+    """Run in each worker (`collective_rpc`): the recorder reduces collect's requests from now on. `features` come
+    cloudpickled (`pickled`): vLLM's executors pickle arguments plainly, which refuses a feature's lambda."""
+    import cloudpickle
+
     runner = worker.model_runner
-    runner.attnlens_static.reduce = Reducer(runner, features, options, wants, plan)
+    runner.attnlens_static.reduce = Reducer(runner, cloudpickle.loads(features), options, wants, plan)
+
+
+def pickled(features) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps(list(features))
 
 
 def take(worker: Any, tags: list[str]) -> dict:
