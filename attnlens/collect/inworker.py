@@ -43,11 +43,15 @@ def shorts_of(features) -> list[str]:
 
 
 def points_for(features, layers=None):
-    """`static_points` for `StandardizedVLLM`: a function of the model (family and config known, engine not built)
-    naming the taps of `shorts_of(features)` on each of `layers` (default: every layer whose attention op taps them
-    all)."""
+    """`static_points` for `StandardizedVLLM` (`features`: names or `Feature`s): a function of the model (family
+    and config known, engine not built) naming the taps of `shorts_of(features)` on each of `layers` (default: every
+    layer whose attention op taps them all)."""
     from ..vllm import static
+    from .features import resolve
 
+    features = [
+        resolve(f)[0] if isinstance(f, str) else f for f in ([features] if isinstance(features, str) else features)
+    ]
     shorts = shorts_of(features)
 
     def names(model) -> list[str]:
