@@ -10,6 +10,7 @@
 See docs/corpus.md.
 """
 
+from . import attribution  # noqa: F401  registers head_attribution
 from .corpus import Corpus, Record
 from .features import FEATURES, Context, Feature, register
 from .inworker import points_for

@@ -342,7 +342,7 @@ def compute(model, plan, features, options, wants, prompts, pads, found, first, 
                         f"collect needs whole prefills (turn chunked prefill off or raise "
                         f"max_num_batched_tokens)"
                     )
-            results[i][layer] = features_of(attn, layer, lengths[i], values, features, options, wants, states)
+            results[i][layer] = registry.features_of(attn, layer, lengths[i], values, features, options, wants, states)
     finishing = [feature for feature in features if feature.finish is not None]
     if finishing:
         last = model.layers[model.num_layers - 1]
@@ -354,24 +354,6 @@ def compute(model, plan, features, options, wants, prompts, pads, found, first, 
             for feature in finishing:
                 feature.finish(model, states[feature.name], prompt)
     found.extend((first + i, result) for i, result in enumerate(results))
-
-
-def features_of(attn, layer: int, tokens: int, values: dict, features, options: dict, wants: dict, states=None) -> dict:
-    """One prompt's {column: per-head values} on `layer`, from its values (batch axis 1, whole prompt), detached on
-    the CPU: in a trace, or in vLLM's worker at the attention op (inworker.py)."""
-    context = registry.Context(attn, layer, tokens, values, options, wants)
-    columns: dict = {}
-    for feature in features:
-        context.state = (states or {}).get(feature.name)
-        computed = feature.compute(context)
-        columns.update({name: _detached(value) for name, value in computed.items()})
-    return columns
-
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
-    return [[_detached(row) for row in per_head] for per_head in value]
 
 
 def context_limit(model) -> int | None:

@@ -148,6 +148,24 @@ class Context:
         return self.access.family.repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
 
 
+def features_of(attn, layer: int, tokens: int, values: dict, features, options: dict, wants: dict, states=None) -> dict:
+    """One prompt's {column: per-head values} on `layer`, from its values (batch axis 1, whole prompt), detached on
+    the CPU: in a trace, or in vLLM's worker at the attention op (inworker.py)."""
+    context = Context(attn, layer, tokens, values, options, wants)
+    columns: dict = {}
+    for feature in features:
+        context.state = (states or {}).get(feature.name)
+        computed = feature.compute(context)
+        columns.update({name: _detached(value) for name, value in computed.items()})
+    return columns
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
+    return [[_detached(row) for row in per_head] for per_head in value]
+
+
 def _mean(sums: dict, name: str, rows: str) -> torch.Tensor:
     return sums[name] / sums[rows]  # 0 / 0 = nan where no row counts (previous on a one-token prompt)
 
@@ -263,5 +281,3 @@ for _value, (_column, _axis, _kv) in NORMS.items():
             _norm(_value, _axis, _kv),
         )
     )
-
-from . import attribution as _attribution  # noqa: E402,F401  registers head_attribution (it imports Feature from here)

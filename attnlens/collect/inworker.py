@@ -4,7 +4,7 @@ On a `StandardizedVLLM` whose static points hold each planned layer's queries an
 `value_norm`), `collect` sends plain vLLM requests, a whole batch per `generate` call, so the engine runs at vLLM's
 defaults where it was built so (compiled, prefix caching, chunked prefill). The static recorder hands each step's
 captures of a layer to `Reducer`, which gathers a prompt's query chunks (chunked prefill) until its last chunk, then
-computes the features there with the traced path's own code (`collector.features_of`) and keeps only their numbers,
+computes the features there with the traced path's own code (`features.features_of`) and keeps only their numbers,
 which `take` hands back (rank 0's: every rank holds the gathered heads, so only rank 0 computes). A prompt whose
 features fail is reported by its reason, never stops the batch.
 
@@ -107,7 +107,7 @@ class Reducer:
         }
         if not self.here or tag in self.errors:
             return
-        from .collector import features_of
+        from .features import features_of
 
         try:
             queries, earlier = captured["query"], self.queries.pop((tag, layer), None)
