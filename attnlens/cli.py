@@ -321,7 +321,7 @@ def run_collect(args) -> int:
         logging.disable_progress_bar()
         with _console(stderr=True).status(f"loading {args.model}"):
             try:
-                model = load(model, args.engine, engine_args)
+                model = load(model, args.engine, engine_args, args.features.split(","), args.layers)
             except (OSError, ValueError) as error:
                 raise CommandError(f"could not load {args.model!r}: {_line(error)}") from None
     result = collect(

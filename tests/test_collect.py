@@ -341,6 +341,31 @@ def test_a_run_killed_midway_restarts_with_every_prompt_exactly_once(tmp_path):
     assert_exactly_once(out, len(texts), errors=[17])
 
 
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_head_attribution_equals_attnlens_attribution(case, corpus, tmp_path):
+    """Per head, the collected direct contribution to the next token's logit (the observed next token; the greedy
+    prediction on the last row), batched with left padding, equals `attnlens.attribution`'s head pieces summed over
+    sources for that prompt, row and token (Gemma 3: through its norm after attention, frozen at the run)."""
+    model = tiny(case)
+    result = attnlens.collect(
+        model, corpus, ["head_attribution"], tmp_path / "out", rows=ROWS, batch_size=3, progress=False
+    )
+    table = by_prompt(read_table(result.out))
+    heads_of = model.access.geometry(result.layers[0]).num_heads
+    for p, text in enumerate(PROMPTS):
+        ids = model.tokenizer(text)["input_ids"]
+        first = table[p, result.layers[0], 0]
+        assert first["attribution_rows"] == sorted({r % len(ids) for r in ROWS if -len(ids) <= r < len(ids)})
+        with torch.no_grad():
+            predicted = int(model._module(torch.tensor([ids])).logits[0, -1].argmax())
+        for j, (row, token) in enumerate(zip(first["attribution_rows"], first["attribution_tokens"])):
+            assert token == (ids[row + 1] if row + 1 < len(ids) else predicted)
+            want = attnlens.attribution(model, torch.tensor([ids]), rows=row, target=token).by_head()
+            for layer in result.layers:
+                got = torch.tensor([table[p, layer, h]["attribution"][j] for h in range(heads_of)])
+                assert torch.allclose(got, want[layer][0], atol=1e-5, rtol=1e-4), (p, row, layer)
+
+
 def test_the_registry_is_open(corpus, tmp_path):
     """A feature registered from outside is computed like the built-in ones, from the values it names."""
 

@@ -1,14 +1,19 @@
-"""`attnlens.collect` on vLLM: features reduced inside vLLM's worker equal the eager engine's on the same weights, and
-the same collection on a local Ray cluster of two CPU workers (one engine each) gives the one-process table."""
+"""`attnlens.collect` on vLLM: features reduced inside vLLM's worker (in a trace, or at the attention op from static
+taps on an engine at vLLM's defaults: compiled, prefix caching, chunked prefill) equal the eager engine's on the same
+weights, and the same collection on a local Ray cluster of two CPU workers (one engine each) gives the one-process
+table."""
 
 import json
+import os
 
 import pytest
 import torch
 from conftest import engine_args
 
 import attnlens
-from attnlens.collect import read_table
+from attnlens.collect import FEATURES, read_table
+from attnlens.collect.collector import Collector
+from attnlens.collect.inworker import points_for, servable
 
 PROMPTS = [
     "Hello world, again",
@@ -24,6 +29,8 @@ ERRORS = {5: "empty", 6: "too_long"}  # 200 tokens: past both engines' contexts 
 ROWS = [-1, 0, 2]
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)  # float32, as the rest of tests_vllm
 SORT = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")]
+#: The features reduced at the attention op, without a trace (all but head_output_norm and head_attribution)
+REDUCED = [name for name, feature in FEATURES.items() if servable([feature])]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +50,14 @@ def on_vllm(llama, corpus, tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def reduced_on_vllm(llama, corpus, tmp_path_factory):
+    """The attention-op features collected in one process on the traced path (an engine without static points)."""
+    out = tmp_path_factory.mktemp("reduced") / "out"
+    assert not Collector(llama.vllm, REDUCED).reduced
+    return attnlens.collect(llama.vllm, corpus, REDUCED, out, rows=ROWS, top_k=3, shard_size=3, progress=False)
+
+
 def assert_tables_close(got, want):
     got, want = got.sort_by(SORT).to_pylist(), want.sort_by(SORT).to_pylist()
     assert len(got) == len(want)
@@ -58,6 +73,8 @@ def assert_tables_close(got, want):
             elif column in ("pattern", "top_weights"):
                 for x, y in zip(a[column], value):
                     assert torch.allclose(torch.tensor(x), torch.tensor(y), **TOLERANCE), column
+            elif column == "attribution":  # a float per chosen row
+                assert torch.allclose(torch.tensor(a[column]), torch.tensor(value), **TOLERANCE), column
             else:
                 assert a[column] == value, (column, b["prompt"], b["layer"], b["head"])
 
@@ -79,9 +96,11 @@ def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tm
     assert llama.vllm.kept() == [{"requests": 0, "bytes": 0}]
 
 
-def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, on_vllm, tmp_path):
-    """A local Ray cluster of two CPU workers, one vLLM engine each, started and stopped here: the table equals the
-    one-process table, and the folder's identity is the same run (so either can continue the other)."""
+def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
+    """A local Ray cluster of two CPU workers, one vLLM engine each (built by collect with static taps: reduced at the
+    attention op), started and stopped here: the table equals the one-process traced table, and the folder's
+    identity is the same run (so either can continue the other)."""
+    on_vllm = reduced_on_vllm
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
@@ -89,14 +108,14 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
         result = attnlens.collect(
             str(llama.path),
             corpus,
-            "all",
+            REDUCED,
             tmp_path / "ray",
             rows=ROWS,
             top_k=3,
             shard_size=3,
             batch_size=2,
             engine="vllm",
-            engine_args=engine_args(128, 16 * 2**20),
+            engine_args={**engine_args(128, 16 * 2**20), "enforce_eager": True},  # eager: no compile per worker
             workers=2,
             progress=False,
         )
@@ -110,3 +129,65 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
     )
     identity = dict(json.loads((result.out / "collect.json").read_text()).items())
     assert identity == json.loads((on_vllm.out / "collect.json").read_text())
+
+
+PREFIX = "Once upon a time, in a land far away, there lived a small dragon who loved to read. "  # 85 tokens
+
+
+def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(llama, tmp_path):
+    """Static taps at the attention op, reduced there: plain requests, a batch per `generate`, on the compiled engine
+    with prefix caching and 32-token chunks. A prompt split in chunks and one whose prefix an earlier batch cached
+    give the eager engine's features (the prefix is cached: a static request afterwards starts past it)."""
+    assert "head_output_norm" not in REDUCED and {"entropy", "top_keys", "pattern", "value_norm"} <= set(REDUCED)
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        static_points=points_for([FEATURES[name] for name in REDUCED]),
+        block_size=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        **engine_args(128, 16 * 2**20),
+    )
+    config = model.vllm_entrypoint.llm_engine.vllm_config
+    assert model.compiled and config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+    assert Collector(model, REDUCED).reduced and not Collector(llama.vllm, REDUCED).reduced
+    path = tmp_path / "corpus.jsonl"
+    texts = [*PROMPTS[:4], PREFIX + "sang.", *PROMPTS[4:], PREFIX + "slept all day."]  # one in each window
+    path.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    options = dict(rows=ROWS, top_k=3, shard_size=5, progress=False)
+    reduced = attnlens.collect(model, path, REDUCED, tmp_path / "reduced", batch_size=4, **options)
+    eager = attnlens.collect(llama.eager, path, REDUCED, tmp_path / "eager", **options)
+    assert reduced.rows == eager.rows == (len(texts) - len(ERRORS)) * 3 * 4
+    assert_tables_close(read_table(reduced.out), read_table(eager.out))
+    errors = read_table(reduced.out, "errors").to_pylist()
+    assert {e["prompt"]: e["reason"] for e in errors} == {prompt + 1: reason for prompt, reason in ERRORS.items()}
+    (again,) = model.static_generate([PREFIX + "ran."], max_new_tokens=1, do_sample=False)
+    assert again.positions[0] == 64  # vLLM cached the prefix; collect's requests read every row regardless
+    taken = model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(None,))[0]
+    assert taken == {}  # nothing of collect's requests is left in the worker
+    with pytest.raises(attnlens.Unavailable, match="head_output_norm"):
+        Collector(model, ["entropy", "head_output_norm"])
+
+
+def test_reduced_on_two_tensor_parallel_ranks_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
+    """Two CPU ranks (the `mp` executor): the taps gather both ranks' heads, rank 0 reduces; the table equals the
+    one-process one."""
+    from vllm import envs
+
+    from attnlens.collect.collector import load
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
+    envs.disable_envs_cache()
+    args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp", "tensor_parallel_size": 2}
+    try:
+        model = load(str(llama.path), "vllm", {**args, "enforce_eager": True}, REDUCED)  # eager: no compile per rank
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    try:
+        assert Collector(model, REDUCED).reduced
+        result = attnlens.collect(model, corpus, REDUCED, tmp_path / "tp", rows=ROWS, top_k=3, progress=False)
+        errors = read_table(result.out, "errors").to_pylist()
+        assert {e["prompt"]: e["reason"] for e in errors} == ERRORS, errors
+        assert_tables_close(read_table(result.out), read_table(reduced_on_vllm.out))
+    finally:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()

@@ -21,6 +21,7 @@ from ..errors import Unavailable
 from ..family import engine_named
 from ..values import BY_NAME
 from . import features as registry
+from . import inworker
 from .corpus import Record
 from .store import ERROR_COLUMNS, KEY_COLUMNS
 
@@ -38,9 +39,12 @@ def _version() -> str:
         return "unknown"
 
 
-def load(folder: str | Path, engine: str = "transformers", engine_args: dict | None = None):
+def load(folder: str | Path, engine: str = "transformers", engine_args: dict | None = None, features=None, layers=None):
     """The checkpoint in `folder` (or a hub name) on `engine`: eager attention on `StandardizedTransformer`, or an
-    in-process `StandardizedVLLM` (`uni` executor unless `engine_args` say otherwise)."""
+    in-process `StandardizedVLLM` (`uni` executor unless `engine_args` say otherwise). On vLLM, where `features`
+    read only values tapped at the attention op, the engine declares their static taps (`inworker.points_for`), so
+    it runs at vLLM's defaults (compiled, unless `engine_args` say `enforce_eager`) and collects without a trace;
+    otherwise it is built eagerly, for traces."""
     engine = engine_named(engine)
     if engine == "transformers":
         from ..standardized import StandardizedTransformer
@@ -53,7 +57,12 @@ def load(folder: str | Path, engine: str = "transformers", engine_args: dict | N
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from ..vllm import StandardizedVLLM
 
-    return StandardizedVLLM(str(folder), **{"distributed_executor_backend": "uni", **(engine_args or {})})
+    args = {"distributed_executor_backend": "uni", **(engine_args or {})}
+    if features is not None and "static_points" not in args:
+        resolved = registry.resolve(features)
+        if inworker.servable(resolved):
+            args["static_points"] = inworker.points_for(resolved, layers)
+    return StandardizedVLLM(str(folder), **args)
 
 
 class Collector:
@@ -79,12 +88,33 @@ class Collector:
             raise ValueError(f"top_k must be at least 1 with the top_keys feature; got {top_k}")
         self.wants = {"previous": "previous" in self.names, "top": "top_keys" in self.names}
         self.vllm = model.access.engine == "vllm"
-        self.batch_size = batch_size or (32 if self.vllm else 8)
+        # on vLLM: reduced at the attention op from static taps (no trace), where the engine declared them
+        self.reduced = self.vllm and bool(getattr(model, "static_points", None)) and inworker.servable(self.features)
+        if self.vllm and getattr(model, "compiled", False) and not self.reduced:
+            traced = [f.name for f in self.features if not inworker.servable([f])]
+            raise Unavailable(
+                "collect: this engine runs vLLM's compiled model, which serves no traces, and "
+                + (
+                    f"{traced} need one (they read values not tapped at the attention op)"
+                    if traced
+                    else "declared no static points"
+                )
+                + "; pass the checkpoint folder with engine='vllm' (collect builds the engine the features need), or "
+                "build StandardizedVLLM(..., enforce_eager=True)"
+            )
+        self.batch_size = batch_size or (256 if self.reduced else 32 if self.vllm else 8)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
 
         def reason(layer: int) -> str | None:
+            if self.reduced:
+                missing = inworker.missing_points(model, self.features, [layer])
+                if missing:
+                    return f"the engine declared no static points {missing}"
             for feature in self.features:
+                why = feature.reason(model, layer) if feature.reason is not None else None
+                if why is not None:
+                    return f"{feature.name}: {why}"
                 if feature.scored and why_not(model, layer) is not None:
                     return f"{feature.name}: {why_not(model, layer)}"
                 for name in feature.reads:
@@ -123,6 +153,8 @@ class Collector:
         ]
         self.columns = {**KEY_COLUMNS, **{c: t for f in self.features for c, t in f.columns.items()}}
         self.limit = context_limit(model)
+        self._installed = False
+        self.states = {f.name: f.prepare(model, self.layers) for f in self.features if f.prepare is not None}
 
     # --- identity -------------------------------------------------------------------------------------------------
 
@@ -197,7 +229,7 @@ class Collector:
         """Each prompt's {layer: {column: per-head values}}; a batch that fails runs again prompt by prompt, and a
         prompt that fails alone goes to the errors table."""
         try:
-            return self._forward([ids for _, ids in batch])
+            found = self._forward([ids for _, ids in batch])
         except (ImportError, NameError, SyntaxError):  # the code's fault, not a prompt's: every prompt would fail
             raise
         except Exception as error:  # noqa: BLE001  one bad prompt must not stop the run
@@ -205,16 +237,27 @@ class Collector:
                 record, ids = batch[0]
                 _error(errors, record, "failed", f"{type(error).__name__}: {' '.join(str(error).split())}", len(ids))
                 return [None]
-        return [self._run([item], errors)[0] for item in batch]
+            return [self._run([item], errors)[0] for item in batch]
+        for i, ((record, ids), result) in enumerate(zip(batch, found)):
+            if isinstance(result, str):  # reduced in vLLM's worker, this prompt alone failed there
+                _error(errors, record, "failed", result, len(ids))
+                found[i] = None
+        return found
 
     def _forward(self, prompts: list[list[int]]) -> list[dict]:
         model, plan, features, options, wants = self.model, self.plan, self.features, self.options, self.wants
-        if self.vllm:  # one request per prompt; vLLM schedules the requests of a trace together
+        if self.reduced:
+            if not self._installed:  # this collection's features, options and plan, in every worker
+                args = (inworker.pickled(features), options, wants, plan)
+                model.vllm_entrypoint.collective_rpc(inworker.install, args=args)
+                self._installed = True
+            return inworker.forward(model, prompts)
+        if self.vllm:  # one traced request per prompt; vLLM schedules the requests of a trace together
             with torch.no_grad(), _quiet(model), model.trace(max_tokens=1, temperature=0.0) as tracer:
                 for i, ids in enumerate(prompts):
                     with tracer.invoke(ids):
                         found = list().save()
-                        compute(model, plan, features, options, wants, [len(ids)], [0], found, i)
+                        compute(model, plan, features, options, wants, [ids], [0], found, i, self.states)
             found = found if len(prompts) > 1 else [found]  # a name saved by several requests comes back as a list
             by_prompt = {entry[0][0]: entry[0][1] for entry in found}
             return [by_prompt[i] for i in range(len(prompts))]
@@ -223,7 +266,7 @@ class Collector:
         batch_input = torch.tensor([prompts[0]]) if len(prompts) == 1 else [torch.tensor(ids) for ids in prompts]
         found: list = []
         with torch.no_grad(), model.trace(batch_input):
-            compute(model, plan, features, options, wants, lengths, pads, found, 0)
+            compute(model, plan, features, options, wants, prompts, pads, found, 0, self.states)
         return [entry[1] for entry in sorted(found, key=lambda entry: entry[0])]
 
     def _rows(self, rows: dict, record: Record, tokens: int, found: dict) -> None:
@@ -277,11 +320,13 @@ def _batches(model, runnable: list, batch_size: int) -> list[list]:
     return [[runnable[i] for i in batch] for batch in batches(model, [len(ids) for _, ids in runnable], batch_size)]
 
 
-def compute(model, plan, features, options, wants, lengths, pads, found, first) -> None:
-    """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch,
-    (its place, {layer: {column: per-head values}}) appended to `found`."""
+def compute(model, plan, features, options, wants, prompts, pads, found, first, states) -> None:
+    """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch
+    (`prompts`: token ids), (its place, {layer: {column: per-head values}}) appended to `found`. Features with a
+    `finish` complete theirs from the values after the last layer, read once for the batch."""
     from ..points import unpad
 
+    lengths = [len(ids) for ids in prompts]
     results = [{} for _ in pads]
     for layer, reads in plan:
         attn = model.layers[layer].self_attn
@@ -297,19 +342,18 @@ def compute(model, plan, features, options, wants, lengths, pads, found, first) 
                         f"collect needs whole prefills (turn chunked prefill off or raise "
                         f"max_num_batched_tokens)"
                     )
-            context = registry.Context(attn, layer, lengths[i], values, options, wants)
-            columns: dict = {}
-            for feature in features:
-                computed = feature.compute(context)
-                columns.update({name: _detached(value) for name, value in computed.items()})
-            results[i][layer] = columns
+            results[i][layer] = registry.features_of(attn, layer, lengths[i], values, features, options, wants, states)
+    finishing = [feature for feature in features if feature.finish is not None]
+    if finishing:
+        last = model.layers[model.num_layers - 1]
+        hosts = {"layer_output": last, "final_norm_output": model, "logits": model}
+        finals = {name: getattr(hosts[name], name) for name in registry.FINALS}
+        for i, pad in enumerate(pads):
+            unpadded = {name: unpad(tensor, BY_NAME[name].short, i, pad) for name, tensor in finals.items()}
+            prompt = registry.Prompt(list(prompts[i]), registry.rows_of(options, lengths[i]), unpadded, results[i])
+            for feature in finishing:
+                feature.finish(model, states[feature.name], prompt)
     found.extend((first + i, result) for i, result in enumerate(results))
-
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
-    return [[_detached(row) for row in per_head] for per_head in value]
 
 
 def context_limit(model) -> int | None:

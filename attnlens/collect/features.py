@@ -35,6 +35,13 @@ class Feature:
     columns: dict[str, str]
     compute: Callable[[Context], dict[str, torch.Tensor]]
     scored: bool = False
+    #: A feature that also reads past the last layer (the final norm, the logits; it needs a trace): `prepare(model,
+    #: layers)` -> its state (`Context.state`), once, in the client; `finish(model, state, prompt)` in the trace after
+    #: the last layer, per prompt (`Prompt`), turns what its `compute` left in each layer's columns into its own.
+    prepare: Callable | None = None
+    finish: Callable | None = None
+    #: `reason(model, layer)`: why the feature is not served on `layer` beyond its reads (None: it is)
+    reason: Callable | None = None
 
 
 #: Feature name -> Feature, in the order columns are laid out.
@@ -71,6 +78,25 @@ def resolve(names) -> list[Feature]:
     return [f for f in FEATURES.values() if f.name in names]
 
 
+def rows_of(options: dict, tokens: int) -> list[int]:
+    return sorted({row % tokens for row in options["rows"] if -tokens <= row < tokens})
+
+
+@dataclass
+class Prompt:
+    """One prompt, as a feature's `finish` sees it: its token ids, chosen rows, the values read after the last layer
+    (`FINALS`, batch axis 1, unpadded) and its {layer: columns}, to complete in place."""
+
+    ids: list[int]
+    rows: list[int]
+    finals: dict[str, torch.Tensor]
+    columns: dict[int, dict]
+
+
+#: What a feature's `finish` reads after the last layer: the last block's output, the final norm's, the logits.
+FINALS = ("layer_output", "final_norm_output", "logits")
+
+
 @dataclass
 class Context:
     """One prompt on one layer, as a feature sees it: the values it reads (batch axis 1, unpadded), the attention
@@ -83,6 +109,7 @@ class Context:
     values: dict[str, torch.Tensor]
     options: dict
     wants: dict = field(default_factory=dict)  # what summary() computes: previous-token targets, top rows
+    state: object = None  # the feature's own, from its `prepare`
     _summary: dict | None = None
 
     @property
@@ -91,8 +118,7 @@ class Context:
 
     def rows(self) -> list[int]:
         """The chosen query rows of this prompt, as positions (rows past its length are left out)."""
-        n = self.tokens
-        return sorted({row % n for row in self.options["rows"] if -n <= row < n})
+        return rows_of(self.options, self.tokens)
 
     def summary(self) -> dict[str, torch.Tensor]:
         if self._summary is None:
@@ -120,6 +146,24 @@ class Context:
         group = geometry.num_heads // geometry.num_kv_heads
         shaped = per_kv_head.reshape(1, per_kv_head.shape[0], 1, -1)
         return self.access.family.repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
+
+
+def features_of(attn, layer: int, tokens: int, values: dict, features, options: dict, wants: dict, states=None) -> dict:
+    """One prompt's {column: per-head values} on `layer`, from its values (batch axis 1, whole prompt), detached on
+    the CPU: in a trace, or in vLLM's worker at the attention op (inworker.py)."""
+    context = Context(attn, layer, tokens, values, options, wants)
+    columns: dict = {}
+    for feature in features:
+        context.state = (states or {}).get(feature.name)
+        computed = feature.compute(context)
+        columns.update({name: _detached(value) for name, value in computed.items()})
+    return columns
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
+    return [[_detached(row) for row in per_head] for per_head in value]
 
 
 def _mean(sums: dict, name: str, rows: str) -> torch.Tensor:

@@ -29,7 +29,7 @@ class _Worker:
         os.environ.update(WORKER_ENV)
         from .collector import Collector, load
 
-        self.collector = Collector(load(folder, engine, engine_args), **options)
+        self.collector = Collector(load(folder, engine, engine_args, options["features"], options["layers"]), **options)
 
     def describe(self) -> dict:
         c = self.collector

@@ -184,7 +184,7 @@ def collect(
         finally:
             pool.close()
     if isinstance(model, (str, Path)):
-        model = load(str(model), engine, engine_args)
+        model = load(str(model), engine, engine_args, options["features"], layers)
     collector = Collector(model, **options)
     local = _Local(collector)
     return _drive(

@@ -72,7 +72,9 @@ def declare(model: Any, names: Any) -> list[str]:
 
     Unknown names raise `KeyError`, values the family or vLLM cannot serve raise `attnlens.Unavailable` with
     `support()`'s reason, and values the static backend does not tap raise `Unavailable` naming the ones it does.
-    Returns the declared cache keys, in forward order."""
+    Returns the declared cache keys, in forward order. `names` may be a function of the model (its family and config
+    known, its engine not yet built) that returns them (`attnlens.collect` declares every layer's taps so)."""
+    names = names(model) if callable(names) else names
     names = [names] if isinstance(names, str) else list(names)
     if not names:
         raise ValueError("static_points is empty: name at least one tap, e.g. 'attn_probs.0'")
@@ -175,6 +177,9 @@ class StaticRecorder:
         self.tags: dict[str, str] = {}  # vLLM's request id -> tag
         self.tokens: dict[str, int] = {}
         self.spans: list[tuple[_Request, str, int, int, int]] | None = []
+        #: `reduce(request, vLLM's id, layer, position, rows)`, called once a step's captures of a layer are built:
+        #: a tool installs one (through `collective_rpc`) to reduce them in the worker (`attnlens.collect`).
+        self.reduce: Any = None
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
@@ -253,6 +258,8 @@ class StaticRecorder:
                     built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
                     for short in pattern:
                         step[f"{short}.{layer}"] = built[short]
+                if self.reduce is not None:
+                    self.reduce(request, request_id, layer, position, count)
 
         return hook
 
