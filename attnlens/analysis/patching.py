@@ -16,14 +16,7 @@ from itertools import product
 import torch
 
 from ..errors import Unavailable
-
-#: What can be patched: the value read and written, and the axes of the grid it gives.
-OVER = {
-    "heads": ("self_attn.attention_head_outputs", ("layer", "head")),
-    "head_positions": ("self_attn.attention_head_outputs", ("layer", "head", "position")),
-    "residual": ("layer_input", ("layer", "position")),
-    "patterns": ("self_attn.attention_probabilities", ("layer", "head")),
-}
+from .reasons import OVER
 
 
 def logit_difference(model, target, versus=None, row: int = -1):
@@ -141,7 +134,8 @@ def _pieces(model, over: str, layers: list[int], length: int) -> list[tuple]:
     return pieces
 
 
-def _check(model, over: str, layers) -> list[int]:
+def _check(model, over: str, layers, method: str = "patch") -> list[int]:
+    """The layers asked for, each checked against what `support(layer).analyses` says of `method` over `over`."""
     if over not in OVER:
         raise ValueError(f"over must be one of {', '.join(OVER)}; got {over!r}")
     chosen = (
@@ -149,13 +143,11 @@ def _check(model, over: str, layers) -> list[int]:
         if layers is None
         else sorted({model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
     )
-    key = OVER[over][0]
     for layer in chosen:
-        reason = model.support(layer)[key]
+        reason = model.support(layer).analyses[f"{method}:{over}"]
         if reason is not None:
-            raise Unavailable(
-                f"patching {over} on layer {layer} of {model.family.name}: {key} is unavailable ({reason})"
-            )
+            what = method.replace("_", " ")
+            raise Unavailable(f"{what} over {over} on layer {layer} of {model.family.name}: {reason}")
     return chosen
 
 
@@ -231,9 +223,7 @@ def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch
 def attribution_patching(model, clean, corrupt, metric, over: str = "heads", layers=None) -> PatchGrid:
     """The same grid estimated to first order: `gradient of the metric on the corrupted run . (clean - corrupt)`,
     one forward and one backward (eager only: vLLM runs without gradients)."""
-    if model.access.engine != "transformers":
-        raise Unavailable("attribution patching takes gradients, which vLLM does not compute; use the eager engine")
-    chosen = _check(model, over, layers)
+    chosen = _check(model, over, layers, "attribution_patching")
     clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
     if clean_ids.shape != corrupt_ids.shape:
         raise ValueError(
