@@ -91,6 +91,8 @@ def test_support_lists_the_analyses_as_eager_does_where_vllm_serves_them(llama):
     assert {name for name, reason in served.items() if reason is None} == {
         "attribution",
         "lens",
+        "patch:heads",
+        "patch:head_positions",
         "knock_out",
     }
     with pytest.raises(attnlens.Unavailable) as raised:
@@ -110,6 +112,34 @@ def test_the_output_projections_are_read_once_per_engine(llama):
     assert len(_MATRICES) == kept
     for layer in first.heads:
         assert torch.equal(first.heads[layer], second.heads[layer])
+
+
+@pytest.mark.parametrize("over", ["heads", "head_positions"])
+def test_patching_head_outputs_across_requests_equals_eager(llama, over):
+    """vLLM runs the clean prompt and the patched corrupted ones as requests of one batch, the clean request's head
+    outputs written into the others in the same forward: the grid is eager's `patch` on the same weights."""
+    from attnlens.analysis import logit_difference, patch
+
+    corrupt, layers = "Jello world, agaim", (None if over == "heads" else [1])
+    grids = [
+        patch(m, llama.prompt, corrupt, logit_difference(m, "a", "b"), over=over, layers=layers, batch_size=24)
+        for m in (llama.eager, llama.vllm)
+    ]
+    eager, served = grids
+    scale = max(abs(eager.clean), abs(eager.corrupt))
+    assert served.values.shape == eager.values.shape and served.layers == eager.layers
+    assert abs(served.clean - eager.clean) <= RTOL * max(1.0, scale)
+    assert abs(served.corrupt - eager.corrupt) <= RTOL * max(1.0, scale)
+    assert float(eager.effect.abs().max()) > 1e-3  # the patches move the metric, so agreeing means something
+    assert _close(served.values, eager.values, scale)
+    assert served.forwards == -(-served.values.numel() // 24)
+
+
+def test_a_vllm_run_patched_into_itself_changes_nothing(llama):
+    from attnlens.analysis import logit_difference, patch
+
+    grid = patch(llama.vllm, llama.prompt, llama.prompt, logit_difference(llama.vllm, "a", "b"), batch_size=16)
+    assert torch.allclose(grid.values, torch.full_like(grid.values, grid.clean), atol=1e-5)
 
 
 # --- tensor parallelism: two CPU ranks, one core each --------------------------------------------------------------

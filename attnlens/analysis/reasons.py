@@ -38,7 +38,7 @@ ANALYSES = {
     KNOCK_OUT: "edge knockouts (attnlens.analysis.knock_out)",
 }
 #: The grid kinds vLLM patches, each patch a request of one batch (`patching.patch`).
-VLLM_PATCHED: tuple[str, ...] = ()
+VLLM_PATCHED = ("heads", "head_positions")
 #: What the residual-stream analyses read on every layer.
 RESIDUAL = ("layer_input", "layer_output")
 #: What splitting a layer's attention by head and source reads.
@@ -217,7 +217,8 @@ def served(model, layer: int) -> dict[str, str | None]:
     for over, (key, _axes) in OVER.items():
         needs = report[key] and f"{key} is unavailable ({report[key]})"
         reasons[f"patch:{over}"] = needs or (
-            f"activation patching over {over} runs on the eager engine only; use StandardizedTransformer"
+            f"vLLM patches {' and '.join(VLLM_PATCHED)} only (each patch a request of one batch); use the eager "
+            f"engine"
             if vllm and over not in VLLM_PATCHED
             else None
         )
