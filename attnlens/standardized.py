@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -157,8 +158,9 @@ class StandardizedTransformer(Helpful, TransformersModel):
                 self.family.verify(self._module, i, layer._module, attention)
 
     def support(self, layer: int = 0) -> Support:
-        """Which values `layer` serves and, for each it doesn't, why. Answers before anything runs."""
-        return self.access.support(layer)
+        """Which values `layer` serves and, for each it doesn't, why (and `.analyses`: which analyses). Answers before
+        anything runs."""
+        return replace(self.access.support(layer), model=self)
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer`; values read at one location share a rank."""

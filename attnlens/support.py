@@ -1,14 +1,26 @@
-"""`support()`'s report: which values a layer serves and, for each that it doesn't, why."""
+"""`support()`'s report: which values a layer serves and, for each that it doesn't, why; and which analyses built on
+them (attribution, patching, ...) the layer serves, answered by the tools layer through `register_analyses`."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+#: (model, layer) -> {analysis: None or why not}: filled by the layers above (attnlens.analysis registers itself when
+#: imported, and importing attnlens imports it), so this layer names no analysis itself.
+_ANALYSES: list[Callable[[Any, int], dict[str, str | None]]] = []
+
+
+def register_analyses(answer: Callable[[Any, int], dict[str, str | None]]) -> None:
+    """Add `answer(model, layer)` to what `Support.analyses` reports (registering the same function twice is once)."""
+    if answer not in _ANALYSES:
+        _ANALYSES.append(answer)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,6 +36,18 @@ class Support(Mapping[str, str | None]):
     reasons: dict[str, str | None]
     #: What a served value means on this family and engine, where it says more than docs/values.md.
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: The engine's model the report is of (set by the engines; None in vLLM's worker): the analyses are asked of it.
+    model: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def analyses(self) -> dict[str, str | None]:
+        """Analysis (`"attribution"`, `"patch:heads"`, `"knock_out"`, ...) -> None (served on this layer) or why not.
+        Worked out on first use (each analysis probes the model's modules once), never in a run."""
+        found: dict[str, str | None] = {}
+        if self.model is not None:
+            for answer in _ANALYSES:
+                found.update(answer(self.model, self.layer))
+        return found
 
     def __getitem__(self, key: str) -> str | None:
         if key not in self.reasons:
@@ -54,6 +78,9 @@ class Support(Mapping[str, str | None]):
         for key, reason in self.reasons.items():
             status = "[green]available[/]" if reason is None else "[red]unavailable[/]"
             table.add_row(key, status, reason or self.notes.get(key, ""))
+        for name, reason in self.analyses.items():
+            status = "[green]served[/]" if reason is None else "[red]unavailable[/]"
+            table.add_row(f"analysis: {name}", status, reason or "")
         return table
 
     def __str__(self) -> str:

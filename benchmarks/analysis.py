@@ -5,8 +5,8 @@
 Times, in alternation after a warm-up, a plain forward of the IOI prompt (`model.trace` reading the logits) and
 `attnlens.attribution` of `logit(' Mary') - logit(' John')` at its last row (every layer split by head and source:
 30 layers x 9 heads x 15 sources, the final norm frozen), and reports the best round of each and their ratio. On vLLM
-(the `.venv-vllm` environment) the attribution runs in the worker and only the terms leave it; the plain forward is a
-one-token request read the same way.
+(the `.venv-vllm` environment) the attribution runs in the worker and only the terms leave it (the output projections'
+matrices read once per engine, in the warm-up); the plain forward is a one-token request read the same way.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ paths from the family, so it runs on every family (and, where said, on vLLM) tha
 `unavailable(model, layer)` says, per analysis, where it is not served and why.
 """
 
+from ..support import register_analyses
 from .attribution import Attribution, attribution
 from .knockout import knock_out, knocked
 from .lens import LogitLens, logit_lens
 from .patching import PatchGrid, agreement, attribution_patching, logit_difference, patch
-from .reasons import ANALYSES, unavailable
+from .reasons import ANALYSES, served, unavailable
+
+register_analyses(served)  # support(layer).analyses: what each engine's layer serves of these, and why not
 
 __all__ = [
     "ANALYSES",
@@ -24,5 +27,6 @@ __all__ = [
     "logit_difference",
     "logit_lens",
     "patch",
+    "served",
     "unavailable",
 ]

@@ -10,20 +10,14 @@ The metric takes the logits `[batch, seq, vocab]` and returns one number per row
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from itertools import product
 
 import torch
 
 from ..errors import Unavailable
-
-#: What can be patched: the value read and written, and the axes of the grid it gives.
-OVER = {
-    "heads": ("self_attn.attention_head_outputs", ("layer", "head")),
-    "head_positions": ("self_attn.attention_head_outputs", ("layer", "head", "position")),
-    "residual": ("layer_input", ("layer", "position")),
-    "patterns": ("self_attn.attention_probabilities", ("layer", "head")),
-}
+from .reasons import OVER
 
 
 def logit_difference(model, target, versus=None, row: int = -1):
@@ -141,7 +135,8 @@ def _pieces(model, over: str, layers: list[int], length: int) -> list[tuple]:
     return pieces
 
 
-def _check(model, over: str, layers) -> list[int]:
+def _check(model, over: str, layers, method: str = "patch") -> list[int]:
+    """The layers asked for, each checked against what `support(layer).analyses` says of `method` over `over`."""
     if over not in OVER:
         raise ValueError(f"over must be one of {', '.join(OVER)}; got {over!r}")
     chosen = (
@@ -149,13 +144,11 @@ def _check(model, over: str, layers) -> list[int]:
         if layers is None
         else sorted({model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)})
     )
-    key = OVER[over][0]
     for layer in chosen:
-        reason = model.support(layer)[key]
+        reason = model.support(layer).analyses[f"{method}:{over}"]
         if reason is not None:
-            raise Unavailable(
-                f"patching {over} on layer {layer} of {model.family.name}: {key} is unavailable ({reason})"
-            )
+            what = method.replace("_", " ")
+            raise Unavailable(f"{what} over {over} on layer {layer} of {model.family.name}: {reason}")
     return chosen
 
 
@@ -177,26 +170,99 @@ def clean_values(model, ids, key: str, layers: list[int]) -> dict[int, torch.Ten
     return {layer: value.detach() for layer, value in found.items()}
 
 
-def _run(model, ids, metric, key: str, patches: list[list[tuple]], clean: dict, batch: int) -> torch.Tensor:
-    """The metric of each batch row, row b patched with every piece of `patches[b]` from `clean`."""
+def _write(value, source, b: int, where: tuple, key: str) -> None:
+    """Put the piece `where` of `source` (batch row 0) into batch row `b` of `value`."""
+    if key == "layer_input" or key.endswith("attention_probabilities"):  # (position,)
+        value[b, where[0]] = source[0, where[0]]
+    elif len(where) == 1:  # a head, every position
+        value[b, :, where[0]] = source[0, :, where[0]]
+    else:  # a head at one position
+        value[b, where[1], where[0]] = source[0, where[1], where[0]]
+
+
+def _by_layer(patches: list[list[tuple]]) -> dict[int, list[tuple[int, tuple]]]:
     by_layer: dict[int, list[tuple[int, tuple]]] = {}
     for b, pieces in enumerate(patches):
         for piece in pieces:
             by_layer.setdefault(piece[0], []).append((b, piece[1:]))
+    return by_layer
+
+
+def _run(model, ids, metric, key: str, patches: list[list[tuple]], clean: dict, batch: int) -> torch.Tensor:
+    """The metric of each batch row, row b patched with every piece of `patches[b]` from `clean`."""
+    by_layer = _by_layer(patches)
     with torch.no_grad(), model.trace(ids[None].expand(len(patches), -1)):
         for layer in sorted(by_layer):
             host, name = _host(model, layer, key)
             value = getattr(host, name)
-            source = clean[layer]
             for b, where in by_layer[layer]:
-                if key == "layer_input" or key.endswith("attention_probabilities"):  # (position,)
-                    value[b, where[0]] = source[0, where[0]]
-                elif len(where) == 1:  # a head, every position
-                    value[b, :, where[0]] = source[0, :, where[0]]
-                else:  # a head at one position
-                    value[b, where[1], where[0]] = source[0, where[1], where[0]]
+                _write(value, clean[layer], b, where, key)
         out = metric(model.logits).save()
     return out.detach().float().cpu()
+
+
+#: In vLLM's worker: the clean request's values of the latest patching batch, for the patched requests of the same
+#: forward to read (each request's body is sent to the worker on its own, so they share no Python variable).
+_HANDED: dict = {}
+
+
+def hand_over(batch: str, layer: int, value: torch.Tensor) -> None:
+    """The clean request's `value` of `layer`, kept for the requests of `batch` (the previous batch's dropped)."""
+    if _HANDED.get("batch") != batch:
+        _HANDED.clear()
+        _HANDED["batch"] = batch
+    _HANDED[layer] = value.clone()
+
+
+def handed(batch: str, layer: int) -> torch.Tensor:
+    if _HANDED.get("batch") != batch or layer not in _HANDED:
+        raise RuntimeError(
+            f"patching on vLLM: the clean request's layer {layer} was not in this forward (vLLM scheduled the batch's "
+            f"requests apart); use a smaller batch_size"
+        )
+    return _HANDED[layer]
+
+
+def _run_requests(model, clean_ids, ids, key: str, patches: list[list[tuple]], layers: list[int]) -> torch.Tensor:
+    """vLLM: one batch of requests, the clean prompt's first and then one request of `ids` per entry of `patches`,
+    each patched with its pieces from the clean request's values in the same forward. The logits of each request
+    (`[requests, 1, vocab]`: vLLM's, the last position's), the clean request's first."""
+    by_layer = _by_layer(patches)
+    batch = uuid.uuid4().hex
+    with torch.no_grad(), model.trace(max_tokens=1, temperature=0.0) as tracer:
+        with tracer.invoke(clean_ids.tolist()):
+            for layer in layers:
+                host, name = _host(model, layer, key)
+                hand_over(batch, layer, getattr(host, name))
+            logits = model.logits.clone().save()  # saved by every request: comes back as their list, in order
+        for b in range(len(patches)):
+            with tracer.invoke(ids.tolist()):
+                for layer in sorted(by_layer):
+                    wanted = [where for row, where in by_layer[layer] if row == b]
+                    if wanted:
+                        host, name = _host(model, layer, key)
+                        value, source = getattr(host, name), handed(batch, layer)
+                        for where in wanted:
+                            _write(value, source, 0, where, key)
+                logits = model.logits.clone().save()
+    return torch.cat([found.float().cpu() for found in (logits if isinstance(logits, list) else [logits])])
+
+
+def _patch_requests(model, clean_ids, corrupt_ids, metric, key, pieces, layers, batch_size):
+    """vLLM's grid: `batch_size` patched requests per batch beside the clean one (the first batch also runs the
+    corrupted prompt unpatched). The metric of the clean run, of the corrupted one, of each patch; the forwards."""
+    values, clean, corrupt, forwards = [], None, None, 0
+    for start in range(0, len(pieces), batch_size):
+        group = [[piece] for piece in pieces[start : start + batch_size]]
+        logits = _run_requests(model, clean_ids, corrupt_ids, key, ([[]] if start == 0 else []) + group, layers)
+        scores = metric(logits).detach().float()
+        if start == 0:
+            clean, corrupt, scores = scores[0], scores[1], scores[2:]
+        else:
+            scores = scores[1:]
+        values.append(scores)
+        forwards += 1
+    return torch.cat(values), float(clean), float(corrupt), forwards
 
 
 def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch_size: int = 16) -> PatchGrid:
@@ -212,28 +278,29 @@ def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     key, axes = OVER[over]
-    sources = clean_values(model, clean_ids, key, chosen)
-    baseline = _run(model, corrupt_ids, metric, key, [[]], sources, 1)
-    reference = _run(model, clean_ids, metric, key, [[]], sources, 1)
     pieces = _pieces(model, over, chosen, len(clean_ids))
-    found, forwards = [], 2
-    for start in range(0, len(pieces), batch_size):
-        group = pieces[start : start + batch_size]
-        found.append(_run(model, corrupt_ids, metric, key, [[piece] for piece in group], sources, len(group)))
-        forwards += 1
-    values = torch.cat(found)
+    if model.access.engine == "vllm":
+        values, reference, baseline, forwards = _patch_requests(
+            model, clean_ids, corrupt_ids, metric, key, pieces, chosen, batch_size
+        )
+    else:
+        sources = clean_values(model, clean_ids, key, chosen)
+        baseline = float(_run(model, corrupt_ids, metric, key, [[]], sources, 1)[0])
+        reference = float(_run(model, clean_ids, metric, key, [[]], sources, 1)[0])
+        found, forwards = [], 2
+        for start in range(0, len(pieces), batch_size):
+            group = pieces[start : start + batch_size]
+            found.append(_run(model, corrupt_ids, metric, key, [[piece] for piece in group], sources, len(group)))
+            forwards += 1
+        values = torch.cat(found)
     shape = [len(chosen)] + [max(piece[i] for piece in pieces) + 1 for i in range(1, len(axes))]
-    return PatchGrid(
-        over, axes, values.view(shape), float(reference[0]), float(baseline[0]), "activation patching", forwards, chosen
-    )
+    return PatchGrid(over, axes, values.view(shape), reference, baseline, "activation patching", forwards, chosen)
 
 
 def attribution_patching(model, clean, corrupt, metric, over: str = "heads", layers=None) -> PatchGrid:
     """The same grid estimated to first order: `gradient of the metric on the corrupted run . (clean - corrupt)`,
     one forward and one backward (eager only: vLLM runs without gradients)."""
-    if model.access.engine != "transformers":
-        raise Unavailable("attribution patching takes gradients, which vLLM does not compute; use the eager engine")
-    chosen = _check(model, over, layers)
+    chosen = _check(model, over, layers, "attribution_patching")
     clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
     if clean_ids.shape != corrupt_ids.shape:
         raise ValueError(

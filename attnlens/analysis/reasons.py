@@ -16,13 +16,29 @@ import torch
 from ..family import Family
 from .norms import NormForm
 
+#: What can be patched: the value read and written, and the axes of the grid it gives.
+OVER = {
+    "heads": ("self_attn.attention_head_outputs", ("layer", "head")),
+    "head_positions": ("self_attn.attention_head_outputs", ("layer", "head", "position")),
+    "residual": ("layer_input", ("layer", "position")),
+    "patterns": ("self_attn.attention_probabilities", ("layer", "head")),
+}
 ATTRIBUTION = "attribution"
 LENS = "lens"
-#: The analyses `unavailable` answers for, and what each is.
+KNOCK_OUT = "knock_out"
+#: The analyses `unavailable` and `support().analyses` answer for, and what each is: one per patching grid kind.
 ANALYSES = {
     ATTRIBUTION: "direct attribution by head and source position (attnlens.attribution)",
     LENS: "the logit lens on the residual stream (attnlens.logit_lens)",
+    **{f"patch:{over}": f"activation patching over {over} (attnlens.patch(..., over={over!r}))" for over in OVER},
+    **{
+        f"attribution_patching:{over}": f"attribution patching over {over} (attnlens.attribution_patching)"
+        for over in OVER
+    },
+    KNOCK_OUT: "edge knockouts (attnlens.analysis.knock_out)",
 }
+#: The grid kinds vLLM patches, each patch a request of one batch (`patching.patch`).
+VLLM_PATCHED = ("heads", "head_positions")
 #: What the residual-stream analyses read on every layer.
 RESIDUAL = ("layer_input", "layer_output")
 #: What splitting a layer's attention by head and source reads.
@@ -184,16 +200,40 @@ def _split_reason(model, layer: int) -> str | None:
     return None
 
 
-def unavailable(model, layer: int) -> dict[str, str]:
-    """Analysis name (`ANALYSES`) -> why `layer` of `model` does not serve it; absent where it does. For
-    `attribution`, a layer that cannot be split by head still contributes its attention update as one term."""
+def served(model, layer: int) -> dict[str, str | None]:
+    """Every analysis (`ANALYSES`) -> None where `layer` of `model` serves it, else why not: what `support(layer)`
+    lists as its `analyses` (registered with the access layer when this package is imported)."""
     layer = model.access.check_layer(layer)
-    reasons = {}
+    report = model.support(layer)
     whole = model_reason(model)
+    reasons: dict[str, str | None] = dict.fromkeys(ANALYSES)
     if whole is not None:
-        reasons = dict.fromkeys(ANALYSES, whole)
+        reasons[ATTRIBUTION] = reasons[LENS] = whole
     else:
         split = split_reason(model, layer)
         if split is not None:
             reasons[ATTRIBUTION] = f"layer {layer}'s attention is not split by head and source: {split}"
+    vllm = model.access.engine == "vllm"
+    for over, (key, _axes) in OVER.items():
+        needs = report[key] and f"{key} is unavailable ({report[key]})"
+        reasons[f"patch:{over}"] = needs or (
+            f"vLLM patches {' and '.join(VLLM_PATCHED)} only (each patch a request of one batch); use the eager "
+            f"engine"
+            if vllm and over not in VLLM_PATCHED
+            else None
+        )
+        reasons[f"attribution_patching:{over}"] = (
+            "attribution patching takes gradients, which vLLM does not compute; use the eager engine"
+            if vllm
+            else needs or None
+        )
+    probabilities = report["self_attn.attention_probabilities"]
+    if probabilities is not None:
+        reasons[KNOCK_OUT] = f"attention_probabilities is unavailable ({probabilities})"
     return reasons
+
+
+def unavailable(model, layer: int) -> dict[str, str]:
+    """Analysis name (`ANALYSES`) -> why `layer` of `model` does not serve it; absent where it does. For
+    `attribution`, a layer that cannot be split by head still contributes its attention update as one term."""
+    return {name: reason for name, reason in served(model, layer).items() if reason is not None}

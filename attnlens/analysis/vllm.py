@@ -4,17 +4,20 @@
 The client holds vLLM's modules on the meta device: it knows their classes (which form the final norm has), not
 their weights. vLLM's output projection is a `RowParallelLinear` (`[hidden, heads * head_dim]`, `weight` as a
 `Linear`'s), its norms `RMSNorm` (`weight * x / rms`) or `GemmaRMSNorm` (`(1 + weight) * ...`), its unembedding a
-`ParallelLMHead` whose vocabulary is padded (the padding rows are dropped). Tensor parallelism shards the output
-projection over heads, so the analyses refuse it.
+`ParallelLMHead` whose vocabulary is padded (the padding rows are dropped). Under tensor parallelism each rank holds
+its heads' columns of the output projection and its share of the vocabulary: every rank gathers the whole matrices
+(once per weights, as on one rank), while the values the sums read are already every rank's heads (views.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
 
 from ..errors import Unavailable
+from ..locations.views import tensor_parallel
 from .norms import NormForm, _eps
 
 #: vLLM's norm classes and the form each computes.
@@ -25,21 +28,8 @@ NORM_CLASSES = {
 }
 
 
-def tensor_parallel(model) -> int:
-    engine = getattr(model, "vllm_entrypoint", None)
-    try:
-        return int(engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
-    except AttributeError:
-        return 1
-
-
 def final_norm_form(model) -> NormForm | str:
     """The final norm's form from its class (its weight is read in the worker), or why it has none."""
-    if tensor_parallel(model) > 1:
-        return (
-            "tensor parallelism shards the output projection over heads; the analyses run on one rank "
-            "(tensor_parallel_size=1)"
-        )
     module = model._module.get_submodule(model.family.path("final_norm", "vllm"))
     name = type(module).__name__
     if name not in NORM_CLASSES:
@@ -48,23 +38,62 @@ def final_norm_form(model) -> NormForm | str:
     return NormForm(form, name, centred, torch.empty(0), None, _eps(module), enters)
 
 
+#: Per output projection module of this worker: its weights' identity and the matrix read from them. Reading the
+#: matrix runs vLLM's matmul on the identity, so it is done once per weights, not per call; the identity changes when
+#: vLLM packs the weights anew (a new `cpu_linear` kernel) or the weight tensor is edited in place (its version).
+_MATRICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights_identity(projection) -> tuple:
+    weight = projection.weight
+    return getattr(projection, "cpu_linear", None), weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
+def _gathered(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every tensor-parallel rank's share of `x` joined along `dim`, in rank order (each rank calls it: the worker
+    runs the same body on every rank)."""
+    if tensor_parallel()[0] == 1:
+        return x
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
+
+
+def _cached(module, read) -> torch.Tensor:
+    """`read()` of `module`'s weights, kept until they change."""
+    identity = _weights_identity(module)
+    cached = _MATRICES.get(module)
+    if cached is None or cached[0] != identity:  # the kernel is compared by identity (functions' equality), held
+        cached = _MATRICES[module] = (identity, read())
+    return cached[1]
+
+
 def projection_weights(projection, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """vLLM's output projection as [hidden, width] and its bias, read by running its own matmul (`quant_method`) on the
-    identity: vLLM's CPU backend packs the weight for its kernels and leaves `weight` empty."""
-    weight = projection.weight
-    basis = torch.eye(width, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        matrix = projection.quant_method.apply(projection, basis, None).float().T.contiguous()
-    bias = getattr(projection, "bias", None)
-    return matrix, None if bias is None else bias.detach().float()
+    identity: vLLM's CPU backend packs the weight for its kernels and leaves `weight` empty. Under tensor parallelism
+    each rank reads its heads' columns and the ranks' are joined. Cached per weights."""
+
+    def read() -> torch.Tensor:
+        weight = projection.weight
+        local = getattr(projection, "input_size_per_partition", width)  # this rank's heads * head_dim
+        basis = torch.eye(local, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            matrix = projection.quant_method.apply(projection, basis, None).float().T.contiguous()
+        return _gathered(matrix, 1)
+
+    bias = getattr(projection, "bias", None)  # whole on every rank (the all-reduce adds it once)
+    return _cached(projection, read), None if bias is None else bias.detach().float()
 
 
 def unembedding(module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """vLLM's unembedding (`module`: its model, in the worker)."""
+    """vLLM's unembedding (`module`: its model, in the worker), its padded vocabulary whole on every rank."""
     head = getattr(module, "lm_head", None)
     if head is None or getattr(head, "weight", None) is None:
         raise Unavailable("attribution on vLLM: the model has no lm_head to read tokens with")
-    return head.weight, getattr(head, "bias", None)
+    bias = getattr(head, "bias", None)
+    if tensor_parallel()[0] == 1:
+        return head.weight, bias
+    return _cached(head, lambda: _gathered(head.weight.detach(), 0)), None if bias is None else _gathered(bias, 0)
 
 
 def prepare(model, plan, prepare_weights) -> None:

@@ -193,7 +193,7 @@ class StandardizedVLLM(Helpful, VLLM):
         """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt. On an engine
         running vLLM's compiled model (`compiled`), only the static taps are served, and every other value says that
         it needs the eager engine."""
-        found = self.access.support(layer)
+        found = replace(self.access.support(layer), model=self)  # the model: for `.analyses`
         if not self.compiled:
             return found
         layer = self.access.check_layer(layer)
