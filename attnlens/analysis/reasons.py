@@ -217,8 +217,7 @@ def served(model, layer: int) -> dict[str, str | None]:
     for over, (key, _axes) in OVER.items():
         needs = report[key] and f"{key} is unavailable ({report[key]})"
         reasons[f"patch:{over}"] = needs or (
-            f"vLLM patches {' and '.join(VLLM_PATCHED)} only (each patch a request of one batch); use the eager "
-            f"engine"
+            f"vLLM patches {' and '.join(VLLM_PATCHED)} only (each patch a request of one batch); use the eager engine"
             if vllm and over not in VLLM_PATCHED
             else None
         )

@@ -22,7 +22,8 @@ class Olmo(Llama):
                 lambda family, config, layer, after=after: (
                     None
                     if (clip := getattr(config, "clip_qkv", None)) is None
-                    else f"clamped in place to [-{clip}, {clip}] by the projection{after}; edits here are not clamped again"
+                    else f"clamped in place to [-{clip}, {clip}] by the projection{after}; "
+                    "edits here are not clamped again"
                 )
             )
             for name, after in (

@@ -276,4 +276,3 @@ class RequestCaches:
         keys = gathered_heads(keys, heads.qk_head_dim, heads.num_kv_heads)
         scores = worker.family.scores(heads, worker.config, queries, keys, layer)
         return worker.family.softmax(self.hide_scores(state, layer, scores), worker.sinks.get(layer))[0]
-
