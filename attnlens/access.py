@@ -236,7 +236,13 @@ class Access:
 
     def read(self, envoy, name: str) -> Any:
         plan = self._plans.get((envoy.path, name)) or self.plan(envoy, name)
-        value = self._at(plan, plan.location.read, envoy)
+        running = mediator()
+        if running is not None:
+            self._check(running, plan)
+        try:
+            value = plan.location.read(envoy)
+        except (OutOfOrderError, AttributeError) as error:
+            raise self._failure(plan, error) from error
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -248,39 +254,43 @@ class Access:
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
         if not location.writable:
             raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {location.why_not}")
-        current = self._at(plan, location.read, envoy)
-        self._at(plan, location.write, envoy, self.conform(name, layer, current, new))
-
-    def _at(self, plan: Plan, act: Callable[..., Any], *args: Any) -> Any:
-        """`act(*args)` at `plan`'s value, after the checks every access makes: no copy handed out was edited in
-        place, and the forward has not passed the value in this step."""
         running = mediator()
         if running is not None:
-            state = running.__dict__
-            copies = self.run_copies if self.run_copies is not None else state.get("attnlens_copies")
-            if copies:
-                self.check_copies(copies)
-            # Refuse a value the forward computes before the one read last in this step, before nnsight is asked:
-            # it would fail, or under generate serve the value from a later step.
-            reads = state.get("attnlens_reads")
-            if reads is None:
-                reads = state["attnlens_reads"] = Reads()
-            step = running.iteration
-            if step is None:  # nnsight relaxes a pinned step to None once served: it is still this step
-                step = reads.step
-            else:
-                reads.step = step
-            if reads.reads:
-                last, last_step = reads.reads[-1]
-                if last_step == step and last.order > plan.order:
-                    raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
-            reads.reads.append((plan, step))
+            self._check(running, plan)
         try:
-            return act(*args)
-        except OutOfOrderError as error:
-            raise (self.order_error(plan) or error) from error
-        except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
-            raise RuntimeError(f"reading {describe(plan.name, plan.layer)} on {self.family.name}: {error}") from error
+            location.write(envoy, self.conform(name, layer, location.read(envoy), new))
+        except (OutOfOrderError, AttributeError) as error:
+            raise self._failure(plan, error) from error
+
+    def _check(self, running, plan: Plan) -> None:
+        """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
+        forward has not passed the value in this step."""
+        state = running.__dict__
+        copies = self.run_copies if self.run_copies is not None else state.get("attnlens_copies")
+        if copies:
+            self.check_copies(copies)
+        # Refuse a value the forward computes before the one read last in this step, before nnsight is asked: it
+        # would fail, or under generate serve the value from a later step.
+        reads = state.get("attnlens_reads")
+        if reads is None:
+            reads = state["attnlens_reads"] = Reads()
+        step = running.iteration
+        if step is None:  # nnsight relaxes a pinned step to None once served: it is still this step
+            step = reads.step
+        else:
+            reads.step = step
+        if reads.reads:
+            last, last_step = reads.reads[-1]
+            if last_step == step and last.order > plan.order:
+                raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
+        reads.reads.append((plan, step))
+
+    def _failure(self, plan: Plan, error: Exception) -> Exception:
+        """What a failed read or write raises: nnsight's out-of-order error naming the values; an AttributeError
+        as a RuntimeError (inside a property Python would retry through Envoy.__getattr__ and hide it)."""
+        if isinstance(error, OutOfOrderError):
+            return self.order_error(plan) or error
+        return RuntimeError(f"reading {describe(plan.name, plan.layer)} on {self.family.name}: {error}")
 
     def order_error(self, plan: Plan) -> OrderError | None:
         """nnsight's out-of-order error, naming the values (None where it was a `tracer.iter` loop outrunning the
