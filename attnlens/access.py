@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -24,6 +24,34 @@ from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
 
 def describe(name: str, layer: int | None) -> str:
     return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
+
+
+#: Ranks within one block are far below this: a (block, rank) position packs into one integer, so the order check on
+#: every read compares two ints.
+_RANKS = 1 << 12
+
+
+class Plan(NamedTuple):
+    """What a read of one value on one envoy needs, worked out on its first read: reads run per layer and per step,
+    and nnsight's own handoff is the cost that should remain."""
+
+    name: str
+    layer: int | None
+    location: Location
+    #: `position` packed into one integer (forward order is integer order).
+    order: int
+    #: Why an in-place edit of what is read cannot reach the model (None: it can, the tensor is the forward's own).
+    copy: str | None
+
+
+class Reads:
+    """What one nnsight mediator (one invoke) has read: the step it is in and every read, in order."""
+
+    __slots__ = ("reads", "step")
+
+    def __init__(self) -> None:
+        self.step: int = 0
+        self.reads: list[tuple[Plan, int]] = []  # (what was read, the step it was read in)
 
 
 class Access:
@@ -43,11 +71,11 @@ class Access:
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
         self._orders: dict[int, dict[str, int]] = {}
-        # A read resolves its location, its place in the forward and its envoy's layer once: reads run per layer,
-        # per step, and nnsight's own handoff is the cost that should remain.
+        # A read resolves its location, its place in the forward and its envoy's layer once (`Plan`).
         self._resolved: dict[tuple[str, int | None], Location] = {}
         self._positions: dict[tuple[str, int | None], tuple[int, int]] = {}
         self._layers: dict[str, int] = {}
+        self._plans: dict[tuple[str, str], Plan] = {}  # (envoy path, value name) -> plan
         self._rebuild_patterns = rebuild_patterns
         self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.path('layers', engine))}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).
@@ -107,6 +135,7 @@ class Access:
         self._orders.clear()
         self._resolved.clear()
         self._positions.clear()
+        self._plans.clear()
 
     def reasons(self, layer: int | None) -> dict[str, str]:
         """Value name -> why it is unavailable on `layer` (None: the model's own values)."""
@@ -194,61 +223,89 @@ class Access:
 
     # --- reading and writing -------------------------------------------------------------------------------------
 
-    def read(self, envoy, name: str, layer: int | None) -> Any:
-        location = self.location(name, layer)
-        value = self._at(name, layer, location.read, envoy)
-        if not location.in_place and isinstance(value, torch.Tensor):
-            value = self.guard(value, name, layer, location.why_not or "it is a copy of what the forward holds")
+    def plan(self, envoy, name: str) -> Plan:
+        """How `name` is read on `envoy` (a block, its attention or MLP, or the model for the model's values);
+        `Unavailable` where it is not served (not kept: the reason is given on every read)."""
+        found = self._plans.get((envoy.path, name))
+        if found is None:
+            layer = None if BY_NAME[name].scope == "model" else self.layer_of(envoy)
+            location = self.location(name, layer)
+            block, rank = self.position(name, layer)
+            copy = None if location.in_place else location.why_not or "it is a copy of what the forward holds"
+            found = Plan(name, layer, location, (block + 1) * _RANKS + rank + 1, copy)
+            self._plans[envoy.path, name] = found
+        return found
+
+    def read(self, envoy, name: str) -> Any:
+        plan = self._plans.get((envoy.path, name)) or self.plan(envoy, name)
+        running = mediator()
+        if running is not None:
+            self._check(running, plan)
+        try:
+            value = plan.location.read(envoy)
+        except (OutOfOrderError, AttributeError) as error:
+            raise self._failure(plan, error) from error
+        if plan.copy is not None and isinstance(value, torch.Tensor):
+            value = self.guard(value, name, plan.layer, plan.copy)
         return value
 
-    def write(self, envoy, name: str, layer: int | None, new: Any) -> None:
-        location = self.location(name, layer)
+    def write(self, envoy, name: str, new: Any) -> None:
+        plan = self.plan(envoy, name)
+        layer, location = plan.layer, plan.location
         registry = self._registry()  # assigning a value settles in-place edits of its copies: they land now
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
         if not location.writable:
             raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {location.why_not}")
-        current = self._at(name, layer, location.read, envoy)
-        self._at(name, layer, location.write, envoy, self.conform(name, layer, current, new))
-
-    def _at(self, name: str, layer: int | None, act: Callable[..., Any], *args: Any) -> Any:
-        """`act(*args)` at `name` of `layer`, after the checks every access makes: no copy handed out was edited in
-        place, and the forward has not passed the value in this step."""
         running = mediator()
         if running is not None:
-            copies = self.run_copies if self.run_copies is not None else running.__dict__.get("attnlens_copies")
-            if copies:
-                self.check_copies(copies)
-            self._in_order(running, name, layer)
+            self._check(running, plan)
         try:
-            return act(*args)
-        except OutOfOrderError as error:
-            raise (self.order_error(name, layer) or error) from error
-        except AttributeError as error:  # inside a property Python would retry through Envoy.__getattr__ and hide it
-            raise RuntimeError(f"reading {describe(name, layer)} on {self.family.name}: {error}") from error
+            location.write(envoy, self.conform(name, layer, location.read(envoy), new))
+        except (OutOfOrderError, AttributeError) as error:
+            raise self._failure(plan, error) from error
 
-    def _in_order(self, found, name: str, layer: int | None) -> None:
-        """Refuse a value the forward computes before the one read last in this step, before nnsight is asked: it
-        would fail, or under generate serve the value from a later step."""
-        reads = found.__dict__.setdefault("attnlens_reads", [])
-        step = found.iteration if found.iteration is not None else found.__dict__.get("attnlens_step", 0)
-        found.attnlens_step = step  # nnsight relaxes a pinned step to None once served: it is still this step
-        position = self.position(name, layer)
-        if reads and reads[-1][2] == step and reads[-1][3] > position:
-            raise OrderError(self._order_message(name, layer, *reads[-1][:2]))
-        reads.append((name, layer, step, position))
+    def _check(self, running, plan: Plan) -> None:
+        """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
+        forward has not passed the value in this step."""
+        state = running.__dict__
+        copies = self.run_copies if self.run_copies is not None else state.get("attnlens_copies")
+        if copies:
+            self.check_copies(copies)
+        # Refuse a value the forward computes before the one read last in this step, before nnsight is asked: it
+        # would fail, or under generate serve the value from a later step.
+        reads = state.get("attnlens_reads")
+        if reads is None:
+            reads = state["attnlens_reads"] = Reads()
+        step = running.iteration
+        if step is None:  # nnsight relaxes a pinned step to None once served: it is still this step
+            step = reads.step
+        else:
+            reads.step = step
+        if reads.reads:
+            last, last_step = reads.reads[-1]
+            if last_step == step and last.order > plan.order:
+                raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
+        reads.reads.append((plan, step))
 
-    def order_error(self, name: str, layer: int | None) -> OrderError | None:
+    def _failure(self, plan: Plan, error: Exception) -> Exception:
+        """What a failed read or write raises: nnsight's out-of-order error naming the values; an AttributeError
+        as a RuntimeError (inside a property Python would retry through Envoy.__getattr__ and hide it)."""
+        if isinstance(error, OutOfOrderError):
+            return self.order_error(plan) or error
+        return RuntimeError(f"reading {describe(plan.name, plan.layer)} on {self.family.name}: {error}")
+
+    def order_error(self, plan: Plan) -> OrderError | None:
         """nnsight's out-of-order error, naming the values (None where it was a `tracer.iter` loop outrunning the
         run, which ends that way by design)."""
         found = mediator()
         if found is None or getattr(found, "iteration", 0) != 0:
             return None
-        position = self.position(name, layer)
-        later = [read[:2] for read in found.__dict__.get("attnlens_reads", []) if read[3] > position]
+        reads = found.__dict__.get("attnlens_reads")
+        later = [read for read, _ in reads.reads if read.order > plan.order] if reads is not None else []
         if later:
-            return OrderError(self._order_message(name, layer, *later[-1]))
+            return OrderError(self._order_message(plan.name, plan.layer, later[-1].name, later[-1].layer))
         return OrderError(
-            f"{describe(name, layer)} was requested after the forward pass had computed it; read "
+            f"{describe(plan.name, plan.layer)} was requested after the forward pass had computed it; read "
             f"values in forward order (model.order(layer) gives it)"
         )
 

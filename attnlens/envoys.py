@@ -21,11 +21,10 @@ SUBLAYERS = {"self_attn": "attention", "mlp": "mlp"}
 
 
 def value_property(value: Value) -> property:
-    name, per_layer = value.name, value.scope != "model"
+    name = value.name
 
     def read(envoy):
-        access = access_of(envoy)
-        return access.read(envoy, name, access.layer_of(envoy) if per_layer else None)
+        return envoy.interleaver.attnlens.read(envoy, name)  # access_of(envoy), inlined: this runs on every read
 
     def write(envoy, new):
         if isinstance(new, Envoy):  # nnsight mounting a submodule named after this value (Inkling 2's `mlp_input`)
@@ -33,8 +32,7 @@ def value_property(value: Value) -> property:
             object.__setattr__(envoy, mounted, new)
             envoy._aliases[mounted] = name
             return
-        access = access_of(envoy)
-        access.write(envoy, name, access.layer_of(envoy) if per_layer else None, new)
+        access_of(envoy).write(envoy, name, new)
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
 

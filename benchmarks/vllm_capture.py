@@ -1,7 +1,7 @@
 """What capturing a pattern on every step costs on vLLM: greedy generation of many prompts, plain and captured.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
-        [--repeats 3] [--tp]
+        [--repeats 3] [--no-traced] [--no-heads] [--tp]
 
 Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
 builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
@@ -12,8 +12,12 @@ L's `attention_probabilities` on every step of every prompt). Then the memory at
 after the traced run (0: earlier keys are read from the cache; the copy the earlier design kept is given for
 comparison). The engines are built side by side and timed in alternation after a warm-up, so load from other
 processes falls on all alike; the best of `--repeats` rounds is reported. Every prompt generates exactly `--tokens`
-tokens. `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1 key/value
-head: its heads divide over two ranks; SmolLM2's 9 do not).
+tokens. Head summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, summed inside the
+worker, on the engine for traces) are timed beside plain vLLM at its defaults prefilling the same sequences (one
+token each, salted out of the prefix cache as the summaries' traced requests are). `--tp` adds the same rows on two
+tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1 key/value head: its heads divide over two ranks;
+SmolLM2's 9 do not). Progress (each engine built, each run) and the load average go to stdout as they happen, so a
+run on a loaded machine shows where it is.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import uuid
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -28,6 +33,7 @@ os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 import torch
 
 import attnlens
+from attnlens.heads import head_summaries, repeated_tokens
 
 SUBJECTS = ["France", "the sea", "the Moon", "a new language", "colours", "Python", "the weather", "music"]
 STARTS = ["Tell me about {}.", "Three facts about {}:", "A short poem about {}:", "Why does {} matter?"]
@@ -36,30 +42,51 @@ PROMPTS = [start.format(subject) for start in STARTS for subject in SUBJECTS]
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20, seed=0)
 
 
+def say(text: str) -> None:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"  [{time.strftime('%H:%M:%S')} load {load}] {text}", flush=True)
+
+
 def interleaved(runs: dict, repeats: int) -> dict:
     """Each run once as a warm-up, then `repeats` rounds taking every run in turn. Returns each run's best time."""
-    for fn in runs.values():
+    for name, fn in runs.items():
+        start = time.perf_counter()
         fn()
+        say(f"warm-up: {name} {time.perf_counter() - start:.2f} s")
     times = {name: [] for name in runs}
-    for _ in range(repeats):
+    for round in range(repeats):
         for name, fn in runs.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-        print("  round: " + ", ".join(f"{t[-1]:.2f}" for t in times.values()) + " s", flush=True)
+        say(f"round {round + 1}/{repeats}: " + ", ".join(f"{t[-1]:.2f}" for t in times.values()) + " s")
     return {name: min(t) for name, t in times.items()}
 
 
-def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **engine) -> dict:
+def built(what: str, make):
+    start = time.perf_counter()
+    found = make()
+    say(f"built {what} in {time.perf_counter() - start:.0f} s")
+    return found
+
+
+def rows_for(
+    path: str, prompts: list, tokens: int, layer: int, repeats: int, traced: bool, heads: bool, **engine
+) -> tuple:
     from vllm import LLM, SamplingParams
 
     sampling = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm = LLM(path, **engine)  # vLLM's defaults
-    eager = LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine)
-    static = attnlens.StandardizedVLLM(path, static_points=[f"attn_probs.{layer}"], **engine)
+    llm = built("plain vLLM (defaults)", lambda: LLM(path, **engine))
+    eager = built(
+        "plain vLLM (eager)",
+        lambda: LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine),
+    )
+    points = [f"attn_probs.{layer}"]
+    static = built("attnlens static capture", lambda: attnlens.StandardizedVLLM(path, static_points=points, **engine))
     assert static.compiled
-    model = attnlens.StandardizedVLLM(path, **engine)
+    model = built("attnlens engine for traces", lambda: attnlens.StandardizedVLLM(path, **engine))
     attn = model.layers[layer].self_attn
+    sequences = [ids.tolist() for ids in repeated_tokens(model, 50, 8, 0)]
 
     def plain():
         llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
@@ -74,7 +101,7 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
         results = static.static_generate(prompts, **sampling)
         assert len(results) == len(prompts) and len(results[0].steps) == tokens
 
-    def traced():
+    def traced_capture():
         with torch.no_grad(), model.trace(**sampling) as tracer:
             for prompt in prompts:
                 with tracer.invoke(prompt):
@@ -83,16 +110,27 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
                         saved.append(attn.attention_probabilities)
         assert len(saved) == len(prompts) and len(saved[0]) == tokens
 
-    rows = interleaved(
-        {
-            "plain vLLM": plain,
-            "plain vLLM, eager (as for traces)": plain_eager,
-            f"static capture, layer {layer} pattern": captured_statically,
-            "attnlens engine for traces, no trace": untraced,
-            f"traced capture, layer {layer} pattern": traced,
-        },
-        repeats,
-    )
+    def prefill_plain():  # salted: each round computes the prefill, as the summaries' traced requests do
+        salt = uuid.uuid4().hex
+        requests = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in sequences]
+        llm.generate(requests, SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def summaries():
+        found = head_summaries(model, length=50, sequences=8, seed=0, progress=False)
+        assert len(found.layers) == model.num_layers
+
+    runs = {
+        "plain vLLM": plain,
+        "plain vLLM, eager (as for traces)": plain_eager,
+        f"static capture, layer {layer} pattern": captured_statically,
+        "attnlens engine for traces, no trace": untraced,
+    }
+    if traced:
+        runs[f"traced capture, layer {layer} pattern"] = traced_capture
+    if heads:
+        runs["plain vLLM, prefill of 8 x 101 tokens"] = prefill_plain
+        runs["head summaries, every layer, same 8 x 101 (in the worker)"] = summaries
+    rows = interleaved(runs, repeats)
     cache = model.vllm_entrypoint.collective_rpc("attnlens_cache_bytes")
     held = [stats["bytes"] for stats in model.kept()]
     c = model.text_config
@@ -108,10 +146,12 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, **
 
 def report(title: str, found: tuple) -> None:
     rows, memory = found
-    base = rows["plain vLLM"]
     width = max(map(len, [*rows, *memory]))
     print(title)
+    base = rows["plain vLLM"]
     for name, seconds in rows.items():
+        if name.startswith("plain vLLM, prefill"):
+            base = seconds  # the head summaries' rows compare with plain prefill of the same sequences
         print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / base:5.2f}x")
     for name, size in memory.items():
         sizes = size if isinstance(size, list) else [size]
@@ -124,6 +164,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-traced", dest="traced", action="store_false", help="leave out the traced capture")
+    parser.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head summaries")
     parser.add_argument("--tp", action="store_true", help="also two tensor-parallel ranks, on Gemma-3-270M")
     args = parser.parse_args()
     prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
@@ -142,10 +184,13 @@ def main() -> None:
         args.tokens,
         args.layer,
         args.repeats,
+        args.traced,
+        args.heads,
         distributed_executor_backend="uni",
         **ENGINE,
     )
     report("SmolLM2-135M, one process", rows)
+    say("done, one process")
     if args.tp:
         from vllm import envs
 
@@ -157,6 +202,8 @@ def main() -> None:
             args.tokens,
             9,
             args.repeats,
+            args.traced,
+            args.heads,
             distributed_executor_backend="mp",
             tensor_parallel_size=2,
             **ENGINE,

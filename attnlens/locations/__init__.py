@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from greenlet import getcurrent
+
 #: nnsight's name for the call of transformers' shared attention interface inside an attention forward (its
 #: `attention_interface_0` is the assignment that picks the function).
 INTERFACE_CALL = "attention_interface_1"
@@ -40,14 +42,14 @@ def attach(interleaver, found: Context) -> None:
 
 def mediator():
     """The nnsight mediator running the current trace body (None outside one)."""
-    from greenlet import getcurrent
-
     reference = getattr(getcurrent(), "mediator", None)
     return reference() if reference is not None else None
 
 
 def child(envoy, path: str):
     """The envoy at the dotted `path` below `envoy` (`""`: itself); digits index a module list."""
+    if not path:  # most locations sit on the envoy itself; this runs on every read
+        return envoy
     for part in filter(None, path.split(".")):
         envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
     return envoy
