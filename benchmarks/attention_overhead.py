@@ -104,8 +104,9 @@ def floor(rounds: int, layers: int = 32, tokens: int = 16) -> None:
             wall[name].append(time.perf_counter() - start)
     torch.set_num_threads(threads)
     reads = len(names) * layers
-    print(f"\nfloor: tiny Llama, {layers} layers, hidden 64, {tokens} tokens, {reads} reads, 1 thread, "
-          f"best of {rounds}")
+    print(
+        f"\nfloor: tiny Llama, {layers} layers, hidden 64, {tokens} tokens, {reads} reads, 1 thread, best of {rounds}"
+    )
     print(f"  {'run':<20}{'wall ms':>9}{'cpu ms':>9}{'x hand':>8}")
     hand = min(cpu["nnsight by hand"])
     for name in runs:
