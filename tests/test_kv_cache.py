@@ -67,6 +67,31 @@ def test_the_cache_at_a_step_is_what_the_earlier_steps_attention_received(model)
         assert torch.equal(keys, saved[step - 1][3]) and torch.equal(values, saved[step - 1][4])
 
 
+def test_a_cache_of_repeated_heads_is_served_per_key_value_head():
+    """Falcon's new decoder architecture caches each key/value head repeated for every query head of its group: the
+    cache is served as [batch, num_kv_heads, ...] (what its attention received), and a write lands in every copy."""
+    falcon = attnlens.models.tiny("falcon:new_architecture")
+    kv_heads = falcon.layers[LAYER].self_attn.num_kv_heads
+    new_key = torch.randn(1, kv_heads, falcon.layers[LAYER].self_attn.qk_head_dim)
+
+    def body(step, attn, saved):
+        cached = attn.attention_cache_keys.clone()
+        if step == 1:
+            edited = cached.clone()
+            edited[:, :, POSITION] = new_key
+            attn.attention_cache_keys = edited
+        saved[step] = (cached, attn.attention_keys.clone())
+
+    def edit(cache):
+        repeats = cache.layers[LAYER].keys.shape[1] // kv_heads
+        cache.layers[LAYER].keys[:, :, POSITION] = new_key.repeat_interleave(repeats, dim=1)
+
+    saved, logits = generate(falcon, body, steps=2)
+    assert falcon._module.config.num_attention_heads > kv_heads
+    assert saved[1][0].shape[1] == kv_heads and torch.equal(saved[1][0], saved[0][1])
+    assert torch.allclose(logits[1], by_hand(falcon, edit=edit), atol=1e-5)
+
+
 def test_an_overwritten_key_moves_the_next_step_as_transformers_run_on_the_edited_cache(model):
     new_key = torch.randn(1, model.layers[LAYER].self_attn.num_kv_heads, model.layers[LAYER].self_attn.qk_head_dim)
 

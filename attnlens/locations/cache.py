@@ -223,6 +223,15 @@ class _Transformers:
             out[:, : found.shape[1]] = found[:, : self.seen]
         return out
 
+    def _repeats(self) -> int:
+        """How many copies of each key/value head the cache holds: 1, or the group size where transformers caches
+        keys already repeated per query head (Falcon's new decoder architecture), each head's copies side by side."""
+        cached, heads = self.entry.keys.shape[1], context(self.envoy).geometry(self.layer).num_kv_heads
+        return cached // heads if cached != heads and cached % heads == 0 else 1
+
+    def _heads(self, held: torch.Tensor) -> torch.Tensor:
+        return held[:, :: self._repeats()] if self._repeats() > 1 else held
+
     def read(self, which: int) -> torch.Tensor:
         if which == 2:
             visible = ~self.removed()
@@ -230,7 +239,7 @@ class _Transformers:
             return visible
         if not self.seen:
             return self._empty(which)
-        held = (self.entry.keys, self.entry.values)[which]
+        held = self._heads((self.entry.keys, self.entry.values)[which])
         if not self.start:
             return held.clone()
         out = held.new_zeros(*held.shape[:2], self.seen, held.shape[-1])
@@ -257,7 +266,7 @@ class _Transformers:
         check_window(current, new, self.start, NAMES[which], self.layer)
         if not self.seen:
             return
-        kept = new[:, :, self.start :].contiguous()
+        kept = new[:, :, self.start :].repeat_interleave(self._repeats(), dim=1).contiguous()
         if which == 0:
             self.entry.keys = kept
         else:
