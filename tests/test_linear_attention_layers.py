@@ -183,6 +183,9 @@ def test_mixture_of_experts_layers_have_no_single_activation():
 FULL_ORDER = [
     "layer_input",
     "attention_norm_output",
+    "self_attn.attention_cache_keys",
+    "self_attn.attention_cache_values",
+    "self_attn.attention_cache_visible",
     "self_attn.attention_queries",
     "self_attn.attention_keys",
     "self_attn.attention_key_positions",

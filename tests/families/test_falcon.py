@@ -119,6 +119,7 @@ def test_falcon_parallel_mlp_output_is_a_snapshot_before_the_in_place_add():
 
 
 ATTENTION_ORDER = [
+    "self_attn.attention_cache_keys",  # the cache as the attention enters (values and visibility share its rank)
     "self_attn.attention_queries",
     "self_attn.attention_keys",
     "self_attn.attention_scores",

@@ -8,6 +8,9 @@ def test_order_with_and_without_the_parallel_residual():
     head = [
         "layer_input",
         "attention_norm_output",
+        "self_attn.attention_cache_keys",
+        "self_attn.attention_cache_values",
+        "self_attn.attention_cache_visible",
         "self_attn.attention_queries",
         "self_attn.attention_keys",
         "self_attn.attention_key_positions",
