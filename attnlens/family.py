@@ -24,6 +24,7 @@ from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .locations.cache import with_cache
 from .parts.identities import Identities, MLPArithmetic  # noqa: F401  (re-exported: families build MLPArithmetic)
+from .parts.notes import Joined, Note, tabled  # noqa: F401  (Joined re-exported: families' tables use it)
 from .parts.scoring import ScoreFunction
 from .parts.sizes import FamilyMethod, Sizes
 from .parts.source import Anchored, operation_lines  # noqa: F401  (re-exported for families)
@@ -51,14 +52,7 @@ def engine_named(engine: str) -> str:
 
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from .parts.fused import FusedQKV
-
-    #: A note or reason in `Family.kind_notes` / `kind_reasons`: a template formatted with `config`, `family` and
-    #: `layer` (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None (None: nothing said),
-    #: or `Joined`.
-    Note = str | Callable[["Family", object, int], str | None] | "Joined"
 
 #: The sizes every tiny model shares: grouped heads (4 query, 2 key/value), three blocks, a wide initialisation so
 #: patterns are far from uniform.
@@ -75,23 +69,6 @@ TINY_DEFAULTS = dict(
     eos_token_id=2,
     initializer_range=0.2,
 )
-
-
-class Joined(NamedTuple):
-    """A note (a template or a function, as in `Family.kind_notes`) joined to what is said of the value so far instead
-    of replacing it: after it, or `before` it, with `sep` between."""
-
-    note: object
-    sep: str = "; "
-    before: bool = False
-
-
-def selects(selector: str, tags: frozenset[str]) -> bool:
-    """Whether a `kind_notes` selector holds for a layer with `tags`: "*" always; otherwise every word, a tag the layer
-    has, or "!tag" one it lacks."""
-    return selector == "*" or all(
-        (word[1:] not in tags) if word.startswith("!") else (word in tags) for word in selector.split()
-    )
 
 
 class Tiny(NamedTuple):
@@ -145,7 +122,7 @@ class Family(ScoreFunction, Identities, Anchored):
     }
 
     #: What `support()` says of values, as data: selector -> {value name: note}. A selector is "*" (every layer) or
-    #: words that must all hold (`selects`): a tag of the layer (`note_tags`: its `layer_kind`, its
+    #: words that must all hold (`parts.notes.selects`): a tag of the layer (its `layer_kind`, its
     #: `config.layer_types` entry, the engine) or "!tag" for one it lacks. A note is a template formatted from the
     #: config (`"{config.logit_scale:g}"`), a function (family, config, layer) -> str or None (None: nothing said),
     #: `Joined(note)`, or None (no note: drops one a base class gave).
@@ -255,38 +232,6 @@ class Family(ScoreFunction, Identities, Anchored):
             notes["layer_mid"] = f"layer_input + {self.attention_post_norm}(attention_output): a norm follows attention"
         return notes
 
-    def note_tags(self, config, layer: int, engine: str) -> frozenset[str]:
-        """What `kind_notes` selectors test on `layer`: its `layer_kind` tags, its `config.layer_types` entry (a
-        window's "sliding_attention"), the engine."""
-        layer_types = getattr(config, "layer_types", None) or ()
-        own = {layer_types[layer]} if layer < len(layer_types) and isinstance(layer_types[layer], str) else set()
-        return self.layer_kind(config, layer) | own | {engine}
-
-    def tabled(self, table: dict, said: dict[str, str], config, layer: int, engine: str) -> dict[str, str]:
-        """`said` with the entries of `table` (a `kind_notes` or `kind_reasons`) that select `layer`, formatted."""
-        tags = self.note_tags(config, layer, engine)
-        for selector, entries in table.items():
-            if not selects(selector, tags):
-                continue
-            for name, note in entries.items():
-                if note is None:  # the layer has no note on the value: drop one a base class gave
-                    said.pop(name, None)
-                    continue
-                joined = isinstance(note, Joined)
-                text = self.formatted(note.note if joined else note, config, layer)
-                if text is not None and joined:
-                    parts = (text, said.get(name)) if note.before else (said.get(name), text)
-                    text = note.sep.join(filter(None, parts))
-                if text is not None:
-                    said[name] = text
-        return said
-
-    def formatted(self, note, config, layer: int) -> str | None:
-        """A `kind_notes` note's text on `layer` of a model of `config`."""
-        if callable(note):
-            return note(self, config, layer)
-        return note.format(config=config, family=self, layer=layer)
-
     # --- sizes, read off the attention module and its config -----------------------------------------------
 
     #: Where the attention module's sizes are read (`parts.sizes.Sizes`: attribute paths with fallbacks).
@@ -341,7 +286,7 @@ class Family(ScoreFunction, Identities, Anchored):
         for klass in cls.__mro__:  # the class, and mixins of its (SinkScale) that are no Family themselves
             for method, table in (("notes", "kind_notes"), ("unavailable", "kind_reasons")):
                 if table in vars(klass) and not getattr(vars(klass).get(method), "tabled", False):
-                    setattr(klass, method, _tabled(klass, method, table))
+                    setattr(klass, method, tabled(klass, method, table))
         if (isinstance(vars(cls).get("tiny"), tuple) and not isinstance(cls.tiny, Tiny)) or "tiny_layouts" in vars(cls):
             # attnlens 0.1's spelling: a plain (config, model, kwargs) tuple, and `tiny_layouts` beside it
             recipe = cls.tiny
@@ -365,21 +310,6 @@ class Family(ScoreFunction, Identities, Anchored):
 
 
 Family.vllm = VLLMLayout()
-
-
-def _tabled(cls: type, method: str, table: str):
-    """`cls.<method>` ("notes", "unavailable") with `cls.<table>` applied on top: the class's own override if it has
-    one, else its bases'."""
-    own = vars(cls).get(method)
-
-    def tabled(self, config, layer, engine="transformers"):
-        said = own(self, config, layer, engine) if own else getattr(super(cls, self), method)(config, layer, engine)
-        return self.tabled(vars(cls)[table], said, config, layer, engine)
-
-    tabled.__doc__ = (own or getattr(Family, method)).__doc__
-    tabled.__qualname__ = f"{cls.__qualname__}.{method}"
-    tabled.tabled = True
-    return tabled
 
 
 def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None:

@@ -6,7 +6,7 @@ import pytest
 import attnlens
 from attnlens import Family, Joined
 from attnlens.families.llama import Llama
-from attnlens.family import selects
+from attnlens.parts.notes import selects
 from attnlens.values import ALL_VALUES, BY_NAME
 
 KEYS = {value.key: value.name for value in ALL_VALUES}
