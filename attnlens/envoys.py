@@ -24,7 +24,10 @@ def value_property(value: Value) -> property:
     name = value.name
 
     def read(envoy):
-        return envoy.interleaver.attnlens.read(envoy, name)  # access_of(envoy), inlined: this runs on every read
+        try:
+            return envoy.interleaver.attnlens.read(envoy, name)  # access_of(envoy), inlined: runs on every read
+        except AttributeError as error:
+            raise escaped(error, "reading", name) from error
 
     def write(envoy, new):
         if isinstance(new, Envoy):  # nnsight mounting a submodule named after this value (Inkling 2's `mlp_input`)
@@ -32,9 +35,18 @@ def value_property(value: Value) -> property:
             object.__setattr__(envoy, mounted, new)
             envoy._aliases[mounted] = name
             return
-        access_of(envoy).write(envoy, name, new)
+        try:
+            access_of(envoy).write(envoy, name, new)
+        except AttributeError as error:
+            raise escaped(error, "writing", name) from error
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
+
+
+def escaped(error: AttributeError, doing: str, name: str) -> RuntimeError:
+    """An AttributeError from inside a value's property would make Python ask `__getattr__` for the value, whose
+    error ("no attribute 'layer_input'") hides the real one: it leaves the property as a RuntimeError naming it."""
+    return RuntimeError(f"{doing} {name} failed inside attnlens: {type(error).__name__}: {error}")
 
 
 class Helpful:

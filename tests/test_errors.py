@@ -266,6 +266,23 @@ def test_a_misspelled_value_suggests_the_standardized_names():
         attnlens.run_with_cache(model, PROMPT, ["attn_prob.1"])
 
 
+def test_an_attribute_error_inside_a_read_is_shown_not_taken_for_a_missing_value(monkeypatch):
+    """Python answers an AttributeError raised inside a property by asking `__getattr__`, whose "no attribute
+    'attention_keys'" would hide the real error (a config without `layer_types`): it leaves as a RuntimeError."""
+    model = tiny("llama")
+
+    def broken(*_):
+        raise AttributeError("'LlamaConfig' object has no attribute 'layer_types'")
+
+    monkeypatch.setattr(model.access, "read", broken)
+    monkeypatch.setattr(model.access, "write", broken)
+    attn = model.layers[LAYER].self_attn
+    with pytest.raises(RuntimeError, match=r"reading attention_keys failed inside attnlens: .*'layer_types'"):
+        attn.attention_keys  # noqa: B018  the read under test
+    with pytest.raises(RuntimeError, match=r"writing attention_keys failed inside attnlens: .*'layer_types'"):
+        attn.attention_keys = 0
+
+
 # --- gradients ----------------------------------------------------------------------------------------------------
 
 

@@ -91,6 +91,25 @@ def aligned(name, eager, vllm):
     return eager, vllm
 
 
+def compare(on_vllm, on_eager, tolerance=TOLERANCE, name=""):
+    """Every value of every step, vLLM's against eager's (aligned as `aligned` says); the worst error per value."""
+    worst = {}
+    for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager, strict=True)):
+        for key, e in e_step.items():
+            value = key[1] if isinstance(key, tuple) else key
+            e, v = aligned(value, e, v_step[key])
+            assert e.shape == v.shape, (name, step, key, e.shape, v.shape)
+            if e.numel() == 0:  # the KV cache before the prompt: nothing cached, on both engines
+                continue
+            if e.dtype == torch.bool:  # which cached positions later steps attend to: exactly the same
+                assert torch.equal(e, v), (name, step, key)
+                continue
+            error = (e.float() - v.float()).abs().max().item() / max(1.0, e.float().abs().max().item())
+            worst[value] = max(worst.get(value, 0.0), error)
+            assert close(e, v, tolerance), (name, step, key, error)
+    return worst
+
+
 def test_every_value_equals_eager_on_prefill_and_decode_steps(models):
     if models.name in DIFFERS:
         pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
@@ -100,23 +119,11 @@ def test_every_value_equals_eager_on_prefill_and_decode_steps(models):
     on_eager = read_steps(models.eager, models.prompt, reads)
     assert len(on_vllm) == len(on_eager) == STEPS
     n = len(models.eager.tokenizer(models.prompt).input_ids)
-    worst = {}
     for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager)):
         scaled_queries(models, (v_step, e_step))
-        for key, e in e_step.items():
-            name = key[1] if isinstance(key, tuple) else key
-            e, v = aligned(name, e, v_step[key])
-            assert e.shape == v.shape, (step, key, e.shape, v.shape)
-            if e.numel() == 0:  # the KV cache before the prompt: nothing cached, on both engines
-                continue
-            if e.dtype == torch.bool:  # which cached positions later steps attend to: exactly the same
-                assert torch.equal(e, v), (models.name, step, key)
-                continue
-            error = (e - v).abs().max().item() / max(1.0, e.abs().max().item())
-            worst[name] = max(worst.get(name, 0.0), error)
-            assert close(e, v, tolerance(models)), (models.name, step, key, error)
         pattern = v_step[(layers[-1], "attention_probabilities")]
         assert pattern.shape[-1] == n + step  # a decode step's pattern covers the whole context
+    worst = compare(on_vllm, on_eager, tolerance(models), models.name)
     print(models.name, {k: f"{v:.1e}" for k, v in worst.items()})
 
 

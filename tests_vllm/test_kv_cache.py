@@ -15,9 +15,10 @@ LAYER = 1
 POSITION = 3  # a prompt position every step has cached
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "gemma2", "llama4_text"])
 def engines(request, tmp_path_factory):
-    """Llama (grouped heads) and Gemma 2 (layer 0 slides over a 4-key window, layer 1 attends to all)."""
+    """Llama (grouped heads), Gemma 2 (layer 0 slides over a 4-key window, layer 1 attends to all) and Llama 4 (vLLM
+    caches its keys with each head's channels permuted: served and written in transformers' order)."""
     return pair(request.param, tmp_path_factory)
 
 

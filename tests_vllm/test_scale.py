@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from conftest import engine_args, pair
-from test_equal_to_eager import aligned, close, plan, read_steps
+from test_equal_to_eager import close, compare, plan, read_steps
 from vllm import envs
 
 import attnlens
@@ -114,11 +114,7 @@ def test_tensor_parallel_values_equal_eager_on_prefill_and_decode_steps(tp):
     model, llama = tp
     reads = plan(model, range(model.num_layers))
     on_tp, on_eager = read_steps(model, llama.prompt, reads), read_steps(llama.eager, llama.prompt, reads)
-    for step, (t, e) in enumerate(zip(on_tp, on_eager)):
-        for key, want in e.items():
-            name = key[1] if isinstance(key, tuple) else key
-            want, got = aligned(name, want, t[key])
-            assert close(got, want), (step, key)
+    compare(on_tp, on_eager, name="tensor parallel")
     assert model.kept() == [{"requests": 0, "bytes": 0}] * 2
 
 

@@ -6,7 +6,7 @@ same weights, run with the window vLLM runs: every value on the prefill and two 
 import pytest
 import torch
 from conftest import PROMPT, engine_args
-from test_equal_to_eager import STEPS, aligned, close, plan, read_steps
+from test_equal_to_eager import STEPS, compare, plan, read_steps
 
 import attnlens
 
@@ -48,13 +48,7 @@ def test_values_equal_transformers_run_with_the_window_vllm_runs(case):
     pattern = on_vllm[0][(layer, "attention_probabilities")]  # the prefill's last query sees vLLM's window
     window = vllm.family.window(vllm.text_config, layer, "vllm") or pattern.shape[-1]
     assert ((pattern[0, :, -1] > 0).sum(-1) == window).all()
-    worst = {}
-    for step, (v_step, e_step) in enumerate(zip(on_vllm, on_eager)):
-        for key, e in e_step.items():
-            value = key[1] if isinstance(key, tuple) else key
-            e, v = aligned(value, e, v_step[key])
-            worst[value] = max(worst.get(value, 0.0), (e - v).abs().max().item() / max(1.0, e.abs().max().item()))
-            assert close(e, v), (name, step, key, worst[value])
+    worst = compare(on_vllm, on_eager, name=name)
     print(name, {k: f"{v:.1e}" for k, v in worst.items()})
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleOutput, child
+from ..locations.cache import with_cache
 from ..parts.moe import SparseMoE
 
 MOE_REASON = (
@@ -67,12 +68,9 @@ def _in_transformers_order(source):
 
 
 def _llama4_vllm_locations(family):
-    locations = Family.vllm.locations(family)
-    return {
-        **locations,
-        "attention_queries": _in_transformers_order(locations["attention_queries"]),
-        "attention_keys": _in_transformers_order(locations["attention_keys"]),
-    }
+    locations = with_cache(Family.vllm.locations(family))  # vLLM caches the keys permuted, too
+    permuted = ("attention_cache_keys", "attention_queries", "attention_keys")
+    return {name: _in_transformers_order(found) if name in permuted else found for name, found in locations.items()}
 
 
 class Llama4(SparseMoE, Family):

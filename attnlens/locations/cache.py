@@ -107,9 +107,10 @@ def unavailable(family: Any, config: Any, layer: int, engine: str, reasons: dict
     layer), latent attention, keys shared with an earlier layer, or (visibility, transformers) an attention
     implementation without a mask argument."""
     why = None
-    layer_config = getattr(family, "layer_config", lambda c, i: c)(config, layer)
+    text = config.get_text_config()  # a multimodal model's text model: where the cache is (parts/multimodal.py)
+    layer_config = getattr(family, "layer_config", lambda c, i: c)(text, layer)
     shared = getattr(family, "shared_from", None)
-    source = shared(config, layer) if shared is not None else None
+    source = shared(text, layer) if shared is not None else None
     if "attention_keys" in reasons:
         why = f"layer {layer} keeps no key/value cache (its attention keys: {reasons['attention_keys']})"
     elif getattr(layer_config, "kv_lora_rank", None):
