@@ -18,6 +18,7 @@ paged cache, read and written through the request's block table by the worker (`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,14 +225,15 @@ class _Transformers:
             out[:, : found.shape[1]] = found[:, : self.seen]
         return out
 
-    def _repeats(self) -> int:
+    @functools.cached_property
+    def repeats(self) -> int:
         """How many copies of each key/value head the cache holds: 1, or the group size where transformers caches
         keys already repeated per query head (Falcon's new decoder architecture), each head's copies side by side."""
         cached, heads = self.entry.keys.shape[1], context(self.envoy).geometry(self.layer).num_kv_heads
         return cached // heads if cached != heads and cached % heads == 0 else 1
 
     def _heads(self, held: torch.Tensor) -> torch.Tensor:
-        return held[:, :: self._repeats()] if self._repeats() > 1 else held
+        return held[:, :: self.repeats] if self.repeats > 1 else held
 
     def read(self, which: int) -> torch.Tensor:
         if which == 2:
@@ -267,7 +269,7 @@ class _Transformers:
         check_window(current, new, self.start, NAMES[which], self.layer)
         if not self.seen:
             return
-        kept = new[:, :, self.start :].repeat_interleave(self._repeats(), dim=1).contiguous()
+        kept = new[:, :, self.start :].repeat_interleave(self.repeats, dim=1).contiguous()
         if which == 0:
             self.entry.keys = kept
         else:
