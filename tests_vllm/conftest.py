@@ -147,10 +147,3 @@ def layout(name: str, tmp_path_factory) -> Pair:
         attnlens.models.char_tokenizer().save_pretrained(folder)
         _layouts[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
     return _layouts[name]
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tensor-parallel tests last: an engine on two ranks (the `mp` executor) leaves vLLM's process-wide
-    model-parallel groups torn down in this process when it goes, and the single-rank engines the session shares
-    (the `uni` executor) then fail their next step ("pipeline model parallel group is not initialized")."""
-    items.sort(key=lambda item: "tensor_parallel" in item.name)

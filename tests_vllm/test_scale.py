@@ -83,6 +83,22 @@ def test_32_requests_in_one_trace_each_equal_its_run_alone(llama):
             assert close(p, p_alone) and close(logits, logits_alone)
 
 
+def test_an_engine_shutting_down_in_this_process_leaves_the_other_engines_running(llama):
+    """vLLM's in-process engine core tears down the process-wide model-parallel groups when it shuts down (the
+    tensor-parallel engine on the `mp` executor does, as does any engine collected): the single-rank engines still
+    in the process build them again and run on, to the same greedy tokens."""
+    from vllm.distributed import parallel_state
+
+    def tokens():
+        return list(llama.vllm.generate(LONG, max_tokens=4, temperature=0.0)[0].outputs[0].token_ids)
+
+    before = tokens()
+    parallel_state.cleanup_dist_env_and_memory()  # what an engine's shutdown runs
+    assert not parallel_state.model_parallel_is_initialized()
+    assert tokens() == before
+    assert parallel_state.model_parallel_is_initialized()
+
+
 def test_pipeline_parallelism_is_refused_before_an_engine_starts(llama):
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=2: .*every trace body on every worker"):
         attnlens.StandardizedVLLM(str(llama.path), pipeline_parallel_size=2)

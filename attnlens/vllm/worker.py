@@ -376,6 +376,14 @@ class AttnlensGPURunner(AttnlensRunner, NNsightGPUModelRunner):
 
 
 class _WorkerRPC:
+    def execute_model(self, *args, **kwargs):
+        _restore_single_rank_groups(self)
+        return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        _restore_single_rank_groups(self)
+        return super().sample_tokens(*args, **kwargs)
+
     def attnlens_stats(self) -> dict:
         """Tracked requests and the bytes held for them, for `StandardizedVLLM.kept()` (via `collective_rpc`)."""
         return self.model_runner.attnlens.stats()
@@ -404,6 +412,27 @@ def _fresh_single_rank_groups() -> None:
 
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_world_group().world_size == 1:
         parallel_state.destroy_model_parallel()
+
+
+def _restore_single_rank_groups(worker) -> None:
+    """vLLM's in-process engine core tears down the process-wide groups when it shuts down (any engine of the
+    process, a tensor-parallel one included), under every other engine still running there: a single-rank worker
+    builds them again before its step (one check per step where nothing was torn down)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() or worker.parallel_config.world_size != 1:
+        return
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    fresh = f"file://{tempfile.mkdtemp(prefix='attnlens-groups-')}/init"  # the old rendezvous file is spent
+    with set_current_vllm_config(worker.vllm_config):
+        init_worker_distributed_environment(
+            worker.vllm_config, worker.rank, fresh, worker.local_rank, current_platform.dist_backend
+        )
 
 
 def single_rank_groups_with_experts() -> None:
