@@ -262,12 +262,18 @@ def _attribution_layers(attribution, patterns: Patterns) -> list[dict]:
                 + ": show only those layers, or attribute with layers= including it"
             )
         pieces = attribution.heads[layer]  # [rows, heads, sources]
-        if pieces.shape[2] != len(tokens):
-            raise ValueError(f"layer {layer} of the attribution has {pieces.shape[2]} sources for {len(tokens)} tokens")
         missing = [h for h in pattern.heads if not 0 <= h < pieces.shape[1]]
         if missing:
             raise ValueError(f"heads {missing} of the pattern are not in the attribution's {pieces.shape[1]} heads")
-        shown = pieces[:, pattern.heads][:, :, pattern.key_positions].transpose(0, 1)  # [heads, rows, keys]
+        pieces = pieces[:, pattern.heads]
+        if pieces.shape[2] == len(tokens):  # a source per position
+            pieces = pieces[:, :, pattern.key_positions]
+        elif pieces.shape[2] != len(pattern.key_positions):  # else the pattern's own keys (an eager window's)
+            raise ValueError(
+                f"layer {layer} of the attribution reads {pieces.shape[2]} sources, the pattern "
+                f"{len(pattern.key_positions)} keys of {len(tokens)} tokens: show the pattern of the same step"
+            )
+        shown = pieces.transpose(0, 1)  # [heads, rows, keys]
         scale, data = _encode_signed(shown)
         totals = attribution.by_head()[layer][:, pattern.heads]  # over every source, not only the shown keys
         out.append({"scale": scale, "data": data, "totals": totals.tolist()})
@@ -329,11 +335,12 @@ class View:
     def fragment(self) -> str:
         """The viewer as an HTML fragment (styles and script scoped to its own element)."""
         p = self.patterns
-        page = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": [_encode(x) for x in p.layers]}
-        if self.attribution is not None:
+        layers = [_encode(x) for x in p.layers]
+        page: dict = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": layers}
+        if self._maps is not None:
             a = self.attribution
             page["attribution"] = {"what": a.what, "rows": a.rows, "values": a.value.tolist(), "notes": a.notes}
-            for layer, found in zip(page["layers"], self._maps):
+            for layer, found in zip(layers, self._maps):
                 layer["attribution"] = found
         title = html.escape(f"attnlens · {p.model}" if p.model else "attnlens")
         return (

@@ -117,6 +117,24 @@ def test_a_decode_steps_attribution_beside_its_pattern(model):
     assert close(carried["contributions"], steps[1].heads[1].transpose(0, 1), carried["scale"])
 
 
+def test_an_eager_sliding_window_steps_attribution_reads_the_windows_keys():
+    """Eager transformers keeps a sliding window's keys only: a decode step's sources are the pattern's keys."""
+    model = tiny("mistral")  # a window of 4 keys
+    steps = attnlens.attribution(model, PROMPT, target="a", max_new_tokens=2)
+    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as tracer:
+        patterns = list().save()
+        for _ in tracer.iter[:2]:
+            patterns.append(model.layers[1].self_attn.attention_probabilities)
+    pieces = steps[1].heads[1]
+    assert pieces.shape == (1, 4, 4) and len(steps[1].tokens) == len(PROMPT) + 1
+    view = show(patterns[1], layers=1, tokens=steps[1].tokens, attribution=steps[1])
+    carried = page_data(view.html())["layers"][0]["attribution"]
+    assert view.patterns.layers[0].key_positions == list(range(len(PROMPT) - 3, len(PROMPT) + 1))
+    assert close(carried["contributions"], pieces.transpose(0, 1), carried["scale"])
+    with pytest.raises(ValueError, match="reads 4 sources, the pattern 3 keys of 19 tokens"):
+        show(patterns[1][..., 1:], layers=1, tokens=steps[1].tokens, attribution=steps[1])
+
+
 def test_attribution_show_is_show_with_it(model, found):
     view = found.show(model, PROMPT, layers=1)
     assert view.attribution is found and [p.layer for p in view.patterns.layers] == [1]
