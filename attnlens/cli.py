@@ -364,7 +364,7 @@ def _token(text: str):
 def run_attribute(args) -> int:
     from .analysis import attribution
 
-    out = None if args.out is None else _writable(args.out, (".png", ".csv"))
+    out = None if args.out is None else _writable(args.out, (".png", ".csv", ".html", ".htm"))
     model = _loading(args.model, args.engine)
     found = attribution(
         model,
@@ -377,6 +377,8 @@ def run_attribute(args) -> int:
     if out is not None:
         if out.suffix.lower() == ".png":
             found.plot(out, layer=args.layer)
+        elif out.suffix.lower() in (".html", ".htm"):
+            found.show(model, args.prompt, layers=args.layer).save(out)
         else:
             _write_csv(out, found.to_rows())
         print(out)
@@ -543,8 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.add_argument("--versus", help="a token whose logit is subtracted")
     attribute.add_argument("--row", type=int, default=-1, help="the query row (default -1, the last)")
     attribute.add_argument("--top", type=int, default=15, help="pieces shown (15)")
-    attribute.add_argument("--layer", type=int, default=None, help="with a .png --out: that layer's heads x sources")
-    attribute.add_argument("--out", type=Path, help="FILE.png (layers x heads, or --layer's map) or FILE.csv")
+    attribute.add_argument(
+        "--layer", type=int, default=None, help="with .png: that layer's heads x sources; with .html: the layer shown"
+    )
+    attribute.add_argument(
+        "--out",
+        type=Path,
+        help="FILE.png (layers x heads, or --layer's map), FILE.csv, or FILE.html (the viewer with the map beside "
+        "each head's pattern, every split layer or --layer)",
+    )
     attribute.add_argument(
         "--engine", choices=(*ENGINES, "eager"), default="transformers", help="transformers (default) or vllm"
     )

@@ -4,6 +4,12 @@ writes a page that needs no network), `attnlens.plot` a PNG for papers. Both rea
 The page draws on `<canvas>`: a grid of every head of a layer and one head large, tokens on both axes, a tooltip with
 the query token, the key token and the weight under the pointer. Weights travel as one byte each on a square-root
 scale (base64, per head), each row only up to its last non-zero weight (so a causal pattern ships its lower triangle).
+
+With `attribution=` (an `attnlens.attribution` result of the same prompt), each layer also carries its direct
+attribution map: every shown head's contribution at the attribution's query rows, split by source over the pattern's
+key columns, drawn under the enlarged head on a diverging scale. A contribution is signed: one byte each on a signed
+square-root scale of the layer's largest magnitude (128 + sign * round(127 * sqrt(|x| / largest)); 128 is exactly
+zero, any other value at least one step from it). Each head's total over every source travels exactly (a float).
 """
 
 from __future__ import annotations
@@ -229,6 +235,61 @@ def patterns(
     return Patterns(model=name, prompt=text or "".join(tokens), tokens=[str(t) for t in tokens], layers=out)
 
 
+def _attribution_layers(attribution, patterns: Patterns) -> list[dict]:
+    """Each shown layer's attribution map for the page, checked against the patterns it goes beside."""
+    tokens = attribution.tokens
+    if len(tokens) != len(patterns.tokens):
+        raise ValueError(
+            f"the attribution is of {len(tokens)} tokens but the pattern of {len(patterns.tokens)}: attribute the "
+            f"prompt you show (or pass tokens= for the whole context)"
+        )
+    for position, (mine, theirs) in enumerate(zip(patterns.tokens, tokens)):
+        if mine != theirs and not theirs.startswith("<generated "):  # a decode step's sources are labelled so
+            raise ValueError(
+                f"the attribution is of another prompt: token {position} is {mine!r} here and {theirs!r} in the "
+                f"attribution; attribute the prompt you show (or pass its tokens=)"
+            )
+    out = []
+    for pattern in patterns.layers:
+        layer = pattern.layer
+        if layer is None:
+            raise ValueError("a pattern shown beside an attribution needs its layer: label it with layers=")
+        if layer not in attribution.heads:
+            why = attribution.unsplit.get(layer)
+            raise ValueError(
+                f"layer {layer} is not split by head in this attribution"
+                + (f" ({why})" if why else f"; it splits layers {sorted(attribution.heads)}")
+                + ": show only those layers, or attribute with layers= including it"
+            )
+        pieces = attribution.heads[layer]  # [rows, heads, sources]
+        missing = [h for h in pattern.heads if not 0 <= h < pieces.shape[1]]
+        if missing:
+            raise ValueError(f"heads {missing} of the pattern are not in the attribution's {pieces.shape[1]} heads")
+        pieces = pieces[:, pattern.heads]
+        if pieces.shape[2] == len(tokens):  # a source per position
+            pieces = pieces[:, :, pattern.key_positions]
+        elif pieces.shape[2] != len(pattern.key_positions):  # else the pattern's own keys (an eager window's)
+            raise ValueError(
+                f"layer {layer} of the attribution reads {pieces.shape[2]} sources, the pattern "
+                f"{len(pattern.key_positions)} keys of {len(tokens)} tokens: show the pattern of the same step"
+            )
+        shown = pieces.transpose(0, 1)  # [heads, rows, keys]
+        scale, data = _encode_signed(shown)
+        totals = attribution.by_head()[layer][:, pattern.heads]  # over every source, not only the shown keys
+        out.append({"scale": scale, "data": data, "totals": totals.tolist()})
+    return out
+
+
+def _encode_signed(values: torch.Tensor) -> tuple[float, list[str]]:
+    """[heads, ...] signed numbers as bytes: 128 + sign * round(127 * sqrt(|x| / largest)), at least one step from
+    128 where x is not exactly zero (so a tiny contribution keeps its sign); (largest, base64 per head)."""
+    values = values.detach().float().cpu()
+    scale = float(values.abs().max()) if values.numel() else 0.0
+    steps = (values.abs() / (scale or 1.0)).sqrt().mul(127).round().clamp(min=1).where(values != 0, 0)
+    q = (128 + values.sign() * steps).to(torch.uint8)
+    return scale, [base64.b64encode(q[h].flatten().numpy().tobytes()).decode("ascii") for h in range(q.shape[0])]
+
+
 # --- the page ---------------------------------------------------------------------------------------------------------
 
 
@@ -265,14 +326,22 @@ def _json_for_script(data) -> str:
 class View:
     """A viewer of `Patterns`: displays in a notebook, `.save(path)` writes a self-contained HTML page."""
 
-    def __init__(self, patterns: Patterns):
+    def __init__(self, patterns: Patterns, attribution=None):
         self.patterns = patterns
+        self.attribution = attribution  #: an `Attribution` drawn beside the patterns, or None
+        self._maps = None if attribution is None else _attribution_layers(attribution, patterns)
         self.id = "attnlens-" + uuid.uuid4().hex[:10]
 
     def fragment(self) -> str:
         """The viewer as an HTML fragment (styles and script scoped to its own element)."""
         p = self.patterns
-        page = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": [_encode(x) for x in p.layers]}
+        layers = [_encode(x) for x in p.layers]
+        page: dict = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": layers}
+        if self._maps is not None:
+            a = self.attribution
+            page["attribution"] = {"what": a.what, "rows": a.rows, "values": a.value.tolist(), "notes": a.notes}
+            for layer, found in zip(layers, self._maps):
+                layer["attribution"] = found
         title = html.escape(f"attnlens · {p.model}" if p.model else "attnlens")
         return (
             _STYLE.replace("#ROOT", f"#{self.id}")
@@ -307,15 +376,29 @@ class View:
         return path
 
 
-def show(source, prompt=None, layers=None, **options) -> View:
+def show(source, prompt=None, layers=None, *, attribution=None, **options) -> View:
     """A viewer of attention patterns: every head of each layer in a grid, one head large, hover for the weight.
 
     `show(model, "prompt", layers=[10, 11])` captures the patterns itself; `show(capture_attention(...))` and
     `show(probs_tensor, layers=10, tokens=...)` show ones captured already (see `patterns` for every option:
     `heads`, `head_labels`, `tokens`, `key_positions`, `query_positions`, `model`, `title`). Returns a `View`: a
     notebook displays it, `.save("page.html")` writes a self-contained page.
+
+    `attribution=` (what `attnlens.attribution` returned for the same prompt) draws its map beside the pattern: the
+    enlarged head's contribution at the attributed query rows by source, and each head's total in the grid. With a
+    model and no `layers`, the layers shown are those the attribution splits by head.
     """
-    return View(patterns(source, prompt, layers, **options))
+    if attribution is not None:
+        if not hasattr(attribution, "by_head"):
+            raise TypeError(f"attribution= takes what attnlens.attribution returns; got {type(attribution).__name__}")
+        if _is_model(source):
+            if model_name(source) != attribution.model:
+                raise ValueError(
+                    f"the attribution is of {attribution.model}, the pattern of {model_name(source)}: attribute and "
+                    f"show the same model"
+                )
+            layers = sorted(attribution.heads) if layers is None else layers
+    return View(patterns(source, prompt, layers, **options), attribution)
 
 
 def _asset(name: str) -> str:
@@ -329,8 +412,11 @@ _STYLE = "<style>\n" + _asset("viewer.css") + "</style>"
 _BODY = (
     '<div class="al-bar"><label>layer <select class="al-layer"></select></label>'
     '<label>head <select class="al-head"></select></label>'
-    '<label><input type="checkbox" class="al-sqrt"> square-root colour scale</label></div>'
-    '<div class="al-grid"></div><div class="al-large"><canvas class="al-big"></canvas></div>'
+    '<label><input type="checkbox" class="al-sqrt"> square-root colour scale</label>'
+    '<label class="al-rows">attributed row <select class="al-row"></select></label></div>'
+    '<div class="al-attribution"></div>'
+    '<div class="al-grid"></div><div class="al-large"><canvas class="al-big"></canvas><canvas class="al-map"></canvas>'
+    "</div>"
     '<div class="al-tip"></div>'
 )
 

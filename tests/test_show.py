@@ -217,12 +217,13 @@ def open_page(driver, path):
     return driver.find_element("css selector", ".attnlens-view")
 
 
-def hover_cell(driver, view, row, column):
-    """Move the pointer to the centre of a cell of the large view; return the tooltip's text and data."""
+def hover_cell(driver, view, row, column, canvas="al-big", cell="cell", fields=("head", "query", "key", "weight")):
+    """Move the pointer to the centre of a cell of the large view (or of another canvas, whose centres the page's
+    `cell` function gives); return the tooltip's text and data."""
     from selenium.webdriver.common.actions.action_builder import ActionBuilder
 
-    big = view.find_element("css selector", "canvas.al-big")
-    x, y = driver.execute_script(f"return window.attnlens[{view.get_attribute('id')!r}].cell({row}, {column})")
+    big = view.find_element("css selector", f"canvas.{canvas}")
+    x, y = driver.execute_script(f"return window.attnlens[{view.get_attribute('id')!r}].{cell}({row}, {column})")
     # bring the cell to the middle of its scrolling box and of the window, then point at it in window coordinates
     at = driver.execute_script(
         """
@@ -241,7 +242,7 @@ def hover_cell(driver, view, row, column):
     actions.perform()
     tip = view.find_element("css selector", ".al-tip")
     assert tip.is_displayed()
-    return tip.text, {key: tip.get_attribute(f"data-{key}") for key in ("head", "query", "key", "weight")}
+    return tip.text, {key: tip.get_attribute(f"data-{key}") for key in fields}
 
 
 def pixel_spread(png: bytes) -> float:

@@ -436,6 +436,13 @@ class Attribution:
 
         return render(self.table())
 
+    def show(self, model, prompt, layers=None, **options):
+        """The viewer of `prompt`'s patterns on `model` with this map beside them: `attnlens.show(model, prompt,
+        layers, attribution=self, **options)` (by default every layer this splits by head)."""
+        from ..show import show
+
+        return show(model, prompt, layers, attribution=self, **options)
+
     def plot(self, out, layer: int | None = None, row: int = 0, dpi: int = 150):
         """A PNG: the layers x heads grid (each head summed over sources), or with `layer` its heads x sources map."""
         from .results import heatmap
