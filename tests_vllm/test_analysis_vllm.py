@@ -93,6 +93,8 @@ def test_support_lists_the_analyses_as_eager_does_where_vllm_serves_them(llama):
         "lens",
         "patch:heads",
         "patch:head_positions",
+        "patch:residual",
+        "patch:patterns",
         "knock_out",
     }
     with pytest.raises(attnlens.Unavailable) as raised:
@@ -114,18 +116,31 @@ def test_the_output_projections_are_read_once_per_engine(llama):
         assert torch.equal(first.heads[layer], second.heads[layer])
 
 
-@pytest.mark.parametrize("over", ["heads", "head_positions"])
-def test_patching_head_outputs_across_requests_equals_eager(llama, over):
-    """vLLM runs the clean prompt and the patched corrupted ones as requests of one batch, the clean request's head
-    outputs written into the others in the same forward: the grid is eager's `patch` on the same weights."""
+CORRUPT = "Jello world, agaim"
+#: The layers each grid is taken over in these tests (head_positions and a residual at one position of every layer
+#: are many requests: one layer for the first; every layer, embeddings' included, for the residual).
+PATCHED_LAYERS = {"heads": None, "head_positions": [1], "residual": None, "patterns": None}
+_grids: dict = {}
+
+
+def _grid(model, llama, over, clean, batch_size, layers="default"):
+    """`patch` of `clean` into the corrupted prompt over `over`, kept for the module's tests."""
     from attnlens.analysis import logit_difference, patch
 
-    corrupt, layers = "Jello world, agaim", (None if over == "heads" else [1])
-    grids = [
-        patch(m, llama.prompt, corrupt, logit_difference(m, "a", "b"), over=over, layers=layers, batch_size=24)
-        for m in (llama.eager, llama.vllm)
-    ]
-    eager, served = grids
+    layers = PATCHED_LAYERS[over] if layers == "default" else layers
+    key = (model.access.engine, over, clean, batch_size, str(layers))
+    if key not in _grids:
+        metric = logit_difference(model, "a", "b")
+        _grids[key] = patch(model, clean, CORRUPT, metric, over=over, layers=layers, batch_size=batch_size)
+    return _grids[key]
+
+
+@pytest.mark.parametrize("over", ["heads", "head_positions", "residual", "patterns"])
+def test_patching_across_requests_equals_eager(llama, over):
+    """vLLM runs the clean prompt and the patched corrupted ones as requests of one batch, the clean request's values
+    (head outputs, block inputs, patterns) written into the others in the same forward (a patched pattern has the
+    head outputs recomputed from it): the grid is eager's `patch` on the same weights, 1e-4 relative."""
+    eager, served = (_grid(m, llama, over, llama.prompt, 24) for m in (llama.eager, llama.vllm))
     scale = max(abs(eager.clean), abs(eager.corrupt))
     assert served.values.shape == eager.values.shape and served.layers == eager.layers
     assert abs(served.clean - eager.clean) <= RTOL * max(1.0, scale)
@@ -135,11 +150,71 @@ def test_patching_head_outputs_across_requests_equals_eager(llama, over):
     assert served.forwards == -(-served.values.numel() // 24)
 
 
-def test_a_vllm_run_patched_into_itself_changes_nothing(llama):
+@pytest.mark.parametrize("over", ["heads", "residual", "patterns"])
+def test_a_vllm_run_patched_into_itself_changes_nothing(llama, over):
     from attnlens.analysis import logit_difference, patch
 
-    grid = patch(llama.vllm, llama.prompt, llama.prompt, logit_difference(llama.vllm, "a", "b"), batch_size=16)
+    metric = logit_difference(llama.vllm, "a", "b")
+    grid = patch(llama.vllm, llama.prompt, llama.prompt, metric, over=over, layers=PATCHED_LAYERS[over], batch_size=24)
     assert torch.allclose(grid.values, torch.full_like(grid.values, grid.clean), atol=1e-5)
+
+
+def test_the_patched_residual_of_the_first_block_at_every_position_is_the_clean_run(llama):
+    """Layer 0's input is the embeddings: the clean run's at one position restores that position's token, so
+    patching it at every position at once (one request) gives the clean metric."""
+    from attnlens.analysis.patching import _ids, _run_requests
+
+    ids, corrupt = _ids(llama.vllm, llama.prompt), _ids(llama.vllm, CORRUPT)
+    every = [(0, position) for position in range(len(ids))]
+    logits = _run_requests(llama.vllm, ids, corrupt, "layer_input", [[], every], [0])
+    clean, unpatched, patched = logits[:, -1]
+    assert not torch.allclose(clean, unpatched, atol=1e-3)
+    assert torch.allclose(patched, clean, atol=1e-5)
+
+
+@pytest.mark.parametrize("over", ["residual", "patterns"])
+def test_the_batch_size_does_not_change_the_vllm_grid(llama, over):
+    """One patched request per batch or many: vLLM's batch puts the requests side by side, never mixes them."""
+    layers = [1] if over == "residual" else None
+    one, many = (_grid(llama.vllm, llama, over, llama.prompt, size, layers) for size in (1, 24))
+    assert one.forwards == one.values.numel() and many.forwards < one.forwards
+    scale = max(abs(many.clean), abs(many.corrupt))
+    assert _close(one.values, many.values, scale)
+    assert float((many.values - many.corrupt).abs().max()) > 1e-3
+
+
+def _gated(monkeypatch, access, layer):
+    """`access` serving layer `layer`'s pattern as vLLM serves a gated layer's: read-only. The location returned."""
+    from attnlens.locations.vllm import GatedPattern
+
+    gated, located = GatedPattern(kernel="self_attn.attn", kind="probabilities"), access.location
+
+    def location(name, at):
+        return gated if (name, at) == ("attention_probabilities", layer) else located(name, at)
+
+    monkeypatch.setattr(access, "location", location)
+    return gated
+
+
+def test_a_read_only_pattern_is_neither_patched_nor_knocked_out(llama, monkeypatch):
+    """Where vLLM's pattern is read-only (a layer whose output gate comes after the kernel: attnlens could not
+    recompute the head outputs from an edited pattern), support says so for the pattern grid and knockouts, and
+    `patch` and `knock_out` raise it."""
+    import attnlens
+    from attnlens.analysis import knock_out, logit_difference, patch
+
+    gated = _gated(monkeypatch, llama.vllm.access, 1)
+    served, other = llama.vllm.support(1).analyses, llama.vllm.support(0).analyses
+    for name in ("patch:patterns", "knock_out"):
+        assert "read-only" in served[name] and gated.why_not in served[name]
+        assert other[name] is None
+    assert served["patch:heads"] is None and served["patch:residual"] is None
+    with pytest.raises(attnlens.Unavailable, match="read-only"):
+        patch(llama.vllm, llama.prompt, CORRUPT, logit_difference(llama.vllm, "a", "b"), over="patterns", layers=[1])
+    # knock_out asks the access it finds in the trace (vLLM's worker has its own copy: asked on eager's here)
+    _gated(monkeypatch, llama.eager.access, 1)
+    with pytest.raises(attnlens.Unavailable, match="read-only"), torch.no_grad(), llama.eager.trace(llama.prompt):
+        knock_out(llama.eager, 1, queries=[5], keys=[0])
 
 
 # --- tensor parallelism: two CPU ranks, one core each --------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import Unavailable
+from .reasons import read_only
 
 
 def _positions(chosen, length: int, what: str) -> torch.Tensor:
@@ -61,6 +62,9 @@ def knock_out(model, layer: int, queries=None, keys=None, heads: Iterable[int] |
         raise Unavailable(
             f"knock_out on layer {layer} of {access.family.name}: attention_probabilities is unavailable ({reason})"
         )
+    reason = read_only(access, "self_attn.attention_probabilities", layer)
+    if reason is not None:
+        raise Unavailable(f"knock_out on layer {layer} of {access.family.name}: {reason}")
     pattern = attn.attention_probabilities
     window = access.family.window(access.config, layer, access.engine)
     if (

@@ -240,10 +240,13 @@ def _run_requests(model, clean_ids, ids, key: str, patches: list[list[tuple]], l
                 for layer in sorted(by_layer):
                     wanted = [where for row, where in by_layer[layer] if row == b]
                     if wanted:
+                        # assigned, not written in place: vLLM's residual values are new tensors (sums of its
+                        # (hidden, residual) pair), and an assigned pattern has the head outputs recomputed from it
                         host, name = _host(model, layer, key)
-                        value, source = getattr(host, name), handed(batch, layer)
+                        value, source = getattr(host, name).clone(), handed(batch, layer)
                         for where in wanted:
                             _write(value, source, 0, where, key)
+                        setattr(host, name, value)
                 logits = model.logits.clone().save()
     return torch.cat([found.float().cpu() for found in (logits if isinstance(logits, list) else [logits])])
 

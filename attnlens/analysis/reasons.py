@@ -37,8 +37,6 @@ ANALYSES = {
     },
     KNOCK_OUT: "edge knockouts (attnlens.analysis.knock_out)",
 }
-#: The grid kinds vLLM patches, each patch a request of one batch (`patching.patch`).
-VLLM_PATCHED = ("heads", "head_positions")
 #: What the residual-stream analyses read on every layer.
 RESIDUAL = ("layer_input", "layer_output")
 #: What splitting a layer's attention by head and source reads.
@@ -200,6 +198,13 @@ def _split_reason(model, layer: int) -> str | None:
     return None
 
 
+def read_only(access, key: str, layer: int) -> str | None:
+    """Why `key` (served on `layer`) cannot be written there, which patching it and knocking out edges do (None: it
+    can); on vLLM a pattern past an output gate is read-only, for one. `access`: the model's (also in vLLM's worker)."""
+    location = access.location(key.rpartition(".")[2], layer)
+    return None if location.writable else f"{key} is read-only here ({location.why_not})"
+
+
 def served(model, layer: int) -> dict[str, str | None]:
     """Every analysis (`ANALYSES`) -> None where `layer` of `model` serves it, else why not: what `support(layer)`
     lists as its `analyses` (registered with the access layer when this package is imported)."""
@@ -216,11 +221,7 @@ def served(model, layer: int) -> dict[str, str | None]:
     vllm = model.access.engine == "vllm"
     for over, (key, _axes) in OVER.items():
         needs = report[key] and f"{key} is unavailable ({report[key]})"
-        reasons[f"patch:{over}"] = needs or (
-            f"vLLM patches {' and '.join(VLLM_PATCHED)} only (each patch a request of one batch); use the eager engine"
-            if vllm and over not in VLLM_PATCHED
-            else None
-        )
+        reasons[f"patch:{over}"] = needs or read_only(model.access, key, layer)
         reasons[f"attribution_patching:{over}"] = (
             "attribution patching takes gradients, which vLLM does not compute; use the eager engine"
             if vllm
@@ -229,6 +230,8 @@ def served(model, layer: int) -> dict[str, str | None]:
     probabilities = report["self_attn.attention_probabilities"]
     if probabilities is not None:
         reasons[KNOCK_OUT] = f"attention_probabilities is unavailable ({probabilities})"
+    else:
+        reasons[KNOCK_OUT] = read_only(model.access, "self_attn.attention_probabilities", layer)
     return reasons
 
 
