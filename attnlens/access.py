@@ -243,8 +243,8 @@ class Access:
             self._check(running, plan)
         try:
             value = plan.location.read(envoy)
-        except (OutOfOrderError, AttributeError) as error:
-            raise self._failure(plan, error) from error
+        except OutOfOrderError as error:
+            raise self.order_error(plan) or error from error
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -261,8 +261,8 @@ class Access:
             self._check(running, plan)
         try:
             location.write(envoy, self.conform(name, layer, location.read(envoy), new))
-        except (OutOfOrderError, AttributeError) as error:
-            raise self._failure(plan, error) from error
+        except OutOfOrderError as error:
+            raise self.order_error(plan) or error from error
 
     def _check(self, running, plan: Plan) -> None:
         """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
@@ -286,13 +286,6 @@ class Access:
             if last_step == step and last.order > plan.order:
                 raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
         reads.reads.append((plan, step))
-
-    def _failure(self, plan: Plan, error: Exception) -> Exception:
-        """What a failed read or write raises: nnsight's out-of-order error naming the values; an AttributeError
-        as a RuntimeError (inside a property Python would retry through Envoy.__getattr__ and hide it)."""
-        if isinstance(error, OutOfOrderError):
-            return self.order_error(plan) or error
-        return RuntimeError(f"reading {describe(plan.name, plan.layer)} on {self.family.name}: {error}")
 
     def order_error(self, plan: Plan) -> OrderError | None:
         """nnsight's out-of-order error, naming the values (None where it was a `tracer.iter` loop outrunning the

@@ -27,7 +27,7 @@ def value_property(value: Value) -> property:
         try:
             return envoy.interleaver.attnlens.read(envoy, name)  # access_of(envoy), inlined: runs on every read
         except AttributeError as error:
-            raise escaped(error, "reading", name) from error
+            raise escaped(error, "reading", envoy, name) from error
 
     def write(envoy, new):
         if isinstance(new, Envoy):  # nnsight mounting a submodule named after this value (Inkling 2's `mlp_input`)
@@ -38,15 +38,15 @@ def value_property(value: Value) -> property:
         try:
             access_of(envoy).write(envoy, name, new)
         except AttributeError as error:
-            raise escaped(error, "writing", name) from error
+            raise escaped(error, "writing", envoy, name) from error
 
     return property(read, write, doc=f"{value.meaning} [{value.layout}]")
 
 
-def escaped(error: AttributeError, doing: str, name: str) -> RuntimeError:
+def escaped(error: AttributeError, doing: str, envoy, name: str) -> RuntimeError:
     """An AttributeError from inside a value's property would make Python ask `__getattr__` for the value, whose
     error ("no attribute 'layer_input'") hides the real one: it leaves the property as a RuntimeError naming it."""
-    return RuntimeError(f"{doing} {name} failed inside attnlens: {type(error).__name__}: {error}")
+    return RuntimeError(f"{doing} {name} at {envoy.path} failed inside attnlens: {type(error).__name__}: {error}")
 
 
 class Helpful:
