@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
 
-from .errors import EditError, OrderError, Unavailable
+from .errors import AttnlensError, EditError, OrderError, OutsideTrace, Unavailable
 from .family import Family, engine_named
 from .geometry import HeadGeometry
 from .locations import Location, cache, context, mediator
@@ -245,6 +245,10 @@ class Access:
             value = plan.location.read(envoy)
         except OutOfOrderError as error:
             raise self.order_error(plan) or error from error
+        except Exception as error:
+            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
+                raise self.outside(plan, "read") from error
+            raise
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -263,6 +267,10 @@ class Access:
             location.write(envoy, self.conform(name, layer, location.read(envoy), new))
         except OutOfOrderError as error:
             raise self.order_error(plan) or error from error
+        except Exception as error:
+            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
+                raise self.outside(plan, "written") from error
+            raise
 
     def _check(self, running, plan: Plan) -> None:
         """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
@@ -286,6 +294,14 @@ class Access:
             if last_step == step and last.order > plan.order:
                 raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
         reads.reads.append((plan, step))
+
+    def outside(self, plan: Plan, done: str) -> OutsideTrace:
+        """A read or write outside a trace, where no forward runs to hold the value (nnsight says "`.source` is
+        only available inside a trace" or the like): where to do it instead."""
+        return OutsideTrace(
+            f"{describe(plan.name, plan.layer)} is {done} inside a trace, while the forward runs: "
+            f"`with model.trace(prompt):` (or `model.generate(...)`) and the read in its body, on either engine"
+        )
 
     def order_error(self, plan: Plan) -> OrderError | None:
         """nnsight's out-of-order error, naming the values (None where it was a `tracer.iter` loop outrunning the

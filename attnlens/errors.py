@@ -13,6 +13,10 @@ class OrderError(AttnlensError):
     """Values were read in an order the forward pass cannot serve; the message names both values."""
 
 
+class OutsideTrace(AttnlensError):
+    """A value was read or written outside a trace, where no forward pass runs to hold it."""
+
+
 class LocationDrift(AttnlensError):
     """A family's recorded location no longer matches the installed transformers: the value would be wrong."""
 

@@ -1,6 +1,8 @@
 """Mistakes cannot pass silently: every write is checked against its layout, read-only values refuse every write,
 errors are typed and name what was wrong and what to do. (tests_vllm/test_errors.py asks the same of vLLM.)"""
 
+import re
+
 import pytest
 import torch
 from conftest import PROMPT, tiny
@@ -282,6 +284,18 @@ def test_an_attribute_error_inside_a_read_is_shown_not_taken_for_a_missing_value
         attn.attention_keys  # noqa: B018  the read under test
     with pytest.raises(RuntimeError, match="writing " + failed):
         attn.attention_keys = 0
+
+
+@pytest.mark.parametrize("name", ["self_attn.attention_probabilities", "layer_input", "mlp.mlp_output"])
+def test_a_value_read_or_written_outside_a_trace_says_to_read_it_inside_one(name):
+    model = tiny("llama")
+    host, _, value = name.rpartition(".")
+    envoy = model.layers[LAYER] if not host else getattr(model.layers[LAYER], host)
+    where = rf"layers\[{LAYER}\]\.{re.escape(name)} is (read|written) inside a trace, while the forward runs"
+    with pytest.raises(attnlens.OutsideTrace, match=where.replace("(read|written)", "read")):
+        getattr(envoy, value)
+    with pytest.raises(attnlens.OutsideTrace, match=where.replace("(read|written)", "written")):
+        setattr(envoy, value, torch.zeros(1))
 
 
 # --- gradients ----------------------------------------------------------------------------------------------------

@@ -139,6 +139,21 @@ def test_unavailable_order_and_index_errors_are_typed(llama):
     assert model.support(-1).layer == 2 and model.order(-1) == model.order(2)
 
 
+@pytest.mark.parametrize("name", ["self_attn.attention_probabilities", "layer_input", "mlp.mlp_output"])
+def test_a_value_read_or_written_outside_a_trace_says_to_read_it_inside_one(llama, name):
+    """The same words as on eager (tests/test_errors.py), on both engines of the same weights."""
+    host, _, value = name.rpartition(".")
+    said = []
+    for model in (llama.vllm, llama.eager):
+        envoy = model.layers[LAYER] if not host else getattr(model.layers[LAYER], host)
+        with pytest.raises(attnlens.OutsideTrace, match=r"is read inside a trace, while the forward runs") as read:
+            getattr(envoy, value)
+        with pytest.raises(attnlens.OutsideTrace, match=r"is written inside a trace") as written:
+            setattr(envoy, value, torch.zeros(1))
+        said += [str(read.value), str(written.value)]
+    assert said[:2] == said[2:]
+
+
 def test_a_wrong_family_fact_is_a_location_drift_at_load(tmp_path):
     tiny_model("gemma2", head_dim=32).save_pretrained(tmp_path)
     char_tokenizer().save_pretrained(tmp_path)
