@@ -8,7 +8,8 @@ family's locations for the engine; everything here is derived from the catalogue
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -241,14 +242,8 @@ class Access:
         running = mediator()
         if running is not None:
             self._check(running, plan)
-        try:
+        with self.failing(plan, running, "read"):
             value = plan.location.read(envoy)
-        except OutOfOrderError as error:
-            raise self.order_error(plan) or error from error
-        except Exception as error:
-            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
-                raise self.outside(plan, "read") from error
-            raise
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -263,14 +258,8 @@ class Access:
         running = mediator()
         if running is not None:
             self._check(running, plan)
-        try:
+        with self.failing(plan, running, "written"):
             location.write(envoy, self.conform(name, layer, location.read(envoy), new))
-        except OutOfOrderError as error:
-            raise self.order_error(plan) or error from error
-        except Exception as error:
-            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
-                raise self.outside(plan, "written") from error
-            raise
 
     def _check(self, running, plan: Plan) -> None:
         """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
@@ -294,6 +283,19 @@ class Access:
             if last_step == step and last.order > plan.order:
                 raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
         reads.reads.append((plan, step))
+
+    @contextmanager
+    def failing(self, plan: Plan, running, done: str) -> Iterator[None]:
+        """A read or write of `plan` whose failure is said in attnlens's words: nnsight's out-of-order error naming
+        the values, and any failure with no trace running (`running`: the mediator, None) as `OutsideTrace`."""
+        try:
+            yield
+        except OutOfOrderError as error:
+            raise self.order_error(plan) or error from error
+        except Exception as error:
+            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
+                raise self.outside(plan, done) from error
+            raise
 
     def outside(self, plan: Plan, done: str) -> OutsideTrace:
         """A read or write outside a trace, where no forward runs to hold the value (nnsight says "`.source` is
