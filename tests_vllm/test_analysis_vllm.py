@@ -7,10 +7,12 @@ from attnlens.analysis import attribution
 
 #: Relative tolerance between the engines in float32 (vLLM's kernels sum in another order).
 RTOL = 1e-4
+#: In bfloat16 (a family vLLM runs in bfloat16 only on CPU): one bf16 step, relative (test_equal_to_eager's).
+HALF_RTOL = 3e-2
 
 
-def _close(a, b, scale):
-    return float((a - b).abs().max()) <= RTOL * max(1.0, scale)
+def _close(a, b, scale, rtol=RTOL):
+    return float((a.float() - b.float()).abs().max()) <= rtol * max(1.0, scale)
 
 
 @pytest.mark.parametrize("name", ["llama", "smollm2"])
@@ -32,6 +34,67 @@ def test_attribution_equals_eager(name, tmp_path_factory):
         assert _close(served.heads[layer], eager.heads[layer], scale), layer
         assert _close(served.rest[layer], eager.rest[layer], scale), layer
     assert _close(served.total, served.value, scale)  # the identity, on vLLM's own tensors
+
+
+def test_every_family_attributes_on_vllm_as_on_eager(models):
+    """Every family vLLM serves: where eager splits a layer's attention by head and source, vLLM's map (computed in
+    its worker) equals eager's at the family's tolerance and adds up to vLLM's own logit difference; where a layer is
+    not split, or the map is refused, both engines say so for the same layers."""
+    import attnlens
+    from attnlens.analysis.reasons import ATTRIBUTION
+
+    eager_reasons = [models.eager.support(layer).analyses[ATTRIBUTION] for layer in range(models.eager.num_layers)]
+    vllm_reasons = [models.vllm.support(layer).analyses[ATTRIBUTION] for layer in range(models.vllm.num_layers)]
+    assert [r is None for r in vllm_reasons] == [r is None for r in eager_reasons], (vllm_reasons, eager_reasons)
+    kwargs = (
+        dict(target=" Mary", versus=" John", rows=[-1, 4])
+        if models.name == "smollm2"
+        else dict(target="a", versus="b", rows=[-1, 3])
+    )
+    try:
+        eager = attribution(models.eager, models.prompt, **kwargs)
+    except attnlens.Unavailable as refused:
+        with pytest.raises(attnlens.Unavailable) as also:
+            attribution(models.vllm, models.prompt, **kwargs)
+        print(models.name, "refused on both:", refused, "|", also.value)
+        return
+    served = attribution(models.vllm, models.prompt, **kwargs)
+    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    scale = float(eager.value.abs().max())
+    assert _close(served.value, eager.value, scale, rtol), (served.value, eager.value)
+    assert sorted(served.heads) == sorted(eager.heads)
+    assert sorted(eager.heads) == [layer for layer, reason in enumerate(eager_reasons) if reason is None]
+    for layer in eager.rest:
+        if layer in eager.heads:
+            assert served.heads[layer].shape == eager.heads[layer].shape
+            assert _close(served.heads[layer], eager.heads[layer], scale, rtol), layer
+        assert _close(served.attention[layer], eager.attention[layer], scale, rtol), layer
+        assert _close(served.rest[layer], eager.rest[layer], scale, rtol), layer
+    assert _close(served.embeddings, eager.embeddings, scale, rtol)
+    assert _close(served.total, served.value, scale, rtol)  # the identity, on vLLM's own tensors
+
+
+def test_every_family_lenses_on_vllm_as_on_eager(models):
+    """Every family vLLM serves: the logit lens on vLLM equals eager's at the family's tolerance, or both refuse."""
+    import attnlens
+    from attnlens.analysis import logit_lens
+    from attnlens.analysis.reasons import LENS
+
+    reasons = [model.support(0).analyses[LENS] for model in (models.eager, models.vllm)]
+    assert (reasons[0] is None) == (reasons[1] is None), reasons
+    kwargs = dict(rows=[-1, 2], tokens=[" Mary"] if models.name == "smollm2" else ["a"])
+    if reasons[0] is not None:
+        for model in (models.eager, models.vllm):
+            with pytest.raises(attnlens.Unavailable):
+                logit_lens(model, models.prompt, **kwargs)
+        return
+    eager = logit_lens(models.eager, models.prompt, **kwargs)
+    served = logit_lens(models.vllm, models.prompt, **kwargs)
+    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    scale = float(eager.last.abs().max())
+    assert served.sites == eager.sites
+    assert _close(served.token_logits, eager.token_logits, scale, rtol)
+    assert _close(served.last, eager.last, scale, rtol)
 
 
 def test_lens_equals_eager(llama):

@@ -58,6 +58,8 @@ def read_steps(model, prompt, reads, steps=STEPS):
                 if host:
                     envoy = getattr(envoy, host)
                 step[(i, name)] = getattr(envoy, name).clone()
+            if model.support()["final_norm_output"] is None:  # both engines serve it, or neither (compare())
+                step["final_norm_output"] = model.final_norm_output[:, -1].clone()
             step["logits"] = model.logits[:, -1].clone()
             saved.append(step)
     return saved

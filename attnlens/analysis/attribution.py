@@ -67,7 +67,8 @@ class Plan:
     softcap: float | None
     what: str
     engine: str = "transformers"
-    paths: dict[str, str] = field(default_factory=dict)  #: module paths on the engine: final_norm, output_projection
+    #: module paths on the engine: final_norm, output_projection, embed_tokens, attention_post_norm (None: none)
+    paths: dict[str, str | None] = field(default_factory=dict)
     tokens: tuple[int, int | None] | None = None  #: (target, versus) where the read-out is a logit
     unembedding: tuple[torch.Tensor, torch.Tensor | None] | None = None  #: weight [vocab, hidden], bias, once read
 
@@ -84,12 +85,13 @@ def final_softcap(model) -> float | None:
     return getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
 
 
-def unembedding(model, engine: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unembedding's weight [vocab, hidden] and bias [vocab] (or None), where the run is."""
+def unembedding(model, engine: str, embeddings: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unembedding's weight [vocab, hidden] and bias [vocab] (or None), where the run is (`embeddings`: the
+    input embeddings' path on vLLM, which tied models unembed with)."""
     if engine == "vllm":
         from .vllm import unembedding as vllm_unembedding
 
-        return vllm_unembedding(model._module)
+        return vllm_unembedding(model._module, embeddings)
     head = model._module.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise Unavailable(f"attribution on {model.family.name}: the model has no output embedding to read tokens with")
@@ -162,7 +164,8 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
             layers[layer].post = post_norm_form(model, layer)
             layers[layer].multiplier = residual_multiplier(model, layer)
     engine = model.access.engine
-    paths = {role: model.family.path(role, engine) for role in ("final_norm", "output_projection")}
+    roles = ("final_norm", "output_projection", "embed_tokens", "attention_post_norm")
+    paths = {role: model.family.path(role, engine) for role in roles}
     found = Plan(layers, final, directions, offsets, rows, softcap, what, engine, paths, tokens)
     if model.access.engine == "transformers":  # on vLLM the worker reads its own weights (vllm.prepare)
         prepare(model, found)
@@ -171,7 +174,7 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
 
 def prepare(model, plan: Plan) -> None:
     """The weights `plan` computes with, read off the model's modules where the run is (eager: before the trace)."""
-    weight, bias = unembedding(model, plan.engine)
+    weight, bias = unembedding(model, plan.engine, plan.paths["embed_tokens"])
     plan.unembedding = (weight.detach(), None if bias is None else bias.detach())
     if plan.tokens is not None:
         t, v = plan.tokens

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import Unavailable
-from .reasons import read_only
+from .reasons import knock_out_reason
 
 
 def _positions(chosen, length: int, what: str) -> torch.Tensor:
@@ -57,12 +57,7 @@ def knock_out(model, layer: int, queries=None, keys=None, heads: Iterable[int] |
     attn = model.layers[layer].self_attn
     access = attn.interleaver.attnlens  # the model's Access, also in vLLM's worker where the body runs
     layer = access.check_layer(layer)
-    reason = access.support(layer)["self_attn.attention_probabilities"]
-    if reason is not None:
-        raise Unavailable(
-            f"knock_out on layer {layer} of {access.family.name}: attention_probabilities is unavailable ({reason})"
-        )
-    reason = read_only(access, "self_attn.attention_probabilities", layer)
+    reason = knock_out_reason(access, layer)
     if reason is not None:
         raise Unavailable(f"knock_out on layer {layer} of {access.family.name}: {reason}")
     pattern = attn.attention_probabilities

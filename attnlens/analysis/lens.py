@@ -31,23 +31,18 @@ class LensPlan:
     softcap: float | None
     engine: str
     final_norm_path: str
+    embed_tokens_path: str
     what: str = "logit lens"  # `_readout_multiple` reads `what`
     unembedding: tuple | None = None
 
 
 def collect(model, plan: LensPlan, found: dict) -> None:
     """Inside a trace: each site's lens logits, reduced to the top tokens and the tokens asked for."""
+    weight, bias = unembedding(model, plan.engine, plan.embed_tokens_path)
     if plan.engine == "vllm":
-        from dataclasses import replace
+        from .vllm import with_weights
 
-        module = model._module.get_submodule(plan.final_norm_path)
-        bias = getattr(module, "bias", None)
-        plan.final = replace(
-            plan.final,
-            gain=module.weight.detach().float() + (plan.final.enters == "one_plus"),
-            bias=None if bias is None else bias.detach().float(),
-        )
-    weight, bias = unembedding(model, plan.engine)
+        plan.final = with_weights(plan.final, model._module.get_submodule(plan.final_norm_path), weight.shape[-1])
     weight = weight.float()
     final = plan.final.to(weight.device)
 
@@ -198,6 +193,7 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         final_softcap(model),
         engine,
         model.family.path("final_norm", engine),
+        model.family.path("embed_tokens", engine),
     )
     if engine == "vllm":
         with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):

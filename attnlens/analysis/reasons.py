@@ -87,8 +87,8 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
             f"the {family.name} family's residual add takes the block's arguments "
             f"({', '.join(family.block_arguments)}) as well as the update"
         )
-    if model.access.engine == "vllm":
-        return f"the {family.name} family's residual add (residual_add) is checked on the eager engine only"
+    # On vLLM the block is its module on the meta device: the add is probed with the constants it holds (Granite's
+    # residual_multiplier), and one that needs its weights cannot be probed.
     block = model.layers[layer]._module
     hidden = hidden_size(model)
     generator = torch.Generator().manual_seed(0)
@@ -116,8 +116,11 @@ def post_norm_form(model, layer: int) -> NormForm | str | None:
     name = model.family.attention_post_norm
     if name is None:
         return None
-    if model.access.engine == "vllm":
-        return f"the norm after attention ({name}) is checked on the eager engine only"
+    if model.access.engine == "vllm":  # its class gives the form; the worker reads its weights (vllm.prepare)
+        from .vllm import norm_form
+
+        path = model.family.path("attention_post_norm", "vllm")
+        return norm_form(model.layers[layer]._module.get_submodule(path), f"norm after attention ({path})")
     module = model.layers[layer]._module.get_submodule(name)
     form = NormForm.of(module, hidden_size(model))
     return (
@@ -227,12 +230,17 @@ def served(model, layer: int) -> dict[str, str | None]:
             if vllm
             else needs or None
         )
-    probabilities = report["self_attn.attention_probabilities"]
-    if probabilities is not None:
-        reasons[KNOCK_OUT] = f"attention_probabilities is unavailable ({probabilities})"
-    else:
-        reasons[KNOCK_OUT] = read_only(model.access, "self_attn.attention_probabilities", layer)
+    reasons[KNOCK_OUT] = knock_out_reason(model.access, layer)
     return reasons
+
+
+def knock_out_reason(access, layer: int) -> str | None:
+    """Why `layer` cannot have edges knocked out (None: it can): it needs the pattern, and writes it. `access`: the
+    model's (also in vLLM's worker, where `knock_out` runs)."""
+    probabilities = access.support(layer)["self_attn.attention_probabilities"]
+    if probabilities is not None:
+        return f"attention_probabilities is unavailable ({probabilities})"
+    return read_only(access, "self_attn.attention_probabilities", layer)
 
 
 def unavailable(model, layer: int) -> dict[str, str]:

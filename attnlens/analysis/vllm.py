@@ -20,22 +20,42 @@ from ..errors import Unavailable
 from ..locations.views import tensor_parallel
 from .norms import NormForm, _eps
 
-#: vLLM's norm classes and the form each computes.
+#: vLLM's norm classes (and transformers' that its Transformers backend keeps) and the form each computes; a class
+#: is known by the first of these names in its MRO (the backend's `TPAwareRMSNorm` is an `RMSNorm`).
 NORM_CLASSES = {
-    "RMSNorm": ("RMSNorm", False, "weight"),
     "GemmaRMSNorm": ("RMSNorm with 1 + weight (Gemma)", False, "one_plus"),
+    "RMSNorm": ("RMSNorm", False, "weight"),
     "LayerNorm": ("LayerNorm", True, "weight"),
+    "OlmoLayerNorm": ("LayerNorm without weight", True, "none"),  # transformers' OLMo: F.layer_norm, no weight
 }
 
 
+def norm_form(module, what: str) -> NormForm | str:
+    """The form of vLLM's norm `module` from its class (its weights are read in the worker: `with_weights`), or why
+    it has none (`what` names the module in the reason)."""
+    for klass in type(module).__mro__:
+        if klass.__name__ in NORM_CLASSES:
+            form, centred, enters = NORM_CLASSES[klass.__name__]
+            return NormForm(form, type(module).__name__, centred, torch.empty(0), None, _eps(module), enters)
+    return (
+        f"vLLM's {what} {type(module).__name__} is neither an RMSNorm nor a LayerNorm attnlens can freeze at the "
+        f"run's scale"
+    )
+
+
 def final_norm_form(model) -> NormForm | str:
-    """The final norm's form from its class (its weight is read in the worker), or why it has none."""
-    module = model._module.get_submodule(model.family.path("final_norm", "vllm"))
-    name = type(module).__name__
-    if name not in NORM_CLASSES:
-        return f"vLLM's final norm {name} is neither an RMSNorm nor a LayerNorm attnlens can freeze at the run's scale"
-    form, centred, enters = NORM_CLASSES[name]
-    return NormForm(form, name, centred, torch.empty(0), None, _eps(module), enters)
+    """The final norm's form from its class, or why it has none."""
+    return norm_form(model._module.get_submodule(model.family.path("final_norm", "vllm")), "final norm")
+
+
+def with_weights(form: NormForm, module, hidden: int) -> NormForm:
+    """`form` with the gain and bias of `module`, vLLM's norm in the worker (`hidden`: the width without a weight)."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if form.enters == "none" or weight is None:
+        gain = torch.ones(hidden)
+    else:
+        gain = weight.detach().float() + (1 if form.enters == "one_plus" else 0)
+    return replace(form, gain=gain, bias=None if bias is None else bias.detach().float())
 
 
 #: Per output projection module of this worker: its weights' identity and the matrix read from them. Reading the
@@ -85,9 +105,14 @@ def projection_weights(projection, width: int) -> tuple[torch.Tensor, torch.Tens
     return _cached(projection, read), None if bias is None else bias.detach().float()
 
 
-def unembedding(module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """vLLM's unembedding (`module`: its model, in the worker), its padded vocabulary whole on every rank."""
+def unembedding(module, embeddings: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """vLLM's unembedding (`module`: its model, in the worker), its padded vocabulary whole on every rank: its
+    `lm_head`, or where the model ties its embeddings and vLLM keeps no head (Cohere's, Gemma 4's logits are computed
+    from `embed_tokens`) the input embeddings at `embeddings`."""
     head = getattr(module, "lm_head", None)
+    config = getattr(module, "config", None)
+    if head is None and config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False):
+        head = module.get_submodule(embeddings)
     if head is None or getattr(head, "weight", None) is None:
         raise Unavailable("attribution on vLLM: the model has no lm_head to read tokens with")
     bias = getattr(head, "bias", None)
@@ -97,17 +122,15 @@ def unembedding(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def prepare(model, plan, prepare_weights) -> None:
-    """In the worker: the final norm's weights, then the unembedding and the output projections (`prepare_weights`:
-    `attribution.prepare`, passed in so this module need not import it back)."""
-    module = model._module.get_submodule(plan.paths["final_norm"])
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    gain = (
-        torch.ones(plan.directions.shape[-1] if plan.directions is not None else module.weight.shape[-1])
-        if weight is None
-        else weight.detach().float() + (1 if plan.final.enters == "one_plus" else 0)
-    )
-    plan.final = replace(plan.final, gain=gain, bias=None if bias is None else bias.detach().float())
+    """In the worker: the unembedding and the output projections (`prepare_weights`: `attribution.prepare`, passed in
+    so this module need not import it back), then the weights of the final norm and of the norms after attention."""
     prepare_weights(model, plan)
+    hidden = plan.unembedding[0].shape[-1]
+    plan.final = with_weights(plan.final, model._module.get_submodule(plan.paths["final_norm"]), hidden)
+    for layer, layer_plan in plan.layers.items():
+        if layer_plan.split and layer_plan.post is not None:
+            norm = model.layers[layer]._module.get_submodule(plan.paths["attention_post_norm"])
+            layer_plan.post = with_weights(layer_plan.post, norm, hidden)
 
 
 def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:

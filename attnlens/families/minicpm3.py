@@ -96,7 +96,11 @@ class MiniCPM3(LatentAttention):
     )
 
     def residual_add(self, block, sublayer, stream, update):
-        return stream + update * block.residual_scale
+        # transformers' block holds the scale; vLLM's computes it from its config each time
+        scale = getattr(block, "residual_scale", None)
+        if scale is None:
+            scale = block.config.scale_depth / math.sqrt(block.config.num_hidden_layers)
+        return stream + update * scale
 
     def notes(self, config, layer, engine="transformers"):
         scale = config.scale_depth / math.sqrt(config.num_hidden_layers)

@@ -126,8 +126,8 @@ def unpaired_locations(family, locations):
     return {
         **locations,
         "attention_output": batched(ModuleOutput()),
-        "layer_mid": batched(ModuleInput(family.mlp_norm)),
+        "layer_mid": batched(ModuleInput(family.path("mlp_norm", "vllm"))),
         "mlp_output": batched(ModuleOutput()),
         "layer_output": batched(ModuleOutput("", 0)),
-        "final_norm_output": batched(ModuleOutput(family.final_norm)),
+        "final_norm_output": batched(ModuleOutput(family.path("final_norm", "vllm"))),
     }
