@@ -120,37 +120,42 @@ def _knocked_steps(model, prompt, steps=3, layer=1, queries=range(5, 40), keys=(
     with torch.no_grad(), model.generate(prompt, max_new_tokens=steps, do_sample=False) as tracer:
         logits = list().save()
         for _ in tracer.iter[:steps]:
-            knock_out(model, layer, list(queries), list(keys), heads=list(heads))
+            knock_out(model, layer, list(queries), list(keys), heads=None if heads is None else list(heads))
             logits.append(model.logits[0, -1].clone())
     return torch.stack(list(logits))
 
 
 def test_every_family_knocks_out_on_vllm_as_on_eager(models):
-    """Every family vLLM serves (not `DIFFERS`): a knockout of layer 0's edges moves vLLM's logits as it moves eager's
-    (and moves them), or vLLM refuses it where eager does (and maybe more: a read-only pattern). The edges are the
-    last query's to the two keys before it, inside the tiny sliding windows (4)."""
+    """Every family vLLM serves (not `DIFFERS`): a knockout on the last layer eager knocks out on moves vLLM's logits
+    as it moves eager's (and moves them), and vLLM refuses only what eager refuses, or more (a read-only pattern). The
+    edges are the last query's to every key before it, on every head: its row keeps only itself (the tiny models'
+    patterns are peaked, so a few keys may hold no weight)."""
     import attnlens
     from attnlens.analysis.reasons import KNOCK_OUT
 
     if models.name in DIFFERS:
         pytest.skip(f"plain vLLM computes otherwise: {DIFFERS[models.name][1]}")
+    layers = range(models.eager.num_layers)
+    served = [layer for layer in layers if models.eager.support(layer).analyses[KNOCK_OUT] is None]
+    refused = [layer for layer in layers if models.vllm.support(layer).analyses[KNOCK_OUT] is not None]
+    assert not set(layers) - set(served) - set(refused), "vLLM knocks out where eager refuses"
+    if not served:
+        pytest.skip(f"no layer of {models.name} serves knockouts on eager")
     n = len(models.eager.tokenizer(models.prompt).input_ids)
-    edges = dict(layer=0, queries=[n - 1], keys=[n - 3, n - 2])
-
-    reasons = [model.support(0).analyses[KNOCK_OUT] for model in (models.eager, models.vllm)]
-    if reasons[0] is not None:  # vLLM may refuse more (a read-only pattern); never less
-        assert reasons[1] is not None, reasons
-    if reasons[1] is not None:
+    edges = dict(layer=served[-1], queries=[n - 1], keys=range(n - 1), heads=None)
+    if served[-1] in refused:
         with pytest.raises(attnlens.Unavailable, match="knock_out"):
             _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
         return
-    served = _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
-    eager = _knocked_steps(models.eager, models.prompt, steps=1, **edges)
+    on_vllm = _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
+    on_eager = _knocked_steps(models.eager, models.prompt, steps=1, **edges)
     rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
-    assert _close(served, eager, float(eager.abs().max()), rtol)
+    scale = max(1.0, float(on_eager.abs().max()))
+    assert _close(on_vllm, on_eager, scale, rtol)
     with torch.no_grad(), models.eager.trace(models.prompt):
         plain = models.eager.logits[0, -1].save()
-    assert not torch.allclose(plain.float(), eager[0].float(), atol=1e-4)
+    moved = float((plain.float() - on_eager[0].float()).abs().max())
+    assert moved > 10 * rtol * scale, moved  # far beyond the engines' agreement
 
 
 def test_knockout_on_every_step_equals_eager(llama):

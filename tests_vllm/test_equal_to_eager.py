@@ -127,7 +127,10 @@ def test_values_equal_eager_up_to_the_one_vllm_computes_otherwise(name, tmp_path
     scaled_queries(models, (on_vllm, on_eager))
     for key, e in on_eager.items():
         equal = close(e, on_vllm[key], tolerance(models))
-        assert equal == (key not in ((0, first), "logits")), (name, key)  # a fixed vLLM fails here: drop the entry
+        assert equal == (key not in ((0, first), "final_norm_output", "logits")), (
+            name,
+            key,
+        )  # a fixed vLLM fails here: drop the entry
 
 
 def test_identities_hold_on_vllms_own_tensors_every_step(models):

@@ -71,7 +71,11 @@ def finish(model, plan, prompt) -> None:
     targets = [int(ids[row + 1]) if row + 1 < len(ids) else int(logits.argmax()) for row in rows]
     weight, bias = plan.unembedding
     plain = weight.float() @ normed[-1] + (0 if bias is None else bias.float())
-    found = {"last_plain": plain[: logits.shape[-1]].cpu(), "last_logits": logits.cpu()}
+    found = {
+        "last_plain": plain[: logits.shape[-1]].cpu(),
+        "last_logits": logits.cpu(),
+        "dtype": prompt.finals["final_norm_output"].dtype,
+    }
     multiple = _readout_multiple(model, plan, found)
     final = plan.final.to(residual.device)
     readout = final.pullback(weight[targets].float().to(residual.device)) * multiple / final.scale(residual)
