@@ -2,14 +2,12 @@
 
 import pytest
 import torch
-from conftest import DIFFERS
+from conftest import DIFFERS, TOLERANCE, tolerance
 
 from attnlens.analysis import attribution
 
 #: Relative tolerance between the engines in float32 (vLLM's kernels sum in another order).
-RTOL = 1e-4
-#: In bfloat16 (a family vLLM runs in bfloat16 only on CPU): one bf16 step, relative (test_equal_to_eager's).
-HALF_RTOL = 3e-2
+RTOL = TOLERANCE
 
 
 def _close(a, b, scale, rtol=RTOL):
@@ -63,7 +61,7 @@ def test_every_family_attributes_on_vllm_as_on_eager(models):
         print(models.name, "refused on both:", refused, "|", also.value)
         return
     served = attribution(models.vllm, models.prompt, **kwargs)
-    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    rtol = tolerance(models)
     scale = float(eager.value.abs().max())
     assert _close(served.value, eager.value, scale, rtol), (served.value, eager.value)
     assert sorted(served.heads) == sorted(eager.heads)
@@ -97,7 +95,7 @@ def test_every_family_lenses_on_vllm_as_on_eager(models):
         return
     eager = logit_lens(models.eager, models.prompt, **kwargs)
     served = logit_lens(models.vllm, models.prompt, **kwargs)
-    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    rtol = tolerance(models)
     scale = float(eager.last.abs().max())
     assert served.sites == eager.sites
     assert _close(served.token_logits, eager.token_logits, scale, rtol)
@@ -149,7 +147,7 @@ def test_every_family_knocks_out_on_vllm_as_on_eager(models):
         return
     on_vllm = _knocked_steps(models.vllm, models.prompt, steps=1, **edges)
     on_eager = _knocked_steps(models.eager, models.prompt, steps=1, **edges)
-    rtol = models.vllm.family.vllm.tolerance or (RTOL if models.dtype == torch.float32 else HALF_RTOL)
+    rtol = tolerance(models)
     scale = max(1.0, float(on_eager.abs().max()))
     assert _close(on_vllm, on_eager, scale, rtol)
     with torch.no_grad(), models.eager.trace(models.prompt):

@@ -2,17 +2,12 @@
 
 import pytest
 import torch
-from conftest import DIFFERS, pair
+from conftest import DIFFERS, HALF_TOLERANCE, TOLERANCE, pair, tolerance
 
 import attnlens
 from attnlens.vllm.blocks import handoffs
 
 STEPS = 3  # the prefill and two decode steps
-#: fp32 tolerance, relative to the largest entry: SmolLM2's last blocks carry entries near 40, where kernels that add
-#: in another order differ by 1e-5 relative.
-TOLERANCE = 1e-4
-#: bfloat16 (a family vLLM runs in bfloat16 only on CPU): one bf16 step, relative.
-HALF_TOLERANCE = 3e-2
 
 
 def close(a, b, tolerance=TOLERANCE):
@@ -51,11 +46,6 @@ def read_steps(model, prompt, reads, steps=STEPS):
             step["logits"] = model.logits[:, -1].clone()
             saved.append(step)
     return saved
-
-
-def tolerance(models) -> float:
-    """The family's own (where vLLM computes a part otherwise, Bloom's exact GELU), else the dtype's."""
-    return models.vllm.family.vllm.tolerance or (TOLERANCE if models.dtype == torch.float32 else HALF_TOLERANCE)
 
 
 def scaled_queries(models, step_values: list) -> None:

@@ -524,6 +524,12 @@ def _finish(model, plan: Plan, found: dict, tokens: list[str]) -> Attribution:
     )
 
 
+def run_tolerance(dtype: torch.dtype) -> float:
+    """How far, relative, a float32 read-out may be from what the run computed in `dtype` (bfloat16: to its
+    rounding): the logits against the unembedding, the frozen final norm against the run's."""
+    return max(1e-3, TOLERANCE.get(dtype, TOLERANCE[torch.float32])[1])
+
+
 def _readout_multiple(model, plan: Plan, found: dict) -> float:
     """What the logits are a multiple of the unembedding by (1 on most families; Granite's 1 / logits_scaling,
     Cohere's logit_scale), fitted on the run's last position and checked there, the soft-cap undone first."""
@@ -535,8 +541,7 @@ def _readout_multiple(model, plan: Plan, found: dict) -> float:
         logits = plan.softcap * torch.atanh((logits / plan.softcap).clamp(-1 + 1e-6, 1 - 1e-6))
     multiple = float((logits * plain).sum() / (plain * plain).sum())
     multiple = 1.0 if abs(multiple - 1.0) < 1e-5 else multiple
-    # the logits as the run computed them, in its dtype (bfloat16: to its rounding), against the float32 read-out
-    rtol = max(1e-3, TOLERANCE.get(found["dtype"], TOLERANCE[torch.float32])[1])
+    rtol = run_tolerance(found["dtype"])
     if not torch.allclose(multiple * plain, logits, atol=rtol * float(logits.abs().max()) + 1e-4, rtol=rtol):
         raise Unavailable(
             f"attribution on {model.family.name}: the logits are no multiple of the unembedding of "

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import TOLERANCE
 from ..errors import Unavailable
-from .attribution import _name, _readout_multiple, final_softcap, rows_of, token_id, unembedding
+from .attribution import _name, _readout_multiple, final_softcap, rows_of, run_tolerance, token_id, unembedding
 from .reasons import final_norm_form, model_reason
 
 SITES = ("layer_input", "layer_mid", "layer_output")
@@ -208,9 +207,7 @@ def logit_lens(model, prompt, rows=-1, tokens=(), top_k: int = 5, layers=None) -
         found = {}
         with torch.no_grad(), model.trace(ids[None]):
             collect(model, plan, found)
-    # the frozen norm in float32 against the run's own, computed in the run's dtype (bfloat16: to its rounding)
-    limit = max(1e-3, TOLERANCE.get(found["dtype"], TOLERANCE[torch.float32])[1])
-    if found["final_check"] > limit * max(1.0, found["final_scale"]):
+    if found["final_check"] > run_tolerance(found["dtype"]) * max(1.0, found["final_scale"]):
         raise Unavailable(
             f"logit lens on {model.family.name}: the final norm frozen as {plan.final.name} does not "
             f"give the run's final_norm_output (off by {found['final_check']:.2e})"

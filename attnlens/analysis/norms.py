@@ -66,16 +66,14 @@ class NormForm:
         out = out[0] if isinstance(out, tuple) else out
         if not torch.is_tensor(out) or out.shape != x.shape:
             return None
-        ones = torch.ones(hidden, device=device)
         for name, centred, enters in FORMS:
             if enters != "none" and weight is None:
                 continue
-            gain = {"weight": weight, "one_plus": 1 + weight if weight is not None else None, "none": ones}[enters]
             form = cls(
                 name,
                 type(module).__name__,
                 centred,
-                gain.detach().float(),
+                gain_of(weight, enters, hidden, device),
                 None if bias is None else bias.detach().float(),
                 eps,
                 enters,
@@ -114,6 +112,14 @@ class NormForm:
         if self.bias is None:
             return torch.zeros(direction.shape[:-1], device=direction.device)
         return direction.float() @ self.bias.to(direction.device)
+
+
+def gain_of(weight: torch.Tensor | None, enters: str, hidden: int, device) -> torch.Tensor:
+    """What a norm multiplies by (float32, [hidden]), as its weight enters: the weight, 1 + weight (Gemma), or ones
+    ("none", or no weight)."""
+    if enters == "none" or weight is None:
+        return torch.ones(hidden, device=device)
+    return weight.detach().float() + (1.0 if enters == "one_plus" else 0.0)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:

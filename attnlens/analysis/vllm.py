@@ -18,7 +18,7 @@ import torch
 
 from ..errors import Unavailable
 from ..locations.views import tensor_parallel
-from .norms import NormForm, _eps
+from .norms import NormForm, _eps, gain_of
 
 #: vLLM's norm classes (and transformers' that its Transformers backend keeps) and the form each computes; a class
 #: is known by the first of these names in its MRO (the backend's `TPAwareRMSNorm` is an `RMSNorm`).
@@ -51,10 +51,7 @@ def final_norm_form(model) -> NormForm | str:
 def with_weights(form: NormForm, module, hidden: int) -> NormForm:
     """`form` with the gain and bias of `module`, vLLM's norm in the worker (`hidden`: the width without a weight)."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if form.enters == "none" or weight is None:
-        gain = torch.ones(hidden)
-    else:
-        gain = weight.detach().float() + (1 if form.enters == "one_plus" else 0)
+    gain = gain_of(weight, form.enters, hidden, None if weight is None else weight.device)
     return replace(form, gain=gain, bias=None if bias is None else bias.detach().float())
 
 
