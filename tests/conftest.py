@@ -1,8 +1,15 @@
+import os
+
 import pytest
 import torch
 import transformers
 
 import attnlens
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per worker: the workers already fill the cores, and torch's default team of a thread per core in
+    # each worker spins against the others (the identity suite ran 6x slower on two workers of two threads each).
+    torch.set_num_threads(1)
 
 CORE_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 

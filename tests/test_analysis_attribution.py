@@ -10,10 +10,6 @@ from attnlens.analysis import attribution, unavailable
 from attnlens.analysis.attribution import final_softcap
 from attnlens.analysis.reasons import model_reason, split_reason
 
-#: Built on the values the identity suite checks on both transformers versions (test_identities.py runs there),
-#: with the same attnlens code on each: run on the newest one only (`make test-eager-vllm` deselects it).
-pytestmark = pytest.mark.any_transformers
-
 ROWS = [-1, 5]
 
 

@@ -1,29 +1,11 @@
-"""`attnlens attribute` and `attnlens patch` as a user runs them (a subprocess each), their errors included."""
-
-import os
-import pathlib
-import subprocess
-import sys
+"""`attnlens attribute` and `attnlens patch` through the command line's own function (`cli_run`: tests/test_cli.py runs
+the entry point in a process of its own), their errors included."""
 
 import pytest
+from cli_run import attnlens
 
 #: the same on every transformers: run on the newest one only (`make test-eager-vllm` deselects it)
 pytestmark = pytest.mark.any_transformers
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def attnlens(*args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "attnlens", *args],
-        cwd=ROOT,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=600,
-        check=False,
-    )
 
 
 def test_attribute(tmp_path):

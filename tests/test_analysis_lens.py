@@ -11,10 +11,6 @@ import attnlens
 from attnlens.analysis import logit_lens
 from attnlens.analysis.reasons import model_reason
 
-#: Built on the values the identity suite checks on both transformers versions (test_identities.py runs there),
-#: with the same attnlens code on each: run on the newest one only (`make test-eager-vllm` deselects it).
-pytestmark = pytest.mark.any_transformers
-
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_last_site_is_the_logits(case):

@@ -8,10 +8,6 @@ from conftest import ALL_CASES, PROMPT, tiny
 import attnlens
 from attnlens.capture import CACHE_NAMES, FUSED
 
-#: Built on the values the identity suite checks on both transformers versions (test_identities.py runs there),
-#: with the same attnlens code on each: run on the newest one only (`make test-eager-vllm` deselects it).
-pytestmark = pytest.mark.any_transformers
-
 PROMPTS = ["Hello world, again", "Hi", "The cat sat on the mat"]  # lengths 18, 2, 22: padding in every batch
 
 

@@ -18,10 +18,6 @@ import attnlens
 from attnlens import checks
 from attnlens.models import char_tokenizer, tiny_model
 
-#: Built on the values the identity suite checks on both transformers versions (test_identities.py runs there),
-#: with the same attnlens code on each: run on the newest one only (`make test-eager-vllm` deselects it).
-pytestmark = pytest.mark.any_transformers
-
 PACKAGE = Path(attnlens.__file__).parent
 FACTORIES = {
     torch.arange,

@@ -1,7 +1,8 @@
 """The docs run: every ```python block of each page executes, in order, in one namespace per page.
 
 A line `# expected` after a `print(...)` states what it prints; the test compares it. In ```console blocks each
-`$ ` line runs in bash (`attnlens` being `python -m attnlens`), in order, in one folder per page; the lines after it
+`$ ` line runs in bash (`attnlens` being `python -m attnlens`; a line that is one plain `attnlens` command runs through
+the same `cli.main` in this process, `cli_run`), in order, in one folder per page; the lines after it
 are what it prints, compared with runs of spaces collapsed ("..." skips a line).
 """
 
@@ -10,10 +11,12 @@ import io
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+from cli_run import attnlens
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -106,6 +109,8 @@ def console_steps(block: str) -> list[tuple[str, list[str]]]:
     return steps
 
 
+#: What makes a console line more than one `attnlens` command (a pipe, a redirection, a variable, a list): run in bash.
+SHELL = set("|&;<>()$`*?~")
 CONSOLE_PAGES = [page for page in PAGES if CONSOLE.search(page.read_text())]
 
 
@@ -121,9 +126,18 @@ def test_page_commands_run(page, tmp_path):
     prelude = f'attnlens() {{ "{sys.executable}" -m attnlens "$@"; }}\n'
     for block in CONSOLE.findall(page.read_text()):
         for command, expected in console_steps(block):
-            run = subprocess.run(
-                ["bash", "-c", prelude + command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-            )
+            words = shlex.split(command)
+            if words[0] == "attnlens" and not set(command) & SHELL:  # a plain command: run here (`cli_run`)
+                run = attnlens(*words[1:], cwd=tmp_path)
+            else:
+                run = subprocess.run(
+                    ["bash", "-c", prelude + command],
+                    cwd=tmp_path,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
             assert run.returncode == 0, f"{page.name}: `{command}` failed: {run.stderr}"
             printed = [" ".join(line.split()) for line in run.stdout.splitlines()]
             for want in expected:

@@ -10,10 +10,6 @@ import attnlens
 from attnlens import heads
 from attnlens.models import char_tokenizer, tiny_model
 
-#: Built on the values the identity suite checks on both transformers versions (test_identities.py runs there),
-#: with the same attnlens code on each: run on the newest one only (`make test-eager-vllm` deselects it).
-pytestmark = pytest.mark.any_transformers
-
 LENGTH, SEQUENCES = 12, 3  # BOS + 12 + 12 = 25 tokens: past the tiny sliding windows (4)
 PROMPTS = [PROMPT, "Hi", "The cat sat on the mat"]
 ROWS = [-1, 0, 1]

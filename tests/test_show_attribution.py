@@ -3,11 +3,9 @@
 
 import base64
 import json
-import os
 import re
-import subprocess
-import sys
 
+import cli_run
 import pytest
 import torch
 from conftest import PROMPT, tiny
@@ -168,9 +166,7 @@ def test_errors_name_what_was_wrong(model, found):
 
 def test_the_command_line_writes_the_page(tmp_path):
     out = tmp_path / "map.html"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "attnlens", "attribute", "tiny:llama", PROMPT, "--target", "a", "--layer", "1"]
-    run = subprocess.run([*command, "--out", str(out)], env=env, text=True, capture_output=True, timeout=600)
+    run = cli_run.attnlens("attribute", "tiny:llama", PROMPT, "--target", "a", "--layer", "1", "--out", str(out))
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1] == str(out)
     page = page_data(out.read_text())

@@ -16,6 +16,15 @@ import torch
 
 import attnlens
 
+def pytest_unconfigure(config):
+    """At exit every session engine shuts down, and vLLM's shutdown runs two full garbage collections per engine: with
+    the suite's ~70 engines alive, over 4 minutes of collecting a heap that the process is about to drop. The
+    shutdowns still run (their ranks and files are released); only their collections are skipped."""
+    import gc
+
+    gc.collect = lambda generation=2: 0
+
+
 PROMPT = "Hello world, again"  # 18 characters: past the tiny sliding windows (4)
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 
