@@ -16,6 +16,7 @@ import torch
 
 import attnlens
 
+
 def pytest_unconfigure(config):
     """At exit every session engine shuts down, and vLLM's shutdown runs two full garbage collections per engine: with
     the suite's ~70 engines alive, over 4 minutes of collecting a heap that the process is about to drop. The
