@@ -73,7 +73,7 @@ def commands(tmp: pathlib.Path) -> dict[str, tuple[list[str], str | None]]:
 IN_A_PROCESS = ("families", "unknown model")
 
 
-@pytest.fixture(scope="session")  # (a module scope is made again wherever xdist runs another module's test between)
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """Every run of `commands`: those of IN_A_PROCESS in subprocesses (side by side), the rest in this process."""
     tmp = tmp_path_factory.mktemp("cli")

@@ -88,18 +88,9 @@ class ScoreFunction:
         cap = self.softcap(config, layer)
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap  # (not in place: tanh keeps its output for the backward)
-        return scores.add_(
-            self.mask(
-                queries.shape[2],
-                keys.shape[2],
-                config,
-                layer,
-                key_mask,
-                scores.dtype,
-                scores.device,
-                engine=heads.engine,
-            )
-        )
+        sizes = queries.shape[2], keys.shape[2]
+        mask = self.mask(*sizes, config, layer, key_mask, scores.dtype, scores.device, engine=heads.engine)
+        return scores.add_(mask)
 
     def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
         """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's
