@@ -21,6 +21,8 @@ from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .parts.fused import FusedQKV
+from .parts.identities import Identities
+from .parts.scoring import ScoreFunction
 from .parts.sizes import Sizes
 from .parts.vllm import VLLMLayout
 from .plot import plot
@@ -48,6 +50,7 @@ __all__ = [
     "Family",
     "Joined",
     "HeadGeometry",
+    "Identities",
     "InferredFamilyWarning",
     "Location",
     "LocationDrift",
@@ -58,6 +61,7 @@ __all__ = [
     "OutputField",
     "OrderError",
     "OutsideTrace",
+    "ScoreFunction",
     "Sizes",
     "Tiny",
     "VLLMLayout",

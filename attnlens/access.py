@@ -365,7 +365,12 @@ class Access:
             heads = self.geometry(layer)
             if have[1] == heads.num_heads != heads.num_kv_heads:
                 kv = heads.num_kv_heads  # the first query head each key/value head pairs with, in the family's order
-                paired = self.family.repeat_kv(torch.arange(kv).view(1, kv, 1, 1), heads.groups).flatten().tolist()
+                paired = (
+                    self.family.score_function()
+                    .repeat_kv(torch.arange(kv).view(1, kv, 1, 1), heads.groups)
+                    .flatten()
+                    .tolist()
+                )
                 first = [paired.index(head) for head in range(kv)]
                 pick = (
                     f"::{heads.groups}"

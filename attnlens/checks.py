@@ -23,10 +23,10 @@ def read_everything(model, prompt):
     with torch.no_grad(), model.trace(prompt):
         saved["embeddings"] = model.embeddings.save()
         for i, layer in enumerate(model.layers):
-            if model.family.block_arguments:  # read first: the block's inputs come before its values
+            if model.family.identities.block_arguments:  # read first: the block's inputs come before its values
                 args = layer.inputs[0]
                 saved[(i, "block_arguments")] = nnsight.save(
-                    {name: args[position] for name, position in model.family.block_arguments.items()}
+                    {name: args[position] for name, position in model.family.identities.block_arguments.items()}
                 )
             report = model.support(i)
             for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
@@ -50,10 +50,10 @@ def visible(config, family, layer, length, device=None):
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     allowed = k <= q
-    window = family.sliding_window(config, layer)
+    window = family.score_function().sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
-    return allowed & (family.mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
+    return allowed & (family.score_function().mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
 
 
 #: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision
@@ -91,7 +91,7 @@ def failures(model, saved, layer):
     module = attn._module if attn is not None else None
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
-    arguments = saved.get((layer, "block_arguments"), {})  # Family.block_arguments
+    arguments = saved.get((layer, "block_arguments"), {})  # Identities.block_arguments
     batch, length = saved["logits"].shape[:2]
     bad = []
 

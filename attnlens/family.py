@@ -82,8 +82,72 @@ class Tiny(NamedTuple):
     layouts: dict[str, dict] = {}
 
 
-class Family(ScoreFunction, Identities, Anchored):
+#: The steps of the score function and of the identity oracle, once methods of `Family` (attnlens 0.1): a family
+#: states them in its nested `ScoreFunction` / `Identities`; the old spellings are folded in with a warning.
+PART_STEPS = {
+    "ScoreFunction": tuple(name for name in vars(ScoreFunction) if not name.startswith("_")),
+    "Identities": tuple(name for name in vars(Identities) if not name.startswith("_")),
+}
+
+
+#: The steps that took the engine as an argument (attnlens 0.1), and its position.
+OLD_ENGINE_ARGUMENT = {"window": 2, "mask": 7}
+
+
+def _old_spelling(part: str, step: str):
+    """attnlens 0.1's `family.<step>(...)`, forwarded to the family's part with a warning. Reached through `super()`
+    from a step still written as a method of a family, it runs the step its bases' part gives."""
+
+    def forward(self, *args, **kwargs):
+        warnings.warn(f"family.{step} is deprecated: use family.{OLD_PARTS[part]}.{step}", DeprecationWarning, 2)
+        stated = [klass for klass in type(self).__mro__ if step in vars(klass) and klass is not OldSpelling]
+        owner = super(stated[-1], self) if stated else self  # the class above the last one stating it
+        engine = "transformers"
+        if part == "ScoreFunction" and step in OLD_ENGINE_ARGUMENT:
+            position = OLD_ENGINE_ARGUMENT[step]
+            if len(args) > position:
+                args, engine = args[:position], args[position]
+            engine = kwargs.pop("engine", engine)
+        found = getattr(owner, part)(self, engine) if part == "ScoreFunction" else getattr(owner, part)(self)
+        return getattr(found, step)(*args, **kwargs)
+
+    return forward
+
+
+#: What each part is reached by on a family.
+OLD_PARTS = {"ScoreFunction": "score_function(engine)", "Identities": "identities"}
+
+
+class OldSpelling:
+    """Base of `Family`: attnlens 0.1's steps of the score function and of the identity oracle as methods of the
+    family, deprecated forwarders to the parts."""
+
+
+def _old_fact(part: str, fact: str) -> property:
+    """attnlens 0.1's `family.<fact>` (a class attribute of a part now), read with a warning."""
+
+    def read(self):
+        warnings.warn(f"family.{fact} is deprecated: use family.{OLD_PARTS[part]}.{fact}", DeprecationWarning, 2)
+        return getattr(getattr(self, part), fact)
+
+    return property(read)
+
+
+for _part, _steps in PART_STEPS.items():
+    for _step in _steps:
+        _default = getattr(ScoreFunction if _part == "ScoreFunction" else Identities, _step)
+        setattr(OldSpelling, _step, _old_spelling(_part, _step) if callable(_default) else _old_fact(_part, _step))
+
+
+class Family(Anchored, OldSpelling):
     """The common transformers decoder layout. Override attributes and methods to describe another."""
+
+    #: How the family's attention forms its scores and pattern (`parts.scoring`); `score_function(engine)` is it on
+    #: one engine. A family that computes a step otherwise nests `class ScoreFunction(scoring.ScoreFunction)`.
+    ScoreFunction: ClassVar[type[ScoreFunction]] = ScoreFunction
+    #: How the family's blocks compute each value from the ones before it (`parts.identities`), for the identities
+    #: and the analyses that recompute a block; a family nests `class Identities(identities.Identities)`.
+    Identities: ClassVar[type[Identities]] = Identities
 
     #: `config.model_type` values this family serves.
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -137,6 +201,15 @@ class Family(ScoreFunction, Identities, Anchored):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def score_function(self, engine: str = "transformers") -> ScoreFunction:
+        """The family's score function as `engine`'s kernel computes it."""
+        return self.ScoreFunction(self, engine_named(engine))
+
+    @property
+    def identities(self) -> Identities:
+        """The family's identity oracle: its blocks' arithmetic between the standardized values."""
+        return self.Identities(self)
 
     # --- where each value lives ---------------------------------------------------------------------------
 
@@ -217,7 +290,8 @@ class Family(ScoreFunction, Identities, Anchored):
         notes = {}
         if engine == "transformers":
             notes = dict.fromkeys(self.fused_views, "a view of the fused projection: assign it, in-place edits fail")
-        window = self.window(config, layer, engine)
+        score_function = self.score_function(engine)
+        window = score_function.window(config, layer)
         if window is not None:
             kept = (
                 "under generate the cache keeps only the window"
@@ -225,7 +299,7 @@ class Family(ScoreFunction, Identities, Anchored):
                 else "rebuilt over the whole context (zeros outside the window)"
             )
             notes["attention_probabilities"] = f"sliding window: each query sees its last {window} keys; {kept}"
-        cap = self.softcap(config, layer)
+        cap = score_function.softcap(config, layer)
         if cap is not None:
             notes["attention_scores"] = f"soft-capped before the mask: tanh(s / {cap}) * {cap}"
         if self.attention_post_norm is not None:
@@ -283,6 +357,8 @@ class Family(ScoreFunction, Identities, Anchored):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        for part, steps in PART_STEPS.items():
+            setattr(cls, part, composed(cls, part, steps))
         for klass in cls.__mro__:  # the class, and mixins of its (SinkScale) that are no Family themselves
             for method, table in (("notes", "kind_notes"), ("unavailable", "kind_reasons")):
                 if table in vars(klass) and not getattr(vars(klass).get(method), "tabled", False):
@@ -310,6 +386,37 @@ class Family(ScoreFunction, Identities, Anchored):
 
 
 Family.vllm = VLLMLayout()
+
+
+def composed(cls: type, part: str, steps: tuple[str, ...]) -> type:
+    """`cls`'s `part` ("ScoreFunction" or "Identities"): its own nested class (where it states one) before its bases'
+    (a mixin's, a parent family's), so a step it overrides wins and `super()` reaches the one it would have had. Steps
+    written as methods of the family itself (attnlens 0.1's spelling) are folded in with a warning."""
+    own = vars(cls).get(part)
+    legacy = {name: vars(cls)[name] for name in steps if name in vars(cls)}
+    if legacy:
+        warnings.warn(
+            f"{cls.__name__}: {', '.join(legacy)} as methods of the family are deprecated; state them in a nested "
+            f"class {part}(attnlens.{part}) instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        base = own or getattr(super(cls, cls), part)
+        own = type(part, (base,), {name: _of_the_family(step) for name, step in legacy.items()})
+    candidates = [own] if own is not None else []
+    candidates += [getattr(base, part) for base in cls.__bases__ if hasattr(base, part)]
+    unique = [c for i, c in enumerate(candidates) if c not in candidates[:i]]
+    kept = tuple(c for c in unique if not any(other is not c and issubclass(other, c) for other in unique))
+    if len(kept) == 1:
+        return kept[0]
+    return type(part, kept, {"__module__": cls.__module__, "__qualname__": f"{cls.__qualname__}.{part}"})
+
+
+def _of_the_family(step):
+    """A step written as a method of the family (attnlens 0.1), run as a method of its part: `self` is the family."""
+    if not callable(step):
+        return step
+    return lambda part, *args, **kwargs: step(part.family, *args, **kwargs)
 
 
 def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None:

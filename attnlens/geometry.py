@@ -12,8 +12,6 @@ class HeadGeometry:
     head_dim: int  #: one head's values and outputs
     qk_head_dim: int  #: one head's queries and keys (differs from head_dim under latent attention)
     scale: float  #: the factor the scores are multiplied by
-    #: the engine whose kernel these heads are: where the engines' windows differ, the score function masks as it does
-    engine: str = "transformers"
 
     @property
     def groups(self) -> int:

@@ -11,7 +11,7 @@ per head: the full `heads x query x key` pattern never exists. The summaries (`M
   token's earlier occurrence) and the induction score (to i - n + 1, the token after it).
 
 `summarize` is a pure function of a score function, queries and keys, so it can run wherever those are (vLLM's
-worker included). `score_function` is the one place that calls `Family.scores`.
+worker included). `score_function` is the one place that calls `ScoreFunction.scores`.
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def summarize(
 def score_function(attn) -> ScoreFunction:
     """The score function of the attention envoy `attn` as `summarize` takes it: the family's own (scale, grouped
     heads, soft-cap, mask, sliding window), on unpadded queries and keys. It reads the model's `Access` through the
-    envoy, so it works in vLLM's worker too. The one place attnlens.heads calls `Family.scores`."""
+    envoy, so it works in vLLM's worker too. The one place attnlens.heads calls `ScoreFunction.scores`."""
     access = context(attn)
     layer = access.layer_of(attn)
     family, heads, config = access.family, access.geometry(layer), access.config
-    return lambda queries, keys: family.scores(heads, config, queries, keys, layer, None)
+    return lambda queries, keys: family.score_function(access.engine).scores(heads, config, queries, keys, layer, None)
 
 
 def why_not(model, layer: int) -> str | None:
@@ -137,7 +137,7 @@ def why_not(model, layer: int) -> str | None:
     served = model.access.locations(layer)
     if "attention_probabilities" not in served:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
-    beyond = model.family.beyond_queries_and_keys(model.config, layer)
+    beyond = model.family.score_function().beyond_queries_and_keys(model.config, layer)
     if beyond is not None:
         return (
             f"{beyond}: head summaries score the queries and keys alone, so the family's score function is "

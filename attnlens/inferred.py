@@ -672,12 +672,17 @@ class Inferred(SparseMoE, Family):
                 )
         parent = model.get_submodule(self.layers.rpartition(".")[0])
         _, tree = _forward_tree(type(parent).forward)
-        windows = [layer for layer in self.attention_layers if self.sliding_window(self.text_config, layer) is not None]
+        windows = [
+            layer
+            for layer in self.attention_layers
+            if self.score_function().sliding_window(self.text_config, layer) is not None
+        ]
         if windows and not any(isinstance(node, ast.Name) and node.id == MASK_FUNCTIONS[1] for node in ast.walk(tree)):
             _refuse(
                 "mask",
                 f"the config gives layers {windows} a sliding window of "
-                f"{self.sliding_window(self.text_config, windows[0])}, but {type(parent).__name__}.forward "
+                f"{self.score_function().sliding_window(self.text_config, windows[0])}, but "
+                f"{type(parent).__name__}.forward "
                 f"builds no {MASK_FUNCTIONS[1]}",
             )
 

@@ -1,6 +1,7 @@
 """The identity checks live in the package (`attnlens.checks`) so that users adding a family can run them too; the
 helpers the family tests share."""
 
+import contextlib
 import sys
 
 import torch
@@ -8,6 +9,7 @@ from conftest import PROMPT, tiny
 
 import attnlens
 from attnlens.checks import close, failures, read_everything, visible
+from attnlens.family import PART_STEPS
 from attnlens.models import char_tokenizer
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "mlp_of",
     "perturbed",
     "read_everything",
+    "replaced",
     "rope",
     "saved_for",
     "shared",
@@ -70,7 +73,7 @@ def attention_module(case: str, layer: int = LAYER):
 
 def mlp_of(model, layer: int):
     """The transformers MLP module of `layer` (the family's `mlp_module`)."""
-    return model.family.mlp_module(model.layers[layer]._module)
+    return model.family.identities.mlp_module(model.layers[layer]._module)
 
 
 def shared(model, layer: int):
@@ -102,18 +105,34 @@ def rope(model, layer: int, q, k):
     return sys.modules[type(module).__module__].apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def failures_with(model, replaced: dict, layer: int):
-    """The identities of `layer` with the family's methods or locations replaced for one run."""
-    family = model.family
-    for name, value in replaced.items():
-        setattr(family, name, value)
-    model.access.refresh()
+@contextlib.contextmanager
+def replaced(family, **functions):
+    """`family` with some of its methods, or steps of its score function or identity oracle (functions of the step's
+    arguments, without `self`), replaced until the block ends."""
+    by_part = {part: {n: f for n, f in functions.items() if n in steps} for part, steps in PART_STEPS.items()}
+    own = {n: f for n, f in functions.items() if not any(n in changed for changed in by_part.values())}
+    for part, changed in by_part.items():
+        if changed:
+            base = getattr(type(family), part)
+            setattr(family, part, type(part, (base,), {n: staticmethod(f) for n, f in changed.items()}))
+    for name, function in own.items():
+        setattr(family, name, function)
     try:
-        return failures(model, read_everything(model, PROMPT), layer)
+        yield family
     finally:
-        for name in replaced:
+        for name in [part for part, changed in by_part.items() if changed] + list(own):
             delattr(family, name)
+
+
+def failures_with(model, replaced_functions: dict, layer: int):
+    """The identities of `layer` with the family's methods, score-function steps or oracle steps replaced for one
+    run."""
+    with replaced(model.family, **replaced_functions):
         model.access.refresh()
+        try:
+            return failures(model, read_everything(model, PROMPT), layer)
+        finally:
+            model.access.refresh()
 
 
 def swapped(locations_for, layer: int, value: str, other: str):

@@ -17,7 +17,7 @@ def by_hand(model, prompt, layer, heads, queries, keys):
     with torch.no_grad(), model.trace(prompt):
         q, k, v = (getattr(attn, name).save() for name in ("attention_queries", "attention_keys", "attention_values"))
     family = model.family
-    scores = family.scores(attn.heads, model.config, q, k, layer)
+    scores = family.score_function().scores(attn.heads, model.config, q, k, layer)
     length = q.shape[2]
     edges = torch.zeros(attn.num_heads, length, length, dtype=torch.bool)
     for head in heads:
@@ -25,7 +25,7 @@ def by_hand(model, prompt, layer, heads, queries, keys):
             edges[head, query, keys] = True
     scores = scores.masked_fill(edges[None], torch.finfo(scores.dtype).min)
     pattern = scores.softmax(-1)
-    return (pattern @ family.repeat_kv(v, attn.num_heads // attn.num_kv_heads)).transpose(1, 2)
+    return (pattern @ family.score_function().repeat_kv(v, attn.num_heads // attn.num_kv_heads)).transpose(1, 2)
 
 
 @pytest.mark.parametrize("case", ["llama", "gpt2", "qwen3"])

@@ -85,7 +85,7 @@ def test_rebuilt_patterns_per_dtype(dtype):
             )
     queries, keys, rebuilt = got["sdpa"]
     sdpa = models["sdpa"]
-    scores = sdpa.family.scores(sdpa.layers[1].self_attn.heads, sdpa.config, queries, keys, 1)
+    scores = sdpa.family.score_function().scores(sdpa.layers[1].self_attn.heads, sdpa.config, queries, keys, 1)
     assert rebuilt.dtype == dtype
     assert torch.equal(rebuilt, scores.softmax(-1, dtype=torch.float32).to(dtype))
     assert (rebuilt.float() - got["eager"][2].float()).abs().max() <= TOLERANCE[dtype]
@@ -171,13 +171,13 @@ def test_chunked_and_subset_patterns_equal_the_full_patterns_slices():
 def test_subsets_never_form_the_full_matrix(monkeypatch):
     model = rebuilding("llama")
     shapes = []
-    scores = model.family.scores
+    scores = model.family.ScoreFunction.scores
 
-    def recording(heads, config, queries, keys, layer, key_mask=None):
+    def recording(self, heads, config, queries, keys, layer, key_mask=None):
         shapes.append((queries.shape[2], keys.shape[2]))
-        return scores(heads, config, queries, keys, layer, key_mask)
+        return scores(self, heads, config, queries, keys, layer, key_mask)
 
-    monkeypatch.setattr(model.family, "scores", recording)
+    monkeypatch.setattr(model.family.ScoreFunction, "scores", recording)
     attnlens.capture_attention(model, PROMPT, [0, 1, 2], keep="probs", rows=-1)
     assert shapes == [(1, 18)] * 3  # the last row of each layer, against every key
     shapes.clear()

@@ -38,6 +38,6 @@ def test_each_decode_step_sees_the_whole_cache(case, layer):
     for step, (q, k, v, scores, probs, heads) in enumerate(steps):
         rows, keys = (n, n) if step == 0 else (1, n + step)
         assert q.shape[2] == rows and k.shape[2] == keys == v.shape[2] and probs.shape[2:] == (rows, keys)
-        assert close(model.family.scores(attn.heads, model.config, q, k, layer), scores)
+        assert close(model.family.score_function().scores(attn.heads, model.config, q, k, layer), scores)
         assert close((probs @ v.repeat_interleave(groups, dim=1)).transpose(1, 2), heads)
     assert close(steps[1][1][:, :, :-1], steps[0][1])

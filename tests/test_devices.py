@@ -83,11 +83,13 @@ def test_reads_rebuilds_capture_and_generation_make_tensors_on_the_models_device
             read = list().save()
             for i in layers:
                 attn = model.layers[i].self_attn
-                values = attn.attention_values if model.family.scores_need_values else None  # Doge
+                values = attn.attention_values if model.family.score_function().scores_need_values else None  # Doge
                 read.append((attn.attention_queries, attn.attention_keys, values, attn.attention_probabilities))
         for i, (queries, keys, values, probabilities) in zip(layers, read):
             extra = {"values": values} if values is not None else {}
-            scores = model.family.scores(model.layers[i].self_attn.heads, model.config, queries, keys, i, **extra)
+            scores = model.family.score_function().scores(
+                model.layers[i].self_attn.heads, model.config, queries, keys, i, **extra
+            )
             assert scores.shape == probabilities.shape
             assert checks.visible(model.config, model.family, i, keys.shape[2], keys.device).shape[-1] == keys.shape[2]
         attn = model.layers[layers[0]].self_attn

@@ -2,12 +2,13 @@
 method per size, a plain `tiny` tuple with `tiny_layouts`) fold into the one value each became, and a vLLM refusal
 speaks only for the model types of the family that states it."""
 
+import dataclasses
 import types
 
 import pytest
 
 import attnlens
-from attnlens.family import Family, Tiny
+from attnlens.family import Family, OldSpelling, Tiny
 from attnlens.parts.vllm import VLLMLayout
 from attnlens.registry import registered
 
@@ -72,3 +73,64 @@ def test_the_sparse_attention_families_refuse_in_their_own_words(model_type, wor
 def test_served_types_are_never_refused():
     family = attnlens.registered()["llama"]()
     assert family.vllm.refused(family, "llama") is None
+
+
+# --- the score function and the identity oracle: parts of their own, composed along the family's bases ------------
+
+
+def test_the_score_function_and_the_oracle_are_no_members_of_the_family():
+    """Their steps live on `family.score_function(engine)` and `family.identities`, and the heads' sizes no longer say
+    whose kernel they are: the engine is the score function's."""
+    steps = {*attnlens.family.PART_STEPS["ScoreFunction"], *attnlens.family.PART_STEPS["Identities"]}
+    assert not steps & {name for klass in Family.__mro__ if klass is not OldSpelling for name in vars(klass)}
+    assert "engine" not in {field.name for field in dataclasses.fields(attnlens.HeadGeometry)}
+    family = attnlens.family_for("gemma2")
+    assert family.score_function("vllm").engine == "vllm" and family.score_function().engine == "transformers"
+    assert family.score_function().family is family and family.identities.family is family
+
+
+def test_a_step_overrides_along_the_bases_and_super_reaches_the_parents():
+    class Capped(attnlens.ScoreFunction):
+        def softcap(self, config, layer):
+            return 30.0
+
+    class Windowed(attnlens.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return 4 if layer == 0 else super().sliding_window(config, layer)
+
+    parent = _family("Parent", ScoreFunction=Capped)
+    mixin = types.new_class("WindowedMixin", (), exec_body=lambda namespace: namespace.update(ScoreFunction=Windowed))
+    child = _family("ChildOfBoth", (mixin, parent))
+    config = types.SimpleNamespace(sliding_window=None)
+    scoring = child().score_function()
+    assert isinstance(scoring, Capped) and isinstance(scoring, Windowed)
+    assert scoring.softcap(config, 0) == 30.0  # the parent's step
+    assert scoring.sliding_window(config, 0) == 4 and scoring.sliding_window(config, 1) is None  # super(): the common
+    assert parent().score_function().sliding_window(config, 0) is None  # the parent's part is untouched
+
+
+def test_the_old_spellings_fold_in_and_still_answer_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"softcap as methods of the family are deprecated"):
+        legacy = _family("LegacySoftcap", softcap=lambda self, config, layer: 7.0 + len(self.name) * 0)
+    assert legacy().score_function().softcap(None, 0) == 7.0
+    family = attnlens.family_for("llama")
+    config = types.SimpleNamespace(sliding_window=3)
+    with pytest.warns(DeprecationWarning, match=r"family.window is deprecated"):
+        assert family.window(config, 0, "vllm") == family.score_function("vllm").window(config, 0) == 3
+    with pytest.warns(DeprecationWarning, match=r"family.residual_add is deprecated"):
+        assert family.residual_add(None, "attention", 1, 2) == 3
+    with pytest.warns(DeprecationWarning, match=r"family.block_arguments is deprecated"):
+        assert family.block_arguments == {}
+
+
+def test_a_step_still_written_on_the_family_reaches_its_bases_step_through_super():
+    with pytest.warns(DeprecationWarning, match="sliding_window as methods of the family"):
+        wide = _family(
+            "Wide",
+            (type(attnlens.family_for("gemma2")),),
+            sliding_window=lambda self, config, layer: 8 if super(wide, self).sliding_window(config, layer) else None,
+        )
+    config = types.SimpleNamespace(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.warns(DeprecationWarning, match=r"family.sliding_window is deprecated"):
+        assert [wide().score_function().sliding_window(config, i) for i in (0, 1)] == [8, None]
+    assert wide().score_function().softcap(types.SimpleNamespace(attn_logit_softcapping=50.0), 0) == 50.0  # Gemma 2's

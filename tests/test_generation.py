@@ -25,12 +25,14 @@ def test_each_decode_step_sees_the_whole_cache(family):
     assert len(steps) == 3
     groups = attn.num_heads // attn.num_kv_heads
     # transformers keeps only the window in a sliding layer's cache, so its decode steps see the window's keys
-    window = model.family.sliding_window(model.config, layer)
+    window = model.family.score_function().sliding_window(model.config, layer)
     for step, (q, k, v, scores, probs, heads) in enumerate(steps):
         rows = n if step == 0 else 1
         keys = n if step == 0 else n + step if window is None else min(n + step, window)
         assert q.shape[2] == rows and k.shape[2] == keys and probs.shape[2:] == (rows, keys)
-        assert torch.allclose(model.family.scores(attn.heads, model.config, q, k, layer), scores, atol=1e-5)
+        assert torch.allclose(
+            model.family.score_function().scores(attn.heads, model.config, q, k, layer), scores, atol=1e-5
+        )
         mixed = (probs @ v.repeat_interleave(groups, dim=1)).transpose(1, 2)
         assert torch.allclose(mixed, heads, atol=1e-5)
     # the decode step's keys extend the prefill's (or its window's tail): the cache is what the step attends over

@@ -43,7 +43,7 @@ def test_model_values(case):
         embed = inner.get_input_embeddings()
         assert torch.equal(saved["embeddings"], embed(ids))
         last = saved[(model.num_layers - 1, "layer_output")]
-        last = model.family.residual_read(inner, "final", last)  # collapses hyper-connection streams
+        last = model.family.identities.residual_read(inner, "final", last)  # collapses hyper-connection streams
         if "final_norm_output" in saved:  # OPT's post-norm layout and GPT-1 have none
             module = inner.get_submodule(model.family.final_norm)
             assert torch.allclose(module(last), saved["final_norm_output"], atol=1e-6)

@@ -32,7 +32,7 @@ def test_the_indexer_masks_the_keys_it_does_not_choose(case):
         probs, scores = got[layer, "attention_probabilities"], got[layer, "attention_scores"]
         assert ((probs[0] > 0) == sees).all()
         assert torch.allclose(scores.softmax(-1), probs, atol=1e-6)
-        rebuilt = model.family.scores(
+        rebuilt = model.family.score_function().scores(
             model.layers[layer].self_attn.heads,
             model.config,
             got[layer, "attention_queries"],

@@ -141,14 +141,14 @@ def test_a_removed_position_is_that_key_masked_by_hand_at_every_later_step(model
     saved, _ = generate(model, remove)
     heads = model.layers[LAYER].self_attn
     geometry = attnlens.HeadGeometry(
-        heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim, heads.scale, "transformers"
+        heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim, heads.scale
     )
     for step in (1, 2):
         visible, queries, keys, values, outputs = saved[step]
         assert visible[0].tolist() == [i != POSITION for i in range(visible.shape[1])]
-        scores = model.family.scores(geometry, model.config, queries, keys, LAYER)
+        scores = model.family.score_function().scores(geometry, model.config, queries, keys, LAYER)
         scores[..., POSITION] = torch.finfo(scores.dtype).min
-        pattern = model.family.softmax(scores)[0]
+        pattern = model.family.score_function().softmax(scores)[0]
         mixed = pattern @ values.repeat_interleave(heads.num_heads // heads.num_kv_heads, 1)
         assert torch.allclose(outputs, mixed.transpose(1, 2), atol=1e-5), step
 

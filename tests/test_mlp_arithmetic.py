@@ -1,4 +1,4 @@
-"""The MLP's arithmetic (`Family.mlp_arithmetic`) on the families whose MLP is not `down_proj(act_fn(gate_proj(x)) *
+"""The MLP's arithmetic (`Identities.mlp_arithmetic`) on the families whose MLP is not `down_proj(act_fn(gate_proj(x)) *
 up_proj(x))`.
 
 Generic over the mechanism; a family's own tests are in tests/families/test_<family>.py."""
@@ -61,7 +61,7 @@ def test_activation_and_neurons_are_served_and_match_the_source(case):
         neurons = model.layers[layer].mlp.mlp_neurons.save()
         output = model.layers[layer].mlp.mlp_output.save()
     with torch.no_grad():
-        act = model.family.mlp_arithmetic(mlp).act
+        act = model.family.identities.mlp_arithmetic(mlp).act
         assert activation.shape == neurons.shape == (1, len(PROMPT), neurons.shape[-1])
         assert close(act(ACTIVATION_INPUT[case](mlp, x)), activation)
         assert close(by_hand(mlp, x, activation), output)
@@ -84,7 +84,7 @@ def test_an_edit_moves_the_output_as_the_arithmetic_predicts(case, value):
         edited = (original * (1 + torch.rand_like(original))).save()
         setattr(envoy, value, edited)
         output = envoy.mlp_output.save()
-    arithmetic = model.family.mlp_arithmetic(mlp)
+    arithmetic = model.family.identities.mlp_arithmetic(mlp)
     with torch.no_grad():
         if value == "mlp_activation":
             expected = by_hand(mlp, x, edited)

@@ -14,8 +14,8 @@ def test_multimodal_types_serve_their_language_model(case, text):
     assert type(model._module).__name__.endswith("ForConditionalGeneration")
     assert model.family.layers == "model.language_model.layers"
     assert (
-        [model.family.sliding_window(model.config, i) for i in range(3)]
-        == [plain.family.sliding_window(plain.config, i) for i in range(3)]
+        [model.family.score_function().sliding_window(model.config, i) for i in range(3)]
+        == [plain.family.score_function().sliding_window(plain.config, i) for i in range(3)]
         != [None] * 3
     )
     notes, text_notes = model.support(0).notes, plain.support(0).notes

@@ -23,7 +23,8 @@ def test_score_function_is_exact_on_routed_and_biased_heads(case):
         attn = model.layers[layer].self_attn
         q, k = saved[(layer, "attention_queries")], saved[(layer, "attention_keys")]
         assert torch.equal(
-            model.family.scores(attn.heads, model.config, q, k, layer), saved[(layer, "attention_scores")]
+            model.family.score_function().scores(attn.heads, model.config, q, k, layer),
+            saved[(layer, "attention_scores")],
         ), layer
 
 
@@ -49,8 +50,8 @@ def test_decode_steps_see_the_whole_cache_on_routed_and_biased_heads(case):
         rows = 1 if step else N
         assert q.shape[2] == rows and k.shape[2] == v.shape[2] == N + step and probs.shape[2:] == (rows, N + step)
         assert k.shape[1] == attn.num_kv_heads
-        assert torch.equal(model.family.scores(attn.heads, model.config, q, k, layer), scores)
-        assert close((probs @ model.family.repeat_kv(v, groups)).transpose(1, 2), heads)
+        assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, k, layer), scores)
+        assert close((probs @ model.family.score_function().repeat_kv(v, groups)).transpose(1, 2), heads)
 
 
 CASES = ("gpt_neo", "bloom", "mpt", "falcon", "falcon:multihead", "falcon:new_architecture", "falcon:alibi")
@@ -74,7 +75,7 @@ def test_score_function_is_exact(case):
     for layer in range(model.num_layers):
         module = model.layers[layer].self_attn._module
         q, k = saved[(layer, "attention_queries")], saved[(layer, "attention_keys")]
-        scores = model.family.scores(model.family.geometry(module), model.config, q, k, layer)
+        scores = model.family.score_function().scores(model.family.geometry(module), model.config, q, k, layer)
         assert torch.equal(scores, saved[(layer, "attention_scores")]), layer
 
 
@@ -89,7 +90,7 @@ def test_score_function_is_exact_with_left_padding(case):
     layer = 1
     got = trace(model, attention_reads(layer), dict(batch))
     module = model.layers[layer].self_attn._module
-    rebuilt = model.family.scores(
+    rebuilt = model.family.score_function().scores(
         model.family.geometry(module), model.config, got["q"], got["k"], layer, key_mask=batch.attention_mask
     )
     assert torch.equal(rebuilt, got["s"])
@@ -104,7 +105,7 @@ def test_score_function_is_exact_in_bfloat16(case):
     expected = torch.float32 if case in ("gpt_neo", "mpt", "falcon:alibi") else torch.bfloat16
     assert got["s"].dtype == expected
     heads = model.layers[1].self_attn.heads
-    assert torch.equal(model.family.scores(heads, model.config, got["q"], got["k"], 1), got["s"])
+    assert torch.equal(model.family.score_function().scores(heads, model.config, got["q"], got["k"], 1), got["s"])
 
 
 @pytest.mark.parametrize("case", ALIBI)
@@ -114,7 +115,7 @@ def test_score_function_is_exact_with_six_heads(case):
     got = trace(model, attention_reads(0))
     assert got["q"].shape[1] == 6
     heads = model.layers[0].self_attn.heads
-    assert torch.equal(model.family.scores(heads, model.config, got["q"], got["k"], 0), got["s"])
+    assert torch.equal(model.family.score_function().scores(heads, model.config, got["q"], got["k"], 0), got["s"])
 
 
 @pytest.mark.parametrize("case", ["gpt_neo", "bloom", "falcon:alibi"])
@@ -146,7 +147,9 @@ def test_key_edits_land_in_the_scores(case):
         scores = attn.attention_scores.save()
     assert (keys[:, 0] == 0).all()
     module = attn._module
-    assert torch.equal(model.family.scores(model.family.geometry(module), model.config, q, keys, layer), scores)
+    assert torch.equal(
+        model.family.score_function().scores(model.family.geometry(module), model.config, q, keys, layer), scores
+    )
     assert not torch.equal(scores, saved_for(case)[(layer, "attention_scores")])
 
 
@@ -175,7 +178,7 @@ def test_decode_steps_see_the_whole_cache(case, options):
     for step, (q, k, v, scores, probs, heads) in enumerate(steps):
         rows = 1 if step and model.config.use_cache else N + step
         assert q.shape[2] == rows and k.shape[2] == v.shape[2] == N + step and probs.shape[2:] == (rows, N + step)
-        assert torch.equal(model.family.scores(attn.heads, model.config, q, k, layer), scores)
+        assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, k, layer), scores)
         assert close((probs @ v.repeat_interleave(groups, dim=1)).transpose(1, 2), heads)
     # the step's keys extend the prefill's (recomputed without a cache: equal up to rounding)
     assert close(steps[1][1][:, :, :N], steps[0][1])

@@ -64,6 +64,6 @@ def test_assigning_the_shared_norm_output_changes_only_the_mlp(case):
     family, block = model.family, layer._module
     assert torch.equal(attention, at(case, "attention_output"))  # attention read the norm output before the edit
     with torch.no_grad():
-        expected = family.mlp_forward(family.mlp_module(block), torch.zeros_like(layer_input))
+        expected = family.identities.mlp_forward(family.identities.mlp_module(block), torch.zeros_like(layer_input))
     assert close(mlp, expected) and not close(mlp, at(case, "mlp_output"))
     assert close(out, layer_input + attention + mlp)

@@ -49,6 +49,8 @@ def test_score_function_is_exact_with_padding(case):
 
     got = trace(model, read, dict(batch))
     heads = model.layers[layer].self_attn.heads
-    rebuilt = model.family.scores(heads, model.config, got["q"], got["k"], layer, key_mask=batch.attention_mask)
+    rebuilt = model.family.score_function().scores(
+        heads, model.config, got["q"], got["k"], layer, key_mask=batch.attention_mask
+    )
     real = batch.attention_mask.bool()[:, None, :, None]  # queries at padding positions see nothing real
     assert close(torch.where(real, rebuilt, 0), torch.where(real, got["s"], 0))

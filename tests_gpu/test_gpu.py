@@ -89,8 +89,8 @@ def test_ablating_a_head_moves_the_logits_as_recomputed_by_hand(case, device, dt
         by_hand[:, :, 0] = 0
         if model.support(layer)["self_attn.attention_gate"] is None:
             pytest.skip(f"{case}'s heads are gated: the premix is not their merge alone")
-        premix = model.family.merge_heads(attn._module, by_hand)
-        projected = model.family.project_output(attn._module, premix)
+        premix = model.family.identities.merge_heads(attn._module, by_hand)
+        projected = model.family.identities.project_output(attn._module, premix)
         with model.trace(PROMPT):
             attn.attention_output = projected.reshape(output.shape)
             predicted = model.logits.save()

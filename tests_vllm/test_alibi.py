@@ -23,11 +23,10 @@ def test_falcon_alibi_is_vllms_own_arithmetic(tmp_path_factory):
     """vLLM adds Falcon's ALiBi once, with float32 slopes times 1/sqrt(d), where transformers' eager attention adds
     it twice with bfloat16 slopes: on vLLM the pattern served is the vLLM kernel's (its @ values is the head outputs
     on every step), and the eager arithmetic on the same tensors is not."""
-    import dataclasses
 
     models = layout("falcon:alibi", tmp_path_factory)
     model, family = models.vllm, models.vllm.family
-    assert torch.equal(kernel_slopes(model)[0], family.alibi_slopes(model.text_config, 0))
+    assert torch.equal(kernel_slopes(model)[0], family.score_function("vllm").alibi_slopes(model.text_config, 0))
     with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
         steps = list().save()
         for _ in tracer.iter[:3]:
@@ -42,17 +41,21 @@ def test_falcon_alibi_is_vllms_own_arithmetic(tmp_path_factory):
                 ]
             )
     heads = model.layers[1].self_attn.heads
-    assert heads.engine == "vllm"
-    eager_arithmetic = dataclasses.replace(heads, engine="transformers")
     for queries, keys, values, pattern, outputs in steps:
         values = values.repeat_interleave(heads.groups, dim=1)
         assert equal.close((pattern @ values).transpose(1, 2), outputs)
-        assert equal.close(family.scores(heads, model.text_config, queries, keys, 1).softmax(-1), pattern)
-        eager_pattern = family.scores(eager_arithmetic, model.text_config, queries, keys, 1).softmax(-1)
+        assert equal.close(
+            family.score_function("vllm").scores(heads, model.text_config, queries, keys, 1).softmax(-1), pattern
+        )
+        eager_pattern = (
+            family.score_function("transformers").scores(heads, model.text_config, queries, keys, 1).softmax(-1)
+        )
         assert not equal.close((eager_pattern @ values).transpose(1, 2), outputs)
 
 
 def test_bloom_kernel_adds_the_familys_alibi_slopes(tmp_path_factory):
     models = pair("bloom", tmp_path_factory)
     for layer, slopes in enumerate(kernel_slopes(models.vllm)):
-        assert torch.equal(slopes, models.vllm.family.alibi_slopes(models.vllm.text_config, layer))
+        assert torch.equal(
+            slopes, models.vllm.family.score_function("vllm").alibi_slopes(models.vllm.text_config, layer)
+        )

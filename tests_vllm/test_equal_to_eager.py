@@ -163,7 +163,7 @@ def test_identities_hold_on_vllms_own_tensors_every_step(models):
                 assert torch.allclose(mixed.transpose(1, 2), v["attention_head_outputs"].float(), atol=atol), i
             if "attention_head_outputs" in v:
                 gate = v.get("attention_gate", 1)  # a gated layer multiplies each head's output before the merge
-                merged = model.family.merge_heads(None, v["attention_head_outputs"] * gate)
+                merged = model.family.identities.merge_heads(None, v["attention_head_outputs"] * gate)
                 assert torch.equal(merged, v["attention_premix"]), i
             if "projected" in v:
                 assert torch.allclose(v["projected"], v["attention_output"], atol=atol), i

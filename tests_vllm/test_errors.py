@@ -171,8 +171,9 @@ def test_a_wrong_family_fact_is_a_location_drift_at_load(tmp_path):
 class WideWindow(attnlens.family_for("gemma2").__class__):
     """Gemma 2 with a sliding window vLLM's kernel does not use."""
 
-    def sliding_window(self, config, layer):
-        return 8 if super().sliding_window(config, layer) else None
+    class ScoreFunction(attnlens.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return 8 if super().sliding_window(config, layer) else None
 
 
 # --- loading and input --------------------------------------------------------------------------------------------

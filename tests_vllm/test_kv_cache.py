@@ -127,11 +127,11 @@ def test_a_removed_position_is_masked_in_later_steps_as_by_hand(engines):
         visible, queries, keys, values, outputs = vllm[step]
         assert not bool(visible[0, POSITION]) and bool(visible[0, POSITION + 1 :].all())
         geometry = attnlens.HeadGeometry(
-            heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim, heads.scale, "vllm"
+            heads.num_heads, heads.num_kv_heads, heads.head_dim, heads.qk_head_dim, heads.scale
         )
-        scores = family.scores(geometry, config, queries, keys, LAYER)
+        scores = family.score_function("vllm").scores(geometry, config, queries, keys, LAYER)
         scores[..., POSITION] = torch.finfo(scores.dtype).min  # the key masked by hand
-        pattern = family.softmax(scores)[0]
+        pattern = family.score_function("vllm").softmax(scores)[0]
         by_hand = pattern @ values.repeat_interleave(heads.num_heads // heads.num_kv_heads, 1)
         assert close(outputs, by_hand.transpose(1, 2)), step
 

@@ -40,13 +40,15 @@ def case(request, tmp_path_factory):
 
 def test_values_equal_transformers_run_with_the_window_vllm_runs(case):
     name, vllm, eager, layer, words = case
-    assert vllm.family.sliding_window(vllm.text_config, layer) is not None  # the checkpoint slides there
+    assert (
+        vllm.family.score_function().sliding_window(vllm.text_config, layer) is not None
+    )  # the checkpoint slides there
     assert words in vllm.support(layer).notes["self_attn.attention_probabilities"]
     reads = plan(vllm, range(vllm.num_layers))
     on_vllm, on_eager = read_steps(vllm, PROMPT, reads), read_steps(eager, PROMPT, reads)
     assert len(on_vllm) == len(on_eager) == STEPS
     pattern = on_vllm[0][(layer, "attention_probabilities")]  # the prefill's last query sees vLLM's window
-    window = vllm.family.window(vllm.text_config, layer, "vllm") or pattern.shape[-1]
+    window = vllm.family.score_function("vllm").window(vllm.text_config, layer) or pattern.shape[-1]
     assert ((pattern[0, :, -1] > 0).sum(-1) == window).all()
     worst = compare(on_vllm, on_eager, name=name)
     print(name, {k: f"{v:.1e}" for k, v in worst.items()})

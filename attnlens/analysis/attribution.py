@@ -120,7 +120,7 @@ def token_id(model, token) -> int:
 
 def kv_of_head(model, layer: int) -> torch.Tensor:
     heads = model.access.geometry(layer)
-    paired = model.family.repeat_kv(torch.arange(heads.num_kv_heads).view(1, -1, 1, 1), heads.groups)
+    paired = model.family.score_function().repeat_kv(torch.arange(heads.num_kv_heads).view(1, -1, 1, 1), heads.groups)
     return paired.flatten()
 
 

@@ -61,7 +61,7 @@ def knock_out(model, layer: int, queries=None, keys=None, heads: Iterable[int] |
     if reason is not None:
         raise Unavailable(f"knock_out on layer {layer} of {access.family.name}: {reason}")
     pattern = attn.attention_probabilities
-    window = access.family.window(access.config, layer, access.engine)
+    window = access.family.score_function(access.engine).window(access.config, layer)
     if (
         access.engine == "transformers"
         and window is not None

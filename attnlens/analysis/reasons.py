@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Family
+from ..parts.identities import Identities
 from .norms import NormForm
 
 #: What can be patched: the value read and written, and the axes of the grid it gives.
@@ -43,8 +44,9 @@ RESIDUAL = ("layer_input", "layer_output")
 SPLIT = ("self_attn.attention_probabilities", "self_attn.attention_values", "self_attn.attention_output")
 
 
-def _overrides(family: Family, name: str) -> bool:
-    return getattr(type(family), name) is not getattr(Family, name)
+def _overrides(family: Family, step: str) -> bool:
+    """Whether the family's identity oracle computes `step` otherwise than the common layout's."""
+    return getattr(family.Identities, step) is not getattr(Identities, step)
 
 
 def hidden_size(model) -> int:
@@ -82,10 +84,10 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
     family = model.family
     if not _overrides(family, "residual_add"):
         return torch.ones(hidden_size(model))
-    if family.block_arguments:
+    if family.identities.block_arguments:
         return (
             f"the {family.name} family's residual add takes the block's arguments "
-            f"({', '.join(family.block_arguments)}) as well as the update"
+            f"({', '.join(family.identities.block_arguments)}) as well as the update"
         )
     # On vLLM the block is its module on the meta device: the add is probed with the constants it holds (Granite's
     # residual_multiplier), and one that needs its weights cannot be probed.
@@ -95,9 +97,9 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
     stream, update = (torch.randn(1, 2, hidden, generator=generator) for _ in range(2))
     try:
         with torch.no_grad():
-            kept = family.residual_add(block, "attention", stream, torch.zeros_like(update))
-            multiplier = family.residual_add(block, "attention", stream, torch.ones_like(update)) - kept
-            added = family.residual_add(block, "attention", stream, update) - kept
+            kept = family.identities.residual_add(block, "attention", stream, torch.zeros_like(update))
+            multiplier = family.identities.residual_add(block, "attention", stream, torch.ones_like(update)) - kept
+            added = family.identities.residual_add(block, "attention", stream, update) - kept
     except Exception as error:  # noqa: BLE001  (a residual add that needs more than the two tensors)
         return f"the {family.name} family's residual add could not be probed ({type(error).__name__}: {error})"
     if not torch.allclose(kept, stream, atol=1e-6):

@@ -25,7 +25,7 @@ def per_head_value(model, cache: Cache, layer: int, *, expand: bool = True) -> t
             f"has {num_kv_heads} key/value heads: is this cache from this model?"
         )
     if expand:
-        values = model.family.repeat_kv(values, num_heads // num_kv_heads)
+        values = model.family.score_function().repeat_kv(values, num_heads // num_kv_heads)
     return values.transpose(1, 2)
 
 

@@ -275,7 +275,12 @@ class Collector:
             columns = found[layer]
             geometry = self.model.access.geometry(layer)
             group = geometry.num_heads // geometry.num_kv_heads
-            kv = family.repeat_kv(torch.arange(geometry.num_kv_heads).view(1, -1, 1, 1), group).flatten().tolist()
+            kv = (
+                family.score_function()
+                .repeat_kv(torch.arange(geometry.num_kv_heads).view(1, -1, 1, 1), group)
+                .flatten()
+                .tolist()
+            )
             for head in range(geometry.num_heads):
                 rows["prompt"].append(record.index)
                 rows["key"].append(record.key)

@@ -141,11 +141,11 @@ class Context:
 
     def per_query_head(self, per_kv_head: torch.Tensor) -> torch.Tensor:
         """[kv_heads, ...] -> [heads, ...]: each query head gets its key/value head's value, grouped as the family
-        groups them (`Family.repeat_kv`)."""
+        groups them (`ScoreFunction.repeat_kv`)."""
         geometry = self.access.geometry(self.layer)
         group = geometry.num_heads // geometry.num_kv_heads
         shaped = per_kv_head.reshape(1, per_kv_head.shape[0], 1, -1)
-        return self.access.family.repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
+        return self.access.family.score_function().repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
 
 
 def features_of(attn, layer: int, tokens: int, values: dict, features, options: dict, wants: dict, states=None) -> dict:

@@ -14,6 +14,7 @@ import math
 
 from ..family import Family, Tiny
 from ..locations import Operation, insert_after
+from ..parts import identities
 from ..parts.moe import SparseMoE, moe_absent
 
 
@@ -46,9 +47,10 @@ class Beam(SparseMoE, Family):
         gate = Operation(("torch_sigmoid_0",), anchor="torch.sigmoid(gate)")
         return insert_after(super().locations(), "attention_head_outputs", "attention_gate", gate)
 
-    def residual_add(self, block, sublayer, stream, update):
-        n = block.attn_residual_add_idx if sublayer == "attention" else block.mlp_residual_add_idx
-        return update * (1.0 / math.sqrt(n)) + stream * math.sqrt((n - 1) / n)
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            n = block.attn_residual_add_idx if sublayer == "attention" else block.mlp_residual_add_idx
+            return update * (1.0 / math.sqrt(n)) + stream * math.sqrt((n - 1) / n)
 
     kind_notes = {
         "!sliding_attention": {

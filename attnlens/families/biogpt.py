@@ -10,6 +10,7 @@ activation's output, its output the MLP's). `embeddings` is the token embedding 
 
 from ..family import Family, Tiny
 from ..locations import ModuleInput, ModuleOutput
+from ..parts import identities
 
 
 class BioGpt(Family):
@@ -34,11 +35,12 @@ class BioGpt(Family):
             "mlp_output": ModuleOutput(),
         }
 
-    def mlp_module(self, block):
-        return block  # the block calls fc1, activation_fn and fc2 itself
+    class Identities(identities.Identities):
+        def mlp_module(self, block):
+            return block  # the block calls fc1, activation_fn and fc2 itself
 
-    def mlp_forward(self, block, mlp_input):
-        return block.fc2(block.activation_fn(block.fc1(mlp_input)))
+        def mlp_forward(self, block, mlp_input):
+            return block.fc2(block.activation_fn(block.fc1(mlp_input)))
 
     kind_notes = {
         "*": {

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from ..family import Tiny
 from ..locations import ModuleInput
+from ..parts import identities
 from .llama import Llama
 
 
@@ -24,16 +25,17 @@ class BitNet(Llama):
     def locations(self):
         return {**super().locations(), "attention_premix": ModuleInput("attn_sub_norm")}
 
-    def mlp_arithmetic(self, mlp):
-        common = super().mlp_arithmetic(mlp)  # the Llama MLP's, with the sub-norm over the product
-        return replace(
-            common,
-            neurons=lambda x, activation: mlp.ffn_sub_norm(activation * mlp.up_proj(x)),
-            says=(common.says[0], "ffn_sub_norm(activation * up(mlp input))", common.says[2]),
-        )
+    class Identities(identities.Identities):
+        def mlp_arithmetic(self, mlp):
+            common = super().mlp_arithmetic(mlp)  # the Llama MLP's, with the sub-norm over the product
+            return replace(
+                common,
+                neurons=lambda x, activation: mlp.ffn_sub_norm(activation * mlp.up_proj(x)),
+                says=(common.says[0], "ffn_sub_norm(activation * up(mlp input))", common.says[2]),
+            )
 
-    def project_output(self, module, premix):
-        return module.o_proj(module.attn_sub_norm(premix))
+        def project_output(self, module, premix):
+            return module.o_proj(module.attn_sub_norm(premix))
 
     kind_notes = {
         "*": {

@@ -23,6 +23,7 @@ import torch
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts import identities, scoring
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
@@ -118,12 +119,26 @@ class Bloom(Family):
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
 
-    def alibi_slopes(self, config, layer: int) -> torch.Tensor:
-        """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""
-        return alibi_slopes(config.num_attention_heads)
+    class ScoreFunction(scoring.ScoreFunction):
+        def alibi_slopes(self, config, layer: int) -> torch.Tensor:
+            """The per-head slopes vLLM's kernel adds (times the key's distance, after the scale), float32: Bloom's."""
+            return alibi_slopes(config.num_attention_heads)
 
-    def sliding_window(self, config, layer):
-        return None
+        def sliding_window(self, config, layer):
+            return None
+
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            batch, num_heads, num_queries, dim = queries.shape
+            num_keys = keys.shape[2]
+            alibi = self.family.alibi(num_heads, num_keys, key_mask, queries.dtype, queries.device)
+            alibi = alibi.expand(batch, num_heads, 1, num_keys)
+            folded_queries = queries.reshape(batch * num_heads, num_queries, dim)
+            folded_keys = keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2)
+            scores = alibi.reshape(batch * num_heads, 1, num_keys).baddbmm(
+                folded_queries, folded_keys, beta=1.0, alpha=heads.scale
+            )
+            mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device)  # no window
+            return scores.view(batch, num_heads, num_queries, num_keys) + mask
 
     def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """The bias added to each head's scores, [batch or 1, heads, 1, key]: slope * key position."""
@@ -131,28 +146,16 @@ class Bloom(Family):
         bias = alibi_slopes(num_heads, positions.device)[None, :, None] * positions[:, None, :]
         return bias.to(dtype)[:, :, None]
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        batch, num_heads, num_queries, dim = queries.shape
-        num_keys = keys.shape[2]
-        alibi = self.alibi(num_heads, num_keys, key_mask, queries.dtype, queries.device)
-        alibi = alibi.expand(batch, num_heads, 1, num_keys)
-        folded_queries = queries.reshape(batch * num_heads, num_queries, dim)
-        folded_keys = keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2)
-        scores = alibi.reshape(batch * num_heads, 1, num_keys).baddbmm(
-            folded_queries, folded_keys, beta=1.0, alpha=heads.scale
-        )
-        mask = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device)  # no window
-        return scores.view(batch, num_heads, num_queries, num_keys) + mask
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if block.apply_residual_connection_post_layernorm:  # the block adds to the norm's output, not to the stream
+                norm = block.input_layernorm if sublayer == "attention" else block.post_attention_layernorm
+                return norm(stream) + update
+            return stream + update
 
-    def residual_add(self, block, sublayer, stream, update):
-        if block.apply_residual_connection_post_layernorm:  # the block adds to the norm's output, not to the stream
-            norm = block.input_layernorm if sublayer == "attention" else block.post_attention_layernorm
-            return norm(stream) + update
-        return stream + update
-
-    def mlp_forward(self, mlp, mlp_input):
-        # BloomMLP adds the residual it is given; with a zero one its output is the down projection's.
-        return mlp(mlp_input, torch.zeros_like(mlp_input))
+        def mlp_forward(self, mlp, mlp_input):
+            # BloomMLP adds the residual it is given; with a zero one its output is the down projection's.
+            return mlp(mlp_input, torch.zeros_like(mlp_input))
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

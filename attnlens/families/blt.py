@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..family import Family, Tiny
 from ..locations import ModuleOutput
 from ..locations.views import snapshot
+from ..parts import scoring
 from ..parts.sizes import Sizes
 
 STREAM = (
@@ -75,10 +76,11 @@ class Blt(Family):
             ),
         }
 
-    def sliding_window(self, config, layer):
-        # transformers 5.24 masks the local blocks with encoder_config.sliding_window (local_attention_window_len);
-        # earlier versions have neither and mask causally
-        return getattr(config.encoder_config, "sliding_window", None)
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            # transformers 5.24 masks the local blocks with encoder_config.sliding_window (local_attention_window_len);
+            # earlier versions have neither and mask causally
+            return getattr(config.encoder_config, "sliding_window", None)
 
     def notes(self, config, layer, engine="transformers"):
         stream = STREAM

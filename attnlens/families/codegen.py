@@ -10,6 +10,7 @@ shared attention interface (scale, then mask), as GPT-J does.
 import torch
 
 from ..family import Tiny
+from ..parts import scoring
 from .gptj import GPTJ
 
 
@@ -23,12 +24,13 @@ class CodeGen(GPTJ):
     attention_class = ("codegen.modeling_codegen", "CodeGenAttention")
     own_scores = ("attn_weights_2", "/ self.scale_attn")
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        if not self.own_attn():
-            return super().scores(heads, config, queries, keys, layer, key_mask)
-        scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
-        mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device)
-        return (scores + mask) * heads.scale
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            if not self.family.own_attn():
+                return super().scores(heads, config, queries, keys, layer, key_mask)
+            scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
+            mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device)
+            return (scores + mask) * heads.scale
 
     kind_notes = {
         "*": {

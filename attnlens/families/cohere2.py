@@ -16,7 +16,7 @@ from .cohere import Cohere
 
 
 def _cohere2_vllm_window(family, config, layer):
-    window = family.sliding_window(config, layer)
+    window = family.score_function().sliding_window(config, layer)
     return None if window is None else window + 1
 
 
@@ -48,7 +48,7 @@ class Cohere2(Cohere):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        window = self.window(config, layer, engine)
+        window = self.score_function(engine).window(config, layer)
         if window is None:
             rotary = "not rotated: a full-attention layer has no rotary embedding"
             notes.update(attention_queries=rotary, attention_keys=rotary)

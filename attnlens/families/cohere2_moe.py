@@ -70,7 +70,7 @@ class Cohere2Moe(SparseMoE, Cohere):
             notes["attention_queries"] = notes["attention_keys"] = (
                 "not rotated: this full-attention layer has no positional encoding"
             )
-        window = self.window(config, layer, engine)
+        window = self.score_function(engine).window(config, layer)
         if engine == "vllm" and window is not None:
             notes["attention_probabilities"] = vllm_window_note(window)
         return notes

@@ -16,6 +16,7 @@ latent-attention path reads (`attnlens/vllm/mla.py`).
 
 from dataclasses import replace
 
+from ..parts import scoring
 from .deepseek_v3 import DeepseekV3
 
 #: Why StandardizedVLLM does not serve DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA), in vLLM's words where
@@ -43,12 +44,13 @@ class Indexed:
             f"equals these scores on the chosen keys, and everywhere while a query has at most index_topk keys"
         )
 
-    def mask(self, num_queries, num_keys, config, layer, key_mask=None, *args, **kwargs):
-        """The causal mask, without `key_mask` on indexed layers: rebuilt patterns read padding off the model's mask
-        as the keys each query sees of itself, and an indexer need not choose a query's own key, so that would mask
-        real keys; the rebuild applies the model's own mask (padding and the indexer's choice) on top anyway."""
-        key_mask = None if self.indexed(config, layer) else key_mask
-        return super().mask(num_queries, num_keys, config, layer, key_mask, *args, **kwargs)
+    class ScoreFunction(scoring.ScoreFunction):
+        def mask(self, num_queries, num_keys, config, layer, key_mask=None, *args, **kwargs):
+            """The causal mask, without `key_mask` on indexed layers: rebuilt patterns read padding off the model's mask
+            as the keys each query sees of itself, and an indexer need not choose a query's own key, so that would mask
+            real keys; the rebuild applies the model's own mask (padding and the indexer's choice) on top anyway."""
+            key_mask = None if self.family.indexed(config, layer) else key_mask
+            return super().mask(num_queries, num_keys, config, layer, key_mask, *args, **kwargs)
 
     def indexed(self, config, layer: int) -> bool:
         """Whether `layer`'s attention is made sparse by an indexer (every layer unless the layer types say)."""

@@ -26,6 +26,7 @@ import torch
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput
+from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
@@ -126,35 +127,41 @@ class DeepseekV4(SparseMoE, Family):
         )
     }
 
-    def sliding_window(self, config, layer):
-        return config.sliding_window  # every layer type uses the sliding-window mask
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return config.sliding_window  # every layer type uses the sliding-window mask
 
-    def project_output(self, module, premix):
-        grouped = premix.reshape(*premix.shape[:2], module.config.o_groups, -1)
-        return module.o_b_proj(module.o_a_proj(grouped).flatten(2))
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            grouped = premix.reshape(*premix.shape[:2], module.config.o_groups, -1)
+            return module.o_b_proj(module.o_a_proj(grouped).flatten(2))
 
-    def merge_heads(self, module, heads):
-        """Rotate each head's output back at its query's position (positions 0.. of a prefill), then merge."""
-        transformers_module = sys.modules[type(module).__module__]
-        positions = torch.arange(heads.shape[1], device=heads.device)[None]
-        cos, sin = transformers_module.DeepseekV4RotaryEmbedding(module.config)(
-            heads, positions, layer_type=module.rope_layer_type
-        )
-        rotated = transformers_module.apply_rotary_pos_emb(heads.transpose(1, 2), cos, -sin).transpose(1, 2)
-        return rotated.reshape(*heads.shape[:2], -1)
+        def merge_heads(self, module, heads):
+            """Rotate each head's output back at its query's position (positions 0.. of a prefill), then merge."""
+            transformers_module = sys.modules[type(module).__module__]
+            positions = torch.arange(heads.shape[1], device=heads.device)[None]
+            cos, sin = transformers_module.DeepseekV4RotaryEmbedding(module.config)(
+                heads, positions, layer_type=module.rope_layer_type
+            )
+            rotated = transformers_module.apply_rotary_pos_emb(heads.transpose(1, 2), cos, -sin).transpose(1, 2)
+            return rotated.reshape(*heads.shape[:2], -1)
 
-    def residual_add(self, block, sublayer, stream, update):
-        post, comb, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)
-        return post.to(stream.dtype).unsqueeze(-1) * update.unsqueeze(-2) + torch.matmul(
-            comb.to(stream.dtype).transpose(-1, -2), stream
-        )
+        def residual_add(self, block, sublayer, stream, update):
+            post, comb, _ = getattr(
+                block, self.family.attention_streams if sublayer == "attention" else self.family.mlp_streams
+            )(stream)
+            return post.to(stream.dtype).unsqueeze(-1) * update.unsqueeze(-2) + torch.matmul(
+                comb.to(stream.dtype).transpose(-1, -2), stream
+            )
 
-    def residual_read(self, owner, sublayer, stream):
-        if sublayer == "final":
-            for part in self.final_streams.split("."):
-                owner = getattr(owner, part)
-            return owner(stream)
-        return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[2]
+        def residual_read(self, owner, sublayer, stream):
+            if sublayer == "final":
+                for part in self.family.final_streams.split("."):
+                    owner = getattr(owner, part)
+                return owner(stream)
+            return getattr(
+                owner, self.family.attention_streams if sublayer == "attention" else self.family.mlp_streams
+            )(stream)[2]
 
     kind_notes = {
         "*": {

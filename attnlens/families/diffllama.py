@@ -18,6 +18,7 @@ import torch
 
 from ..family import Family, Tiny
 from ..locations import Derived, Operation
+from ..parts import identities
 from ..parts.sizes import Sizes
 
 SECOND_CALL = (
@@ -99,10 +100,11 @@ class DiffLlama(Family):
 
         return part(module.lambda_q1, module.lambda_k1) - part(module.lambda_q2, module.lambda_k2) + module.lambda_init
 
-    def merge_heads(self, module, heads):
-        first, second = heads.chunk(2, dim=2)
-        mixed = first - self.lambda_full(module, heads.dtype) * second
-        return ((1 - module.lambda_init) * module.groupnorm(mixed)).reshape(*heads.shape[:2], -1)
+    class Identities(identities.Identities):
+        def merge_heads(self, module, heads):
+            first, second = heads.chunk(2, dim=2)
+            mixed = first - self.family.lambda_full(module, heads.dtype) * second
+            return ((1 - module.lambda_init) * module.groupnorm(mixed)).reshape(*heads.shape[:2], -1)
 
     kind_notes = {
         "*": {

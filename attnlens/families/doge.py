@@ -8,7 +8,7 @@ per-channel residual weights, and optionally a CDMoE MLP.
   there are more than `keep_window_size` keys, each query keeps only the `keep_window_size` keys of largest dynamic
   mask and the rest are masked too. So `attention_scores` (read under eager, exact) are `q @ k^T * head_dim ** -0.5 +
   that mask`. The family's score function computes it exactly, from the queries, the keys and the values
-  (`Family.scores_need_values`): the dynamic mask needs the values and the layer's `A` and `dt_proj`, which
+  (`ScoreFunction.scores_need_values`): the dynamic mask needs the values and the layer's `A` and `dt_proj`, which
   `attn.heads` carries. Head summaries and patterns rebuilt on sdpa read only the queries and keys, so they refuse
   Doge.
 - The residual adds weigh the stream per channel: `layer_mid = input_residual * layer_input + attention_output`,
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..family import Tiny
 from ..geometry import HeadGeometry
 from ..locations import ModuleOutput
+from ..parts import identities, scoring
 from .llama import Llama
 
 DYNAMIC = "Doge adds a dynamic mask exp(A * softplus(dt_proj(values))) per key/value head and key"
@@ -61,7 +62,29 @@ class Doge(Llama):
     # keep_window_size above the test prompt: every causal key is kept
     # (tests/families/test_doge.py makes it bind)
     tiny = Tiny("DogeConfig", "DogeForCausalLM", {"head_dim": 16})
-    scores_need_values = DYNAMIC
+
+    class ScoreFunction(scoring.ScoreFunction):
+        scores_need_values = DYNAMIC
+
+        def scores(self, heads, config, queries, keys, layer, key_mask=None, values=None):
+            """DogeAttention's scores: `q @ k^T * scale` plus `prepare_dynamic_mask` of the values (needed)."""
+            if values is None:
+                raise ValueError(
+                    f"Doge's score function needs the layer's values (values=): {DYNAMIC}, computed from them"
+                )
+            groups = queries.shape[1] // keys.shape[1]
+            scores = torch.matmul(queries, keys.repeat_interleave(groups, dim=1).transpose(2, 3)) * heads.scale
+            num_queries, num_keys = queries.shape[2], keys.shape[2]
+            dtype, minimum = scores.dtype, torch.finfo(scores.dtype).min
+            causal = self.mask(num_queries, num_keys, config, layer, key_mask, dtype, scores.device)
+            mask = heads.dynamic_mask(values)[:, :, None, :].expand(-1, -1, num_queries, -1)
+            mask = mask.masked_fill(causal != 0, minimum)
+            if num_keys > config.keep_window_size:
+                kept = torch.topk(mask, config.keep_window_size, dim=-1, largest=True, sorted=False).indices
+                active = torch.zeros_like(mask, dtype=dtype).scatter(-1, kept, 1.0)
+                mask = mask.masked_fill(active == 0.0, minimum)
+            return scores + mask.repeat_interleave(groups, dim=1)
+
     absent = {**Llama.absent, "mlp_activation": CDMOE, "mlp_neurons": CDMOE}
 
     def layer_kind(self, config, layer):
@@ -83,30 +106,14 @@ class Doge(Llama):
             **{f.name: getattr(sizes, f.name) for f in fields(HeadGeometry)}, A=module.A, dt_proj=module.dt_proj
         )
 
-    def residual_add(self, block, sublayer, stream, update, **arguments):
-        weight = block.input_residual if sublayer == "attention" else block.post_attention_residual
-        return weight * stream + update
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update, **arguments):
+            weight = block.input_residual if sublayer == "attention" else block.post_attention_residual
+            return weight * stream + update
 
-    def mlp_forward(self, mlp, mlp_input, **arguments):
-        out = mlp(mlp_input)
-        return out[0] if isinstance(out, tuple) else out
-
-    def scores(self, heads, config, queries, keys, layer, key_mask=None, values=None):
-        """DogeAttention's scores: `q @ k^T * scale` plus `prepare_dynamic_mask` of the values (needed)."""
-        if values is None:
-            raise ValueError(f"Doge's score function needs the layer's values (values=): {DYNAMIC}, computed from them")
-        groups = queries.shape[1] // keys.shape[1]
-        scores = torch.matmul(queries, keys.repeat_interleave(groups, dim=1).transpose(2, 3)) * heads.scale
-        num_queries, num_keys = queries.shape[2], keys.shape[2]
-        dtype, minimum = scores.dtype, torch.finfo(scores.dtype).min
-        causal = self.mask(num_queries, num_keys, config, layer, key_mask, dtype, scores.device, engine=heads.engine)
-        mask = heads.dynamic_mask(values)[:, :, None, :].expand(-1, -1, num_queries, -1)
-        mask = mask.masked_fill(causal != 0, minimum)
-        if num_keys > config.keep_window_size:
-            kept = torch.topk(mask, config.keep_window_size, dim=-1, largest=True, sorted=False).indices
-            active = torch.zeros_like(mask, dtype=dtype).scatter(-1, kept, 1.0)
-            mask = mask.masked_fill(active == 0.0, minimum)
-        return scores + mask.repeat_interleave(groups, dim=1)
+        def mlp_forward(self, mlp, mlp_input, **arguments):
+            out = mlp(mlp_input)
+            return out[0] if isinstance(out, tuple) else out
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

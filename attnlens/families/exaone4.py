@@ -35,7 +35,10 @@ def _exaone4_vllm_locations(family):
 
 def _normed(family, config, layer) -> str:
     """Queries' and keys' note: normed, and rotated unless a hybrid's full-attention layer."""
-    rotated = getattr(config, "sliding_window", None) is None or family.sliding_window(config, layer) is not None
+    rotated = (
+        getattr(config, "sliding_window", None) is None
+        or family.score_function().sliding_window(config, layer) is not None
+    )
     return "RMS-normalised per head (q_norm/k_norm over head_dim), then " + (
         "rotated" if rotated else "not rotated: a full-attention layer of a hybrid model has no rotary embedding"
     )

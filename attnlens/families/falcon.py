@@ -27,7 +27,7 @@ On vLLM (its own FalconForCausalLM, both architectures): attention and the MLP r
 adds the bias later, so `attention_output` and `mlp_output` are copies with the bias added; a sequential block adds
 the attention output to its input in place, so the residual stream is read as copies there. vLLM's kernel adds ALiBi
 once, with float32 slopes, where transformers' eager attention adds it twice with bfloat16 slopes: the score function
-computes what each engine's kernel does (`HeadGeometry.engine`).
+computes what each engine's kernel does (its `ScoreFunction.engine`).
 """
 
 import math
@@ -37,6 +37,7 @@ import torch
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.views import snapshot
+from ..parts import scoring
 from ..parts.alibi import alibi_slopes, key_positions
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
@@ -270,54 +271,57 @@ class Falcon(Family):
             notes["mlp_norm_output"] = shared_norm_note(attention_norm)
         return notes
 
-    def sliding_window(self, config, layer):
-        return None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None
+
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            if self.engine == "vllm" and config.alibi:
+                return self.vllm_alibi_scores(heads, config, queries, keys, layer, key_mask)
+            groups = queries.shape[1] // keys.shape[1]
+            scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
+            num_queries, num_keys = scores.shape[-2:]
+            visible = self.mask(num_queries, num_keys, config, layer, key_mask, queries.dtype, queries.device) == 0
+            minimum = torch.finfo(queries.dtype).min  # FalconModel's mask, in the model's dtype
+            if not config.alibi:
+                scores = scores / math.sqrt(heads.head_dim)
+                return scores + torch.where(
+                    visible, torch.zeros((), dtype=queries.dtype, device=scores.device), minimum
+                )
+            if scores.dtype in (torch.float16, torch.bfloat16):
+                scores = scores.to(torch.float32)
+            alibi = self.family.alibi(queries.shape[1], num_keys, key_mask, queries.dtype, queries.device)
+            scores = (scores + alibi) * heads.scale
+            # FalconModel folds alibi / sqrt(d) into the mask as well
+            return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
+
+        def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
+            """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
+            Bloom's times 1 / sqrt(d); None without ALiBi."""
+            if not config.alibi:
+                return None
+            return alibi_slopes(config.num_attention_heads) * (
+                1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
+            )
+
+        def vllm_alibi_scores(self, heads, config, queries, keys, layer, key_mask=None):
+            """The scores vLLM's ALiBi kernel takes the softmax of: `q·k / sqrt(d)` plus the bias once, Bloom's float32
+            slopes times 1 / sqrt(d) times the key position (vLLM's kernel counts it from the query, which shifts each
+            row by a constant: the same pattern)."""
+            groups = queries.shape[1] // keys.shape[1]
+            scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * heads.scale
+            slopes = self.alibi_slopes(config, layer).to(queries.device)
+            bias = slopes[:, None] * key_positions(keys.shape[2], key_mask, queries.device)[:, None, :]
+            scores = scores + bias[:, :, None].to(scores.dtype)
+            return scores + self.mask(
+                queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device
+            )
 
     def alibi(self, num_heads, num_keys, key_mask=None, dtype=torch.float32, device=None) -> torch.Tensor:
         """FalconModel's ALiBi, [batch or 1, heads, 1, key]: Bloom's slopes in bfloat16 times the key position."""
         positions = key_positions(num_keys, key_mask, device)
         slopes = alibi_slopes(num_heads, positions.device)[:, None].bfloat16()
         return (slopes * positions[:, None, :]).to(dtype)[:, :, None]
-
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        if heads.engine == "vllm" and config.alibi:
-            return self._vllm_alibi_scores(heads, config, queries, keys, layer, key_mask)
-        groups = queries.shape[1] // keys.shape[1]
-        scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
-        num_queries, num_keys = scores.shape[-2:]
-        visible = self.mask(num_queries, num_keys, config, layer, key_mask, queries.dtype, queries.device) == 0
-        minimum = torch.finfo(queries.dtype).min  # FalconModel's mask, in the model's dtype
-        if not config.alibi:
-            scores = scores / math.sqrt(heads.head_dim)
-            return scores + torch.where(visible, torch.zeros((), dtype=queries.dtype, device=scores.device), minimum)
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            scores = scores.to(torch.float32)
-        alibi = self.alibi(queries.shape[1], num_keys, key_mask, queries.dtype, queries.device)
-        scores = (scores + alibi) * heads.scale
-        # FalconModel folds alibi / sqrt(d) into the mask as well
-        return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
-
-    def _vllm_alibi_scores(self, heads, config, queries, keys, layer, key_mask=None):
-        """The scores vLLM's ALiBi kernel takes the softmax of: `q·k / sqrt(d)` plus the bias once, Bloom's float32
-        slopes times 1 / sqrt(d) times the key position (vLLM's kernel counts it from the query, which shifts each row
-        by a constant: the same pattern)."""
-        groups = queries.shape[1] // keys.shape[1]
-        scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * heads.scale
-        slopes = self.alibi_slopes(config, layer).to(queries.device)
-        bias = slopes[:, None] * key_positions(keys.shape[2], key_mask, queries.device)[:, None, :]
-        scores = scores + bias[:, :, None].to(scores.dtype)
-        return scores + self.mask(
-            queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device, engine="vllm"
-        )
-
-    def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
-        """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
-        Bloom's times 1 / sqrt(d); None without ALiBi."""
-        if not config.alibi:
-            return None
-        return alibi_slopes(config.num_attention_heads) * (
-            1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
-        )
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

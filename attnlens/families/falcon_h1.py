@@ -17,6 +17,7 @@ up projections (so `mlp_activation` is never formed alone).
 
 from ..family import Family, MLPArithmetic, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput
+from ..parts import identities
 
 
 def _falconh1_vllm_locations(family):
@@ -77,24 +78,25 @@ class FalconH1(Family):
         locations=_falconh1_vllm_locations,
     )
 
-    def residual_add(self, block, sublayer, stream, update):
-        if sublayer == "mlp":
-            return stream + update
-        mamba = block.mamba(hidden_states=block.input_layernorm(stream))
-        return stream + update * block.attn_out_multiplier + mamba * block.ssm_out_multiplier
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if sublayer == "mlp":
+                return stream + update
+            mamba = block.mamba(hidden_states=block.input_layernorm(stream))
+            return stream + update * block.attn_out_multiplier + mamba * block.ssm_out_multiplier
 
-    def mlp_arithmetic(self, mlp):
-        return MLPArithmetic(
-            lambda neurons: mlp.down_proj(neurons) * mlp.down_multiplier,
-            lambda x: mlp.gate_proj(x) * mlp.gate_multiplier,
-            lambda z: mlp.act_fn(z),
-            lambda x, activation: mlp.up_proj(x) * activation,
-            says=(
-                "gate(mlp input) * gate_multiplier",
-                "up(mlp input) * activation",
-                "down projection(neurons) * down_multiplier",
-            ),
-        )
+        def mlp_arithmetic(self, mlp):
+            return MLPArithmetic(
+                lambda neurons: mlp.down_proj(neurons) * mlp.down_multiplier,
+                lambda x: mlp.gate_proj(x) * mlp.gate_multiplier,
+                lambda z: mlp.act_fn(z),
+                lambda x, activation: mlp.up_proj(x) * activation,
+                says=(
+                    "gate(mlp input) * gate_multiplier",
+                    "up(mlp input) * activation",
+                    "down projection(neurons) * down_multiplier",
+                ),
+            )
 
     kind_notes = {
         "*": {

@@ -11,6 +11,7 @@ positional encoding. Layers `(i + 1) % decoder_sparse_step == 0` outside `mlp_on
 import torch
 
 from ..family import Family, Tiny
+from ..parts import scoring
 from ..parts.moe import SparseMoE, moe_absent
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 
@@ -47,13 +48,16 @@ class Flint(SparseMoE, Family):
     def locations(self):
         return with_sinks(super().locations(), sink_share("F_softmax_0"))
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        # float32 products, plus the mask in the model's dtype
-        groups = queries.shape[1] // keys.shape[1]
-        scores = torch.matmul(queries.float(), keys.float().repeat_interleave(groups, 1).transpose(2, 3)) * heads.scale
-        return scores + self.mask(
-            queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
-        )
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            # float32 products, plus the mask in the model's dtype
+            groups = queries.shape[1] // keys.shape[1]
+            scores = (
+                torch.matmul(queries.float(), keys.float().repeat_interleave(groups, 1).transpose(2, 3)) * heads.scale
+            )
+            return scores + self.mask(
+                queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
+            )
 
     def notes(self, config, layer, engine="transformers"):
         rotated = (

@@ -9,6 +9,7 @@ front of the MLP (`pre_feedforward_layernorm`).
 from dataclasses import replace
 
 from ..family import Tiny
+from ..parts import scoring
 from .llama import Llama
 
 
@@ -35,5 +36,6 @@ class Gemma2(Llama):
     scores_operation = ("attn_weights_4", "+ attention_mask")
     probabilities_operation = ("attn_weights_6", "dropout(")
 
-    def softcap(self, config, layer):
-        return getattr(config, "attn_logit_softcapping", None)
+    class ScoreFunction(scoring.ScoreFunction):
+        def softcap(self, config, layer):
+            return getattr(config, "attn_logit_softcapping", None)

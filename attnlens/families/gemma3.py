@@ -11,6 +11,7 @@ with a vision tower) loads as `Gemma3ForConditionalGeneration`, the same blocks 
 from dataclasses import replace
 
 from ..family import TINY_DEFAULTS, Tiny
+from ..parts import scoring
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from .gemma2 import Gemma2
 
@@ -32,8 +33,9 @@ class Gemma3(Gemma2):
         },
     )
 
-    def softcap(self, config, layer):
-        return None
+    class ScoreFunction(scoring.ScoreFunction):
+        def softcap(self, config, layer):
+            return None
 
 
 class Gemma3Multimodal(LanguageModelOf, Gemma3):

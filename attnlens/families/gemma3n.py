@@ -26,7 +26,7 @@ the active one. The values name them so:
   per_layer_input))`, `s` the corrected active stream (times `altup.correct_output_scale` with
   `altup_correct_scale`) and `per_layer_input` the block's third argument (the model's per-layer embeddings, its
   layer's slice). The predictions come from `layer_input`; the identity suite reads the block's arguments for them
-  (`Family.block_arguments`).
+  (`Identities.block_arguments`).
 - `final_norm_output` is `norm(h)`, `h` the mean of the last block's streams after the model's
   `altup_unembed_projections` (each rescaled to the first stream's magnitude).
 
@@ -44,6 +44,7 @@ import torch
 
 from ..family import Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput
+from ..parts import identities
 from .gemma3 import Gemma3
 from .gemma4 import Gemma4Text
 
@@ -102,7 +103,43 @@ class Gemma3nText(Gemma3):
     )
     # the MLP post-norm is applied in residual_add, before AltUp's correction
     mlp_post_norm = None
-    block_arguments = {"streams": 0, "per_layer_input": 2}
+
+    class Identities(identities.Identities):
+        block_arguments = {"streams": 0, "per_layer_input": 2}
+
+        def residual_read(self, owner, sublayer, stream):
+            if sublayer == "attention":
+                return self.family.predictions(owner, stream)[owner.config.altup_active_idx]
+            if sublayer != "final":
+                return stream
+            # Gemma3nTextModel.forward after its last block: the streams unembedded and averaged
+            model = owner.model
+            streams = stream.permute(2, 0, 1, 3)
+            target = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
+            collapsed = [streams[0]]
+            for i in range(1, model.config.altup_num_inputs):
+                projected = model.altup_unembed_projections[i - 1](streams[i]).to(dtype=streams.dtype)
+                magnitude = torch.sqrt(torch.mean(projected**2, dim=-1, keepdim=True).clamp(min=1e-5))
+                collapsed.append(projected * target / magnitude)
+            return torch.mean(torch.stack(collapsed), dim=0)
+
+        def residual_add(self, block, sublayer, stream, update, streams=None, per_layer_input=None, **arguments):
+            active = block.config.altup_active_idx
+            if sublayer == "attention":  # stream: the block's streams [batch, seq, n, hidden]
+                prediction = self.family.predictions(block, stream)[active]
+                laurel = block.laurel(block.input_layernorm(prediction))
+                return (prediction + update + laurel) / math.sqrt(2)
+            # stream: layer_mid; the corrected streams need the block's input streams and its per-layer input
+            predictions = block.altup.predict(streams)
+            corrected = block.altup.correct(predictions, stream + block.post_feedforward_layernorm(update))
+            first = corrected[active].clone()
+            if block.config.altup_correct_scale:
+                first = block.altup.scale_corrected_output(first)
+            first = block.act_fn(block.per_layer_input_gate(first)) * per_layer_input
+            first = block.post_per_layer_input_norm(block.per_layer_projection(first))
+            corrected[1:] += first
+            return corrected.permute(1, 2, 0, 3)
+
     shared_from = staticmethod(Gemma4Text.shared_from)
 
     def locations(self):
@@ -116,39 +153,6 @@ class Gemma3nText(Gemma3):
     def predictions(block, streams):
         """AltUp's predictions `[altup_num_inputs, batch, seq, hidden]` from the streams `[batch, seq, n, hidden]`."""
         return block.altup.predict(streams.permute(2, 0, 1, 3))
-
-    def residual_read(self, owner, sublayer, stream):
-        if sublayer == "attention":
-            return self.predictions(owner, stream)[owner.config.altup_active_idx]
-        if sublayer != "final":
-            return stream
-        # Gemma3nTextModel.forward after its last block: the streams unembedded and averaged
-        model = owner.model
-        streams = stream.permute(2, 0, 1, 3)
-        target = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
-        collapsed = [streams[0]]
-        for i in range(1, model.config.altup_num_inputs):
-            projected = model.altup_unembed_projections[i - 1](streams[i]).to(dtype=streams.dtype)
-            magnitude = torch.sqrt(torch.mean(projected**2, dim=-1, keepdim=True).clamp(min=1e-5))
-            collapsed.append(projected * target / magnitude)
-        return torch.mean(torch.stack(collapsed), dim=0)
-
-    def residual_add(self, block, sublayer, stream, update, streams=None, per_layer_input=None, **arguments):
-        active = block.config.altup_active_idx
-        if sublayer == "attention":  # stream: the block's streams [batch, seq, n, hidden]
-            prediction = self.predictions(block, stream)[active]
-            laurel = block.laurel(block.input_layernorm(prediction))
-            return (prediction + update + laurel) / math.sqrt(2)
-        # stream: layer_mid; the corrected streams need the block's input streams and its per-layer input
-        predictions = block.altup.predict(streams)
-        corrected = block.altup.correct(predictions, stream + block.post_feedforward_layernorm(update))
-        first = corrected[active].clone()
-        if block.config.altup_correct_scale:
-            first = block.altup.scale_corrected_output(first)
-        first = block.act_fn(block.per_layer_input_gate(first)) * per_layer_input
-        first = block.post_per_layer_input_norm(block.per_layer_projection(first))
-        corrected[1:] += first
-        return corrected.permute(1, 2, 0, 3)
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

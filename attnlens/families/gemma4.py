@@ -26,6 +26,7 @@ Gemma 4 Unified is this layout without per-layer inputs and without the experts 
 from dataclasses import replace
 
 from ..family import TINY_DEFAULTS, Joined
+from ..parts import identities
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from ..parts.sizes import kv_heads_from_groups
 from .gemma3 import Gemma3
@@ -89,24 +90,29 @@ class Gemma4Text(Gemma3):
     tiny_layouts = {
         "moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
     }
-    block_arguments = {"per_layer_input": 1}  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
+
+    class Identities(identities.Identities):
+        block_arguments = {
+            "per_layer_input": 1
+        }  # Gemma4TextModel calls each block as block(hidden, per_layer_input, ...)
+
+        def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
+            if sublayer != "mlp":
+                return super().residual_add(block, sublayer, stream, update)
+            if getattr(block, "enable_moe_block", False):
+                flat = stream.reshape(-1, stream.shape[-1])
+                _, weights, index = block.router(flat)
+                experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(stream.shape)
+                update = block.post_feedforward_layernorm_1(update) + block.post_feedforward_layernorm_2(experts)
+            h = stream + block.post_feedforward_layernorm(update)
+            if getattr(block, "hidden_size_per_layer_input", 0):  # the per-layer-input branch, from the block's input
+                h = h + block.post_per_layer_input_norm(
+                    block.per_layer_projection(block.act_fn(block.per_layer_input_gate(h)) * per_layer_input)
+                )
+            return h * block.layer_scalar
+
     # residual_add applies the post-feedforward norm, after the experts branch joins the MLP's output
     mlp_post_norm = None
-
-    def residual_add(self, block, sublayer, stream, update, per_layer_input=None, **arguments):
-        if sublayer != "mlp":
-            return super().residual_add(block, sublayer, stream, update)
-        if getattr(block, "enable_moe_block", False):
-            flat = stream.reshape(-1, stream.shape[-1])
-            _, weights, index = block.router(flat)
-            experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(stream.shape)
-            update = block.post_feedforward_layernorm_1(update) + block.post_feedforward_layernorm_2(experts)
-        h = stream + block.post_feedforward_layernorm(update)
-        if getattr(block, "hidden_size_per_layer_input", 0):  # the per-layer-input branch, from the block's input
-            h = h + block.post_per_layer_input_norm(
-                block.per_layer_projection(block.act_fn(block.per_layer_input_gate(h)) * per_layer_input)
-            )
-        return h * block.layer_scalar
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)
@@ -195,7 +201,9 @@ class Gemma4UnifiedText(Gemma4Text):
     )
     tiny = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", TINY)
     tiny_layouts = {"kv_shared": {**SHARED, "use_double_wide_mlp": True}}
-    block_arguments = {}  # its blocks take no per-layer input
+
+    class Identities(identities.Identities):
+        block_arguments = {}  # its blocks take no per-layer input
 
 
 class Gemma4(LanguageModelOf, Gemma4Text):

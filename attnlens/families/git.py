@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.views import snapshot
+from ..parts import identities
 from ..parts.sizes import Sizes
 
 POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
@@ -112,17 +113,18 @@ class Git(Family):
             "logits": OutputField("logits"),
         }
 
-    def project_output(self, module, premix):
-        return module.output.dense(premix)
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            return module.output.dense(premix)
 
-    def mlp_module(self, block):
-        return _GitMLP(block)
+        def mlp_module(self, block):
+            return _GitMLP(block)
 
-    def residual_add(self, block, sublayer, stream, update):
-        """Post-norm: the stream after a sublayer is the norm of the sum (the attention's `output.LayerNorm`, the
-        block's `output.LayerNorm`)."""
-        norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
-        return norm(stream + update)
+        def residual_add(self, block, sublayer, stream, update):
+            """Post-norm: the stream after a sublayer is the norm of the sum (the attention's `output.LayerNorm`, the
+            block's `output.LayerNorm`)."""
+            norm = block.attention.output.LayerNorm if sublayer == "attention" else block.output.LayerNorm
+            return norm(stream + update)
 
     kind_reasons = {
         "*": {

@@ -13,6 +13,7 @@ import torch
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts import scoring
 from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"
@@ -97,24 +98,25 @@ class GPTNeo(Family):
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
 
-    def sliding_window(self, config, layer):
-        return config.window_size if config.attention_layers[layer] == "local" else None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return config.window_size if config.attention_layers[layer] == "local" else None
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        # `_attn`: a float32 matmul, the layer's causal (or local) buffer through torch.where, then the model's
-        # additive mask (causal and padding only, in the model's dtype).
-        scores = torch.matmul(queries.to(torch.float32), keys.to(torch.float32).transpose(-1, -2))
-        num_queries, num_keys = scores.shape[-2:]
-        key_positions = torch.arange(num_keys, device=scores.device)[None, :]
-        back = key_positions.T[num_keys - num_queries :] - key_positions  # how far back each key is
-        window = self.sliding_window(config, layer)
-        in_buffer = (back >= 0) & (back < (window or num_keys))
-        scores = torch.where(in_buffer, scores, torch.finfo(scores.dtype).min)
-        visible = (back >= 0)[None, None]
-        if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
-        zero = torch.zeros((), dtype=queries.dtype, device=scores.device)
-        return scores + torch.where(visible, zero, torch.finfo(queries.dtype).min)
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            # `_attn`: a float32 matmul, the layer's causal (or local) buffer through torch.where, then the model's
+            # additive mask (causal and padding only, in the model's dtype).
+            scores = torch.matmul(queries.to(torch.float32), keys.to(torch.float32).transpose(-1, -2))
+            num_queries, num_keys = scores.shape[-2:]
+            key_positions = torch.arange(num_keys, device=scores.device)[None, :]
+            back = key_positions.T[num_keys - num_queries :] - key_positions  # how far back each key is
+            window = self.sliding_window(config, layer)
+            in_buffer = (back >= 0) & (back < (window or num_keys))
+            scores = torch.where(in_buffer, scores, torch.finfo(scores.dtype).min)
+            visible = (back >= 0)[None, None]
+            if key_mask is not None:
+                visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
+            zero = torch.zeros((), dtype=queries.dtype, device=scores.device)
+            return scores + torch.where(visible, zero, torch.finfo(queries.dtype).min)
 
     kind_notes = {
         "*": {
@@ -131,5 +133,5 @@ class GPTNeo(Family):
 
     def local_keys(self, config, layer) -> str:
         """What the scores' note says of a local layer's window ("" on a global layer)."""
-        window = self.sliding_window(config, layer)
+        window = self.score_function().sliding_window(config, layer)
         return f"a local layer: keys more than {window - 1} back hold finfo.min; " if window else ""

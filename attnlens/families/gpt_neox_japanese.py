@@ -20,6 +20,7 @@ import torch
 
 from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts import identities, scoring
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
 
@@ -77,28 +78,28 @@ class GPTNeoXJapanese(Family):
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
 
-    def sliding_window(self, config, layer):
-        return None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        """`_attn`'s arithmetic: `baddbmm` of zeros and q @ k^T with alpha = 1 / sqrt(head_dim), plus the mask."""
-        batch, num_heads, num_queries, dim = queries.shape
-        num_keys = keys.shape[2]
-        flat = torch.baddbmm(
-            torch.zeros(batch * num_heads, num_queries, num_keys, dtype=queries.dtype, device=queries.device),
-            queries.reshape(batch * num_heads, num_queries, dim),
-            keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2),
-            beta=1.0,
-            alpha=heads.scale,
-        )
-        scores = flat.view(batch, num_heads, num_queries, num_keys)
-        return scores + self.mask(
-            num_queries, num_keys, config, layer, key_mask, scores.dtype, scores.device, engine=heads.engine
-        )
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            """`_attn`'s arithmetic: `baddbmm` of zeros and q @ k^T with alpha = 1 / sqrt(head_dim), plus the mask."""
+            batch, num_heads, num_queries, dim = queries.shape
+            num_keys = keys.shape[2]
+            flat = torch.baddbmm(
+                torch.zeros(batch * num_heads, num_queries, num_keys, dtype=queries.dtype, device=queries.device),
+                queries.reshape(batch * num_heads, num_queries, dim),
+                keys.reshape(batch * num_heads, num_keys, dim).transpose(1, 2),
+                beta=1.0,
+                alpha=heads.scale,
+            )
+            scores = flat.view(batch, num_heads, num_queries, num_keys)
+            return scores + self.mask(num_queries, num_keys, config, layer, key_mask, scores.dtype, scores.device)
 
-    def residual_add(self, block, sublayer, stream, update):
-        bias = block.attention.dense_bias if sublayer == "attention" else None
-        return stream + update if bias is None else stream + (update + bias)
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            bias = block.attention.dense_bias if sublayer == "attention" else None
+            return stream + update if bias is None else stream + (update + bias)
 
     kind_notes = {
         "*": {

@@ -18,6 +18,7 @@ import torch
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, Operation
+from ..parts import scoring
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 from ..parts.sizes import Sizes
@@ -112,14 +113,15 @@ class GPTJ(Family):
             return {OWN_ATTN: type(attention_module)._attn}
         return super().drilled_functions(attention_module)
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
-        # 5.19 divides by sqrt(head_dim), later versions multiply by its inverse: not always the same float
-        scores = scores * heads.scale
-        # the mask is built in the model's dtype and added to the float32 scores
-        return scores + self.mask(
-            queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
-        )
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            scores = torch.matmul(queries.float(), keys.float().transpose(2, 3))
+            # 5.19 divides by sqrt(head_dim), later versions multiply by its inverse: not always the same float
+            scores = scores * heads.scale
+            # the mask is built in the model's dtype and added to the float32 scores
+            return scores + self.mask(
+                queries.shape[2], keys.shape[2], config, layer, key_mask, queries.dtype, queries.device
+            )
 
     kind_notes = {
         "*": {

@@ -17,6 +17,7 @@ from dataclasses import replace
 from ..family import Tiny
 from ..locations import Derived, ModuleOutput
 from ..locations.views import copy_with_batch, drop_batch
+from ..parts import identities
 from ..parts.vllm import unpaired_locations
 from .llama import Llama
 
@@ -43,8 +44,9 @@ class Granite(Llama):
     )
     vllm = replace(Llama.vllm, model_types=("granite",), locations=_granite_vllm_locations)
 
-    def residual_add(self, block, sublayer, stream, update):
-        return stream + update * block.residual_multiplier
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            return stream + update * block.residual_multiplier
 
     kind_notes = {
         "*": {

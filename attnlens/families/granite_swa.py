@@ -21,6 +21,7 @@ import torch
 from ..family import INTERFACE_CALL
 from ..locations import Derived, Location, Operation
 from ..locations.vllm import RebuiltPattern, worker_of
+from ..parts import scoring
 from .granite import Granite
 
 #: Why an edited pattern cannot reach vLLM here, and why the head outputs are not served there.
@@ -113,9 +114,10 @@ class SinkScale:
         },
     )
 
-    def softmax(self, scores, sinks=None):
-        """The pattern without the sink column, on either engine: the sink rescales the mix (served as the gate)."""
-        return super().softmax(scores)
+    class ScoreFunction(scoring.ScoreFunction):
+        def softmax(self, scores, sinks=None):
+            """The pattern without the sink column, on either engine: the sink rescales the mix (served as the gate)."""
+            return super().softmax(scores)
 
     def locations(self):
         locations = super().locations()

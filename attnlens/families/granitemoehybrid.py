@@ -22,6 +22,7 @@ from dataclasses import replace
 from ..family import MLPArithmetic
 from ..locations import ModuleArgument
 from ..locations.vllm import batched
+from ..parts import identities
 from ..parts.mixers import MixerLayers
 from .granite import Granite
 
@@ -89,21 +90,22 @@ class GraniteMoeHybrid(MixerLayers, Granite):
         dropped = ("mlp_activation", "mlp_neurons", "mlp_output")
         return {name: location for name, location in locations.items() if name not in dropped}
 
-    def mlp_arithmetic(self, mlp):
-        def halves(x):
-            return mlp.input_linear(x).chunk(2, dim=-1)
+    class Identities(identities.Identities):
+        def mlp_arithmetic(self, mlp):
+            def halves(x):
+                return mlp.input_linear(x).chunk(2, dim=-1)
 
-        return MLPArithmetic(
-            lambda neurons: mlp.output_linear(neurons),
-            lambda x: halves(x)[0],
-            lambda z: mlp.activation(z),
-            lambda x, activation: activation * halves(x)[1],
-            says=(
-                "first half of input_linear(mlp input)",
-                "activation * second half of input_linear(mlp input)",
-                "output_linear(neurons)",
-            ),
-        )
+            return MLPArithmetic(
+                lambda neurons: mlp.output_linear(neurons),
+                lambda x: halves(x)[0],
+                lambda z: mlp.activation(z),
+                lambda x, activation: activation * halves(x)[1],
+                says=(
+                    "first half of input_linear(mlp input)",
+                    "activation * second half of input_linear(mlp input)",
+                    "output_linear(neurons)",
+                ),
+            )
 
     kind_reasons = {"routed": dict.fromkeys(("mlp_activation", "mlp_neurons", "mlp_output"), ROUTED)}
 

@@ -14,6 +14,7 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
 
 from ..family import Joined
 from ..locations import ModuleInput, Operation, insert_after
+from ..parts import identities
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
 from .glm_moe_dsa import GlmMoeDsa
@@ -53,16 +54,21 @@ class HYV4(GlmMoeDsa):
             "layer_mid": ModuleInput(self.mlp_streams),
         }
 
-    def residual_add(self, block, sublayer, stream, update):
-        post, _ = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)
-        return (post.float().unsqueeze(-1) * update.float().unsqueeze(-2) + stream.float()).to(stream.dtype)
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            post, _ = getattr(
+                block, self.family.attention_streams if sublayer == "attention" else self.family.mlp_streams
+            )(stream)
+            return (post.float().unsqueeze(-1) * update.float().unsqueeze(-2) + stream.float()).to(stream.dtype)
 
-    def residual_read(self, owner, sublayer, stream):
-        if sublayer == "final":
-            for part in self.final_streams.split("."):
-                owner = getattr(owner, part)
-            return owner(stream)
-        return getattr(owner, self.attention_streams if sublayer == "attention" else self.mlp_streams)(stream)[1]
+        def residual_read(self, owner, sublayer, stream):
+            if sublayer == "final":
+                for part in self.family.final_streams.split("."):
+                    owner = getattr(owner, part)
+                return owner(stream)
+            return getattr(
+                owner, self.family.attention_streams if sublayer == "attention" else self.family.mlp_streams
+            )(stream)[1]
 
     kind_notes = {
         "*": {

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Family, Tiny
+from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes
 
@@ -91,23 +92,25 @@ class Inkling(SparseMoE, Family):
     def moe_layer(self, config, layer):
         return config.mlp_layer_types[layer] == "sparse"
 
-    def sliding_window(self, config, layer):
-        return config.sliding_window_size if config.layer_types[layer] == "hybrid_sliding" else None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return config.sliding_window_size if config.layer_types[layer] == "hybrid_sliding" else None
 
-    def score_bias(self, config, layer):
-        full = config.layer_types[layer] != "hybrid_sliding"
-        return BIAS + (", times the log scale tau" if full and config.log_scaling_n_floor is not None else "")
+        def score_bias(self, config, layer):
+            full = config.layer_types[layer] != "hybrid_sliding"
+            return BIAS + (", times the log scale tau" if full and config.log_scaling_n_floor is not None else "")
 
-    def score_bias_value(self, module, values, layer):
-        hidden = values["attention_norm_output"]
-        batch, length, _ = hidden.shape
-        positions = torch.arange(length, device=hidden.device)
-        relative = module.r_proj(hidden).view(batch, length, module.num_heads, -1)
-        bias = module.rel_logits_proj(relative, positions, positions)
-        tau = None if module.is_sliding else log_scale(module.config, length, hidden.device)
-        if tau is not None:
-            bias = (bias.float() * tau.view(1, 1, -1, 1)).to(bias.dtype)
-        return bias
+    class Identities(identities.Identities):
+        def score_bias_value(self, module, values, layer):
+            hidden = values["attention_norm_output"]
+            batch, length, _ = hidden.shape
+            positions = torch.arange(length, device=hidden.device)
+            relative = module.r_proj(hidden).view(batch, length, module.num_heads, -1)
+            bias = module.rel_logits_proj(relative, positions, positions)
+            tau = None if module.is_sliding else log_scale(module.config, length, hidden.device)
+            if tau is not None:
+                bias = (bias.float() * tau.view(1, 1, -1, 1)).to(bias.dtype)
+            return bias
 
     kind_reasons = {"moe": dict.fromkeys(PER_EXPERT, MOE_REASON)}
 

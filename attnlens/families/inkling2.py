@@ -30,6 +30,7 @@ import torch
 from ..family import INTERFACE_CALL, Family, Tiny
 from ..locations import Derived, ModuleArgument, ModuleInput, Operation
 from ..locations.views import per_head
+from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sinks import SINK_NOTE, with_sinks
 from ..parts.sizes import Sizes
@@ -132,26 +133,28 @@ class Inkling2(SparseMoE, Family):
         ordered["layer_mid"] = ModuleArgument("E_mlp_input", 1)  # (block_states, layer_mid)
         return ordered
 
-    def sliding_window(self, config, layer):
-        return config.sliding_window_size if _sliding(config, layer) else None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return config.sliding_window_size if _sliding(config, layer) else None
 
-    def project_output(self, module, premix):
-        return module.o_proj.linear(premix)
+        def score_bias(self, config, layer):
+            return BIAS if _sliding(config, layer) else BIAS + ", times the query's log scale"
 
-    def residual_add(self, block, sublayer, stream, update):
-        if sublayer == "attention" and block.is_block_boundary:
-            return update.float()  # a block's first layer: the running sum restarts at the attention's output
-        return stream.float() + update
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            return module.o_proj.linear(premix)
 
-    def score_bias(self, config, layer):
-        return BIAS if _sliding(config, layer) else BIAS + ", times the query's log scale"
+        def residual_add(self, block, sublayer, stream, update):
+            if sublayer == "attention" and block.is_block_boundary:
+                return update.float()  # a block's first layer: the running sum restarts at the attention's output
+            return stream.float() + update
 
-    def score_bias_value(self, module, values, layer):
-        hidden = values["attention_norm_output"]  # the attention's own (query-side) input
-        length = hidden.shape[1]
-        positions = torch.arange(length, device=hidden.device)
-        distance = positions[:, None] - positions[None, :]
-        return module.relative_position_bias(hidden, distance, positions[None])  # log-scaled inside on full layers
+        def score_bias_value(self, module, values, layer):
+            hidden = values["attention_norm_output"]  # the attention's own (query-side) input
+            length = hidden.shape[1]
+            positions = torch.arange(length, device=hidden.device)
+            distance = positions[:, None] - positions[None, :]
+            return module.relative_position_bias(hidden, distance, positions[None])  # log-scaled inside on full layers
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

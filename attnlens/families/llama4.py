@@ -22,6 +22,7 @@ import torch
 from ..family import Family, VLLMLayout
 from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
+from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
 
 MOE_REASON = (
@@ -121,8 +122,9 @@ class Llama4(SparseMoE, Family):
             locations["mlp_output"] = TokensOutput("", 0)
         return locations
 
-    def mlp_forward(self, mlp, mlp_input):
-        return super().mlp_forward(mlp, mlp_input).view(mlp_input.shape)
+    class Identities(identities.Identities):
+        def mlp_forward(self, mlp, mlp_input):
+            return super().mlp_forward(mlp, mlp_input).view(mlp_input.shape)
 
     @staticmethod
     def rotary(config, layer: int) -> bool:
@@ -132,31 +134,31 @@ class Llama4(SparseMoE, Family):
         """The chunk size of `layer`'s attention, or None where it sees every earlier key."""
         return config.attention_chunk_size if config.layer_types[layer] == "chunked_attention" else None
 
-    def mask(
-        self,
-        num_queries,
-        num_keys,
-        config,
-        layer,
-        key_mask=None,
-        dtype=torch.float32,
-        device=None,
-        engine="transformers",
-    ):
-        mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
-        size = self.chunk(config, layer)
-        if size is None:
-            return mask
-        # chunks count from each row's first real token (transformers' chunked_overlay, with left padding)
-        keys = torch.arange(num_keys, device=mask.device)
-        start = (
-            torch.zeros(1, dtype=torch.long, device=mask.device)
-            if key_mask is None
-            else (key_mask.to(mask.device).long().cumsum(-1) == 0).sum(-1)
-        )
-        chunks = (keys[None] - start[:, None]).div(size, rounding_mode="floor")  # [batch or 1, key]
-        same = chunks[:, None, num_keys - num_queries :, None] == chunks[:, None, None, :]
-        return torch.where(same, mask, torch.finfo(dtype).min)
+    class ScoreFunction(scoring.ScoreFunction):
+        def mask(
+            self,
+            num_queries,
+            num_keys,
+            config,
+            layer,
+            key_mask=None,
+            dtype=torch.float32,
+            device=None,
+        ):
+            mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
+            size = self.family.chunk(config, layer)
+            if size is None:
+                return mask
+            # chunks count from each row's first real token (transformers' chunked_overlay, with left padding)
+            keys = torch.arange(num_keys, device=mask.device)
+            start = (
+                torch.zeros(1, dtype=torch.long, device=mask.device)
+                if key_mask is None
+                else (key_mask.to(mask.device).long().cumsum(-1) == 0).sum(-1)
+            )
+            chunks = (keys[None] - start[:, None]).div(size, rounding_mode="floor")  # [batch or 1, key]
+            same = chunks[:, None, num_keys - num_queries :, None] == chunks[:, None, None, :]
+            return torch.where(same, mask, torch.finfo(dtype).min)
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

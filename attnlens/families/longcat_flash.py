@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 
 from ..family import Joined
+from ..parts import identities
 from ..parts.moe import SparseMoE
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
@@ -116,23 +117,26 @@ class LongcatFlash(SparseMoE, LatentAttention):
     def drilled_functions(self, attention_module):
         return super().drilled_functions(attention_module[int(FIRST)])
 
-    def project_output(self, module, premix):
-        return super().project_output(module[int(FIRST)], premix)
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            return super().project_output(module[int(FIRST)], premix)
 
-    def residual_add(self, block, sublayer, stream, update):
-        """After the first attention, the sum; after the MLP (the shortcut MoE), the rest of the block: `mlps[0]`, the
-        second attention (with the model's rotary embedding at positions 0.. and the causal mask: a prefill) and
-        `mlps[1]`, then the shortcut."""
-        if sublayer != "mlp":
-            return stream + update
-        hidden = stream + block.mlps[0](block.post_attention_layernorm[0](stream))
-        x = block.input_layernorm[1](hidden)
-        second = block.self_attn[1]
-        rotary = sys.modules[type(block).__module__].LongcatFlashRotaryEmbedding(second.config).to(x.device)
-        positions = torch.arange(x.shape[1], device=x.device)[None]
-        mask = self.mask(x.shape[1], x.shape[1], second.config, 0, dtype=x.dtype, device=x.device)
-        hidden = hidden + second(x, rotary(x, positions), mask)[0]
-        return hidden + block.mlps[1](block.post_attention_layernorm[1](hidden)) + update
+        def residual_add(self, block, sublayer, stream, update):
+            """After the first attention, the sum; after the MLP (the shortcut MoE), the rest of the block: `mlps[0]`,
+            the second attention (with the model's rotary embedding at positions 0.. and the causal mask: a prefill) and
+            `mlps[1]`, then the shortcut."""
+            if sublayer != "mlp":
+                return stream + update
+            hidden = stream + block.mlps[0](block.post_attention_layernorm[0](stream))
+            x = block.input_layernorm[1](hidden)
+            second = block.self_attn[1]
+            rotary = sys.modules[type(block).__module__].LongcatFlashRotaryEmbedding(second.config).to(x.device)
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            mask = self.family.score_function().mask(
+                x.shape[1], x.shape[1], second.config, 0, dtype=x.dtype, device=x.device
+            )
+            hidden = hidden + second(x, rotary(x, positions), mask)[0]
+            return hidden + block.mlps[1](block.post_attention_layernorm[1](hidden)) + update
 
     kind_notes = {
         "vllm": {"layer_input": "declared from vLLM's code, {family.vllm.cpu_fault}"},

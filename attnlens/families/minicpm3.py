@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from ..family import Family
 from ..locations import Derived, Location, ModuleInput
 from ..locations.vllm import KernelInput, RebuiltPattern
+from ..parts import identities
 from .deepseek_v2 import LatentAttention
 from .granite import unpaired_locations
 from .youtu import LATENT_TINY
@@ -95,12 +96,13 @@ class MiniCPM3(LatentAttention):
         locations=_minicpm3_vllm_locations,
     )
 
-    def residual_add(self, block, sublayer, stream, update):
-        # transformers' block holds the scale; vLLM's computes it from its config each time
-        scale = getattr(block, "residual_scale", None)
-        if scale is None:
-            scale = block.config.scale_depth / math.sqrt(block.config.num_hidden_layers)
-        return stream + update * scale
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            # transformers' block holds the scale; vLLM's computes it from its config each time
+            scale = getattr(block, "residual_scale", None)
+            if scale is None:
+                scale = block.config.scale_depth / math.sqrt(block.config.num_hidden_layers)
+            return stream + update * scale
 
     def notes(self, config, layer, engine="transformers"):
         scale = config.scale_depth / math.sqrt(config.num_hidden_layers)

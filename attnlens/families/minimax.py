@@ -11,6 +11,7 @@ pattern (see `families/hybrid.py`); the others run the common softmax attention.
 """
 
 from ..family import Family, Tiny
+from ..parts import identities
 from ..parts.mixers import MixerLayers
 from ..parts.moe import SparseMoE, moe_absent
 
@@ -44,10 +45,11 @@ class MiniMax(MixerLayers, SparseMoE, Family):
     )
     absent = moe_absent("MiniMaxExperts")
 
-    def residual_add(self, block, sublayer, stream, update):
-        if sublayer == "attention":
-            return block.input_layernorm(stream) * block.attn_alpha_factor + update * block.attn_beta_factor
-        return block.post_attention_layernorm(stream) * block.mlp_alpha_factor + update * block.mlp_beta_factor
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if sublayer == "attention":
+                return block.input_layernorm(stream) * block.attn_alpha_factor + update * block.attn_beta_factor
+            return block.post_attention_layernorm(stream) * block.mlp_alpha_factor + update * block.mlp_beta_factor
 
     kind_notes = {
         "*": {

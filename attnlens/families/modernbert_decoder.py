@@ -10,6 +10,7 @@ renamed `self_attn`; the common attention interface, output projection `Wo`), th
 """
 
 from ..family import Family, MLPArithmetic, Tiny
+from ..parts import identities
 from ..parts.sizes import Sizes
 
 
@@ -34,17 +35,18 @@ class ModernBertDecoder(Family):
     down_projection = "Wo"
     sizes = Sizes(num_kv_heads=("num_heads",))
 
-    def mlp_arithmetic(self, mlp):
-        def halves(x):
-            return mlp.Wi(x).chunk(2, dim=-1)
+    class Identities(identities.Identities):
+        def mlp_arithmetic(self, mlp):
+            def halves(x):
+                return mlp.Wi(x).chunk(2, dim=-1)
 
-        return MLPArithmetic(
-            lambda neurons: mlp.Wo(neurons),
-            lambda x: halves(x)[0],
-            lambda z: mlp.act(z),
-            lambda x, activation: mlp.drop(activation * halves(x)[1]),
-            says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))", "Wo(neurons)"),
-        )
+            return MLPArithmetic(
+                lambda neurons: mlp.Wo(neurons),
+                lambda x: halves(x)[0],
+                lambda z: mlp.act(z),
+                lambda x, activation: mlp.drop(activation * halves(x)[1]),
+                says=("first half of Wi(mlp input)", "drop(activation * second half of Wi(mlp input))", "Wo(neurons)"),
+            )
 
     kind_notes = {
         "*": {

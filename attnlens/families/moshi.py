@@ -10,6 +10,7 @@ what `fc2` receives.
 """
 
 from ..family import Family, MLPArithmetic, Tiny
+from ..parts import identities, scoring
 
 
 class Moshi(Family):
@@ -50,21 +51,23 @@ class Moshi(Family):
     activation = "activation_fn"
     down_projection = "fc2"
 
-    def mlp_arithmetic(self, mlp):
-        def halves(x):
-            projected = mlp.fc1(x)
-            return projected.view(*projected.shape[:2], 2, -1)
+    class Identities(identities.Identities):
+        def mlp_arithmetic(self, mlp):
+            def halves(x):
+                projected = mlp.fc1(x)
+                return projected.view(*projected.shape[:2], 2, -1)
 
-        return MLPArithmetic(
-            lambda neurons: mlp.fc2(neurons),
-            lambda x: halves(x)[..., 0, :],
-            lambda z: mlp.activation_fn(z),
-            lambda x, activation: activation * halves(x)[..., 1, :],
-            says=("first half of fc1(mlp input)", "activation * second half of fc1(mlp input)", "fc2(neurons)"),
-        )
+            return MLPArithmetic(
+                lambda neurons: mlp.fc2(neurons),
+                lambda x: halves(x)[..., 0, :],
+                lambda z: mlp.activation_fn(z),
+                lambda x, activation: activation * halves(x)[..., 1, :],
+                says=("first half of fc1(mlp input)", "activation * second half of fc1(mlp input)", "fc2(neurons)"),
+            )
 
-    def sliding_window(self, config, layer):
-        return None  # the mask is create_causal_mask's: full causal on a prefill
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None  # the mask is create_causal_mask's: full causal on a prefill
 
     kind_notes = {
         "*": {

@@ -19,6 +19,7 @@ import torch
 
 from ..family import Family, Joined, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts import identities, scoring
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
 
@@ -96,8 +97,16 @@ class MPT(Family):
             **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
         }
 
-    def sliding_window(self, config, layer):
-        return None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None
+
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            scores = torch.matmul(queries, keys.transpose(-1, -2)) * heads.scale
+            num_queries, num_keys = scores.shape[-2:]
+            scores = scores + self.family.alibi(queries.shape[1], num_keys, scores.device)
+            visible = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device) == 0
+            return scores.masked_fill(~visible, torch.finfo(queries.dtype).min)
 
     def alibi(self, num_heads, num_keys, device=None) -> torch.Tensor:
         """The bias added to each head's scores, [heads, 1, key]: slope * (key position - last key position). Float32
@@ -105,16 +114,10 @@ class MPT(Family):
         distance = torch.arange(1 - num_keys, 1, dtype=torch.int32, device=device)
         return distance[None, None, :] * alibi_slopes(num_heads, device=distance.device)[:, None, None]
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries, keys.transpose(-1, -2)) * heads.scale
-        num_queries, num_keys = scores.shape[-2:]
-        scores = scores + self.alibi(queries.shape[1], num_keys, scores.device)
-        visible = self.mask(num_queries, num_keys, None, layer, key_mask, scores.dtype, scores.device) == 0
-        return scores.masked_fill(~visible, torch.finfo(queries.dtype).min)
-
-    def mlp_forward(self, mlp, mlp_input):
-        # MptMLP adds the residual it is given; with a zero one its output is the down projection's.
-        return mlp(mlp_input, torch.zeros_like(mlp_input))
+    class Identities(identities.Identities):
+        def mlp_forward(self, mlp, mlp_input):
+            # MptMLP adds the residual it is given; with a zero one its output is the down projection's.
+            return mlp(mlp_input, torch.zeros_like(mlp_input))
 
     kind_notes = {
         "*": {

@@ -16,6 +16,7 @@ vLLM's code for a GPU run to check.
 """
 
 from ..family import Family, VLLMLayout
+from ..parts import identities
 from ..parts.mirrored import mirrored
 from ..parts.mixers import NO_SOFTMAX, MixerLayers
 from .olmo2 import Olmo2
@@ -85,11 +86,12 @@ class OlmoHybrid(MixerLayers, Olmo2):
         vllm = mirrored(self, {n: loc for n, loc in locations.items() if n not in dropped}, own_port=True)
         return {**vllm, "layer_input": batched(ModuleArgument("", 1))}  # (positions, hidden_states)
 
-    def residual_add(self, block, sublayer, stream, update):
-        if not hasattr(block, "post_feedforward_layernorm"):  # a linear-attention block: pre-norm
-            return stream + update
-        norm = block.post_attention_layernorm if sublayer == "attention" else block.post_feedforward_layernorm
-        return stream + norm(update)
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if not hasattr(block, "post_feedforward_layernorm"):  # a linear-attention block: pre-norm
+                return stream + update
+            norm = block.post_attention_layernorm if sublayer == "attention" else block.post_feedforward_layernorm
+            return stream + norm(update)
 
     kind_notes = {
         "vllm": {"layer_input": "declared from vLLM's code, {family.vllm.cpu_fault}"},

@@ -17,6 +17,7 @@ import torch
 
 from ..family import Family, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
+from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 
 ATTN = "self__attn_0"  # Attention._attn, called from Attention.forward
@@ -111,23 +112,25 @@ class OpenAIGPT(Family):
     def drilled_functions(self, attention_module):
         return {ATTN: type(attention_module)._attn}
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries, keys.transpose(-1, -2))
-        if heads.scale != 1.0:
-            scores = scores / heads.scale**-1  # the forward divides by sqrt(head_dim)
-        causal = self.mask(queries.shape[2], keys.shape[2], config, layer, None, scores.dtype, scores.device) == 0
-        scores = torch.where(causal, scores, torch.full((), -1e4, dtype=scores.dtype, device=scores.device))
-        if key_mask is not None:
-            scores = scores + (1.0 - key_mask[:, None, None, :].to(scores)) * torch.finfo(scores.dtype).min
-        return scores
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            scores = torch.matmul(queries, keys.transpose(-1, -2))
+            if heads.scale != 1.0:
+                scores = scores / heads.scale**-1  # the forward divides by sqrt(head_dim)
+            causal = self.mask(queries.shape[2], keys.shape[2], config, layer, None, scores.dtype, scores.device) == 0
+            scores = torch.where(causal, scores, torch.full((), -1e4, dtype=scores.dtype, device=scores.device))
+            if key_mask is not None:
+                scores = scores + (1.0 - key_mask[:, None, None, :].to(scores)) * torch.finfo(scores.dtype).min
+            return scores
 
-    def sliding_window(self, config, layer):
-        return None
+        def sliding_window(self, config, layer):
+            return None
 
-    def residual_add(self, block, sublayer, stream, update):
-        if sublayer == "attention":
-            return stream + update
-        return block.ln_2(block.ln_1(stream) + update)  # post-norm: the MLP adds to ln_1's output, then ln_2
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if sublayer == "attention":
+                return stream + update
+            return block.ln_2(block.ln_1(stream) + update)  # post-norm: the MLP adds to ln_1's output, then ln_2
 
     kind_notes = {
         "*": {

@@ -21,6 +21,7 @@ scales them itself, so on vLLM `attention_queries` are not pre-scaled and `attn.
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput
+from ..parts import identities
 from ..parts.mirrored import mirrored
 from ..parts.sizes import Sizes
 
@@ -119,11 +120,12 @@ class OPT(Family):
         )
         return locations
 
-    def mlp_module(self, block):
-        return block  # the block calls fc1, activation_fn and fc2 itself
+    class Identities(identities.Identities):
+        def mlp_module(self, block):
+            return block  # the block calls fc1, activation_fn and fc2 itself
 
-    def mlp_forward(self, block, mlp_input):
-        return block.fc2(block.activation_fn(block.fc1(mlp_input)))
+        def mlp_forward(self, block, mlp_input):
+            return block.fc2(block.activation_fn(block.fc1(mlp_input)))
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

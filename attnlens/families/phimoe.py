@@ -53,7 +53,7 @@ class PhiMoE(SparseMoE, Llama):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        window = self.sliding_window(config, layer)
+        window = self.score_function().sliding_window(config, layer)
         if engine == "vllm" and window is not None:
             notes["attention_probabilities"] = (
                 f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's PhiMoE "

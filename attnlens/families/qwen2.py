@@ -8,6 +8,7 @@ tiny checkpoint is 128 wide and slides on every layer.
 from dataclasses import replace
 
 from ..family import Tiny
+from ..parts import scoring
 from .llama import Llama
 
 
@@ -22,9 +23,10 @@ class Qwen2(Llama):
         tiny={"hidden_size": 128, "head_dim": 32, "max_window_layers": 0},  # layers from 0 on slide
     )
 
-    def sliding_window(self, config, layer):
-        # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is None:
-            return config.sliding_window if getattr(config, "use_sliding_window", False) else None
-        return config.sliding_window if layer_types[layer] == "sliding_attention" else None
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            # Qwen2 keeps `sliding_window` in its config even when `use_sliding_window` is off; `layer_types` decides.
+            layer_types = getattr(config, "layer_types", None)
+            if layer_types is None:
+                return config.sliding_window if getattr(config, "use_sliding_window", False) else None
+            return config.sliding_window if layer_types[layer] == "sliding_attention" else None

@@ -21,7 +21,7 @@ from .qwen2 import Qwen2
 
 
 def _qwen2moe_vllm_window(family, config, layer):
-    return None if family.mixed_windows(config) else family.sliding_window(config, layer)
+    return None if family.mixed_windows(config) else family.score_function().sliding_window(config, layer)
 
 
 class Qwen2Moe(SparseMoE, Qwen2):
@@ -69,7 +69,8 @@ class Qwen2Moe(SparseMoE, Qwen2):
             "attention_probabilities": lambda family, config, layer: (
                 f"full attention on vLLM, where transformers slides over the last {window} keys: vLLM's Qwen2-MoE "
                 f"passes no per-layer window and slides only when every layer does"
-                if (window := family.sliding_window(config, layer)) is not None and family.mixed_windows(config)
+                if (window := family.score_function().sliding_window(config, layer)) is not None
+                and family.mixed_windows(config)
                 else None
             ),
         }

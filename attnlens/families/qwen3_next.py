@@ -29,6 +29,7 @@ from ..family import Family, Tiny, VLLMLayout
 from ..locations import Location, ModuleInput, ModuleOutput, Operation, insert_after
 from ..locations.views import per_head, per_head_on_ranks
 from ..locations.vllm import GatedPattern, batched
+from ..parts import identities
 from ..parts.mixers import LinearLayers
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes, same_as
@@ -137,11 +138,14 @@ class Qwen3Next(LinearLayers, SparseMoE, Family):
             locations["attention_premix"] = premix if engine == "transformers" else batched(premix)
         return locations
 
-    def project_output(self, module, premix):
-        name = (
-            self.linear_output_projection if hasattr(module, self.linear_output_projection) else self.output_projection
-        )
-        return getattr(module, name)(premix)
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            name = (
+                self.family.linear_output_projection
+                if hasattr(module, self.family.linear_output_projection)
+                else self.family.output_projection
+            )
+            return getattr(module, name)(premix)
 
     # --- sizes: on a linear layer, the heads its premix merges ----------------------------------------------------
 

@@ -38,6 +38,7 @@ import torch
 
 from ..family import TINY_DEFAULTS, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput
+from ..parts import identities, scoring
 from ..parts.multimodal import LanguageModelOf
 from .deepseek_v32 import Indexed
 from .qwen3_next import Qwen3Next
@@ -131,34 +132,37 @@ class Qwen4ExpText(Indexed, Qwen3Next):
             f"these scores on the chosen keys, and everywhere while a query sees at most indexer_budget keys"
         )
 
-    def mask(
-        self,
-        num_queries,
-        num_keys,
-        config,
-        layer,
-        key_mask=None,
-        dtype=torch.float32,
-        device=None,
-        engine="transformers",
-    ):
-        """The causal mask; where transformers adds the indexer's mask to it (5.19), keys it masks hold -inf: the
-        indexer never chooses a key the causal mask hides, so the dtype's minimum is added twice."""
-        mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device, engine)
-        if self.indexed(config, layer) and sums_masks():
-            mask = mask.masked_fill(mask == torch.finfo(dtype).min, float("-inf"))
-        return mask
+    class ScoreFunction(scoring.ScoreFunction):
+        def mask(
+            self,
+            num_queries,
+            num_keys,
+            config,
+            layer,
+            key_mask=None,
+            dtype=torch.float32,
+            device=None,
+        ):
+            """The causal mask; where transformers adds the indexer's mask to it (5.19), keys it masks hold -inf: the
+            indexer never chooses a key the causal mask hides, so the dtype's minimum is added twice."""
+            mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
+            if self.family.indexed(config, layer) and sums_masks():
+                mask = mask.masked_fill(mask == torch.finfo(dtype).min, float("-inf"))
+            return mask
 
     # --- the hyper-connection streams ---------------------------------------------------------------------------
 
-    def residual_add(self, block, sublayer, stream, update):
-        """`stream` [batch, seq, hc_count, hidden] after `update` is injected into every stream by its weight."""
-        hyper = getattr(block, self.attention_streams if sublayer == "attention" else self.mlp_streams)
-        _, _, weights = hyper(stream.flatten(-2))
-        return stream + update.unsqueeze(-2) * weights.unsqueeze(-1)
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            """`stream` [batch, seq, hc_count, hidden] after `update` is injected into every stream by its weight."""
+            hyper = getattr(
+                block, self.family.attention_streams if sublayer == "attention" else self.family.mlp_streams
+            )
+            _, _, weights = hyper(stream.flatten(-2))
+            return stream + update.unsqueeze(-2) * weights.unsqueeze(-1)
 
-    def residual_read(self, owner, sublayer, stream):
-        return stream.flatten(-2) if sublayer == "final" else stream
+        def residual_read(self, owner, sublayer, stream):
+            return stream.flatten(-2) if sublayer == "final" else stream
 
     # --- what is special --------------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ logits_soft_cap`, as the caller receives them.
 """
 
 from ..family import Family, Tiny
+from ..parts import scoring
 from ..parts.mixers import MixerLayers
 from ..parts.sizes import Sizes
 
@@ -41,8 +42,9 @@ class RecurrentGemma(MixerLayers, Family):
         # transformers 5.24 names the kinds "linear_attention"/"sliding_attention", 5.19 "recurrent"/"attention"
         return config.layers_block_type[layer] not in ("attention", "sliding_attention")
 
-    def sliding_window(self, config, layer):
-        return None if self.is_mixer_layer(config, layer) else config.attention_window_size
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None if self.family.is_mixer_layer(config, layer) else config.attention_window_size
 
     kind_notes = {
         "*": {

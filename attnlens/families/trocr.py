@@ -12,6 +12,7 @@ the MLP; attnlens does not read it, and there the MLP's input is `encoder_attn_l
 import torch
 
 from ..family import Family, Tiny
+from ..parts import identities, scoring
 from .xglm import XGLM, folded
 
 
@@ -57,14 +58,18 @@ class TrOCR(XGLM):
             "attention_scores": folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores"),
         }
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries, keys.transpose(-1, -2))
-        return scores + self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device)
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            scores = torch.matmul(queries, keys.transpose(-1, -2))
+            return scores + self.mask(
+                queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device
+            )
 
-    def residual_add(self, block, sublayer, stream, update):
-        if sublayer == "attention":
-            return stream + update
-        return block.final_layer_norm(block.self_attn_layer_norm(stream) + update)  # post-norm
+    class Identities(identities.Identities):
+        def residual_add(self, block, sublayer, stream, update):
+            if sublayer == "attention":
+                return stream + update
+            return block.final_layer_norm(block.self_attn_layer_norm(stream) + update)  # post-norm
 
     kind_notes = {
         "*": {

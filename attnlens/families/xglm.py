@@ -16,6 +16,7 @@ import torch
 from ..family import Tiny
 from ..locations import Operation
 from ..locations.views import batch_folded
+from ..parts import scoring
 from .biogpt import BioGpt
 
 
@@ -57,15 +58,16 @@ class XGLM(BioGpt):
             "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)"),
         }
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        scores = torch.matmul(queries, keys.transpose(-1, -2))
-        scores = scores + self.mask(
-            queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device
-        )
-        return torch.clamp(scores, min=torch.finfo(scores.dtype).min)
+    class ScoreFunction(scoring.ScoreFunction):
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            scores = torch.matmul(queries, keys.transpose(-1, -2))
+            scores = scores + self.mask(
+                queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device
+            )
+            return torch.clamp(scores, min=torch.finfo(scores.dtype).min)
 
-    def sliding_window(self, config, layer):
-        return None
+        def sliding_window(self, config, layer):
+            return None
 
     kind_notes = {
         "*": {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..family import Family, Tiny
 from ..locations import ModuleOutput
+from ..parts import identities
 from ..parts.mixers import NO_SOFTMAX
 
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
@@ -93,19 +94,20 @@ class Zamba(Family):
         dropped = (*NO_SOFTMAX, *MLP_VALUES)
         return {name: mixer_layer.get(name, location) for name, location in locations.items() if name not in dropped}
 
-    def mlp_module(self, block):
-        shared = getattr(block, self.shared, None)
-        return None if shared is None else shared.feed_forward
+    class Identities(identities.Identities):
+        def mlp_module(self, block):
+            shared = getattr(block, self.family.shared, None)
+            return None if shared is None else shared.feed_forward
 
-    def residual_add(self, block, sublayer, stream, update):
-        """On a hybrid layer the attention adds nothing to the stream itself (its output feeds the shared block's MLP),
-        and the MLP's output reaches it through `linear` and the Mamba layer: the stream after the MLP is
-        `mamba_decoder(stream, transformer_hidden_states=linear(update))`, the hybrid layer's output."""
-        if getattr(block, self.shared, None) is None:
-            return stream + update
-        if sublayer == "attention":
-            return stream
-        return block.mamba_decoder(stream, transformer_hidden_states=block.linear(update))
+        def residual_add(self, block, sublayer, stream, update):
+            """On a hybrid layer the attention adds nothing to the stream itself (its output feeds the shared block's
+            MLP), and the MLP's output reaches it through `linear` and the Mamba layer: the stream after the MLP is
+            `mamba_decoder(stream, transformer_hidden_states=linear(update))`, the hybrid layer's output."""
+            if getattr(block, self.family.shared, None) is None:
+                return stream + update
+            if sublayer == "attention":
+                return stream
+            return block.mamba_decoder(stream, transformer_hidden_states=block.linear(update))
 
     kind_reasons = {
         "hybrid": {

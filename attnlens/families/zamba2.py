@@ -15,6 +15,7 @@ by every hybrid layer tied to it.
 from dataclasses import replace
 
 from ..family import MLPArithmetic, Tiny
+from ..parts import identities
 from .zamba import BoundMLP, Zamba
 
 
@@ -55,26 +56,29 @@ class Zamba2(Zamba):
         "a Mamba-2 layer: a selective state-space scan over a recurrent state, gated and RMS-normalised before out_proj"
     )
 
-    def mlp_module(self, block):
-        shared = getattr(block, self.shared, None)
-        return None if shared is None else BoundMLP(shared.feed_forward, block.mamba_decoder.layer_idx)
+    class Identities(identities.Identities):
+        def mlp_module(self, block):
+            shared = getattr(block, self.family.shared, None)
+            return None if shared is None else BoundMLP(shared.feed_forward, block.mamba_decoder.layer_idx)
 
-    def mlp_arithmetic(self, mlp):
-        # Zamba2MLP.forward: the layer's untied adapter is added to the fused projection before the halves split
-        def halves(x):
-            return (mlp.gate_up_proj(x) + mlp.gate_up_proj_adapter_list[mlp.layer_dic[mlp.layer_idx]](x)).chunk(2, -1)
+        def mlp_arithmetic(self, mlp):
+            # Zamba2MLP.forward: the layer's untied adapter is added to the fused projection before the halves split
+            def halves(x):
+                return (mlp.gate_up_proj(x) + mlp.gate_up_proj_adapter_list[mlp.layer_dic[mlp.layer_idx]](x)).chunk(
+                    2, -1
+                )
 
-        return MLPArithmetic(
-            mlp.down_proj,
-            lambda x: halves(x)[0],
-            mlp.act_fn,
-            lambda x, activation: activation * halves(x)[1],
-            says=(
-                "gate half of (gate_up_proj + adapter)(mlp input)",
-                "activation * up half of (gate_up_proj + adapter)(mlp input)",
-                "down projection(neurons)",
-            ),
-        )
+            return MLPArithmetic(
+                mlp.down_proj,
+                lambda x: halves(x)[0],
+                mlp.act_fn,
+                lambda x, activation: activation * halves(x)[1],
+                says=(
+                    "gate half of (gate_up_proj + adapter)(mlp input)",
+                    "activation * up half of (gate_up_proj + adapter)(mlp input)",
+                    "down projection(neurons)",
+                ),
+            )
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

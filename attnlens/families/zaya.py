@@ -15,7 +15,7 @@ MLP whose router carries a state from block to block.
 - The MLP (`ZayaSparseMoeBlock`) routes each token to `num_experts_per_tok` of `num_experts` experts or to a skip
   class that adds nothing. Its router adds the previous block's router state (`prev_router_hidden_states`, the
   block's second argument) to its own down projection, so `mlp_output` depends on that state as well as on
-  `mlp_input`: the identity suite passes it (`Family.block_arguments`). The block returns `(output, router state)`;
+  `mlp_input`: the identity suite passes it (`Identities.block_arguments`). The block returns `(output, router state)`;
   `layer_output` and `mlp_output` are the first items.
 - `embeddings` is the token embedding module's output; the first block's input is `((embeddings +
   input_hidden_states_bias) * input_hidden_states_scale)` in float32.
@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from ..family import Tiny
 from ..locations import ModuleOutput
+from ..parts import identities, scoring
 from ..parts.moe import SparseMoE, moe_absent
 from .llama import Llama
 
@@ -46,28 +47,34 @@ class Zaya(SparseMoE, Llama):
         },
     )
     absent = moe_absent("ZayaExperts", "; a token routed to the skip class gets nothing from it")
-    block_arguments = {"router_state": 1}
+
+    class Identities(identities.Identities):
+        block_arguments = {"router_state": 1}
+
+        def residual_add(self, block, sublayer, stream, update, **arguments):
+            return getattr(
+                block, self.family.attention_residual if sublayer == "attention" else self.family.mlp_residual
+            )(update, stream)
+
+        def residual_read(self, owner, sublayer, stream):
+            norm = (
+                owner.model.norm
+                if sublayer == "final"
+                else getattr(owner, self.family.attention_norm if sublayer == "attention" else self.family.mlp_norm)
+            )
+            return stream.to(dtype=norm.weight.dtype)
+
+        def mlp_forward(self, mlp, mlp_input, router_state=None, **arguments):
+            return mlp(mlp_input, router_state)[0]
+
     attention_residual, mlp_residual = "post_attention_residual_scale", "post_mlp_residual_scale"
 
     def locations(self):
         return {**super().locations(), "layer_mid": ModuleOutput(self.attention_residual)}
 
-    def sliding_window(self, config, layer):
-        return config.sliding_window if config.layer_types[layer] == "hybrid_sliding" else None
-
-    def residual_add(self, block, sublayer, stream, update, **arguments):
-        return getattr(block, self.attention_residual if sublayer == "attention" else self.mlp_residual)(update, stream)
-
-    def residual_read(self, owner, sublayer, stream):
-        norm = (
-            owner.model.norm
-            if sublayer == "final"
-            else getattr(owner, self.attention_norm if sublayer == "attention" else self.mlp_norm)
-        )
-        return stream.to(dtype=norm.weight.dtype)
-
-    def mlp_forward(self, mlp, mlp_input, router_state=None, **arguments):
-        return mlp(mlp_input, router_state)[0]
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return config.sliding_window if config.layer_types[layer] == "hybrid_sliding" else None
 
     kind_notes = {
         "*": {

@@ -191,8 +191,8 @@ class LatentPattern(Location):
         if not handed:
             keys, _ = LatentInput(self.kernel, 1).rebuild(envoy)
             heads = kernel_geometry(child(envoy, self.kernel)._module, None)
-            scores = worker.family.scores(heads, worker.config, queries, keys, layer)
-            handed.update(scores=scores, probabilities=worker.family.softmax(scores)[0])
+            scores = worker.score_function.scores(heads, worker.config, queries, keys, layer)
+            handed.update(scores=scores, probabilities=worker.score_function.softmax(scores)[0])
         return handed[self.kind]
 
 

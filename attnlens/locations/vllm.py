@@ -64,16 +64,14 @@ def kernel_geometry(kernel: torch.nn.Module, config: Any) -> HeadGeometry:
     if hasattr(kernel, "kv_lora_rank") and hasattr(kernel, "v_head_dim"):
         # an MLA kernel: keys and values are rebuilt for every query head (mla.py), values of v_head_dim
         heads = kernel.num_heads * ranks
-        return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale), "vllm")
+        return HeadGeometry(heads, heads, kernel.v_head_dim, kernel.qk_head_dim, float(kernel.impl.scale))
     impl = kernel.impl
     num_heads = kernel.num_heads * ranks
     num_kv_heads = kernel.num_kv_heads * ranks
     if ranks > 1:  # kv heads fewer than ranks are replicated (a config with per-layer counts refuses this read)
         num_kv_heads = min(num_kv_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = kernel.head_size
-    return HeadGeometry(
-        num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim), float(impl.scale), "vllm"
-    )
+    return HeadGeometry(num_heads, num_kv_heads, head_dim, getattr(kernel, "qk_head_dim", head_dim), float(impl.scale))
 
 
 @dataclass(frozen=True)
@@ -260,7 +258,9 @@ class RebuiltPattern(Location):
         worker = worker_of(envoy)
         handed = worker.pattern(envoy, self.kernel)  # at the kernel's handoff, as a read would be
         layer = worker.access.layer_of(envoy)
-        pattern = value if self.kind == "probabilities" else worker.family.softmax(value, worker.sinks.get(layer))[0]
+        pattern = (
+            value if self.kind == "probabilities" else worker.score_function.softmax(value, worker.sinks.get(layer))[0]
+        )
         handed["assigned"] = pattern
 
 

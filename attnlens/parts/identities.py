@@ -1,7 +1,8 @@
 """The identity oracle: how a family's blocks compute each value from the ones before it, with the model's own
-modules, on the side the identities recompute (`attnlens.checks`). `Family` inherits these defaults (the common
-layout's arithmetic); a family overrides the steps where its blocks compute otherwise (Granite's residual multiplier,
-Bloom's MLP that adds the residual itself).
+modules, on the side the identities recompute (`attnlens.checks`). `Identities` is the common layout's arithmetic; a
+family whose blocks compute a step otherwise (Granite's residual multiplier, Bloom's MLP that adds the residual
+itself) overrides it in a nested class of its own, `class Identities(identities.Identities)`, which `Family` composes
+with its bases' as it does the score function. `family.identities` is the oracle of one family.
 
 Nothing here is read while serving values: it is what the tests, `attnlens.checks` and the analyses that recompute a
 block (attribution, patching) take the model's arithmetic from.
@@ -18,7 +19,7 @@ import torch
 
 @dataclass(frozen=True)
 class MLPArithmetic:
-    """How an MLP forms its values from its input, step by step, with its own modules (`Family.mlp_arithmetic`):
+    """How an MLP forms its values from its input, step by step, with its own modules (`Identities.mlp_arithmetic`):
 
         mlp_activation = act(activation_input(mlp_input))
         mlp_neurons    = neurons(mlp_input, mlp_activation)   # what the down projection receives
@@ -36,11 +37,14 @@ class MLPArithmetic:
 
 
 class Identities:
-    """Mixin of `Family`: the block's arithmetic between its standardized values."""
+    """The block's arithmetic between the standardized values of `family`."""
+
+    def __init__(self, family):  # (a Family: the layer above this one)
+        self.family = family
 
     def project_output(self, module, premix: torch.Tensor) -> torch.Tensor:
         """The attention output from the premix, as the forward computes it (the tests' identity, rebuilds)."""
-        return getattr(module, self.output_projection)(premix)
+        return getattr(module, self.family.output_projection)(premix)
 
     def project_routed_output(self, module, premix: torch.Tensor, attention_input: torch.Tensor | None) -> torch.Tensor:
         """The attention output from the premix where the output path also depends on what the attention received
@@ -63,20 +67,20 @@ class Identities:
         runs (an MoE layer's MLP has none of them)."""
 
         def down(neurons):
-            return getattr(mlp, self.down_projection)(neurons)
+            return getattr(mlp, self.family.down_projection)(neurons)
 
         if hasattr(mlp, "up_proj") and hasattr(mlp, "gate_proj"):
             return MLPArithmetic(
                 down,
                 lambda x: mlp.gate_proj(x),
-                lambda z: getattr(mlp, self.activation)(z),
+                lambda z: getattr(mlp, self.family.activation)(z),
                 lambda x, activation: activation * mlp.up_proj(x),
             )
         if hasattr(mlp, "gate_up_proj"):  # fused: the first half is the gate (Phi-3's and GLM-4's chunk(2))
             return MLPArithmetic(
                 down,
                 lambda x: mlp.gate_up_proj(x).chunk(2, dim=-1)[0],
-                lambda z: getattr(mlp, self.activation)(z),
+                lambda z: getattr(mlp, self.family.activation)(z),
                 lambda x, activation: activation * mlp.gate_up_proj(x).chunk(2, dim=-1)[1],
             )
         return MLPArithmetic(
@@ -86,7 +90,7 @@ class Identities:
     def mlp_module(self, block) -> torch.nn.Module:
         """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
         MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
-        return getattr(block, self.mlp)
+        return getattr(block, self.family.mlp)
 
     def residual_add(
         self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor, **arguments
@@ -115,4 +119,4 @@ class Identities:
     def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
         """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
         (transformers') and the layer's values read in the same forward (`values`, by name): the identities' side."""
-        raise NotImplementedError(f"the {self.name} family declares a score bias but not how to compute it")
+        raise NotImplementedError(f"the {self.family.name} family declares a score bias but not how to compute it")

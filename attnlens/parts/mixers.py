@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from . import scoring
+
 #: What a layer without softmax attention lacks (less what its mixer still serves, `MixerLayers.mixer_serves`).
 NO_SOFTMAX = (
     "attention_queries",
@@ -76,8 +78,9 @@ class MixerLayers:
             locations = {name: location for name, location in locations.items() if name not in dropped}
         return locations
 
-    def sliding_window(self, config, layer):
-        return None if self.is_mixer_layer(config, layer) else super().sliding_window(config, layer)
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return None if self.family.is_mixer_layer(config, layer) else super().sliding_window(config, layer)
 
     def unavailable(self, config, layer, engine="transformers"):
         reasons = super().unavailable(config, layer, engine)

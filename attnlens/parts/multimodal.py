@@ -11,6 +11,8 @@ the text model does.
 
 from __future__ import annotations
 
+from . import scoring
+
 #: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
 VLLM_LANGUAGE_MODEL = {
     "layers": "language_model.model.layers",
@@ -40,17 +42,18 @@ class LanguageModelOf:
     def kind_locations(self, kind, config, engine):
         return super().kind_locations(kind, _text(config), engine)
 
-    def sliding_window(self, config, layer):
-        return super().sliding_window(_text(config), layer)
+    class ScoreFunction(scoring.ScoreFunction):
+        def sliding_window(self, config, layer):
+            return super().sliding_window(_text(config), layer)
 
-    def softcap(self, config, layer):
-        return super().softcap(_text(config), layer)
+        def softcap(self, config, layer):
+            return super().softcap(_text(config), layer)
 
-    def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
-        return super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
+        def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
+            return super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
 
-    def scores(self, heads, config, queries, keys, layer, key_mask=None):
-        return super().scores(heads, _text(config), queries, keys, layer, key_mask)
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            return super().scores(heads, _text(config), queries, keys, layer, key_mask)
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(_text(config), layer, engine)

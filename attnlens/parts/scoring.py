@@ -1,8 +1,12 @@
 """The score function: how a family turns queries and keys into the scores entering the softmax, and the pattern
-(scale, grouped heads, soft-cap, causal mask and sliding window, ALiBi, sinks, a score bias). `Family` inherits these
-defaults (the common layout's eager function); a family overrides the steps it computes otherwise. The same code serves
-the identities, patterns rebuilt on sdpa and on vLLM, head summaries and the docs; `HeadGeometry.engine` says whose
-kernel it stands for where the engines differ (a window one wider, ALiBi added once)."""
+(scale, grouped heads, soft-cap, causal mask and sliding window, ALiBi, sinks, a score bias), on one engine.
+
+`ScoreFunction` is the common layout's eager function. A family that computes a step otherwise says so in a nested
+class of its own, `class ScoreFunction(scoring.ScoreFunction)`, overriding that step; `Family` composes it with its
+bases' (a mixin's, a parent family's), so `super()` reaches the step the family would otherwise take.
+`family.score_function(engine)` is the part for one engine: where the engines' kernels differ (vLLM's window one
+wider, ALiBi added once), `self.engine` says which one it stands for. The same code serves the identities, patterns
+rebuilt on sdpa and on vLLM, head summaries and the docs."""
 
 from __future__ import annotations
 
@@ -14,7 +18,11 @@ from ..geometry import HeadGeometry
 
 
 class ScoreFunction:
-    """Mixin of `Family`: the score function and its parts."""
+    """The score function of `family` on `engine` ("transformers" or "vllm") and its steps."""
+
+    def __init__(self, family, engine: str = "transformers"):  # (a Family: the layer above this one)
+        self.family = family
+        self.engine = engine
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked
@@ -36,8 +44,8 @@ class ScoreFunction:
         """Why the score function on queries and keys alone does not give `layer`'s pattern (what rebuilt patterns
         and head summaries compute it from), or None: a sink logit, scores that depend on the values, a score bias."""
         if self.scores_need_values:
-            return f"the {self.name} family's scores depend on the values ({self.scores_need_values})"
-        if "attention_sinks" in self.locations_for(config, layer):
+            return f"the {self.family.name} family's scores depend on the values ({self.scores_need_values})"
+        if "attention_sinks" in self.family.locations_for(config, layer):
             return "the softmax also takes each head's sink logit"
         bias = self.score_bias(config, layer)
         if bias is not None:
@@ -53,10 +61,11 @@ class ScoreFunction:
             return window if layer_types[layer] == "sliding_attention" else None
         return window
 
-    def window(self, config, layer: int, engine: str = "transformers") -> int | None:
-        """The sliding window `engine` applies to `layer`."""
-        if engine == "vllm" and self.vllm.window is not None:
-            return self.vllm.window(self, config, layer)
+    def window(self, config, layer: int) -> int | None:
+        """The sliding window this engine applies to `layer`: transformers', or `VLLMLayout.window` where vLLM's
+        kernel differs."""
+        if self.engine == "vllm" and self.family.vllm.window is not None:
+            return self.family.vllm.window(self.family, config, layer)
         return self.sliding_window(config, layer)
 
     # --- the score function ----------------------------------------------------------------------------------
@@ -89,7 +98,7 @@ class ScoreFunction:
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap  # (not in place: tanh keeps its output for the backward)
         sizes = queries.shape[2], keys.shape[2]
-        mask = self.mask(*sizes, config, layer, key_mask, scores.dtype, scores.device, engine=heads.engine)
+        mask = self.mask(*sizes, config, layer, key_mask, scores.dtype, scores.device)
         return scores.add_(mask)
 
     def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
@@ -113,22 +122,14 @@ class ScoreFunction:
         return probabilities[..., :-1], probabilities[..., -1]
 
     def mask(
-        self,
-        num_queries,
-        num_keys,
-        config,
-        layer,
-        key_mask=None,
-        dtype=torch.float32,
-        device=None,
-        engine="transformers",
+        self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None
     ) -> torch.Tensor:
-        """The additive mask `engine` applies: 0 where a query sees a key, the dtype's minimum elsewhere.
+        """The additive mask this engine applies: 0 where a query sees a key, the dtype's minimum elsewhere.
         [batch or 1, 1, q, k]."""
         key_positions = torch.arange(num_keys, device=device)
         query_positions = key_positions[num_keys - num_queries :, None]
         visible = key_positions[None, :] <= query_positions
-        window = self.window(config, layer, engine)
+        window = self.window(config, layer)
         if window is not None:
             visible &= query_positions - key_positions[None, :] < window
         visible = visible[None, None]

@@ -61,7 +61,7 @@ class VLLMLayout:
     #: after rotary embedding and any QK-norm.
     kernel: str = "attn"
     #: The sliding window vLLM gives a layer's kernel, where it differs from transformers' (checked against the kernel
-    #: at load): a function of (family, config, layer); None: transformers' (`Family.sliding_window`).
+    #: at load): a function of (family, config, layer); None: transformers' (`ScoreFunction.sliding_window`).
     window: Callable[[Any, Any, int], int | None] | None = None
     #: Why a value the family has on transformers is missing from `locations`.
     unavailable: Mapping[str, str] = field(default_factory=lambda: dict(FUSED_ACTIVATION))

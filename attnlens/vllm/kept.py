@@ -177,7 +177,7 @@ class RequestCaches:
 
     def _window_start(self, layer: int, end: int) -> int:
         """The first position a step starting at `end` still attends to on `layer` (0 without a sliding window)."""
-        window = self.worker.family.window(self.worker.config, layer, "vllm")  # checked against the kernel's at load
+        window = self.worker.score_function.window(self.worker.config, layer)  # checked against the kernel's at load
         return 0 if window is None else max(end - window + 1, 0)
 
     def read(self, layer: int, which: int) -> torch.Tensor:
@@ -274,5 +274,5 @@ class RequestCaches:
         keys = worker.cached(state, layer, end)[0]  # this step's included: the kernel wrote them
         queries = gathered_heads(queries, heads.qk_head_dim, heads.num_heads)
         keys = gathered_heads(keys, heads.qk_head_dim, heads.num_kv_heads)
-        scores = worker.family.scores(heads, worker.config, queries, keys, layer)
-        return worker.family.softmax(self.hide_scores(state, layer, scores), worker.sinks.get(layer))[0]
+        scores = worker.score_function.scores(heads, worker.config, queries, keys, layer)
+        return worker.score_function.softmax(self.hide_scores(state, layer, scores), worker.sinks.get(layer))[0]

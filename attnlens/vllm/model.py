@@ -184,7 +184,6 @@ class StandardizedVLLM(Helpful, VLLM):
             head_dim,
             head_dim,
             head_dim**-0.5,
-            "vllm",
         )
 
     # --- what is served, and in what order ------------------------------------------------------------------

@@ -225,7 +225,7 @@ class StaticRecorder:
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        values, family, config = self.values, self.values.family, self.values.config
+        values, config = self.values, self.values.config
         heads = values.geometry[layer]
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
@@ -253,8 +253,8 @@ class StaticRecorder:
                     if short in shorts:
                         step[f"{short}.{layer}"] = tensor if position else tensor.clone()
                 if pattern:
-                    scores = family.scores(heads, config, queries, keys, layer)
-                    probabilities, sinks = family.softmax(scores, values.sinks.get(layer))
+                    scores = values.score_function.scores(heads, config, queries, keys, layer)
+                    probabilities, sinks = values.score_function.softmax(scores, values.sinks.get(layer))
                     built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
                     for short in pattern:
                         step[f"{short}.{layer}"] = built[short]

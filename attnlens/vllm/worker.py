@@ -92,6 +92,7 @@ class WorkerValues:
         config = runner.model_config.hf_config
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.family = family_of(self.config, runner.vllm_config.additional_config)
+        self.score_function = self.family.score_function("vllm")
         root = runner.nnsight_model
         layers = child(root, self.family.path("layers", "vllm"))
         self.kernels: dict[int, torch.nn.Module] = {}  # layer -> its attention kernel module
@@ -142,12 +143,18 @@ class WorkerValues:
         impl = kernel.impl
         facts = {
             "sliding window": (
-                self.family.window(self.config, layer, "vllm"),
+                self.score_function.window(self.config, layer),
                 _none_if(getattr(impl, "sliding_window", None), -1),
             ),  # MLA impls have none
-            "soft-cap": (self.family.softcap(self.config, layer), _none_if(getattr(impl, "logits_soft_cap", None), 0)),
+            "soft-cap": (
+                self.score_function.softcap(self.config, layer),
+                _none_if(getattr(impl, "logits_soft_cap", None), 0),
+            ),
         }
-        slopes, kernel_slopes = self.family.alibi_slopes(self.config, layer), getattr(impl, "alibi_slopes", None)
+        slopes, kernel_slopes = (
+            self.score_function.alibi_slopes(self.config, layer),
+            getattr(impl, "alibi_slopes", None),
+        )
         if slopes is not None:
             slopes = local_heads(slopes, slopes.shape[0], 0)  # this rank's heads
         if (slopes is None) != (kernel_slopes is None) or (
@@ -207,9 +214,11 @@ class WorkerValues:
             keys, _ = self.kernel_heads(envoy, kernel, 1)
             # outside inference mode, so the tensors count in-place edits (`_version`)
             with torch.inference_mode(False), torch.no_grad():
-                scores = self.family.scores(self.geometry[layer], self.config, queries.clone(), keys.clone(), layer)
+                scores = self.score_function.scores(
+                    self.geometry[layer], self.config, queries.clone(), keys.clone(), layer
+                )
                 scores = self.kv_cache.hide_scores(self.state(), layer, scores)
-                probabilities, sinks = self.family.softmax(scores, self.sinks.get(layer))
+                probabilities, sinks = self.score_function.softmax(scores, self.sinks.get(layer))
             handed.update(
                 scores=scores,
                 scores_version=scores._version,
@@ -271,7 +280,7 @@ class WorkerValues:
                 if probabilities is not None and probabilities._version != handed["probabilities_version"]:
                     pattern = probabilities
                 elif scores is not None and scores._version != handed["scores_version"]:
-                    pattern = self.family.softmax(scores, self.sinks.get(layer))[0]
+                    pattern = self.score_function.softmax(scores, self.sinks.get(layer))[0]
             removed = self.kv_cache.pattern(state, layer)  # None where the request removed no position here
             pattern = removed if pattern is None else pattern
             if pattern is None:

@@ -9,7 +9,7 @@ from attnlens.family import Family
 
 def test_bitnet_without_the_sub_norm_fails_the_product():
     model = tiny("bitnet")
-    bad = failures_with(model, {"mlp_arithmetic": lambda mlp: Family.mlp_arithmetic(model.family, mlp)}, 1)
+    bad = failures_with(model, {"mlp_arithmetic": lambda mlp: Family.Identities(model.family).mlp_arithmetic(mlp)}, 1)
     assert bad == ["activation * up(mlp input) == neurons"], bad
 
 

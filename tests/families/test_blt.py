@@ -8,7 +8,9 @@ from identities import close, saved_for
 def test_blt_serves_the_local_decoders_blocks_over_bytes():
     model, saved = tiny("blt"), saved_for("blt")
     assert model.num_layers == 3 and saved[(0, "attention_probabilities")].shape[-1] == len(PROMPT)
-    window = model.family.sliding_window(model.config, 2) or len(PROMPT)  # no window before transformers 5.24
+    window = model.family.score_function().sliding_window(model.config, 2) or len(
+        PROMPT
+    )  # no window before transformers 5.24
     assert window == getattr(model.config, "local_attention_window_len", None) or window == len(PROMPT)
     last = saved[(2, "attention_probabilities")][0, :, -1]
     assert (last[:, :-window] == 0).all() and (last[:, -window:] > 0).all()

@@ -56,7 +56,7 @@ def test_v4_premix_is_the_grouped_projection_input_after_the_inverse_rotation():
     heads, premix = got["attention_head_outputs"], got["attention_premix"]
     assert premix.shape == (1, len(PROMPT), 64)
     assert not torch.allclose(heads.reshape(1, len(PROMPT), -1), premix, atol=1e-3)  # the rotation matters
-    assert torch.allclose(family.merge_heads(module, heads), premix, atol=1e-5)
+    assert torch.allclose(family.identities.merge_heads(module, heads), premix, atol=1e-5)
     rope = model.config.qk_rope_head_dim  # only the trailing rotary channels of each head change
     assert torch.allclose(
         heads[..., :-rope].reshape(1, len(PROMPT), 4, -1), premix.view(1, len(PROMPT), 4, 16)[..., :-rope], atol=1e-6
@@ -71,12 +71,12 @@ def test_v4_premix_edits_land_in_place_and_by_assignment():
         attn.attention_premix[:, :, :16] = 0  # head 0, through the flattened view
         edited, out = attn.attention_premix.save(), attn.attention_output.save()
     assert torch.equal(edited[..., :16], torch.zeros(1, len(PROMPT), 16))
-    assert torch.allclose(out, family.project_output(module, edited), atol=1e-6)
+    assert torch.allclose(out, family.identities.project_output(module, edited), atol=1e-6)
     with torch.no_grad(), model.trace(PROMPT):
         attn = model.layers[0].self_attn
         attn.attention_premix = torch.ones(1, len(PROMPT), 64)
         out = attn.attention_output.save()
-    assert torch.allclose(out, family.project_output(module, torch.ones(1, len(PROMPT), 64)), atol=1e-6)
+    assert torch.allclose(out, family.identities.project_output(module, torch.ones(1, len(PROMPT), 64)), atol=1e-6)
 
 
 def test_v4_residual_is_hyper_connection_streams():
@@ -97,7 +97,7 @@ def test_v4_residual_is_hyper_connection_streams():
     assert not torch.allclose(got["mid"], got["in"] + got["a"][:, :, None], atol=1e-3)  # not a plain sum
     block = model.layers[0]._module
     with torch.no_grad():
-        mixed = model.family.residual_add(block, "attention", got["in"], got["a"])
+        mixed = model.family.identities.residual_add(block, "attention", got["in"], got["a"])
     assert torch.allclose(mixed, got["mid"], atol=1e-5)
     notes = model.support(0).notes
     assert all("hyper-connection streams" in notes[k] for k in ("layer_input", "layer_mid", "layer_output"))

@@ -22,10 +22,10 @@ def test_doge_dynamic_mask_from_the_values():
     )
     dynamic = attn.heads.dynamic_mask(v)
     assert dynamic.shape == (1, 2, N) and dynamic.std() > 1e-3  # it varies with the key
-    plain = model.family.scores(attn.heads, model.config, q, k, 1, values=torch.zeros_like(v))
+    plain = model.family.score_function().scores(attn.heads, model.config, q, k, 1, values=torch.zeros_like(v))
     assert not torch.allclose(plain, s, atol=1e-3)  # the values matter
     with pytest.raises(ValueError, match="needs the layer's values"):
-        model.family.scores(attn.heads, model.config, q, k, 1)
+        model.family.score_function().scores(attn.heads, model.config, q, k, 1)
     assert "values" in heads.why_not(model, 1)
     assert "dynamic mask" in model.support(1).notes["self_attn.attention_scores"]
 
@@ -48,7 +48,7 @@ def test_doge_keep_window_masks_the_smallest_dynamic_mask():
     )
     probs = got["attention_probabilities"][0]
     assert ((probs > 0).sum(-1) <= 5).all() and ((probs > 0).sum(-1)[:, -1] == 5).all()
-    rebuilt = model.family.scores(
+    rebuilt = model.family.score_function().scores(
         model.layers[0].self_attn.heads,
         model.config,
         got["attention_queries"],

@@ -38,7 +38,9 @@ def test_falcon_alibi_enters_twice_under_eager_once_under_sdpa():
     )
     module = attn._module
     # the family's (eager) score function
-    double = eager.family.scores(eager.family.geometry(module), eager.config, got["q"], got["k"], layer)
+    double = eager.family.score_function().scores(
+        eager.family.geometry(module), eager.config, got["q"], got["k"], layer
+    )
     once = double - eager.family.alibi(4, N) * module.inv_norm_factor
 
     def mix(scores):
@@ -68,7 +70,7 @@ def test_falcon_new_architecture_keys_are_a_deduplicated_copy():
         attn.attention_values = values * 0 + 0.5
         scores = attn.attention_scores.save()
         heads = attn.attention_head_outputs.save()
-    assert torch.equal(model.family.scores(attn.heads, model.config, q, keys * 2, layer), scores)
+    assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, keys * 2, layer), scores)
     assert close(heads, torch.full_like(heads, 0.5))
     # an in-place edit of the copy could not land: it is refused, naming the value and what to do
     with pytest.raises(attnlens.EditError, match=r"layers\[1\].self_attn.attention_keys was edited in place.*Assign"):

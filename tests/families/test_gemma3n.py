@@ -51,7 +51,7 @@ def test_gemma3n_correction_and_per_layer_inputs_need_the_block_arguments():
         block, arguments = model._module.model.layers[i], saved[(i, "block_arguments")]
         update = saved[(i, "mlp_output")]
         with torch.no_grad():
-            without = model.family.residual_add(
+            without = model.family.identities.residual_add(
                 block,
                 "mlp",
                 saved[(i, "layer_mid")],

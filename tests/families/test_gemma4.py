@@ -55,7 +55,8 @@ def test_gemma4_shared_layers_attend_with_earlier_keys_and_values():
 
 def test_gemma4_per_layer_inputs_and_the_layer_scalar():
     """With per-layer inputs (and the key/value sharing that needs them), every identity holds, the last residual add
-    with the per-layer-input branch recomputed from the block's own argument (Family.block_arguments); by hand too."""
+    with the per-layer-input branch recomputed from the block's own argument (Identities.block_arguments); by hand
+    too."""
     model = attnlens.models.tiny(
         "gemma4_text",
         hidden_size_per_layer_input=8,

@@ -10,7 +10,7 @@ from identities import N, saved_for
 def test_gpt_neo_scores_are_unscaled_and_future_keys_masked_twice():
     model = tiny("gpt_neo")
     saved = saved_for("gpt_neo")
-    assert [model.family.sliding_window(model.config, i) for i in range(3)] == [None, 4, None]
+    assert [model.family.score_function().sliding_window(model.config, i) for i in range(3)] == [None, 4, None]
     assert model.layers[0].self_attn.scale == 1.0
     back = torch.arange(N)[:, None] - torch.arange(N)[None, :]
     for layer in range(3):

@@ -17,10 +17,15 @@ def test_score_function_serves_decode_queries_against_a_sliding_window():
         },
     )
     module = model.layers[0].self_attn._module
-    last = model.family.scores(model.family.geometry(module), model.config, got["q"][:, :, -3:], got["k"], 0)
+    last = model.family.score_function().scores(
+        model.family.geometry(module), model.config, got["q"][:, :, -3:], got["k"], 0
+    )
     assert torch.equal(last == torch.finfo(last.dtype).min, got["s"][:, :, -3:] == torch.finfo(last.dtype).min)
     assert torch.allclose(last, got["s"][:, :, -3:], atol=1e-5)
-    assert model.family.sliding_window(model.config, 0) == 4 and model.family.sliding_window(model.config, 1) is None
+    assert (
+        model.family.score_function().sliding_window(model.config, 0) == 4
+        and model.family.score_function().sliding_window(model.config, 1) is None
+    )
 
 
 def test_gpt_oss_mlp_output_is_the_first_item_of_the_moe_output():

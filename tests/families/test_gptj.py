@@ -15,7 +15,7 @@ def test_gptj_scores_are_float32_in_a_bfloat16_model():
         q, k = attn.attention_queries.save(), attn.attention_keys.save()
         scores, probs = attn.attention_scores.save(), attn.attention_probabilities.save()
     assert q.dtype == torch.bfloat16 and scores.dtype == torch.float32 and probs.dtype == torch.bfloat16
-    assert torch.equal(model.family.scores(attn.heads, model.config, q, k, LAYER), scores)
+    assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, k, LAYER), scores)
     masked = ~visible(model.config, model.family, LAYER, q.shape[2])
     assert (scores[..., masked] < torch.finfo(torch.bfloat16).min / 2).all()
     assert "float32" in model.support(LAYER).notes["self_attn.attention_scores"]

@@ -2,7 +2,7 @@
 
 import torch
 from conftest import tiny
-from identities import close, failures, saved_for
+from identities import close, failures, replaced, saved_for
 
 
 def test_granite_scores_use_the_attention_multiplier():
@@ -37,13 +37,9 @@ def test_granite_residual_embedding_and_logit_multipliers():
 
 
 def test_granite_identities_need_the_residual_hook():
-    """The shared identities use `Family.residual_add`; without Granite's multiplier they must fail."""
+    """The shared identities use `Identities.residual_add`; without Granite's multiplier they must fail."""
     model = tiny("granite")
-    family = model.family
-    family.residual_add = lambda block, sublayer, stream, update: stream + update
-    try:
+    with replaced(model.family, residual_add=lambda block, sublayer, stream, update: stream + update):
         bad = failures(model, saved_for("granite"), 1)
-    finally:
-        del family.residual_add
     assert "layer input + attention output == layer mid" in bad and "layer mid + mlp output == layer output" in bad
     assert failures(model, saved_for("granite"), 1) == []

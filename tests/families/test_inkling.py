@@ -24,7 +24,7 @@ def test_inkling_scores_add_the_hidden_state_bias_within_its_extent(layer):
         },
     )
     assert attn.scale == pytest.approx(1 / attn.head_dim)
-    plain = model.family.scores(attn.heads, model.config, got["q"], got["k"], layer)
+    plain = model.family.score_function().scores(attn.heads, model.config, got["q"], got["k"], layer)
     bias = got["s"] - plain
     distance = torch.arange(N)[:, None] - torch.arange(N)[None, :]
     extent = model.config.sliding_window_size if layer == 0 else model.config.rel_extent

@@ -16,7 +16,9 @@ def test_jetmoe_heads_pair_with_tiled_keys():
     q, k, v = (saved[(1, name)] for name in ("attention_queries", "attention_keys", "attention_values"))
     assert k.shape == v.shape == (1, 2, N, 16) and q.shape == (1, 4, N, 16)
     scores = saved[(1, "attention_scores")]
-    assert torch.equal(model.family.repeat_kv(k, 2)[:, [0, 1, 0, 1]], model.family.repeat_kv(k, 2))
+    assert torch.equal(
+        model.family.score_function().repeat_kv(k, 2)[:, [0, 1, 0, 1]], model.family.score_function().repeat_kv(k, 2)
+    )
     interleaved = torch.matmul(q, k.repeat_interleave(2, dim=1).transpose(2, 3)) * attn.scale
     visible = scores > torch.finfo(scores.dtype).min
     assert not torch.allclose(interleaved[visible], scores[visible], atol=1e-3)  # transformers' usual pairing is wrong
@@ -61,7 +63,7 @@ def test_jetmoe_keys_are_a_copy_assigned_back_to_every_tile():
         attn.attention_values = attn.attention_values * 0 + 0.5
         scores = attn.attention_scores.save()
         heads = attn.attention_head_outputs.save()
-    assert torch.equal(model.family.scores(attn.heads, model.config, q, keys * 2, layer), scores)
+    assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, keys * 2, layer), scores)
     assert close(heads, torch.full_like(heads, 0.5))  # every slot's heads read the assigned values
     with pytest.raises(attnlens.EditError, match=r"attention_keys was edited in place.*tile"):
         with torch.no_grad(), model.trace(PROMPT):
@@ -79,12 +81,14 @@ def test_jetmoe_premix_feeds_the_output_experts():
     premix, heads = saved[(layer, "attention_premix")], saved[(layer, "attention_head_outputs")]
     assert premix.shape == (1, N, 64) and torch.equal(premix, heads.flatten(2))
     # the output experts are routed by the attention's input: the same premix with another input projects otherwise
-    out = model.family.project_routed_output(module, premix, saved[(layer, "attention_norm_output")])
+    out = model.family.identities.project_routed_output(module, premix, saved[(layer, "attention_norm_output")])
     assert torch.allclose(out, saved[(layer, "attention_output")], atol=1e-6)
-    other = model.family.project_routed_output(module, premix, saved[(layer, "attention_norm_output")].flip(1))
+    other = model.family.identities.project_routed_output(
+        module, premix, saved[(layer, "attention_norm_output")].flip(1)
+    )
     assert not torch.allclose(other, out, atol=1e-3)
     with pytest.raises(NotImplementedError, match="routed per token"):
-        model.family.project_output(module, premix)
+        model.family.identities.project_output(module, premix)
     # an edit of the merged premix reaches the experts: zero heads leave only the experts' bias
     original = module.experts.bias.detach().clone()
     with torch.no_grad():

@@ -52,7 +52,9 @@ def test_llama4_chunks_count_from_the_first_real_token():
     pad = N - len(prompts[1])
     key_mask = torch.ones(2, N)
     key_mask[1, :pad] = 0
-    rebuilt = model.family.scores(model.layers[0].self_attn.heads, model.config, got["q"], got["k"], 0, key_mask)
+    rebuilt = model.family.score_function().scores(
+        model.layers[0].self_attn.heads, model.config, got["q"], got["k"], 0, key_mask
+    )
     real = slice(pad, N)
     assert torch.allclose(rebuilt[1, :, real, real], got["s"][1, :, real, real], atol=1e-5)
     minimum = torch.finfo(got["s"].dtype).min

@@ -13,7 +13,7 @@ def test_longcat_serves_the_first_of_each_blocks_two_attentions():
     )
     with torch.no_grad():
         rotary = type(model._module.model.rotary_emb)(model.config)
-        mask = model.family.mask(N, N, model.config, 0)
+        mask = model.family.score_function().mask(N, N, model.config, 0)
         first = block.self_attn[0](got["x"], rotary(got["x"], torch.arange(N)[None]), mask)[0]
     assert torch.allclose(got["out"], first, atol=1e-5)
     assert "self_attn[1] is not served" in model.support(0).notes["self_attn.attention_queries"]

@@ -24,7 +24,7 @@ def test_minimax_m3_indexer_masks_the_blocks_it_does_not_choose():
     assert not sees[..., torch.ones(N, N, dtype=torch.bool).tril()].all()  # the choice binds
     probs, scores = got["attention_probabilities"], got["attention_scores"]
     assert torch.equal(probs > 0, sees)
-    rebuilt = model.family.scores(
+    rebuilt = model.family.score_function().scores(
         model.layers[1].self_attn.heads, config, got["attention_queries"], got["attention_keys"], 1
     )
     assert torch.allclose(rebuilt[sees], scores[sees], atol=1e-5)

@@ -90,7 +90,7 @@ def test_opt_mlp_values_under_generate():
     block = model.layers[LAYER]._module
     with torch.no_grad():
         for x, out in steps:
-            assert close(model.family.mlp_forward(block, x), out)
+            assert close(model.family.identities.mlp_forward(block, x), out)
 
 
 def test_opt_out_of_order_mlp_read_raises():

@@ -69,7 +69,7 @@ def test_qwen4_exp_the_indexer_masks_the_keys_it_does_not_choose():
     assert ((hidden == torch.finfo(torch.float32).min) | (hidden == -torch.inf)).all()
     assert (future == (-torch.inf if sums_masks() else torch.finfo(torch.float32).min)).all()
     attn = model.layers[1].self_attn
-    rebuilt = model.family.scores(attn.heads, model.config, got["q"], got["k"], 1)
+    rebuilt = model.family.score_function().scores(attn.heads, model.config, got["q"], got["k"], 1)
     assert torch.allclose(rebuilt[0][:, seen], got["s"][0][:, seen], atol=1e-5)
     assert "indexer_budget=4" in model.support(1).notes["self_attn.attention_probabilities"]
 
@@ -98,7 +98,7 @@ def test_qwen4_exp_ple_layers_add_their_branch_before_the_hyper_connection():
     assert torch.allclose(mid.unflatten(-1, (2, -1)), got["m"], atol=1e-5)
     # the family's identity (without the branch) does not hold there, and support() says why
     with torch.no_grad():
-        plain = model.family.residual_add(block, "attention", got["x"], got["a"])
+        plain = model.family.identities.residual_add(block, "attention", got["x"], got["a"])
     assert not torch.allclose(plain, got["m"], atol=1e-3)
     assert "PLE" in model.support(0).notes["layer_mid"] and "PLE" not in model.support(1).notes["layer_mid"]
 

@@ -2,7 +2,7 @@
 
 import torch
 from conftest import PROMPT, needs, tiny
-from identities import perturbed, trace
+from identities import perturbed, replaced, trace
 
 from attnlens.checks import failures, read_everything
 
@@ -14,12 +14,9 @@ def test_zaya_affine_residual_adds_and_the_router_state():
     model = perturbed("zaya", ZAYA_SCALES)
     saved = read_everything(model, PROMPT)
     assert [failures(model, saved, i) for i in range(3)] == [[], [], []]
-    family = model.family
-    family.residual_add = lambda block, sublayer, stream, update, **arguments: stream + update
-    try:  # a plain sum misses the learned scales
+    with replaced(model.family, residual_add=lambda block, sublayer, stream, update, **arguments: stream + update):
+        # a plain sum misses the learned scales
         assert all("layer input + attention output == layer mid" in failures(model, saved, i) for i in range(3))
-    finally:
-        del family.residual_add
     for i in (1, 2):  # the router adds the state the previous block hands on: without it, other experts win
         mlp = model._module.model.layers[i].mlp
         assert saved[(i, "block_arguments")]["router_state"] is not None
@@ -36,4 +33,7 @@ def test_zaya_sliding_layers():
     last = got[0][0, :, -1]
     assert (last[:, :-4] == 0).all() and (last[:, -4:] > 0).all()
     assert (got[1][0, :, -1] > 0).all()
-    assert model.family.sliding_window(model.config, 0) == 4 and model.family.sliding_window(model.config, 1) is None
+    assert (
+        model.family.score_function().sliding_window(model.config, 0) == 4
+        and model.family.score_function().sliding_window(model.config, 1) is None
+    )
