@@ -1,7 +1,7 @@
 """Youtu: DeepSeek-V2's multi-head latent attention (`attnlens.families.deepseek_v2.LatentAttention`) in a block with
 a dense MLP on every layer."""
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from .deepseek_v2 import LatentAttention
 
 #: The latent sizes every tiny MLA recipe shares (the survey's, DeepSeek-V2's).
@@ -17,4 +17,10 @@ LATENT_TINY = {
 
 class Youtu(LatentAttention):
     model_types = ("youtu",)
+    vllm = VLLMLayout(
+        refusal="not testable on CPU: vLLM 0.32 has no class for YoutuForCausalLM and runs it through its "
+        "Transformers backend, which serves its latent attention with vLLM's MLA kernel: on the tiny checkpoint "
+        '"Head dimension 8 is not supported by MLA", and on CPU latent attention computes otherwise than '
+        "transformers (DeepSeek-V2's case); the transformers engine serves the family",
+    )
     tiny = Tiny("YoutuConfig", "YoutuForCausalLM", LATENT_TINY)
