@@ -18,9 +18,10 @@ LATENT_TINY = {
 class Youtu(LatentAttention):
     model_types = ("youtu",)
     vllm = VLLMLayout(
-        refusal="not testable on CPU: vLLM 0.32 has no class for YoutuForCausalLM and runs it through its "
-        "Transformers backend, which serves its latent attention with vLLM's MLA kernel: on the tiny checkpoint "
-        '"Head dimension 8 is not supported by MLA", and on CPU latent attention computes otherwise than '
-        "transformers (DeepSeek-V2's case); the transformers engine serves the family",
+        refusal="vLLM 0.32 did not run Youtu on CPU (a GPU was not tried): it has no class for YoutuForCausalLM "
+        "and runs it through its Transformers backend, which serves its latent attention with vLLM's MLA kernel, "
+        'whose metadata rejects the head size it is handed: "Head dimension 8 is not supported by MLA" on the tiny '
+        'checkpoint, "Head dimension 64 ..." with kv_lora_rank 512 and qk_rope_head_dim 64 (what vLLM\'s own '
+        "DeepSeek-V2 runs on CPU); the transformers engine serves the family",
     )
     tiny = Tiny("YoutuConfig", "YoutuForCausalLM", LATENT_TINY)
