@@ -1,8 +1,8 @@
 """The older families on vLLM, where vLLM's arithmetic or module tree is not the common one: fused projections and
 LayerNorm blocks in vLLM's own ports (GPT-2, GPT-J, OPT, Bloom, Falcon), transformers' own modules in its
 Transformers backend (Phi, OLMo 1-3, Starcoder2, GPT-BigCode, GPT-NeoX), and the families vLLM does not run (MPT,
-GPT-Neo, DeepSeek-V4): what every family of each kind shares. A family's own tests are in
-tests_vllm/families/test_<family>.py."""
+GPT-Neo, DeepSeek-V4, XGLM, TrOCR, OpenAI GPT, GPT-NeoX-Japanese): what every family of each kind shares. A
+family's own tests are in tests_vllm/families/test_<family>.py."""
 
 import re
 
@@ -51,7 +51,7 @@ def test_own_ports_share_one_activation_module(name, tmp_path_factory):
     assert "down projection receives" in model.support(0).notes["mlp.mlp_activation"]
 
 
-REFUSED = ("gpt_neo", "mpt", "deepseek_v4")
+REFUSED = ("gpt_neo", "mpt", "deepseek_v4", "xglm", "trocr", "openai-gpt", "gpt_neox_japanese")
 
 
 @pytest.mark.parametrize("name", REFUSED)

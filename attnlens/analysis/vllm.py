@@ -51,6 +51,8 @@ def final_norm_form(model) -> NormForm | str:
 def with_weights(form: NormForm, module, hidden: int) -> NormForm:
     """`form` with the gain and bias of `module`, vLLM's norm in the worker (`hidden`: the width without a weight)."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if weight is not None and weight.numel() == 0:  # the Transformers backend's RMSNorm for a weightless norm
+        weight = None
     gain = gain_of(weight, form.enters, hidden, None if weight is None else weight.device)
     return replace(form, gain=gain, bias=None if bias is None else bias.detach().float())
 

@@ -5,12 +5,20 @@ Every block has `input_layernorm` in front of its mixer and `pre_ff_layernorm` i
 renamed `self_attn`, see `families/hybrid.py`).
 """
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.mixers import MixerLayers
+from ..parts.vllm import backend_refuses, no_dispatch
 
 
 class Bamba(MixerLayers, Family):
     model_types = ("bamba",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "Bamba",
+            no_dispatch("0 (linear_attention)"),
+            ("BambaForCausalLM", "0.23.0"),
+        )
+    )
     tiny = Tiny(
         "BambaConfig",
         "BambaForCausalLM",

@@ -12,14 +12,16 @@ the network (`2 * (layer + 1)` for attention, one more for the MLP) is `update /
 
 import math
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Operation, insert_after
 from ..parts import identities
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.vllm import not_in_transformers
 
 
 class Beam(SparseMoE, Family):
     model_types = ("beam",)
+    vllm = VLLMLayout(refusal=not_in_transformers("Beam", "BeamForCausalLM", "BeamConfig"))
     tiny = Tiny(
         "BeamConfig",
         "BeamForCausalLM",

@@ -6,15 +6,19 @@ is `final_layer_norm` (inside each block; the decoder's last norm is `biogpt.lay
 it calls `fc1`, `activation_fn` and `fc2` itself, so `layers[i].mlp` is `fc2` (the MLP's last step: its input is the
 activation's output, its output the MLP's). `embeddings` is the token embedding module's output, which already carries
 `sqrt(hidden_size)` where `scale_embedding` is set; the learned positions are added after it.
+
+vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
 from ..family import Family, Tiny
 from ..locations import ModuleInput, ModuleOutput
 from ..parts import identities
+from ..parts.mirrored import transformers_backend
 
 
 class BioGpt(Family):
     model_types = ("biogpt",)
+    vllm = transformers_backend(("biogpt",), tiny={"hidden_size": 128})  # Transformers backend; head size 32
     tiny = Tiny("BioGptConfig", "BioGptForCausalLM", {"num_key_value_heads": None, "scale_embedding": True})
     layers = "biogpt.layers"
     embed_tokens = "biogpt.embed_tokens"

@@ -13,11 +13,12 @@ the encoder's and the global transformer's blocks and the cross-attentions are n
 
 from __future__ import annotations
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleOutput
 from ..locations.views import snapshot
 from ..parts import scoring
 from ..parts.sizes import Sizes
+from ..parts.vllm import backend_refuses
 
 STREAM = (
     "the local decoder's blocks (bytes); layer 0's input is the local encoder's output plus the cross-attention "
@@ -28,6 +29,13 @@ STREAM = (
 
 class Blt(Family):
     model_types = ("blt",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "BLT",
+            "Layer 0 dispatches attention from more than one module (model.local_encoder.layers.0.self_attn and "
+            "model.local_encoder.cross_attn_layers.0), which one vLLM attention layer cannot serve.",
+        )
+    )
     tiny = Tiny(
         "BltConfig",
         "BltForCausalLM",

@@ -4,10 +4,13 @@ Each block (`EncoderLayer`) runs `layernorm1`, the attention (`multi_head_attent
 attention interface with `dense` as output projection), then `layernorm2` and a `Sequential` MLP (`ffn`: Linear,
 ReLU, Linear). `CTRLModel` multiplies the token embedding's output by `sqrt(n_embd)` *in place* and adds the
 sinusoidal positions, so `embeddings` is a snapshot of the embedding module's output taken before that.
+
+vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
 from ..family import Family, Tiny
 from ..locations import Derived, ModuleOutput
+from ..parts.mirrored import transformers_backend
 from ..parts.sizes import Sizes
 
 
@@ -21,6 +24,7 @@ def _replace(envoy, old, new):
 
 class CTRL(Family):
     model_types = ("ctrl",)
+    vllm = transformers_backend(("ctrl",), tiny={"n_embd": 128})  # Transformers backend; head size 32
     tiny = Tiny(
         "CTRLConfig",
         "CTRLLMHeadModel",

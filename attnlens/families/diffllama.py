@@ -16,10 +16,11 @@ P_{j + num_heads/2}` is never formed and is not served.
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, Operation
 from ..parts import identities
 from ..parts.sizes import Sizes
+from ..parts.vllm import backend_refuses, no_dispatch
 
 SECOND_CALL = (
     "the forward runs the attention function twice with the same queries, keys and pattern (once per half "
@@ -51,6 +52,12 @@ def _first_call_only(location, label, what):
 
 class DiffLlama(Family):
     model_types = ("diffllama",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "DiffLlama",
+            no_dispatch("0"),
+        )
+    )
     tiny = Tiny("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16})
     sizes = Sizes(head_dim=(lambda module, found: 2 * module.head_dim,), qk_head_dim=("head_dim",))
 

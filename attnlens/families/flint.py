@@ -10,14 +10,16 @@ positional encoding. Layers `(i + 1) % decoder_sparse_step == 0` outside `mlp_on
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts import scoring
 from ..parts.moe import SparseMoE, moe_absent
 from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.vllm import not_in_transformers
 
 
 class Flint(SparseMoE, Family):
     model_types = ("flint",)
+    vllm = VLLMLayout(refusal=not_in_transformers("Flint", "FlintForCausalLM", "FlintConfig"))
     tiny = Tiny(
         "FlintConfig",
         "FlintForCausalLM",

@@ -6,12 +6,19 @@ Persimmon. With image patches, their embeddings replace the image-placeholder to
 block: `embeddings` stays the token embedding module's output, and `layers[0].layer_input` holds the patches'.
 """
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from .persimmon import Persimmon
 
 
 class Fuyu(Persimmon):
     model_types = ("fuyu",)
+    vllm = VLLMLayout(
+        refusal='vLLM 0.32 runs Fuyu only as a multimodal model (its own FuyuForCausalLM "was supported in vLLM '
+        'until v0.25.0"; its Transformers backend takes it as TransformersMultiModalForCausalLM), which builds '
+        "Fuyu's processor: the tiny checkpoint has none (\"Can't load image processor\") and a processor with the "
+        "tiny tokenizer lacks Fuyu's special tokens (\"KeyError: '|SPEAKER|'\"), so it was not measured; the "
+        "transformers engine serves the family",
+    )
     tiny = Tiny(
         "FuyuConfig",
         "FuyuForCausalLM",

@@ -15,11 +15,12 @@ serves GIT on token ids alone (support() says so).
 
 from __future__ import annotations
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.views import snapshot
 from ..parts import identities
 from ..parts.sizes import Sizes
+from ..parts.vllm import backend_refuses
 
 POST_NORM = "GIT normalises after each residual add, not before a sublayer: {what}"
 TEXT_ONLY = (
@@ -48,6 +49,14 @@ class _GitMLP:
 
 class Git(Family):
     model_types = ("git",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "GIT",
+            "KeyError: 'vllm'",
+            why="GitAttention picks its self-attention class from GIT_SELF_ATTENTION_CLASSES by the attention "
+            "implementation, and vLLM's is not one of them",
+        )
+    )
     tiny = Tiny(
         "GitConfig",
         "GitForCausalLM",

@@ -18,11 +18,12 @@ adds it in `bias_dropout_add` before the residual add. `attention_output` is the
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.fused import FusedQKV
 from ..parts.sizes import Sizes
+from ..parts.vllm import own_attention
 
 ATTN = "self__attn_0"  # GPTNeoXJapaneseAttention._attn, called from its forward
 
@@ -37,6 +38,9 @@ def _heads_first(envoy, old, new):
 
 class GPTNeoXJapanese(Family):
     model_types = ("gpt_neox_japanese",)
+    vllm = VLLMLayout(
+        refusal=own_attention("GPT-NeoX-Japanese", "GPTNeoXJapaneseForCausalLM", "GPTNeoXJapaneseAttention")
+    )
     tiny = Tiny(
         "GPTNeoXJapaneseConfig",
         "GPTNeoXJapaneseForCausalLM",

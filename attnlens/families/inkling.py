@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes
@@ -57,6 +57,11 @@ def log_scale(config, num_queries: int, device=None) -> torch.Tensor | None:
 
 class Inkling(SparseMoE, Family):
     model_types = ("inkling_text",)
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32's InklingForCausalLM (vllm/models/inkling) needs Inkling's own tokenizer: with another "
+        "it stops with \"Inkling tokenizer is missing special tokens: ['<|message_user|>', ...]\", so attnlens has "
+        "not checked its locations there; the transformers engine serves the family",
+    )
     tiny = Tiny(
         "InklingTextConfig",
         "InklingForCausalLM",

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from ..family import INTERFACE_CALL, Family, Tiny
+from ..family import INTERFACE_CALL, Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleArgument, ModuleInput, Operation
 from ..locations.views import per_head
 from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sinks import SINK_NOTE, with_sinks
 from ..parts.sizes import Sizes
+from ..parts.vllm import not_in_transformers
 
 MOE_REASON = (
     "a sparse mixture of experts on every layer: each routed expert applies its soft-capped SwiGLU only to "
@@ -69,6 +70,7 @@ def _sliding(config, layer: int) -> bool:
 
 class Inkling2(SparseMoE, Family):
     model_types = ("inkling2_text",)
+    vllm = VLLMLayout(refusal=not_in_transformers("Inkling 2", "Inkling2ForCausalLM", "Inkling2TextConfig"))
     tiny = Tiny(
         "Inkling2TextConfig",
         "Inkling2ForCausalLM",
@@ -244,6 +246,9 @@ class Inkling2Loop(Inkling2):
     and are served exactly as Inkling 2's (the first block after the loop reads the last pass's output)."""
 
     model_types = ("inkling2_loop_text",)
+    vllm = VLLMLayout(
+        refusal=not_in_transformers("Inkling 2 Loop", "Inkling2LoopForCausalLM", "Inkling2LoopTextConfig")
+    )
     tiny = Tiny(
         "Inkling2LoopTextConfig",
         "Inkling2LoopForCausalLM",

@@ -21,10 +21,11 @@ head_dim]` (a view). `attention_output` is `reduce`'s result: the gate-weighted 
 projections plus the bias (`project_routed_output` reroutes the attention's input to check it).
 """
 
-from ..family import INTERFACE_CALL, Family, Tiny
+from ..family import INTERFACE_CALL, Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
+from ..parts.vllm import computes_otherwise
 
 REDUCE = "self_experts_reduce_0"  # JetMoeMoA.reduce, the output experts, called from JetMoeAttention.forward
 
@@ -60,6 +61,13 @@ UNTILED = (
 
 class JetMoe(SparseMoE, Family):
     model_types = ("jetmoe",)
+    vllm = VLLMLayout(
+        refusal=computes_otherwise(
+            "JetMoe",
+            "on the tiny checkpoint (TransformersMoEForCausalLM, head size 32) its first greedy token already "
+            "differs from transformers', log-probabilities 0.78 apart",
+        )
+    )
     tiny = Tiny(
         "JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}
     )

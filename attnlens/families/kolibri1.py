@@ -3,12 +3,14 @@
 mixture of experts as every MLP, so no activation or neuron tensor exists.
 """
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.vllm import not_in_transformers
 
 
 class Kolibri1(SparseMoE, Family):
     model_types = ("kolibri1",)
+    vllm = VLLMLayout(refusal=not_in_transformers("Kolibri1", "Kolibri1ForCausalLM", "Kolibri1Config"))
     tiny = Tiny(
         "Kolibri1Config",
         "Kolibri1ForCausalLM",

@@ -10,14 +10,22 @@ attention with a per-head exponential decay, computed block by block over a recu
 pattern (see `families/hybrid.py`); the others run the common softmax attention.
 """
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts import identities
 from ..parts.mixers import MixerLayers
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.vllm import backend_refuses, no_dispatch
 
 
 class MiniMax(MixerLayers, SparseMoE, Family):
     model_types = ("minimax",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "MiniMax",
+            no_dispatch("1 (linear_attention)"),
+            ("MiniMaxForCausalLM", "0.23.0"),
+        )
+    )
     tiny = Tiny(
         "MiniMaxConfig",
         "MiniMaxForCausalLM",

@@ -9,13 +9,18 @@ renamed `self_attn`; the common attention interface, output projection `Wo`), th
 `decoder(lm_head(final_norm_output))`, `lm_head` being a dense layer, activation and norm.
 """
 
-from ..family import Family, MLPArithmetic, Tiny
+from ..family import Family, MLPArithmetic, Tiny, VLLMLayout
 from ..parts import identities
 from ..parts.sizes import Sizes
 
 
 class ModernBertDecoder(Family):
     model_types = ("modernbert-decoder",)
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 has no class for ModernBertDecoderForCausalLM, and its Transformers backend cannot load "
+        "the checkpoint: \"There is no module or parameter named 'decoder' in TransformersForCausalLM\" (the LM head "
+        "is named decoder); the transformers engine serves the family",
+    )
     tiny = Tiny(
         "ModernBertDecoderConfig",
         "ModernBertDecoderForCausalLM",

@@ -9,12 +9,20 @@ halves of `fc1(x)` (viewed as `[batch, seq, 2, ffn_dim // 2]`): `mlp_activation`
 what `fc2` receives.
 """
 
-from ..family import Family, MLPArithmetic, Tiny
+from ..family import Family, MLPArithmetic, Tiny, VLLMLayout
 from ..parts import identities, scoring
+from ..parts.vllm import computes_otherwise
 
 
 class Moshi(Family):
     model_types = ("moshi",)
+    vllm = VLLMLayout(
+        refusal=computes_otherwise(
+            "Moshi",
+            "on the tiny checkpoint (TransformersForCausalLM, head size 32) its first greedy token already differs "
+            "from transformers', log-probabilities 5.18 apart",
+        )
+    )
     tiny = Tiny(
         "MoshiConfig",
         "MoshiForCausalLM",

@@ -4,14 +4,27 @@ after the last, QK RMSNorm after the rotary embedding, and a non-gated MLP (`fc2
 Because `model.norm` runs twice per forward, its output is ambiguous; `final_norm_output` is read where the LM head
 receives it (the second run: the same tensor, sliced to the positions whose logits are kept). `embeddings` is the
 token embedding's output; `layers[0].layer_input` is its normalised form.
+
+vLLM runs it through its Transformers backend (transformers' own modules, vLLM's kernel as the attention function).
 """
 
+from dataclasses import replace
+
 from ..family import Family, Tiny
-from ..locations import ModuleInput
+from ..locations import ModuleInput, ModuleOutput
+from ..parts.mirrored import transformers_backend
+
+_BACKEND = transformers_backend(("nanochat",))  # its MLP is not gated: nothing fused
+
+
+def _vllm_locations(family):
+    # vLLM computes the logits from the base model's output (model.norm's second run): its lm_head never runs
+    return {**_BACKEND.locations(family), "final_norm_output": ModuleOutput("model", 0)}
 
 
 class NanoChat(Family):
     model_types = ("nanochat",)
+    vllm = replace(_BACKEND, locations=_vllm_locations)  # vLLM's Transformers backend (tests_vllm)
     tiny = Tiny("NanoChatConfig", "NanoChatForCausalLM", {})
     activation = "activation_fn"
     down_projection = "fc2"

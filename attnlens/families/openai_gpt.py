@@ -15,10 +15,11 @@ view of the split (in-place edits land), and the head outputs a transposed view 
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
+from ..parts.vllm import own_attention
 
 ATTN = "self__attn_0"  # Attention._attn, called from Attention.forward
 
@@ -41,6 +42,7 @@ def _heads_first(envoy, old, new):
 
 class OpenAIGPT(Family):
     model_types = ("openai-gpt",)
+    vllm = VLLMLayout(refusal=own_attention("OpenAI GPT", "OpenAIGPTLMHeadModel", "its Attention._attn"))
     tiny = Tiny(
         "OpenAIGPTConfig",
         "OpenAIGPTLMHeadModel",

@@ -9,11 +9,14 @@ them, after both. Every head has its own key and value (no grouping).
 
 from ..family import Family, Tiny
 from ..parts.fused import FusedQKV
+from ..parts.mirrored import transformers_backend
 from ..parts.sizes import Sizes, same_as
 
 
 class Persimmon(Family):
     model_types = ("persimmon",)
+    # vLLM dropped its own Persimmon after 0.25; its Transformers backend runs it (tests_vllm), head size 32
+    vllm = transformers_backend(("persimmon",), tiny={"hidden_size": 128})
     tiny = Tiny(
         "PersimmonConfig",
         "PersimmonForCausalLM",

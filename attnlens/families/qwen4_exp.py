@@ -92,6 +92,16 @@ def _flat(envoy, old, new):
     return new.flatten(-2)
 
 
+#: Measured on both tiny checkpoints (Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration); vLLM's classes are in
+#: its vllm/models/qwen4_exp module.
+QWEN4_EXP_REFUSAL = (
+    "vLLM 0.32's Qwen4ExpForCausalLM reads config.output_gate_type, which transformers' Qwen4ExpTextConfig "
+    'leaves None (the gate then takes hidden_act): vLLM stops with "AssertionError: unsupported '
+    'output_gate_type=None"; attnlens has not checked its locations there; the transformers engine serves the '
+    "family"
+)
+
+
 class Qwen4ExpText(Indexed, Qwen3Next):
     model_types = ("qwen4_exp_text",)
     tiny = Tiny("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", TINY)
@@ -100,7 +110,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
     attention_norm = "attn_hyper_connection"
     mlp_norm = "mlp_hyper_connection"
     attention_streams, mlp_streams = "attn_hyper_connection", "mlp_hyper_connection"
-    vllm = replace(Qwen3Next.vllm, model_types=(), tiny={})
+    vllm = replace(Qwen3Next.vllm, model_types=(), tiny={}, refusal=QWEN4_EXP_REFUSAL)
     absent = {**Qwen3Next.absent, "mlp_norm_output": NORM_REASON}
 
     def locations(self):
@@ -218,6 +228,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
 
 class Qwen4Exp(LanguageModelOf, Qwen4ExpText):
     model_types = ("qwen4_exp",)
+    vllm = replace(Qwen4ExpText.vllm, refusal=QWEN4_EXP_REFUSAL)
     final_norm = "model.language_model.hyper_connection_mixer"
     tiny = Tiny(
         "Qwen4ExpConfig",

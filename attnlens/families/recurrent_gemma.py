@@ -10,14 +10,21 @@ branch, with no queries, keys or pattern (see `families/hybrid.py`). The first b
 logits_soft_cap`, as the caller receives them.
 """
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts import scoring
 from ..parts.mixers import MixerLayers
 from ..parts.sizes import Sizes
+from ..parts.vllm import backend_refuses, no_dispatch
 
 
 class RecurrentGemma(MixerLayers, Family):
     model_types = ("recurrent_gemma",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "RecurrentGemma",
+            no_dispatch("0"),
+        )
+    )
     tiny = Tiny(
         "RecurrentGemmaConfig",
         "RecurrentGemmaForCausalLM",

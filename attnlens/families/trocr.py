@@ -11,13 +11,15 @@ the MLP; attnlens does not read it, and there the MLP's input is `encoder_attn_l
 
 import torch
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..parts import identities, scoring
+from ..parts.vllm import own_attention
 from .xglm import XGLM, folded
 
 
 class TrOCR(XGLM):
     model_types = ("trocr",)
+    vllm = VLLMLayout(refusal=own_attention("TrOCR", "TrOCRForCausalLM", "TrOCRAttention"))
     tiny = Tiny(
         "TrOCRConfig",
         "TrOCRForCausalLM",

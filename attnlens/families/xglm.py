@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from ..locations import Operation
 from ..locations.views import batch_folded
 from ..parts import scoring
+from ..parts.vllm import own_attention
 from .biogpt import BioGpt
 
 
@@ -27,6 +28,7 @@ def folded(name, anchor, label):
 
 class XGLM(BioGpt):
     model_types = ("xglm",)
+    vllm = VLLMLayout(refusal=own_attention("XGLM", "XGLMForCausalLM", "XGLMAttention"))
     tiny = Tiny(
         "XGLMConfig",
         "XGLMForCausalLM",

@@ -20,10 +20,11 @@ serves on a mixer layer: the mixer's output as `attention_output`, its norm's ou
 
 from __future__ import annotations
 
-from ..family import Family, Tiny
+from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleOutput
 from ..parts import identities
 from ..parts.mixers import NO_SOFTMAX
+from ..parts.vllm import backend_refuses, no_dispatch
 
 MLP_VALUES = ("mlp_norm_output", "mlp_input", "mlp_activation", "mlp_neurons", "mlp_output")
 #: What a Mamba layer lacks, as `kind_reasons` open it.
@@ -48,6 +49,12 @@ class BoundMLP:
 
 class Zamba(Family):
     model_types = ("zamba",)
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "Zamba",
+            no_dispatch("0 (linear_attention)"),
+        )
+    )
     tiny = Tiny(
         "ZambaConfig",
         "ZambaForCausalLM",

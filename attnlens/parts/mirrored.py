@@ -85,6 +85,14 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
             if isinstance(location, ModuleOutput) and location.item is None:
                 location = ModuleOutput(location.module, 0)  # a tensor is read whole; a tuple's first item
             out[name] = batched(location) if own_port else location
+        elif (
+            not own_port and isinstance(location, Derived) and isinstance(location.source, (ModuleInput, ModuleOutput))
+        ):
+            # the backend runs transformers' own modules: a view of one of their tensors is the same view there
+            source = location.source
+            if isinstance(source, ModuleOutput) and source.item is None:
+                source = ModuleOutput(source.module, 0)
+            out[name] = replace(location, source=source)
         else:
             raise ValueError(
                 f"family {family.name}, value {name}: no vLLM location mirrors {location!r}; state it "
@@ -105,6 +113,10 @@ def transformers_backend(model_types: tuple[str, ...], fused_activation: bool = 
                 continue
             if BY_NAME[name].scope == "model" and isinstance(location, (ModuleInput, ModuleOutput)):
                 location = replace(location, module=_in_vllm_model(family, location.module))
+            elif BY_NAME[name].scope == "model" and isinstance(location, Derived):
+                source = location.source
+                if isinstance(source, (ModuleInput, ModuleOutput)):
+                    location = replace(location, source=replace(source, module=_in_vllm_model(family, source.module)))
             eager[name] = location
         return mirrored(family, eager, own_port=False)
 

