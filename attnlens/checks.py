@@ -50,10 +50,11 @@ def visible(config, family, layer, length, device=None):
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     allowed = k <= q
-    window = family.score_function().sliding_window(config, layer)
+    score_function = family.score_function()
+    window = score_function.sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
-    return allowed & (family.score_function().mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
+    return allowed & (score_function.mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
 
 
 #: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision

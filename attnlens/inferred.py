@@ -672,18 +672,14 @@ class Inferred(SparseMoE, Family):
                 )
         parent = model.get_submodule(self.layers.rpartition(".")[0])
         _, tree = _forward_tree(type(parent).forward)
-        windows = [
-            layer
-            for layer in self.attention_layers
-            if self.score_function().sliding_window(self.text_config, layer) is not None
-        ]
+        window = self.score_function().sliding_window
+        windows = [layer for layer in self.attention_layers if window(self.text_config, layer) is not None]
         if windows and not any(isinstance(node, ast.Name) and node.id == MASK_FUNCTIONS[1] for node in ast.walk(tree)):
             _refuse(
                 "mask",
                 f"the config gives layers {windows} a sliding window of "
-                f"{self.score_function().sliding_window(self.text_config, windows[0])}, but "
-                f"{type(parent).__name__}.forward "
-                f"builds no {MASK_FUNCTIONS[1]}",
+                f"{window(self.text_config, windows[0])}, but {type(parent).__name__}.forward builds no "
+                f"{MASK_FUNCTIONS[1]}",
             )
 
     def _check_attention(self, model, layer: int, block) -> None:

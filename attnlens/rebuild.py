@@ -46,13 +46,14 @@ def why_not(access, layer: int, reasons: dict[str, str]) -> str | None:
         return "the queries and keys are unavailable on this layer"
     if not all(name in family.locations_for(config, layer) for name in REBUILT):
         return f"the {family.name} family has no softmax pattern on this layer"
-    if family.score_function().softcap(config, layer) is not None:
+    score_function = family.score_function()
+    if score_function.softcap(config, layer) is not None:
         return (
             f"{config._attn_implementation} never applies the {family.name} family's score soft-cap, so this "
             f"model's pattern is not the one the family's score function gives; load with "
             f"attn_implementation='eager'"
         )
-    beyond = family.score_function().beyond_queries_and_keys(config, layer)
+    beyond = score_function.beyond_queries_and_keys(config, layer)
     if beyond is not None:
         return (
             f"{beyond}, which the rebuild from the queries and keys leaves out; load with attn_implementation='eager'"
@@ -168,11 +169,12 @@ def pattern_rows(
     if probabilities:
         out["probabilities"] = queries.new_empty(shape)
     pick = None if heads == list(range(num_heads)) else torch.tensor(heads, device=queries.device)
+    score_function = family.score_function()
     for at, first, length in _runs(rows):
         for start in range(first, first + length, chunk_rows):
             stop = min(start + chunk_rows, first + length)
             width = offset + stop  # the keys these rows can see
-            chunk = family.score_function().scores(
+            chunk = score_function.scores(
                 geometry,
                 config,
                 queries[:, :, start:stop],

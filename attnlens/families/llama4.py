@@ -135,16 +135,7 @@ class Llama4(SparseMoE, Family):
         return config.attention_chunk_size if config.layer_types[layer] == "chunked_attention" else None
 
     class ScoreFunction(scoring.ScoreFunction):
-        def mask(
-            self,
-            num_queries,
-            num_keys,
-            config,
-            layer,
-            key_mask=None,
-            dtype=torch.float32,
-            device=None,
-        ):
+        def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
             mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
             size = self.family.chunk(config, layer)
             if size is None:

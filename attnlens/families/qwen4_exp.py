@@ -143,16 +143,7 @@ class Qwen4ExpText(Indexed, Qwen3Next):
         )
 
     class ScoreFunction(scoring.ScoreFunction):
-        def mask(
-            self,
-            num_queries,
-            num_keys,
-            config,
-            layer,
-            key_mask=None,
-            dtype=torch.float32,
-            device=None,
-        ):
+        def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
             """The causal mask; where transformers adds the indexer's mask to it (5.19), keys it masks hold -inf: the
             indexer never chooses a key the causal mask hides, so the dtype's minimum is added twice."""
             mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
