@@ -39,8 +39,10 @@ METRICS = {
 #: Measured on the text (prompts, or the repeated sequences without prompts); the others on the repeated sequences.
 ON_TEXT = ("entropy", "sink")
 TARGETED = tuple(name for name in METRICS if name not in ON_TEXT)
-#: Elements of one chunk of probabilities (all heads, a few rows, the keys they see): 64 MiB in float32.
-CHUNK_ELEMENTS = 2**24
+#: Elements of one chunk of scores (a batch, all heads, a few rows, the keys they see): 2 MiB in float32. Small chunks
+#: stay in the CPU's cache through the passes over them, and a long prompt's later rows are scored against only the
+#: keys they see, so its masked half is mostly never computed.
+CHUNK_ELEMENTS = 2**19
 
 #: (queries [batch, heads, rows, dim], keys [batch, kv_heads, keys, dim]) -> masked scores [batch, heads, rows, keys],
 #: the rows being the last `rows` positions of the keys.
@@ -60,17 +62,19 @@ def summarize(
     top_k: int = 0,
     chunk_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-head sums over every row of the pattern `softmax(scores(queries, keys))`, computed a chunk of rows at a time.
+    """Per batch element and head, sums over every row of the pattern `softmax(scores(queries, keys))`, computed a
+    chunk of rows at a time.
 
-    `queries` [batch, heads, query, dim] are the last `query` positions of `keys` [batch, kv_heads, key, dim]. Each
-    chunk of `chunk_rows` rows (default: as many as fit `CHUNK_ELEMENTS`) is scored against only the keys it can see,
-    softmaxed in float32 and reduced; nothing larger than a chunk is formed. Returns, each a float32 tensor on the
-    queries' device:
+    `queries` [batch, heads, query, dim] are the last `query` positions of `keys` [batch, kv_heads, key, dim]; the
+    batch may be several prompts of one length, or one prompt's layers that share a score function. Each chunk of
+    `chunk_rows` rows (default: as many as fit `CHUNK_ELEMENTS` against every key) is scored against only the keys it
+    can see, softmaxed in float32 and reduced; nothing larger than a chunk is formed. Returns, each a float32 tensor
+    on the queries' device:
 
-    - `rows`: the number of rows summed (batch x query); `entropy` and `sink` [heads]: sums of each row's entropy
-      and of its weight on key 0;
-    - for each `targets[name]` ([query] key indexes, -1 where a row does not count): `name` [heads], the sum of each
-      counted row's weight on its target, and `name_rows`, the number of rows counted;
+    - `rows` [batch]: the rows summed; `entropy` and `sink` [batch, heads]: sums of each row's entropy and of its
+      weight on key 0;
+    - for each `targets[name]` ([query] key indexes, -1 where a row does not count): `name` [batch, heads], the sum
+      of each counted row's weight on its target, and `name_rows` [batch], the rows counted;
     - with `top_rows` and `top_k`: `top_weights` and `top_keys` [batch, heads, len(top_rows), top_k], the `top_k`
       largest weights of those rows and their key indexes (weight 0 and key -1 past the keys a row sees).
     """
@@ -82,19 +86,21 @@ def summarize(
             f"summarize: {num_queries} queries but only {num_keys} keys; the queries are the last positions of the keys"
         )
     device = queries.device
-    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys))
+    if chunk_rows is None:  # as many as fit, in chunks of equal size
+        chunks = -(-num_queries // max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys)))
+        chunk_rows = -(-num_queries // chunks)
     targets = {name: torch.as_tensor(t, device=device).long() for name, t in (targets or {}).items()}
     positions = torch.arange(num_queries, device=device) + offset
-    out = {"rows": torch.tensor(float(batch * num_queries), device=device)}
+    out = {"rows": torch.full((batch,), float(num_queries), device=device)}
     for name in ("entropy", "sink", *targets):
-        out[name] = torch.zeros(num_heads, device=device)
+        out[name] = torch.zeros(batch, num_heads, device=device)
     for name, target in targets.items():
         if target.shape != (num_queries,) or bool((target > positions).any()):
             raise ValueError(
                 f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
                 f"position (or -1); got shape {tuple(target.shape)}"
             )
-        out[f"{name}_rows"] = (target >= 0).sum().float() * batch
+        out[f"{name}_rows"] = (target >= 0).sum().float().expand(batch).clone()
     top_rows = [row % num_queries for row in top_rows]
     if top_rows and top_k:
         out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
@@ -102,13 +108,14 @@ def summarize(
     for start in range(0, num_queries, chunk_rows):
         stop = min(start + chunk_rows, num_queries)
         width = offset + stop  # the keys these rows can see
-        probs = scores(queries[:, :, start:stop], keys[:, :, :width]).softmax(-1, dtype=torch.float32)
-        out["entropy"] += torch.special.entr(probs).sum(-1).sum((0, 2))
-        out["sink"] += probs[..., 0].sum((0, 2))
+        chunk = scores(queries[:, :, start:stop], keys[:, :, :width]).float()
+        probs = chunk.softmax(-1)
+        out["entropy"] += _entropy(chunk, probs).sum(-1)
+        out["sink"] += probs[..., 0].sum(-1)
         for name, target in targets.items():
             target = target[start:stop]
             index = target.clamp(min=0)[None, None, :, None].expand(batch, num_heads, -1, 1)
-            out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum((0, 2))
+            out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum(-1)
         for j, row in enumerate(top_rows):
             if start <= row < stop and top_k:
                 seen = offset + row + 1  # the keys this row sees
@@ -116,6 +123,16 @@ def summarize(
                 out["top_weights"][:, :, j, : found.shape[-1]] = weights
                 out["top_keys"][:, :, j, : found.shape[-1]] = found
     return out
+
+
+def _entropy(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy, `-sum p log p = logsumexp(s) - sum p s`, with `logsumexp(s) = max s - log max p` (no
+    logarithm per entry, one pass fewer than `entr`). Masked scores are the dtype's minimum, where `p s` is -0; a
+    score function masking with -inf (0 * -inf) falls back to `entr`."""
+    found = scores.amax(-1) - probs.amax(-1).log() - torch.linalg.vecdot(probs, scores)
+    if bool(found.isnan().any()):
+        return torch.special.entr(probs).sum(-1)
+    return found
 
 
 def score_function(attn) -> ScoreFunction:
@@ -126,6 +143,23 @@ def score_function(attn) -> ScoreFunction:
     layer = access.layer_of(attn)
     family, heads, config = access.family, access.geometry(layer), access.config
     return lambda queries, keys: family.score_function(access.engine).scores(heads, config, queries, keys, layer, None)
+
+
+def score_groups(family, engine: str, config, geometry, layers: Sequence[int]) -> list[list[int]]:
+    """`layers` in runs of consecutive ones that score alike (`ScoreFunction.layer_key`, and equal heads): a run's
+    queries and keys can be stacked on the batch axis and scored in one call of its first layer's score function."""
+    function = family.score_function(engine)
+    groups: list[list[int]] = []
+    last = None
+    for layer in layers:
+        key = function.layer_key(config, layer)
+        key = None if key is None else (key, geometry(layer))
+        if key is None or key != last or not groups:
+            groups.append([layer])
+        else:
+            groups[-1].append(layer)
+        last = key
+    return groups
 
 
 def why_not(model, layer: int) -> str | None:
@@ -352,7 +386,7 @@ def _collect(model, layers, pads, options, results) -> None:
             queries = read["attention_queries"][i : i + 1, :, pad:]
             keys = read["attention_keys"][i : i + 1, :, pad:]
             sums = summarize(scores, queries, keys, **options[i])
-            results[i][layer] = {name: value.detach().cpu() for name, value in sums.items()}
+            results[i][layer] = {name: value[0].detach().cpu() for name, value in sums.items()}  # its one prompt
 
 
 def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, description) -> list[dict]:
@@ -489,10 +523,10 @@ def _top_entries(model, texts, sums, rows) -> list[dict]:
             keys = [
                 [
                     [int(k), tokens[int(k)], round(float(w), 6)]
-                    for k, w in zip(found["top_keys"][0, h, j].tolist(), found["top_weights"][0, h, j].tolist())
+                    for k, w in zip(found["top_keys"][h, j].tolist(), found["top_weights"][h, j].tolist())
                     if k >= 0 and w > 0
                 ]
-                for h in range(found["top_keys"].shape[1])
+                for h in range(found["top_keys"].shape[0])
             ]
             entries.append({"prompt": p, "row": row % len(ids), "keys": keys})
     return entries

@@ -123,7 +123,7 @@ def test_summarize_on_a_decode_step():
     queries, keys = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 9, 16)
     out = heads.summarize(score, queries, keys, targets={"previous": torch.tensor([6, 7])}, top_rows=[0], top_k=9)
     probs = score(queries, keys).softmax(-1)
-    assert torch.allclose(out["previous"], probs[0, :, [0, 1], [6, 7]].sum(-1), atol=1e-6)
+    assert torch.allclose(out["previous"][0], probs[0, :, [0, 1], [6, 7]].sum(-1), atol=1e-6)
     assert (out["top_keys"][0, :, 0, :4].sort(-1).values == torch.arange(4, 8)).all()  # the window of row 0
     assert (out["top_weights"][0, :, 0, 4:] == 0).all()
 

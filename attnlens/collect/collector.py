@@ -152,6 +152,7 @@ class Collector:
             for layer in self.layers
         ]
         self.columns = {**KEY_COLUMNS, **{c: t for f in self.features for c, t in f.columns.items()}}
+        self.keys = self._keys()
         self.limit = context_limit(model)
         self._installed = False
         self.states = {f.name: f.prepare(model, self.layers) for f in self.features if f.prepare is not None}
@@ -270,26 +271,30 @@ class Collector:
         return [entry[1] for entry in sorted(found, key=lambda entry: entry[0])]
 
     def _rows(self, rows: dict, record: Record, tokens: int, found: dict) -> None:
-        family = self.model.family
+        keys = self.keys
+        count = len(keys["head"])
+        rows["prompt"].extend([record.index] * count)
+        rows["key"].extend([record.key] * count)
+        rows["tokens"].extend([tokens] * count)
+        for name, values in keys.items():
+            rows[name].extend(values)
+        for column in found[self.layers[0]]:
+            into = rows[column]
+            for layer in self.layers:
+                into.extend(_plain(found[layer][column]))
+
+    def _keys(self) -> dict[str, list[int]]:
+        """The `layer`, `head` and `kv_head` columns of one prompt's rows: every planned layer's heads in order."""
+        keys: dict[str, list[int]] = {"layer": [], "head": [], "kv_head": []}
         for layer in self.layers:
-            columns = found[layer]
             geometry = self.model.access.geometry(layer)
-            group = geometry.num_heads // geometry.num_kv_heads
-            kv = (
-                family.score_function()
-                .repeat_kv(torch.arange(geometry.num_kv_heads).view(1, -1, 1, 1), group)
-                .flatten()
-                .tolist()
+            paired = self.model.family.score_function().repeat_kv(
+                torch.arange(geometry.num_kv_heads).view(1, -1, 1, 1), geometry.num_heads // geometry.num_kv_heads
             )
-            for head in range(geometry.num_heads):
-                rows["prompt"].append(record.index)
-                rows["key"].append(record.key)
-                rows["tokens"].append(tokens)
-                rows["layer"].append(layer)
-                rows["head"].append(head)
-                rows["kv_head"].append(kv[head])
-            for column, values in columns.items():
-                rows[column].extend(_plain(values))
+            keys["layer"] += [layer] * geometry.num_heads
+            keys["head"] += list(range(geometry.num_heads))
+            keys["kv_head"] += paired.flatten().tolist()
+        return keys
 
 
 @contextlib.contextmanager
@@ -347,7 +352,8 @@ def compute(model, plan, features, options, wants, prompts, pads, found, first, 
                         f"collect needs whole prefills (turn chunked prefill off or raise "
                         f"max_num_batched_tokens)"
                     )
-            results[i][layer] = registry.features_of(attn, layer, lengths[i], values, features, options, wants, states)
+            found_here = registry.features_of([attn], [layer], lengths[i], values, features, options, wants, states)
+            results[i][layer] = found_here[layer]
     finishing = [feature for feature in features if feature.finish is not None]
     if finishing:
         last = model.layers[model.num_layers - 1]

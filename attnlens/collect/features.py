@@ -42,6 +42,10 @@ class Feature:
     finish: Callable | None = None
     #: `reason(model, layer)`: why the feature is not served on `layer` beyond its reads (None: it is)
     reason: Callable | None = None
+    #: `compute` takes several layers at once (`Context.layers`): its values and `summary()` have the layers on their
+    #: first axis where one layer's have a batch axis of one, and its columns have them first too. A feature that is
+    #: not grouped sees one layer at a time (`Context.one`), as documented above.
+    grouped: bool = False
 
 
 #: Feature name -> Feature, in the order columns are laid out.
@@ -99,18 +103,30 @@ FINALS = ("layer_output", "final_norm_output", "logits")
 
 @dataclass
 class Context:
-    """One prompt on one layer, as a feature sees it: the values it reads (batch axis 1, unpadded), the attention
-    envoy (for the family's score function), the layer's heads and the run's options. `summary()` is
-    `heads.summarize`'s sums, computed once for every feature that needs them."""
+    """One prompt on one layer, as a feature sees it, or on a group of layers that score alike (`layers`; a grouped
+    feature's): the values it reads (unpadded; batch axis 1, or the group's layers first), the attention envoys (for
+    the family's score function), and the run's options. `summary()` is `heads.summarize`'s sums, computed once for
+    every feature that needs them, for the whole group at once."""
 
-    attn: object
-    layer: int
+    attns: list
+    layers: list[int]
     tokens: int
     values: dict[str, torch.Tensor]
     options: dict
     wants: dict = field(default_factory=dict)  # what summary() computes: previous-token targets, top rows
     state: object = None  # the feature's own, from its `prepare`
     _summary: dict | None = None
+
+    @property
+    def attn(self):
+        """The attention envoy of the (first) layer: its score function is the group's."""
+        return self.attns[0]
+
+    @property
+    def layer(self) -> int:
+        if len(self.layers) != 1:
+            raise AttributeError(f"this context holds layers {self.layers}: a grouped feature reads `layers`")
+        return self.layers[0]
 
     @property
     def access(self):
@@ -139,24 +155,44 @@ class Context:
             )
         return self._summary
 
+    def one(self, i: int) -> Context:
+        """The group's `i`th layer alone (batch axis one), sharing the group's summary."""
+        if len(self.layers) == 1:
+            return self
+        summary = None if self._summary is None else {name: v[i : i + 1] for name, v in self._summary.items()}
+        values = {name: value[i : i + 1] for name, value in self.values.items()}
+        return Context(
+            [self.attns[i]], [self.layers[i]], self.tokens, values, self.options, self.wants, self.state, summary
+        )
+
     def per_query_head(self, per_kv_head: torch.Tensor) -> torch.Tensor:
-        """[kv_heads, ...] -> [heads, ...]: each query head gets its key/value head's value, grouped as the family
-        groups them (`ScoreFunction.repeat_kv`)."""
-        geometry = self.access.geometry(self.layer)
-        group = geometry.num_heads // geometry.num_kv_heads
-        shaped = per_kv_head.reshape(1, per_kv_head.shape[0], 1, -1)
-        return self.access.family.score_function().repeat_kv(shaped, group)[0, :, 0].reshape(-1, *per_kv_head.shape[1:])
+        """[layers, kv_heads] -> [layers, heads]: each query head gets its key/value head's value, grouped as the
+        family groups them (`ScoreFunction.repeat_kv`), as many query heads as the layer has."""
+        queries = self.values.get("attention_queries")  # this rank's heads, where a rank reduces its own
+        num_heads = self.access.geometry(self.layers[0]).num_heads if queries is None else queries.shape[1]
+        group = num_heads // per_kv_head.shape[1]
+        return self.access.family.score_function().repeat_kv(per_kv_head[..., None, None], group)[..., 0, 0]
 
 
-def features_of(attn, layer: int, tokens: int, values: dict, features, options: dict, wants: dict, states=None) -> dict:
-    """One prompt's {column: per-head values} on `layer`, from its values (batch axis 1, whole prompt), detached on
-    the CPU: in a trace, or in vLLM's worker at the attention op (inworker.py)."""
-    context = Context(attn, layer, tokens, values, options, wants)
-    columns: dict = {}
+def features_of(
+    attns: list, layers: list[int], tokens: int, values: dict, features, options: dict, wants: dict, states=None
+) -> dict:
+    """One prompt's {layer: {column: per-head values}} on `layers`, a group that scores alike (`heads.score_groups`),
+    from its values (the group's layers first, whole prompt), detached on the CPU: in a trace, or in vLLM's worker at
+    the attention op (inworker.py). Grouped features compute every layer at once; the others one layer at a time."""
+    context = Context(attns, layers, tokens, values, options, wants)
+    columns: dict[int, dict] = {layer: {} for layer in layers}
     for feature in features:
         context.state = (states or {}).get(feature.name)
-        computed = feature.compute(context)
-        columns.update({name: _detached(value) for name, value in computed.items()})
+        if feature.grouped:
+            for name, value in feature.compute(context).items():
+                for layer, one in zip(layers, _detached(value).unbind(0)):
+                    columns[layer][name] = one
+            continue
+        for i, layer in enumerate(layers):
+            alone = context.one(i)
+            alone.state = context.state
+            columns[layer].update({name: _detached(value) for name, value in feature.compute(alone).items()})
     return columns
 
 
@@ -167,20 +203,20 @@ def _detached(value):
 
 
 def _mean(sums: dict, name: str, rows: str) -> torch.Tensor:
-    return sums[name] / sums[rows]  # 0 / 0 = nan where no row counts (previous on a one-token prompt)
+    return sums[name] / sums[rows][:, None]  # 0 / 0 = nan where no row counts (previous on a one-token prompt)
 
 
 def _top(context: Context) -> dict[str, torch.Tensor]:
     sums = context.summary()
     rows = torch.tensor(context.rows(), dtype=torch.int32)
-    num_heads = sums["entropy"].shape[0]
+    layers, num_heads = sums["entropy"].shape
     if "top_keys" not in sums:  # no row in range
-        empty = torch.zeros(num_heads, 0, context.options["top_k"])
-        return {"top_rows": rows.expand(num_heads, -1), "top_keys": empty.int(), "top_weights": empty}
+        empty = torch.zeros(layers, num_heads, 0, context.options["top_k"])
+        return {"top_rows": rows.expand(layers, num_heads, -1), "top_keys": empty.int(), "top_weights": empty}
     return {
-        "top_rows": rows.expand(num_heads, -1),
-        "top_keys": sums["top_keys"][0].int(),
-        "top_weights": sums["top_weights"][0],
+        "top_rows": rows.expand(layers, num_heads, -1),
+        "top_keys": sums["top_keys"].int(),
+        "top_weights": sums["top_weights"],
     }
 
 
@@ -202,8 +238,8 @@ def _pattern(context: Context) -> dict[str, torch.Tensor]:
 
 def _norm(name: str, head_axis: int, kv: bool) -> Callable[[Context], dict[str, torch.Tensor]]:
     def compute(context: Context) -> dict[str, torch.Tensor]:
-        tensor = context.values[name][0].float()  # without the batch axis
-        norms = tensor.norm(dim=-1).mean(dim=1 - head_axis)  # the mean over positions of each head's norm
+        tensor = context.values[name].float()  # [layers, ...]
+        norms = tensor.norm(dim=-1).mean(dim=2 - head_axis)  # the mean over positions of each head's norm
         column = FEATURE_OF[name]
         return {column: context.per_query_head(norms) if kv else norms}
 
@@ -219,6 +255,7 @@ register(
         {"entropy": "float32"},
         lambda c: {"entropy": _mean(c.summary(), "entropy", "rows")},
         scored=True,
+        grouped=True,
     )
 )
 register(
@@ -229,6 +266,7 @@ register(
         {"sink": "float32"},
         lambda c: {"sink": _mean(c.summary(), "sink", "rows")},
         scored=True,
+        grouped=True,
     )
 )
 register(
@@ -239,6 +277,7 @@ register(
         {"previous": "float32"},
         lambda c: {"previous": _mean(c.summary(), "previous", "previous_rows")},
         scored=True,
+        grouped=True,
     )
 )
 register(
@@ -249,6 +288,7 @@ register(
         {"top_rows": "list<int32>", "top_keys": "list<list<int32>>", "top_weights": "list<list<float32>>"},
         _top,
         scored=True,
+        grouped=True,
     )
 )
 register(
@@ -279,5 +319,6 @@ for _value, (_column, _axis, _kv) in NORMS.items():
             (_value,),
             {_column: "float32"},
             _norm(_value, _axis, _kv),
+            grouped=True,
         )
     )

@@ -68,6 +68,18 @@ class ScoreFunction:
             return self.family.vllm.window(self.family, config, layer)
         return self.sliding_window(config, layer)
 
+    def layer_key(self, config, layer: int) -> tuple | None:
+        """What `layer`'s scores depend on besides its queries, keys and heads: layers with equal keys (and heads)
+        score alike, so one call can score them together (`heads.score_groups`). None where the family scores,
+        masks or groups heads in a way of its own, which may read the layer any way: such a layer stands alone."""
+        if any(self._own(name) for name in ("scores", "mask", "repeat_kv")):
+            return None
+        return self.window(config, layer), self.softcap(config, layer)
+
+    def _own(self, step: str) -> bool:
+        """Whether the family computes `step` in a way of its own (overrides the common layout's)."""
+        return getattr(type(self), step) is not getattr(ScoreFunction, step)
+
     # --- the score function ----------------------------------------------------------------------------------
 
     #: Why the score function also needs the layer's values (`scores(..., values=)`), or None where the queries and
@@ -91,15 +103,25 @@ class ScoreFunction:
         `key_mask` [batch, key] is 1 for real tokens, 0 for padding. Masked entries hold the dtype's minimum. Every
         tensor made here is made on the queries' device.
         """
-        keys = self.repeat_kv(keys, queries.shape[1] // keys.shape[1])
         # in place on tensors made here (the same numbers; a third less time on a long prompt's pattern)
-        scores = torch.matmul(queries, keys.transpose(2, 3)).mul_(heads.scale)
+        scores = self.products(queries, keys).mul_(heads.scale)
         cap = self.softcap(config, layer)
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap  # (not in place: tanh keeps its output for the backward)
         sizes = queries.shape[2], keys.shape[2]
         mask = self.mask(*sizes, config, layer, key_mask, scores.dtype, scores.device)
         return scores.add_(mask)
+
+    def products(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Each query head's dot products with its key/value head's keys, `[batch, heads, query, key]`. Where the heads
+        pair as `repeat_kv` pairs them by default (each key/value head's query heads in a row), a key/value head's
+        queries are scored in one product, with no copy of its keys (the same numbers, half the time on short rows)."""
+        groups = queries.shape[1] // keys.shape[1]
+        if groups == 1 or self._own("repeat_kv"):
+            return torch.matmul(queries, self.repeat_kv(keys, groups).transpose(2, 3))
+        batch, num_heads, num_queries, dim = queries.shape
+        grouped = queries.reshape(batch, keys.shape[1], groups * num_queries, dim)
+        return torch.matmul(grouped, keys.transpose(2, 3)).view(batch, num_heads, num_queries, -1)
 
     def repeat_kv(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
         """Keys or values `[batch, num_kv_heads, ...]` repeated to one per query head, paired the way the family's

@@ -177,8 +177,9 @@ class StaticRecorder:
         self.tags: dict[str, str] = {}  # vLLM's request id -> tag
         self.tokens: dict[str, int] = {}
         self.spans: list[tuple[_Request, str, int, int, int]] | None = []
-        #: `reduce(request, vLLM's id, layer, position, rows)`, called once a step's captures of a layer are built:
-        #: a tool installs one (through `collective_rpc`) to reduce them in the worker (`attnlens.collect`).
+        #: `reduce(layer, query, key, value, spans)` -> the spans it leaves to be captured: called at each tapped
+        #: layer's kernel with its arguments and this step's `_spans()`; a tool installs one (through
+        #: `collective_rpc`) to reduce its own requests' rows in the worker (`attnlens.collect`).
         self.reduce: Any = None
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
@@ -231,7 +232,10 @@ class StaticRecorder:
         context = shorts & {"key", "value"} or pattern
 
         def hook(query, key, value):
-            for request, request_id, start, count, position in self._spans():
+            spans = self._spans()
+            if self.reduce is not None:  # a tool takes its requests' rows here (it leaves the others to the capture)
+                spans = self.reduce(layer, query, key, value, spans)
+            for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
                 queries = gathered_heads(query[rows].reshape(count, -1), heads.qk_head_dim, heads.num_heads)
@@ -239,12 +243,7 @@ class StaticRecorder:
                     step[f"query.{layer}"] = queries.clone()
                 if not context:
                     continue
-                flat = key[rows].reshape(count, -1), value[rows].reshape(count, -1)
-                if position:  # earlier positions from vLLM's paged cache (prefix-cached ones too)
-                    kernel = values.kernels[layer]
-                    table, size = values.tables.row(kernel, request_id)
-                    earlier = kept.cached(kernel, table, size, position)
-                    flat = tuple(torch.cat([before, now]) for before, now in zip(earlier, flat))
+                flat = self.context(layer, request_id, position, key[rows], value[rows])
                 keys, vals = (
                     gathered_heads(x, dim, heads.num_kv_heads)
                     for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim))
@@ -258,10 +257,21 @@ class StaticRecorder:
                     built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
                     for short in pattern:
                         step[f"{short}.{layer}"] = built[short]
-                if self.reduce is not None:
-                    self.reduce(request, request_id, layer, position, count)
 
         return hook
+
+    def context(
+        self, layer: int, request_id: str, position: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's keys and values of this step, `[rows, this rank's heads * dim]`, preceded past its first
+        position by the earlier ones, read from vLLM's paged cache (prefix-cached ones too)."""
+        flat = keys.reshape(keys.shape[0], -1), values.reshape(values.shape[0], -1)
+        if not position:
+            return flat
+        kernel = self.values.kernels[layer]
+        table, size = self.values.tables.row(kernel, request_id)
+        earlier = kept.cached(kernel, table, size, position)
+        return tuple(torch.cat([before, now]) for before, now in zip(earlier, flat))
 
     def _projection_hook(self, layer: int):
         heads = self.values.geometry[layer]
