@@ -145,23 +145,6 @@ def score_function(attn) -> ScoreFunction:
     return lambda queries, keys: family.score_function(access.engine).scores(heads, config, queries, keys, layer, None)
 
 
-def score_groups(family, engine: str, config, geometry, layers: Sequence[int]) -> list[list[int]]:
-    """`layers` in runs of consecutive ones that score alike (`ScoreFunction.layer_key`, and equal heads): a run's
-    queries and keys can be stacked on the batch axis and scored in one call of its first layer's score function."""
-    function = family.score_function(engine)
-    groups: list[list[int]] = []
-    last = None
-    for layer in layers:
-        key = function.layer_key(config, layer)
-        key = None if key is None else (key, geometry(layer))
-        if key is None or key != last or not groups:
-            groups.append([layer])
-        else:
-            groups[-1].append(layer)
-        last = key
-    return groups
-
-
 def why_not(model, layer: int) -> str | None:
     """Why `layer` of `model` cannot be summarised (None: it can)."""
     report = model.support(layer)
@@ -358,8 +341,8 @@ def _progress(show: bool | None, total: int):
 
 
 def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int, dict]]:
-    """One forward over a left-padded batch (on vLLM, one request per prompt); per prompt, per layer, `summarize`'s
-    sums (computed inside the forward, as each layer's queries and keys are formed)."""
+    """One forward over a left-padded batch (on vLLM, one traced request per prompt); per prompt, per layer,
+    `summarize`'s sums (computed inside the forward, as each layer's queries and keys are formed)."""
     if model.access.engine == "vllm":
         found = []
         for ids, option in zip(batch_input if isinstance(batch_input, list) else list(batch_input), options):
@@ -372,6 +355,46 @@ def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int
     with torch.no_grad(), model.trace(batch_input):
         _collect(model, layers, pads, options, results)
     return results
+
+
+def _tapped(model, layers) -> bool:
+    """Whether vLLM's attention kernel receives every layer's queries and keys as attnlens serves them (`static.taps`),
+    so they can be summarised there; elsewhere (latent attention, channels permuted for the rotary kernel, keys
+    shared with an earlier layer) each prompt is a trace reading the served values."""
+    from .vllm import static
+
+    wanted = ("query", "key")
+    return all(
+        static.taps(model.family, model.text_config, layer).get(short) == "kernel"
+        for layer in layers
+        for short in wanted
+    )
+
+
+def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[dict[int, dict]]:
+    """On vLLM: per text, per layer, `summarize`'s sums, computed in vLLM's worker at the attention op
+    (`attnlens.vllm.reducer`), one plain request per text, every text in one `generate` call."""
+    from functools import partial
+
+    from .vllm import reducer
+
+    plan = {layer: ["attention_queries", "attention_keys"] for layer in layers}
+    found = reducer.reduce(model, partial(_sums_of_run, options=options), plan, [text.tolist() for text in texts])
+    failed = [result for result in found if isinstance(result, str)]
+    if failed:
+        raise RuntimeError(f"head_summaries: a prompt failed in vLLM's worker: {failed[0]}")
+    return found
+
+
+def _sums_of_run(attns, layers, tokens, values, *, options) -> dict[int, dict]:
+    """`summarize`'s sums of one prompt on a run of layers that score alike (their queries and keys stacked on the
+    batch axis), per layer, heads first (`rows` and the targets' row counts repeated per head)."""
+    sums = summarize(score_function(attns[0]), values["attention_queries"], values["attention_keys"], **options)
+    heads = sums["entropy"].shape[1]
+    return {
+        layer: {name: (v[i] if v.dim() > 1 else v[i].expand(heads)).detach().cpu() for name, v in sums.items()}
+        for i, layer in enumerate(layers)
+    }
 
 
 def _collect(model, layers, pads, options, results) -> None:
@@ -389,18 +412,23 @@ def _collect(model, layers, pads, options, results) -> None:
             results[i][layer] = {name: value[0].detach().cpu() for name, value in sums.items()}  # its one prompt
 
 
-def _run(model, layers, texts: list[torch.Tensor], options, *, batch_size, bar, description) -> list[dict]:
-    """`summarize`'s sums for every text, run in batches of similar lengths."""
+def _run(model, layers, texts: list[torch.Tensor], options: dict, *, batch_size, bar, description) -> list[dict]:
+    """`summarize`'s sums for every text (`options`: summarize's), run in batches of similar lengths; on vLLM, every
+    text at once, reduced in its worker."""
     from .capture.runs import batches
 
     task = bar.add_task(description, total=len(texts))
+    if model.access.engine == "vllm" and _tapped(model, layers):
+        found = _in_worker(model, layers, texts, options)
+        bar.advance(task, len(texts))
+        return found
     results: list = [None] * len(texts)
     for batch in batches(model, [len(text) for text in texts], batch_size):
         lengths = [len(texts[i]) for i in batch]
         pads = [max(lengths) - length for length in lengths]
         # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids
         batch_input = texts[batch[0]][None] if len(batch) == 1 else [texts[i] for i in batch]
-        found = _summarise_batch(model, layers, batch_input, pads, [options(i) for i in batch])
+        found = _summarise_batch(model, layers, batch_input, pads, [options] * len(batch))
         for i, sums in zip(batch, found):
             results[i] = sums
         bar.advance(task, len(batch))
@@ -436,11 +464,12 @@ def head_summaries(
     - `layers`: which layers (default: every layer that can be summarised; the others are listed in `.skipped`).
     - `length`, `sequences`, `seed`: the repeated random sequences `BOS + R + R` (`R` of `length` tokens, `sequences`
       of them) the previous-token, duplicate and induction scores are measured on.
-    - `chunk_rows`: query rows scored at a time (default: as many as fit 64 MiB); `batch_size`: prompts per forward;
-      `progress`: a rich progress bar on stderr (default: when there is more than one forward).
+    - `chunk_rows`: query rows scored at a time (default: as many as fit 2 MiB of scores); `batch_size`: prompts per
+      forward; `progress`: a rich progress bar on stderr (default: when there is more than one forward).
 
     Runs on `StandardizedTransformer` (eager or sdpa: only the queries and keys are read) and on `StandardizedVLLM`,
-    where the sums are computed inside vLLM's worker, one request per prompt, and only they leave it.
+    where the sums are computed inside vLLM's worker at the attention op (on an engine at vLLM's defaults too), one
+    plain request per prompt, and only they leave it.
     """
     from .capture import prompts_of
 
@@ -466,7 +495,7 @@ def head_summaries(
                 model,
                 chosen,
                 repeats,
-                lambda i: {**repeat_options, **text_options},
+                {**repeat_options, **text_options},
                 batch_size=batch_size,
                 bar=bar,
                 description="attnlens heads: repeats",
@@ -476,7 +505,7 @@ def head_summaries(
                 model,
                 chosen,
                 repeats,
-                lambda i: repeat_options,
+                repeat_options,
                 batch_size=batch_size,
                 bar=bar,
                 description="attnlens heads: repeats",
@@ -485,7 +514,7 @@ def head_summaries(
                 model,
                 chosen,
                 texts,
-                lambda i: text_options,
+                text_options,
                 batch_size=batch_size,
                 bar=bar,
                 description="attnlens heads: prompts",

@@ -173,6 +173,9 @@ MODEL_VALUES_AFTER = (
 ALL_VALUES = MODEL_VALUES_BEFORE + LAYER_VALUES + MODEL_VALUES_AFTER
 BY_NAME = {value.name: value for value in ALL_VALUES}
 BY_SHORT = {value.short: value for value in ALL_VALUES}
+#: What every family's attention kernel receives: standardized name -> cache short name. Reductions at vLLM's
+#: attention op (attnlens.vllm.reducer) read these and only these.
+KERNEL_VALUES = {name: BY_NAME[name].short for name in ("attention_queries", "attention_keys", "attention_values")}
 
 
 def of_scope(*scopes: Scope) -> tuple[str, ...]:

@@ -52,9 +52,10 @@ def on_vllm(llama, corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reduced_on_vllm(llama, corpus, tmp_path_factory):
-    """The attention-op features collected in one process on the traced path (an engine without static points)."""
+    """The attention-op features collected in one process, reduced in the worker of an engine built for traces (no
+    static points: the reducer taps the kernels when it is installed)."""
     out = tmp_path_factory.mktemp("reduced") / "out"
-    assert not Collector(llama.vllm, REDUCED).reduced
+    assert Collector(llama.vllm, REDUCED).reduced and not llama.vllm.static_points
     return attnlens.collect(llama.vllm, corpus, REDUCED, out, rows=ROWS, top_k=3, shard_size=3, progress=False)
 
 
@@ -150,7 +151,7 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
     config = model.vllm_entrypoint.llm_engine.vllm_config
     assert model.compiled and config.cache_config.enable_prefix_caching
     assert config.scheduler_config.enable_chunked_prefill
-    assert Collector(model, REDUCED).reduced and not Collector(llama.vllm, REDUCED).reduced
+    assert Collector(model, REDUCED).reduced
     path = tmp_path / "corpus.jsonl"
     texts = [*PROMPTS[:4], PREFIX + "sang.", *PROMPTS[4:], PREFIX + "slept all day."]  # one in each window
     path.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(texts)))

@@ -65,3 +65,20 @@ def test_a_family_that_disagrees_with_vllm_about_the_source_fails_at_load(gemma4
         shared_kv.check(family, config, 3, Kernel())
     with pytest.raises(attnlens.LocationDrift, match="attends with its own keys"):
         shared_kv.check(family, config, 0, Kernel())
+
+
+def test_a_shared_layer_has_no_static_taps_of_its_keys_or_pattern(gemma4):
+    """Its kernel receives `attn(q, None, None)`: no tap at the attention op holds its keys, values or a pattern
+    rebuilt from them (they would be None there), so declaring one is refused before an engine is built; its
+    queries are tapped, and a layer computing its own keys has every kernel tap."""
+    from attnlens.vllm import static
+
+    model, shared = gemma4.vllm, shared_layers(gemma4.vllm)
+    family, config = model.family, model.text_config
+    for layer in shared:
+        assert set(static.taps(family, config, layer)) & {"key", "value", "attn_scores", "attn_probs"} == set()
+        assert static.taps(family, config, layer)["query"] == "kernel"
+        with pytest.raises(attnlens.Unavailable, match="not a static tap on vLLM"):
+            attnlens.StandardizedVLLM(str(gemma4.path), static_points=[f"attn_probs.{layer}"])
+    own = next(layer for layer in range(model.num_layers) if layer not in shared)
+    assert {"query", "key", "value", "attn_probs"} <= set(static.taps(family, config, own))

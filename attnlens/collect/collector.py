@@ -88,19 +88,14 @@ class Collector:
             raise ValueError(f"top_k must be at least 1 with the top_keys feature; got {top_k}")
         self.wants = {"previous": "previous" in self.names, "top": "top_keys" in self.names}
         self.vllm = model.access.engine == "vllm"
-        # on vLLM: reduced at the attention op from static taps (no trace), where the engine declared them
-        self.reduced = self.vllm and bool(getattr(model, "static_points", None)) and inworker.servable(self.features)
+        # on vLLM: reduced at the attention op (no trace), where every feature reads only the kernel's arguments
+        self.reduced = self.vllm and inworker.servable(self.features)
         if self.vllm and getattr(model, "compiled", False) and not self.reduced:
             traced = [f.name for f in self.features if not inworker.servable([f])]
             raise Unavailable(
-                "collect: this engine runs vLLM's compiled model, which serves no traces, and "
-                + (
-                    f"{traced} need one (they read values not tapped at the attention op)"
-                    if traced
-                    else "declared no static points"
-                )
-                + "; pass the checkpoint folder with engine='vllm' (collect builds the engine the features need), or "
-                "build StandardizedVLLM(..., enforce_eager=True)"
+                f"collect: this engine runs vLLM's compiled model, which serves no traces, and {traced} need one "
+                "(they read values not tapped at the attention op); pass the checkpoint folder with engine='vllm' "
+                "(collect builds the engine the features need), or build StandardizedVLLM(..., enforce_eager=True)"
             )
         self.batch_size = batch_size or (256 if self.reduced else 32 if self.vllm else 8)
         if self.batch_size < 1:
@@ -108,9 +103,9 @@ class Collector:
 
         def reason(layer: int) -> str | None:
             if self.reduced:
-                missing = inworker.missing_points(model, self.features, [layer])
+                missing = inworker.untapped(model, self.features, layer)
                 if missing:
-                    return f"the engine declared no static points {missing}"
+                    return f"vLLM's attention kernel does not receive {missing} as attnlens serves them"
             for feature in self.features:
                 why = feature.reason(model, layer) if feature.reason is not None else None
                 if why is not None:
@@ -248,11 +243,13 @@ class Collector:
     def _forward(self, prompts: list[list[int]]) -> list[dict]:
         model, plan, features, options, wants = self.model, self.plan, self.features, self.options, self.wants
         if self.reduced:
+            from ..vllm import reducer
+
             if not self._installed:  # this collection's features, options and plan, in every worker
-                args = (inworker.pickled(features), options, wants, plan)
-                model.vllm_entrypoint.collective_rpc(inworker.install, args=args)
+                compute = inworker.compute(features, options, wants)
+                model.vllm_entrypoint.collective_rpc(reducer.install, args=(reducer.pickled(compute), dict(plan)))
                 self._installed = True
-            return inworker.forward(model, prompts)
+            return reducer.forward(model, prompts)
         if self.vllm:  # one traced request per prompt; vLLM schedules the requests of a trace together
             with torch.no_grad(), _quiet(model), model.trace(max_tokens=1, temperature=0.0) as tracer:
                 for i, ids in enumerate(prompts):

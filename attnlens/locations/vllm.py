@@ -197,6 +197,7 @@ class SharedKernelInput(KernelInput):
 
     in_place = False
     writable = False
+    static_tap = False  # the kernel receives None here: no tap at the attention op holds them
     why_not = (
         "this layer's kernel computes no keys or values: it reads another layer's from vLLM's KV cache; edit "
         "them on the layer that computes them"

@@ -76,6 +76,21 @@ class ScoreFunction:
             return None
         return self.window(config, layer), self.softcap(config, layer)
 
+    def layer_groups(self, config, geometry, layers) -> list[list[int]]:
+        """`layers` in runs of consecutive ones that score alike (equal `layer_key`s and heads, `geometry(layer)`):
+        a run's queries and keys can be stacked on the batch axis and scored in one call as its first layer."""
+        groups: list[list[int]] = []
+        last = None
+        for layer in layers:
+            key = self.layer_key(config, layer)
+            key = None if key is None else (key, geometry(layer))
+            if key is None or key != last or not groups:
+                groups.append([layer])
+            else:
+                groups[-1].append(layer)
+            last = key
+        return groups
+
     def _own(self, step: str) -> bool:
         """Whether the family computes `step` in a way of its own (overrides the common layout's)."""
         return getattr(type(self), step) is not getattr(ScoreFunction, step)

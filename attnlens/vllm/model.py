@@ -109,6 +109,10 @@ class StandardizedVLLM(Helpful, VLLM):
                 overrides.setdefault("architectures", [native])
         if not worker.has_accelerator():
             worker.adapt_client_for_cpu()
+            if getattr(self.text_config, "kv_lora_rank", None) and not _chosen_backend(kwargs):
+                # latent attention: on CPUs with AMX vLLM picks AMX_MLA, which takes bfloat16 weights only and packs
+                # its cache for AMX; attnlens reads the reference CPU_MLA kernel's cache (plain latent rows)
+                kwargs["attention_backend"] = "CPU_MLA"
         family_class = type(self.family)
         kwargs["additional_config"] = {
             **(kwargs.get("additional_config") or {}),
@@ -287,6 +291,13 @@ def _on_cpu(init: Any) -> Any:
             init(self, *args, **kwargs)
 
     return built_on_cpu
+
+
+def _chosen_backend(kwargs: dict) -> bool:
+    """Whether the engine's arguments name vLLM's attention backend."""
+    config = kwargs.get("attention_config")
+    chosen = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    return kwargs.get("attention_backend") is not None or chosen is not None
 
 
 #: The worker reads the engine's mode here (`additional_config`), to leave a compiled model uninstrumented.

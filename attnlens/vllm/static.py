@@ -53,6 +53,9 @@ def taps(family, config, layer: int) -> dict[str, str]:
             premix is not None and name in ("attention_head_outputs", "attention_premix") and location.key == premix.key
         ):
             found[BY_NAME[name].short] = "projection"
+    if any(found.get(short) != "kernel" for source in SOURCES.values() for short in source):
+        for rebuilt in SOURCES:  # rebuilt from the kernel's queries and keys, which it does not receive as served
+            found.pop(rebuilt, None)
     return found
 
 
@@ -181,22 +184,39 @@ class StaticRecorder:
         #: layer's kernel with its arguments and this step's `_spans()`; a tool installs one (through
         #: `collective_rpc`) to reduce its own requests' rows in the worker (`attnlens.collect`).
         self.reduce: Any = None
+        self.tapped: set[int] = set()  # layers whose kernel runs `_kernel_hook`
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
             where = taps(family, config, layer)
-            kernel, projection = handoffs(family, config, layer)
-            attention = attention_block(family, layers[layer])
+            _, projection = handoffs(family, config, layer)
             if any(where.get(short) == "kernel" for short in shorts):
-                _before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
+                self.tap(layer)
             if any(where.get(short) == "projection" for short in shorts):
+                attention = attention_block(family, layers[layer])
                 _before_forward(child(attention, projection)._module, self._projection_hook(layer))
+
+    def tap(self, layer: int) -> None:
+        """Run `_kernel_hook` at `layer`'s attention kernel from now on (once): for its static points, and for what
+        `reduce` takes there (a tool may tap a layer the engine declared no static point on)."""
+        if layer in self.tapped:
+            return
+        family, config = self.values.family, self.values.config
+        kernel, _ = handoffs(family, config, layer)
+        if kernel is None:
+            raise Unavailable(f"layer {layer} of this {family.name} model has no attention kernel on vLLM to tap")
+        attention = attention_block(family, child(self.runner.nnsight_model, family.path("layers", "vllm"))[layer])
+        self.layers.setdefault(layer, set())
+        _before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
+        self.tapped.add(layer)
 
     # --- scheduling ----------------------------------------------------------------------------------------
 
     def schedule(self, scheduler_output: Any) -> None:
         for data in scheduler_output.scheduled_new_reqs:
             extra = getattr(data.sampling_params, "extra_args", None) or {}
+            if not self.keys and CONFIG_KEY not in extra:
+                continue  # taps a tool added on an engine without static points follow its own requests only
             tag = extra.get(CONFIG_KEY) or data.req_id
             self.tags[data.req_id] = tag
             self.requests.setdefault(tag, _Request())
@@ -235,6 +255,8 @@ class StaticRecorder:
             spans = self._spans()
             if self.reduce is not None:  # a tool takes its requests' rows here (it leaves the others to the capture)
                 spans = self.reduce(layer, query, key, value, spans)
+            if not shorts:  # tapped for the tool only
+                return
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
@@ -316,6 +338,14 @@ def install(runner: Any) -> StaticRecorder | None:
     """The recorder for an engine that declared static points (in `additional_config`), else None."""
     keys = (runner.vllm_config.additional_config or {}).get(CONFIG_KEY)
     return StaticRecorder(runner, list(keys)) if keys else None
+
+
+def recorder(runner: Any) -> StaticRecorder:
+    """The runner's recorder; on an engine without static points, one that records nothing itself (a tool taps the
+    layers it reduces, `StaticRecorder.tap`) and follows only requests tagged for it."""
+    if runner.attnlens_static is None:
+        runner.attnlens_static = StaticRecorder(runner, [])
+    return runner.attnlens_static
 
 
 # --- the client's side -----------------------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Reductions at vLLM's attention op, in its worker: a tool's plain requests reduced to a few numbers per prompt there.
+
+A tool (`attnlens.collect`, `attnlens.head_summaries`) installs a `Reducer` in every worker (`install`, through
+`collective_rpc`) with what to compute on a prompt's layers (`compute`) and which layers (`plan`), then sends plain
+vLLM requests, a whole batch per `generate` call, tagged for it (`forward`). The static recorder (static.py) taps
+those layers' attention kernels, on an engine with static points or without (`static.recorder`); the kernel runs at
+vLLM's attention op, outside the compiled graph, so this works on an engine at vLLM's defaults (compiled, prefix
+caching, chunked prefill) as on one built for traces.
+
+At each planned layer's kernel the reducer copies the step's rows of its requests once into each prompt's run of
+layers, keeping a prompt's chunks (chunked prefill) until its last, and once a run's last layer holds every
+position, computes that run: runs are layers that score alike (`ScoreFunction.layer_groups`), so a short prompt's
+layers are scored in one call. Only `compute`'s numbers leave the worker (`take`). Under tensor parallelism each
+rank reduces its own heads where the heads score independently (the common layout's score function) and the client
+joins the ranks' heads (`joined`); otherwise every rank gathers the heads and rank 0 reduces. A prompt whose
+reduction fails is reported by its reason, never stops the batch.
+
+Requests skip reading vLLM's prefix cache (`skip_reading_prefix_cache`): a reduction sums over every query row, and
+the queries of a prefix served from that cache are never computed. They still feed it, as plain requests do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..locations.views import gather_heads, tensor_parallel
+from ..values import KERNEL_VALUES
+from . import static
+
+#: Tags of reduced requests (the recorder leaves them to the reducer).
+TAG = "attnlens-reduce-"
+#: Score elements (layers x heads x rows x keys) of one prompt's layers reduced together: short prompts stack many
+#: layers into one call (the per-call cost of many small tensors is the cost there), long ones few.
+GROUP_ELEMENTS = 2**21
+
+#: `compute(attns, layers, tokens, values)` -> {layer: {name: result}}: one prompt's run of layers that score alike,
+#: `values` each `[layers, heads, tokens, dim]` (this rank's heads where each rank reduces its own), the queries and
+#: keys always among them; results detached on the CPU, heads first (joined across ranks along that axis).
+Compute = Callable[[list, list[int], int, dict], dict]
+
+
+class _Prompt:
+    """One reduced request: its tokens, its runs of layers reduced together (runs of layers that score alike, split so
+    none exceeds `GROUP_ELEMENTS`), each run's rows so far (`[layers in the run, tokens, heads * dim]` per kernel
+    argument, allocated when the run's first layer runs) and how many positions each layer has."""
+
+    def __init__(self, tokens: int, groups: list[list[int]], heads: Callable) -> None:
+        self.tokens = tokens
+        self.run_of: dict[int, list[int]] = {}
+        for group in groups:
+            size = max(1, GROUP_ELEMENTS // (heads(group[0]).num_heads * tokens * tokens))
+            for at in range(0, len(group), size):
+                run = group[at : at + size]
+                self.run_of.update(dict.fromkeys(run, run))
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}
+        self.filled: dict[int, int] = {}
+
+
+class Reducer:
+    """Installed on the worker's static recorder (`install`): at each planned layer's kernel, it takes the rows of its
+    requests (the recorder captures none of them), copies each request's rows into its prompt's run of layers, and
+    once a run's last layer holds every position of the prompt, computes the run; results and errors by tag."""
+
+    def __init__(self, runner: Any, compute: Compute, plan: dict[int, list[str]]) -> None:
+        from ..locations import child
+        from .blocks import attention_block
+
+        self.runner = runner
+        self.recorder = static.recorder(runner)
+        self.values = runner.attnlens  # WorkerValues: family, geometry, kernels
+        self.compute = compute
+        self.plan = plan  # layer -> the standardized values read there (kernel arguments)
+        wanted = {"attention_queries", "attention_keys", *(name for reads in plan.values() for name in reads)}
+        self.shorts = [short for name, short in KERNEL_VALUES.items() if name in wanted]
+        family = self.values.family
+        blocks = child(runner.nnsight_model, family.path("layers", "vllm"))
+        self.attn = {layer: attention_block(family, blocks[layer]) for layer in plan}
+        function = self.values.score_function
+        self.groups = function.layer_groups(self.values.config, self.values.geometry.__getitem__, list(plan))
+        ranks, rank = tensor_parallel()
+        # each rank reduces its own heads where the heads score independently (the common layout's score function
+        # on every planned layer); else every rank gathers them and rank 0 reduces
+        self.local = ranks == 1 or all(function.layer_key(self.values.config, layer) is not None for layer in plan)
+        self.here = self.local or rank == 0
+        self.prompts: dict[str, _Prompt] = {}
+        self.results: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        for layer in plan:
+            self.recorder.tap(layer)
+
+    def __call__(self, layer: int, query, key, value, spans: list) -> list:
+        tags = self.recorder.tags
+        mine = [span for span in spans if tags.get(span[1], "").startswith(TAG)]
+        if not mine:
+            return spans
+        if layer in self.plan:
+            self._take(layer, (query, key, value), mine)
+        return [span for span in spans if not tags.get(span[1], "").startswith(TAG)]
+
+    def _take(self, layer: int, arguments: tuple, spans: list) -> None:
+        heads = self.values.geometry[layer]
+        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
+        totals = {"query": heads.num_heads, "key": heads.num_kv_heads, "value": heads.num_kv_heads}
+        end = max(start + count for _, _, start, count, _ in spans)
+        # this step's rows, `[rows, heads * dim]`: this rank's heads, or every rank's where rank 0 reduces (a
+        # collective: every rank gathers)
+        step = {
+            short: self._heads(argument[:end], dims[short], totals[short])
+            for short, argument in zip(("query", "key", "value"), arguments)
+            if short in self.shorts
+        }
+        if not self.here:
+            return
+        for _, request_id, start, count, position in spans:
+            tag = self.recorder.tags[request_id]
+            if tag in self.errors:
+                continue
+            try:
+                rows = {short: tensor[start : start + count] for short, tensor in step.items()}
+                self._copy(tag, request_id, layer, rows, position)
+            except Exception as error:  # noqa: BLE001  one prompt's failure is reported, the batch goes on
+                self.errors[tag] = f"{type(error).__name__}: {' '.join(str(error).split())}"
+                self.results.pop(tag, None)
+                self.prompts.pop(tag, None)
+
+    def _heads(self, flat: torch.Tensor, dim: int, total: int) -> torch.Tensor:
+        flat = flat.reshape(flat.shape[0], -1)
+        return flat if self.local else gather_heads(flat.unflatten(1, (-1, dim)), total, 1).flatten(1)
+
+    def _copy(self, tag: str, request_id: str, layer: int, rows: dict, position: int) -> None:
+        """One request's rows of this step on `layer` into its prompt's run; the run reduced once complete."""
+        prompt = self.prompts.get(tag)
+        if prompt is None:
+            tokens = self.runner.requests[request_id].num_prompt_tokens
+            prompt = self.prompts[tag] = _Prompt(tokens, self.groups, self.values.geometry.__getitem__)
+        if prompt.filled.get(layer, 0) != position:  # the rows before were never computed here
+            raise RuntimeError(
+                f"layer {layer}'s rows before position {position} were never computed here (served from vLLM's "
+                f"prefix cache?); reduced requests skip reading it"
+            )
+        run = prompt.run_of[layer]
+        held = prompt.rows.get(run[0])
+        if held is None:
+            held = prompt.rows[run[0]] = {
+                short: tensor.new_empty(len(run), prompt.tokens, tensor.shape[1]) for short, tensor in rows.items()
+            }
+        count = rows["query"].shape[0]
+        for short, tensor in rows.items():
+            held[short][run.index(layer), position : position + count] = tensor
+        prompt.filled[layer] = position + count
+        if layer == run[-1] and prompt.filled[layer] == prompt.tokens:
+            self._reduce(tag, prompt.tokens, run, prompt.rows.pop(run[0]))
+
+    def _reduce(self, tag: str, tokens: int, layers: list[int], held: dict) -> None:
+        heads = self.values.geometry[layers[0]]
+        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
+        stacked = {short: rows.unflatten(2, (-1, dims[short])).transpose(1, 2) for short, rows in held.items()}
+        values = {name: stacked[short] for name, short in KERNEL_VALUES.items() if short in stacked}
+        found = self.compute([self.attn[layer] for layer in layers], layers, tokens, values)
+        self.results.setdefault(tag, {}).update(found)
+
+    def pop(self, tag: str) -> dict | str:
+        self.prompts.pop(tag, None)
+        if tag in self.errors:
+            return self.errors.pop(tag)
+        found = self.results.pop(tag, {})
+        if set(found) != set(self.plan):
+            return f"RuntimeError: reduced on layers {sorted(found)} of {sorted(self.plan)}"
+        return found
+
+
+def install(worker: Any, compute: bytes, plan: dict) -> None:
+    """Run in each worker (`collective_rpc`): reduce tagged requests with `compute` on `plan`'s layers from now on.
+    `compute` comes cloudpickled (`pickled`): vLLM's executors pickle arguments plainly, which refuses a lambda."""
+    import cloudpickle
+
+    runner = worker.model_runner
+    static.recorder(runner).reduce = Reducer(runner, cloudpickle.loads(compute), plan)
+
+
+def pickled(compute: Compute) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps(compute)
+
+
+def take(worker: Any, tags: list[str]) -> dict:
+    """Run in each worker (`collective_rpc`): per tag, its {layer: {name: result}} (this rank's heads, or every
+    rank's) or the reason it failed (empty on a rank that reduces nothing); the requests' records freed."""
+    recorder = worker.model_runner.attnlens_static
+    recorder.take([tag for tag in tags if tag in recorder.requests])
+    return {tag: recorder.reduce.pop(tag) for tag in tags} if recorder.reduce.here else {}
+
+
+def joined(per_rank: list[dict], tag: str) -> dict | str:
+    """One prompt's results from every rank that reduced (in rank order): each rank's heads joined along the head
+    axis, or the first rank's reason where one failed."""
+    found = [taken[tag] for taken in per_rank if taken]
+    failed = [result for result in found if isinstance(result, str)]
+    if failed or len(found) == 1:
+        return (failed or found)[0]
+    return {
+        layer: {name: _join([result[layer][name] for result in found]) for name in results}
+        for layer, results in found[0].items()
+    }
+
+
+def _join(parts: list):
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return [per_head for part in parts for per_head in part]  # a list per head
+
+
+def forward(model, prompts: list[list[int]]) -> list[dict | str]:
+    """Each prompt's {layer: {name: result}} from the installed reducer, or the reason it failed: one plain request
+    each, all in one `generate` call."""
+    from vllm import SamplingParams
+
+    engine = model.vllm_entrypoint
+    tags = [f"{TAG}{uuid.uuid4().hex}" for _ in prompts]
+    params = [
+        SamplingParams(
+            max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True, extra_args={static.CONFIG_KEY: tag}
+        )
+        for tag in tags
+    ]
+    try:
+        engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    finally:  # what a failed call left in the worker is freed too
+        per_rank = engine.collective_rpc(take, args=(tags,))
+    return [joined(per_rank, tag) for tag in tags]
+
+
+def reduce(model, compute: Compute, plan: dict[int, list[str]], prompts: list[list[int]]) -> list[dict | str]:
+    """Install `compute` on `plan` in every worker, then `forward` the prompts."""
+    model.vllm_entrypoint.collective_rpc(install, args=(pickled(compute), plan))
+    return forward(model, prompts)
