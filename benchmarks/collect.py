@@ -5,10 +5,11 @@
 
 On SmolLM2-135M float32 and a JSONL corpus of `--prompts` prompts of mixed lengths (8 to 400 words, seeded, a long
 tail): plain vLLM (`vllm.LLM` at its default settings: compiled, prefix caching, chunked prefill), one token per
-prompt, every prompt in one `generate` call, its prefix cache emptied before each round (a round must not be served
-the blocks of the same corpus the round before cached); and `attnlens.collect` from the checkpoint folder with the default
-features (entropy, sink, previous-token weight, top-5 keys of the last row on every layer and head), which builds
-its engine at the same defaults with static taps at the attention op and reduces there, Parquet included. The two
+prompt, every prompt in one `generate` call, its prefix cache emptied before each round (a round must not be
+served the blocks of the same corpus the round before cached); and `attnlens.collect` from the checkpoint folder with
+the default features (entropy, sink, previous-token weight, top-5 keys of the last row on every layer and head),
+which builds its engine at the same defaults with static taps at the attention op and reduces there, Parquet
+included. The two
 alternate, `--repeats` times each, best of each reported. The resident memory of the process (and of its engine's
 worker processes, under tensor parallelism) is sampled every 0.1 s during each collection, with the number of shards
 committed, so a growth per prompt would show as memory rising with the shards.
