@@ -8,8 +8,7 @@ family's locations for the engine; everything here is derived from the catalogue
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -46,13 +45,14 @@ class Plan(NamedTuple):
 
 
 class Reads:
-    """What one nnsight mediator (one invoke) has read: the step it is in and every read, in order."""
+    """What one nnsight mediator (one invoke) has read: every read in order, the last one and the step it was in."""
 
-    __slots__ = ("reads", "step")
+    __slots__ = ("last", "reads", "step")
 
     def __init__(self) -> None:
         self.step: int = 0
-        self.reads: list[tuple[Plan, int]] = []  # (what was read, the step it was read in)
+        self.last: Plan | None = None
+        self.reads: list[Plan] = []
 
 
 class Access:
@@ -242,8 +242,13 @@ class Access:
         running = mediator()
         if running is not None:
             self._check(running, plan)
-        with self.failing(plan, running, "read"):
+        try:  # (not a context manager: this runs on every read, and a try costs nothing until it fails)
             value = plan.location.read(envoy)
+        except Exception as error:
+            said = self.failure(error, plan, running, "read")
+            if said is error:
+                raise
+            raise said from error
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -258,8 +263,13 @@ class Access:
         running = mediator()
         if running is not None:
             self._check(running, plan)
-        with self.failing(plan, running, "written"):
+        try:
             location.write(envoy, self.conform(name, layer, location.read(envoy), new))
+        except Exception as error:
+            said = self.failure(error, plan, running, "written")
+            if said is error:
+                raise
+            raise said from error
 
     def _check(self, running, plan: Plan) -> None:
         """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the
@@ -276,26 +286,21 @@ class Access:
         step = running.iteration
         if step is None:  # nnsight relaxes a pinned step to None once served: it is still this step
             step = reads.step
-        else:
-            reads.step = step
-        if reads.reads:
-            last, last_step = reads.reads[-1]
-            if last_step == step and last.order > plan.order:
-                raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
-        reads.reads.append((plan, step))
+        last = reads.last
+        if last is not None and step == reads.step and last.order > plan.order:
+            raise OrderError(self._order_message(plan.name, plan.layer, last.name, last.layer))
+        reads.step, reads.last = step, plan
+        reads.reads.append(plan)
 
-    @contextmanager
-    def failing(self, plan: Plan, running, done: str) -> Iterator[None]:
-        """A read or write of `plan` whose failure is said in attnlens's words: nnsight's out-of-order error naming
-        the values, and any failure with no trace running (`running`: the mediator, None) as `OutsideTrace`."""
-        try:
-            yield
-        except OutOfOrderError as error:
-            raise self.order_error(plan) or error from error
-        except Exception as error:
-            if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
-                raise self.outside(plan, done) from error
-            raise
+    def failure(self, error: Exception, plan: Plan, running, done: str) -> Exception:
+        """What a failed read or write of `plan` raises, in attnlens's words: nnsight's out-of-order error naming the
+        values, and any failure with no trace running (`running`: the mediator, None) as `OutsideTrace`; else the
+        error itself."""
+        if isinstance(error, OutOfOrderError):
+            return self.order_error(plan) or error
+        if running is None and not isinstance(error, AttnlensError):  # no trace: nnsight's words say little
+            return self.outside(plan, done)
+        return error
 
     def outside(self, plan: Plan, done: str) -> OutsideTrace:
         """A read or write outside a trace, where no forward runs to hold the value (nnsight says "`.source` is
@@ -312,7 +317,7 @@ class Access:
         if found is None or getattr(found, "iteration", 0) != 0:
             return None
         reads = found.__dict__.get("attnlens_reads")
-        later = [read for read, _ in reads.reads if read.order > plan.order] if reads is not None else []
+        later = [read for read in reads.reads if read.order > plan.order] if reads is not None else []
         if later:
             return OrderError(self._order_message(plan.name, plan.layer, later[-1].name, later[-1].layer))
         return OrderError(

@@ -12,9 +12,10 @@ L's `attention_probabilities` on every step of every prompt). Then the memory at
 after the traced run (0: earlier keys are read from the cache; the copy the earlier design kept is given for
 comparison). The engines are built side by side and timed in alternation after a warm-up, so load from other
 processes falls on all alike; the best of `--repeats` rounds is reported. Every prompt generates exactly `--tokens`
-tokens. Head summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, summed inside the
-worker, on the engine for traces) are timed beside plain vLLM at its defaults prefilling the same sequences (one
-token each, salted out of the prefix cache as the summaries' traced requests are). `--tp` adds the same rows on two
+tokens. Head summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the
+attention op in the worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
+defaults prefilling the same sequences (one token each, salted out of the prefix cache, as the summaries' requests
+skip reading it). `--tp` adds the same rows on two
 tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1 key/value head: its heads divide over two ranks;
 SmolLM2's 9 do not). Progress (each engine built, each run) and the load average go to stdout as they happen, so a
 run on a loaded machine shows where it is.
@@ -115,9 +116,9 @@ def rows_for(
         requests = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in sequences]
         llm.generate(requests, SamplingParams(max_tokens=1), use_tqdm=False)
 
-    def summaries():
-        found = head_summaries(model, length=50, sequences=8, seed=0, progress=False)
-        assert len(found.layers) == model.num_layers
+    def summaries():  # reduced at the attention op, on the engine at vLLM's defaults
+        found = head_summaries(static, length=50, sequences=8, seed=0, progress=False)
+        assert len(found.layers) == static.num_layers
 
     runs = {
         "plain vLLM": plain,
@@ -129,7 +130,7 @@ def rows_for(
         runs[f"traced capture, layer {layer} pattern"] = traced_capture
     if heads:
         runs["plain vLLM, prefill of 8 x 101 tokens"] = prefill_plain
-        runs["head summaries, every layer, same 8 x 101 (in the worker)"] = summaries
+        runs["head summaries, every layer, same 8 x 101 (in the worker, vLLM's defaults)"] = summaries
     rows = interleaved(runs, repeats)
     cache = model.vllm_entrypoint.collective_rpc("attnlens_cache_bytes")
     held = [stats["bytes"] for stats in model.kept()]
