@@ -34,12 +34,13 @@ class Qwen3_5Moe(Qwen3Next):
     )
     label = "Qwen3.5-MoE"
     # vLLM's qwen3_5 (Qwen3_5MoeForCausalLM), as Qwen3.5's (bfloat16, torchvision; values up to 6.6e-2 from
-    # transformers' past the Gated DeltaNet layer); full attention on the outer layers. Every token takes every
-    # expert: in bfloat16 a near-tied router would pick another expert on each engine.
+    # transformers' past the Gated DeltaNet layer, and 9.4e-2 at the last MoE layer's output on a CPU with AMX, whose
+    # bfloat16 kernels vLLM uses there); full attention on the outer layers. Every token takes every expert: in
+    # bfloat16 a near-tied router would pick another expert on each engine.
     vllm = replace(
         Qwen3Next.vllm,
         model_types=("qwen3_5_moe_text",),
-        tolerance=8e-2,
+        tolerance=1.2e-1,
         tiny={
             "head_dim": 32,
             "linear_key_head_dim": 64,
