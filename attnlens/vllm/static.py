@@ -246,7 +246,7 @@ class StaticRecorder:
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        values, config = self.values, self.values.config
+        values = self.values
         heads = values.geometry[layer]
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
@@ -257,6 +257,8 @@ class StaticRecorder:
                 spans = self.reduce(layer, query, key, value, spans)
             if not shorts:  # tapped for the tool only
                 return
+            earlier = self.earlier(layer, spans) if context else {}
+            scored = []  # (the step's captures, queries, keys) of each request, for its pattern
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
@@ -265,7 +267,9 @@ class StaticRecorder:
                     step[f"query.{layer}"] = queries.clone()
                 if not context:
                     continue
-                flat = self.context(layer, request_id, position, key[rows], value[rows])
+                flat = key[rows].reshape(count, -1), value[rows].reshape(count, -1)
+                if position:
+                    flat = tuple(torch.cat([before, now]) for before, now in zip(earlier[request_id], flat))
                 keys, vals = (
                     gathered_heads(x, dim, heads.num_kv_heads)
                     for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim))
@@ -274,26 +278,56 @@ class StaticRecorder:
                     if short in shorts:
                         step[f"{short}.{layer}"] = tensor if position else tensor.clone()
                 if pattern:
-                    scores = values.score_function.scores(heads, config, queries, keys, layer)
-                    probabilities, sinks = values.score_function.softmax(scores, values.sinks.get(layer))
-                    built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sinks}
-                    for short in pattern:
-                        step[f"{short}.{layer}"] = built[short]
+                    scored.append((step, queries, keys))
+            if scored:
+                self._patterns(layer, pattern, scored)
 
         return hook
 
-    def context(
-        self, layer: int, request_id: str, position: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's keys and values of this step, `[rows, this rank's heads * dim]`, preceded past its first
-        position by the earlier ones, read from vLLM's paged cache (prefix-cached ones too)."""
-        flat = keys.reshape(keys.shape[0], -1), values.reshape(values.shape[0], -1)
-        if not position:
-            return flat
+    def earlier(self, layer: int, spans: list) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per request past its first position, the keys and values before it, `[position, this rank's heads *
+        dim]`, read from vLLM's paged cache (prefix-cached ones too), every request's at once."""
         kernel = self.values.kernels[layer]
-        table, size = self.values.tables.row(kernel, request_id)
-        earlier = kept.cached(kernel, table, size, position)
-        return tuple(torch.cat([before, now]) for before, now in zip(earlier, flat))
+        past = [(request_id, position) for _, request_id, _, _, position in spans if position]
+        if not past:
+            return {}
+        rows = [self.values.tables.row(kernel, request_id) for request_id, _ in past]
+        read = kept.cached_many(
+            kernel, [(table, position) for (table, _), (_, position) in zip(rows, past)], rows[0][1]
+        )
+        return {request_id: found for (request_id, _), found in zip(past, read)}
+
+    def _patterns(self, layer: int, shorts: set[str], scored: list) -> None:
+        """The rebuilt scores and pattern of each request (`scored`: its step's captures, queries, keys), with the
+        family's score function; decode steps (one query each) of a family scoring the common layout's way in one
+        batch, their keys left-padded and masked, each request's rows then its own copy."""
+        values, config = self.values, self.values.config
+        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
+        single = [entry for entry in scored if entry[1].shape[2] == 1]
+        if len(single) < 2 or function.layer_key(config, layer) is None:
+            single = []
+        for step, queries, keys in (entry for entry in scored if not any(entry is one for one in single)):
+            scores = function.scores(heads, config, queries, keys, layer)
+            probabilities, sink = function.softmax(scores, sinks)
+            built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+            for short in shorts:
+                step[f"{short}.{layer}"] = built[short]
+        if not single:
+            return
+        lengths = [keys.shape[2] for _, _, keys in single]
+        longest = max(lengths)
+        padded = single[0][2].new_zeros(len(single), heads.num_kv_heads, longest, single[0][2].shape[3])
+        for row, (_, _, keys) in enumerate(single):
+            padded[row, :, longest - keys.shape[2] :] = keys[0]
+        present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
+        queries = torch.cat([entry[1] for entry in single])
+        scores = function.scores(heads, config, queries, padded, layer, present)
+        probabilities, sink = function.softmax(scores, sinks)
+        built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+        for row, ((step, _, _), length) in enumerate(zip(single, lengths)):
+            for short in shorts:
+                found = built[short][row : row + 1]
+                step[f"{short}.{layer}"] = (found if short == "attn_sinks" else found[..., longest - length :]).clone()
 
     def _projection_hook(self, layer: int):
         heads = self.values.geometry[layer]
