@@ -358,17 +358,11 @@ def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int
 
 
 def _tapped(model, layers) -> bool:
-    """Whether vLLM's attention kernel receives every layer's queries and keys as attnlens serves them (`static.taps`),
-    so they can be summarised there; elsewhere (latent attention, channels permuted for the rotary kernel, keys
-    shared with an earlier layer) each prompt is a trace reading the served values."""
-    from .vllm import static
+    """Whether vLLM's attention kernel receives every layer's queries and keys as attnlens serves them, so they can
+    be summarised there (`reducer.untapped`); elsewhere each prompt is a trace reading the served values."""
+    from .vllm import reducer
 
-    wanted = ("query", "key")
-    return all(
-        static.taps(model.family, model.text_config, layer).get(short) == "kernel"
-        for layer in layers
-        for short in wanted
-    )
+    return not any(reducer.untapped(model, layer) for layer in layers)
 
 
 def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[dict[int, dict]]:

@@ -60,9 +60,8 @@ def points_for(features, layers=None):
 
 
 def untapped(model, features, layer: int) -> list[str]:
-    """The values `features` read on `layer` that vLLM's attention kernel does not receive as attnlens serves them
-    (no kernel on the layer, or a kernel argument in another layout: `static.taps`)."""
-    from ..vllm import static
+    """The kernel arguments `features` read on `layer` that vLLM's attention kernel does not receive as attnlens
+    serves them (`attnlens.vllm.reducer.untapped`)."""
+    from ..vllm import reducer
 
-    taps = static.taps(model.family, model.text_config, layer)
-    return [short for short in shorts_of(features) if taps.get(short) != "kernel"]
+    return reducer.untapped(model, layer, shorts_of(features))

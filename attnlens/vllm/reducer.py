@@ -44,6 +44,14 @@ GROUP_ELEMENTS = 2**22
 Compute = Callable[[list, list[int], int, dict], dict]
 
 
+def untapped(model, layer: int, shorts=("query", "key")) -> list[str]:
+    """Which of the kernel arguments `shorts` vLLM's attention kernel on `layer` does not receive as attnlens serves
+    them (no kernel there, latent attention, channels permuted for the rotary kernel, keys shared with an earlier
+    layer: `static.taps`): a reduction cannot read those there."""
+    taps = static.taps(model.family, model.text_config, layer)
+    return [short for short in shorts if taps.get(short) != "kernel"]
+
+
 class _Prompt:
     """One reduced request: its tokens, its runs of layers reduced together (runs of layers that score alike, split so
     none exceeds `GROUP_ELEMENTS`), each run's rows so far (`[layers in the run, tokens, heads * dim]` per kernel
