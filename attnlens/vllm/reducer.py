@@ -143,9 +143,10 @@ class Reducer:
     def _copy(self, tag: str, request_id: str, layer: int, rows: dict, position: int) -> None:
         """One request's rows of this step on `layer` into its prompt's run; the run reduced once complete."""
         prompt = self.prompts.get(tag)
-        if prompt is None:
+        if prompt is None or (not position and layer in prompt.filled):  # new, or preempted and computed afresh
             tokens = self.runner.requests[request_id].num_prompt_tokens
             prompt = self.prompts[tag] = _Prompt(tokens, self.groups, self.values.geometry.__getitem__)
+            self.results.pop(tag, None)
         if prompt.filled.get(layer, 0) != position:  # the rows before were never computed here
             raise RuntimeError(
                 f"layer {layer}'s rows before position {position} were never computed here (served from vLLM's "
