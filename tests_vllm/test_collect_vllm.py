@@ -170,25 +170,36 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
         Collector(model, ["entropy", "head_output_norm"])
 
 
-def test_reduced_on_two_tensor_parallel_ranks_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
-    """Two CPU ranks (the `mp` executor): the taps gather both ranks' heads, rank 0 reduces; the table equals the
-    one-process one."""
+@pytest.mark.parametrize(("name", "local"), [("llama", True), ("gptj", False)])
+def test_reduced_on_two_tensor_parallel_ranks_equals_eager(name, local, corpus, tmp_path_factory, tmp_path):
+    """Two CPU ranks (the `mp` executor). Llama scores the common layout's way: each rank reduces its own heads and
+    the client joins them. GPT-J's family scores its own way (float32 products, the mask in the model's dtype): every
+    rank gathers the heads and rank 0 reduces. Either table equals the eager engine's."""
+    from conftest import pair
     from vllm import envs
 
     from attnlens.collect.collector import load
 
+    models = pair(name, tmp_path_factory)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
     envs.disable_envs_cache()
     args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp", "tensor_parallel_size": 2}
     try:
-        model = load(str(llama.path), "vllm", {**args, "enforce_eager": True}, REDUCED)  # eager: no compile per rank
+        model = load(str(models.path), "vllm", {**args, "enforce_eager": True}, REDUCED)  # eager: no compile per rank
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     try:
         assert Collector(model, REDUCED).reduced
-        result = attnlens.collect(model, corpus, REDUCED, tmp_path / "tp", rows=ROWS, top_k=3, progress=False)
+        options = dict(rows=ROWS, top_k=3, progress=False)
+        result = attnlens.collect(model, corpus, REDUCED, tmp_path / "tp", **options)
+        assert model.vllm_entrypoint.collective_rpc(_reduces_own_heads) == [local, local]
         errors = read_table(result.out, "errors").to_pylist()
         assert {e["prompt"]: e["reason"] for e in errors} == ERRORS, errors
-        assert_tables_close(read_table(result.out), read_table(reduced_on_vllm.out))
+        eager = attnlens.collect(models.eager, corpus, REDUCED, tmp_path / "eager", **options)
+        assert_tables_close(read_table(result.out), read_table(eager.out))
     finally:
         model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+def _reduces_own_heads(worker) -> bool:
+    return worker.model_runner.attnlens_static.reduce.local
