@@ -174,7 +174,7 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
 def test_reduced_on_two_tensor_parallel_ranks_equals_eager(name, local, corpus, tmp_path_factory, tmp_path):
     """Two CPU ranks (the `mp` executor). Llama scores the common layout's way: each rank reduces its own heads and
     the client joins them. GPT-J's family scores its own way (float32 products, the mask in the model's dtype): every
-    rank gathers the heads and rank 0 reduces. Either table equals the eager engine's."""
+    rank gathers the heads and rank 0 reduces. Either table equals the eager engine's, and so do head summaries."""
     from conftest import pair
     from vllm import envs
 
@@ -197,6 +197,12 @@ def test_reduced_on_two_tensor_parallel_ranks_equals_eager(name, local, corpus, 
         assert {e["prompt"]: e["reason"] for e in errors} == ERRORS, errors
         eager = attnlens.collect(models.eager, corpus, REDUCED, tmp_path / "eager", **options)
         assert_tables_close(read_table(result.out), read_table(eager.out))
+        # head summaries take the same reducer: per-head sums and row counts, joined across the ranks the same way
+        summaries = dict(length=12, sequences=3, top_k=2, progress=False)
+        got, want = (attnlens.head_summaries(m, [models.prompt], **summaries) for m in (model, models.eager))
+        for metric in attnlens.heads.METRICS:
+            for layer in want.layers:
+                assert torch.allclose(got.get(metric, layer), want.get(metric, layer), **TOLERANCE), (metric, layer)
     finally:
         model.vllm_entrypoint.llm_engine.engine_core.shutdown()
 
