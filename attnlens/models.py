@@ -165,10 +165,23 @@ def tiny(
     rebuild_patterns: bool = False,
     **config_overrides,
 ):
-    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
+    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`.
+
+    Where the family's blocks are not in that model, the family states the model transformers builds from its
+    checkpoint, which is another: `AutoModelForCausalLM` builds a released Qwen3.5 checkpoint (saved from
+    `Qwen3_5ForConditionalGeneration`) as its text model. The model is then saved and loaded back, as a checkpoint is.
+    """
+    import tempfile
+
+    from .registry import family_for
     from .standardized import StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    return StandardizedTransformer(
-        model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
-    )
+    kwargs = dict(tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns)
+    try:
+        model.get_submodule(family_for(family.partition(":")[0]).layers)
+    except AttributeError:
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            return StandardizedTransformer(folder, **kwargs)
+    return StandardizedTransformer(model, **kwargs)

@@ -1,20 +1,36 @@
-"""Qwen3.5 (text): Qwen3-Next's hybrid of sigmoid-gated softmax attention and Gated DeltaNet linear attention, with a
-dense MLP on every layer.
+"""Qwen3.5: Qwen3-Next's hybrid of sigmoid-gated softmax attention and Gated DeltaNet linear attention, with a dense
+MLP on every layer.
 
-The text model is `Qwen3_5ForCausalLM` on a `Qwen3_5TextConfig` (`model_type` "qwen3_5_text"); a full Qwen3.5
-checkpoint ("qwen3_5", with a `text_config`) loads as the same class through `AutoModelForCausalLM`, so both types
-map here. Full-attention layers gate their heads by `sigmoid(gate)` exactly as Qwen3-Next does; by default every
-fourth layer is full attention (`full_attention_interval`), the rest linear attention (see Qwen3-Next).
+The text model is `Qwen3_5ForCausalLM` on a `Qwen3_5TextConfig` (`model_type` "qwen3_5_text"). Full-attention layers
+gate their heads by `sigmoid(gate)` exactly as Qwen3-Next does; by default every fourth layer is full attention
+(`full_attention_interval`), the rest linear attention (see Qwen3-Next).
+
+Released checkpoints are "qwen3_5" (`Qwen3_5ForConditionalGeneration`: a `text_config` and a `vision_config`), served
+by `Qwen3_5Multimodal`: `AutoModelForCausalLM` builds them as the text model, `Qwen3_5ForCausalLM` on the text config
+(transformers does so for a composite config whose causal-LM class takes its text config; the weights under
+`model.language_model` load as `model`, the vision tower's are dropped), so on transformers the paths are the text
+family's; vLLM runs them as its multimodal class, the same text class under `language_model`.
 """
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import TINY_DEFAULTS, Tiny
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL
 from .qwen3_next import Qwen3Next
 
 
+def released_tiny(config: str, model: str, text: type[Qwen3Next]) -> Tiny:
+    """The tiny released checkpoint of the text family `text`: its tiny text config (merged as `tiny_model` merges it,
+    None unsetting a default) beside a one-block vision tower projecting to the text width, which the transformers
+    engine drops and vLLM does not build (`language_model_only`) but which makes the checkpoint the released kind."""
+    merged = {**TINY_DEFAULTS, **text.tiny.kwargs}
+    text_config = {"model_type": text.model_types[0], **{k: v for k, v in merged.items() if v is not None}}
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}
+    return Tiny(config, model, {"text_config": text_config, "vision_config": vision})
+
+
 class Qwen3_5(Qwen3Next):
-    model_types = ("qwen3_5_text", "qwen3_5")
+    model_types = ("qwen3_5_text",)
     # full_attention_interval=3: layers 0 and 1 are linear attention, layer 2 full attention.
     tiny = Tiny(
         "Qwen3_5TextConfig",
@@ -31,9 +47,7 @@ class Qwen3_5(Qwen3Next):
     )
     label = "Qwen3.5"
     # vLLM's qwen3_5 (Qwen3_5ForCausalLM): Qwen3-Next's classes, bfloat16 only on CPU. Its module imports qwen3_vl,
-    # which imports torchvision (make install-vllm). A full "qwen3_5" checkpoint runs there as the multimodal
-    # Qwen3_5ForConditionalGeneration (language_model.model.*), where transformers builds Qwen3_5ForCausalLM (model.*):
-    # one family has one set of eager paths, so only the text type is served.
+    # which imports torchvision (make install-vllm).
     vllm = replace(
         Qwen3Next.vllm,
         model_types=("qwen3_5_text",),
@@ -51,3 +65,15 @@ class Qwen3_5(Qwen3Next):
 
     def moe_layer(self, config, layer):
         return False
+
+
+
+class Qwen3_5Multimodal(Qwen3_5):
+    model_types = ("qwen3_5",)
+    tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5)
+    vllm = replace(
+        Qwen3_5.vllm,
+        model_types=("qwen3_5",),
+        names=VLLM_LANGUAGE_MODEL,  # vLLM's Qwen3_5ForConditionalGeneration, its Qwen3_5ForCausalLM as language_model
+        tiny={"text_config": {**tiny.kwargs["text_config"], **Qwen3_5.vllm.tiny}},
+    )

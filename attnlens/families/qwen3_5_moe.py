@@ -1,18 +1,21 @@
-"""Qwen3.5-MoE (text): Qwen3.5's hybrid of sigmoid-gated softmax attention and Gated DeltaNet linear attention, with a
-sparse mixture-of-experts MLP (routed experts plus a gated shared expert) on every layer.
+"""Qwen3.5-MoE: Qwen3.5's hybrid of sigmoid-gated softmax attention and Gated DeltaNet linear attention, with a sparse
+mixture-of-experts MLP (routed experts plus a gated shared expert) on every layer.
 
-`Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeTextConfig` ("qwen3_5_moe_text"); full checkpoints ("qwen3_5_moe") load as
-the same class. No layer has a single activation or neuron tensor (see Qwen3-Next).
+`Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeTextConfig` ("qwen3_5_moe_text"). No layer has a single activation or neuron
+tensor (see Qwen3-Next). Released checkpoints ("qwen3_5_moe", `Qwen3_5MoeForConditionalGeneration`) are served by
+`Qwen3_5MoeMultimodal`, as Qwen3.5's are (see Qwen3.5).
 """
 
 from dataclasses import replace
 
 from ..family import Tiny
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL
+from .qwen3_5 import released_tiny
 from .qwen3_next import Qwen3Next
 
 
 class Qwen3_5Moe(Qwen3Next):
-    model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
+    model_types = ("qwen3_5_moe_text",)
     # layers 0 and 2 linear attention, layer 1 full attention
     tiny = Tiny(
         "Qwen3_5MoeTextConfig",
@@ -52,3 +55,14 @@ class Qwen3_5Moe(Qwen3Next):
 
     def moe_layer(self, config, layer):
         return True
+
+
+class Qwen3_5MoeMultimodal(Qwen3_5Moe):
+    model_types = ("qwen3_5_moe",)
+    tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe)
+    vllm = replace(
+        Qwen3_5Moe.vllm,
+        model_types=("qwen3_5_moe",),
+        names=VLLM_LANGUAGE_MODEL,  # vLLM's Qwen3_5MoeForConditionalGeneration, its Qwen3_5MoeForCausalLM as language_model
+        tiny={"text_config": {**tiny.kwargs["text_config"], **Qwen3_5Moe.vllm.tiny}},
+    )
