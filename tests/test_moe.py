@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek's and MiMo's dense and expert layers): the routed
-output and the reasons.
+"""Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE; DeepSeek's and MiMo's dense and expert
+layers): the routed output and the reasons.
 
 Generic over the mechanism; a family's own tests are in tests/families/test_<family>.py."""
 
@@ -26,11 +26,12 @@ def test_dense_layers_serve_the_activation_and_moe_layers_say_why_not(case):
 
 
 #: MoE family -> (a sparse MoE layer, a dense layer or None).
-MOE = {"mixtral": (1, None), "qwen2_moe": (0, 1), "qwen3_moe": (1, 0)}
+MOE = {"mixtral": (1, None), "qwen2_moe": (0, 1), "qwen3_moe": (1, 0), "ernie4_5_moe": (1, 0)}
 
 
 def moe_by_hand(block, x):
-    """The MoE block's output from its weights: top-k routing over every expert, plus any gated shared expert."""
+    """The MoE block's output from its weights: top-k routing over every expert, plus any shared expert (gated, or
+    added as it is: ERNIE 4.5's shared_experts)."""
     flat = x.reshape(-1, x.shape[-1])
     probs = torch.softmax((flat @ block.gate.weight.T).float(), dim=-1)
     top, chosen = probs.topk(block.gate.top_k, dim=-1)
@@ -43,6 +44,8 @@ def moe_by_hand(block, x):
     out = (every[chosen, tokens] * top[..., None]).sum(1)
     if hasattr(block, "shared_expert"):
         out = out + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
+    if getattr(block, "shared_experts", None) is not None:
+        out = out + block.shared_experts(flat)
     return out.view_as(x)
 
 
