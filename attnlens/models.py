@@ -177,7 +177,9 @@ def tiny(
     from .standardized import StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    kwargs = dict(tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns)
+    kwargs = dict(
+        tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
+    )
     try:
         model.get_submodule(family_for(family.partition(":")[0]).layers)
     except AttributeError:

@@ -67,7 +67,6 @@ class Qwen3_5(Qwen3Next):
         return False
 
 
-
 class Qwen3_5Multimodal(Qwen3_5):
     model_types = ("qwen3_5",)
     tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5)

@@ -63,6 +63,7 @@ class Qwen3_5MoeMultimodal(Qwen3_5Moe):
     vllm = replace(
         Qwen3_5Moe.vllm,
         model_types=("qwen3_5_moe",),
-        names=VLLM_LANGUAGE_MODEL,  # vLLM's Qwen3_5MoeForConditionalGeneration, its Qwen3_5MoeForCausalLM as language_model
+        # vLLM's Qwen3_5MoeForConditionalGeneration, its Qwen3_5MoeForCausalLM as language_model
+        names=VLLM_LANGUAGE_MODEL,
         tiny={"text_config": {**tiny.kwargs["text_config"], **Qwen3_5Moe.vllm.tiny}},
     )

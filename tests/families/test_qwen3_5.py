@@ -27,7 +27,9 @@ def test_a_released_qwen3_5_checkpoint_loads_as_the_text_model(tmp_path):
     assert close(logits, saved_for("qwen3_5_text")["logits"])
 
 
-@pytest.mark.parametrize(("case", "text"), [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
+@pytest.mark.parametrize(
+    ("case", "text"), [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")]
+)
 def test_the_tiny_released_checkpoint_is_what_transformers_loads_from_it(case, text):
     """The recipe saves the composite class (model.language_model.*, a vision tower); the tiny model is the text class
     AutoModelForCausalLM loads from it, under the released type's family."""
