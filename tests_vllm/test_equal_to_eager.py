@@ -161,7 +161,11 @@ def test_identities_hold_on_vllms_own_tensors_every_step(models):
                 for name in names:
                     step[(i, name)] = getattr(attn, name).clone()
                 if kernel_projection[i] is not None and (i, "attention_premix") in step:
-                    projected = getattr(attn, kernel_projection[i])(step[(i, "attention_premix")][0])
+                    premix = step[(i, "attention_premix")][0]
+                    if kernel_projection[i] == model.family.path("output_projection", "vllm"):
+                        projected = getattr(attn, kernel_projection[i])(premix)
+                    else:  # the premix passes another module first (BitNet's attn_sub_norm): the family's arithmetic
+                        projected = model.family.identities.project_output(attn, premix)
                     step[(i, "projected")] = (projected[0] if isinstance(projected, tuple) else projected)[None]
             steps.append(step)
     atol = TOLERANCE if models.dtype == torch.float32 else HALF_TOLERANCE

@@ -8,6 +8,7 @@ output the forward multiplies by, viewed per head, so `head_outputs * gate` merg
 sigmoid gate of its own output: the norms' outputs are after that gate.
 """
 
+from ..family import VLLMLayout
 from ..locations import Derived, Operation, insert_after
 from .deepseek_v32 import DeepseekV32
 
@@ -24,6 +25,14 @@ def _flat(envoy, old, new):
 class AXK2(DeepseekV32):
     model_types = ("axk2",)
     tiny = ("AXK2Config", "AXK2ForCausalLM", DeepseekV32.tiny[2])
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 has no class for AXK2ForCausalLM (it registers AXK1ForCausalLM only); its Transformers "
+        'backend takes AXK2Attention for dense latent attention ("Fused: self_attn (AXK2Attention) -> '
+        'MLAAttention"), whose attention function (vllm_mla_attention_forward) drops the mask that carries the '
+        "indexer's top-k choice, and on CPU does not run the tiny checkpoint: in float32 its MLA kernel says "
+        '"expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)", in bfloat16 '
+        '(enforce_eager) "Head dimension 64 is not supported by MLA."; the transformers engine serves the family'
+    )
 
     def locations(self):
         gate = Derived(

@@ -7,7 +7,7 @@ each head's output is multiplied by `sigmoid(g_proj(hidden))`, one scalar per he
 Delta Attention (see Kimi Linear), whose output gate lives inside `o_norm`.
 """
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from ..locations import insert_after
 from ..parts.gates import head_scalar_gate
 from .deepseek_v2 import DeepseekV2
@@ -30,6 +30,14 @@ class BailingHybrid(DeltaHybrid, DeepseekV2):
         },
     )
     label = "Bailing Hybrid"
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 cannot load a transformers bailing_hybrid checkpoint: the transformers it pins (5.19) has "
+        'no BailingHybridConfig ("The checkpoint you are trying to load has model type `bailing_hybrid` but '
+        'Transformers does not recognize this architecture"), also when asked for its BailingMoeV3ForCausalLM '
+        "(hf_overrides), the Kimi Delta Attention and latent-attention model, which reads its authors' config "
+        "(layer_group_size, not layer_types); its BailingMoeV2_5ForCausalLM is another model (lightning linear "
+        "attention with a decay per head, not Kimi Delta Attention); the transformers engine serves the family"
+    )
 
     def locations(self):
         gate = head_scalar_gate("torch_sigmoid_0", "torch.sigmoid(self.g_proj", trailing=False)

@@ -8,6 +8,10 @@ In the MLP, `mlp_activation` is `act_fn(gate_proj(x))` and `mlp_neurons` what `d
 
 The checkpoint's ternary weights (BitNet b1.58) are quantized by transformers' BitNet integration when loaded; the
 values are read from the modules as they run either way.
+
+vLLM 0.32 has no BitNet class and runs it through its Transformers backend (transformers' own modules, vLLM's kernel
+as the attention function); relu2 has no fused act-and-mul kernel there, so the MLP is not fused and every eager
+location holds.
 """
 
 from dataclasses import replace
@@ -15,12 +19,15 @@ from dataclasses import replace
 from ..family import Tiny
 from ..locations import ModuleInput
 from ..parts import identities
+from ..parts.mirrored import transformers_backend
 from .llama import Llama
 
 
 class BitNet(Llama):
     model_types = ("bitnet",)
     tiny = Tiny("BitNetConfig", "BitNetForCausalLM", {})
+    # head size 32 (vLLM's CPU kernels); attn_sub_norm spans hidden_size, so the heads must fill it
+    vllm = transformers_backend(("bitnet",), tiny={"hidden_size": 128})
 
     def locations(self):
         return {**super().locations(), "attention_premix": ModuleInput("attn_sub_norm")}

@@ -9,8 +9,9 @@ shared attention interface (scale, then mask), as GPT-J does.
 
 import torch
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from ..parts import scoring
+from ..parts.vllm import own_attention
 from .gptj import GPTJ
 
 
@@ -23,6 +24,7 @@ class CodeGen(GPTJ):
     )
     attention_class = ("codegen.modeling_codegen", "CodeGenAttention")
     own_scores = ("attn_weights_2", "/ self.scale_attn")
+    vllm = VLLMLayout(refusal=own_attention("CodeGen", "CodeGenForCausalLM", "CodeGenAttention._attn"))
 
     class ScoreFunction(scoring.ScoreFunction):
         def scores(self, heads, config, queries, keys, layer, key_mask=None):

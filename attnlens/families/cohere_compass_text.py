@@ -5,7 +5,7 @@ added to the input at once) with sliding and full layers, a rotary embedding per
 from packaging.version import Version
 from transformers import __version__
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from .cohere import Cohere
 
 #: transformers 5.19's CohereCompassRotaryEmbedding fails on any per-layer-type rope configuration.
@@ -31,6 +31,16 @@ class CohereCompassText(Cohere):
         )
         if BUILDS
         else None
+    )
+
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 does not run Cohere Compass's text model: its Transformers backend "
+        "(TransformersForCausalLM) builds transformers 5.19's CohereCompassRotaryEmbedding, which fails on the "
+        'per-layer-type rope configuration ("The expanded size of the tensor (16) must match the existing size '
+        '(0) at non-singleton dimension 0"), and its own CohereCompassForConditionalGeneration takes the '
+        'multimodal config only ("Invalid type of HuggingFace config. Expected type: <class '
+        "'...CohereCompassConfig'>, but found type: <class '...CohereCompassTextConfig'>\"); the transformers "
+        "engine serves the family"
     )
 
     def notes(self, config, layer, engine="transformers"):

@@ -15,6 +15,7 @@ of other sizes, with a sigmoid gate per head and token, and normed, rescaled lat
 types map here.
 """
 
+from ..family import VLLMLayout
 from ..locations import insert_after
 from ..parts.gates import head_scalar_gate
 from .deepseek_v32 import INDEXER_TINY, DeepseekV32
@@ -51,6 +52,15 @@ class Dots3Note(DeepseekV32):
             "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"],
             "mlp_layer_types": ["dense", "sparse", "dense"],
         },
+    )
+
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 cannot load a transformers dots.3 Note checkpoint: the transformers it pins (5.19) has "
+        'no dots3_note_text ("The checkpoint you are trying to load has model type `dots3_note_text` but '
+        "Transformers does not recognize this architecture\"), and its own Dots3NoteForCausalLM reads its authors' "
+        "flat config, not transformers' dots3_note, whose text model is nested: \"The text_config extracted from "
+        'the model config does not have `num_attention_heads` attribute"; its indexed layers are DeepSeek Sparse '
+        "Attention besides, which vLLM does not run on CPU (DeepSeek-V3.2); the transformers engine serves the family"
     )
 
     def layer_config(self, config, layer):

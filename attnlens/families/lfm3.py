@@ -7,9 +7,10 @@ The gate is `sigmoid(g_proj(x))`, one factor per head and position, multiplying 
 `attention_head_outputs` the mix before it. Everything else is LFM2's (transformers 5.24 and later).
 """
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
 from ..locations import Operation, insert_after
 from ..parts.gates import repeated_head_gate
+from ..parts.vllm import not_in_transformers
 from .lfm2 import Lfm2
 
 
@@ -21,6 +22,7 @@ class Lfm3(Lfm2):
         {"head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]},
         layouts={"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}},
     )
+    vllm = VLLMLayout(refusal=not_in_transformers("LFM3", "Lfm3ForCausalLM", "Lfm3Config"))
     output_projection = "o_proj"
     attention_post_norm = "post_operator_norm"
     mlp_post_norm = "post_ffn_norm"

@@ -11,7 +11,8 @@ image features, not positions of the sequence), and the residual stream passes i
 (`MllamaForCausalLM`, blocks at `model.layers`).
 """
 
-from ..family import Tiny
+from ..family import Tiny, VLLMLayout
+from ..parts.vllm import backend_refuses
 from ..values import ALL_VALUES
 from .llama import Llama
 
@@ -25,6 +26,18 @@ CROSS = (
 class Mllama(Llama):
     model_types = ("mllama", "mllama_text_model")
     tiny = Tiny("MllamaTextConfig", "MllamaForCausalLM", {"cross_attention_layers": [1]})
+    vllm = VLLMLayout(
+        refusal=backend_refuses(
+            "Mllama",
+            "Unrecognized configuration class <class 'transformers.models.mllama.configuration_mllama."
+            "MllamaTextConfig'> for this kind of AutoModel: AutoModel.",
+            dropped=("MllamaForConditionalGeneration", "0.10.2"),
+            why="the text model's checkpoint, mllama_text_model; a whole mllama checkpoint it runs only as a "
+            "multimodal model (TransformersMultiModalForCausalLM), which builds Mllama's processor (\"Can't load image "
+            'processor" from the tiny checkpoint; with a MllamaImageProcessor saved beside it its greedy tokens '
+            "equal transformers'), whose locations inside vLLM's wrapper attnlens has not checked",
+        )
+    )
 
     def renames(self, engine="transformers"):
         return {**super().renames(engine), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block

@@ -15,7 +15,8 @@ linear layers and some blocks, and run LayerNorm blocks with a plain residual st
 
 On both, the attention's values are read at the kernel, as on vLLM's Llama-like models: queries, keys and values as
 the kernel receives them (keys over the whole context on decode steps), the pattern rebuilt with the family's score
-function, each head's output from the output projection's input.
+function, each head's output from the heads merged (the output projection's input; on BitNet what its sub-norm
+receives).
 """
 
 from __future__ import annotations
@@ -54,18 +55,19 @@ def mirrored(family: Any, eager: dict[str, Location], own_port: bool) -> dict[st
     with no gate). Any other kind is the family's to state: it raises."""
     from ..locations.vllm import KernelInput, RebuiltPattern, SampledLogits, batched, heads_of
 
-    kernel, projection = family.vllm.kernel, family.output_projection
+    kernel, merged, said = family.vllm.kernel, ModuleInput(family.output_projection), "the output projection's input"
+    premix = eager.get("attention_premix")
+    if isinstance(premix, ModuleInput) and premix != merged:  # BitNet's heads merged go to a norm before o_proj
+        merged, said = premix, f"what {premix.module} receives"
     replaced = {
         "attention_queries": KernelInput(kernel, 0),
         "attention_keys": KernelInput(kernel, 1),
         "attention_values": KernelInput(kernel, 2),
         "attention_scores": RebuiltPattern(kernel, "scores"),
         "attention_probabilities": RebuiltPattern(kernel, "probabilities"),
-        "attention_head_outputs": heads_of(ModuleInput(projection))
+        "attention_head_outputs": heads_of(merged)
         if own_port
-        else Derived(
-            ModuleInput(projection), _split_heads, _merge_heads, note="the output projection's input, split into heads"
-        ),
+        else Derived(merged, _split_heads, _merge_heads, note=f"{said}, split into heads"),
     }
     if own_port and "mlp_activation" in eager:
         replaced["mlp_activation"] = Derived(
