@@ -83,6 +83,16 @@ class Tiny(NamedTuple):
     layouts: dict[str, dict] = {}
 
 
+def released_tiny(config: str, model: str, text: type[Family], vision: dict) -> Tiny:
+    """The tiny recipe of a released multimodal checkpoint (`config`, `model`: the `...ForConditionalGeneration`
+    transformers builds it as) whose language model is the text family `text`: its tiny text config (merged as
+    `tiny_model` merges it, None unsetting a default) beside a small vision tower (`vision`), which makes the
+    checkpoint the released kind; vLLM does not build it (`language_model_only`)."""
+    merged = {**TINY_DEFAULTS, **text.tiny.kwargs}
+    text_config = {"model_type": text.model_types[0], **{k: v for k, v in merged.items() if v is not None}}
+    return Tiny(config, model, {"text_config": text_config, "vision_config": vision})
+
+
 class Family(Anchored, OldSpelling):
     """The common transformers decoder layout. Override attributes and methods to describe another."""
 

@@ -154,7 +154,7 @@ def why_not(model, layer: int) -> str | None:
     served = model.access.locations(layer)
     if "attention_probabilities" not in served:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
-    beyond = model.family.score_function().beyond_queries_and_keys(model.config, layer)
+    beyond = model.family.score_function().beyond_queries_and_keys(model.access.config, layer)
     if beyond is not None:
         return (
             f"{beyond}: head summaries score the queries and keys alone, so the family's score function is "

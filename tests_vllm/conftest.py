@@ -149,7 +149,7 @@ def pair(name: str, tmp_path_factory) -> Pair:
             attnlens.models.char_tokenizer().save_pretrained(folder)
             # a multimodal checkpoint's language model alone: the tiny one saves no image processor for vLLM to build
             engine = {"language_model_only": True} if hasattr(tiny.config, "vision_config") else {}
-            chunk = getattr(tiny.config, "attention_chunk_size", None)
+            chunk = getattr(tiny.config.get_text_config(), "attention_chunk_size", None)
             if chunk:  # vLLM's chunked local attention wants chunks of whole KV blocks (32 on CPU at the least)
                 engine["block_size"] = math.gcd(chunk, 128)
             _pairs[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype, **engine, **rotary(family))

@@ -15,15 +15,16 @@ feed-forwards (a shared expert beside routed experts) interleaved with dense one
   flat, `[batch * seq, hidden]`: `mlp_output` is that output viewed as `[batch, seq, hidden]`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..family import Family, VLLMLayout
+from ..family import Family, VLLMLayout, released_tiny
 from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL
 
 MOE_REASON = (
     "a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
@@ -75,7 +76,7 @@ def _llama4_vllm_locations(family):
 
 
 class Llama4(SparseMoE, Family):
-    model_types = ("llama4_text", "llama4")  # transformers builds Llama4ForCausalLM on the text config of both
+    model_types = ("llama4_text",)
     tiny = (
         "Llama4TextConfig",
         "Llama4ForCausalLM",
@@ -182,3 +183,33 @@ class Llama4(SparseMoE, Family):
             "in the forward, viewed as [batch, seq, hidden]; in-place edits land",
         }
     }
+
+
+class Llama4Multimodal(Llama4):
+    """Released Llama 4 checkpoints ("llama4", `Llama4ForConditionalGeneration`: Scout, Maverick): transformers builds
+    them as the text model, `Llama4ForCausalLM` on the text config (the vision tower's weights dropped), so the paths
+    are the text family's; vLLM runs its multimodal class (mllama4.py), the text class under `language_model`."""
+
+    model_types = ("llama4",)
+    tiny = released_tiny(
+        "Llama4Config",
+        "Llama4ForConditionalGeneration",
+        Llama4,
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "image_size": 28,
+            "patch_size": 14,
+            "vision_output_dim": 64,
+            "projector_input_dim": 64,
+            "projector_output_dim": 64,
+        },
+    )
+    vllm = replace(
+        Llama4.vllm,
+        model_types=("llama4",),
+        names=VLLM_LANGUAGE_MODEL,
+        tiny={"text_config": {**tiny.kwargs["text_config"], **Llama4.vllm.tiny}},
+    )

@@ -14,19 +14,12 @@ family's; vLLM runs them as its multimodal class, the same text class under `lan
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS, Tiny
+from ..family import Tiny, released_tiny
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL
 from .qwen3_next import Qwen3Next
 
-
-def released_tiny(config: str, model: str, text: type[Qwen3Next]) -> Tiny:
-    """The tiny released checkpoint of the text family `text`: its tiny text config (merged as `tiny_model` merges it,
-    None unsetting a default) beside a one-block vision tower projecting to the text width, which the transformers
-    engine drops and vLLM does not build (`language_model_only`) but which makes the checkpoint the released kind."""
-    merged = {**TINY_DEFAULTS, **text.tiny.kwargs}
-    text_config = {"model_type": text.model_types[0], **{k: v for k, v in merged.items() if v is not None}}
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}
-    return Tiny(config, model, {"text_config": text_config, "vision_config": vision})
+#: A one-block vision tower projecting to the tiny text width, for the released checkpoints' recipes.
+VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64}
 
 
 class Qwen3_5(Qwen3Next):
@@ -69,7 +62,7 @@ class Qwen3_5(Qwen3Next):
 
 class Qwen3_5Multimodal(Qwen3_5):
     model_types = ("qwen3_5",)
-    tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5)
+    tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5, VISION)
     vllm = replace(
         Qwen3_5.vllm,
         model_types=("qwen3_5",),

@@ -8,9 +8,9 @@ tensor (see Qwen3-Next). Released checkpoints ("qwen3_5_moe", `Qwen3_5MoeForCond
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import Tiny, released_tiny
 from ..parts.multimodal import VLLM_LANGUAGE_MODEL
-from .qwen3_5 import released_tiny
+from .qwen3_5 import VISION
 from .qwen3_next import Qwen3Next
 
 
@@ -59,7 +59,7 @@ class Qwen3_5Moe(Qwen3Next):
 
 class Qwen3_5MoeMultimodal(Qwen3_5Moe):
     model_types = ("qwen3_5_moe",)
-    tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe)
+    tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe, VISION)
     vllm = replace(
         Qwen3_5Moe.vllm,
         model_types=("qwen3_5_moe",),
