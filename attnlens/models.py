@@ -122,10 +122,15 @@ def tiny_cases() -> list[str]:
     return sorted(cases)
 
 
-def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", **config_overrides) -> torch.nn.Module:
+def tiny_model(
+    family: str, seed: int = 0, attn_implementation: str = "eager", checkpoint: bool = False, **config_overrides
+) -> torch.nn.Module:
     """A small randomly initialised transformers model of `family`, seeded, in float32, eager unless asked.
 
     `family` is a model type, optionally with one of the layouts of the family's `tiny` recipe: `"falcon:alibi"`.
+    It is the model `AutoModelForCausalLM` builds from the recipe's checkpoint: for a released multimodal type that
+    transformers loads as its text model (Qwen3.5, Llama 4, Qwen4-Exp), that text model, on the same weights; with
+    `checkpoint`, the recipe's own class (the composite, as saved and as vLLM runs it).
     """
     import transformers
 
@@ -154,7 +159,16 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", *
             if "norm" in type(module).__name__.lower():
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    built = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if checkpoint or built is None or isinstance(model, built):
+        return model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation=attn_implementation, dtype=torch.float32
+        ).eval()
 
 
 def tiny(
@@ -165,25 +179,10 @@ def tiny(
     rebuild_patterns: bool = False,
     **config_overrides,
 ):
-    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`.
-
-    Where the family's blocks are not in that model, the family states the model transformers builds from its
-    checkpoint, which is another: `AutoModelForCausalLM` builds a released Qwen3.5 checkpoint (saved from
-    `Qwen3_5ForConditionalGeneration`) as its text model. The model is then saved and loaded back, as a checkpoint is.
-    """
-    import tempfile
-
-    from .registry import family_for
+    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
     from .standardized import StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    kwargs = dict(
-        tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
+    return StandardizedTransformer(
+        model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
     )
-    try:
-        model.get_submodule(family_for(family.partition(":")[0]).layers)
-    except AttributeError:
-        with tempfile.TemporaryDirectory() as folder:
-            model.save_pretrained(folder)
-            return StandardizedTransformer(folder, **kwargs)
-    return StandardizedTransformer(model, **kwargs)

@@ -130,7 +130,17 @@ def test_padded_batches_equal_one_prompt_at_a_time(case):
         for layer in alone:
             for kind in ("scores", "probs", "value"):
                 assert together[layer][kind].shape == alone[layer][kind].shape
-                assert torch.allclose(together[layer][kind], alone[layer][kind], atol=1e-5, rtol=1e-4), (layer, kind)
+                assert _close(together[layer][kind], alone[layer][kind]), (layer, kind)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float = 1e-4) -> bool:
+    """Masked entries (the dtype's lowest, or -inf) where `b` has them, the rest within `tolerance` of the largest
+    entry: a recurrence run beside left padding moves values by float32 rounding (Qwen3.5's Gated DeltaNet on the
+    released checkpoint's weights: 1.6e-5 of the largest score)."""
+    masked = b <= torch.finfo(b.dtype).min
+    if not torch.equal(a <= torch.finfo(a.dtype).min, masked):
+        return False
+    return bool((a - b).abs()[~masked].max() <= tolerance * b[~masked].abs().max())
 
 
 def test_padded_caches_equal_one_prompt_at_a_time():

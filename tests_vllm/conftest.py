@@ -133,7 +133,7 @@ def pair(name: str, tmp_path_factory) -> Pair:
         else:
             family = FAMILIES[name]
             folder = tmp_path_factory.mktemp(f"tiny-{name}")
-            tiny = attnlens.models.tiny_model(name, **family.vllm.tiny)
+            tiny = attnlens.models.tiny_model(name, checkpoint=True, **family.vllm.tiny)
             tiny.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
             missing = missing_torchvision(type(tiny).__name__)
             if (
@@ -179,7 +179,7 @@ def layout(name: str, tmp_path_factory) -> Pair:
     if name not in _layouts:
         family = attnlens.registered()[name.partition(":")[0]]
         folder = tmp_path_factory.mktemp(name.replace(":", "-"))
-        attnlens.models.tiny_model(name, **family.vllm.tiny).save_pretrained(folder)
+        attnlens.models.tiny_model(name, checkpoint=True, **family.vllm.tiny).save_pretrained(folder)
         attnlens.models.char_tokenizer().save_pretrained(folder)
         _layouts[name] = Pair(name, folder, PROMPT, 128, 16 * 2**20, family.vllm.dtype)
     return _layouts[name]

@@ -24,7 +24,7 @@ from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 
 MOE_REASON = (
     "a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
@@ -185,11 +185,15 @@ class Llama4(SparseMoE, Family):
     }
 
 
-class Llama4Multimodal(Llama4):
-    """Released Llama 4 checkpoints ("llama4", `Llama4ForConditionalGeneration`: Scout, Maverick): transformers builds
-    them as the text model, `Llama4ForCausalLM` on the text config (the vision tower's weights dropped), so the paths
-    are the text family's; vLLM runs its multimodal class (mllama4.py), the text class under `language_model`."""
+class Llama4Multimodal(LanguageModelOf, Llama4):
+    """Released Llama 4 checkpoints ("llama4", `Llama4ForConditionalGeneration`: Scout, Maverick) as a composite
+    object, and on vLLM (its mllama4.py, the text class as `language_model`): the text model under `language_model`.
+    Loaded from the checkpoint, transformers builds the text model (`Llama4ForCausalLM` on the text config), served by
+    `Llama4`. (The composite object's own forward on text fails in transformers 5.24: "'MoeCausalLMOutputWithPast'
+    object has no attribute 'image_outputs'"; loading the checkpoint avoids it.)"""
 
+    # transformers' Llama4ForConditionalGeneration holds its Llama4ForCausalLM whole as `language_model`, as vLLM does
+    layers, embed_tokens, final_norm = (VLLM_LANGUAGE_MODEL[part] for part in ("layers", "embed_tokens", "final_norm"))
     model_types = ("llama4",)
     tiny = released_tiny(
         "Llama4Config",
@@ -210,6 +214,5 @@ class Llama4Multimodal(Llama4):
     vllm = replace(
         Llama4.vllm,
         model_types=("llama4",),
-        names=VLLM_LANGUAGE_MODEL,
         tiny={"text_config": {**tiny.kwargs["text_config"], **Llama4.vllm.tiny}},
     )

@@ -5,17 +5,17 @@ The text model is `Qwen3_5ForCausalLM` on a `Qwen3_5TextConfig` (`model_type` "q
 gate their heads by `sigmoid(gate)` exactly as Qwen3-Next does; by default every fourth layer is full attention
 (`full_attention_interval`), the rest linear attention (see Qwen3-Next).
 
-Released checkpoints are "qwen3_5" (`Qwen3_5ForConditionalGeneration`: a `text_config` and a `vision_config`), served
-by `Qwen3_5Multimodal`: `AutoModelForCausalLM` builds them as the text model, `Qwen3_5ForCausalLM` on the text config
-(transformers does so for a composite config whose causal-LM class takes its text config; the weights under
-`model.language_model` load as `model`, the vision tower's are dropped), so on transformers the paths are the text
-family's; vLLM runs them as its multimodal class, the same text class under `language_model`.
+Released checkpoints are "qwen3_5" (`Qwen3_5ForConditionalGeneration`: a `text_config` and a `vision_config`).
+Loaded from the checkpoint, transformers builds the text model (`AutoModelForCausalLM` maps the type to
+`Qwen3_5ForCausalLM` on the text config, the vision tower's weights dropped), served by this family; the composite
+handed over as an object, and the checkpoint on vLLM (its multimodal class, the same text class as `language_model`),
+are served by `Qwen3_5Multimodal`, the text model under `language_model` (`multimodal.LanguageModelOf`).
 """
 
 from dataclasses import replace
 
 from ..family import Tiny, released_tiny
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from .qwen3_next import Qwen3Next
 
 #: A one-block vision tower projecting to the tiny text width, for the released checkpoints' recipes.
@@ -60,7 +60,7 @@ class Qwen3_5(Qwen3Next):
         return False
 
 
-class Qwen3_5Multimodal(Qwen3_5):
+class Qwen3_5Multimodal(LanguageModelOf, Qwen3_5):
     model_types = ("qwen3_5",)
     tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5, VISION)
     vllm = replace(

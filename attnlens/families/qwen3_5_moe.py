@@ -2,14 +2,14 @@
 mixture-of-experts MLP (routed experts plus a gated shared expert) on every layer.
 
 `Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeTextConfig` ("qwen3_5_moe_text"). No layer has a single activation or neuron
-tensor (see Qwen3-Next). Released checkpoints ("qwen3_5_moe", `Qwen3_5MoeForConditionalGeneration`) are served by
-`Qwen3_5MoeMultimodal`, as Qwen3.5's are (see Qwen3.5).
+tensor (see Qwen3-Next). Released checkpoints ("qwen3_5_moe", `Qwen3_5MoeForConditionalGeneration`) load as the text
+model; the composite object and vLLM's multimodal class are served by `Qwen3_5MoeMultimodal`, as Qwen3.5's are.
 """
 
 from dataclasses import replace
 
 from ..family import Tiny, released_tiny
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
 from .qwen3_5 import VISION
 from .qwen3_next import Qwen3Next
 
@@ -57,7 +57,7 @@ class Qwen3_5Moe(Qwen3Next):
         return True
 
 
-class Qwen3_5MoeMultimodal(Qwen3_5Moe):
+class Qwen3_5MoeMultimodal(LanguageModelOf, Qwen3_5Moe):
     model_types = ("qwen3_5_moe",)
     tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe, VISION)
     vllm = replace(

@@ -105,7 +105,8 @@ def test_qwen4_exp_ple_layers_add_their_branch_before_the_hyper_connection():
 
 def test_qwen4_exp_composite_serves_its_language_model_as_the_text_model():
     needs("qwen4_exp")
-    text, composite = tiny("qwen4_exp_text"), tiny("qwen4_exp")
+    text = tiny("qwen4_exp_text")
+    composite = attnlens.StandardizedTransformer(tiny_model("qwen4_exp", checkpoint=True), tokenizer=char_tokenizer())
     assert composite.family.layers == "model.language_model.layers"
     assert (
         composite.support(1).notes["self_attn.attention_probabilities"]
@@ -113,7 +114,7 @@ def test_qwen4_exp_composite_serves_its_language_model_as_the_text_model():
     )
     assert "vision tower" in composite.support(0).notes["embeddings"]
     # the same text weights give the same values (a fresh composite: the session's tiny models stay unedited)
-    module = tiny_model("qwen4_exp")
+    module = tiny_model("qwen4_exp", checkpoint=True)
     inner = text._module.state_dict()
     module.model.language_model.load_state_dict(
         {k.removeprefix("model."): v for k, v in inner.items() if k.startswith("model.")}
