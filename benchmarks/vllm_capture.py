@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--no-traced", dest="traced", action="store_false", help="leave out the traced capture")
     parser.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head summaries")
     parser.add_argument("--tp", action="store_true", help="also two tensor-parallel ranks, on Gemma-3-270M")
+    parser.add_argument("--tp-only", action="store_true", help=argparse.SUPPRESS)  # --tp's second process
     args = parser.parse_args()
     prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
 
@@ -179,6 +180,9 @@ def main() -> None:
         f"{os.cpu_count()} cores, {len(prompts)} prompts x {args.tokens} tokens, float32",
         flush=True,
     )
+    if args.tp_only:
+        tensor_parallel(args, prompts)
+        return
     rows = rows_for(
         str(attnlens.models.smollm2_path()),
         prompts,
@@ -192,24 +196,31 @@ def main() -> None:
     )
     report("SmolLM2-135M, one process", rows)
     say("done, one process")
-    if args.tp:
-        from vllm import envs
+    if args.tp:  # in a process of its own: the one-process engines' memory beside two ranks' ran out on 24 GiB
+        import subprocess
+        import sys
 
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
-        envs.disable_envs_cache()
-        rows = rows_for(
-            str(attnlens.models.gemma3_270m_path()),
-            prompts,
-            args.tokens,
-            9,
-            args.repeats,
-            args.traced,
-            args.heads,
-            distributed_executor_backend="mp",
-            tensor_parallel_size=2,
-            **ENGINE,
-        )
-        report("Gemma-3-270M, two tensor-parallel ranks", rows)
+        subprocess.run([sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--tp"], "--tp-only"], check=True)
+
+
+def tensor_parallel(args, prompts) -> None:
+    from vllm import envs
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+    envs.disable_envs_cache()
+    rows = rows_for(
+        str(attnlens.models.gemma3_270m_path()),
+        prompts,
+        args.tokens,
+        9,
+        args.repeats,
+        args.traced,
+        args.heads,
+        distributed_executor_backend="mp",
+        tensor_parallel_size=2,
+        **ENGINE,
+    )
+    report("Gemma-3-270M, two tensor-parallel ranks", rows)
 
 
 if __name__ == "__main__":

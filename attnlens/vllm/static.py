@@ -261,10 +261,12 @@ class StaticRecorder:
             earlier = self.earlier(layer, [s for s in spans if s[1] not in direct], with_values) if context else {}
             scored = []  # (the step's captures, queries, keys) of each request, for its pattern
             decoding = []  # (the step's captures, queries, vLLM's id, position, key row) of `direct`'s requests
+            if spans:  # every rank's heads of the step's queries: one collective, not one per request
+                every = gathered_heads(query.reshape(query.shape[0], -1), heads.qk_head_dim, heads.num_heads)
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
-                queries = gathered_heads(query[rows].reshape(count, -1), heads.qk_head_dim, heads.num_heads)
+                queries = every[:, :, rows]
                 if "query" in shorts:
                     step[f"query.{layer}"] = queries.clone()
                 if not context:
