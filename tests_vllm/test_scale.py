@@ -172,3 +172,31 @@ def test_tensor_parallel_static_captures_equal_eager(tp):
         assert close(got["value.1"], want["value.1"][:, :, :end])
         assert close(got["attn_probs.1"], want["attn_probs.1"][:, :, rows, :end])
         assert close(got["z.1"], want["z.1"][:, rows])
+
+
+def test_tensor_parallel_patterns_of_replicated_key_heads_batched_equal_eager(tmp_path):
+    """One key/value head on two ranks (each holds it whole, so it is not gathered: `gather_heads`), four query heads
+    split over them, decode steps of several requests scored in one batch from the cache's blocks (`_decoded`): every
+    pattern equals the transformers engine's."""
+    attnlens.models.tiny_model("llama", head_dim=32, num_key_value_heads=1).save_pretrained(tmp_path)
+    attnlens.models.char_tokenizer().save_pretrained(tmp_path)
+    eager = attnlens.StandardizedTransformer(str(tmp_path), attn_implementation="eager")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    envs.disable_envs_cache()
+    try:
+        model = attnlens.StandardizedVLLM(
+            str(tmp_path),
+            tensor_parallel_size=2,
+            static_points=["attn_probs.1"],
+            **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
+        )
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    prompts = ["Hello world, again and again", "Hi", "The cat sat on the mat"]
+    for result in model.static_generate(prompts, max_new_tokens=3, do_sample=False):
+        ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
+        want = attnlens.run_with_cache(eager, ids, ["attn_probs.1"])["attn_probs.1"]
+        p = len(result.output.prompt_token_ids)
+        for step, got in enumerate(result.steps):
+            rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
+            assert close(got["attn_probs.1"], want[:, :, rows, : p + step])

@@ -106,7 +106,7 @@ def gather_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
     """Under tensor parallelism each rank's kernel sees its own heads; gather them all (every rank runs the block,
     so every rank reaches this collective). Key/value heads replicated across ranks are taken once."""
     ranks, _ = tensor_parallel()
-    if ranks == 1:
+    if ranks == 1 or x.shape[dim] == total:  # one rank, or heads replicated on every rank: each holds them all
         return x
     from vllm.distributed import tensor_model_parallel_all_gather
 
