@@ -180,47 +180,30 @@ def main() -> None:
         f"{os.cpu_count()} cores, {len(prompts)} prompts x {args.tokens} tokens, float32",
         flush=True,
     )
-    if args.tp_only:
-        tensor_parallel(args, prompts)
+
+    def rows(path: str, layer: int, **engine) -> tuple:
+        return rows_for(path, prompts, args.tokens, layer, args.repeats, args.traced, args.heads, **engine, **ENGINE)
+
+    if args.tp_only:  # --tp's rows, in a process of their own: beside the one-process engines, 24 GiB ran out
+        from vllm import envs
+
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+        envs.disable_envs_cache()
+        found = rows(
+            str(attnlens.models.gemma3_270m_path()), 9, distributed_executor_backend="mp", tensor_parallel_size=2
+        )
+        report("Gemma-3-270M, two tensor-parallel ranks", found)
         return
-    rows = rows_for(
-        str(attnlens.models.smollm2_path()),
-        prompts,
-        args.tokens,
-        args.layer,
-        args.repeats,
-        args.traced,
-        args.heads,
-        distributed_executor_backend="uni",
-        **ENGINE,
+    report(
+        "SmolLM2-135M, one process",
+        rows(str(attnlens.models.smollm2_path()), args.layer, distributed_executor_backend="uni"),
     )
-    report("SmolLM2-135M, one process", rows)
     say("done, one process")
-    if args.tp:  # in a process of its own: the one-process engines' memory beside two ranks' ran out on 24 GiB
+    if args.tp:
         import subprocess
         import sys
 
         subprocess.run([sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--tp"], "--tp-only"], check=True)
-
-
-def tensor_parallel(args, prompts) -> None:
-    from vllm import envs
-
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
-    envs.disable_envs_cache()
-    rows = rows_for(
-        str(attnlens.models.gemma3_270m_path()),
-        prompts,
-        args.tokens,
-        9,
-        args.repeats,
-        args.traced,
-        args.heads,
-        distributed_executor_backend="mp",
-        tensor_parallel_size=2,
-        **ENGINE,
-    )
-    report("Gemma-3-270M, two tensor-parallel ranks", rows)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts import scoring
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
+from ..parts.multimodal import LanguageModelOf, released_vllm
 from .gemma2 import Gemma2
 
 
@@ -54,9 +54,4 @@ class Gemma3Multimodal(LanguageModelOf, Gemma3):
             },
         },
     )
-    vllm = replace(
-        Gemma3.vllm,
-        model_types=("gemma3",),
-        names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma3_mm, its Gemma3ForCausalLM as language_model (tests_vllm)
-        tiny={"text_config": {**tiny[2]["text_config"], "head_dim": 32}},
-    )
+    vllm = released_vllm(Gemma3, "gemma3", tiny)  # vLLM's gemma3_mm (tests_vllm)

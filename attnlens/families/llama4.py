@@ -15,7 +15,7 @@ feed-forwards (a shared expert beside routed experts) interleaved with dense one
   flat, `[batch * seq, hidden]`: `mlp_output` is that output viewed as `[batch, seq, hidden]`.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,7 @@ from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf, released_vllm
 
 MOE_REASON = (
     "a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
@@ -211,8 +211,4 @@ class Llama4Multimodal(LanguageModelOf, Llama4):
             "projector_output_dim": 64,
         },
     )
-    vllm = replace(
-        Llama4.vllm,
-        model_types=("llama4",),
-        tiny={"text_config": {**tiny.kwargs["text_config"], **Llama4.vllm.tiny}},
-    )
+    vllm = released_vllm(Llama4, "llama4", tiny)  # vLLM's mllama4

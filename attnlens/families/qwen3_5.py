@@ -15,7 +15,7 @@ are served by `Qwen3_5Multimodal`, the text model under `language_model` (`multi
 from dataclasses import replace
 
 from ..family import Tiny, released_tiny
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
+from ..parts.multimodal import LanguageModelOf, released_vllm
 from .qwen3_next import Qwen3Next
 
 #: A one-block vision tower projecting to the tiny text width, for the released checkpoints' recipes.
@@ -63,9 +63,4 @@ class Qwen3_5(Qwen3Next):
 class Qwen3_5Multimodal(LanguageModelOf, Qwen3_5):
     model_types = ("qwen3_5",)
     tiny = released_tiny("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", Qwen3_5, VISION)
-    vllm = replace(
-        Qwen3_5.vllm,
-        model_types=("qwen3_5",),
-        names=VLLM_LANGUAGE_MODEL,  # vLLM's Qwen3_5ForConditionalGeneration, its Qwen3_5ForCausalLM as language_model
-        tiny={"text_config": {**tiny.kwargs["text_config"], **Qwen3_5.vllm.tiny}},
-    )
+    vllm = released_vllm(Qwen3_5, "qwen3_5", tiny)  # vLLM's Qwen3_5ForConditionalGeneration

@@ -9,7 +9,7 @@ model; the composite object and vLLM's multimodal class are served by `Qwen3_5Mo
 from dataclasses import replace
 
 from ..family import Tiny, released_tiny
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf
+from ..parts.multimodal import LanguageModelOf, released_vllm
 from .qwen3_5 import VISION
 from .qwen3_next import Qwen3Next
 
@@ -60,10 +60,4 @@ class Qwen3_5Moe(Qwen3Next):
 class Qwen3_5MoeMultimodal(LanguageModelOf, Qwen3_5Moe):
     model_types = ("qwen3_5_moe",)
     tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe, VISION)
-    vllm = replace(
-        Qwen3_5Moe.vllm,
-        model_types=("qwen3_5_moe",),
-        # vLLM's Qwen3_5MoeForConditionalGeneration, its Qwen3_5MoeForCausalLM as language_model
-        names=VLLM_LANGUAGE_MODEL,
-        tiny={"text_config": {**tiny.kwargs["text_config"], **Qwen3_5Moe.vllm.tiny}},
-    )
+    vllm = released_vllm(Qwen3_5Moe, "qwen3_5_moe", tiny)  # vLLM's Qwen3_5MoeForConditionalGeneration

@@ -11,6 +11,9 @@ the text model does.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from . import scoring
 
 #: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
@@ -19,6 +22,14 @@ VLLM_LANGUAGE_MODEL = {
     "embed_tokens": "language_model.model.embed_tokens",
     "final_norm": "language_model.model.norm",
 }
+
+
+def released_vllm(text: Any, model_type: str, tiny: Any, names: dict[str, str] = VLLM_LANGUAGE_MODEL) -> Any:
+    """The vLLM layout of a released multimodal type whose language model is the text family `text`'s: vLLM's
+    multimodal class, the text class as `language_model` (`names`), checked for `model_type`; the tiny checkpoint's
+    (`tiny`) text config takes the text family's vLLM overrides."""
+    overrides = {"text_config": {**tiny.kwargs["text_config"], **text.vllm.tiny}}
+    return replace(text.vllm, model_types=(model_type,), names=names, tiny=overrides)
 
 
 def _text(config):
