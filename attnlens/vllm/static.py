@@ -250,6 +250,7 @@ class StaticRecorder:
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
         with_values = "value" in shorts  # a pattern needs only the keys
+        with_queries = bool(pattern) or "query" in shorts
 
         def hook(query, key, value):
             spans = self._spans()
@@ -261,12 +262,12 @@ class StaticRecorder:
             earlier = self.earlier(layer, [s for s in spans if s[1] not in direct], with_values) if context else {}
             scored = []  # (the step's captures, queries, keys) of each request, for its pattern
             decoding = []  # (the step's captures, queries, vLLM's id, position, key row) of `direct`'s requests
-            if spans:  # every rank's heads of the step's queries: one collective, not one per request
+            if spans and with_queries:  # every rank's heads of the step's queries: one collective, not one per request
                 every = gathered_heads(query.reshape(query.shape[0], -1), heads.qk_head_dim, heads.num_heads)
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
-                queries = every[:, :, rows]
+                queries = every[:, :, rows] if with_queries else None
                 if "query" in shorts:
                     step[f"query.{layer}"] = queries.clone()
                 if not context:
