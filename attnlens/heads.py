@@ -105,6 +105,8 @@ def summarize(
     if top_rows and top_k:
         out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
         out["top_keys"] = torch.full((batch, num_heads, len(top_rows), top_k), -1, device=device, dtype=torch.long)
+    # each head's keys channel-major: the products then read them as the matrix product wants (a third less time)
+    keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
     for start in range(0, num_queries, chunk_rows):
         stop = min(start + chunk_rows, num_queries)
         width = offset + stop  # the keys these rows can see
@@ -185,9 +187,13 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
             f"repeated sequences of {total} tokens are longer than the model's {limit} positions; "
             f"choose length <= {(limit - 1) // 2}"
         )
-    special = set(getattr(getattr(model, "tokenizer", None), "all_special_ids", None) or [])
-    special |= {getattr(config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    allowed = torch.tensor([i for i in range(config.vocab_size) if i not in special])
+    special = list(getattr(getattr(model, "tokenizer", None), "all_special_ids", None) or [])
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        found = getattr(config, name, None)
+        special += found if isinstance(found, list) else [found]  # (several end-of-sequence ids: a list)
+    kept = torch.ones(config.vocab_size, dtype=torch.bool)
+    kept[[i for i in special if isinstance(i, int) and 0 <= i < config.vocab_size]] = False
+    allowed = kept.nonzero()[:, 0]  # the ids in order (a list of the whole vocabulary was a tenth of the summaries)
     generator = torch.Generator().manual_seed(seed)
     half = allowed[torch.randint(len(allowed), (count, length), generator=generator)]
     sequences = torch.cat([half, half], dim=1)
@@ -519,7 +525,8 @@ def head_summaries(
 
     values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in METRICS}
     top: dict[int, list[dict]] = {}
-    text = _token_text(model, {int(i) for ids in texts for i in ids}) if top_k else {}
+    tokens = [ids.tolist() for ids in texts]  # once: a tensor's elements read one by one cost more than the sums
+    text = _token_text(model, {i for ids in tokens for i in ids}) if top_k else {}
     for layer in chosen:
         for metric in ON_TEXT:
             values[metric][layer] = sum(r[layer][metric] for r in on_text) / sum(r[layer]["rows"] for r in on_text)
@@ -528,7 +535,7 @@ def head_summaries(
                 r[layer][f"{metric}_rows"] for r in on_repeats
             )
         if top_k:
-            top[layer] = _top_entries(texts, [r[layer] for r in on_text], row_list, text)
+            top[layer] = _top_entries(tokens, [r[layer] for r in on_text], row_list, text)
     settings = {
         "length": length,
         "sequences": sequences,
@@ -542,15 +549,15 @@ def head_summaries(
     )
 
 
-def _top_entries(texts, sums, rows, text: dict[int, str]) -> list[dict]:
-    """Per prompt and row, each head's top keys: position, token text (`text`: by token id), weight."""
+def _top_entries(tokens: list[list[int]], sums, rows, text: dict[int, str]) -> list[dict]:
+    """Per prompt (`tokens`: its ids) and row, each head's top keys: position, token text (`text`: by token id),
+    weight."""
     entries = []
-    for p, (ids, found) in enumerate(zip(texts, sums)):
-        tokens = [int(i) for i in ids]
+    for p, (ids, found) in enumerate(zip(tokens, sums)):
         keys, weights = found["top_keys"].tolist(), found["top_weights"].tolist()  # [head][row][k]
         for j, row in enumerate(rows):
             top = [
-                [[k, text[tokens[k]], round(w, 6)] for k, w in zip(keys[h][j], weights[h][j]) if k >= 0 and w > 0]
+                [[k, text[ids[k]], round(w, 6)] for k, w in zip(keys[h][j], weights[h][j]) if k >= 0 and w > 0]
                 for h in range(len(keys))
             ]
             entries.append({"prompt": p, "row": row % len(ids), "keys": top})

