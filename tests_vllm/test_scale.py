@@ -200,3 +200,32 @@ def test_tensor_parallel_patterns_of_replicated_key_heads_batched_equal_eager(tm
         for step, got in enumerate(result.steps):
             rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
             assert close(got["attn_probs.1"], want[:, :, rows, : p + step])
+
+
+@pytest.mark.parametrize("name", ["mistral", "granite_swa"])
+def test_tensor_parallel_patterns_of_windowed_layers_equal_eager(tmp_path_factory, name):
+    """Sliding-window layers on two ranks (four query heads, two key/value heads): Mistral's, each rank scoring its own
+    heads and gathering the patterns; Granite SWA's, whose kernel also holds a sink logit per head, scored on every
+    head after the queries and keys are gathered. Every step's pattern of two requests on two layers (Granite's
+    second a full one) equals the transformers engine's."""
+    model_pair = pair(name, tmp_path_factory)
+    points = ["attn_probs.0", "attn_probs.1"]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    envs.disable_envs_cache()
+    try:
+        model = attnlens.StandardizedVLLM(
+            str(model_pair.path),
+            tensor_parallel_size=2,
+            static_points=points,
+            **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
+        )
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    for result in model.static_generate([model_pair.prompt, "Hi there"], max_new_tokens=3, do_sample=False):
+        ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
+        want = attnlens.run_with_cache(model_pair.eager, ids, points)
+        p = len(result.output.prompt_token_ids)
+        for step, got in enumerate(result.steps):
+            rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
+            for point in points:
+                assert close(got[point], want[point][:, :, rows, : p + step]), (point, step)

@@ -26,7 +26,7 @@ import torch
 from .. import points as plan
 from ..errors import Unavailable
 from ..locations import child
-from ..locations.views import gather_heads, gathered_heads, heads_first, local_heads, tensor_parallel
+from ..locations.views import gather_heads, gathered_heads, heads_first, tensor_parallel
 from ..locations.vllm import KernelInput, RebuiltPattern
 from ..names import Cache
 from ..values import BY_NAME
@@ -251,9 +251,14 @@ class StaticRecorder:
         context = shorts & {"key", "value"} or pattern
         with_values = "value" in shorts  # a pattern needs only the keys
         # under tensor parallelism each rank scores its own heads and gathers the pattern, where heads score
-        # independently (the common layout's score function): no rank scores every head, no queries gathered
-        function, config = self.values.score_function, self.values.config
-        own = tensor_parallel()[0] > 1 and function.layer_key(config, layer) is not None
+        # independently (the common layout's score function, no sink logits): no rank scores every head, and the
+        # queries are not gathered for it
+        values = self.values
+        own = (
+            tensor_parallel()[0] > 1
+            and values.score_function.layer_key(values.config, layer) is not None
+            and layer not in values.sinks
+        )
         with_queries = "query" in shorts or (bool(pattern) and not own)
 
         def hook(query, key, value):
@@ -331,7 +336,7 @@ class StaticRecorder:
         batch, their keys left-padded and masked, each request's rows then its own copy. `own`: the queries and
         keys are this rank's heads, and so are the patterns until gathered (`_built`)."""
         values, config = self.values, self.values.config
-        heads, function, sinks = values.geometry[layer], values.score_function, self._sinks(layer, own)
+        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
         single = [entry for entry in scored if entry[1].shape[2] == 1]
         if len(single) < 2 or function.layer_key(config, layer) is None:
             single = []
@@ -380,7 +385,7 @@ class StaticRecorder:
         """Scores and pattern of one query per request (`steps`: its step's captures and queries) against `keys`,
         `[requests, heads, longest, dim]`, each request's `lengths` of them at the end (left-padded and masked)."""
         values, config = self.values, self.values.config
-        heads, function, sinks = values.geometry[layer], values.score_function, self._sinks(layer, own)
+        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
         longest = keys.shape[2]
         present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
         queries = torch.cat([queries for _, queries in steps])
@@ -391,11 +396,6 @@ class StaticRecorder:
                 found = built[short][row : row + 1]
                 step[f"{short}.{layer}"] = (found if short == "attn_sinks" else found[..., longest - length :]).clone()
 
-    def _sinks(self, layer: int, own: bool) -> torch.Tensor | None:
-        """`layer`'s sink logits (every head's), or this rank's heads' where it scores its own."""
-        sinks = self.values.sinks.get(layer)
-        return local_heads(sinks, self.values.geometry[layer].num_heads, 0) if own and sinks is not None else sinks
-
     def _built(self, layer: int, shorts: set[str], scores, softmaxed: tuple, own: bool) -> dict:
         """The rebuilt values captured (`shorts`) by name, every rank's heads (gathered along the head axis where
         each rank scored its own: `own`)."""
@@ -403,10 +403,7 @@ class StaticRecorder:
         built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
         total = self.values.geometry[layer].num_heads
         # in one order on every rank (a set's order is the process's): each gather is a collective
-        return {
-            short: gather_heads(built[short], total, 1) if own and built[short] is not None else built[short]
-            for short in sorted(shorts)
-        }
+        return {short: gather_heads(built[short], total, 1) if own else built[short] for short in sorted(shorts)}
 
     def _projection_hook(self, layer: int):
         heads = self.values.geometry[layer]
