@@ -128,6 +128,20 @@ def test_summarize_on_a_decode_step():
     assert (out["top_weights"][0, :, 0, 4:] == 0).all()
 
 
+def test_repeated_tokens_leave_out_every_special_id():
+    """The random halves draw no special id: the tokenizer's and the config's, an end-of-sequence list included."""
+    model = tiny("llama")
+    config = model.access.config
+    eos, config.eos_token_id = config.eos_token_id, [5, 6]  # several end-of-sequence ids, as some checkpoints give
+    try:
+        drawn = heads.repeated_tokens(model, length=60, count=40, seed=0)[:, 1:]
+    finally:
+        config.eos_token_id = eos
+    special = {5, 6, config.bos_token_id, config.pad_token_id, *char_tokenizer().all_special_ids} - {None}
+    assert not set(drawn.unique().tolist()) & special
+    assert len(drawn.unique()) > config.vocab_size // 2  # drawn from the rest of the vocabulary
+
+
 def test_result_formats():
     model = tiny("llama")
     found = heads.head_summaries(model, "Hello world", length=LENGTH, sequences=SEQUENCES, top_k=2, progress=False)
