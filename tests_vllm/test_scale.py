@@ -112,18 +112,35 @@ STATIC = ["query.1", "attn_probs.1", "value.1", "z.1"]
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
     llama = pair("llama", tmp_path_factory)  # 4 query heads, 2 key/value heads: both divide over two ranks
+    return two_ranks(llama.path, STATIC), llama
+
+
+def two_ranks(path, static_points: list[str]) -> attnlens.StandardizedVLLM:
+    """An engine on two tensor-parallel CPU ranks (the `mp` executor) with `static_points`."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank; vLLM refuses to guess on one NUMA node
     envs.disable_envs_cache()  # vLLM froze its environment when the first engine started
     try:
-        model = attnlens.StandardizedVLLM(
-            str(llama.path),
+        return attnlens.StandardizedVLLM(
+            str(path),
             tensor_parallel_size=2,
-            static_points=STATIC,
+            static_points=static_points,
             **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
         )
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    return model, llama
+
+
+def assert_static_patterns_equal(model, eager, prompts: list[str], points: list[str]) -> None:
+    """Every step's pattern at `points` (`attn_probs.L`) of each prompt's static capture on `model`, three greedy
+    tokens, equals the transformers engine's on the same tokens."""
+    for result in model.static_generate(prompts, max_new_tokens=3, do_sample=False):
+        ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
+        want = attnlens.run_with_cache(eager, ids, points)
+        p = len(result.output.prompt_token_ids)
+        for step, got in enumerate(result.steps):
+            rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
+            for point in points:
+                assert close(got[point], want[point][:, :, rows, : p + step]), (point, step)
 
 
 def test_tensor_parallel_values_equal_eager_on_prefill_and_decode_steps(tp):
@@ -181,25 +198,9 @@ def test_tensor_parallel_patterns_of_replicated_key_heads_batched_equal_eager(tm
     attnlens.models.tiny_model("llama", head_dim=32, num_key_value_heads=1).save_pretrained(tmp_path)
     attnlens.models.char_tokenizer().save_pretrained(tmp_path)
     eager = attnlens.StandardizedTransformer(str(tmp_path), attn_implementation="eager")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    envs.disable_envs_cache()
-    try:
-        model = attnlens.StandardizedVLLM(
-            str(tmp_path),
-            tensor_parallel_size=2,
-            static_points=["attn_probs.1"],
-            **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
-        )
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    model = two_ranks(tmp_path, ["attn_probs.1"])
     prompts = ["Hello world, again and again", "Hi", "The cat sat on the mat"]
-    for result in model.static_generate(prompts, max_new_tokens=3, do_sample=False):
-        ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
-        want = attnlens.run_with_cache(eager, ids, ["attn_probs.1"])["attn_probs.1"]
-        p = len(result.output.prompt_token_ids)
-        for step, got in enumerate(result.steps):
-            rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
-            assert close(got["attn_probs.1"], want[:, :, rows, : p + step])
+    assert_static_patterns_equal(model, eager, prompts, ["attn_probs.1"])
 
 
 @pytest.mark.parametrize("name", ["mistral", "granite_swa"])
@@ -210,22 +211,5 @@ def test_tensor_parallel_patterns_of_windowed_layers_equal_eager(tmp_path_factor
     second a full one) equals the transformers engine's."""
     model_pair = pair(name, tmp_path_factory)
     points = ["attn_probs.0", "attn_probs.1"]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    envs.disable_envs_cache()
-    try:
-        model = attnlens.StandardizedVLLM(
-            str(model_pair.path),
-            tensor_parallel_size=2,
-            static_points=points,
-            **{**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"},
-        )
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    for result in model.static_generate([model_pair.prompt, "Hi there"], max_new_tokens=3, do_sample=False):
-        ids = torch.tensor(list(result.output.prompt_token_ids) + list(result.output.outputs[0].token_ids[:-1]))
-        want = attnlens.run_with_cache(model_pair.eager, ids, points)
-        p = len(result.output.prompt_token_ids)
-        for step, got in enumerate(result.steps):
-            rows = slice(0, p) if step == 0 else slice(p + step - 1, p + step)
-            for point in points:
-                assert close(got[point], want[point][:, :, rows, : p + step]), (point, step)
+    model = two_ranks(model_pair.path, points)
+    assert_static_patterns_equal(model, model_pair.eager, [model_pair.prompt, "Hi there"], points)
