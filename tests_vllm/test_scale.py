@@ -203,6 +203,20 @@ def test_tensor_parallel_patterns_of_replicated_key_heads_batched_equal_eager(tm
     assert_static_patterns_equal(model, eager, prompts, ["attn_probs.1"])
 
 
+def test_tensor_parallel_batched_patterns_of_several_key_heads_per_rank_equal_eager(tmp_path):
+    """Eight query and four key/value heads on two ranks, two of each key/value head's per rank; the keys captured
+    too, so decode steps are scored from the gathered rows in one left-padded batch (`_patterns`), each rank on its
+    own heads: every pattern equals the transformers engine's."""
+    attnlens.models.tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, head_dim=32).save_pretrained(
+        tmp_path
+    )
+    attnlens.models.char_tokenizer().save_pretrained(tmp_path)
+    eager = attnlens.StandardizedTransformer(str(tmp_path), attn_implementation="eager")
+    model = two_ranks(tmp_path, ["attn_probs.1", "key.1"])
+    prompts = ["Hello world, again and again", "Hi", "The cat sat on the mat"]
+    assert_static_patterns_equal(model, eager, prompts, ["attn_probs.1"])
+
+
 @pytest.mark.parametrize("name", ["mistral", "granite_swa"])
 def test_tensor_parallel_patterns_of_windowed_layers_equal_eager(tmp_path_factory, name):
     """Sliding-window layers on two ranks (four query heads, two key/value heads): Mistral's, each rank scoring its own

@@ -246,14 +246,15 @@ class StaticRecorder:
 
     def _kernel_hook(self, layer: int):
         shorts = self.layers[layer]
-        heads = self.values.geometry[layer]
+        values = self.values
+        heads = values.geometry[layer]
+        dims = {"key": heads.qk_head_dim, "value": heads.head_dim}
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
         with_values = "value" in shorts  # a pattern needs only the keys
         # under tensor parallelism each rank scores its own heads and gathers the pattern, where heads score
         # independently (the common layout's score function, no sink logits): no rank scores every head, and the
         # queries are not gathered for it
-        values = self.values
         own = (
             tensor_parallel()[0] > 1
             and values.score_function.layer_key(values.config, layer) is not None
@@ -290,7 +291,6 @@ class StaticRecorder:
                 flat = [key[rows].reshape(count, -1)] + ([value[rows].reshape(count, -1)] if with_values else [])
                 if position:
                     flat = [torch.cat([before, now]) for before, now in zip(earlier[request_id], flat)]
-                dims = {"key": heads.qk_head_dim, "value": heads.head_dim}
                 for short, x in zip(("key", "value"), flat):
                     if short in shorts:
                         tensor = gathered_heads(x, dims[short], heads.num_kv_heads)
@@ -349,7 +349,8 @@ class StaticRecorder:
             return
         lengths = [keys.shape[2] for _, _, keys in single]
         longest = max(lengths)
-        padded = single[0][2].new_zeros(len(single), heads.num_kv_heads, longest, single[0][2].shape[3])
+        _, kv_heads, _, dim = single[0][2].shape  # every head, or this rank's where it scores its own
+        padded = single[0][2].new_zeros(len(single), kv_heads, longest, dim)
         for row, (_, _, keys) in enumerate(single):
             padded[row, :, longest - keys.shape[2] :] = keys[0]
         self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths, own)
