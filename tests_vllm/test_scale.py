@@ -11,6 +11,7 @@ from test_equal_to_eager import close, compare, plan, read_steps
 from vllm import envs
 
 import attnlens
+from attnlens.vllm import static
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again and again!"  # 71 tokens: five chunks of 16
 
@@ -189,6 +190,27 @@ def test_tensor_parallel_static_captures_equal_eager(tp):
         assert close(got["value.1"], want["value.1"][:, :, :end])
         assert close(got["attn_probs.1"], want["attn_probs.1"][:, :, rows, :end])
         assert close(got["z.1"], want["z.1"][:, rows])
+
+
+def test_tensor_parallel_ranks_hold_their_own_heads_of_a_pattern_until_taken(tp):
+    """Each rank keeps the pattern of its own heads (no step waits on a collective for it); taking joins them in
+    rank order (the test above checks the joined pattern against eager's)."""
+    from vllm import SamplingParams
+
+    model, llama = tp
+    take = lambda: model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(None,))  # noqa: E731
+    take()  # what earlier tests' traces left (the engine records every request)
+    model.vllm_entrypoint.generate([llama.prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    per_rank = take()
+    assert len(per_rank) == 2 and per_rank[0].keys() == per_rank[1].keys() and len(per_rank[0]) == 1
+    held = {step["attn_probs.1"].shape[1] for rank in per_rank for found in rank.values() for step in found["steps"]}
+    assert held == {2}  # four query heads, two a rank
+    queries = {rank[tag]["steps"][0]["query.1"].shape[1] for rank in per_rank for tag in rank}
+    assert queries == {4}  # captured queries are gathered: every rank holds them whole
+    second = {tag: [step["attn_probs.1"] for step in found["steps"]] for tag, found in per_rank[1].items()}
+    for tag, found in static.joined(per_rank).items():
+        for step, theirs in zip(found["steps"], second[tag], strict=True):
+            assert step["attn_probs.1"].shape[1] == 4 and torch.equal(step["attn_probs.1"][:, 2:], theirs)
 
 
 def test_tensor_parallel_patterns_of_replicated_key_heads_batched_equal_eager(tmp_path):

@@ -143,7 +143,7 @@ class StaticResult:
 
 class _Request:
     """One request's captures in the worker: per step, its first position and that step's captures, in their
-    layouts (gathered across ranks)."""
+    layouts (gathered across ranks, but for the patterns each rank scores on its own heads: `StaticRecorder.ranked`)."""
 
     def __init__(self) -> None:
         self.positions: list[int] = []
@@ -185,6 +185,9 @@ class StaticRecorder:
         #: `collective_rpc`) to reduce its own requests' rows in the worker (`attnlens.collect`).
         self.reduce: Any = None
         self.tapped: set[int] = set()  # layers whose kernel runs `_kernel_hook`
+        #: the cache keys this rank holds only its own heads of (patterns it scores on its own heads): joined across
+        #: ranks by the client when taken (`joined`), so no step waits on a collective for them
+        self.ranked: set[str] = set()
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
@@ -261,6 +264,8 @@ class StaticRecorder:
             and layer not in values.sinks
         )
         with_queries = "query" in shorts or (bool(pattern) and not own)
+        if own:
+            self.ranked |= {f"{short}.{layer}" for short in pattern}
 
         def hook(query, key, value):
             spans = self._spans()
@@ -299,7 +304,7 @@ class StaticRecorder:
                     keys = heads_first(flat[0], dims["key"])
                     scored.append((step, queries, keys if own else gather_heads(keys, heads.num_kv_heads, 1)))
             if scored:
-                self._patterns(layer, pattern, scored, own)
+                self._patterns(layer, pattern, scored)
             if decoding:
                 self._decoded(layer, pattern, decoding, own)
 
@@ -330,11 +335,11 @@ class StaticRecorder:
         )
         return {request_id: found for (request_id, _), found in zip(past, read)}
 
-    def _patterns(self, layer: int, shorts: set[str], scored: list, own: bool) -> None:
+    def _patterns(self, layer: int, shorts: set[str], scored: list) -> None:
         """The rebuilt scores and pattern of each request (`scored`: its step's captures, queries, keys), with the
         family's score function; decode steps (one query each) of a family scoring the common layout's way in one
-        batch, their keys left-padded and masked, each request's rows then its own copy. `own`: the queries and
-        keys are this rank's heads, and so are the patterns until gathered (`_built`)."""
+        batch, their keys left-padded and masked, each request's rows then its own copy. Where the queries and keys
+        are this rank's heads (each rank scoring its own), so are the patterns (`_rebuilt`)."""
         values, config = self.values, self.values.config
         heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
         single = [entry for entry in scored if entry[1].shape[2] == 1]
@@ -342,7 +347,7 @@ class StaticRecorder:
             single = []
         for step, queries, keys in (entry for entry in scored if not any(entry is one for one in single)):
             scores = function.scores(heads, config, queries, keys, layer)
-            built = self._built(layer, shorts, scores, function.softmax(scores, sinks), own)
+            built = _rebuilt(shorts, scores, function.softmax(scores, sinks))
             for short in shorts:
                 step[f"{short}.{layer}"] = built[short]
         if not single:
@@ -353,7 +358,7 @@ class StaticRecorder:
         padded = single[0][2].new_zeros(len(single), kv_heads, longest, dim)
         for row, (_, _, keys) in enumerate(single):
             padded[row, :, longest - keys.shape[2] :] = keys[0]
-        self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths, own)
+        self._batch(layer, shorts, [(step, queries) for step, queries, _ in single], padded, lengths)
 
     def _decoded(self, layer: int, shorts: set[str], decoding: list, own: bool) -> None:
         """The patterns of decode steps (`decoding`: the step's captures, queries, vLLM's id, position, key row) in
@@ -378,11 +383,9 @@ class StaticRecorder:
                     keys[row, :, start + first : start + first + count] = chunks[block, :, :count]
             keys[row, :, -1] = now.view(local, dim)
         steps = [(step, queries) for step, queries, _, _, _ in decoding]
-        self._batch(layer, shorts, steps, keys if own else gather_heads(keys, heads.num_kv_heads, 1), lengths, own)
+        self._batch(layer, shorts, steps, keys if own else gather_heads(keys, heads.num_kv_heads, 1), lengths)
 
-    def _batch(
-        self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int], own: bool
-    ) -> None:
+    def _batch(self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int]) -> None:
         """Scores and pattern of one query per request (`steps`: its step's captures and queries) against `keys`,
         `[requests, heads, longest, dim]`, each request's `lengths` of them at the end (left-padded and masked)."""
         values, config = self.values, self.values.config
@@ -391,20 +394,11 @@ class StaticRecorder:
         present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
         queries = torch.cat([queries for _, queries in steps])
         scores = function.scores(heads, config, queries, keys, layer, present)
-        built = self._built(layer, shorts, scores, function.softmax(scores, sinks), own)
+        built = _rebuilt(shorts, scores, function.softmax(scores, sinks))
         for row, ((step, _), length) in enumerate(zip(steps, lengths)):
             for short in shorts:
                 found = built[short][row : row + 1]
                 step[f"{short}.{layer}"] = (found if short == "attn_sinks" else found[..., longest - length :]).clone()
-
-    def _built(self, layer: int, shorts: set[str], scores, softmaxed: tuple, own: bool) -> dict:
-        """The rebuilt values captured (`shorts`) by name, every rank's heads (gathered along the head axis where
-        each rank scored its own: `own`)."""
-        probabilities, sink = softmaxed
-        built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
-        total = self.values.geometry[layer].num_heads
-        # in one order on every rank (a set's order is the process's): each gather is a collective
-        return {short: gather_heads(built[short], total, 1) if own else built[short] for short in sorted(shorts)}
 
     def _projection_hook(self, layer: int):
         heads = self.values.geometry[layer]
@@ -432,7 +426,7 @@ class StaticRecorder:
             request = self.requests.pop(tag, None)
             if request is None:
                 raise KeyError(f"no static captures for request {tag!r} (taken already, or never run)")
-            found[tag] = {"positions": request.positions, "steps": request.steps}
+            found[tag] = {"positions": request.positions, "steps": request.steps, "ranked": sorted(self.ranked)}
         return found
 
     def stats(self) -> dict:
@@ -478,12 +472,31 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
     tags = [uuid.uuid4().hex for _ in prompts]
     params = [SamplingParams(**sampling, extra_args={CONFIG_KEY: tag}) for tag in tags]
     outputs = model.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
-    taken: dict = {}
-    for per_worker in model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)):
-        taken = per_worker  # every rank holds the same gathered captures; rank 0's are kept
-        break
+    taken = joined(model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)))
     results = [
         StaticResult(output, [Cache(step) for step in taken[tag]["steps"]], taken[tag]["positions"])
         for output, tag in zip(outputs, tags)
     ]
     return results[0] if single else results
+
+
+def _rebuilt(shorts: set[str], scores: torch.Tensor, softmaxed: tuple) -> dict:
+    """The rebuilt values captured (`shorts`) by name: every head, or this rank's where it scored its own (the
+    client joins the ranks' heads when it takes them: `joined`)."""
+    probabilities, sink = softmaxed
+    built = {"attn_scores": scores, "attn_probs": probabilities, "attn_sinks": sink}
+    return {short: built[short] for short in shorts}
+
+
+def joined(per_rank: list[dict]) -> dict:
+    """Every rank's captures taken (`StaticRecorder.take`, in rank order) as one: the patterns each rank scored on
+    its own heads (`ranked`) joined along the head axis; the rest every rank holds whole, and rank 0's is kept."""
+    taken = per_rank[0]
+    if len(per_rank) == 1:
+        return taken
+    for tag, found in taken.items():
+        for i, step in enumerate(found["steps"]):
+            for key in found["ranked"]:
+                if key in step:
+                    step[key] = torch.cat([rank[tag]["steps"][i][key] for rank in per_rank], dim=1)
+    return taken
