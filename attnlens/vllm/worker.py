@@ -344,7 +344,11 @@ class AttnlensRequests(Requests):
 
 
 class AttnlensRunner:
-    """Mixed in front of nnsight's model runner: builds `WorkerValues` and keeps it told what each step holds."""
+    """Mixed in front of nnsight's model runner: builds `WorkerValues` and keeps it told what each step holds.
+
+    On an engine running vLLM's compiled model (`attnlens_compiled`) no trace ever arrives (the client refuses them),
+    so each step is vLLM's own (`_vllm`): nnsight's per-step work (tracking every request for its trace, opening the
+    interleaver, serving the logits through it and copying them for the sampler) would be spent on nothing."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -354,14 +358,28 @@ class AttnlensRunner:
         self.nnsight_requests.__class__ = AttnlensRequests
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
-        if (self.vllm_config.additional_config or {}).get("attnlens_compiled"):
+        self.attnlens_compiled = bool((self.vllm_config.additional_config or {}).get("attnlens_compiled"))
+        if self.attnlens_compiled:
             _uninstrument(self.get_model())
 
+    def _vllm(self, name: str):
+        """The step method `name`: vLLM's own (the runner after nnsight's) on a compiled engine, else nnsight's."""
+        return getattr(super(NNsightGPUModelRunner, self) if self.attnlens_compiled else super(), name)
+
     def _update_states(self, scheduler_output: Any) -> None:
-        super()._update_states(scheduler_output)
+        self._vllm("_update_states")(scheduler_output)
         self.attnlens.schedule(self, scheduler_output)
         if self.attnlens_static is not None:
             self.attnlens_static.schedule(scheduler_output)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        return self._vllm("execute_model")(*args, **kwargs)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self._vllm("sample_tokens")(*args, **kwargs)
+
+    def _sample(self, *args: Any, **kwargs: Any) -> Any:
+        return self._vllm("_sample")(*args, **kwargs)
 
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
         collected = super().collect_nnsight(*args, **kwargs)
