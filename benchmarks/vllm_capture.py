@@ -1,7 +1,7 @@
 """What capturing a pattern on every step costs on vLLM: greedy generation of many prompts, plain and captured.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
-        [--repeats 3] [--no-traced] [--no-heads] [--tp]
+        [--repeats 3] [--rows eager,static,untraced,traced,heads] [--tp]
 
 Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
 builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
@@ -15,9 +15,10 @@ processes falls on all alike; the best of `--repeats` rounds is reported. Every 
 tokens. Head summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the
 attention op in the worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
 defaults prefilling the same sequences (one token each, salted out of the prefix cache, as the summaries' requests
-skip reading it). `--tp` adds the same rows on two
-tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1 key/value head: its heads divide over two ranks;
-SmolLM2's 9 do not). Progress (each engine built, each run) and the load average go to stdout as they happen, so a
+skip reading it). `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1
+key/value head: its heads divide over two ranks; SmolLM2's 9 do not). `--rows` chooses the rows beside plain vLLM
+(default: all); only their engines are built, since an idle engine's ranks load the machine the others run on.
+Progress (each engine built, each run) and the load average go to stdout as they happen, so a
 run on a loaded machine shows where it is.
 """
 
@@ -41,6 +42,8 @@ STARTS = ["Tell me about {}.", "Three facts about {}:", "A short poem about {}:"
 #: Prompts of different lengths, as a serving engine would see them.
 PROMPTS = [start.format(subject) for start in STARTS for subject in SUBJECTS]
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20, seed=0)
+#: The rows `--rows` chooses from, each beside plain vLLM at its defaults.
+ROWS = ("eager", "static", "untraced", "traced", "heads")
 
 
 def say(text: str) -> None:
@@ -71,23 +74,29 @@ def built(what: str, make):
     return found
 
 
-def rows_for(
-    path: str, prompts: list, tokens: int, layer: int, repeats: int, traced: bool, heads: bool, **engine
-) -> tuple:
+def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, rows: set[str], **engine) -> tuple:
+    """The chosen `rows` (ROWS' names) beside plain vLLM at its defaults: only their engines are built (an idle
+    engine's ranks would load the machine the others run on)."""
     from vllm import LLM, SamplingParams
 
     sampling = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm = built("plain vLLM (defaults)", lambda: LLM(path, **engine))
-    eager = built(
-        "plain vLLM (eager)",
-        lambda: LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine),
-    )
-    points = [f"attn_probs.{layer}"]
-    static = built("attnlens static capture", lambda: attnlens.StandardizedVLLM(path, static_points=points, **engine))
-    assert static.compiled
-    model = built("attnlens engine for traces", lambda: attnlens.StandardizedVLLM(path, **engine))
-    attn = model.layers[layer].self_attn
-    sequences = [ids.tolist() for ids in repeated_tokens(model, 50, 8, 0)]
+    eager = static = model = None
+    if "eager" in rows:
+        eager = built(
+            "plain vLLM (eager)",
+            lambda: LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine),
+        )
+    if {"static", "heads"} & rows:
+        points = [f"attn_probs.{layer}"]
+        static = built(
+            "attnlens static capture", lambda: attnlens.StandardizedVLLM(path, static_points=points, **engine)
+        )
+        assert static.compiled
+    if {"untraced", "traced"} & rows:
+        model = built("attnlens engine for traces", lambda: attnlens.StandardizedVLLM(path, **engine))
+        attn = model.layers[layer].self_attn
+    sequences = [ids.tolist() for ids in repeated_tokens(static or model, 50, 8, 0)] if "heads" in rows else []
 
     def plain():
         llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
@@ -120,18 +129,23 @@ def rows_for(
         found = head_summaries(static, length=50, sequences=8, seed=0, progress=False)
         assert len(found.layers) == static.num_layers
 
-    runs = {
-        "plain vLLM": plain,
-        "plain vLLM, eager (as for traces)": plain_eager,
-        f"static capture, layer {layer} pattern": captured_statically,
-        "attnlens engine for traces, no trace": untraced,
+    chosen = {
+        "eager": {"plain vLLM, eager (as for traces)": plain_eager},
+        "static": {f"static capture, layer {layer} pattern": captured_statically},
+        "untraced": {"attnlens engine for traces, no trace": untraced},
+        "traced": {f"traced capture, layer {layer} pattern": traced_capture},
+        "heads": {
+            "plain vLLM, prefill of 8 x 101 tokens": prefill_plain,
+            "head summaries, every layer, same 8 x 101 (in the worker, vLLM's defaults)": summaries,
+        },
     }
-    if traced:
-        runs[f"traced capture, layer {layer} pattern"] = traced_capture
-    if heads:
-        runs["plain vLLM, prefill of 8 x 101 tokens"] = prefill_plain
-        runs["head summaries, every layer, same 8 x 101 (in the worker, vLLM's defaults)"] = summaries
-    rows = interleaved(runs, repeats)
+    runs = {"plain vLLM": plain}
+    for short, found in chosen.items():
+        if short in rows:
+            runs.update(found)
+    times = interleaved(runs, repeats)
+    if model is None:
+        return times, {}
     cache = model.vllm_entrypoint.collective_rpc("attnlens_cache_bytes")
     held = [stats["bytes"] for stats in model.kept()]
     c = model.text_config
@@ -142,7 +156,7 @@ def rows_for(
         "attnlens beside it, after the traced run (per rank)": held,
         "the copy the earlier design kept at the end of the run": per_token * 4 * tokens_held,
     }
-    return rows, memory
+    return times, memory
 
 
 def report(title: str, found: tuple) -> None:
@@ -165,12 +179,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-traced", dest="traced", action="store_false", help="leave out the traced capture")
-    parser.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head summaries")
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help=f"which rows beside plain vLLM, comma-separated: {', '.join(ROWS)}"
+    )
     parser.add_argument("--tp", action="store_true", help="also two tensor-parallel ranks, on Gemma-3-270M")
     parser.add_argument("--tp-only", action="store_true", help=argparse.SUPPRESS)  # --tp's second process
     args = parser.parse_args()
     prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
+    chosen = set(args.rows.split(",")) - {""}
+    if chosen - set(ROWS):
+        parser.error(f"unknown rows {sorted(chosen - set(ROWS))}; choose from {', '.join(ROWS)}")
 
     import nnsight
     import vllm
@@ -182,7 +200,7 @@ def main() -> None:
     )
 
     def rows(path: str, layer: int, **engine) -> tuple:
-        return rows_for(path, prompts, args.tokens, layer, args.repeats, args.traced, args.heads, **engine, **ENGINE)
+        return rows_for(path, prompts, args.tokens, layer, args.repeats, chosen, **engine, **ENGINE)
 
     if args.tp_only:  # --tp's rows, in a process of their own: beside the one-process engines, 24 GiB ran out
         from vllm import envs
