@@ -16,6 +16,7 @@ import torch
 from conftest import tiny
 
 import attnlens
+from attnlens import heads
 from attnlens.collect import CollectMismatch, Corpus, Feature, read_table, store
 from attnlens.collect import features as registry
 
@@ -109,6 +110,30 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
                     assert abs(row[column] - float(values.norm(dim=-1).mean())) < 1e-4, (column, p, layer, h)
                 assert row["kv_head"] == h // group
     assert table[0, layers[0], 0]["key"] == "p0"
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_top_keys_alone_score_only_the_chosen_rows_and_equal_the_whole(case, corpus, tmp_path, monkeypatch):
+    """Collected with no feature that sums over every row, the top keys score only the chosen rows, one at a time
+    against the keys each sees (sliding windows included), and equal those of a collection that scores every row."""
+    model = tiny(case)
+    options = dict(rows=ROWS, top_k=3, batch_size=3, progress=False)
+    whole = attnlens.collect(model, corpus, ["entropy", "top_keys"], tmp_path / "whole", **options)
+    scored = []
+    summarize = heads.summarize
+
+    def counted(scores, queries, keys, **kwargs):
+        scored.append(queries.shape[2])
+        return summarize(scores, queries, keys, **kwargs)
+
+    monkeypatch.setattr(heads, "summarize", counted)
+    alone = by_prompt(read_table(attnlens.collect(model, corpus, ["top_keys"], tmp_path / "alone", **options).out))
+    assert set(scored) == {1}, "top keys alone scored more than their rows"
+    whole = by_prompt(read_table(whole.out))
+    assert alone.keys() == whole.keys()
+    for key, row in alone.items():
+        assert row["top_rows"] == whole[key]["top_rows"] and row["top_keys"] == whole[key]["top_keys"], key
+        assert torch.allclose(torch.tensor(row["top_weights"]), torch.tensor(whole[key]["top_weights"]), **TOLERANCE)
 
 
 def test_the_output_is_one_table_in_every_reader(corpus, tmp_path):

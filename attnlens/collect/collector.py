@@ -86,7 +86,7 @@ class Collector:
         self.options = {"top_k": int(top_k), "rows": [int(r) for r in ([rows] if isinstance(rows, int) else rows)]}
         if self.options["top_k"] < 1 and "top_keys" in self.names:
             raise ValueError(f"top_k must be at least 1 with the top_keys feature; got {top_k}")
-        self.wants = {"previous": "previous" in self.names, "top": "top_keys" in self.names}
+        self.wants = registry.wants_of(self.features)
         self.vllm = model.access.engine == "vllm"
         # on vLLM: reduced at the attention op (no trace), where every feature reads only the kernel's arguments
         self.reduced = self.vllm and inworker.servable(self.features)

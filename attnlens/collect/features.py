@@ -82,6 +82,22 @@ def resolve(names) -> list[Feature]:
     return [f for f in FEATURES.values() if f.name in names]
 
 
+#: Features that read only the chosen rows of `Context.summary()` (its top keys): with no other scored feature, only
+#: those rows are scored.
+CHOSEN_ROWS_ONLY = ("top_keys", "pattern")
+
+
+def wants_of(features) -> dict[str, bool]:
+    """What `Context.summary()` computes for `features`: the previous-token weight, the chosen rows' top keys, and
+    sums over every row (`whole`) unless every scored feature reads only the chosen rows."""
+    names = [f.name for f in features]
+    return {
+        "previous": "previous" in names,
+        "top": "top_keys" in names,
+        "whole": any(f.scored and f.name not in CHOSEN_ROWS_ONLY for f in features),
+    }
+
+
 def rows_of(options: dict, tokens: int) -> list[int]:
     return sorted({row % tokens for row in options["rows"] if -tokens <= row < tokens})
 
@@ -137,21 +153,31 @@ class Context:
         return rows_of(self.options, self.tokens)
 
     def summary(self) -> dict[str, torch.Tensor]:
+        """`heads.summarize`'s sums over every row; where only the chosen rows' top keys are wanted (`wants["whole"]`
+        false), those rows alone, each scored against the keys it sees (linear in the prompt's length, not
+        quadratic), and only `top_weights` and `top_keys`."""
         if self._summary is None:
             queries, keys = self.values["attention_queries"], self.values["attention_keys"]
+            top_k = self.options["top_k"] if self.wants.get("top") else 0
+            scores = heads.score_function(self.attn)
+            if not self.wants.get("whole", True):
+                found = [
+                    heads.summarize(
+                        scores, queries[:, :, row : row + 1], keys[:, :, : row + 1], top_rows=[0], top_k=top_k
+                    )
+                    for row in (self.rows() if top_k else ())
+                ]
+                self._summary = {
+                    name: torch.cat([f[name] for f in found], 2) for name in ("top_weights", "top_keys") if found
+                }
+                return self._summary
             n = queries.shape[2]
             targets = {}
             if self.wants.get("previous"):
                 rows = torch.arange(n)
                 targets["previous"] = torch.where(rows >= 1, rows - 1, -1)
-            top_k = self.options["top_k"] if self.wants.get("top") else 0
             self._summary = heads.summarize(
-                heads.score_function(self.attn),
-                queries,
-                keys,
-                targets=targets,
-                top_rows=self.rows() if top_k else (),
-                top_k=top_k,
+                scores, queries, keys, targets=targets, top_rows=self.rows() if top_k else (), top_k=top_k
             )
         return self._summary
 
@@ -209,7 +235,7 @@ def _mean(sums: dict, name: str, rows: str) -> torch.Tensor:
 def _top(context: Context) -> dict[str, torch.Tensor]:
     sums = context.summary()
     rows = torch.tensor(context.rows(), dtype=torch.int32)
-    layers, num_heads = sums["entropy"].shape
+    layers, num_heads = context.values["attention_queries"].shape[:2]
     if "top_keys" not in sums:  # no row in range
         empty = torch.zeros(layers, num_heads, 0, context.options["top_k"])
         return {"top_rows": rows.expand(layers, num_heads, -1), "top_keys": empty.int(), "top_weights": empty}
