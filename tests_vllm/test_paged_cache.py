@@ -65,6 +65,8 @@ def test_the_static_engine_runs_vllms_defaults(compiled):
     with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):
         with compiled.trace("Hi"):
             compiled.logits.save()
+    with pytest.raises(attnlens.Unavailable, match=r"serves no edits installed.*enforce_eager=True"):
+        compiled.edit()  # its worker steps as plain vLLM: an installed block would never run
     plain = compiled.generate("Hi", max_tokens=2, temperature=0.0)  # no block: plain vLLM requests run
     assert len(plain[0].outputs[0].token_ids) == 2
     support = compiled.support(1)

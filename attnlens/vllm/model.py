@@ -243,14 +243,17 @@ class StandardizedVLLM(Helpful, VLLM):
         into the KV cache, so its blocks must not serve another request's prefix (nnsight already keeps a traced
         request from reading the prefix cache, so each sees its whole prompt, as eager does)."""
         if self.compiled:  # here, not in `trace`: a plain `generate` (no block) runs on a compiled engine
-            raise Unavailable(
-                "this engine runs vLLM's compiled model (it was built for static capture: static_points and no "
-                "enforce_eager), where nnsight's module handoffs never run, so it serves no traces. Build it with "
-                "StandardizedVLLM(..., enforce_eager=True) to trace (static capture works there too)"
-            )
+            raise Unavailable(NO_TRACES.format(what="traces"))
         (prompts, params, loras), kwargs = super()._batch(invokes, fn)
         prompts = [_salted(prompt) for prompt in prompts]
         return (prompts, params, loras), kwargs
+
+    def edit(self, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's edit installed on the engine (a block every request runs), refused on a compiled engine: its
+        worker steps as plain vLLM and runs no block."""
+        if self.compiled:
+            raise Unavailable(NO_TRACES.format(what="edits installed on the engine (model.edit)"))
+        return super().edit(*args, **kwargs)
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         attached = super()._attach_mediators(params, **kwargs)
@@ -300,6 +303,12 @@ def _chosen_backend(kwargs: dict) -> bool:
     return kwargs.get("attention_backend") is not None or chosen is not None
 
 
+#: Why a compiled engine refuses traces and installed edits (`what`).
+NO_TRACES = (
+    "this engine runs vLLM's compiled model (it was built for static capture: static_points and no enforce_eager), "
+    "where nnsight's module handoffs never run, so it serves no {what}. Build it with "
+    "StandardizedVLLM(..., enforce_eager=True) for them (static capture works there too)"
+)
 #: The worker reads the engine's mode here (`additional_config`), to leave a compiled model uninstrumented.
 COMPILED_KEY = "attnlens_compiled"
 
