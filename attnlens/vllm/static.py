@@ -255,9 +255,9 @@ class StaticRecorder:
         pattern = shorts & set(SOURCES)
         context = shorts & {"key", "value"} or pattern
         with_values = "value" in shorts  # a pattern needs only the keys
-        # under tensor parallelism each rank scores its own heads and gathers the pattern, where heads score
-        # independently (the common layout's score function, no sink logits): no rank scores every head, and the
-        # queries are not gathered for it
+        # under tensor parallelism each rank scores its own heads and keeps their pattern (`ranked`: the client joins
+        # the ranks' heads), where heads score independently (the common layout's score function, no sink logits):
+        # no rank scores every head, and the queries are not gathered for it
         own = (
             tensor_parallel()[0] > 1
             and values.score_function.layer_key(values.config, layer) is not None
