@@ -77,6 +77,7 @@ class Access:
         self._positions: dict[tuple[str, int | None], tuple[int, int]] = {}
         self._layers: dict[str, int] = {}
         self._plans: dict[tuple[str, str], Plan] = {}  # (envoy path, value name) -> plan
+        self.operations: dict[tuple[str, str], tuple] = {}  # see `locations.operation`
         self._rebuild_patterns = rebuild_patterns
         self._layer_path = re.compile(rf"(?:^|\.){re.escape(family.path('layers', engine))}\.(\d+)(?:\.|$)")
         #: Tensors handed out as copies during the current eager run (None: kept per request, on vLLM).

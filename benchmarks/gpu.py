@@ -80,17 +80,23 @@ SHAPES = {
         ),
     ),
 }
-#: The eight attention values of the common layout, and where nnsight reaches each by hand.
+#: The eight attention values of the common layout, and where nnsight reaches each by hand, given `call(attn)`, the
+#: attention forward's call of transformers' attention interface (`interface_call`, or one kept per layer).
 BY_HAND = {
-    "attention_queries": lambda attn: attn.source.attention_interface_1.inputs[0][1],
-    "attention_keys": lambda attn: attn.source.attention_interface_1.inputs[0][2],
-    "attention_values": lambda attn: attn.source.attention_interface_1.inputs[0][3],
-    "attention_scores": lambda attn: attn.source.attention_interface_1.source.attn_weights_1.output,
-    "attention_probabilities": lambda attn: attn.source.attention_interface_1.source.attn_weights_3.output,
-    "attention_head_outputs": lambda attn: attn.source.attention_interface_1.output[0],
-    "attention_premix": lambda attn: attn.o_proj.input,
-    "attention_output": lambda attn: attn.output[0],
+    "attention_queries": lambda attn, call: call(attn).inputs[0][1],
+    "attention_keys": lambda attn, call: call(attn).inputs[0][2],
+    "attention_values": lambda attn, call: call(attn).inputs[0][3],
+    "attention_scores": lambda attn, call: call(attn).source.attn_weights_1.output,
+    "attention_probabilities": lambda attn, call: call(attn).source.attn_weights_3.output,
+    "attention_head_outputs": lambda attn, call: call(attn).output[0],
+    "attention_premix": lambda attn, call: attn.o_proj.input,
+    "attention_output": lambda attn, call: attn.output[0],
 }
+
+
+def interface_call(attn):
+    """The call of the attention interface, as a user reaches it by hand: nnsight builds it anew each time."""
+    return attn.source.attention_interface_1
 
 
 class Timer:
@@ -148,7 +154,7 @@ def rows(eager, sdpa, ids, timer, layer) -> dict:
             for block in eager.layers:
                 attn = block.self_attn
                 for name in names:
-                    BY_HAND[name](attn)
+                    BY_HAND[name](attn, interface_call)
 
     def standardized():
         with eager.trace(ids):

@@ -176,3 +176,22 @@ def test_a_moved_operation_fails_at_load_naming_family_and_value():
     message = str(error.value)
     assert "family Renumbered, value attention_scores" in message
     assert "attn_weights_1: `attn_weights = attn_weights + attention_mask`" in message
+
+
+def test_a_module_replaced_under_its_envoy_is_read_afresh():
+    """A read keeps the operation envoy of a module's forward (`locations.operation`); a module replaced under its
+    envoy (nnsight's `_update`, as when real weights are dispatched) is instrumented and read, not the old one."""
+    model = tiny("llama")
+    attn = model.layers[0].self_attn
+    with torch.no_grad(), model.trace(PROMPT):
+        before = attn.attention_queries.save()
+    old = attn._module
+    replacement = type(old)(old.config, layer_idx=0)
+    replacement.load_state_dict(old.state_dict())
+    with torch.no_grad():
+        replacement.q_proj.weight.mul_(2)  # the queries double (no bias; rotary is linear)
+    model.layers[0]._module.self_attn = replacement
+    attn._update(replacement)
+    with torch.no_grad(), model.trace(PROMPT):
+        after = attn.attention_queries.save()
+    torch.testing.assert_close(after, before * 2)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from greenlet import getcurrent
+from nnsight.intervention.source import STATE as NNSIGHT_STATE
 
 #: nnsight's name for the call of transformers' shared attention interface inside an attention forward (its
 #: `attention_interface_0` is the assignment that picks the function).
@@ -22,6 +23,8 @@ class Context(Protocol):
     layer an envoy sits in, that layer's heads, the tokens the running forward has seen, and copies handed out."""
 
     tokens_seen: int | None
+    #: (envoy path, operation name) -> (its module's nnsight state, the operation's envoy): `operation`.
+    operations: dict
 
     def layer_of(self, envoy: Any) -> int: ...
 
@@ -53,6 +56,20 @@ def child(envoy, path: str):
     for part in filter(None, path.split(".")):
         envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
     return envoy
+
+
+def operation(envoy, name: str):
+    """The operation `envoy.source.<name>` of a module's own forward, made once per envoy and module (kept by the
+    engine's context): nnsight builds a new `Source` and operation envoy on every `.source`, about 2 us on most reads,
+    and the operation is only an address (its path), the same in every run. Made again where the module's nnsight
+    state is new (real weights dispatched under the envoy, a module replaced): `.source` instruments that module."""
+    made = context(envoy).operations
+    key = envoy.path, name
+    found = made.get(key)
+    if found is None or found[0] is not envoy._module.__dict__.get(NNSIGHT_STATE):
+        op = getattr(envoy.source, name)  # instruments the module's forward where it is not yet
+        found = made[key] = envoy._module.__dict__.get(NNSIGHT_STATE), op
+    return found[1]
 
 
 def _replace_item(container: Any, index: int, value: Any) -> Any:
@@ -198,10 +215,10 @@ class Operation(Location):
         return f"{self.module}.source.{'.source.'.join(self.path)}.{'input' if self.part == 'arg' else 'output'}"
 
     def op(self, envoy):
-        source = child(envoy, self.module).source
-        for name in self.path[:-1]:
-            source = getattr(source, name).source
-        return getattr(source, self.path[-1])
+        op = operation(child(envoy, self.module), self.path[0])
+        for name in self.path[1:]:  # a called function's operations: nnsight resolves them afresh in each run
+            op = getattr(op.source, name)
+        return op
 
     def read(self, envoy):
         op = self.op(envoy)
