@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-from gpu import BY_HAND, interface_call
+from gpu import BY_HAND, interface_call, read_by_hand
 from peak_memory import PeakMemory
 
 from attnlens import models
@@ -82,11 +82,7 @@ def floor(rounds: int, layers: int = 32, tokens: int = 16) -> None:
         model._module(ids)
 
     def by_hand():
-        with model.trace(ids):
-            for block in model.layers:
-                attn = block.self_attn
-                for name in names:
-                    BY_HAND[name](attn, interface_call)
+        read_by_hand(model, ids)
 
     calls = {block.self_attn.path: interface_call(block.self_attn) for block in model.layers}
 
@@ -94,11 +90,7 @@ def floor(rounds: int, layers: int = 32, tokens: int = 16) -> None:
         return calls[attn.path]
 
     def by_hand_kept():
-        with model.trace(ids):
-            for block in model.layers:
-                attn = block.self_attn
-                for name in names:
-                    BY_HAND[name](attn, kept_call)
+        read_by_hand(model, ids, kept_call)
 
     def by_name():
         with model.trace(ids):

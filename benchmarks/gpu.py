@@ -99,6 +99,15 @@ def interface_call(attn):
     return attn.source.attention_interface_1
 
 
+def read_by_hand(model, ids, call=interface_call) -> None:
+    """A trace reading the eight values of every layer by hand (`BY_HAND`)."""
+    with model.trace(ids):
+        for block in model.layers:
+            attn = block.self_attn
+            for read in BY_HAND.values():
+                read(attn, call)
+
+
 class Timer:
     def __init__(self, device: torch.device, repeats: int):
         self.device, self.repeats = device, repeats
@@ -150,11 +159,7 @@ def rows(eager, sdpa, ids, timer, layer) -> dict:
         return lambda: model._module(ids)
 
     def by_hand():
-        with eager.trace(ids):
-            for block in eager.layers:
-                attn = block.self_attn
-                for name in names:
-                    BY_HAND[name](attn, interface_call)
+        read_by_hand(eager, ids)
 
     def standardized():
         with eager.trace(ids):
