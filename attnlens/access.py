@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError
@@ -42,6 +42,18 @@ class Plan(NamedTuple):
     order: int
     #: Why an in-place edit of what is read cannot reach the model (None: it can, the tensor is the forward's own).
     copy: str | None
+
+
+class EngineMode(Protocol):
+    """An engine mode that serves less than the family's locations (`Access.mode`)."""
+
+    def reasons(self, layer: int | None) -> dict[str, str]:
+        """Value name -> why this mode does not serve it on `layer` (None: the model's own values)."""
+        ...
+
+    def location(self, location: Location) -> Location:
+        """`location` as this mode serves it (read-only where an edit would not reach the model)."""
+        ...
 
 
 class Reads:
@@ -84,6 +96,9 @@ class Access:
         self.run_copies: list | None = None
         #: Tokens the running forward has seen, this step's included (eager; None where keys span the context).
         self.tokens_seen: int | None = None
+        #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
+        #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
+        self.mode: EngineMode | None = None
 
     # --- layers ------------------------------------------------------------------------------------------------
 
@@ -149,6 +164,8 @@ class Access:
                 reasons = cache.unavailable(self.family, self.config, layer, self.engine, reasons)
             if self.rebuild_patterns and layer is not None:
                 reasons = rebuild.adjust(self, layer, reasons)
+            if self.mode is not None:
+                reasons = {**self.mode.reasons(layer), **reasons}  # the family's own reason first
             self._reasons[layer] = reasons
         return self._reasons[layer]
 
@@ -164,7 +181,10 @@ class Access:
                 raise Unavailable(f"{describe(name, layer)} on {self.where}: {reason}")
             from . import rebuild
 
-            found = self._resolved[name, layer] = rebuild.location(self, name, layer) or self.locations(layer)[name]
+            found = rebuild.location(self, name, layer) or self.locations(layer)[name]
+            if self.mode is not None:
+                found = self.mode.location(found)
+            self._resolved[name, layer] = found
         return found
 
     def support(self, layer: int = 0) -> Support:

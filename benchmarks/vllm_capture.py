@@ -1,14 +1,16 @@
 """What capturing a pattern on every step costs on vLLM: greedy generation of many prompts, plain and captured.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
-        [--repeats 3] [--rows eager,static,untraced,traced,heads] [--tp]
+        [--repeats 3] [--rows eager,static,untraced,traced,compiled,heads] [--tp]
 
 Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
 builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
 (eager, for reference); static capture (`StandardizedVLLM(static_points=[attn_probs.L])` with `static_generate`,
 which runs vLLM's defaults: the pattern is rebuilt at the attention op each step, over keys read from the paged KV
 cache); the attnlens engine for traces (eager) without a trace; traced capture (`trace` + `tracer.iter` saving layer
-L's `attention_probabilities` on every step of every prompt). Then the memory attnlens holds beside vLLM's KV cache
+L's `attention_probabilities` on every step of every prompt); the same trace on the static-capture engine, which runs
+vLLM's compiled model and hands the attention op's values to a trace there (`worker.hand_off_at_kernel`). Then the
+memory attnlens holds beside vLLM's KV cache
 after the traced run (0: earlier keys are read from the cache; the copy the earlier design kept is given for
 comparison). The engines are built side by side and timed in alternation after a warm-up, so load from other
 processes falls on all alike; the best of `--repeats` rounds is reported. Every prompt generates exactly `--tokens`
@@ -43,7 +45,7 @@ STARTS = ["Tell me about {}.", "Three facts about {}:", "A short poem about {}:"
 PROMPTS = [start.format(subject) for start in STARTS for subject in SUBJECTS]
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20, seed=0)
 #: The rows `--rows` chooses from, each beside plain vLLM at its defaults.
-ROWS = ("eager", "static", "untraced", "traced", "heads")
+ROWS = ("eager", "static", "untraced", "traced", "compiled", "heads")
 
 
 def say(text: str) -> None:
@@ -87,7 +89,7 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
             "plain vLLM (eager)",
             lambda: LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine),
         )
-    if {"static", "heads"} & rows:
+    if {"static", "compiled", "heads"} & rows:
         points = [f"attn_probs.{layer}"]
         static = built(
             "attnlens static capture", lambda: attnlens.StandardizedVLLM(path, static_points=points, **engine)
@@ -95,7 +97,6 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
         assert static.compiled
     if {"untraced", "traced"} & rows:
         model = built("attnlens engine for traces", lambda: attnlens.StandardizedVLLM(path, **engine))
-        attn = model.layers[layer].self_attn
     sequences = [ids.tolist() for ids in repeated_tokens(static or model, 50, 8, 0)] if "heads" in rows else []
 
     def plain():
@@ -111,8 +112,9 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
         results = static.static_generate(prompts, **sampling)
         assert len(results) == len(prompts) and len(results[0].steps) == tokens
 
-    def traced_capture():
-        with torch.no_grad(), model.trace(**sampling) as tracer:
+    def traced_capture(engine):
+        attn = engine.layers[layer].self_attn
+        with torch.no_grad(), engine.trace(**sampling) as tracer:
             for prompt in prompts:
                 with tracer.invoke(prompt):
                     saved = list().save()
@@ -133,7 +135,8 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
         "eager": {"plain vLLM, eager (as for traces)": plain_eager},
         "static": {f"static capture, layer {layer} pattern": captured_statically},
         "untraced": {"attnlens engine for traces, no trace": untraced},
-        "traced": {f"traced capture, layer {layer} pattern": traced_capture},
+        "traced": {f"traced capture, layer {layer} pattern": lambda: traced_capture(model)},
+        "compiled": {f"traced capture on the static engine (compiled), layer {layer}": lambda: traced_capture(static)},
         "heads": {
             "plain vLLM, prefill of 8 x 101 tokens": prefill_plain,
             "head summaries, every layer, same 8 x 101 (in the worker, vLLM's defaults)": summaries,

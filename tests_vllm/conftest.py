@@ -88,7 +88,8 @@ class Pair:
 
     def __init__(self, name, path, prompt, max_model_len, kv_bytes, dtype="float32", **engine):
         self.name, self.path, self.prompt, self.dtype = name, path, prompt, getattr(torch, dtype)
-        self.vllm = attnlens.StandardizedVLLM(str(path), **engine_args(max_model_len, kv_bytes, dtype), **engine)
+        self.engine = {**engine_args(max_model_len, kv_bytes, dtype), **engine}  # what `vllm` was built with
+        self.vllm = attnlens.StandardizedVLLM(str(path), **self.engine)
         self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
 
 

@@ -62,17 +62,79 @@ def test_the_static_engine_runs_vllms_defaults(compiled):
     config = compiled.vllm_entrypoint.llm_engine.vllm_config
     assert not config.model_config.enforce_eager
     assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
-    with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):
-        with compiled.trace("Hi"):
-            compiled.logits.save()
+    for read in (lambda: compiled.logits, lambda: compiled.layers[1].self_attn.attention_output):
+        with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):  # inside the compiled graph
+            with compiled.trace("Hi"):
+                read().save()
     with pytest.raises(attnlens.Unavailable, match=r"serves no edits installed.*enforce_eager=True"):
-        compiled.edit()  # its worker steps as plain vLLM: an installed block would never run
+        compiled.edit()  # its worker steps as plain vLLM without a trace: an installed block would run on some only
     plain = compiled.generate("Hi", max_tokens=2, temperature=0.0)  # no block: plain vLLM requests run
     assert len(plain[0].outputs[0].token_ids) == 2
     support = compiled.support(1)
     assert support["self_attn.attention_probabilities"] is None
-    assert "static tap only" in support.notes["self_attn.attention_probabilities"]
+    assert "read at the attention op" in support.notes["self_attn.attention_probabilities"]
     assert "enforce_eager=True" in support["layer_output"] and "enforce_eager=True" in support["logits"]
+
+
+KERNEL_VALUES = ("attention_queries", "attention_keys", "attention_values", "attention_probabilities")
+
+
+def kernel_values(model, prompt: str, steps: int, edit=None) -> list[list[torch.Tensor]]:
+    """Layer 1's kernel values on each of `steps` greedy steps of `prompt`, after `edit(model)` on each step."""
+    attn = model.layers[1].self_attn
+    with torch.no_grad(), model.trace(prompt, max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
+        saved = list().save()
+        for _ in tracer.iter[:steps]:
+            if edit is not None:
+                edit(model)
+            saved.append([getattr(attn, name).clone() for name in KERNEL_VALUES])
+    return saved
+
+
+def test_a_trace_on_the_compiled_engine_reads_the_attention_ops_values_as_eager(compiled, llama):
+    """The compiled engine hands the kernel's arguments to a trace where vLLM runs the attention op
+    (`worker.hand_off_at_kernel`): each prefill chunk's rows (32-token chunks there) and each decode step's queries,
+    keys, values and pattern equal the eager engine's, which prefills the 40 tokens at once."""
+    prompt = PREFIX[:40]
+    got, want = kernel_values(compiled, prompt, 4), kernel_values(llama.vllm, prompt, 3)
+    queries, keys, values, pattern = want[0]
+    assert [step[0].shape[2] for step in got] == [32, 8, 1, 1] and queries.shape[2] == 40
+    assert close(torch.cat([got[0][0], got[1][0]], dim=2), queries)
+    assert close(got[0][1], keys[:, :, :32]) and close(got[1][1], keys) and close(got[1][2], values)
+    assert close(got[0][3], pattern[:, :, :32, :32]) and close(got[1][3], pattern[:, :, 32:])
+    for step in (1, 2):  # decode steps
+        for name, a, b in zip(KERNEL_VALUES, got[step + 1], want[step]):
+            assert close(a, b), (step, name)
+
+
+def test_an_edit_on_the_compiled_engine_moves_later_values_as_on_eager(compiled, llama):
+    """Layer 0's queries scaled on the compiled engine change layer 1's pattern as on the eager engine."""
+
+    def scale(model):
+        attn = model.layers[0].self_attn
+        attn.attention_queries = attn.attention_queries * 3
+
+    prompt = PREFIX[:24]
+    got, want, plain = (
+        kernel_values(compiled, prompt, 2, scale),
+        kernel_values(llama.vllm, prompt, 2, scale),
+        kernel_values(compiled, prompt, 2),
+    )
+    for step in range(2):
+        assert close(got[step][3], want[step][3]), step
+        assert not close(got[step][3], plain[step][3]), step  # the edit moved it
+
+
+def test_the_compiled_engine_refuses_edits_of_the_rebuilt_pattern(compiled):
+    """An edited pattern's head outputs are recomputed at the output projection's input, inside the compiled graph:
+    assigning the pattern, or editing it in place, is refused rather than lost."""
+    attn = compiled.layers[1].self_attn
+    with pytest.raises(attnlens.EditError, match="enforce_eager=True"):
+        with compiled.trace(PREFIX[:8]):
+            attn.attention_probabilities = attn.attention_probabilities * 0
+    with pytest.raises(attnlens.EditError):
+        with compiled.trace(PREFIX[:8]):
+            attn.attention_scores[:] = 0
 
 
 def test_a_prefix_another_request_cached_gives_the_same_captures_as_alone(compiled, llama):
@@ -236,3 +298,16 @@ def test_a_requests_rows_read_through_the_blocks_view_equal_the_flat_indexes(com
 
     (found,) = compiled.vllm_entrypoint.collective_rpc(both)
     assert found and all(found)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "gpt_oss"])
+def test_traces_on_a_compiled_engine_equal_eager_on_windows_norms_and_sinks(family, tmp_path_factory):
+    """Gemma 3's sliding windows of 4 tokens and grouped heads, Qwen3's query and key norms, GPT-OSS's sink logits:
+    a trace on the compiled engine reads layer 1's queries, keys, values and pattern as the eager engine does."""
+    models = pair(family, tmp_path_factory)
+    compiled = attnlens.StandardizedVLLM(str(models.path), static_points=["query.1"], **models.engine)
+    assert compiled.compiled
+    got, want = kernel_values(compiled, models.prompt, 3), kernel_values(models.vllm, models.prompt, 3)
+    for step, (mine, theirs) in enumerate(zip(got, want)):
+        for name, a, b in zip(KERNEL_VALUES, mine, theirs):
+            assert close(a, b), (family, step, name)

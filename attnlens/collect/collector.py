@@ -93,8 +93,8 @@ class Collector:
         if self.vllm and getattr(model, "compiled", False) and not self.reduced:
             traced = [f.name for f in self.features if not inworker.servable([f])]
             raise Unavailable(
-                f"collect: this engine runs vLLM's compiled model, which serves no traces, and {traced} need one "
-                "(they read values not tapped at the attention op); pass the checkpoint folder with engine='vllm' "
+                f"collect: this engine runs vLLM's compiled model, whose traces read only the attention op's values, "
+                f"and {traced} read others; pass the checkpoint folder with engine='vllm' "
                 "(collect builds the engine the features need), or build StandardizedVLLM(..., enforce_eager=True)"
             )
         self.batch_size = batch_size or (256 if self.reduced else 32 if self.vllm else 8)

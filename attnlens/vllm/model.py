@@ -34,7 +34,6 @@ from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
-from ..values import BY_SHORT
 from . import inferred, static, worker
 from .blocks import handoffs
 
@@ -127,6 +126,9 @@ class StandardizedVLLM(Helpful, VLLM):
             kwargs["additional_config"][static.CONFIG_KEY] = self.static_points
         self.compiled = engine_mode(self, enforce_eager, kwargs)
         kwargs["additional_config"][COMPILED_KEY] = self.compiled
+        if self.compiled:  # traces read the attention op's values only (the worker says the same: worker.py)
+            self.access.mode = static.CompiledMode(self.family, self.text_config)
+            self.access.refresh()  # `static.declare` asked it before
         kwargs.setdefault("dispatch", True)
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
@@ -194,30 +196,13 @@ class StandardizedVLLM(Helpful, VLLM):
 
     def support(self, layer: int = 0) -> Support:
         """Which values `layer` serves on vLLM and, for each it doesn't, why; notes say what is rebuilt. On an engine
-        running vLLM's compiled model (`compiled`), only the static taps are served, and every other value says that
-        it needs the eager engine."""
+        running vLLM's compiled model (`compiled`), only the attention op's values are served (to traces and static
+        taps), and every other value says that it needs the eager engine."""
         found = replace(self.access.support(layer), model=self)  # the model: for `.analyses`
         if not self.compiled:
             return found
-        layer = self.access.check_layer(layer)
-        served = {
-            BY_SHORT[short].key
-            for short, where in static.taps(self.family, self.text_config, layer).items()
-            if where == "kernel"
-        }
-        eager = (
-            "this engine runs vLLM's compiled model (built for static capture), where only the attention op's "
-            "values are tapped; build StandardizedVLLM(..., enforce_eager=True) to trace this value"
-        )
-        reasons = {
-            key: reason if reason is not None or key in served else eager for key, reason in found.reasons.items()
-        }
-        notes = {
-            key: f"{note}; on this compiled engine, a static tap only (static_points)"
-            for key, note in found.notes.items()
-            if key in served
-        }
-        return replace(found, reasons=reasons, notes=notes)
+        notes = {key: f"{note}; on this compiled engine, read at the attention op" for key, note in found.notes.items()}
+        return replace(found, notes=notes)
 
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer` served here; values read at one place share a rank."""
@@ -242,17 +227,16 @@ class StandardizedVLLM(Helpful, VLLM):
         """nnsight's requests, each with a cache salt of its own: a trace may edit what its request's kernels write
         into the KV cache, so its blocks must not serve another request's prefix (nnsight already keeps a traced
         request from reading the prefix cache, so each sees its whole prompt, as eager does)."""
-        if self.compiled:  # here, not in `trace`: a plain `generate` (no block) runs on a compiled engine
-            raise Unavailable(NO_TRACES.format(what="traces"))
         (prompts, params, loras), kwargs = super()._batch(invokes, fn)
         prompts = [_salted(prompt) for prompt in prompts]
         return (prompts, params, loras), kwargs
 
     def edit(self, *args: Any, **kwargs: Any) -> Any:
         """nnsight's edit installed on the engine (a block every request runs), refused on a compiled engine: its
-        worker steps as plain vLLM and runs no block."""
+        worker steps as plain vLLM unless a trace's request is in the batch, so such a block would run on some
+        requests only."""
         if self.compiled:
-            raise Unavailable(NO_TRACES.format(what="edits installed on the engine (model.edit)"))
+            raise Unavailable(NO_EDITS)
         return super().edit(*args, **kwargs)
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
@@ -303,11 +287,11 @@ def _chosen_backend(kwargs: dict) -> bool:
     return kwargs.get("attention_backend") is not None or chosen is not None
 
 
-#: Why a compiled engine refuses traces and installed edits (`what`).
-NO_TRACES = (
+#: Why a compiled engine refuses edits installed on the engine.
+NO_EDITS = (
     "this engine runs vLLM's compiled model (it was built for static capture: static_points and no enforce_eager), "
-    "where nnsight's module handoffs never run, so it serves no {what}. Build it with "
-    "StandardizedVLLM(..., enforce_eager=True) for them (static capture works there too)"
+    "whose worker steps as plain vLLM unless a trace is running, so it serves no edits installed on the engine "
+    "(model.edit); edit inside a trace, or build StandardizedVLLM(..., enforce_eager=True)"
 )
 #: The worker reads the engine's mode here (`additional_config`), to leave a compiled model uninstrumented.
 COMPILED_KEY = "attnlens_compiled"

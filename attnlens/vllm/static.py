@@ -25,11 +25,11 @@ import torch
 
 from .. import points as plan
 from ..errors import Unavailable
-from ..locations import child
+from ..locations import Derived, Location, child
 from ..locations.views import gather_heads, gathered_heads, heads_first, tensor_parallel
 from ..locations.vllm import KernelInput, RebuiltPattern
 from ..names import Cache
-from ..values import BY_NAME
+from ..values import BY_NAME, BY_SHORT, of_scope
 from . import kept
 from .blocks import attention_block, handoffs
 
@@ -57,6 +57,44 @@ def taps(family, config, layer: int) -> dict[str, str]:
         for rebuilt in SOURCES:  # rebuilt from the kernel's queries and keys, which it does not receive as served
             found.pop(rebuilt, None)
     return found
+
+
+#: Why a compiled engine serves a value to no trace: only the attention op runs outside vLLM's compiled graph.
+ON_THE_EAGER_ENGINE = (
+    "this engine runs vLLM's compiled model (static_points without enforce_eager), where only the attention op's "
+    "values reach a trace; build StandardizedVLLM(..., enforce_eager=True) to read this value"
+)
+#: Why a compiled engine's trace cannot edit a rebuilt pattern.
+NO_PATTERN_EDITS = (
+    "this engine runs vLLM's compiled model, where an edited pattern's head outputs cannot be recomputed (that "
+    "happens at the output projection's input, inside the compiled graph); edit the queries or keys, or build "
+    "StandardizedVLLM(..., enforce_eager=True)"
+)
+
+
+class CompiledMode:
+    """What a trace reads on an engine running vLLM's compiled model (`Access.mode`): the values handed off at the
+    attention kernel (`taps`' "kernel" ones: the worker hands them to nnsight where vLLM runs the op,
+    `worker.hand_off_at_kernel`), the rebuilt pattern read-only."""
+
+    def __init__(self, family, config) -> None:
+        self.family, self.config = family, config
+
+    def reasons(self, layer: int | None) -> dict[str, str]:
+        if layer is None:
+            return dict.fromkeys(of_scope("model"), ON_THE_EAGER_ENGINE)
+        taps_here = taps(self.family, self.config, layer)
+        served = {BY_SHORT[short].name for short, where in taps_here.items() if where == "kernel"}
+        return {name: ON_THE_EAGER_ENGINE for name in of_scope("layer", "attention", "mlp") if name not in served}
+
+    def location(self, location: Location) -> Location:
+        if isinstance(location, RebuiltPattern) and location.writable:
+            return Derived(location, _same, in_place=False, note=location.note, why_not=NO_PATTERN_EDITS)
+        return location
+
+
+def _same(envoy: Any, value: Any) -> Any:
+    return value
 
 
 def needs_eager(model: Any, keys: list[str]) -> list[str]:
@@ -220,6 +258,8 @@ class StaticRecorder:
             extra = getattr(data.sampling_params, "extra_args", None) or {}
             if not self.keys and CONFIG_KEY not in extra:
                 continue  # taps a tool added on an engine without static points follow its own requests only
+            if extra.get("attnlens"):
+                continue  # a trace's request: the trace reads what it wants
             tag = extra.get(CONFIG_KEY) or data.req_id
             self.tags[data.req_id] = tag
             self.requests.setdefault(tag, _Request())

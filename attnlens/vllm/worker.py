@@ -109,6 +109,8 @@ class WorkerValues:
             self._instrument_operations(index, layer, attention)
             if kernel is not None:
                 envoy = child(attention, kernel)
+                if runner.attnlens_compiled:
+                    hand_off_at_kernel(envoy)
                 self.kernels[index] = envoy._module
                 self.kernel_inputs[f"{envoy.path}.input"] = index
                 self.geometry[index] = kernel_geometry(envoy._module, self.config)
@@ -122,6 +124,8 @@ class WorkerValues:
             if projection is not None:
                 self.projections[f"{child(attention, projection).path}.input"] = index
         self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
+        if runner.attnlens_compiled:  # traces read the attention op's values only (the client says the same)
+            self.access.mode = static.CompiledMode(self.family, self.config)
         attach(root.interleaver, self.access)
         root.interleaver.attnlens_worker = self
         self.states: dict[str, RequestState] = {}
@@ -301,6 +305,25 @@ class WorkerValues:
         return (pattern.to(values.dtype) @ values.repeat_interleave(groups, dim=1))[0].transpose(0, 1)
 
 
+def hand_off_at_kernel(kernel: Any) -> None:
+    """On an engine running vLLM's compiled model, where no module's forward hands off to nnsight, hand the
+    arguments of the attention kernel's envoy `kernel` to the running trace where vLLM runs the attention op (outside
+    the compiled graph), as its forward's handoff would on the eager engine, and pass an edit on to the kernel."""
+    impl = kernel._module.impl
+    forward = impl.forward
+    interleaver = kernel.interleaver
+    provider = f"{kernel.path}.input"
+
+    def run(layer, query, key, value, *args, **kwargs):
+        if interleaver.interleaving:  # flat `[tokens, heads * dim]`, as the attention module's forward receives them
+            arguments = tuple(x.reshape(x.shape[0], -1) for x in (query, key, value))
+            edited, _ = interleaver.handle(provider, (arguments, {}))
+            query, key, value = (new.view(x.shape) for new, x in zip(edited, (query, key, value)))
+        return forward(layer, query, key, value, *args, **kwargs)
+
+    impl.forward = run
+
+
 def _none_if(value: Any, sentinel: Any) -> Any:
     return None if value is None or value == sentinel else value
 
@@ -346,34 +369,47 @@ class AttnlensRequests(Requests):
 class AttnlensRunner:
     """Mixed in front of nnsight's model runner: builds `WorkerValues` and keeps it told what each step holds.
 
-    On an engine running vLLM's compiled model (`attnlens_compiled`) no trace ever arrives (the client refuses them),
-    so each step is vLLM's own (`_vllm`): nnsight's per-step work (tracking every request for its trace, opening the
-    interleaver, serving the logits through it and copying them for the sampler) would be spent on nothing."""
+    On an engine running vLLM's compiled model (`attnlens_compiled`) a step with no trace's request in its batch is
+    vLLM's own (`_vllm`): nnsight's per-step work (opening the interleaver, serving the logits through it and copying
+    them for the sampler) would be spent on nothing. A step with one runs through nnsight, whose only handoffs there
+    are the attention kernels' (`hand_off_at_kernel`)."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
+        self.attnlens_compiled = bool((self.vllm_config.additional_config or {}).get("attnlens_compiled"))
+        self.attnlens_plain_step = self.attnlens_compiled
         interleaver = self.nnsight_model.interleaver
         interleaver.__class__ = _recording(type(interleaver))
         self.attnlens = WorkerValues(self)
         self.nnsight_requests.__class__ = AttnlensRequests
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
-        self.attnlens_compiled = bool((self.vllm_config.additional_config or {}).get("attnlens_compiled"))
         if self.attnlens_compiled:
             _uninstrument(self.get_model())
 
     def _vllm(self, name: str):
-        """The step method `name`: vLLM's own (the runner after nnsight's) on a compiled engine, else nnsight's."""
-        return getattr(super(NNsightGPUModelRunner, self) if self.attnlens_compiled else super(), name)
+        """The step method `name`: vLLM's own (the runner after nnsight's) on a compiled engine's step without a
+        trace, else nnsight's."""
+        return getattr(super(NNsightGPUModelRunner, self) if self.attnlens_plain_step else super(), name)
 
-    def _update_states(self, scheduler_output: Any) -> None:
-        self._vllm("_update_states")(scheduler_output)
+    def _update_states(self, scheduler_output: Any) -> Any:
+        found = super()._update_states(scheduler_output)  # nnsight's: it takes each new trace's request
         self.attnlens.schedule(self, scheduler_output)
         if self.attnlens_static is not None:
             self.attnlens_static.schedule(scheduler_output)
+        return found
 
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        return self._vllm("execute_model")(*args, **kwargs)
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        # decided here, before `_update_states` (which vLLM's step calls) takes this step's new requests
+        self.attnlens_plain_step = self.attnlens_compiled and not self._traced(scheduler_output)
+        return self._vllm("execute_model")(scheduler_output, *args, **kwargs)
+
+    def _traced(self, scheduler_output: Any) -> bool:
+        """Whether this step's batch may hold a trace's request: nnsight carries one, or one arrives with a trace."""
+        arriving = (
+            getattr(data.sampling_params, "extra_args", None) or {} for data in scheduler_output.scheduled_new_reqs
+        )
+        return bool(self.nnsight_requests.workers()) or any("nnsight_mediator" in extra for extra in arriving)
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         return self._vllm("sample_tokens")(*args, **kwargs)
