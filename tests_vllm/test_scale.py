@@ -249,3 +249,24 @@ def test_tensor_parallel_patterns_of_windowed_layers_equal_eager(tmp_path_factor
     points = ["attn_probs.0", "attn_probs.1"]
     model = two_ranks(model_pair.path, points)
     assert_static_patterns_equal(model, model_pair.eager, [model_pair.prompt, "Hi there"], points)
+
+
+def test_a_trace_on_a_compiled_engine_over_two_ranks_equals_eager(tp):
+    """On two ranks the compiled engine hands each rank's heads of the kernel's arguments to the trace
+    (`worker.hand_off_at_kernel`), which joins them as on the eager engine: every layer's queries, keys, values and
+    pattern on the prefill and two decode steps equal the two-rank eager engine's."""
+    eager, llama = tp
+    model = two_ranks(llama.path, ["query.1"])
+    assert model.compiled and not eager.compiled
+    names = ("attention_queries", "attention_keys", "attention_values", "attention_probabilities")
+
+    def steps(engine):
+        with torch.no_grad(), engine.trace(llama.prompt, max_tokens=3, temperature=0.0, ignore_eos=True) as tracer:
+            saved = list().save()
+            for _ in tracer.iter[:3]:
+                saved.append([getattr(block.self_attn, name).clone() for block in engine.layers for name in names])
+        return saved
+
+    for step, (got, want) in enumerate(zip(steps(model), steps(eager), strict=True)):
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert close(a, b), (step, index)
