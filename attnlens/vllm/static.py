@@ -188,15 +188,18 @@ class _Request:
         self.steps: list[dict[str, torch.Tensor]] = []
 
 
-def _before_kernel(kernel: torch.nn.Module, hook: Any) -> None:
-    """Run `hook(query, key, value)` before each run of the kernel's attention implementation. vLLM calls it from its
-    attention op, which runs outside the compiled graph (and whatever path the model code takes to the kernel), so
-    the hook runs under vLLM's compiled model as under the eager one."""
+def before_kernel(kernel: torch.nn.Module, hook: Any) -> None:
+    """Run `hook(query, key, value)` before each run of the kernel's attention implementation; where it returns
+    `(query, key, value)`, the kernel runs on those. vLLM calls it from its attention op, which runs outside the
+    compiled graph (and whatever path the model code takes to the kernel), so the hook runs under vLLM's compiled
+    model as under the eager one."""
     impl = kernel.impl
     forward = impl.forward
 
     def run(layer, query, key, value, *args, **kwargs):
-        hook(query, key, value)
+        replaced = hook(query, key, value)
+        if replaced is not None:
+            query, key, value = replaced
         return forward(layer, query, key, value, *args, **kwargs)
 
     impl.forward = run
@@ -248,7 +251,7 @@ class StaticRecorder:
             raise Unavailable(f"layer {layer} of this {family.name} model has no attention kernel on vLLM to tap")
         attention = attention_block(family, child(self.runner.nnsight_model, family.path("layers", "vllm"))[layer])
         self.layers.setdefault(layer, set())
-        _before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
+        before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
         self.tapped.add(layer)
 
     # --- scheduling ----------------------------------------------------------------------------------------

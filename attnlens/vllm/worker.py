@@ -309,19 +309,17 @@ def hand_off_at_kernel(kernel: Any) -> None:
     """On an engine running vLLM's compiled model, where no module's forward hands off to nnsight, hand the
     arguments of the attention kernel's envoy `kernel` to the running trace where vLLM runs the attention op (outside
     the compiled graph), as its forward's handoff would on the eager engine, and pass an edit on to the kernel."""
-    impl = kernel._module.impl
-    forward = impl.forward
     interleaver = kernel.interleaver
     provider = f"{kernel.path}.input"
 
-    def run(layer, query, key, value, *args, **kwargs):
-        if interleaver.interleaving:  # flat `[tokens, heads * dim]`, as the attention module's forward receives them
-            arguments = tuple(x.reshape(x.shape[0], -1) for x in (query, key, value))
-            edited, _ = interleaver.handle(provider, (arguments, {}))
-            query, key, value = (new.view(x.shape) for new, x in zip(edited, (query, key, value)))
-        return forward(layer, query, key, value, *args, **kwargs)
+    def hook(query, key, value):
+        if not interleaver.interleaving:
+            return None
+        given = (query, key, value)  # handed flat, `[tokens, heads * dim]`, as the attention module's forward gets them
+        edited, _ = interleaver.handle(provider, (tuple(x.reshape(x.shape[0], -1) for x in given), {}))
+        return tuple(new.view(x.shape) for new, x in zip(edited, given))
 
-    impl.forward = run
+    static.before_kernel(kernel._module, hook)
 
 
 def _none_if(value: Any, sentinel: Any) -> Any:
