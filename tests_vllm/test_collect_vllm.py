@@ -94,7 +94,7 @@ def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tm
         assert {e["prompt"]: e["reason"] for e in errors} == ERRORS
     meta = json.loads((on_vllm.out / "collect.json").read_text())
     assert meta["engine"] == "vllm" and meta["dtype"] == "float32" and meta["context_limit"] == 127
-    assert llama.vllm.kept() == [{"requests": 0, "bytes": 0}]
+    assert llama.vllm.kept() == [{"requests": 0, "bytes": 0, "traces": 0}]
 
 
 def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):

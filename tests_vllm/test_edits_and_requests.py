@@ -87,7 +87,7 @@ def test_several_invokes_keep_separate_histories_freed_at_the_end(llama):
         return steps if len(invoked) > 1 else [steps]  # a name saved by several requests comes back as a list
 
     together = patterns(*prompts)
-    assert model.kept() == [{"requests": 0, "bytes": 0}]
+    assert model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}]
     for prompt, steps in zip(prompts, together):
         alone = patterns(prompt)[0]
         n = len(model.tokenizer(prompt).input_ids)

@@ -128,5 +128,5 @@ def test_the_kept_history_is_the_latent_vllm_caches(tmp_path_factory):
             kept.append(keys.shape)
     n = len(models.eager.tokenizer(models.prompt).input_ids)
     assert [tuple(shape) for shape in kept] == [(1, 4, n + step, 96) for step in range(3)]
-    assert model.kept() == [{"requests": 0, "bytes": 0}]
+    assert model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}]
     assert config.kv_lora_rank + config.qk_rope_head_dim == 576

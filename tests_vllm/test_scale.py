@@ -76,7 +76,7 @@ def test_32_requests_in_one_trace_each_equal_its_run_alone(llama):
         return steps if len(invoked) > 1 else [steps]  # a name saved by several requests comes back as a list
 
     together = read(*prompts)
-    assert len(together) == 32 and model.kept() == [{"requests": 0, "bytes": 0}]
+    assert len(together) == 32 and model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}]
     for prompt, steps in zip(prompts, together):
         alone = read(prompt)[0]
         assert [p.shape for p, _ in steps] == [p.shape for p, _ in alone]
@@ -149,7 +149,7 @@ def test_tensor_parallel_values_equal_eager_on_prefill_and_decode_steps(tp):
     reads = plan(model, range(model.num_layers))
     on_tp, on_eager = read_steps(model, llama.prompt, reads), read_steps(llama.eager, llama.prompt, reads)
     compare(on_tp, on_eager, name="tensor parallel")
-    assert model.kept() == [{"requests": 0, "bytes": 0}] * 2
+    assert model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}] * 2
 
 
 @pytest.mark.parametrize(

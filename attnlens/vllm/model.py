@@ -34,7 +34,7 @@ from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
-from . import inferred, static, worker
+from . import inferred, payload, static, worker
 from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
@@ -209,8 +209,9 @@ class StandardizedVLLM(Helpful, VLLM):
         return self.access.order(layer)
 
     def kept(self) -> list[dict]:
-        """Per worker: how many requests attnlens tracks, and the bytes it holds for them (no keys or values: those
-        are read from vLLM's KV cache; 0 requests once all ended)."""
+        """Per worker: how many requests attnlens tracks, the bytes it holds for them (no keys or values: those are
+        read from vLLM's KV cache) and the traces whose envoys it holds (`payload`); 0 requests and traces once all
+        ended."""
         return self.vllm_entrypoint.collective_rpc("attnlens_stats")
 
     def static_generate(self, prompts: Any, **kwargs: Any) -> Any:
@@ -240,9 +241,12 @@ class StandardizedVLLM(Helpful, VLLM):
         return super().edit(*args, **kwargs)
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
-        attached = super()._attach_mediators(params, **kwargs)
-        for param in params:  # tells the worker to track this request
-            param.extra_args = {**(param.extra_args or {}), "attnlens": 1}
+        """nnsight's, with the envoys pickled once for the whole trace (`payload`), and a mark that tells the worker
+        to track each request."""
+        with payload.by_reference(self) as tree:
+            attached = super()._attach_mediators(params, **kwargs)
+        for param in params:
+            param.extra_args = {**(param.extra_args or {}), "attnlens": 1, payload.KEY: tree}
         return attached
 
     @staticmethod

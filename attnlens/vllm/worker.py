@@ -25,7 +25,7 @@ from ..locations.views import gather_heads, gathered_heads, local_heads
 from ..locations.vllm import kernel_arg, kernel_geometry
 from ..registry import family_for
 from ..values import BY_NAME
-from . import inferred, kept, shared_kv, static
+from . import inferred, kept, payload, shared_kv, static
 from .blocks import attention_block, handoffs
 
 
@@ -382,6 +382,7 @@ class AttnlensRunner:
         self.nnsight_requests.__class__ = AttnlensRequests
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
+        self.attnlens_trees = payload.Trees(self.nnsight_persistent_objects)
         if self.attnlens_compiled:
             _uninstrument(self.get_model())
 
@@ -391,6 +392,7 @@ class AttnlensRunner:
         return getattr(super(NNsightGPUModelRunner, self) if self.attnlens_plain_step else super(), name)
 
     def _update_states(self, scheduler_output: Any) -> Any:
+        self.attnlens_trees.arrive(scheduler_output)  # before nnsight loads the new requests' bodies
         found = super()._update_states(scheduler_output)  # nnsight's: it takes each new trace's request
         self.attnlens.schedule(self, scheduler_output)
         if self.attnlens_static is not None:
@@ -418,6 +420,7 @@ class AttnlensRunner:
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
         collected = super().collect_nnsight(*args, **kwargs)
         self.attnlens.prune(self.nnsight_requests.requests)
+        self.attnlens_trees.prune(self.nnsight_requests.requests)
         return collected
 
 
@@ -446,8 +449,10 @@ class _WorkerRPC:
         return super().sample_tokens(*args, **kwargs)
 
     def attnlens_stats(self) -> dict:
-        """Tracked requests and the bytes held for them, for `StandardizedVLLM.kept()` (via `collective_rpc`)."""
-        return self.model_runner.attnlens.stats()
+        """Tracked requests and the bytes held for them, and the traces whose envoys are held (`payload.Trees`), for
+        `StandardizedVLLM.kept()` (via `collective_rpc`)."""
+        runner = self.model_runner
+        return {**runner.attnlens.stats(), "traces": len(runner.attnlens_trees.requests)}
 
     def attnlens_cache_bytes(self) -> int:
         """The bytes of the KV cache of the layers attnlens reads (vLLM's own), for the memory benchmark."""
