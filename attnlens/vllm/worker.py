@@ -81,6 +81,8 @@ class RequestState:
         self.request_id = request_id
         self.position = 0
         self.patterns: dict = {}
+        self.ahead: dict = {}  # layer -> this step's pattern, scored with other requests' before this one read it
+        self.mediator: Any = None  # its trace body's worker in nnsight
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> positions removed from what later steps attend to
 
 
@@ -99,6 +101,7 @@ class WorkerValues:
         self.tables = kept.BlockTables(runner)
         self.kv_cache = kept.RequestCaches(self)  # the cache values (locations/cache.py)
         self.kernel_inputs: dict[str, int] = {}  # the kernel's input handoff -> its layer
+        self.handed: dict[int, Any] = {}  # layer -> its kernel's arguments this step, as handed off
         self.projections: dict[str, int] = {}
         self.geometry = {}
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
@@ -123,6 +126,7 @@ class WorkerValues:
                     self.sinks[index] = gather_heads(sinks.detach().float()[None], self.geometry[index].num_heads, 1)[0]
             if projection is not None:
                 self.projections[f"{child(attention, projection).path}.input"] = index
+        self.providers = {layer: provider for provider, layer in self.kernel_inputs.items()}
         self.access = Access(self.family, self.config, len(layers), "vllm", self.geometry.__getitem__)
         if runner.attnlens_compiled:  # traces read the attention op's values only (the client says the same)
             self.access.mode = static.CompiledMode(self.family, self.config)
@@ -210,27 +214,92 @@ class WorkerValues:
 
     def pattern(self, envoy, kernel: str) -> dict:
         """This step's rebuilt scores and probabilities of `layer` (computed once per step), noting their versions
-        so an in-place edit is noticed at the output projection."""
+        so an in-place edit is noticed at the output projection. A decode step's is scored in one batch with those of
+        the other requests waiting at this kernel (`_score_ahead`), as static capture scores them, and taken here if
+        nothing it was scored from changed since."""
         layer = self.access.layer_of(envoy)
         queries, _ = self.kernel_heads(envoy, kernel, 0)  # waits for the kernel's handoff, where the step is known
-        handed = self.state().patterns.setdefault(layer, {})
-        if "scores" not in handed:
+        state = self.state()
+        handed = state.patterns.setdefault(layer, {})
+        if "scores" in handed:
+            return handed
+        if layer not in state.ahead:
+            self._score_ahead(layer, state)
+        ahead = state.ahead.pop(layer, None)
+        if ahead is not None and self._unchanged(ahead, queries, child(envoy, kernel)):
+            scores, probabilities, sinks = ahead["scores"], ahead["probabilities"], ahead["sinks"]
+        else:
             keys, _ = self.kernel_heads(envoy, kernel, 1)
             # outside inference mode, so the tensors count in-place edits (`_version`)
             with torch.inference_mode(False), torch.no_grad():
                 scores = self.score_function.scores(
                     self.geometry[layer], self.config, queries.clone(), keys.clone(), layer
                 )
-                scores = self.kv_cache.hide_scores(self.state(), layer, scores)
+                scores = self.kv_cache.hide_scores(state, layer, scores)
                 probabilities, sinks = self.score_function.softmax(scores, self.sinks.get(layer))
-            handed.update(
-                scores=scores,
-                scores_version=scores._version,
-                probabilities=probabilities,
-                probabilities_version=probabilities._version,
-                sinks=sinks,
-            )
+        handed.update(
+            scores=scores,
+            scores_version=scores._version,
+            probabilities=probabilities,
+            probabilities_version=probabilities._version,
+            sinks=sinks,
+        )
         return handed
+
+    def _score_ahead(self, layer: int, reading: RequestState) -> None:
+        """Score in one batch the decode steps of `reading` and of every other traced request parked at `layer`'s
+        kernel this step (whose bodies will be served the same handoff): each request's pattern is then a slice
+        of one product, not a product of its own (one query row against its keys costs mostly its calls). Each is
+        held in its `ahead` for its own read to take, with what it was scored from (`_unchanged`). Only the common
+        layout's score function, on a cache whose blocks are views (`kept.decode_keys`), for two or more."""
+        function, kernel, handed = self.score_function, self.kernels[layer], self.handed.get(layer)
+        if handed is None or layer in self.kv_sources or function.layer_key(self.config, layer) is None:
+            return
+        provider = self.providers[layer]
+        waiting = [
+            (state, start)
+            for state, start, count in self.spans
+            if count == 1
+            and state.position
+            and layer not in state.hidden
+            and "scores" not in state.patterns.get(layer, {})
+            and (state is reading or _parked(state.mediator, provider))
+        ]
+        if len(waiting) < 2:
+            return
+        tables = [self.tables.row(kernel, state.request_id) for state, _ in waiting]
+        block_size = tables[0][1]
+        if kept.key_chunks(kernel, block_size) is None:
+            return
+        heads, (args, kwargs) = self.geometry[layer], handed
+        rows = torch.tensor([start for _, start in waiting])
+        query, key = (kernel_arg(args, kwargs, which) for which in (0, 1))
+        now = key.reshape(key.shape[0], -1)[rows]  # each request's key row of this step
+        with torch.inference_mode(False), torch.no_grad():  # so the tensors count in-place edits (`_version`)
+            flat = query.reshape(query.shape[0], -1)[rows]
+            # [requests, heads, 1, dim]
+            queries = gathered_heads(flat, heads.qk_head_dim, heads.num_heads).transpose(0, 2)
+            decoding = [(table, state.position, row) for (table, _), (state, _), row in zip(tables, waiting, now)]
+            keys, lengths = kept.decode_keys(kernel, block_size, decoding)
+            keys = gather_heads(keys, heads.num_kv_heads, 1)
+            scores, (probabilities, sinks) = static.decode_patterns(self, layer, queries, keys, lengths)
+            longest = keys.shape[2]
+            for row, ((state, _), length) in enumerate(zip(waiting, lengths)):
+                state.ahead[layer] = {
+                    "scores": scores[row : row + 1, ..., longest - length :].clone(),
+                    "probabilities": probabilities[row : row + 1, ..., longest - length :].clone(),
+                    "sinks": None if sinks is None else sinks[row : row + 1].clone(),
+                    "queries": queries[row : row + 1],
+                    "key": now[row : row + 1],
+                }
+
+    def _unchanged(self, ahead: dict, queries: torch.Tensor, kernel: Any) -> bool:
+        """Whether a pattern scored ahead (`_score_ahead`) was scored from what this request's kernel gets now: the
+        same queries and key row of this step (its body may have edited them before it read). Its cache cannot have
+        changed since: the cache values are read and written at the attention module's input, before the kernel."""
+        args, kwargs = kernel.inputs
+        key = kernel_arg(args, kwargs, 1)
+        return torch.equal(ahead["queries"], queries) and torch.equal(ahead["key"], key.reshape(1, -1))
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
 
@@ -242,9 +311,11 @@ class WorkerValues:
             if extra.get("attnlens") and request is not None and request.mediator is not None:
                 state = self.states.setdefault(data.req_id, RequestState(data.req_id))
                 request.mediator.attnlens_state = state
+                state.mediator = request.mediator
         self.prune(requests)
         tokens = scheduler_output.num_scheduled_tokens
         self.spans, start = [], 0
+        self.handed.clear()
         for request_id in runner.input_batch.req_ids:
             if request_id not in tokens:
                 continue
@@ -253,6 +324,7 @@ class WorkerValues:
                 # after a preemption vLLM recomputes from here, and the cache holds what it computed before it
                 state.position = runner.requests[request_id].num_computed_tokens
                 state.patterns.clear()
+                state.ahead.clear()
                 self.spans.append((state, start, tokens[request_id]))
             start += tokens[request_id]
 
@@ -322,19 +394,29 @@ def hand_off_at_kernel(kernel: Any) -> None:
     static.before_kernel(kernel._module, hook)
 
 
+def _parked(worker: Any, provider: str) -> bool:
+    """Whether nnsight's `worker` (a trace body) waits for `provider`'s handoff."""
+    pending = getattr(worker, "pending", None)
+    return pending is not None and pending.provider == provider
+
+
 def _none_if(value: Any, sentinel: Any) -> Any:
     return None if value is None or value == sentinel else value
 
 
 def _recording(base: type) -> type:
-    """The runner's interleaver class, with attnlens's handoff hook before each output projection."""
+    """The runner's interleaver class, keeping each kernel's arguments of the step as handed off (`_score_ahead`
+    scores from them) and running attnlens's hook before each output projection."""
 
     class RecordingInterleaver(base):
         def handle(self, provider: str, value: Any) -> Any:
             values = self.attnlens_worker
             if values.spans:
-                if values.kv_cache.hiding and provider in values.kernel_inputs:
-                    values.kv_cache.keep_queries(values.kernel_inputs[provider], value)
+                kernel = values.kernel_inputs.get(provider)
+                if kernel is not None:
+                    values.handed[kernel] = value
+                    if values.kv_cache.hiding:
+                        values.kv_cache.keep_queries(kernel, value)
                 layer = values.projections.get(provider)
                 if layer is not None:
                     values.before_output_projection(layer, value)
