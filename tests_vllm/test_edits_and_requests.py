@@ -139,6 +139,28 @@ def test_a_pattern_scored_with_other_requests_sees_its_own_earlier_edit(llama, e
     assert all(close(a, b) for a, b in zip(patterns((first, False)), together[0]))
 
 
+def test_logits_read_on_some_steps_are_each_steps_own_unscaled(llama):
+    """A block holding a view of the logits on steps 0 and 2 of a sampled generation keeps them as the model made them:
+    vLLM's sampler divides them by the temperature in place, so a step with a reader is copied for it (step 1, with
+    none, is not). Against the same seeded run copying the logits inside the block on every step."""
+    model, sampling = llama.vllm, dict(max_new_tokens=3, temperature=0.5, seed=7)
+
+    def logits(steps, copy):
+        with torch.no_grad(), model.generate(llama.prompt, **sampling) as tracer:
+            saved = dict().save()
+            for step in tracer.iter[:3]:
+                if step in steps:
+                    view = model.logits[:, -1]
+                    saved[step] = view.clone() if copy else view
+        return saved
+
+    viewed, copied = logits({0, 2}, copy=False), logits({0, 1, 2}, copy=True)
+    assert set(viewed) == {0, 2}
+    for step in (0, 2):
+        assert torch.equal(viewed[step], copied[step])
+    assert not torch.equal(copied[0], copied[2])
+
+
 def test_support_says_what_is_rebuilt_and_why_values_are_missing(llama):
     report = llama.vllm.support(layer=1)
     assert report.engine == "vllm"

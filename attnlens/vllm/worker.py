@@ -494,7 +494,22 @@ class AttnlensRunner:
         return bool(self.nnsight_requests.workers()) or any("nnsight_mediator" in extra for extra in arriving)
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        return self._vllm("sample_tokens")(*args, **kwargs)
+        state = self.execute_model_state
+        if self.attnlens_plain_step or state is None:
+            return self._vllm("sample_tokens")(*args, **kwargs)
+        model = self.nnsight_model
+        logits = type(model).logits._location(model)
+        interleaver = self._still_running()
+        if logits in interleaver.parked or interleaver.observers.get(logits):
+            return super().sample_tokens(*args, **kwargs)  # nnsight's: the logits served, and copied for the sampler
+        # No block waits at this step's logits: the visit is still counted, as nnsight counts every location's, but
+        # nnsight's copy of them for the sampler (which scales them in place under a reader's view; 32 MiB a step on
+        # Gemma 3's vocabulary, on every rank) is not made.
+        with interleaver:
+            interleaver.handle(logits, state.logits)
+        output = super(NNsightGPUModelRunner, self).sample_tokens(*args, **kwargs)
+        self.nnsight_requests.record_saves()
+        return output
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
         return self._vllm("_sample")(*args, **kwargs)
