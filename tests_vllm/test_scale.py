@@ -84,6 +84,43 @@ def test_32_requests_in_one_trace_each_equal_its_run_alone(llama):
             assert close(p, p_alone) and close(logits, logits_alone)
 
 
+def test_saved_values_travel_home_as_they_were_and_compact():
+    """The worker's pickler for saved values (`payload.dumps_results`): every kind of tensor arrives equal, with its
+    dtype, shape and strides (of the dimensions longer than one); one object saved under two names stays one; a view
+    of a larger buffer carries only its own bytes; what it does not write as bytes (a parameter, a tensor needing its
+    gradient, a conjugate view) goes as nnsight writes it."""
+    import pickle
+
+    from attnlens.vllm.payload import dumps_results
+
+    buffer = torch.randn(64, 32)
+    kinds = [
+        buffer,
+        buffer[3:5],
+        buffer.t(),
+        buffer.to(torch.bfloat16),
+        buffer > 0,
+        torch.arange(7),
+        torch.tensor(2.5),
+        torch.empty(0, 3),
+        torch.tensor(1.5).expand(1),  # one element, stride 0: contiguous
+        torch.nn.Parameter(buffer[:2].clone()),
+        buffer[:2].clone().requires_grad_(),
+        torch.randn(3, dtype=torch.complex64).conj(),
+    ]
+    back = pickle.loads(dumps_results({"kinds": kinds, "again": kinds[0]}))
+    for sent, arrived in zip(kinds, back["kinds"], strict=True):
+        strides = [(a, b) for a, b, size in zip(arrived.stride(), sent.stride(), sent.shape, strict=True) if size > 1]
+        assert type(arrived) is type(sent) and arrived.dtype == sent.dtype and all(a == b for a, b in strides)
+        assert torch.equal(arrived.detach().resolve_conj(), sent.detach().resolve_conj())
+        assert arrived.requires_grad == sent.requires_grad
+    assert back["again"] is back["kinds"][0]
+    kept = buffer.clone()
+    arrived = pickle.loads(dumps_results(buffer[3:5]))
+    arrived += 1  # its own memory, writable
+    assert len(dumps_results(buffer[3:5])) < 2 * 2 * 32 * 4 and torch.equal(buffer, kept)
+
+
 def test_an_engine_shutting_down_in_this_process_leaves_the_other_engines_running(llama):
     """vLLM's in-process engine core tears down the process-wide model-parallel groups when it shuts down (the
     tensor-parallel engine on the `mp` executor does, as does any engine collected): the single-rank engines still

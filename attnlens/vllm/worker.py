@@ -465,6 +465,7 @@ class AttnlensRunner:
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
         self.attnlens_trees = payload.Trees(self.nnsight_persistent_objects)
+        payload.send_results_as_bytes()
         if self.attnlens_compiled:
             _uninstrument(self.get_model())
 
