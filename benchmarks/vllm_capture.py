@@ -10,12 +10,12 @@ which runs vLLM's defaults: the pattern is rebuilt at the attention op each step
 cache); the attnlens engine for traces (eager) without a trace; traced capture (`trace` + `tracer.iter` saving layer
 L's `attention_probabilities` on every step of every prompt); the same trace on the static-capture engine, which runs
 vLLM's compiled model and hands the attention op's values to a trace there (`worker.hand_off_at_kernel`). Then the
-memory attnlens holds beside vLLM's KV cache
-after the traced run (0: earlier keys are read from the cache; the copy the earlier design kept is given for
-comparison). The engines are built side by side and timed in alternation after a warm-up, so load from other
-processes falls on all alike; the best of `--repeats` rounds is reported. Every prompt generates exactly `--tokens`
-tokens. Head summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the
-attention op in the worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
+memory attnlens holds beside vLLM's KV cache after the traced run (0: earlier keys are read from the cache; the copy
+the earlier design kept is given for comparison). The engines are built side by side and timed in alternation after
+a warm-up, so load from other processes falls on all alike; the best of `--repeats` rounds is reported, with each
+round's ratio to plain vLLM in that round. Every prompt generates exactly `--tokens` tokens. Head summaries
+(`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the attention op in the
+worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
 defaults prefilling the same sequences (one token each, salted out of the prefix cache, as the summaries' requests
 skip reading it). `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1
 key/value head: its heads divide over two ranks; SmolLM2's 9 do not). `--rows` chooses the rows beside plain vLLM
@@ -54,7 +54,8 @@ def say(text: str) -> None:
 
 
 def interleaved(runs: dict, repeats: int) -> dict:
-    """Each run once as a warm-up, then `repeats` rounds taking every run in turn. Returns each run's best time."""
+    """Each run once as a warm-up, then `repeats` rounds taking every run in turn. Returns each run's time in every
+    round."""
     for name, fn in runs.items():
         start = time.perf_counter()
         fn()
@@ -66,7 +67,7 @@ def interleaved(runs: dict, repeats: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - start)
         say(f"round {round + 1}/{repeats}: " + ", ".join(f"{t[-1]:.2f}" for t in times.values()) + " s")
-    return {name: min(t) for name, t in times.items()}
+    return times
 
 
 def built(what: str, make):
@@ -163,6 +164,8 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
 
 
 def report(title: str, found: tuple) -> None:
+    """Each row's best time and its ratio to the best of plain vLLM, then the ratio in each round (to plain vLLM's
+    time in the same round): their spread is how far the best-of ratio can be trusted on a loaded machine."""
     rows, memory = found
     width = max(map(len, [*rows, *memory]))
     print(title)
@@ -170,7 +173,8 @@ def report(title: str, found: tuple) -> None:
     for name, seconds in rows.items():
         if name.startswith("plain vLLM, prefill"):
             base = seconds  # the head summaries' rows compare with plain prefill of the same sequences
-        print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / base:5.2f}x")
+        rounds = ", ".join(f"{t / b:.2f}" for t, b in zip(seconds, base))
+        print(f"  {name:<{width}}  {min(seconds):7.2f} s  {min(seconds) / min(base):5.2f}x  (rounds: {rounds})")
     for name, size in memory.items():
         sizes = size if isinstance(size, list) else [size]
         print(f"  {name:<{width}}  " + ", ".join(f"{b / 2**20:.1f} MiB" for b in sizes))
