@@ -11,6 +11,7 @@ received, edits included (the kernel writes this step's keys after the trace's b
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any
 
 import torch
@@ -387,11 +388,17 @@ def hand_off_at_kernel(kernel: Any) -> None:
     def hook(query, key, value):
         if not interleaver.interleaving:
             return None
-        given = (query, key, value)  # handed flat, `[tokens, heads * dim]`, as the attention module's forward gets them
-        edited, _ = interleaver.handle(provider, (tuple(x.reshape(x.shape[0], -1) for x in given), {}))
-        return tuple(new.view(x.shape) for new, x in zip(edited, given))
+        # handed flat, `[tokens, heads * dim]`, as the attention module's forward gets them (a layer reading another
+        # layer's keys and values, Gemma 4's shared KV, is handed none)
+        given = (query, key, value)
+        edited, _ = interleaver.handle(provider, (tuple(_flat(x) for x in given), {}))
+        return tuple(None if x is None else new.view(x.shape) for new, x in zip(edited, given))
 
     static.before_kernel(kernel._module, hook)
+
+
+def _flat(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.reshape(x.shape[0], -1)
 
 
 def _parked(worker: Any, provider: str) -> bool:
@@ -526,11 +533,15 @@ def _uninstrument(model: torch.nn.Module) -> None:
     """Take nnsight's forward wrappers off every module, for vLLM to compile the model it would run without nnsight
     (an engine for static capture only: no trace runs there, and its taps sit at the attention op, outside the
     graph). vLLM's compiler hashes and traces each module's own forward, which the wrappers replace."""
-    from nnsight.intervention.source import Controller
+    from nnsight.intervention.source import STATE, Controller
 
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), Controller):
-            del module.__dict__["forward"]
+            original = module.__dict__[STATE].original  # unbound: the class's forward, or one the module was given
+            if original is type(module).forward:
+                del module.__dict__["forward"]
+            else:  # vLLM's Transformers backend gives attention modules a forward of their own
+                module.__dict__["forward"] = types.MethodType(original, module)
 
 
 class AttnlensGPURunner(AttnlensRunner, NNsightGPUModelRunner):
