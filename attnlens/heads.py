@@ -11,7 +11,10 @@ per head: the full `heads x query x key` pattern never exists. The summaries (`M
   token's earlier occurrence) and the induction score (to i - n + 1, the token after it).
 
 `summarize` is a pure function of a score function, queries and keys, so it can run wherever those are (vLLM's
-worker included). `score_function` is the one place that calls `ScoreFunction.scores`.
+worker included). `LayerScores` is the one place that calls `ScoreFunction.scores`. Where a layer scores as the common
+layout does and the tensors are float32 on the CPU, `summarize` takes each row's statistics from a compiled kernel
+(`attnlens.kernels`), in one pass per row; elsewhere, and as the reference the tests hold it to, from PyTorch a chunk
+of rows at a time.
 """
 
 from __future__ import annotations
@@ -86,25 +89,27 @@ def summarize(
             f"summarize: {num_queries} queries but only {num_keys} keys; the queries are the last positions of the keys"
         )
     device = queries.device
-    if chunk_rows is None:  # as many as fit, in chunks of equal size
-        chunks = -(-num_queries // max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys)))
-        chunk_rows = -(-num_queries // chunks)
     targets = {name: torch.as_tensor(t, device=device).long() for name, t in (targets or {}).items()}
-    positions = torch.arange(num_queries, device=device) + offset
     out = {"rows": torch.full((batch,), float(num_queries), device=device)}
-    for name in ("entropy", "sink", *targets):
-        out[name] = torch.zeros(batch, num_heads, device=device)
     for name, target in targets.items():
-        if target.shape != (num_queries,) or bool((target > positions).any()):
+        listed = target.tolist() if target.dim() == 1 else None  # checked in Python: a few hundred ints, no ops
+        if listed is None or len(listed) != num_queries or any(t > offset + i for i, t in enumerate(listed)):
             raise ValueError(
                 f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
                 f"position (or -1); got shape {tuple(target.shape)}"
             )
-        out[f"{name}_rows"] = (target >= 0).sum().float().expand(batch).clone()
-    top_rows = [row % num_queries for row in top_rows]
-    if top_rows and top_k:
+        out[f"{name}_rows"] = torch.full((batch,), float(sum(t >= 0 for t in listed)), device=device)
+    top_rows = [row % num_queries for row in top_rows] if top_k else []
+    if top_rows:
         out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
         out["top_keys"] = torch.full((batch, num_heads, len(top_rows), top_k), -1, device=device, dtype=torch.long)
+    if _row_statistics(scores, queries, keys, targets, top_rows, top_k, out):
+        return out
+    for name in ("entropy", "sink", *targets):
+        out[name] = torch.zeros(batch, num_heads, device=device)
+    if chunk_rows is None:  # as many as fit, in chunks of equal size
+        chunks = -(-num_queries // max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys)))
+        chunk_rows = -(-num_queries // chunks)
     # each head's keys channel-major: the products then read them as the matrix product wants (a third less time)
     keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
     for start in range(0, num_queries, chunk_rows):
@@ -119,12 +124,38 @@ def summarize(
             index = target.clamp(min=0)[None, None, :, None].expand(batch, num_heads, -1, 1)
             out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum(-1)
         for j, row in enumerate(top_rows):
-            if start <= row < stop and top_k:
+            if start <= row < stop:
                 seen = offset + row + 1  # the keys this row sees
                 weights, found = probs[:, :, row - start, :seen].topk(min(top_k, seen), dim=-1)
                 out["top_weights"][:, :, j, : found.shape[-1]] = weights
                 out["top_keys"][:, :, j, : found.shape[-1]] = found
     return out
+
+
+def _row_statistics(scores, queries, keys, targets, top_rows, top_k, out) -> bool:
+    """`summarize`'s sums from the compiled kernel (`attnlens.kernels.row_statistics`: one pass per row, no chunk of
+    the pattern formed) into `out`, where the score function is the common layout's and the kernel applies here;
+    False where it does not (the PyTorch path below then computes them)."""
+    from . import kernels
+
+    layout = getattr(scores, "common_layout", None)
+    if layout is None:
+        return False
+    found = kernels.row_statistics(
+        queries, keys, **layout, targets=torch.stack(list(targets.values())) if targets else None, rows=top_rows
+    )
+    if found is None:
+        return False
+    sums, row_weights = found
+    for n, name in enumerate(("entropy", "sink", *targets)):
+        out[name] = sums[..., n]
+    offset = keys.shape[2] - queries.shape[2]
+    for j, row in enumerate(top_rows):
+        seen = offset + row + 1
+        weights, found_keys = row_weights[:, :, j, :seen].topk(min(top_k, seen), dim=-1)
+        out["top_weights"][:, :, j, : found_keys.shape[-1]] = weights
+        out["top_keys"][:, :, j, : found_keys.shape[-1]] = found_keys
+    return True
 
 
 def _entropy(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -137,14 +168,26 @@ def _entropy(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def score_function(attn) -> ScoreFunction:
-    """The score function of the attention envoy `attn` as `summarize` takes it: the family's own (scale, grouped
-    heads, soft-cap, mask, sliding window), on unpadded queries and keys. It reads the model's `Access` through the
-    envoy, so it works in vLLM's worker too. The one place attnlens.heads calls `ScoreFunction.scores`."""
+class LayerScores:
+    """A layer's score function as `summarize` takes it: called on (queries, keys), the family's own masked scores
+    (scale, grouped heads, soft-cap, mask, sliding window) on unpadded queries and keys; `common_layout` is
+    `ScoreFunction.common_layout`'s {scale, softcap, window} where the compiled kernel can score the layer, else None.
+    The one place attnlens.heads calls `ScoreFunction.scores`."""
+
+    def __init__(self, function, heads, config, layer: int) -> None:
+        self.function, self.heads, self.config, self.layer = function, heads, config, layer
+        self.common_layout = function.common_layout(heads, config, layer)
+
+    def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return self.function.scores(self.heads, self.config, queries, keys, self.layer, None)
+
+
+def score_function(attn) -> LayerScores:
+    """The score function of the attention envoy `attn` as `summarize` takes it. It reads the model's `Access`
+    through the envoy, so it works in vLLM's worker too."""
     access = context(attn)
     layer = access.layer_of(attn)
-    family, heads, config = access.family, access.geometry(layer), access.config
-    return lambda queries, keys: family.score_function(access.engine).scores(heads, config, queries, keys, layer, None)
+    return LayerScores(access.family.score_function(access.engine), access.geometry(layer), access.config, layer)
 
 
 def why_not(model, layer: int) -> str | None:
@@ -379,7 +422,13 @@ def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[
     from .vllm import reducer
 
     plan = {layer: ["attention_queries", "attention_keys"] for layer in layers}
-    found = reducer.reduce(model, partial(_sums_of_run, options=options), plan, [text.tolist() for text in texts])
+    found = reducer.reduce(
+        model,
+        partial(_sums_of_run, options=options),
+        plan,
+        [text.tolist() for text in texts],
+        whole_prompts=partial(_sums_of_prompts, options=options),
+    )
     failed = [result for result in found if isinstance(result, str)]
     if failed:
         raise RuntimeError(f"head_summaries: a prompt failed in vLLM's worker: {failed[0]}")
@@ -388,13 +437,25 @@ def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[
 
 def _sums_of_run(attns, layers, tokens, values, *, options) -> dict[int, dict]:
     """`summarize`'s sums of one prompt on a run of layers that score alike (their queries and keys stacked on the
-    batch axis), per layer, heads first (`rows` and the targets' row counts repeated per head)."""
-    sums = summarize(score_function(attns[0]), values["attention_queries"], values["attention_keys"], **options)
+    batch axis), per layer."""
+    return dict(zip(layers, _sums_by_item(score_function(attns[0]), values, options)))
+
+
+def _sums_of_prompts(attn, layer, tokens, values, *, options) -> list[dict]:
+    """`summarize`'s sums of prompts of one length on one layer (stacked on the batch axis), per prompt."""
+    return _sums_by_item(score_function(attn), values, options)
+
+
+def _sums_by_item(scores, values, options) -> list[dict]:
+    """`summarize`'s sums of what `values` stacks on the batch axis, per item, heads first (`rows` and the targets'
+    row counts repeated per head)."""
+    sums = summarize(scores, values["attention_queries"], values["attention_keys"], **options)
     heads = sums["entropy"].shape[1]
-    return {
-        layer: {name: (v[i] if v.dim() > 1 else v[i].expand(heads)).detach().cpu() for name, v in sums.items()}
-        for i, layer in enumerate(layers)
+    # one unbind per result, not an index and a copy per item and result (half the reducer's own time)
+    split = {
+        name: (v if v.dim() > 1 else v[:, None].expand(-1, heads)).detach().cpu().unbind(0) for name, v in sums.items()
     }
+    return [dict(zip(split, one)) for one in zip(*split.values())]
 
 
 def _collect(model, layers, pads, options, results) -> None:
@@ -527,15 +588,22 @@ def head_summaries(
     top: dict[int, list[dict]] = {}
     tokens = [ids.tolist() for ids in texts]  # once: a tensor's elements read one by one cost more than the sums
     text = _token_text(model, {i for ids in tokens for i in ids}) if top_k else {}
-    for layer in chosen:
-        for metric in ON_TEXT:
-            values[metric][layer] = sum(r[layer][metric] for r in on_text) / sum(r[layer]["rows"] for r in on_text)
-        for metric in TARGETED:
-            values[metric][layer] = sum(r[layer][metric] for r in on_repeats) / sum(
-                r[layer][f"{metric}_rows"] for r in on_repeats
+    for metric in METRICS:
+        found = on_text if metric in ON_TEXT else on_repeats
+        rows = "rows" if metric in ON_TEXT else f"{metric}_rows"
+        if len({r[layer][metric].shape for r in found for layer in chosen}) == 1:
+            # one stack per sum over every text and layer (a sum per layer and metric was a tenth of the time)
+            sums, counts = (
+                torch.stack([r[layer][name] for r in found for layer in chosen]).unflatten(0, (len(found), -1)).sum(0)
+                for name in (metric, rows)
             )
-        if top_k:
-            top[layer] = _top_entries(tokens, [r[layer] for r in on_text], row_list, text)
+            counts = counts.reshape(len(chosen), -1)  # a count per text, or per head
+            values[metric] = dict(zip(chosen, (sums / counts).unbind(0)))
+        else:  # layers with different numbers of heads
+            for layer in chosen:
+                values[metric][layer] = sum(r[layer][metric] for r in found) / sum(r[layer][rows] for r in found)
+    for layer in chosen if top_k else ():
+        top[layer] = _top_entries(tokens, [r[layer] for r in on_text], row_list, text)
     settings = {
         "length": length,
         "sequences": sequences,
@@ -555,9 +623,10 @@ def _top_entries(tokens: list[list[int]], sums, rows, text: dict[int, str]) -> l
     entries = []
     for p, (ids, found) in enumerate(zip(tokens, sums)):
         keys, weights = found["top_keys"].tolist(), found["top_weights"].tolist()  # [head][row][k]
+        shown = found["top_weights"].double().mul(1e6).round().div(1e6).tolist()  # not one round() per weight
         for j, row in enumerate(rows):
             top = [
-                [[k, text[ids[k]], round(w, 6)] for k, w in zip(keys[h][j], weights[h][j]) if k >= 0 and w > 0]
+                [[k, text[ids[k]], r] for k, w, r in zip(keys[h][j], weights[h][j], shown[h][j]) if k >= 0 and w > 0]
                 for h in range(len(keys))
             ]
             entries.append({"prompt": p, "row": row % len(ids), "keys": top})

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.any_transformers
 PACKAGE = Path(attnlens.__file__).parent
 ROOT = PACKAGE.parent
 #: Files the package reads at run time besides its modules.
-DATA = ("py.typed", "viewer/viewer.css", "viewer/viewer.js")
+DATA = ("py.typed", "viewer/viewer.css", "viewer/viewer.js", "kernels/row_statistics.c")
 
 
 def _imported(tree: ast.AST) -> set[str]:

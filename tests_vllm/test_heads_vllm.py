@@ -73,3 +73,36 @@ def test_head_summaries_on_an_engine_at_vllms_defaults(llama):
     (result,) = compiled.static_generate([llama.prompt], max_new_tokens=1, do_sample=False)
     assert result.steps[0]["attn_probs.0"].shape[-1] == len(llama.eager.tokenizer(llama.prompt)["input_ids"])
     assert compiled.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(None,))[0] == {}
+
+
+def test_prompts_held_whole_and_split_over_steps_summarise_alike(llama, monkeypatch):
+    """With 32-token steps, some prompts arrive whole in one step (reduced straight from the step's rows, prompts of
+    one length together) and others in chunks over several steps (copied into a run, reduced after the last chunk):
+    both ways give the eager engine's summaries, and each way is taken."""
+    from attnlens.vllm import reducer
+
+    taken = {"whole": 0, "run": 0}
+    for method, way in (("_reduce_whole", "whole"), ("_reduce", "run")):
+        original = getattr(reducer.Reducer, method)
+
+        def counted(self, *args, _original=original, _way=way):
+            taken[_way] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(reducer.Reducer, method, counted)
+    model = attnlens.StandardizedVLLM(
+        str(llama.path),
+        static_points=["attn_probs.0"],
+        block_size=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        **engine_args(128, 16 * 2**20),
+    )
+    prompts = [llama.prompt * 3, "Short prompt", "Short words", "x"]  # the first spans steps; two of one length
+    assert len(model.tokenizer(prompts[0])["input_ids"]) > 32
+    assert_summaries_equal(
+        attnlens.head_summaries(model, prompts, **SUMMARIES),
+        attnlens.head_summaries(llama.eager, prompts, **SUMMARIES),
+        1e-4,
+    )
+    assert taken["whole"] and taken["run"]

@@ -76,6 +76,15 @@ class ScoreFunction:
             return None
         return self.window(config, layer), self.softcap(config, layer)
 
+    def common_layout(self, heads: HeadGeometry, config, layer: int) -> dict | None:
+        """`scale`, `softcap` and `window` where `layer` scores as the common layout does (`scale * q.k`, soft-capped,
+        masked causally within the window, heads paired as `repeat_kv` pairs them by default): what the compiled
+        kernel computes from them alone (`attnlens.kernels.row_statistics`). None where the family computes a step
+        its own way."""
+        if self.layer_key(config, layer) is None or self._own("products"):
+            return None
+        return {"scale": heads.scale, "softcap": self.softcap(config, layer), "window": self.window(config, layer)}
+
     def layer_groups(self, config, geometry, layers) -> list[list[int]]:
         """`layers` in runs of consecutive ones that score alike (equal `layer_key`s and heads, `geometry(layer)`):
         a run's queries and keys can be stacked on the batch axis and scored in one call as its first layer."""

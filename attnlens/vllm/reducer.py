@@ -7,12 +7,14 @@ those layers' attention kernels, on an engine with static points or without (`st
 vLLM's attention op, outside the compiled graph, so this works on an engine at vLLM's defaults (compiled, prefix
 caching, chunked prefill) as on one built for traces.
 
-At each planned layer's kernel the reducer copies the step's rows of its requests once into each prompt's run of
-layers, keeping a prompt's chunks (chunked prefill) until its last, and once a run's last layer holds every
-position, computes that run: runs are layers that score alike (`ScoreFunction.layer_groups`), so a short prompt's
-layers are scored in one call. Only `compute`'s numbers leave the worker (`take`). Under tensor parallelism each
-rank reduces its own heads where the heads score independently (the common layout's score function) and the client
-joins the ranks' heads (`joined`); otherwise every rank gathers the heads and rank 0 reduces. A prompt whose
+At each planned layer's kernel, prompts the step holds whole are reduced there, from the kernel's own arguments,
+adjacent prompts of one length in one call (`whole_prompts`, where a tool gives one: head summaries). The reducer
+copies the step's rows of its other requests once into each prompt's run of layers, keeping a prompt's chunks
+(chunked prefill) until its last, and once a run's last layer holds every position, computes that run: runs are
+layers that score alike (`ScoreFunction.layer_groups`), so a short prompt's layers are scored in one call. Only the
+results leave the worker (`take`). Under tensor parallelism each rank reduces its own heads where the heads score
+independently (the common layout's score function) and the client joins the ranks' heads (`joined`); otherwise every
+rank gathers the heads and rank 0 reduces (and copies every prompt). A prompt whose
 reduction fails is reported by its reason, never stops the batch.
 
 Requests skip reading vLLM's prefix cache (`skip_reading_prefix_cache`): a reduction sums over every query row, and
@@ -42,6 +44,10 @@ GROUP_ELEMENTS = 2**22
 #: `values` each `[layers, heads, tokens, dim]` (this rank's heads where each rank reduces its own), the queries and
 #: keys always among them; results detached on the CPU, heads first (joined across ranks along that axis).
 Compute = Callable[[list, list[int], int, dict], dict]
+#: `whole_prompts(attn, layer, tokens, values)` -> [{name: result}] per prompt: optional, prompts of one length that
+#: the step holds whole, on one layer, `values` each `[prompts, heads, tokens, dim]`: views of vLLM's buffers, not
+#: copies (where each rank reduces its own heads).
+WholePrompts = Callable[[Any, int, int, dict], list]
 
 
 def untapped(model, layer: int, shorts=("query", "key")) -> list[str]:
@@ -74,7 +80,9 @@ class Reducer:
     requests (the recorder captures none of them), copies each request's rows into its prompt's run of layers, and
     once a run's last layer holds every position of the prompt, computes the run; results and errors by tag."""
 
-    def __init__(self, runner: Any, compute: Compute, plan: dict[int, list[str]]) -> None:
+    def __init__(
+        self, runner: Any, compute: Compute, plan: dict[int, list[str]], whole_prompts: WholePrompts | None = None
+    ) -> None:
         from ..locations import child
         from .blocks import attention_block
 
@@ -82,6 +90,7 @@ class Reducer:
         self.recorder = static.recorder(runner)
         self.values = runner.attnlens  # WorkerValues: family, geometry, kernels
         self.compute = compute
+        self.whole_prompts = whole_prompts
         self.plan = plan  # layer -> the standardized values read there (kernel arguments)
         wanted = {"attention_queries", "attention_keys", *(name for reads in plan.values() for name in reads)}
         self.shorts = [short for name, short in KERNEL_VALUES.items() if name in wanted]
@@ -124,6 +133,8 @@ class Reducer:
         }
         if not self.here:
             return
+        if self.whole_prompts is not None and self.local:
+            spans = self._reduce_whole_prompts(layer, step, spans)
         for _, request_id, start, count, position in spans:
             tag = self.recorder.tags[request_id]
             if tag in self.errors:
@@ -135,6 +146,53 @@ class Reducer:
                 self.errors[tag] = f"{type(error).__name__}: {' '.join(str(error).split())}"
                 self.results.pop(tag, None)
                 self.prompts.pop(tag, None)
+
+    def _reduce_whole_prompts(self, layer: int, step: dict, spans: list) -> list:
+        """Reduce, straight from this step's rows, the prompts the step holds whole (no copy into a run: most of the
+        reducer's time on short prompts was copying), adjacent prompts of one length together; returns the spans
+        left to copy (chunks of a prompt split over steps)."""
+        group: list = []
+        whole = sorted(
+            (
+                span
+                for span in spans
+                if not span[4]
+                and span[3] == self.runner.requests[span[1]].num_prompt_tokens
+                and self.recorder.tags[span[1]] not in self.errors
+            ),
+            key=lambda span: span[2],
+        )
+        for span in whole:
+            if group and (span[3] != group[0][3] or span[2] != group[-1][2] + group[-1][3]):
+                self._reduce_group(layer, step, group)
+                group = []
+            group.append(span)
+        if group:
+            self._reduce_group(layer, step, group)
+        taken = {span[1] for span in whole}
+        return [span for span in spans if span[1] not in taken]
+
+    def _reduce_group(self, layer: int, step: dict, group: list) -> None:
+        tags = [self.recorder.tags[request_id] for _, request_id, _, _, _ in group]
+        start, tokens = group[0][2], group[0][3]
+        heads = self.values.geometry[layer]
+        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
+        rows = {
+            short: flat[start : start + len(group) * tokens].view(len(group), tokens, -1, dims[short]).transpose(1, 2)
+            for short, flat in step.items()
+        }
+        values = {name: rows[short] for name, short in KERNEL_VALUES.items() if short in rows}
+        for tag in tags:  # a preempted prompt computed afresh: its earlier record goes (its results are replaced)
+            self.prompts.pop(tag, None)
+        try:
+            found = self.whole_prompts(self.attn[layer], layer, tokens, values)
+        except Exception as error:  # noqa: BLE001  these prompts' failure is reported, the batch goes on
+            for tag in tags:
+                self.errors[tag] = f"{type(error).__name__}: {' '.join(str(error).split())}"
+            return
+        for tag, result in zip(tags, found):
+            if tag not in self.errors:
+                self.results.setdefault(tag, {})[layer] = result
 
     def _heads(self, flat: torch.Tensor, dim: int, total: int) -> torch.Tensor:
         flat = flat.reshape(flat.shape[0], -1)
@@ -185,17 +243,20 @@ class Reducer:
 
 def install(worker: Any, compute: bytes, plan: dict) -> None:
     """Run in each worker (`collective_rpc`): reduce tagged requests with `compute` on `plan`'s layers from now on.
-    `compute` comes cloudpickled (`pickled`): vLLM's executors pickle arguments plainly, which refuses a lambda."""
+    `compute` comes cloudpickled (`pickled`: a `Compute`, or a (`Compute`, `WholePrompts`) pair): vLLM's executors
+    pickle arguments plainly, which refuses a lambda."""
     import cloudpickle
 
     runner = worker.model_runner
-    static.recorder(runner).reduce = Reducer(runner, cloudpickle.loads(compute), plan)
+    found = cloudpickle.loads(compute)
+    compute, whole_prompts = found if isinstance(found, tuple) else (found, None)
+    static.recorder(runner).reduce = Reducer(runner, compute, plan, whole_prompts)
 
 
-def pickled(compute: Compute) -> bytes:
+def pickled(compute: Compute, whole_prompts: WholePrompts | None = None) -> bytes:
     import cloudpickle
 
-    return cloudpickle.dumps(compute)
+    return cloudpickle.dumps(compute if whole_prompts is None else (compute, whole_prompts))
 
 
 def take(worker: Any, tags: list[str]) -> dict:
@@ -245,7 +306,13 @@ def forward(model, prompts: list[list[int]]) -> list[dict | str]:
     return [joined(per_rank, tag) for tag in tags]
 
 
-def reduce(model, compute: Compute, plan: dict[int, list[str]], prompts: list[list[int]]) -> list[dict | str]:
-    """Install `compute` on `plan` in every worker, then `forward` the prompts."""
-    model.vllm_entrypoint.collective_rpc(install, args=(pickled(compute), plan))
+def reduce(
+    model,
+    compute: Compute,
+    plan: dict[int, list[str]],
+    prompts: list[list[int]],
+    whole_prompts: WholePrompts | None = None,
+) -> list[dict | str]:
+    """Install `compute` (and `whole_prompts`) on `plan` in every worker, then `forward` the prompts."""
+    model.vllm_entrypoint.collective_rpc(install, args=(pickled(compute, whole_prompts), plan))
     return forward(model, prompts)

@@ -1,0 +1,167 @@
+/* Row statistics of attention patterns without forming them: for each query row, its entropy, its weight on key 0
+   and on given target keys, summed per batch element and head, and the whole row's weights for a few chosen rows.
+
+   The common layout's score function only: scores = scale * q.k (optionally soft-capped, cap * tanh(s / cap)),
+   causal, optionally a sliding window; query heads paired with key/value heads as repeat_interleave pairs them.
+   attnlens.kernels compiles this file for the machine it runs on and calls `row_statistics` through ctypes;
+   attnlens.heads.summarize holds the reference it is tested against (PyTorch, a chunk of rows at a time).
+
+   Per key/value head, its keys are laid out channel-major once; a block of R query rows is then scored against two
+   vectors of keys at a time, each key vector loaded once for all R rows (the products are most of the time). A row's
+   statistics come from one pass for its maximum and one for exp(s - max): entropy = log Z - sum(e (s - max)) / Z. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#define WIDTH 16 /* floats in one vector register */
+#else
+#define WIDTH 8
+#endif
+#define TILE (2 * WIDTH) /* keys scored at a time */
+#define R 6              /* query rows scored at a time: 12 accumulators, two key vectors, one query value */
+
+typedef float vec __attribute__((vector_size(4 * WIDTH)));
+
+/* exp(x) for x <= 0 (flushed to 2^-126 below -87.3, where every caller divides by a sum of at least 1): range
+   reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial (Cephes' expf), 2^n from the exponent bits. Plain
+   arithmetic, so the compiler vectorizes the loops calling it. A NaN stays NaN. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    float n = __builtin_roundf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+struct problem {
+    const float *queries, *keys;   /* [batch, heads, rows, dim] and [batch, kv_heads, keys, dim], strided, dim dense */
+    int64_t query_strides[3], key_strides[3];
+    int64_t batch, heads, kv_heads, num_queries, num_keys, dim;
+    float scale, softcap;          /* softcap 0: none */
+    int64_t window;                /* keys back a row sees, itself included; 0: every earlier key */
+    const int64_t *targets;        /* [num_targets, num_queries]: a key per row, -1 where the row does not count */
+    int64_t num_targets;
+    const int64_t *rows;           /* [num_rows]: rows whose weights are written out */
+    int64_t num_rows;
+    float *sums;                   /* [batch, heads, 2 + num_targets]: entropy, weight on key 0, on each target */
+    float *row_weights;            /* [batch, heads, num_rows, num_keys] */
+};
+
+/* Scratch of one thread: the keys channel-major [dim, padded], R rows of scores [R, padded], R scaled queries. */
+static int64_t padded_keys(const struct problem *p) { return (p->num_keys + TILE - 1) / TILE * TILE; }
+
+static void row(const struct problem *p, int64_t b, int64_t h, int64_t i, float *scores) {
+    int64_t last = p->num_keys - p->num_queries + i; /* the row's own position */
+    int64_t first = p->window > 0 && last - p->window + 1 > 0 ? last - p->window + 1 : 0;
+    if (p->softcap > 0.0f)
+        for (int64_t j = first; j <= last; j++) scores[j] = tanhf(scores[j] / p->softcap) * p->softcap;
+    /* whole vectors, the keys outside [first, last] masked: no scalar remainder loop (a row is a few vectors long,
+       so remainders were a third of the time); those scores were computed with the block, so they are finite */
+    int64_t lo = first / WIDTH * WIDTH, hi = (last / WIDTH + 1) * WIDTH;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = lo; j < hi; j++) {
+        float x = j >= first && j <= last ? scores[j] : -INFINITY;
+        top = x > top ? x : top;
+    }
+    float total = 0.0f, weighted = 0.0f;
+#pragma omp simd reduction(+ : total, weighted)
+    for (int64_t j = lo; j < hi; j++) {
+        float x = scores[j] - top;
+        float e = j >= first && j <= last ? exp_nonpositive(x) : 0.0f;
+        scores[j] = e;
+        total += e;
+        weighted += e * x;
+    }
+    float inverse = 1.0f / total;
+    float *sum = p->sums + (b * p->heads + h) * (2 + p->num_targets);
+    sum[0] += logf(total) - weighted * inverse;
+    if (first == 0) sum[1] += scores[0] * inverse;
+    for (int64_t n = 0; n < p->num_targets; n++) {
+        int64_t at = p->targets[n * p->num_queries + i];
+        if (at >= first && at <= last) sum[2 + n] += scores[at] * inverse;
+    }
+    for (int64_t n = 0; n < p->num_rows; n++) {
+        if (p->rows[n] != i) continue;
+        float *out = p->row_weights + ((b * p->heads + h) * p->num_rows + n) * p->num_keys;
+        for (int64_t j = 0; j < p->num_keys; j++) out[j] = j >= first && j <= last ? scores[j] * inverse : 0.0f;
+    }
+}
+
+/* Batch element b, key/value head g and its query heads. */
+static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, float *scores, float *queries) {
+    int64_t padded = padded_keys(p), dim = p->dim, groups = p->heads / p->kv_heads;
+    int64_t offset = p->num_keys - p->num_queries;
+    const float *keys = p->keys + b * p->key_strides[0] + g * p->key_strides[1];
+    for (int64_t j = 0; j < padded; j++) {
+        const float *key = keys + j * p->key_strides[2];
+        for (int64_t c = 0; c < dim; c++) keys_t[c * padded + j] = j < p->num_keys ? key[c] : 0.0f;
+    }
+    for (int64_t h = g * groups; h < (g + 1) * groups; h++) {
+        const float *head = p->queries + b * p->query_strides[0] + h * p->query_strides[1];
+        for (int64_t i0 = 0; i0 < p->num_queries; i0 += R) {
+            int64_t count = p->num_queries - i0 < R ? p->num_queries - i0 : R;
+            int64_t stop = offset + i0 + count; /* keys the block's last row sees, exclusive */
+            int64_t start = p->window > 0 ? offset + i0 - p->window + 1 : 0;
+            start = start < 0 ? 0 : start / TILE * TILE;
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < dim; c++)
+                    queries[r * dim + c] = r < count ? head[(i0 + r) * p->query_strides[2] + c] * p->scale : 0.0f;
+            for (int64_t j0 = start; j0 < stop; j0 += TILE) {
+                vec acc[R][2];
+                for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vec){0};
+                const float *column = keys_t + j0;
+                for (int64_t c = 0; c < dim; c++, column += padded) {
+                    vec k0 = *(const vec *)column, k1 = *(const vec *)(column + WIDTH);
+                    for (int64_t r = 0; r < R; r++) {
+                        float q = queries[r * dim + c];
+                        acc[r][0] += q * k0;
+                        acc[r][1] += q * k1;
+                    }
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    *(vec *)(scores + r * padded + j0) = acc[r][0];
+                    *(vec *)(scores + r * padded + j0 + WIDTH) = acc[r][1];
+                }
+            }
+            for (int64_t r = 0; r < count; r++) row(p, b, h, i0 + r, scores + r * padded);
+        }
+    }
+}
+
+/* Every item (batch element x key/value head), on the calling thread's OpenMP team: attnlens.kernels links the
+   OpenMP runtime torch loaded, so these are torch's own threads (on vLLM's CPU worker, bound to its cores), not a
+   second team spinning against them. Each item writes only its heads' sums. Returns 0, or -1 where a thread's
+   scratch could not be allocated. */
+int row_statistics(const struct problem *p) {
+    int64_t padded = padded_keys(p), items = p->batch * p->kv_heads;
+    size_t floats = (size_t)(padded * p->dim + R * padded + R * p->dim);
+    floats = (floats + 15) / 16 * 16; /* aligned_alloc wants a multiple of the alignment */
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, floats * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < items; w++) {
+            if (scratch)
+                item(p, w / p->kv_heads, w % p->kv_heads, scratch, scratch + padded * p->dim,
+                     scratch + padded * p->dim + R * padded);
+            else
+                failed = 1;
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
