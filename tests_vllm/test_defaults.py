@@ -31,8 +31,14 @@ def kernel_taps(model) -> tuple[int, list[str]]:
 
 
 def traced(model, prompt: str, layer: int, names: list[str]) -> list[list[torch.Tensor]]:
+    """The values read on each step, every step's token forced (`allowed_token_ids`): a tiny random model's greedy
+    choice is near a tie, which the two engines' roundings in bfloat16 break differently (Qwen 3.5's MoE on a 2-core
+    AMD machine: tokens 48 and 32 at step 1, log-probabilities 0.016 apart), and later steps must see the same
+    tokens to be compared."""
     attn = model.layers[layer].self_attn
-    with torch.no_grad(), model.trace(prompt, max_tokens=STEPS, temperature=0.0, ignore_eos=True) as tracer:
+    forced = [model.tokenizer(prompt)["input_ids"][-1]]
+    sampling = dict(max_tokens=STEPS, temperature=0.0, ignore_eos=True, allowed_token_ids=forced)
+    with torch.no_grad(), model.trace(prompt, **sampling) as tracer:
         saved = list().save()
         for _ in tracer.iter[:STEPS]:
             saved.append([getattr(attn, name).clone() for name in names])

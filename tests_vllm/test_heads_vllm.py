@@ -82,7 +82,7 @@ def test_prompts_held_whole_and_split_over_steps_summarise_alike(llama, monkeypa
     from attnlens.vllm import reducer
 
     taken = {"whole": 0, "run": 0}
-    for method, way in (("_reduce_whole", "whole"), ("_reduce", "run")):
+    for method, way in (("_reduce_group", "whole"), ("_reduce", "run")):
         original = getattr(reducer.Reducer, method)
 
         def counted(self, *args, _original=original, _way=way):

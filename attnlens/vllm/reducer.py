@@ -148,9 +148,9 @@ class Reducer:
                 self.prompts.pop(tag, None)
 
     def _reduce_whole_prompts(self, layer: int, step: dict, spans: list) -> list:
-        """Reduce, straight from this step's rows, the prompts the step holds whole (no copy into a run: most of the
-        reducer's time on short prompts was copying), adjacent prompts of one length together; returns the spans
-        left to copy (chunks of a prompt split over steps)."""
+        """Reduce, straight from this step's rows, the prompts the step holds whole (no copy into a run: on 8 x 101
+        tokens of SmolLM2 the copies were 15 to 25 ms a call), adjacent prompts of one length together; returns the
+        spans left to copy (chunks of a prompt split over steps)."""
         group: list = []
         whole = sorted(
             (
