@@ -25,6 +25,7 @@ import json
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import gt
 
 import torch
 
@@ -92,13 +93,15 @@ def summarize(
     targets = {name: torch.as_tensor(t, device=device).long() for name, t in (targets or {}).items()}
     out = {"rows": torch.full((batch,), float(num_queries), device=device)}
     for name, target in targets.items():
-        listed = target.tolist() if target.dim() == 1 else None  # checked in Python: a few hundred ints, no ops
-        if listed is None or len(listed) != num_queries or any(t > offset + i for i, t in enumerate(listed)):
+        # checked in Python, each row's key against its position: a few hundred ints, no tensor operations
+        listed = target.tolist() if target.dim() == 1 else None
+        if listed is None or len(listed) != num_queries or any(map(gt, listed, range(offset, offset + num_queries))):
             raise ValueError(
                 f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
                 f"position (or -1); got shape {tuple(target.shape)}"
             )
-        out[f"{name}_rows"] = torch.full((batch,), float(sum(t >= 0 for t in listed)), device=device)
+        counted = sum(map((0).__le__, listed))  # rows whose key is 0 or more
+        out[f"{name}_rows"] = torch.full((batch,), float(counted), device=device)
     top_rows = [row % num_queries for row in top_rows] if top_k else []
     if top_rows:
         out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
@@ -192,10 +195,10 @@ def score_function(attn) -> LayerScores:
 
 def why_not(model, layer: int) -> str | None:
     """Why `layer` of `model` cannot be summarised (None: it can)."""
-    report = model.support(layer)
+    reasons = model.access.reasons(layer)  # what `support(layer)` reports, without its notes
     for name in ("attention_queries", "attention_keys"):
-        if report[f"self_attn.{name}"] is not None:
-            return f"{name} unavailable: {report[f'self_attn.{name}']}"
+        if reasons.get(name) is not None:
+            return f"{name} unavailable: {reasons[name]}"
     served = model.access.locations(layer)
     if "attention_probabilities" not in served:
         return f"the {model.family.name} family forms no softmax pattern on this layer"
@@ -422,12 +425,13 @@ def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[
     from .vllm import reducer
 
     plan = {layer: ["attention_queries", "attention_keys"] for layer in layers}
+    scores: dict[int, LayerScores] = {}  # per layer, built in the worker once per install
     found = reducer.reduce(
         model,
-        partial(_sums_of_run, options=options),
+        partial(_sums_of_run, options=options, scores=scores),
         plan,
         [text.tolist() for text in texts],
-        whole_prompts=partial(_sums_of_prompts, options=options),
+        whole_prompts=partial(_sums_of_prompts, options=options, scores=scores),
     )
     failed = [result for result in found if isinstance(result, str)]
     if failed:
@@ -435,26 +439,36 @@ def _in_worker(model, layers, texts: list[torch.Tensor], options: dict) -> list[
     return found
 
 
-def _sums_of_run(attns, layers, tokens, values, *, options) -> dict[int, dict]:
+def _sums_of_run(attns, layers, tokens, values, *, options, scores) -> dict[int, dict]:
     """`summarize`'s sums of one prompt on a run of layers that score alike (their queries and keys stacked on the
-    batch axis), per layer."""
-    return dict(zip(layers, _sums_by_item(score_function(attns[0]), values, options)))
+    batch axis), per layer. `scores`: the install's score functions by layer."""
+    return dict(zip(layers, _sums_by_item(_layer_scores(scores, attns[0], layers[0]), values, options)))
 
 
-def _sums_of_prompts(attn, layer, tokens, values, *, options) -> list[dict]:
+def _sums_of_prompts(attn, layer, tokens, values, *, options, scores) -> list[dict]:
     """`summarize`'s sums of prompts of one length on one layer (stacked on the batch axis), per prompt."""
-    return _sums_by_item(score_function(attn), values, options)
+    return _sums_by_item(_layer_scores(scores, attn, layer), values, options)
+
+
+def _layer_scores(scores: dict, attn, layer: int) -> LayerScores:
+    """`score_function(attn)`, built once per layer and install (it is asked for at every layer on every step)."""
+    if layer not in scores:
+        scores[layer] = score_function(attn)
+    return scores[layer]
 
 
 def _sums_by_item(scores, values, options) -> list[dict]:
-    """`summarize`'s sums of what `values` stacks on the batch axis, per item, heads first (`rows` and the targets'
-    row counts repeated per head)."""
+    """`summarize`'s sums of what `values` stacks on the batch axis, per item, heads first: `rows` and the targets'
+    row counts, the same for every item, as one tensor per count repeated per head and shared by the items."""
     sums = summarize(scores, values["attention_queries"], values["attention_keys"], **options)
     heads = sums["entropy"].shape[1]
-    # one unbind per result, not an index and a copy per item and result (hundreds of small operations a call)
-    split = {
-        name: (v if v.dim() > 1 else v[:, None].expand(-1, heads)).detach().cpu().unbind(0) for name, v in sums.items()
-    }
+    # one unbind per result, not an index per item and result (hundreds of small operations a call); on the CPU
+    # without gradients (the worker's case) nothing to detach or copy
+    split = {}
+    for name, v in sums.items():
+        if v.device.type != "cpu" or v.requires_grad:
+            v = v.detach().cpu()
+        split[name] = v.unbind(0) if v.dim() > 1 else [v[0].expand(heads)] * len(v)
     return [dict(zip(split, one)) for one in zip(*split.values())]
 
 
@@ -585,9 +599,6 @@ def head_summaries(
             )
 
     values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in METRICS}
-    top: dict[int, list[dict]] = {}
-    tokens = [ids.tolist() for ids in texts]  # once: a tensor's elements read one by one cost more than the sums
-    text = _token_text(model, {i for ids in tokens for i in ids}) if top_k else {}
     for metric in METRICS:
         found = on_text if metric in ON_TEXT else on_repeats
         rows = "rows" if metric in ON_TEXT else f"{metric}_rows"
@@ -602,8 +613,7 @@ def head_summaries(
         else:  # layers with different numbers of heads
             for layer in chosen:
                 values[metric][layer] = sum(r[layer][metric] for r in found) / sum(r[layer][rows] for r in found)
-    for layer in chosen if top_k else ():
-        top[layer] = _top_entries(tokens, [r[layer] for r in on_text], row_list, text)
+    top = _top_entries(model, [ids.tolist() for ids in texts], on_text, chosen, row_list) if top_k else {}
     settings = {
         "length": length,
         "sequences": sequences,
@@ -617,19 +627,32 @@ def head_summaries(
     )
 
 
-def _top_entries(tokens: list[list[int]], sums, rows, text: dict[int, str]) -> list[dict]:
-    """Per prompt (`tokens`: its ids) and row, each head's top keys: position, token text (`text`: by token id),
-    weight."""
-    entries = []
-    for p, (ids, found) in enumerate(zip(tokens, sums)):
-        keys, weights = found["top_keys"].tolist(), found["top_weights"].tolist()  # [head][row][k]
-        shown = found["top_weights"].double().mul(1e6).round().div(1e6).tolist()  # not one round() per weight
-        for j, row in enumerate(rows):
-            top = [
-                [[k, text[ids[k]], r] for k, w, r in zip(keys[h][j], weights[h][j], shown[h][j]) if k >= 0 and w > 0]
-                for h in range(len(keys))
-            ]
-            entries.append({"prompt": p, "row": row % len(ids), "keys": top})
+def _top_entries(model, tokens: list[list[int]], found: list[dict], layers: list[int], rows) -> dict[int, list[dict]]:
+    """Per layer, per prompt (`tokens`: its ids; `found`: its sums per layer) and row, each head's top keys with a
+    weight above 0: position, token text, weight. Every layer's and prompt's heads are read in one flat list (a
+    nested `tolist` took 20 times longer; a few operations per prompt and layer, longer still), and only the tokens
+    shown are decoded."""
+    keys, weights = (
+        torch.cat([sums[layer][name] for layer in layers for sums in found]) for name in ("top_keys", "top_weights")
+    )
+    count = keys.shape[-1]  # [(layer, prompt, head), row, count]
+    shown = weights.double().mul(1e6).round().div(1e6).flatten().tolist()  # not one round() per weight
+    keys, kept = keys.flatten().tolist(), (weights > 0).flatten().tolist()
+    entries: dict[int, list[dict]] = {}
+    at = 0  # where this layer's and prompt's first head starts in those lists
+    for layer in layers:
+        entries[layer] = []
+        for p, ids in enumerate(tokens):
+            heads = len(found[p][layer]["top_keys"])
+            for j, row in enumerate(rows):
+                starts = range(at + j * count, at + heads * len(rows) * count, len(rows) * count)  # one per head
+                top = [[[keys[i], ids[keys[i]], shown[i]] for i in range(a, a + count) if kept[i]] for a in starts]
+                entries[layer].append({"prompt": p, "row": row % len(ids), "keys": top})
+            at += heads * len(rows) * count
+    shown_keys = [key for table in entries.values() for entry in table for top in entry["keys"] for key in top]
+    text = _token_text(model, {key[1] for key in shown_keys})
+    for key in shown_keys:  # the token id becomes its text
+        key[1] = text[key[1]]
     return entries
 
 

@@ -75,6 +75,7 @@ def test_summaries_equal_the_full_pattern(case):
             assert torch.allclose(found.get(metric, layer), want[metric], **TOLERANCE), (metric, layer)
         entries = iter(found.top[layer])
         for p, per_row in enumerate(want["top"]):
+            ids = model.tokenizer(PROMPTS[p]).input_ids
             for j, (weights, keys) in enumerate(per_row):
                 entry = next(entries)
                 assert (entry["prompt"], entry["row"]) == (p, ROWS[j] % len(PROMPTS[p]))
@@ -82,6 +83,8 @@ def test_summaries_equal_the_full_pattern(case):
                     got = torch.tensor([w for _, _, w in listed])
                     assert torch.allclose(got, weights[h][weights[h] > 0], atol=1e-5), (layer, p, j, h)
                     assert [position for position, _, _ in listed] == keys[h][weights[h] > 0].tolist()
+                    assert [text for _, text, _ in listed] == [model.tokenizer.decode([ids[k]]) for k, _, _ in listed]
+        assert next(entries, None) is None
 
 
 def test_rebuilt_sdpa_model_gives_the_same_summaries():

@@ -7,13 +7,13 @@
    attnlens.heads.summarize holds the reference it is tested against (PyTorch, a chunk of rows at a time).
 
    Per key/value head, its keys are laid out channel-major once; a block of R query rows is then scored against two
-   vectors of keys at a time, each key vector loaded once for all R rows (the products are most of the time). A row's
-   statistics come from one pass for its maximum and one for exp(s - max): entropy = log Z - sum(e (s - max)) / Z. */
+   vectors of keys at a time, each key vector loaded once for all R rows and each query value read where it lies (the
+   products are most of the time). A row's statistics come from two passes over whole vectors of its scores, one
+   scaling them and taking their maximum, one for exp(s - max): entropy = log Z - sum(e (s - max)) / Z. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #ifdef __AVX512F__
 #define WIDTH 16 /* floats in one vector register */
@@ -24,26 +24,6 @@
 #define R 6              /* query rows scored at a time: 12 accumulators, two key vectors, one query value */
 
 typedef float vec __attribute__((vector_size(4 * WIDTH)));
-
-/* exp(x) for x <= 0 (flushed to 2^-126 below -87.3, where every caller divides by a sum of at least 1): range
-   reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial (Cephes' expf), 2^n from the exponent bits. Plain
-   arithmetic, so the compiler vectorizes the loops calling it. A NaN stays NaN. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 struct problem {
     const float *queries, *keys;   /* [batch, heads, rows, dim] and [batch, kv_heads, keys, dim], strided, dim dense */
@@ -59,35 +39,68 @@ struct problem {
     float *row_weights;            /* [batch, heads, num_rows, num_keys] */
 };
 
-/* Scratch of one thread: the keys channel-major [dim, padded], R rows of scores [R, padded], R scaled queries. */
+/* Scratch of one thread: the keys channel-major [dim, padded] and R rows of scores [R, padded]. */
 static int64_t padded_keys(const struct problem *p) { return (p->num_keys + TILE - 1) / TILE * TILE; }
+
+typedef int32_t ivec __attribute__((vector_size(4 * WIDTH)));
+
+/* lanes of a where mask is set, else of b */
+static inline vec choose(ivec mask, vec a, vec b) { return (vec)((mask & (ivec)a) | (~mask & (ivec)b)); }
+
+static inline vec splat(float x) { return x - (vec){0}; }
+
+/* exp(x) of each lane, for x <= 0 (flushed to 2^-126 below -87.3, where every caller divides by a sum of at least
+   1): range reduction to r in [-ln2/2, ln2/2], rounding by adding and taking away 1.5 * 2^23 (exact here; built
+   without -ffast-math, so the compiler keeps both), a degree-6 polynomial (Cephes' expf), 2^n from the exponent bits.
+   A NaN stays NaN. */
+static inline vec exp_vector(vec x) {
+    x = choose(x < -87.3f, splat(-87.3f), x);
+    vec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec q = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    q = q * r * r + r + 1.0f;
+    ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return q * (vec)bits;
+}
 
 static void row(const struct problem *p, int64_t b, int64_t h, int64_t i, float *scores) {
     int64_t last = p->num_keys - p->num_queries + i; /* the row's own position */
     int64_t first = p->window > 0 && last - p->window + 1 > 0 ? last - p->window + 1 : 0;
-    if (p->softcap > 0.0f)
-        for (int64_t j = first; j <= last; j++) scores[j] = tanhf(scores[j] / p->softcap) * p->softcap;
-    /* whole vectors, the keys outside [first, last] masked: no scalar remainder loop (a row is a few vectors long,
-       so remainders were a third of the time); those scores were computed with the block, so they are finite */
+    /* whole vectors, the keys outside [first, last] masked: no scalar remainder loop (a row is a few vectors long);
+       those scores were computed with the block, so they are finite */
     int64_t lo = first / WIDTH * WIDTH, hi = (last / WIDTH + 1) * WIDTH;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int64_t j = lo; j < hi; j++) {
-        float x = j >= first && j <= last ? scores[j] : -INFINITY;
-        top = x > top ? x : top;
+    ivec lane;
+    for (int k = 0; k < WIDTH; k++) lane[k] = k;
+    vec top = splat(-INFINITY);
+    for (int64_t j = lo; j < hi; j += WIDTH) {
+        vec x = *(vec *)(scores + j) * p->scale;
+        if (p->softcap > 0.0f)
+            for (int k = 0; k < WIDTH; k++) x[k] = tanhf(x[k] / p->softcap) * p->softcap;
+        *(vec *)(scores + j) = x;
+        ivec at = lane + (int32_t)j;
+        x = choose((at >= (int32_t)first) & (at <= (int32_t)last), x, top);
+        top = choose(x > top, x, top);
     }
-    float total = 0.0f, weighted = 0.0f;
-#pragma omp simd reduction(+ : total, weighted)
-    for (int64_t j = lo; j < hi; j++) {
-        float x = scores[j] - top;
-        float e = j >= first && j <= last ? exp_nonpositive(x) : 0.0f;
-        scores[j] = e;
+    float most = -INFINITY;
+    for (int k = 0; k < WIDTH; k++) most = top[k] > most ? top[k] : most;
+    vec total = {0}, weighted = {0};
+    for (int64_t j = lo; j < hi; j += WIDTH) {
+        vec x = *(vec *)(scores + j) - most;
+        ivec at = lane + (int32_t)j;
+        vec e = choose((at >= (int32_t)first) & (at <= (int32_t)last), exp_vector(x), (vec){0});
+        *(vec *)(scores + j) = e;
         total += e;
         weighted += e * x;
     }
-    float inverse = 1.0f / total;
+    float z = 0.0f, ez = 0.0f;
+    for (int k = 0; k < WIDTH; k++) z += total[k], ez += weighted[k];
+    float inverse = 1.0f / z;
     float *sum = p->sums + (b * p->heads + h) * (2 + p->num_targets);
-    sum[0] += logf(total) - weighted * inverse;
+    sum[0] += logf(z) - ez * inverse;
     if (first == 0) sum[1] += scores[0] * inverse;
     for (int64_t n = 0; n < p->num_targets; n++) {
         int64_t at = p->targets[n * p->num_queries + i];
@@ -101,7 +114,7 @@ static void row(const struct problem *p, int64_t b, int64_t h, int64_t i, float 
 }
 
 /* Batch element b, key/value head g and its query heads. */
-static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, float *scores, float *queries) {
+static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, float *scores) {
     int64_t padded = padded_keys(p), dim = p->dim, groups = p->heads / p->kv_heads;
     int64_t offset = p->num_keys - p->num_queries;
     const float *keys = p->keys + b * p->key_strides[0] + g * p->key_strides[1];
@@ -116,9 +129,8 @@ static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, f
             int64_t stop = offset + i0 + count; /* keys the block's last row sees, exclusive */
             int64_t start = p->window > 0 ? offset + i0 - p->window + 1 : 0;
             start = start < 0 ? 0 : start / TILE * TILE;
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t c = 0; c < dim; c++)
-                    queries[r * dim + c] = r < count ? head[(i0 + r) * p->query_strides[2] + c] * p->scale : 0.0f;
+            const float *query[R]; /* past the last row, the last row again (its scores are not read) */
+            for (int64_t r = 0; r < R; r++) query[r] = head + (r < count ? i0 + r : i0 + count - 1) * p->query_strides[2];
             for (int64_t j0 = start; j0 < stop; j0 += TILE) {
                 vec acc[R][2];
                 for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vec){0};
@@ -126,7 +138,7 @@ static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, f
                 for (int64_t c = 0; c < dim; c++, column += padded) {
                     vec k0 = *(const vec *)column, k1 = *(const vec *)(column + WIDTH);
                     for (int64_t r = 0; r < R; r++) {
-                        float q = queries[r * dim + c];
+                        float q = query[r][c];
                         acc[r][0] += q * k0;
                         acc[r][1] += q * k1;
                     }
@@ -147,7 +159,7 @@ static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, f
    scratch could not be allocated. */
 int row_statistics(const struct problem *p) {
     int64_t padded = padded_keys(p), items = p->batch * p->kv_heads;
-    size_t floats = (size_t)(padded * p->dim + R * padded + R * p->dim);
+    size_t floats = (size_t)(padded * p->dim + R * padded);
     floats = (floats + 15) / 16 * 16; /* aligned_alloc wants a multiple of the alignment */
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -156,8 +168,7 @@ int row_statistics(const struct problem *p) {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < items; w++) {
             if (scratch)
-                item(p, w / p->kv_heads, w % p->kv_heads, scratch, scratch + padded * p->dim,
-                     scratch + padded * p->dim + R * padded);
+                item(p, w / p->kv_heads, w % p->kv_heads, scratch, scratch + padded * p->dim);
             else
                 failed = 1;
         }

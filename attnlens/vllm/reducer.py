@@ -99,6 +99,8 @@ class Reducer:
         self.attn = {layer: attention_block(family, blocks[layer]) for layer in plan}
         function = self.values.score_function
         self.groups = function.layer_groups(self.values.config, self.values.geometry.__getitem__, list(plan))
+        # per layer, each kernel argument's (heads, channels per head): every rank's heads
+        self.shapes = {layer: _shapes(self.values.geometry[layer]) for layer in plan}
         ranks, rank = tensor_parallel()
         # each rank reduces its own heads where the heads score independently (the common layout's score function
         # on every planned layer); else every rank gathers them and rank 0 reduces
@@ -120,14 +122,12 @@ class Reducer:
         return [span for span in spans if not tags.get(span[1], "").startswith(TAG)]
 
     def _take(self, layer: int, arguments: tuple, spans: list) -> None:
-        heads = self.values.geometry[layer]
-        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
-        totals = {"query": heads.num_heads, "key": heads.num_kv_heads, "value": heads.num_kv_heads}
+        shapes = self.shapes[layer]
         end = max(start + count for _, _, start, count, _ in spans)
         # this step's rows, `[rows, heads * dim]`: this rank's heads, or every rank's where rank 0 reduces (a
         # collective: every rank gathers)
         step = {
-            short: self._heads(argument[:end], dims[short], totals[short])
+            short: self._heads(argument[:end], *shapes[short])
             for short, argument in zip(("query", "key", "value"), arguments)
             if short in self.shorts
         }
@@ -175,10 +175,11 @@ class Reducer:
     def _reduce_group(self, layer: int, step: dict, group: list) -> None:
         tags = [self.recorder.tags[request_id] for _, request_id, _, _, _ in group]
         start, tokens = group[0][2], group[0][3]
-        heads = self.values.geometry[layer]
-        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
+        shapes = self.shapes[layer]
         rows = {
-            short: flat[start : start + len(group) * tokens].view(len(group), tokens, -1, dims[short]).transpose(1, 2)
+            short: flat[start : start + len(group) * tokens]
+            .view(len(group), tokens, -1, shapes[short][1])
+            .transpose(1, 2)
             for short, flat in step.items()
         }
         values = {name: rows[short] for name, short in KERNEL_VALUES.items() if short in rows}
@@ -194,7 +195,7 @@ class Reducer:
             if tag not in self.errors:
                 self.results.setdefault(tag, {})[layer] = result
 
-    def _heads(self, flat: torch.Tensor, dim: int, total: int) -> torch.Tensor:
+    def _heads(self, flat: torch.Tensor, total: int, dim: int) -> torch.Tensor:
         flat = flat.reshape(flat.shape[0], -1)
         return flat if self.local else gather_heads(flat.unflatten(1, (-1, dim)), total, 1).flatten(1)
 
@@ -224,9 +225,8 @@ class Reducer:
             self._reduce(tag, prompt.tokens, run, prompt.rows.pop(run[0]))
 
     def _reduce(self, tag: str, tokens: int, layers: list[int], held: dict) -> None:
-        heads = self.values.geometry[layers[0]]
-        dims = {"query": heads.qk_head_dim, "key": heads.qk_head_dim, "value": heads.head_dim}
-        stacked = {short: rows.unflatten(2, (-1, dims[short])).transpose(1, 2) for short, rows in held.items()}
+        shapes = self.shapes[layers[0]]
+        stacked = {short: rows.unflatten(2, (-1, shapes[short][1])).transpose(1, 2) for short, rows in held.items()}
         values = {name: stacked[short] for name, short in KERNEL_VALUES.items() if short in stacked}
         found = self.compute([self.attn[layer] for layer in layers], layers, tokens, values)
         self.results.setdefault(tag, {}).update(found)
@@ -239,6 +239,15 @@ class Reducer:
         if set(found) != set(self.plan):
             return f"RuntimeError: reduced on layers {sorted(found)} of {sorted(self.plan)}"
         return found
+
+
+def _shapes(heads) -> dict[str, tuple[int, int]]:
+    """Each kernel argument's (heads, channels per head) on a layer of these `heads` (its `Geometry`)."""
+    return {
+        "query": (heads.num_heads, heads.qk_head_dim),
+        "key": (heads.num_kv_heads, heads.qk_head_dim),
+        "value": (heads.num_kv_heads, heads.head_dim),
+    }
 
 
 def install(worker: Any, compute: bytes, plan: dict) -> None:
