@@ -214,6 +214,39 @@ def test_tensor_parallel_edits_land_on_the_right_rank(tp, edit):
     assert close(edited, logits(llama.eager, True))
 
 
+def test_tensor_parallel_key_edit_on_one_rank_after_a_batched_read_equals_recomputing(tp):
+    """Two requests decoding at layer 1: the first's read scores both decode steps' patterns in one batch
+    (`WorkerValues._score_ahead`); the second then changes this step's key of key/value head 1, which only rank 1
+    holds, and reads its pattern. The ranks must agree on rescoring it (that gathers the keys: a collective), and its
+    pattern is the softmax of its queries against the edited keys, recomputed here by hand."""
+    model, llama = tp
+    attn = model.layers[1].self_attn
+    with torch.no_grad(), model.generate(max_new_tokens=2, do_sample=False) as tracer:
+        with tracer.invoke("Hi there"):
+            for _ in tracer.iter[:2]:
+                attn.attention_probabilities.sum()  # read first: both requests' decode steps scored ahead
+        with tracer.invoke(llama.prompt):
+            saved = list().save()
+            for step in tracer.iter[:2]:
+                if step == 1:
+                    keys = attn.attention_keys.clone()
+                    keys[:, 1, -1] += 1.0
+                    attn.attention_keys = keys
+                    saved.append((attn.attention_queries.clone(), keys, attn.attention_probabilities.clone()))
+    queries, keys, pattern = saved[0]
+    heads = model.access.geometry(1)
+    groups = heads.num_heads // heads.num_kv_heads
+
+    def by_hand(keys):  # one decode row: it sees every key
+        return (queries @ keys.repeat_interleave(groups, 1).transpose(2, 3) * heads.scale).softmax(-1)
+
+    unedited = keys.clone()
+    unedited[:, 1, -1] -= 1.0
+    assert close(pattern, by_hand(keys))
+    assert close(pattern[:, :groups], by_hand(unedited)[:, :groups])  # rank 0's heads: as before the edit
+    assert not close(pattern[:, groups:], by_hand(unedited)[:, groups:])  # rank 1's: moved by it
+
+
 def test_tensor_parallel_static_captures_equal_eager(tp):
     model, llama = tp
     result = model.static_generate(llama.prompt, max_new_tokens=3, do_sample=False)

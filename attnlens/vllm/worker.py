@@ -22,7 +22,7 @@ from ..access import Access
 from ..errors import AttnlensError, LocationDrift
 from ..family import Family
 from ..locations import Derived, Operation, attach, child, mediator
-from ..locations.views import gather_heads, gathered_heads, local_heads
+from ..locations.views import gather_heads, gathered_heads, local_heads, on_every_rank
 from ..locations.vllm import kernel_arg, kernel_geometry
 from ..registry import family_for
 from ..values import BY_NAME
@@ -219,7 +219,7 @@ class WorkerValues:
         the other requests waiting at this kernel (`_score_ahead`), as static capture scores them, and taken here if
         nothing it was scored from changed since."""
         layer = self.access.layer_of(envoy)
-        queries, _ = self.kernel_heads(envoy, kernel, 0)  # waits for the kernel's handoff, where the step is known
+        inputs = child(envoy, kernel).inputs  # waits for the kernel's handoff, where the step is known
         state = self.state()
         handed = state.patterns.setdefault(layer, {})
         if "scores" in handed:
@@ -227,9 +227,10 @@ class WorkerValues:
         if layer not in state.ahead:
             self._score_ahead(layer, state)
         ahead = state.ahead.pop(layer, None)
-        if ahead is not None and self._unchanged(ahead, queries, child(envoy, kernel)):
+        if ahead is not None and self._unchanged(ahead, inputs):
             scores, probabilities, sinks = ahead["scores"], ahead["probabilities"], ahead["sinks"]
         else:
+            queries, _ = self.kernel_heads(envoy, kernel, 0)
             keys, _ = self.kernel_heads(envoy, kernel, 1)
             # outside inference mode, so the tensors count in-place edits (`_version`)
             with torch.inference_mode(False), torch.no_grad():
@@ -275,9 +276,9 @@ class WorkerValues:
         heads, (args, kwargs) = self.geometry[layer], handed
         rows = torch.tensor([start for _, start in waiting])
         query, key = (kernel_arg(args, kwargs, which) for which in (0, 1))
-        now = key.reshape(key.shape[0], -1)[rows]  # each request's key row of this step
+        now = key.reshape(key.shape[0], -1)[rows]  # each request's key row of this step, this rank's heads
         with torch.inference_mode(False), torch.no_grad():  # so the tensors count in-place edits (`_version`)
-            flat = query.reshape(query.shape[0], -1)[rows]
+            flat = query.reshape(query.shape[0], -1)[rows]  # and its query row
             # [requests, heads, 1, dim]
             queries = gathered_heads(flat, heads.qk_head_dim, heads.num_heads).transpose(0, 2)
             decoding = [(table, state.position, row) for (table, _), (state, _), row in zip(tables, waiting, now)]
@@ -290,17 +291,20 @@ class WorkerValues:
                     "scores": scores[row : row + 1, ..., longest - length :].clone(),
                     "probabilities": probabilities[row : row + 1, ..., longest - length :].clone(),
                     "sinks": None if sinks is None else sinks[row : row + 1].clone(),
-                    "queries": queries[row : row + 1],
+                    "query": flat[row : row + 1],
                     "key": now[row : row + 1],
                 }
 
-    def _unchanged(self, ahead: dict, queries: torch.Tensor, kernel: Any) -> bool:
+    def _unchanged(self, ahead: dict, inputs: tuple) -> bool:
         """Whether a pattern scored ahead (`_score_ahead`) was scored from what this request's kernel gets now: the
-        same queries and key row of this step (its body may have edited them before it read). Its cache cannot have
-        changed since: the cache values are read and written at the attention module's input, before the kernel."""
-        args, kwargs = kernel.inputs
-        key = kernel_arg(args, kwargs, 1)
-        return torch.equal(ahead["queries"], queries) and torch.equal(ahead["key"], key.reshape(1, -1))
+        same query and key rows of this step (its body may have edited them before it read), on every rank (each
+        compares its own heads; an edit may change one rank's only, and rescoring gathers the keys, a collective every
+        rank must reach alike). Its cache cannot have changed since: the cache values are read and written at the
+        attention module's input, before the kernel. `inputs`: the kernel's, as this request's body sees them."""
+        args, kwargs = inputs
+        query, key = (kernel_arg(args, kwargs, which) for which in (0, 1))
+        same = torch.equal(ahead["query"], query.reshape(1, -1)) and torch.equal(ahead["key"], key.reshape(1, -1))
+        return on_every_rank(same, query.device)
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
 
