@@ -1,7 +1,7 @@
 """What capturing a pattern on every step costs on vLLM: greedy generation of many prompts, plain and captured.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
-        [--repeats 3] [--rows eager,static,untraced,traced,compiled,heads] [--tp]
+        [--repeats 15] [--rows eager,static,untraced,traced,compiled,heads] [--tp]
 
 Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
 builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
@@ -12,8 +12,11 @@ L's `attention_probabilities` on every step of every prompt); the same trace on 
 vLLM's compiled model and hands the attention op's values to a trace there (`worker.hand_off_at_kernel`). Then the
 memory attnlens holds beside vLLM's KV cache after the traced run (0: earlier keys are read from the cache; the copy
 the earlier design kept is given for comparison). The engines are built side by side and timed in alternation after
-a warm-up, so load from other processes falls on all alike; the best of `--repeats` rounds is reported, with each
-round's ratio to plain vLLM in that round. Every prompt generates exactly `--tokens` tokens. Head summaries
+a warm-up, so load from other processes falls on all alike. Each row's figure is the median of its ratios to plain
+vLLM in the same round, with the quartiles, over `--repeats` rounds (the best-of ratio and every round's are printed
+too): on a shared 2-core machine a round's time moves by 10-20%, so a best-of ratio compares two rounds' luck (CPU
+time is no steadier there: torch's OpenMP threads spin while they wait). Every prompt generates exactly `--tokens`
+tokens. Head summaries
 (`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the attention op in the
 worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
 defaults prefilling the same sequences (one token each, salted out of the prefix cache, as the summaries' requests
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 import uuid
 
@@ -164,17 +168,22 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
 
 
 def report(title: str, found: tuple) -> None:
-    """Each row's best time and its ratio to the best of plain vLLM, then the ratio in each round (to plain vLLM's
-    time in the same round): their spread is how far the best-of ratio can be trusted on a loaded machine."""
+    """Each row's best time and its ratio to the best of plain vLLM; the median and quartiles of its ratios to plain
+    vLLM in the same round; then each round's ratio."""
     rows, memory = found
     width = max(map(len, [*rows, *memory]))
     print(title)
-    base = rows["plain vLLM"]
+    print(f"  {'':<{width}}  {'best':>7}    {'ratio':>5}  median (quartiles)")
+    base = "plain vLLM"
     for name, seconds in rows.items():
         if name.startswith("plain vLLM, prefill"):
-            base = seconds  # the head summaries' rows compare with plain prefill of the same sequences
-        rounds = ", ".join(f"{t / b:.2f}" for t, b in zip(seconds, base))
-        print(f"  {name:<{width}}  {min(seconds):7.2f} s  {min(seconds) / min(base):5.2f}x  (rounds: {rounds})")
+            base = name  # the head summaries' rows compare with plain prefill of the same sequences
+        ratios = [t / b for t, b in zip(seconds, rows[base])]
+        low, middle, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(
+            f"  {name:<{width}}  {min(seconds):7.2f} s  {min(seconds) / min(rows[base]):5.2f}x  "
+            f"{middle:5.2f}x ({low:.2f}-{high:.2f})  (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     for name, size in memory.items():
         sizes = size if isinstance(size, list) else [size]
         print(f"  {name:<{width}}  " + ", ".join(f"{b / 2**20:.1f} MiB" for b in sizes))
@@ -185,7 +194,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layer", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"which rows beside plain vLLM, comma-separated: {', '.join(ROWS)}"
     )
