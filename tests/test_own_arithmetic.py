@@ -1,5 +1,5 @@
-"""Families whose attention does its own arithmetic (GPT-Neo, Bloom, MPT, Falcon; GPT-NeoX-Japanese, JetMoE): the score
-functions bit for bit, edits through views and copies, decode steps.
+"""Families whose attention does its own arithmetic (GPT-Neo, Bloom, MPT, Falcon up to transformers 5.24;
+GPT-NeoX-Japanese, JetMoE): the score functions bit for bit, edits through views and copies, decode steps.
 
 Generic over the mechanism; a family's own tests are in tests/families/test_<family>.py."""
 
@@ -10,6 +10,7 @@ from identities import N, close, saved_for, trace
 
 import attnlens
 from attnlens import family_for
+from attnlens.families.falcon import own_arithmetic
 from attnlens.models import char_tokenizer, tiny_model
 
 ROUTED_AND_BIASED = ("gpt_neox_japanese", "jetmoe")
@@ -98,11 +99,12 @@ def test_score_function_is_exact_with_left_padding(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_score_function_is_exact_in_bfloat16(case):
-    # dtypes differ per family: GPT-Neo upcasts, MPT's float32 bias and Falcon-ALiBi's upcast promote the scores,
-    # masks take the model dtype's minimum
+    # dtypes differ per family: GPT-Neo upcasts, MPT's float32 bias and Falcon-ALiBi's upcast (transformers 5.24's own
+    # arithmetic) promote the scores, masks take the model dtype's minimum
     model = attnlens.StandardizedTransformer(tiny_model(case).to(torch.bfloat16), tokenizer=char_tokenizer())
     got = trace(model, attention_reads(1))
-    expected = torch.float32 if case in ("gpt_neo", "mpt", "falcon:alibi") else torch.bfloat16
+    upcast = ("gpt_neo", "mpt", "falcon:alibi") if own_arithmetic() else ("gpt_neo", "mpt")
+    expected = torch.float32 if case in upcast else torch.bfloat16
     assert got["s"].dtype == expected
     heads = model.layers[1].self_attn.heads
     assert torch.equal(model.family.score_function().scores(heads, model.config, got["q"], got["k"], 1), got["s"])
@@ -199,6 +201,10 @@ def test_flash_attention_is_reported_not_misread(case, reads):
     model = tiny_model(case)
     model.config._attn_implementation = "flash_attention_2"
     reasons = family_for(case).unavailable(model.config, 1)
+    if case == "falcon" and not own_arithmetic():  # FalconAttention calls flash through the interface: read there
+        assert set(reasons) & {"attention_queries", "attention_keys", "attention_values"} == set()
+        assert reasons["attention_scores"].startswith("read inside transformers' eager attention function")
+        return
     for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
         assert reasons[name].startswith(reads), name
     assert "attention_premix" not in reasons and "attention_output" not in reasons

@@ -1,33 +1,37 @@
-"""Falcon: four layouts of one attention module with its own arithmetic, and parallel blocks.
+"""Falcon: four layouts of one attention module, its own arithmetic up to transformers 5.24, and parallel blocks.
 
 The fused `query_key_value` splits three ways: multi-query (`multi_query=True`, the default: one key/value head),
 the old multi-head layout (`multi_query=False`: per head [q, k, v]) and the new decoder architecture
-(`new_decoder_architecture=True`: `num_kv_heads` groups of [q..., k, v]). In the new architecture `_split_heads`
-broadcasts each key/value head to its group before anything is held, so the forward never holds the keys and values
-before repetition: they are a de-duplicated copy of the broadcast tensors (the first head of each group), and
-assigning them re-broadcasts to every head of the group.
+(`new_decoder_architecture=True`: `num_kv_heads` groups of [q..., k, v]).
 
-Scores are built in place with `@`, `/=` and `*=`, none of them an nnsight operation, so the scores are read where
-they are final: the softmax's input (`scores + attention_mask`, formed inline). Rotary layouts: `q @ k^T`, divided
-in place by sqrt(d), plus the mask; no dropout. ALiBi (`alibi=True`, no rotary): `(q @ k^T + alibi)`, multiplied in
-place by 1/sqrt(d), plus a mask into which `FalconModel` has folded `alibi / sqrt(d)` a second time; the slopes are
-Bloom's, rounded to bfloat16 (`slopes.bfloat16() * position`). The two branches bind different operations (queries
-after the rotary embedding or straight from the split; `F_softmax_0` or `F_softmax_1`; the pattern without or with
-dropout; the mix per head or folded into the batch), but the same catalogue order: the keys and values come from the
-cache update, after the queries, in both. What reorders `order()` is the block: no `layer_mid` on parallel blocks,
-and the new architecture's MLP norm runs before attention.
+transformers 5.25 and later call the shared attention interface, with a file-local eager function: the six attention
+values are read there as on Llama, keys and values before repetition (`num_kv_heads` of them, one on multi-query),
+scores `q·k * (1 / sqrt(d)) + mask`. `FalconModel` folds ALiBi (`alibi=True`, no rotary; Bloom's slopes rounded to
+bfloat16, `slopes.bfloat16() * position`) into the mask as `alibi / sqrt(d)`, so eager and sdpa add it once.
 
-Keys and values are read from the cache update, so they are the whole cache under generate; a forward run with
-`use_cache=False` skips the update and cannot serve them. `parallel_attn` (and always the new architecture) runs
-attention and MLP side by side on the block input: there is no residual stream between them, and the block adds the
-attention output to the MLP's output in place (`mlp_output += attention_output`), so `mlp_output` is a snapshot
-taken before that add.
+transformers 5.24 and earlier run Falcon's own arithmetic (`_split_heads`), which the family reads where it is. In the
+new architecture `_split_heads` broadcasts each key/value head to its group before anything is held, so the keys and
+values are a de-duplicated copy of the broadcast tensors (the first head of each group), and assigning them
+re-broadcasts to every head of the group. Scores are built in place with `@`, `/=` and `*=`, none of them an nnsight
+operation, so they are read where they are final: the softmax's input (`scores + attention_mask`, formed inline).
+Rotary layouts: `q @ k^T`, divided in place by sqrt(d), plus the mask; no dropout. ALiBi: `(q @ k^T + alibi)`,
+multiplied in place by 1/sqrt(d), plus the mask with `alibi / sqrt(d)` folded in: the bias enters twice under eager,
+once under sdpa. The two branches bind different operations (queries after the rotary embedding or straight from the
+split; `F_softmax_0` or `F_softmax_1`; the pattern without or with dropout; the mix per head or folded into the
+batch), but the same catalogue order: the keys and values come from the cache update, after the queries, in both.
+There, keys and values are read from the cache update, so they are the whole cache under generate; a forward run with
+`use_cache=False` skips the update and cannot serve them.
+
+What reorders `order()` is the block: no `layer_mid` on parallel blocks, and the new architecture's MLP norm runs
+before attention. `parallel_attn` (and always the new architecture) runs attention and MLP side by side on the block
+input: there is no residual stream between them, and the block adds the attention output to the MLP's output in place
+(`mlp_output += attention_output`), so `mlp_output` is a snapshot taken before that add.
 
 On vLLM (its own FalconForCausalLM, both architectures): attention and the MLP return `(output, bias)` and the block
 adds the bias later, so `attention_output` and `mlp_output` are copies with the bias added; a sequential block adds
 the attention output to its input in place, so the residual stream is read as copies there. vLLM's kernel adds ALiBi
-once, with float32 slopes, where transformers' eager attention adds it twice with bfloat16 slopes: the score function
-computes what each engine's kernel does (its `ScoreFunction.engine`).
+once, with float32 slopes, where transformers adds it with bfloat16 slopes (twice under 5.24's eager attention): the
+score function computes what each engine's kernel does (its `ScoreFunction.engine`).
 """
 
 import math
@@ -43,6 +47,23 @@ from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, shared_norm_note
 from ..parts.sizes import Sizes
+from ..parts.source import transformers_defines
+
+#: The six values the attention module forms, which the two arithmetics read at different places.
+ATTENTION_VALUES = (
+    "attention_queries",
+    "attention_keys",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_head_outputs",
+)
+
+
+def own_arithmetic() -> bool:
+    """Whether the installed transformers runs Falcon's own attention arithmetic (5.24 and earlier), not the shared
+    attention interface (5.25 and later)."""
+    return transformers_defines("falcon.modeling_falcon", "FalconAttention", "_split_heads")
 
 
 def _groups(envoy):
@@ -200,7 +221,9 @@ class Falcon(Family):
         attention_norm, mlp_norm = norms.split("+")
         keys, values = _keys_values("new_architecture" in kind)
         eager = "eager" in kind
-        if "alibi" in kind:
+        if not own_arithmetic():
+            attention = {name: location for name, location in super().locations().items() if name in ATTENTION_VALUES}
+        elif "alibi" in kind:
             attention = {
                 "attention_queries": Operation(("query_layer_0",), anchor="query_layer.transpose(1, 2)"),
                 "attention_keys": keys,
@@ -278,6 +301,8 @@ class Falcon(Family):
         def scores(self, heads, config, queries, keys, layer, key_mask=None):
             if self.engine == "vllm" and config.alibi:
                 return self.vllm_alibi_scores(heads, config, queries, keys, layer, key_mask)
+            if self.engine == "transformers" and not own_arithmetic():
+                return self.interface_scores(heads, config, queries, keys, layer, key_mask)
             groups = queries.shape[1] // keys.shape[1]
             scores = queries @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2)
             num_queries, num_keys = scores.shape[-2:]
@@ -294,6 +319,18 @@ class Falcon(Family):
             scores = (scores + alibi) * heads.scale
             # FalconModel folds alibi / sqrt(d) into the mask as well
             return scores + torch.masked_fill(alibi / math.sqrt(heads.head_dim), ~visible, minimum)
+
+        def interface_scores(self, heads, config, queries, keys, layer, key_mask=None):
+            """transformers 5.25's: `q·k * scale` plus the mask, into which FalconModel folds `alibi / sqrt(d)` (masked
+            entries the model dtype's minimum alone). The keys repeated as transformers repeats them and one product,
+            as its eager function does: bit for bit on decode steps too, where the grouped product is not."""
+            groups = queries.shape[1] // keys.shape[1]
+            scores = torch.matmul(queries, self.repeat_kv(keys, groups).transpose(2, 3)) * heads.scale
+            mask = self.mask(queries.shape[2], keys.shape[2], config, layer, key_mask, scores.dtype, scores.device)
+            if config.alibi:
+                alibi = self.family.alibi(queries.shape[1], keys.shape[2], key_mask, queries.dtype, queries.device)
+                mask = torch.where(mask == 0, alibi / math.sqrt(heads.head_dim), mask)
+            return scores + mask
 
         def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
             """The per-head ALiBi slopes vLLM's kernel holds (added times the key's distance, after the scale), float32:
@@ -333,15 +370,17 @@ class Falcon(Family):
                 else f"{attention_norm} and {mlp_norm} respectively"
             )
             reasons["layer_mid"] = PARALLEL_NO_MID.format(norms=norms)
+        if engine != "transformers" or not own_arithmetic():
+            return reasons
         implementation = config._attn_implementation
-        if engine == "transformers" and implementation not in ("eager", "sdpa"):
+        if implementation not in ("eager", "sdpa"):
             for name in ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs"):
                 reasons[name] = (
                     f"the {implementation!r} attention is FalconFlashAttention2, whose own forward "
                     f"attnlens does not read (it reads FalconAttention, which runs eager and sdpa); "
                     f"load with attn_implementation='eager' or 'sdpa'"
                 )
-        if engine == "transformers" and not config.use_cache:
+        if not config.use_cache:
             for name in ("attention_keys", "attention_values"):
                 reasons[name] = (
                     "read at the cache update, which config.use_cache=False skips; load with "
@@ -350,13 +389,29 @@ class Falcon(Family):
         return reasons
 
     def verify(self, model, layer, layer_module, attention_module):
-        if model.config._attn_implementation in ("eager", "sdpa"):  # both run FalconAttention.forward
+        # 5.24 runs FalconAttention.forward under eager and sdpa only; 5.25 runs it under every implementation
+        if not own_arithmetic() or model.config._attn_implementation in ("eager", "sdpa"):
             super().verify(model, layer, layer_module, attention_module)
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         if engine == "vllm":
             return {**notes, **self._vllm_notes(config)}
+        if self.parallel(config):
+            notes["mlp_output"] = (
+                "a snapshot (copy) of the MLP's output, taken before the block adds the attention "
+                "output to it in place: assign it, in-place edits do not land"
+            )
+            attention_norm, mlp_norm = self.norms(config)
+            if attention_norm == mlp_norm:
+                notes["mlp_norm_output"] = shared_norm_note(attention_norm)
+        if not own_arithmetic():
+            if config.alibi:
+                notes["attention_scores"] = (
+                    "q·k / sqrt(d) + mask, where FalconModel has folded the ALiBi bias into the mask as alibi / "
+                    "sqrt(d) (Bloom's slopes rounded to bfloat16): eager and sdpa add it once"
+                )
+            return notes
         cache = (
             "read at the cache update (the whole cache under generate); a forward called with use_cache=False "
             "never forms it"
@@ -380,12 +435,4 @@ class Falcon(Family):
         else:
             notes["attention_scores"] = "q·k / sqrt(d) + mask; the softmax's input (the scores are scaled in place)"
             notes["attention_probabilities"] = "the softmax's output: Falcon applies no attention dropout with rotary"
-        if self.parallel(config):
-            notes["mlp_output"] = (
-                "a snapshot (copy) of the MLP's output, taken before the block adds the attention "
-                "output to it in place: assign it, in-place edits do not land"
-            )
-            attention_norm, mlp_norm = self.norms(config)
-            if attention_norm == mlp_norm:
-                notes["mlp_norm_output"] = shared_norm_note(attention_norm)
         return notes

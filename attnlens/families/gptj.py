@@ -12,8 +12,6 @@ before the transpose, no sdpa path); 5.20 and later call the shared attention in
 function (scores multiplied by `head_dim ** -0.5`). The family reads whichever the installed transformers has.
 """
 
-import importlib
-
 import torch
 
 from ..family import Family, Tiny, VLLMLayout
@@ -22,6 +20,7 @@ from ..parts import scoring
 from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, parallel_locations, shared_attention_norm
 from ..parts.sizes import Sizes
+from ..parts.source import transformers_defines
 
 OWN_ATTN = "self__attn_0"  # transformers <= 5.19: GPTJAttention._attn
 
@@ -74,8 +73,7 @@ class GPTJ(Family):
     own_scores = ("attn_weights_2", "+ attention_mask")
 
     def own_attn(self) -> bool:
-        module, name = self.attention_class
-        return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), "_attn")
+        return transformers_defines(*self.attention_class, "_attn")
 
     vllm = VLLMLayout(
         locations=_gptj_vllm_locations,

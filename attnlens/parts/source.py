@@ -14,6 +14,14 @@ from ..locations import INTERFACE_CALL, Location, Operation
 from ..values import BY_NAME
 
 
+def transformers_defines(module: str, name: str, attribute: str) -> bool:
+    """Whether the installed transformers' class `name` (in `transformers.models.<module>`) defines `attribute`: how a
+    family tells a release that runs its own attention arithmetic from one that calls the shared interface."""
+    import importlib
+
+    return hasattr(getattr(importlib.import_module(f"transformers.models.{module}"), name), attribute)
+
+
 def compiled(function: Callable):
     """The innermost function (decorators peeled) and nnsight's compiled source of it."""
     from nnsight.intervention.source import compiled as compile_source

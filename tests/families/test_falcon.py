@@ -6,7 +6,13 @@ from conftest import PROMPT, tiny
 from identities import N, close, saved_for, trace
 
 import attnlens
+from attnlens.families.falcon import own_arithmetic
 from attnlens.models import char_tokenizer, tiny_model
+
+#: transformers 5.24 runs Falcon's own arithmetic, 5.25 the shared attention interface (the family's docstring).
+OWN = own_arithmetic()
+own_only = pytest.mark.skipif(not OWN, reason="Falcon's own arithmetic: transformers 5.24 and earlier")
+interface_only = pytest.mark.skipif(OWN, reason="Falcon on the attention interface: transformers 5.25 and later")
 
 _sdpa = {}
 
@@ -21,9 +27,9 @@ def falcon_sdpa(case):
     return _sdpa[case]
 
 
-def test_falcon_alibi_enters_twice_under_eager_once_under_sdpa():
-    """Eager: (q·k + alibi) / sqrt(d) + the mask FalconModel built with alibi / sqrt(d) in it; sdpa adds only the
-    mask."""
+def test_falcon_alibi_enters_as_the_installed_transformers_adds_it():
+    """FalconModel folds alibi / sqrt(d) into the mask, which sdpa adds alone; transformers 5.24's eager attention
+    adds (q·k + alibi) / sqrt(d) to it, the bias twice, and 5.25's eager attention q·k / sqrt(d), the bias once."""
     eager, sdpa = tiny("falcon:alibi"), falcon_sdpa("falcon:alibi")
     layer = 1
     attn = sdpa.layers[layer].self_attn
@@ -38,19 +44,21 @@ def test_falcon_alibi_enters_twice_under_eager_once_under_sdpa():
     )
     module = attn._module
     # the family's (eager) score function
-    double = eager.family.score_function().scores(
+    scores = eager.family.score_function().scores(
         eager.family.geometry(module), eager.config, got["q"], got["k"], layer
     )
-    once = double - eager.family.alibi(4, N) * module.inv_norm_factor
+    bias = eager.family.alibi(4, N) * module.inv_norm_factor
 
     def mix(scores):
         return (scores.softmax(-1) @ got["v"]).transpose(1, 2)
 
-    assert close(mix(once), got["heads"])
-    assert not close(mix(double), got["heads"], atol=1e-3)
-    assert "twice" in eager.support(layer).notes["self_attn.attention_scores"]
+    assert close(mix(scores - bias if OWN else scores), got["heads"])
+    assert not close(mix(scores + bias if not OWN else scores), got["heads"], atol=1e-3)
+    note = eager.support(layer).notes["self_attn.attention_scores"]
+    assert ("twice under eager" if OWN else "eager and sdpa add it once") in note
 
 
+@own_only
 def test_falcon_new_architecture_keys_are_a_deduplicated_copy():
     model = tiny("falcon:new_architecture")
     layer = 1
@@ -80,6 +88,24 @@ def test_falcon_new_architecture_keys_are_a_deduplicated_copy():
     note = model.support(layer).notes["self_attn.attention_keys"]
     assert note.startswith("a de-duplicated copy: _split_heads broadcasts each key/value head to its group")
     assert "in-place edits do not land" in note
+
+
+@interface_only
+def test_falcon_new_architecture_keys_are_one_per_group_and_edit_in_place():
+    """On the attention interface the forward holds one key and value head per group: read and edited as held."""
+    model = tiny("falcon:new_architecture")
+    layer = 1
+    attn = model.layers[layer].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (4, 2)
+    with torch.no_grad(), model.trace(PROMPT):
+        q = attn.attention_queries.save()
+        keys = attn.attention_keys.save()
+        attn.attention_keys.mul_(2)
+        scores = attn.attention_scores.save()
+    assert keys.shape == (1, 2, N, 16)
+    assert torch.equal(model.family.score_function().scores(attn.heads, model.config, q, keys, layer), scores)
+    assert not close(scores, saved_for("falcon:new_architecture")[(layer, "attention_scores")])
+    assert "de-duplicated" not in model.support(layer).notes.get("self_attn.attention_keys", "")
 
 
 def test_falcon_new_architecture_value_edit_moves_the_logits_as_recomputed_by_hand():
@@ -123,7 +149,9 @@ def test_falcon_parallel_mlp_output_is_a_snapshot_before_the_in_place_add():
 ATTENTION_ORDER = [
     "self_attn.attention_cache_keys",  # the cache as the attention enters (values and visibility share its rank)
     "self_attn.attention_queries",
-    "self_attn.attention_keys",
+    # 5.24 reads keys and values at the cache update, after the queries; 5.25 all three as the attention function's
+    # arguments, at one rank
+    *(["self_attn.attention_keys"] if OWN else []),
     "self_attn.attention_scores",
     "self_attn.attention_probabilities",
     "self_attn.attention_head_outputs",
@@ -175,18 +203,23 @@ def test_falcon_order_per_layout(case):
     distinct = sorted(set(order.values()))
     firsts = [next(key for key, rank in order.items() if rank == r) for r in distinct]
     assert firsts == FALCON_ORDERS[case]
-    assert order["self_attn.attention_values"] == order["self_attn.attention_keys"]  # both from the cache update
+    # both from the cache update (5.24) or both arguments of the attention function (5.25)
+    assert order["self_attn.attention_values"] == order["self_attn.attention_keys"]
     shared = case in ("falcon",)
     assert (order["mlp_norm_output"] == order["mlp_input"]) == shared
 
 
-def test_falcon_rotary_and_alibi_bind_different_operations():
+def test_falcon_rotary_and_alibi_bind_the_installed_transformers_operations():
     rotary, alibi = tiny("falcon:multihead"), tiny("falcon:alibi")
 
     def path(model, name):
         location = model.family.locations_for(model.config, 1).get(name)
         return getattr(location, "source", location).path
 
+    if not OWN:  # one attention function serves both: the same operations
+        for name in ("attention_queries", "attention_scores", "attention_probabilities"):
+            assert path(rotary, name) == path(alibi, name) == path(tiny("llama"), name), name
+        return
     assert path(rotary, "attention_queries") == ("apply_rotary_pos_emb_0",)
     assert path(alibi, "attention_queries") == ("query_layer_0",)
     assert path(rotary, "attention_scores") == ("F_softmax_0",)
@@ -241,6 +274,7 @@ def test_falcon_parallel_block_has_no_layer_mid(case):
             model.layers[1].layer_mid.save()
 
 
+@own_only
 def test_falcon_keys_need_the_cache():
     model = tiny("falcon", use_cache=False)
     reason = model.support(1)["self_attn.attention_values"]
@@ -250,6 +284,15 @@ def test_falcon_keys_need_the_cache():
     with pytest.raises(attnlens.Unavailable, match=r"config\.use_cache=False"):
         with torch.no_grad(), model.trace(PROMPT):
             model.layers[1].self_attn.attention_keys.save()
+
+
+@interface_only
+def test_falcon_keys_need_no_cache():
+    """Read where the attention function receives them, which a forward without the cache runs too."""
+    model = tiny("falcon", use_cache=False)
+    assert "self_attn.attention_keys" not in model.support(1).unavailable
+    got = trace(model, lambda m: {"k": m.layers[1].self_attn.attention_keys})
+    assert torch.equal(got["k"], saved_for("falcon")[(1, "attention_keys")])
 
 
 @pytest.mark.parametrize("case", ["falcon", "falcon:new_architecture", "falcon:alibi"])
@@ -271,7 +314,7 @@ def test_falcon_sdpa_serves_all_but_scores_and_pattern(case):
         "attention_output",
     )
     layer = 1
-    if case == "falcon:alibi":  # eager doubles ALiBi, sdpa doesn't: the mix differs from layer 0 on (tested above)
+    if case == "falcon:alibi" and OWN:  # 5.24's eager doubles ALiBi, sdpa doesn't: the mix differs from layer 0 on
         names, layer = names[:3], 0
     got = trace(sdpa, lambda m: {name: getattr(m.layers[layer].self_attn, name) for name in names})
     eager = saved_for(case)
