@@ -8,4 +8,8 @@ from .apertus import Apertus
 class Apertus1p5Text(Apertus):
     model_types = ("apertus1p5_text",)
     tiny = Tiny("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {})
-    vllm = VLLMLayout(refusal=not_in_transformers("Apertus 1.5", "Apertus1p5TextForCausalLM", "Apertus1p5TextConfig"))
+    vllm = VLLMLayout(
+        refusal=not_in_transformers(
+            "Apertus 1.5", "Apertus1p5TextForCausalLM", "Apertus1p5TextConfig", "apertus1p5_text"
+        )
+    )

@@ -21,7 +21,7 @@ from ..parts.vllm import not_in_transformers
 
 class Beam(SparseMoE, Family):
     model_types = ("beam",)
-    vllm = VLLMLayout(refusal=not_in_transformers("Beam", "BeamForCausalLM", "BeamConfig"))
+    vllm = VLLMLayout(refusal=not_in_transformers("Beam", "BeamForCausalLM", "BeamConfig", "beam"))
     tiny = Tiny(
         "BeamConfig",
         "BeamForCausalLM",

@@ -19,7 +19,7 @@ from ..parts.vllm import not_in_transformers
 
 class Flint(SparseMoE, Family):
     model_types = ("flint",)
-    vllm = VLLMLayout(refusal=not_in_transformers("Flint", "FlintForCausalLM", "FlintConfig"))
+    vllm = VLLMLayout(refusal=not_in_transformers("Flint", "FlintForCausalLM", "FlintConfig", "flint"))
     tiny = Tiny(
         "FlintConfig",
         "FlintForCausalLM",

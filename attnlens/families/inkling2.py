@@ -70,7 +70,9 @@ def _sliding(config, layer: int) -> bool:
 
 class Inkling2(SparseMoE, Family):
     model_types = ("inkling2_text",)
-    vllm = VLLMLayout(refusal=not_in_transformers("Inkling 2", "Inkling2ForCausalLM", "Inkling2TextConfig"))
+    vllm = VLLMLayout(
+        refusal=not_in_transformers("Inkling 2", "Inkling2ForCausalLM", "Inkling2TextConfig", "inkling2_text")
+    )
     tiny = Tiny(
         "Inkling2TextConfig",
         "Inkling2ForCausalLM",
@@ -247,7 +249,9 @@ class Inkling2Loop(Inkling2):
 
     model_types = ("inkling2_loop_text",)
     vllm = VLLMLayout(
-        refusal=not_in_transformers("Inkling 2 Loop", "Inkling2LoopForCausalLM", "Inkling2LoopTextConfig")
+        refusal=not_in_transformers(
+            "Inkling 2 Loop", "Inkling2LoopForCausalLM", "Inkling2LoopTextConfig", "inkling2_loop_text"
+        )
     )
     tiny = Tiny(
         "Inkling2LoopTextConfig",

@@ -10,7 +10,7 @@ from ..parts.vllm import not_in_transformers
 
 class Kolibri1(SparseMoE, Family):
     model_types = ("kolibri1",)
-    vllm = VLLMLayout(refusal=not_in_transformers("Kolibri1", "Kolibri1ForCausalLM", "Kolibri1Config"))
+    vllm = VLLMLayout(refusal=not_in_transformers("Kolibri1", "Kolibri1ForCausalLM", "Kolibri1Config", "kolibri1"))
     tiny = Tiny(
         "Kolibri1Config",
         "Kolibri1ForCausalLM",
@@ -18,7 +18,9 @@ class Kolibri1(SparseMoE, Family):
     )
     attention_post_norm = "post_self_attn_layernorm"
     mlp_post_norm = "post_mlp_layernorm"
-    absent = moe_absent("Kolibri1Experts")
+    absent = moe_absent(
+        "Kolibri1Experts", " plus mlp.shared_experts(mlp_input), a dense MLP every token passes through"
+    )
 
     kind_notes = {
         "*": {

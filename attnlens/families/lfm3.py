@@ -22,7 +22,7 @@ class Lfm3(Lfm2):
         {"head_dim": 16, "sliding_window": 4, "layer_types": ["conv", "full_attention", "sliding_attention"]},
         layouts={"no_gate": {"use_attention_gate": False, "use_sandwich_norm": False}},
     )
-    vllm = VLLMLayout(refusal=not_in_transformers("LFM3", "Lfm3ForCausalLM", "Lfm3Config"))
+    vllm = VLLMLayout(refusal=not_in_transformers("LFM3", "Lfm3ForCausalLM", "Lfm3Config", "lfm3"))
     output_projection = "o_proj"
     attention_post_norm = "post_operator_norm"
     mlp_post_norm = "post_ffn_norm"

