@@ -154,9 +154,10 @@ def tiny_model(
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
-        # Norms start as the identity; perturbed, a norm wired in place of another fails the identities.
+        # Norms start as the identity and residual gates (Ergo's) alike; perturbed, one wired in place of another
+        # fails the identities.
         for module in model.modules():
-            if "norm" in type(module).__name__.lower():
+            if any(word in type(module).__name__.lower() for word in ("norm", "residualgate")):
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
     from .standardized import built_as_text_model

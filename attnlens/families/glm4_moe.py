@@ -16,6 +16,8 @@ from .llama import Llama
 
 def rotary_note(family, config, layer) -> str:
     factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    if factor == 1:
+        return "rotated over every dimension of the head"
     return f"rotated on the first {factor:g} of each head's dimensions; the rest unrotated"
 
 
