@@ -121,11 +121,11 @@ def failures(model, saved, layer):
             ),
         )
 
-    def post_norm(name, x):
-        return x if name is None else block.get_submodule(name)(x)
+    def post_norm(sublayer, name, x):
+        return x if name is None else f.identities.post_norm(block, sublayer, name, x)
 
     if has("layer_input", "attention_output", "layer_mid"):
-        residual = post_norm(f.attention_post_norm, v["attention_output"])
+        residual = post_norm("attention", f.attention_post_norm, v["attention_output"])
         check(
             "layer input + attention output == layer mid",
             close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments), v["layer_mid"]),
@@ -159,7 +159,7 @@ def failures(model, saved, layer):
             if arithmetic.neurons is not None:
                 check(f"{product} == neurons", close(rebuilt(arithmetic.neurons, x, activation), neurons))
     if has("layer_mid", "mlp_output", "layer_output"):
-        after_mlp = post_norm(f.mlp_post_norm, v["mlp_output"])
+        after_mlp = post_norm("mlp", f.mlp_post_norm, v["mlp_output"])
         check(
             "layer mid + mlp output == layer output",
             close(rebuilt(f.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments), v["layer_output"]),

@@ -68,6 +68,9 @@ class Ergo(SparseMoE, Family):
         return config.mlp_layer_types[layer] == "sparse"
 
     class Identities(identities.Identities):
+        def post_norm(self, block, sublayer, name, output):
+            return block.get_submodule(name)(output.float())  # the block norms its sublayers' outputs in float32
+
         def residual_add(self, block, sublayer, stream, update, **arguments):
             gate = block.attention_residual_gate if sublayer == "attention" else block.feedforward_residual_gate
             return gate(update, stream)

@@ -100,6 +100,11 @@ class Identities:
         `residual_multiplier`) or the residual is several mixed streams (DeepSeek-V4's hyper-connections)."""
         return stream + update
 
+    def post_norm(self, block, sublayer: str, name: str, output: torch.Tensor) -> torch.Tensor:
+        """`output` of `sublayer` ("attention" or "mlp") through the norm after it (`name`, a path in `block`), as the
+        block applies it: as it is, unless the family first casts it (Ergo's blocks norm it in float32)."""
+        return block.get_submodule(name)(output)
+
     #: Arguments of a block's call (name -> position) that `residual_add` and `mlp_forward` also need, where the
     #: standardized values do not determine the residual or the MLP: none on most families (Gemma 3n's per-layer
     #: input, Zaya's router state carried from the previous block). `attnlens.checks` reads them from the block's

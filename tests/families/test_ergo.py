@@ -1,7 +1,7 @@
 """Ergo (attnlens/families/ergo.py): what the shared identities cannot see.
 
-The tiny model's residual gates start at zero, one constant per channel shared by both gates of every block, so the
-gate tests perturb them (`gated`): then a gate read from the wrong sublayer, or a plain add, cannot match."""
+The tiny model perturbs its residual gates slightly, as it does its norms (`attnlens.models.tiny_model`); the gate tests
+perturb them far from zero (`gated`), so a gate read from the wrong sublayer, or a plain add, cannot match."""
 
 import pytest
 import torch
@@ -270,3 +270,6 @@ def test_ergo_half_precision_keeps_the_residual_stream_in_float32(tmp_path):
     assert {name for name, value in got.items() if value.dtype == torch.float32} == in_float32
     assert {value.dtype for value in got.values()} == {torch.float32, torch.bfloat16}
     assert "float32 even in a model loaded in half precision" in model.support(FULL).notes["layer_input"]
+    # the identities hold in bfloat16 too: the block norms each sublayer's output in float32 (Identities.post_norm)
+    saved = read_everything(model, PROMPT)
+    assert [failures(model, saved, layer) for layer in range(model.num_layers)] == [[]] * model.num_layers
