@@ -39,7 +39,7 @@ import math
 import torch
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.views import snapshot
 from ..parts import scoring
 from ..parts.alibi import alibi_slopes, key_positions
@@ -48,16 +48,6 @@ from ..parts.mirrored import mirrored
 from ..parts.parallel import PARALLEL_NO_MID, shared_norm_note
 from ..parts.sizes import Sizes
 from ..parts.source import transformers_defines
-
-#: The six values the attention module forms, which the two arithmetics read at different places.
-ATTENTION_VALUES = (
-    "attention_queries",
-    "attention_keys",
-    "attention_values",
-    "attention_scores",
-    "attention_probabilities",
-    "attention_head_outputs",
-)
 
 
 def own_arithmetic() -> bool:
@@ -222,7 +212,11 @@ class Falcon(Family):
         keys, values = _keys_values("new_architecture" in kind)
         eager = "eager" in kind
         if not own_arithmetic():
-            attention = {name: location for name, location in super().locations().items() if name in ATTENTION_VALUES}
+            attention = {  # what the common layout reads at the attention function's call
+                name: location
+                for name, location in super().locations().items()
+                if isinstance(location, Operation) and location.path[0] == INTERFACE_CALL
+            }
         elif "alibi" in kind:
             attention = {
                 "attention_queries": Operation(("query_layer_0",), anchor="query_layer.transpose(1, 2)"),
