@@ -247,6 +247,41 @@ def test_tensor_parallel_key_edit_on_one_rank_after_a_batched_read_equals_recomp
     assert not close(pattern[:, groups:], by_hand(unedited)[:, groups:])  # rank 1's: moved by it
 
 
+def test_tensor_parallel_in_place_query_edit_changing_one_ranks_numbers_equals_recomputing(tp):
+    """After a batched read (`WorkerValues._score_ahead`), the second request clips its queries in place at the
+    kernel's own argument, at a threshold between the two ranks' largest query: the same write on both ranks, but
+    only one rank's numbers change. Both ranks must still choose alike to rescore (the choice follows the write, not
+    the numbers; rescoring gathers, a collective), and the pattern is the softmax of the clipped queries against the
+    keys, recomputed here by hand."""
+    model, llama = tp
+    attn = model.layers[1].self_attn
+    heads = model.access.geometry(1)
+    half, groups = heads.num_heads // 2, heads.num_heads // heads.num_kv_heads
+    with torch.no_grad(), model.generate(max_new_tokens=2, do_sample=False) as tracer:
+        with tracer.invoke("Hi there"):
+            for _ in tracer.iter[:2]:
+                attn.attention_probabilities.sum()  # read first: both requests' decode steps scored ahead
+        with tracer.invoke(llama.prompt):
+            saved = list().save()
+            for step in tracer.iter[:2]:
+                if step == 1:
+                    before = attn.attention_queries.clone()  # every rank's heads
+                    threshold = (before[:, :half].max() + before[:, half:].max()) / 2
+                    attn.attn.inputs[0][0].clamp_(max=threshold)  # this rank's heads, in place
+                    saved.append((before, attn.attention_queries.clone(), attn.attention_keys.clone()))
+                    saved.append(attn.attention_probabilities.clone())
+    (before, queries, keys), pattern = saved
+    moved = [not torch.equal(before[:, rank * half : (rank + 1) * half], queries[:, rank * half : (rank + 1) * half])
+             for rank in (0, 1)]
+    assert sorted(moved) == [False, True]  # the write changed one rank's numbers only
+
+    def by_hand(queries):  # one decode row: it sees every key
+        return (queries @ keys.repeat_interleave(groups, 1).transpose(2, 3) * heads.scale).softmax(-1)
+
+    assert close(pattern, by_hand(queries))
+    assert not close(pattern, by_hand(before))
+
+
 def test_tensor_parallel_static_captures_equal_eager(tp):
     model, llama = tp
     result = model.static_generate(llama.prompt, max_new_tokens=3, do_sample=False)

@@ -116,18 +116,6 @@ def gather_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
     return x
 
 
-def on_every_rank(holds: bool, device: torch.device | str = "cpu") -> bool:
-    """Whether `holds` on every tensor-parallel rank: one collective where there are several, for a choice every rank
-    must make alike (one path gathers across them, the other does not)."""
-    ranks, _ = tensor_parallel()
-    if ranks == 1:
-        return holds
-    from vllm.distributed import tensor_model_parallel_all_reduce
-
-    failing = torch.tensor([0.0 if holds else 1.0], device=device)
-    return bool(tensor_model_parallel_all_reduce(failing).item() == 0)
-
-
 def local_heads(x: torch.Tensor, total: int, dim: int) -> torch.Tensor:
     """This rank's heads of a whole tensor (the inverse of `gather_heads`, for writes)."""
     ranks, rank = tensor_parallel()

@@ -22,8 +22,8 @@ from ..access import Access
 from ..errors import AttnlensError, LocationDrift
 from ..family import Family
 from ..locations import Derived, Operation, attach, child, mediator
-from ..locations.views import gather_heads, gathered_heads, local_heads, on_every_rank
-from ..locations.vllm import kernel_arg, kernel_geometry
+from ..locations.views import gather_heads, gathered_heads, local_heads
+from ..locations.vllm import kernel_arg, kernel_geometry, with_kernel_arg
 from ..registry import family_for
 from ..values import BY_NAME
 from . import inferred, kept, payload, shared_kv, static
@@ -135,6 +135,7 @@ class WorkerValues:
         root.interleaver.attnlens_worker = self
         self.states: dict[str, RequestState] = {}
         self.spans: list[tuple[RequestState, int, int]] = []
+        self.scoring_ahead = False  # this step holds two or more traced decode steps (`_score_ahead`)
 
     def _instrument_operations(self, index: int, layer: Any, attention: Any) -> None:
         """Source-instrument now the forwards that operation locations read inside (an inline `torch.sigmoid`): a
@@ -291,20 +292,36 @@ class WorkerValues:
                     "scores": scores[row : row + 1, ..., longest - length :].clone(),
                     "probabilities": probabilities[row : row + 1, ..., longest - length :].clone(),
                     "sinks": None if sinks is None else sinks[row : row + 1].clone(),
-                    "query": flat[row : row + 1],
-                    "key": now[row : row + 1],
+                    "inputs": ((query, query._version), (key, key._version)),
                 }
 
     def _unchanged(self, ahead: dict, inputs: tuple) -> bool:
-        """Whether a pattern scored ahead (`_score_ahead`) was scored from what this request's kernel gets now: the
-        same query and key rows of this step (its body may have edited them before it read), on every rank (each
-        compares its own heads; an edit may change one rank's only, and rescoring gathers the keys, a collective every
-        rank must reach alike). Its cache cannot have changed since: the cache values are read and written at the
-        attention module's input, before the kernel. `inputs`: the kernel's, as this request's body sees them."""
+        """Whether a pattern scored ahead (`_score_ahead`) was scored from what this request's kernel gets now: no
+        body wrote the query or key it was handed since (its own may have, before it read). Told by the writes, not
+        the numbers: an assignment makes new tensors, a write in place moves their version (`tracked`), alike on every
+        rank whichever rank's heads it changed, so the ranks choose alike without a collective (rescoring gathers the
+        keys, a collective every rank must reach alike). Its cache cannot have changed since: the cache values are
+        read and written at the attention module's input, before the kernel. `inputs`: the kernel's, as this
+        request's body sees them."""
         args, kwargs = inputs
-        query, key = (kernel_arg(args, kwargs, which) for which in (0, 1))
-        same = torch.equal(ahead["query"], query.reshape(1, -1)) and torch.equal(ahead["key"], key.reshape(1, -1))
-        return on_every_rank(same, query.device)
+        return all(
+            _same_writes(kernel_arg(args, kwargs, which), scored, version)
+            for which, (scored, version) in enumerate(ahead["inputs"])
+        )
+
+    def tracked(self, handed: tuple) -> tuple:
+        """The kernel's arguments `(args, kwargs)` as handed off, with its queries and keys copied outside inference
+        mode where this step may score ahead (two or more traced requests decoding), so a write to them counts
+        (`_unchanged`): inference tensors keep no version."""
+        if not self.scoring_ahead:
+            return handed
+        args, kwargs = handed
+        with torch.inference_mode(False):
+            for which in (0, 1):
+                given = kernel_arg(args, kwargs, which)
+                if given is not None:
+                    args, kwargs = with_kernel_arg(args, kwargs, which, given.clone())
+        return args, kwargs
 
     # --- scheduling: which requests are in this step, where their tokens are, what to free -----------------
 
@@ -332,6 +349,7 @@ class WorkerValues:
                 state.ahead.clear()
                 self.spans.append((state, start, tokens[request_id]))
             start += tokens[request_id]
+        self.scoring_ahead = sum(count == 1 and state.position > 0 for state, _, count in self.spans) > 1
 
     def prune(self, live: dict) -> None:
         """Forget the requests nnsight no longer tracks (finished, collected or aborted)."""
@@ -405,6 +423,11 @@ def _flat(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(x.shape[0], -1)
 
 
+def _same_writes(now: torch.Tensor, scored: torch.Tensor, version: int) -> bool:
+    """Whether `now` (a body's rows of a kernel argument) is a view of `scored` that nothing wrote since `version`."""
+    return now.untyped_storage().data_ptr() == scored.untyped_storage().data_ptr() and now._version == version
+
+
 def _parked(worker: Any, provider: str) -> bool:
     """Whether nnsight's `worker` (a trace body) waits for `provider`'s handoff."""
     pending = getattr(worker, "pending", None)
@@ -425,6 +448,7 @@ def _recording(base: type) -> type:
             if values.spans:
                 kernel = values.kernel_inputs.get(provider)
                 if kernel is not None:
+                    value = values.tracked(value)
                     values.handed[kernel] = value
                     if values.kv_cache.hiding:
                         values.kv_cache.keep_queries(kernel, value)
