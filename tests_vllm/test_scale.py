@@ -271,8 +271,10 @@ def test_tensor_parallel_in_place_query_edit_changing_one_ranks_numbers_equals_r
                     saved.append((before, attn.attention_queries.clone(), attn.attention_keys.clone()))
                     saved.append(attn.attention_probabilities.clone())
     (before, queries, keys), pattern = saved
-    moved = [not torch.equal(before[:, rank * half : (rank + 1) * half], queries[:, rank * half : (rank + 1) * half])
-             for rank in (0, 1)]
+    moved = [
+        not torch.equal(before[:, rank * half : (rank + 1) * half], queries[:, rank * half : (rank + 1) * half])
+        for rank in (0, 1)
+    ]
     assert sorted(moved) == [False, True]  # the write changed one rank's numbers only
 
     def by_hand(queries):  # one decode row: it sees every key
