@@ -214,28 +214,38 @@ def test_tensor_parallel_edits_land_on_the_right_rank(tp, edit):
     assert close(edited, logits(llama.eager, True))
 
 
-def test_tensor_parallel_key_edit_on_one_rank_after_a_batched_read_equals_recomputing(tp):
-    """Two requests decoding at layer 1: the first's read scores both decode steps' patterns in one batch
-    (`WorkerValues._score_ahead`); the second then changes this step's key of key/value head 1, which only rank 1
-    holds, and reads its pattern. The ranks must agree on rescoring it (that gathers the keys: a collective), and its
-    pattern is the softmax of its queries against the edited keys, recomputed here by hand."""
-    model, llama = tp
+def _decoding_after_a_batched_read(model, prompt, at_the_decode_step):
+    """Two requests decoding at layer 1: the first reads its pattern at both steps, so its read scores both requests'
+    decode steps' patterns in one batch (`WorkerValues._score_ahead`); `at_the_decode_step(attn)` then runs in the
+    second request's trace at its decode step, and what it returns comes back."""
     attn = model.layers[1].self_attn
     with torch.no_grad(), model.generate(max_new_tokens=2, do_sample=False) as tracer:
         with tracer.invoke("Hi there"):
             for _ in tracer.iter[:2]:
                 attn.attention_probabilities.sum()  # read first: both requests' decode steps scored ahead
-        with tracer.invoke(llama.prompt):
+        with tracer.invoke(prompt):
             saved = list().save()
             for step in tracer.iter[:2]:
                 if step == 1:
-                    keys = attn.attention_keys.clone()
-                    keys[:, 1, -1] += 1.0
-                    attn.attention_keys = keys
-                    saved.append((attn.attention_queries.clone(), keys, attn.attention_probabilities.clone()))
-    queries, keys, pattern = saved[0]
+                    saved.append(at_the_decode_step(attn))
+    return saved[0]
+
+
+def test_tensor_parallel_key_edit_on_one_rank_after_a_batched_read_equals_recomputing(tp):
+    """After a batched read, the second request changes this step's key of key/value head 1, which only rank 1 holds,
+    and reads its pattern. The ranks must agree on rescoring it (that gathers the keys: a collective), and its pattern
+    is the softmax of its queries against the edited keys, recomputed here by hand."""
+    model, llama = tp
     heads = model.access.geometry(1)
     groups = heads.num_heads // heads.num_kv_heads
+
+    def edit_a_key(attn):
+        keys = attn.attention_keys.clone()
+        keys[:, 1, -1] += 1.0
+        attn.attention_keys = keys
+        return attn.attention_queries.clone(), keys, attn.attention_probabilities.clone()
+
+    queries, keys, pattern = _decoding_after_a_batched_read(model, llama.prompt, edit_a_key)
 
     def by_hand(keys):  # one decode row: it sees every key
         return (queries @ keys.repeat_interleave(groups, 1).transpose(2, 3) * heads.scale).softmax(-1)
@@ -248,29 +258,21 @@ def test_tensor_parallel_key_edit_on_one_rank_after_a_batched_read_equals_recomp
 
 
 def test_tensor_parallel_in_place_query_edit_changing_one_ranks_numbers_equals_recomputing(tp):
-    """After a batched read (`WorkerValues._score_ahead`), the second request clips its queries in place at the
-    kernel's own argument, at a threshold between the two ranks' largest query: the same write on both ranks, but
-    only one rank's numbers change. Both ranks must still choose alike to rescore (the choice follows the write, not
-    the numbers; rescoring gathers, a collective), and the pattern is the softmax of the clipped queries against the
-    keys, recomputed here by hand."""
+    """After a batched read, the second request clips its queries in place at the kernel's own argument, at a
+    threshold between the two ranks' largest query: the same write on both ranks, but only one rank's numbers change.
+    Both ranks must still choose alike to rescore (the choice follows the write, not the numbers; rescoring gathers,
+    a collective), and the pattern is the softmax of the clipped queries against the keys, recomputed here by hand."""
     model, llama = tp
-    attn = model.layers[1].self_attn
     heads = model.access.geometry(1)
     half, groups = heads.num_heads // 2, heads.num_heads // heads.num_kv_heads
-    with torch.no_grad(), model.generate(max_new_tokens=2, do_sample=False) as tracer:
-        with tracer.invoke("Hi there"):
-            for _ in tracer.iter[:2]:
-                attn.attention_probabilities.sum()  # read first: both requests' decode steps scored ahead
-        with tracer.invoke(llama.prompt):
-            saved = list().save()
-            for step in tracer.iter[:2]:
-                if step == 1:
-                    before = attn.attention_queries.clone()  # every rank's heads
-                    threshold = (before[:, :half].max() + before[:, half:].max()) / 2
-                    attn.attn.inputs[0][0].clamp_(max=threshold)  # this rank's heads, in place
-                    saved.append((before, attn.attention_queries.clone(), attn.attention_keys.clone()))
-                    saved.append(attn.attention_probabilities.clone())
-    (before, queries, keys), pattern = saved
+
+    def clip_the_queries(attn):
+        before = attn.attention_queries.clone()  # every rank's heads
+        threshold = (before[:, :half].max() + before[:, half:].max()) / 2
+        attn.attn.inputs[0][0].clamp_(max=threshold)  # this rank's heads, in place
+        return before, attn.attention_queries.clone(), attn.attention_keys.clone(), attn.attention_probabilities.clone()
+
+    before, queries, keys, pattern = _decoding_after_a_batched_read(model, llama.prompt, clip_the_queries)
     moved = [
         not torch.equal(before[:, rank * half : (rank + 1) * half], queries[:, rank * half : (rank + 1) * half])
         for rank in (0, 1)
