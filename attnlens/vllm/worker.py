@@ -649,8 +649,12 @@ def single_rank_groups_with_experts() -> None:
         and parallel_state._EP is None
         and parallel_state.get_world_group().world_size == 1
     ):
+        from nnsight.modeling.mixins.meta import MetaDevice
+
         parallel_state.destroy_model_parallel()
-        with set_current_vllm_config(VllmConfig()):  # no model config: every group, the experts' included
+        # no model config: every group, the experts' included; the groups' rank lists built for real, not on the meta
+        # device nnsight builds the client's model on (a second engine's in one process used to fail here)
+        with set_current_vllm_config(VllmConfig()), MetaDevice.real():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
