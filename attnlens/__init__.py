@@ -1,5 +1,7 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
+from importlib.metadata import version as _installed_version
+
 from . import models
 from .analysis import Attribution, LogitLens, PatchGrid, attribution, attribution_patching, logit_lens, patch
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
@@ -16,7 +18,7 @@ from .errors import (
     UnknownFamily,
     UnknownFamilyWarning,
 )
-from .family import Family, Joined, MLPArithmetic, Tiny
+from .family import EagerFunction, Family, Joined, MLPArithmetic, Tiny
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
@@ -32,6 +34,9 @@ from .standardized import StandardizedTransformer
 from .support import Support
 from .values import ALL_VALUES, Value
 
+#: The installed release (pyproject.toml's version, read from the package's metadata).
+__version__ = _installed_version("attnlens")
+
 
 def __getattr__(name: str):
     # vLLM is optional and heavy: imported only when StandardizedVLLM is first asked for.
@@ -46,6 +51,7 @@ __all__ = [
     "ALL_VALUES",
     "AttnlensError",
     "Derived",
+    "EagerFunction",
     "EditError",
     "Family",
     "Joined",

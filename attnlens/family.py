@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import torch
 
 from .errors import UnknownFamily
-from .geometry import HeadGeometry
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
 from .locations.cache import with_cache
+from .parts.eager import EagerFunction
 from .parts.identities import Identities, MLPArithmetic  # noqa: F401  (re-exported: families build MLPArithmetic)
 from .parts.notes import Joined, Note, tabled  # noqa: F401  (Joined re-exported: families' tables use it)
 from .parts.old_spellings import PART_STEPS, OldSpelling, run_on_the_family
@@ -122,12 +122,9 @@ class Family(Anchored, OldSpelling):
     #: them `layer_input + attention_output == layer_mid` and `layer_mid + mlp_output == layer_output`.
     attention_post_norm: str | None = None
     mlp_post_norm: str | None = None
-    #: Values that exist only inside transformers' eager attention function.
-    eager_only: ClassVar[tuple[str, ...]] = ("attention_scores", "attention_probabilities")
-    #: The assignment in the eager function holding the masked scores, and the line it must be on.
-    scores_operation = ("attn_weights_1", "+ attention_mask")
-    #: The assignment holding the pattern after softmax and dropout.
-    probabilities_operation = ("attn_weights_3", "dropout(")
+    #: transformers' eager attention function as this family calls it (`attnlens.EagerFunction`): where it holds the
+    #: masked scores and the pattern, and the values only it forms.
+    eager: ClassVar[EagerFunction] = EagerFunction()
     #: Values that are views of a fused projection's split: torch refuses in-place edits of them, assignment works.
     fused_views: ClassVar[tuple[str, ...]] = ()
     #: The fused query/key/value projection and its output's layout (`attnlens.fused.FusedQKV`), or None where
@@ -169,8 +166,8 @@ class Family(Anchored, OldSpelling):
 
     def locations(self) -> dict[str, Location]:
         """Value name -> location, in forward order. Values missing here are unavailable on the family."""
-        scores, scores_anchor = self.scores_operation
-        probabilities, probabilities_anchor = self.probabilities_operation
+        scores, scores_anchor = self.eager.scores
+        probabilities, probabilities_anchor = self.eager.probabilities
         return {
             "embeddings": ModuleOutput(self.embed_tokens),
             "layer_input": ModuleInput(),
@@ -183,24 +180,8 @@ class Family(Anchored, OldSpelling):
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
-            **self.after_attention(),
+            **after_attention(self),
         }
-
-    def after_attention(self, **replaced: Location) -> dict[str, Location]:
-        """The locations from `layer_mid` to `logits` in the common block, some `replaced`: families that spell out
-        their own attention locations end with these."""
-        tail = {
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput("", 0),
-            "final_norm_output": ModuleOutput(self.final_norm),
-            "logits": OutputField("logits"),  # after any final soft-cap, as the caller receives them
-        }
-        return {**tail, **replaced}
 
     # --- layers of different kinds ---------------------------------------------------------------------------
 
@@ -262,12 +243,9 @@ class Family(Anchored, OldSpelling):
 
     # --- sizes, read off the attention module and its config -----------------------------------------------
 
-    #: Where the attention module's sizes are read (`parts.sizes.Sizes`: attribute paths with fallbacks).
+    #: Where the attention module's sizes are read (`parts.sizes.Sizes`: attribute paths with fallbacks);
+    #: `sizes.geometry(module, family)` gives the module's heads.
     sizes: ClassVar[Sizes] = Sizes()
-
-    def geometry(self, module) -> HeadGeometry:
-        """The heads of the attention `module` (transformers'), read as `sizes` says."""
-        return HeadGeometry(**self.sizes.read(module, self))
 
     # --- what cannot be read, and why --------------------------------------------------------------------------
 
@@ -278,7 +256,7 @@ class Family(Anchored, OldSpelling):
         reasons = {}
         implementation = getattr(config, "_attn_implementation", "eager")
         if engine == "transformers" and implementation != "eager":
-            for name in self.eager_only:
+            for name in self.eager.only:
                 reasons[name] = (
                     f"read inside transformers' eager attention function, but this model runs "
                     f"{implementation!r}, which never forms it; load with attn_implementation='eager'"
@@ -324,22 +302,57 @@ class Family(Anchored, OldSpelling):
         methods = [size.name for size in fields(Sizes) if size.name in vars(cls)]
         if methods:  # attnlens 0.1's spelling: a method per size
             cls.sizes = replace(cls.sizes, **{name: (FamilyMethod(name),) for name in methods})
-        legacy = {field: vars(cls)[f"vllm_{field}"] for field in LEGACY_VLLM if f"vllm_{field}" in vars(cls)}
-        if legacy:  # the spelling of attnlens 0.1 (eleven vllm_* members): folded into the one value
+        moved: dict[str, dict[str, object]] = {}  # attnlens 0.1's spellings: one member holds each fact now
+        for old, (holder, field) in MOVED.items():
+            if old in vars(cls):
+                moved.setdefault(holder, {})[field] = vars(cls)[old]
+        for holder, facts in moved.items():
+            olds = [old for old, (where, _) in MOVED.items() if where == holder and old in vars(cls)]
+            held = getattr(cls, holder)
             warnings.warn(
-                f"{cls.__name__}: vllm_{', vllm_'.join(legacy)} are deprecated; state "
-                f"vllm = VLLMLayout({', '.join(f'{k}=...' for k in legacy)}) instead",
+                f"{cls.__name__}: {', '.join(olds)} {'is' if len(olds) == 1 else 'are'} deprecated; state "
+                f"{holder} = {type(held).__name__}({', '.join(f'{k}=...' for k in facts)}) instead",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            cls.vllm = replace(cls.vllm, **{LEGACY_VLLM[field]: value for field, value in legacy.items()})
-        elif "model_types" in vars(cls) and "vllm" not in vars(cls) and cls.vllm.refusal is not None:
+            setattr(cls, holder, replace(held, **facts))
+        if (
+            "vllm" not in moved
+            and "model_types" in vars(cls)
+            and "vllm" not in vars(cls)
+            and cls.vllm.refusal is not None
+        ):
             # A refusal speaks for the model types of the family that states it: a subclass serving types of its
             # own inherits the parent's layout (unchecked for its types) but not the parent's reason.
             cls.vllm = replace(cls.vllm, refusal=None)
 
 
 Family.vllm = VLLMLayout()
+
+#: attnlens 0.1's class attributes -> (the member that holds the fact now, its field there).
+MOVED = {
+    **{f"vllm_{old}": ("vllm", new) for old, new in LEGACY_VLLM.items()},
+    "scores_operation": ("eager", "scores"),
+    "probabilities_operation": ("eager", "probabilities"),
+    "eager_only": ("eager", "only"),
+}
+
+
+def after_attention(family: Family, **replaced: Location) -> dict[str, Location]:
+    """The locations from `layer_mid` to `logits` of the common block on `family`'s module paths, some `replaced`:
+    families that spell out their own attention locations end with these."""
+    tail = {
+        "layer_mid": ModuleInput(family.mlp_norm),
+        "mlp_norm_output": ModuleOutput(family.mlp_norm),
+        "mlp_input": ModuleInput(family.mlp),
+        "mlp_activation": ModuleOutput(family.activation),
+        "mlp_neurons": ModuleInput(family.down_projection),
+        "mlp_output": ModuleOutput(),
+        "layer_output": ModuleOutput("", 0),
+        "final_norm_output": ModuleOutput(family.final_norm),
+        "logits": OutputField("logits"),  # after any final soft-cap, as the caller receives them
+    }
+    return {**tail, **replaced}
 
 
 def composed(cls: type, part: str, steps: tuple[str, ...]) -> type:

@@ -741,7 +741,7 @@ class Inferred(SparseMoE, Family):
 
     def _check_sizes(self, attention) -> None:
         kind = type(attention).__name__
-        heads = self.geometry(attention)
+        heads = self.sizes.geometry(attention, self)
         groups = attention.num_key_value_groups
         h, kv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
         if (

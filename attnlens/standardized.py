@@ -145,7 +145,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self.access.tokens_seen = None if tokens is None else seen + tokens.shape[1]
 
     def _geometry(self, layer: int):
-        return self.family.geometry(self.layers[layer].self_attn._module)
+        return self.family.sizes.geometry(self.layers[layer].self_attn._module, self.family)
 
     # --- introspection ---------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""What `Family.__init_subclass__` does with a family's data: attnlens 0.1's spellings (eleven `vllm_*` members, a
-method per size, a plain `tiny` tuple with `tiny_layouts`) fold into the one value each became, and a vLLM refusal
-speaks only for the model types of the family that states it."""
+"""What `Family.__init_subclass__` does with a family's data: attnlens 0.1's spellings (eleven `vllm_*` members, the
+eager function's three, a method per size, a plain `tiny` tuple with `tiny_layouts`) fold into the one value each
+became, and a vLLM refusal speaks only for the model types of the family that states it."""
 
 import dataclasses
 import types
@@ -8,7 +8,7 @@ import types
 import pytest
 
 import attnlens
-from attnlens.family import Family, OldSpelling, Tiny
+from attnlens.family import EagerFunction, Family, OldSpelling, Tiny
 from attnlens.parts.vllm import VLLMLayout
 from attnlens.registry import registered
 
@@ -22,6 +22,14 @@ def test_the_legacy_vllm_members_fold_into_one_layout_with_a_warning():
         legacy = _family("Legacy", model_types=("legacy",), vllm_model_types=("legacy",), vllm_refusal="no kernel")
     assert legacy.vllm == VLLMLayout(model_types=("legacy",), refusal="no kernel")
     assert Family.vllm == VLLMLayout()  # the parent's value is untouched
+
+
+def test_the_eager_functions_members_fold_into_one_value_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"scores_operation, eager_only are deprecated; state eager = "):
+        legacy = _family("LegacyEager", scores_operation=("attn_weights_4", "+ attention_mask"), eager_only=())
+    assert legacy.eager == EagerFunction(scores=("attn_weights_4", "+ attention_mask"), only=())
+    assert legacy().locations()["attention_scores"].path[-1] == "attn_weights_4"  # read where the family says
+    assert Family.eager == EagerFunction()
 
 
 def test_a_method_per_size_becomes_a_sizes_entry_that_calls_it():

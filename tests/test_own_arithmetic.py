@@ -76,7 +76,9 @@ def test_score_function_is_exact(case):
     for layer in range(model.num_layers):
         module = model.layers[layer].self_attn._module
         q, k = saved[(layer, "attention_queries")], saved[(layer, "attention_keys")]
-        scores = model.family.score_function().scores(model.family.geometry(module), model.config, q, k, layer)
+        scores = model.family.score_function().scores(
+            model.family.sizes.geometry(module, model.family), model.config, q, k, layer
+        )
         assert torch.equal(scores, saved[(layer, "attention_scores")]), layer
 
 
@@ -92,7 +94,12 @@ def test_score_function_is_exact_with_left_padding(case):
     got = trace(model, attention_reads(layer), dict(batch))
     module = model.layers[layer].self_attn._module
     rebuilt = model.family.score_function().scores(
-        model.family.geometry(module), model.config, got["q"], got["k"], layer, key_mask=batch.attention_mask
+        model.family.sizes.geometry(module, model.family),
+        model.config,
+        got["q"],
+        got["k"],
+        layer,
+        key_mask=batch.attention_mask,
     )
     assert torch.equal(rebuilt, got["s"])
 
@@ -150,7 +157,10 @@ def test_key_edits_land_in_the_scores(case):
     assert (keys[:, 0] == 0).all()
     module = attn._module
     assert torch.equal(
-        model.family.score_function().scores(model.family.geometry(module), model.config, q, keys, layer), scores
+        model.family.score_function().scores(
+            model.family.sizes.geometry(module, model.family), model.config, q, keys, layer
+        ),
+        scores,
     )
     assert not torch.equal(scores, saved_for(case)[(layer, "attention_scores")])
 

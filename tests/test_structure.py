@@ -102,6 +102,31 @@ def test_the_layer_test_sees_lazy_and_type_checking_imports():
     assert {layer_of(module) for module in found} == {"access", "engines"}
 
 
+def private_imports(source: str) -> list[str]:
+    """The private names (`_x`) `source` imports from another attnlens module."""
+    return [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("attnlens"))
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+
+
+def test_no_family_module_imports_a_private_name():
+    """A family shares a mechanism through a part or a public name, never by reaching into another's private one."""
+    reaching = {
+        path.name: names
+        for path in sorted((PACKAGE / "families").glob("*.py"))
+        if (names := private_imports(path.read_text()))
+    }
+    assert reaching == {}
+
+
+def test_the_private_import_check_sees_one():
+    assert private_imports("from .cohere2 import _window, vllm_window_note") == ["cohere2._window"]
+
+
 def test_no_module_imports_one_that_imports_it_back():
     found = graph()
     cycles = []
@@ -146,3 +171,32 @@ def test_the_eager_library_stands_without_its_vllm_engine(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout.splitlines()[-1]
+
+
+def family_members() -> tuple[list[str], list[str]]:
+    """`Family`'s own members, as (module paths, the others): a path is a string, or a `str | None` left unset."""
+    tree = ast.parse((PACKAGE / "family.py").read_text())
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Family").body
+    paths, others = [], []
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            paths += [target.id for target in node.targets]
+        elif isinstance(node, ast.AnnAssign) and ast.unparse(node.annotation) == "str | None":
+            paths.append(node.target.id)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            others += [target.id for target in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            others.append(node.name)
+    return paths, others
+
+
+def test_family_states_at_most_25_members_besides_module_paths_each_documented():
+    """The base class stays a surface a family author can hold in mind; docs/architecture.md says what each is for."""
+    import re
+
+    paths, others = family_members()
+    assert len(paths) == 12 and len(others) <= 25, (paths, others)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Family's members", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(\w+)", section))
+    assert set(paths) | set(others) <= documented, sorted(set(paths) | set(others) - documented)

@@ -167,7 +167,7 @@ def test_an_unknown_family_loads_with_the_block_values_and_says_how_to_add_it(mo
 def test_a_moved_operation_fails_at_load_naming_family_and_value():
     class Renumbered(attnlens.Family):
         model_types = ("llama",)
-        scores_operation = ("attn_weights_0", "+ attention_mask")
+        eager = attnlens.EagerFunction(scores=("attn_weights_0", "+ attention_mask"))
 
     with pytest.raises(attnlens.LocationDrift) as error:
         attnlens.StandardizedTransformer(

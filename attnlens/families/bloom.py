@@ -21,7 +21,7 @@ vLLM's Bloom keeps these module names without the residual inside the modules, h
 
 import torch
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout, after_attention
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.alibi import alibi_slopes, key_positions
@@ -116,7 +116,7 @@ class Bloom(Family):
             ),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput(self.output_projection),
-            **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
+            **after_attention(self, mlp_output=ModuleOutput(self.down_projection)),
         }
 
     class ScoreFunction(scoring.ScoreFunction):

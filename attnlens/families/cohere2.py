@@ -15,7 +15,9 @@ from ..family import Tiny
 from .cohere import Cohere
 
 
-def _cohere2_vllm_window(family, config, layer):
+def vllm_window(family, config, layer):
+    """The window vLLM's Cohere attention gives `layer`'s kernel: transformers' plus one key (None: full attention).
+    Cohere 2 MoE shares it."""
     window = family.score_function().sliding_window(config, layer)
     return None if window is None else window + 1
 
@@ -43,7 +45,7 @@ class Cohere2(Cohere):
         Cohere.vllm,
         model_types=("cohere2",),
         tiny={"head_dim": 32, "layer_types": ["full_attention"] * 3},
-        window=_cohere2_vllm_window,
+        window=vllm_window,
     )
 
     def notes(self, config, layer, engine="transformers"):

@@ -18,7 +18,7 @@ from dataclasses import replace
 from ..family import Tiny
 from ..parts.moe import SparseMoE, moe_absent
 from .cohere import Cohere
-from .cohere2 import _cohere2_vllm_window, vllm_window_note
+from .cohere2 import vllm_window, vllm_window_note
 
 
 class Cohere2Moe(SparseMoE, Cohere):
@@ -43,7 +43,7 @@ class Cohere2Moe(SparseMoE, Cohere):
         Cohere.vllm,
         model_types=("cohere2_moe",),  # tests_vllm
         tiny={"head_dim": 32, "sliding_window": 64},
-        window=_cohere2_vllm_window,
+        window=vllm_window,
     )
     absent = {
         **Cohere.absent,

@@ -28,7 +28,7 @@ from ..family import Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
-from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
 
 MOE_REASON = (
@@ -92,8 +92,7 @@ class DeepseekV4(SparseMoE, Family):
         },
     )
     output_projection = "o_a_proj"
-    probabilities_operation = ("attn_weights_2", "dropout(")
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    eager = eager_with_sinks(probabilities=("attn_weights_2", "dropout("))
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
     vllm = VLLMLayout(
         refusal="vLLM reads DeepSeek-V4's config in its authors' format, not transformers': \"The "

@@ -32,6 +32,7 @@ from ..family import Tiny, VLLMLayout
 from ..geometry import HeadGeometry
 from ..locations import ModuleOutput
 from ..parts import identities, scoring
+from ..parts.sizes import Sizes
 from ..parts.vllm import computes_otherwise
 from .llama import Llama
 
@@ -55,6 +56,17 @@ class DogeHeads(HeadGeometry):
         """[batch, num_kv_heads, key] from the values [batch, num_kv_heads, key, head_dim], as DogeAttention."""
         flat = values.transpose(1, 2).reshape(values.shape[0], values.shape[-2], -1)
         return torch.exp(self.A * F.softplus(self.dt_proj(flat))).transpose(-1, -2)
+
+
+@dataclass(frozen=True)
+class DogeSizes(Sizes):
+    """Llama's sizes; the heads carry the layer's `A` and `dt_proj` too (`DogeHeads`)."""
+
+    def geometry(self, module, family=None):
+        heads = super().geometry(module, family)
+        return DogeHeads(
+            **{f.name: getattr(heads, f.name) for f in fields(HeadGeometry)}, A=module.A, dt_proj=module.dt_proj
+        )
 
 
 class Doge(Llama):
@@ -109,11 +121,7 @@ class Doge(Llama):
             locations["mlp_output"] = ModuleOutput("", 0)
         return locations
 
-    def geometry(self, module):
-        sizes = super().geometry(module)
-        return DogeHeads(
-            **{f.name: getattr(sizes, f.name) for f in fields(HeadGeometry)}, A=module.A, dt_proj=module.dt_proj
-        )
+    sizes = DogeSizes()
 
     class Identities(identities.Identities):
         def residual_add(self, block, sublayer, stream, update, **arguments):

@@ -13,7 +13,7 @@ import torch
 from ..family import Family, Tiny, VLLMLayout
 from ..parts import scoring
 from ..parts.moe import SparseMoE, moe_absent
-from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, sink_share, with_sinks
 from ..parts.vllm import not_in_transformers
 
 
@@ -34,7 +34,7 @@ class Flint(SparseMoE, Family):
             "layer_types": ["full_attention", "sliding_attention", "full_attention"],
         },
     )
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    eager = eager_with_sinks()
     absent = {
         **moe_absent("FlintExperts", extra=", plus the shared expert's output"),
         "attention_gate": Family.absent["attention_gate"],

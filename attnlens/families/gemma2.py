@@ -8,7 +8,7 @@ front of the MLP (`pre_feedforward_layernorm`).
 
 from dataclasses import replace
 
-from ..family import Tiny
+from ..family import EagerFunction, Tiny
 from ..parts import scoring
 from .llama import Llama
 
@@ -33,8 +33,7 @@ class Gemma2(Llama):
     mlp_norm = "pre_feedforward_layernorm"
     attention_post_norm = "post_attention_layernorm"
     mlp_post_norm = "post_feedforward_layernorm"
-    scores_operation = ("attn_weights_4", "+ attention_mask")
-    probabilities_operation = ("attn_weights_6", "dropout(")
+    eager = EagerFunction(scores=("attn_weights_4", "+ attention_mask"), probabilities=("attn_weights_6", "dropout("))
 
     class ScoreFunction(scoring.ScoreFunction):
         def softcap(self, config, layer):

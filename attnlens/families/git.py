@@ -15,7 +15,7 @@ serves GIT on token ids alone (support() says so).
 
 from __future__ import annotations
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import EagerFunction, Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.views import snapshot
 from ..parts import identities
@@ -79,7 +79,9 @@ class Git(Family):
     mlp = "output"
     output_projection = "E_output.dense"
     down_projection = "dense"
-    eager_only = ()  # GitSelfAttention is GIT's only attention: it always forms the scores and the pattern
+    eager = EagerFunction(
+        only=()
+    )  # GitSelfAttention is GIT's only attention: it always forms the scores and the pattern
     padding_changes_values = "positions count from the padded start: GIT's position embeddings take no mask"
     sizes = Sizes(
         num_heads=("self.num_attention_heads",),

@@ -5,7 +5,7 @@ file-local eager function repeats no heads and does not upcast the softmax. With
 attention bypasses the attention interface entirely.
 """
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import EagerFunction, Family, Tiny, VLLMLayout
 from ..parts.fused import FusedQKV
 from ..parts.mirrored import mirrored
 from ..parts.sizes import Sizes
@@ -43,7 +43,7 @@ class GPT2(Family):
     output_projection = "c_proj"
     activation = "act"
     down_projection = "c_proj"
-    probabilities_operation = ("attn_weights_4", "dropout(")
+    eager = EagerFunction(probabilities=("attn_weights_4", "dropout("))
     fused_views = ("attention_queries",)
     fused_qkv = FusedQKV("c_attn", "blocks")
     vllm = VLLMLayout(

@@ -25,7 +25,7 @@ class GPTBigCode(GPT2):
         {**GPT2.tiny[2], "multi_query": True},
         layouts={"multi_head": {"multi_query": False}},
     )
-    probabilities_operation = Family.probabilities_operation
+    eager = Family.eager  # GPT-2's own eager function is not BigCode's
     fused_qkv = FusedQKV("c_attn", "groups")  # multi-query: one group of all heads
     sizes = replace(GPT2.sizes, num_kv_heads=("kv_heads",))
 

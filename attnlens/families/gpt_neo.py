@@ -11,7 +11,7 @@ head_dim] (a true view: in-place edits land).
 
 import torch
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Tiny, VLLMLayout, after_attention
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import scoring
 from ..parts.sizes import Sizes
@@ -77,7 +77,7 @@ class GPTNeo(Family):
             ),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
-            **self.after_attention(),
+            **after_attention(self),
         }
 
     def unavailable(self, config, layer, engine="transformers"):

@@ -18,7 +18,7 @@ adds it in `bias_dropout_add` before the residual add. `attention_output` is the
 
 import torch
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import EagerFunction, Family, Tiny, VLLMLayout
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.fused import FusedQKV
@@ -53,7 +53,9 @@ class GPTNeoXJapanese(Family):
     output_projection = "dense"
     activation = "act"
     down_projection = "dense_4h_to_h"
-    eager_only = ()  # `_attn` is the only attention path: the pattern exists under any attn_implementation
+    eager = EagerFunction(
+        only=()
+    )  # `_attn` is the only attention path: the pattern exists under any attn_implementation
     fused_qkv = FusedQKV("query_key_value", "groups")
     sizes = Sizes(
         num_heads=("num_attention_heads",),

@@ -10,7 +10,7 @@ experts that apply their gated activation in a loop over experts, so no activati
 
 from ..family import Family, Joined, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
-from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, sink_share, with_sinks
 
 MOE_REASON = (
     "a mixture-of-experts layer: the routed experts apply their clamped gated activation inside a loop "
@@ -52,9 +52,8 @@ class GptOss(SparseMoE, Family):
             },
         },
     )
-    probabilities_operation = ("attn_weights_2", "dropout(")
+    eager = eager_with_sinks(probabilities=("attn_weights_2", "dropout("))
     sink_operation = "probs_0"
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
     absent = {"mlp_activation": MOE_REASON, "mlp_neurons": MOE_REASON}
 
     # vLLM (model_executor/models/gpt_oss.py): the attention block is `attn`, and the decoder block takes

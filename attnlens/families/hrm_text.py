@@ -20,7 +20,7 @@ engine serves transformers' forward without them, causal, which vLLM cannot be a
 
 from __future__ import annotations
 
-from ..family import Family, VLLMLayout
+from ..family import EagerFunction, Family, VLLMLayout
 from ..locations import ModuleOutput, OutputField
 from ..values import ALL_VALUES
 
@@ -29,7 +29,7 @@ class HrmText(Family):
     model_types = ("hrm_text",)
     layers = "model.H_module.layers"
     final_norm = "model.H_module.final_norm"
-    eager_only = ()
+    eager = EagerFunction(only=())
     # No tiny recipe for the shared identity suite: it needs the attention values on some layer, and no block here has
     # one value per forward. tests/families/test_hrm_text.py builds one.
     vllm = VLLMLayout(

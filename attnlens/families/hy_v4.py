@@ -20,7 +20,7 @@ from dataclasses import replace
 from ..family import Joined
 from ..locations import ModuleInput, Operation, insert_after
 from ..parts import identities
-from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, sink_share, with_sinks
 from .deepseek_v32 import INDEXER_TINY
 from .glm_moe_dsa import GlmMoeDsa
 from .youtu import LATENT_TINY
@@ -58,8 +58,7 @@ class HYV4(GlmMoeDsa):
             "indexer_types": ["full", "shared", "full"],
         },
     )
-    probabilities_operation = ("attn_weights_2", "dropout(")
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    eager = eager_with_sinks(probabilities=("attn_weights_2", "dropout("))
     attention_streams, mlp_streams, final_streams = "attn_hc", "ffn_hc", "model.hc_head"
 
     def locations(self):

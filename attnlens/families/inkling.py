@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import EagerFunction, Family, Tiny, VLLMLayout
 from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
 from ..parts.sizes import Sizes
@@ -83,8 +83,7 @@ class Inkling(SparseMoE, Family):
         layouts={"log_scaling": {"log_scaling_n_floor": 4, "log_scaling_alpha": 0.5}},
     )
     # log scaling needs full layers past its floor: 18-token prompts pass a floor of 4
-    scores_operation = ("attn_weights_2", "+ attention_mask")
-    probabilities_operation = ("attn_weights_4", "dropout(")
+    eager = EagerFunction(scores=("attn_weights_2", "+ attention_mask"), probabilities=("attn_weights_4", "dropout("))
     attention_post_norm = "attn_sconv"
     mlp_post_norm = "mlp_sconv"
     absent = {**Family.absent, **dict.fromkeys(PER_EXPERT, MOE_REASON)}

@@ -32,7 +32,7 @@ from ..locations import Derived, ModuleArgument, ModuleInput, Operation
 from ..locations.views import per_head
 from ..parts import identities, scoring
 from ..parts.moe import PER_EXPERT, SparseMoE
-from ..parts.sinks import SINK_NOTE, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, with_sinks
 from ..parts.sizes import Sizes
 from ..parts.vllm import not_in_transformers
 
@@ -96,9 +96,9 @@ class Inkling2(SparseMoE, Family):
             "moe_intermediate_size": 32,
         },
     )
-    scores_operation = ("attn_weights_2", "+ attention_mask")
-    probabilities_operation = ("attn_weights_5", "dropout(")
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    eager = eager_with_sinks(
+        scores=("attn_weights_2", "+ attention_mask"), probabilities=("attn_weights_5", "dropout(")
+    )
     attention_post_norm = "post_attention_convolution"
     mlp_post_norm = "post_mlp_convolution"
     output_projection = "o_proj.linear"

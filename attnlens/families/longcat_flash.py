@@ -25,13 +25,14 @@ the rescaled ones, as on eager.
 
 import dataclasses
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..family import Joined
 from ..parts import identities
 from ..parts.moe import SparseMoE
+from ..parts.sizes import Sizes
 from ..values import BY_NAME
 from .deepseek_v2 import LatentAttention
 from .deepseek_v3 import DeepseekV3
@@ -57,6 +58,14 @@ def _longcatflash_vllm_locations(family):
 
 
 FIRST_ONLY = "of self_attn[0], the first of the block's two attention sublayers (self_attn[1] is not served)"
+
+
+@dataclass(frozen=True)
+class FirstOfPair(Sizes):
+    """Sizes read on the first attention module of a block's pair."""
+
+    def read(self, module, family=None):
+        return super().read(module[int(FIRST)], family)
 
 
 class LongcatFlash(SparseMoE, LatentAttention):
@@ -111,8 +120,7 @@ class LongcatFlash(SparseMoE, LatentAttention):
         return locations
 
     # the block's attention is a pair: sizes, functions and the output projection are the first module's
-    def geometry(self, module):
-        return super().geometry(module[int(FIRST)])
+    sizes = FirstOfPair(**{size.name: getattr(LatentAttention.sizes, size.name) for size in dataclasses.fields(Sizes)})
 
     def drilled_functions(self, attention_module):
         return super().drilled_functions(attention_module[int(FIRST)])

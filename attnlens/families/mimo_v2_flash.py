@@ -11,7 +11,7 @@ MLP or a routed mixture of experts (no shared experts) per layer.
 
 from ..family import Family, Tiny, VLLMLayout
 from ..parts.moe import SparseMoE
-from ..parts.sinks import SINK_NOTE, sink_share, with_sinks
+from ..parts.sinks import SINK_NOTE, eager_with_sinks, sink_share, with_sinks
 from ..parts.sizes import Sizes, kv_heads_from_groups
 
 MOE_REASON = (
@@ -38,8 +38,7 @@ class MiMoV2Flash(SparseMoE, Family):
             "mlp_layer_types": ["dense", "sparse", "sparse"],
         },
     )
-    probabilities_operation = ("attn_weights_4", "dropout(")
-    eager_only = ("attention_scores", "attention_probabilities", "attention_sinks")
+    eager = eager_with_sinks(probabilities=("attn_weights_4", "dropout("))
     vllm = VLLMLayout(
         refusal="vLLM's MiMoV2FlashForCausalLM reads its authors' config format, not transformers': "
         "\"'MiMoV2FlashConfig' object has no attribute 'hybrid_layer_pattern'\" (vLLM 0.32, building the "

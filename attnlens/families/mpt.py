@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..family import Family, Joined, Tiny, VLLMLayout
+from ..family import Family, Joined, Tiny, VLLMLayout, after_attention
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation
 from ..parts import identities, scoring
 from ..parts.fused import FusedQKV
@@ -94,7 +94,7 @@ class MPT(Family):
             "attention_head_outputs": Operation(("context_states_permute_0",), anchor="permute(0, 2, 1, 3)"),
             "attention_premix": ModuleInput(self.output_projection),
             "attention_output": ModuleOutput("", 0),
-            **self.after_attention(mlp_output=ModuleOutput(self.down_projection)),
+            **after_attention(self, mlp_output=ModuleOutput(self.down_projection)),
         }
 
     class ScoreFunction(scoring.ScoreFunction):

@@ -52,6 +52,13 @@ class OldSpelling:
     """Base of `Family`: attnlens 0.1's steps of the score function and of the identity oracle as methods of the
     family, deprecated forwarders to the parts."""
 
+    def geometry(self, module):
+        """attnlens 0.1's `family.geometry(module)`: the heads are read by the family's sizes now."""
+        warnings.warn(
+            "family.geometry(module) is deprecated: use family.sizes.geometry(module, family)", DeprecationWarning, 2
+        )
+        return self.sizes.geometry(module, self)  # type: ignore[attr-defined]
+
 
 def _old_fact(part: str, fact: str) -> property:
     """attnlens 0.1's `family.<fact>` (a class attribute of a part now), read with a warning."""

@@ -4,12 +4,19 @@ extra key column that is dropped after it, so each row of the pattern sums to on
 from __future__ import annotations
 
 from ..locations import INTERFACE_CALL, Derived, Operation
+from .eager import EagerFunction
 
 SINK_NOTE = (
     "the softmax probability of the head's sink logit, the key column the eager function concatenates "
     "and drops after the softmax: 1 - the pattern's row sum; read-only (a view of the softmax output, "
     "whose sink column is discarded, so an edit could change nothing)"
 )
+
+
+def eager_with_sinks(**operations: tuple[str, str]) -> EagerFunction:
+    """The eager function of a family with sinks (its `operations` where they differ from the common ones): the sink
+    column, like the scores and the pattern, exists only inside it."""
+    return EagerFunction(**operations, only=(*EagerFunction().only, "attention_sinks"))
 
 
 def sink_share(operation: str) -> Derived:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from functools import reduce
 from typing import Any, Union
 
+from ..geometry import HeadGeometry
+
 Entry = Union[str, float, Callable[[Any, dict], Any], "FamilyMethod"]
 
 
@@ -55,6 +57,11 @@ class Sizes:
             else:
                 raise AttributeError(f"{type(module).__name__} has none of {entries!r} for its {size.name}")
         return found
+
+    def geometry(self, module: Any, family: Any = None) -> HeadGeometry:
+        """The heads of the attention `module` (transformers'), read as the entries say. A family whose heads carry
+        more (Doge's dynamic mask) or whose attention is several modules (LongCat-Flash's pair) states a subclass."""
+        return HeadGeometry(**self.read(module, family))
 
 
 def _value(entry: Entry, module: Any, found: dict) -> Any:

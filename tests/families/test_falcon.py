@@ -45,7 +45,7 @@ def test_falcon_alibi_enters_as_the_installed_transformers_adds_it():
     module = attn._module
     # the family's (eager) score function
     scores = eager.family.score_function().scores(
-        eager.family.geometry(module), eager.config, got["q"], got["k"], layer
+        eager.family.sizes.geometry(module, eager.family), eager.config, got["q"], got["k"], layer
     )
     bias = eager.family.alibi(4, N) * module.inv_norm_factor
 

@@ -46,7 +46,7 @@ def test_japanese_values_and_their_meanings():
     assert torch.equal(saved[(0, "attention_queries")][..., 4:], split["q"].transpose(1, 2)[..., 4:])
     assert not torch.allclose(saved[(0, "attention_queries")][..., 1:4, :4], split["q"].transpose(1, 2)[..., 1:4, :4])
     # the pattern is formed whatever attn_implementation says: nothing is eager-only
-    assert model.family.eager_only == ()
+    assert model.family.eager.only == ()
     assert model.support(0)["self_attn.attention_probabilities"] is None
 
 

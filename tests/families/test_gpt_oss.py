@@ -18,7 +18,7 @@ def test_score_function_serves_decode_queries_against_a_sliding_window():
     )
     module = model.layers[0].self_attn._module
     last = model.family.score_function().scores(
-        model.family.geometry(module), model.config, got["q"][:, :, -3:], got["k"], 0
+        model.family.sizes.geometry(module, model.family), model.config, got["q"][:, :, -3:], got["k"], 0
     )
     assert torch.equal(last == torch.finfo(last.dtype).min, got["s"][:, :, -3:] == torch.finfo(last.dtype).min)
     assert torch.allclose(last, got["s"][:, :, -3:], atol=1e-5)

@@ -185,8 +185,8 @@ def eager_operations(function) -> dict:
     source = _compiled(function)[1].source
     extras = [name for name, words in EAGER_EXTRAS.items() if any(word in source for word in words)]
     return {
-        "scores": _assignment(lines, Family.scores_operation[1]),
-        "probabilities": _assignment(lines, Family.probabilities_operation[1]),
+        "scores": _assignment(lines, Family.eager.scores[1]),
+        "probabilities": _assignment(lines, Family.eager.probabilities[1]),
         "eager_extras": extras,
     }
 
@@ -293,12 +293,10 @@ def differences(model, layers_path: str, attention: dict[int, str]) -> list[dict
         if call["eager"] is None:
             differ("eager_function", "eager_attention_forward", None, layer)
             continue
-        for role, (operation, anchor) in (
-            ("scores", Family.scores_operation),
-            ("probabilities", Family.probabilities_operation),
-        ):
+        for role in ("scores", "probabilities"):
+            operation, anchor = getattr(Family.eager, role)
             if call[role] != operation:
-                differ(f"{role}_operation", f"{operation} on a line with {anchor!r}", call[role], layer)
+                differ(f"eager.{role}", f"{operation} on a line with {anchor!r}", call[role], layer)
     return found
 
 
