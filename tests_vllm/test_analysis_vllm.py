@@ -342,6 +342,7 @@ def tp(tmp_path_factory):
     return model, llama
 
 
+@pytest.mark.ranks
 def test_tensor_parallel_attribution_equals_eager_on_prefill_and_decode_steps(tp):
     """Each rank holds its heads' columns of the output projection and its share of the vocabulary; the ranks join
     them, so the map on two ranks is eager's, and adds up to the logits there."""

@@ -97,6 +97,7 @@ def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tm
     assert llama.vllm.kept() == [{"requests": 0, "bytes": 0, "traces": 0}]
 
 
+@pytest.mark.ranks
 def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, corpus, reduced_on_vllm, tmp_path):
     """A local Ray cluster of two CPU workers, one vLLM engine each (built by collect with static taps: reduced at the
     attention op), started and stopped here: the table equals the one-process traced table, and the folder's
@@ -170,6 +171,7 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
         Collector(model, ["entropy", "head_output_norm"])
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(("name", "local"), [("llama", True), ("gptj", False)])
 def test_reduced_on_two_tensor_parallel_ranks_equals_eager(name, local, corpus, tmp_path_factory, tmp_path):
     """Two CPU ranks (the `mp` executor). Llama scores the common layout's way: each rank reduces its own heads and
