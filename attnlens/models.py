@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -63,10 +65,20 @@ def converted(name: str, gguf: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
-    partial = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(folder)
+    # written under a name of this call's own, then renamed whole: processes converting at once (pytest-xdist workers,
+    # Ray workers on a fresh machine) each see either no folder or a complete one
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{name}.", suffix=".partial", dir=folder.parent))
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(folder)
+        except OSError:  # another process renamed its copy first
+            if not (folder / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

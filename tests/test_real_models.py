@@ -74,3 +74,27 @@ def test_gemma3_270m_generates_and_holds_the_identities(gemma3):
     assert greedy(gemma3, prompt, 5) == gemma3.tokenizer.decode(plain[0, ids.input_ids.shape[1] :])
     saved = read_everything(gemma3, "The Eiffel Tower is in the city of")
     assert failures(gemma3, saved, 0) == [] and failures(gemma3, saved, 5) == []
+
+
+def test_conversions_at_once_each_end_with_the_whole_folder(tmp_path):
+    """Two processes converting one checkpoint at once into an empty cache (two workers on a fresh machine) both end
+    with the complete folder; the second to finish finds the first's and discards its own copy (they once wrote one
+    shared `.partial` folder, and the second rename failed: "Directory not empty")."""
+    import os
+    import subprocess
+    import sys
+
+    convert = "import attnlens; print(attnlens.models.smollm2_path())"
+    env = {**os.environ, "ATTNLENS_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", convert], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    results = [(run.wait(timeout=600), *run.communicate()) for run in runs]
+    assert [(status, out.strip()) for status, out, _ in results] == [
+        (0, str(tmp_path / "smollm2-135m-instruct"))
+    ] * 2, [err[-2000:] for _, _, err in results]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]  # no partial copy left
+    assert (tmp_path / "smollm2-135m-instruct" / "model.safetensors").exists()
