@@ -99,6 +99,8 @@ class Access:
         #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
         #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
         self.mode: EngineMode | None = None
+        #: Reasons that hold on every layer, found by the engine at load (a model that keeps no KV cache).
+        self.without: dict[str, str] = {}
 
     # --- layers ------------------------------------------------------------------------------------------------
 
@@ -161,7 +163,7 @@ class Access:
 
             reasons = self.family.unavailable(self.config, 0 if layer is None else layer, self.engine)
             if layer is not None:  # the KV cache values: the same words on both engines (locations/cache.py)
-                reasons = cache.unavailable(self.family, self.config, layer, self.engine, reasons)
+                reasons = cache.unavailable(self.family, self.config, layer, self.engine, {**self.without, **reasons})
             if self.rebuild_patterns and layer is not None:
                 reasons = rebuild.adjust(self, layer, reasons)
             if self.mode is not None:
@@ -280,7 +282,8 @@ class Access:
         registry = self._registry()  # assigning a value settles in-place edits of its copies: they land now
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
         if not location.writable:
-            raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {location.why_not}")
+            why = location.why_not or "its location gives no way to write it back (a Derived value without unview)"
+            raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {why}")
         running = mediator()
         if running is not None:
             self._check(running, plan)

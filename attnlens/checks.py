@@ -17,12 +17,16 @@ from .values import of_scope
 BLOCK = of_scope("layer", "attention", "mlp")
 
 
-def read_everything(model, prompt):
-    """All values of every layer in one trace, in forward order; returns {(layer, name): tensor} and logits."""
-    saved = {}
+def read_everything(model, prompt, layers=None, saved=None):
+    """All values of every layer (or of `layers`) in one trace, in forward order; returns {(layer, name): tensor},
+    and the model's own values by name (into `saved` where given: what was read before a read failed)."""
+    saved = {} if saved is None else saved
+    chosen = range(model.num_layers) if layers is None else sorted(set(layers))
     with torch.no_grad(), model.trace(prompt):
-        saved["embeddings"] = model.embeddings.save()
-        for i, layer in enumerate(model.layers):
+        if model.support()["embeddings"] is None:
+            saved["embeddings"] = model.embeddings.save()
+        for i in chosen:
+            layer = model.layers[i]
             if model.family.identities.block_arguments:  # read first: the block's inputs come before its values
                 args = layer.inputs[0]
                 saved[(i, "block_arguments")] = nnsight.save(
@@ -85,103 +89,144 @@ def rebuilt(function, *args, **kwargs):
         return None
 
 
+class Failed(str):
+    """The name of an identity that failed (what `failures` lists, equal to the plain name), with what was expected
+    and what was found (`detail`)."""
+
+    detail: str
+
+    def __new__(cls, name: str, detail: str = ""):
+        failed = super().__new__(cls, name)
+        failed.detail = detail
+        return failed
+
+
+def compared(expected, found, atol: float | None = None) -> str | None:
+    """None where `found` is `expected` (a shape, a truth, a tensor up to rounding: `close`), else what differs."""
+    if isinstance(expected, bool):
+        return None if expected else "it does not hold"
+    if isinstance(expected, tuple):
+        return None if tuple(found) == expected else f"expected shape {expected}, found {tuple(found)}"
+    if expected is None or found is None:
+        return "the family's function could not compute it from the values read (their sizes disagree)"
+    if found.shape != expected.shape:
+        return f"expected shape {tuple(expected.shape)}, found {tuple(found.shape)}"
+    if close(expected, found, atol):
+        return None
+    coarse = atol if atol is not None else TOLERANCE.get(found.dtype, TOLERANCE[torch.float32])[0]
+    expected, found = expected.float(), found.float()
+    difference = torch.where(expected == found, 0.0, (expected - found).abs()).nan_to_num(float("inf")).max()
+    return f"largest difference {difference.item():.3g} (tolerance {coarse:g})"
+
+
+class Checks(list):
+    """The identities that failed so far, as `Failed` names."""
+
+    def __call__(self, name: str, expected, found=True, atol: float | None = None) -> None:
+        """Record `name` as failed where `found` is not `expected` (`compared`)."""
+        detail = compared(expected, found, atol)
+        if detail is not None:
+            self.append(Failed(name, detail))
+
+
 def failures(model, saved, layer):
-    """Names of the identities that fail for `layer`; a value the family reports unavailable skips its checks."""
+    """The identities that fail for `layer` (`Failed` names, each with what was expected and found); a value the
+    family reports unavailable skips its checks."""
     f = model.family
+    oracle = f.identities
     attn = getattr(model.layers[layer], "self_attn", None)  # None on a block without attention (Nemotron-H's MLPs)
     module = attn._module if attn is not None else None
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
     arguments = saved.get((layer, "block_arguments"), {})  # Identities.block_arguments
     batch, length = saved["logits"].shape[:2]
-    bad = []
-
-    def check(name, ok):
-        if not ok:
-            bad.append(name)
+    check = Checks()
 
     def has(*names):
         return all(name in v for name in names)
 
     if has("attention_queries", "attention_keys", "attention_values", "attention_probabilities"):
-        bad += _attention_failures(model, module, layer, v, batch, length)
+        check += _attention_failures(model, module, layer, v, batch, length)
     if has("attention_head_outputs", "attention_premix"):
         heads = v["attention_head_outputs"]
         if "attention_gate" in v:  # gated heads: the gate multiplies each head's output before the merge
             gate = v["attention_gate"]
-            check("gate shape == head outputs shape", gate.shape == heads.shape)
+            check("gate shape == head outputs shape", tuple(heads.shape), gate.shape)
             heads = heads * gate if gate.shape == heads.shape else heads
-        check("merged head outputs == premix", close(rebuilt(f.merge_heads, module, heads), v["attention_premix"]))
+        check("merged head outputs == premix", rebuilt(oracle.merge_heads, module, heads), v["attention_premix"])
     if has("attention_premix", "attention_output"):
         check(
             "output projection(premix) == attention output",
-            close(
-                f.project_routed_output(module, v["attention_premix"], v.get("attention_norm_output")),
-                v["attention_output"],
-            ),
+            rebuilt(oracle.project_routed_output, module, v["attention_premix"], v.get("attention_norm_output")),
+            v["attention_output"],
         )
 
     def post_norm(sublayer, name, x):
-        return x if name is None else f.identities.post_norm(block, sublayer, name, x)
+        return x if name is None else oracle.post_norm(block, sublayer, name, x)
 
     if has("layer_input", "attention_output", "layer_mid"):
         residual = post_norm("attention", f.attention_post_norm, v["attention_output"])
         check(
             "layer input + attention output == layer mid",
-            close(rebuilt(f.residual_add, block, "attention", v["layer_input"], residual, **arguments), v["layer_mid"]),
+            rebuilt(oracle.residual_add, block, "attention", v["layer_input"], residual, **arguments),
+            v["layer_mid"],
         )
     if has("layer_mid", "mlp_norm_output"):
         norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check(
             "mlp norm(layer mid) == mlp norm output",
-            close(norm(f.residual_read(block, "mlp", v["layer_mid"])), v["mlp_norm_output"]),
+            rebuilt(lambda: norm(oracle.residual_read(block, "mlp", v["layer_mid"]))),
+            v["mlp_norm_output"],
         )
     if has("mlp_input", "mlp_norm_output"):
-        check("mlp input == mlp norm output", close(v["mlp_input"], v["mlp_norm_output"]))
-    mlp = f.mlp_module(block)
+        check("mlp input == mlp norm output", v["mlp_norm_output"], v["mlp_input"])
+    mlp = oracle.mlp_module(block)
     if has("mlp_input", "mlp_output"):
         check(
             "mlp(mlp input) == mlp output",
-            close(rebuilt(f.mlp_forward, mlp, v["mlp_input"], **arguments), v["mlp_output"]),
+            rebuilt(oracle.mlp_forward, mlp, v["mlp_input"], **arguments),
+            v["mlp_output"],
         )
     if has("mlp_neurons") or has("mlp_activation"):  # the family's arithmetic between its MLP values
-        arithmetic = f.mlp_arithmetic(mlp)
+        arithmetic = oracle.mlp_arithmetic(mlp)
         activation_input, product, path = arithmetic.says
         if has("mlp_neurons", "mlp_output"):
-            check(f"{path} == mlp output", close(rebuilt(arithmetic.output, v["mlp_neurons"]), v["mlp_output"]))
+            check(f"{path} == mlp output", rebuilt(arithmetic.output, v["mlp_neurons"]), v["mlp_output"])
         if has("mlp_activation", "mlp_neurons", "mlp_input"):
             activation, neurons, x = v["mlp_activation"], v["mlp_neurons"], v["mlp_input"]
             if arithmetic.activation_input is not None:
                 check(
                     f"activation == act({activation_input})",
-                    close(rebuilt(lambda: arithmetic.act(arithmetic.activation_input(x))), activation),
+                    rebuilt(lambda: arithmetic.act(arithmetic.activation_input(x))),
+                    activation,
                 )
             if arithmetic.neurons is not None:
-                check(f"{product} == neurons", close(rebuilt(arithmetic.neurons, x, activation), neurons))
+                check(f"{product} == neurons", rebuilt(arithmetic.neurons, x, activation), neurons)
     if has("layer_mid", "mlp_output", "layer_output"):
         after_mlp = post_norm("mlp", f.mlp_post_norm, v["mlp_output"])
         check(
             "layer mid + mlp output == layer output",
-            close(rebuilt(f.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments), v["layer_output"]),
+            rebuilt(oracle.residual_add, block, "mlp", v["layer_mid"], after_mlp, **arguments),
+            v["layer_output"],
         )
     elif has("layer_input", "attention_output", "mlp_output", "layer_output"):  # a parallel block
         check(
             "layer input + attention output + mlp output == layer output",
-            close(
-                f.residual_add(
+            rebuilt(
+                lambda: oracle.residual_add(
                     block,
                     "mlp",
-                    f.residual_add(block, "attention", v["layer_input"], v["attention_output"], **arguments),
+                    oracle.residual_add(block, "attention", v["layer_input"], v["attention_output"], **arguments),
                     v["mlp_output"],
                     **arguments,
-                ),
-                v["layer_output"],
+                )
             ),
+            v["layer_output"],
         )
     nxt = saved.get((layer + 1, "layer_input"))
     if nxt is not None and "layer_output" in v:
-        check("layer output == next layer input", close(v["layer_output"], nxt))
-    return bad
+        check("layer output == next layer input", v["layer_output"], nxt)
+    return list(check)
 
 
 def _attention_failures(model, module, layer, v, batch, length):
@@ -190,41 +235,38 @@ def _attention_failures(model, module, layer, v, batch, length):
     q, k, vals = v["attention_queries"], v["attention_keys"], v["attention_values"]
     probs = v["attention_probabilities"]
     h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    bad = []
-
-    def check(name, ok):
-        if not ok:
-            bad.append(name)
-
-    check("queries shape", q.shape == (batch, h, length, attn.qk_head_dim))
-    check("keys shape", k.shape == (batch, kv, length, attn.qk_head_dim))
-    check("values shape", vals.shape == (batch, kv, length, d))
-    check("pattern shape", probs.shape == (batch, h, length, length))
+    scoring, oracle = f.score_function(), f.identities
+    check = Checks()
+    check("queries shape", (batch, h, length, attn.qk_head_dim), q.shape)
+    check("keys shape", (batch, kv, length, attn.qk_head_dim), k.shape)
+    check("values shape", (batch, kv, length, d), vals.shape)
+    check("pattern shape", (batch, h, length, length), probs.shape)
     row_sums = probs.sum(-1)
     if "attention_sinks" in v:  # the sink takes the rest of each row's mass
         sinks = v["attention_sinks"]
-        check("sinks shape", sinks.shape == (batch, h, length))
-        check("rows + sink share sum to one", close(row_sums + sinks, torch.ones_like(row_sums)))
+        check("sinks shape", (batch, h, length), sinks.shape)
+        check("rows + sink share sum to one", torch.ones_like(row_sums), rebuilt(lambda: row_sums + sinks))
         check("sink shares in (0, 1)", bool(((sinks > 0) & (sinks < 1)).all()))
         renormalised = probs / row_sums[..., None]
     else:
-        check("rows sum to one", close(row_sums, torch.ones_like(row_sums)))
+        check("rows sum to one", torch.ones_like(row_sums), row_sums)
         renormalised = probs
     allowed = visible(model.config, f, layer, length, probs.device)
-    check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
-    check("visible entries positive", bool((probs[..., allowed] > 0).all()))
+    if probs.shape[-2:] == allowed.shape:
+        check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
+        check("visible entries positive", bool((probs[..., allowed] > 0).all()))
     if "attention_scores" in v:
         scores = v["attention_scores"]
-        check("scores shape", scores.shape == probs.shape)
-        check("softmax(scores) == probabilities (renormalised with a sink)", close(scores.softmax(-1), renormalised))
-        values = {"values": vals} if f.scores_need_values else {}  # Doge's dynamic mask
-        expected = rebuilt(f.scores, attn.heads, model.config, q, k, layer, **values)
-        if expected is not None and f.score_bias(model.config, layer) is not None:  # a term from the hidden states
-            expected = expected + f.score_bias_value(module, v, layer)
-        check("scores == family score function", close(expected, scores))
+        check("scores shape", tuple(probs.shape), scores.shape)
+        check("softmax(scores) == probabilities (renormalised with a sink)", scores.softmax(-1), renormalised)
+        values = {"values": vals} if scoring.scores_need_values else {}  # Doge's dynamic mask
+        expected = rebuilt(scoring.scores, attn.heads, model.config, q, k, layer, **values)
+        if expected is not None and scoring.score_bias(model.config, layer) is not None:  # from the hidden states
+            expected = expected + oracle.score_bias_value(module, v, layer)
+        check("scores == family score function", expected, scores)
     if "attention_head_outputs" in v:
         heads = v["attention_head_outputs"]
-        check("head outputs shape", heads.shape == (batch, length, h, d))
-        mixed = (probs @ f.repeat_kv(vals, h // kv)).transpose(1, 2)
-        check("probabilities @ values == head outputs", close(mixed, heads))
-    return bad
+        check("head outputs shape", (batch, length, h, d), heads.shape)
+        mixed = rebuilt(lambda: (probs @ scoring.repeat_kv(vals, h // kv)).transpose(1, 2))
+        check("probabilities @ values == head outputs", mixed, heads)
+    return check

@@ -21,6 +21,12 @@ class LocationDrift(AttnlensError):
     """A family's recorded location no longer matches the installed transformers: the value would be wrong."""
 
 
+class Miswired(LocationDrift):
+    """A family disagrees with the model it loads (a module path, a size, a value's layout or an identity between its
+    values), found when the model loads: served, the values would be wrong. The message names the family, what it
+    states, what was expected and found, and what to check."""
+
+
 class UnknownFamily(AttnlensError):
     """No attnlens family is registered for this model type."""
 

@@ -398,6 +398,17 @@ def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None
     return ranked[0] if ranked else None
 
 
+def token_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that embeds the tokens: `get_input_embeddings()`, else (a model that defines none) its one
+    `Embedding` as long as the vocabulary; None where there is no such one."""
+    try:
+        return model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+        found = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == vocab]
+        return found[0] if len(found) == 1 else None
+
+
 class UnknownLayout(Family):
     """What attnlens serves on a model whose family it does not know: the block inputs and outputs, the embeddings
     and the logits, found from the model's structure. Every other value is unavailable with a reason saying how to
@@ -415,7 +426,7 @@ class UnknownLayout(Family):
                 f"{depth or 'several'} blocks in it; add the family (docs/extending.md)"
             )
         self.depth_given = depth is not None
-        embeddings = model.get_input_embeddings()
+        embeddings = token_embeddings(model)
         self.embed_tokens = names.get(id(embeddings))
         #: Why the input embeddings have no one output (None: they have): a container the forward never calls.
         self.embeddings_not_run = None

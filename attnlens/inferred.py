@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import AttnlensError, LocationDrift
-from .family import INTERFACE_CALL, Family, block_list
+from .family import INTERFACE_CALL, Family, block_list, token_embeddings
 from .parts.moe import SparseMoE, moe_absent
 from .parts.source import compiled, operation_lines
 from .values import BY_NAME, of_scope
@@ -537,7 +537,7 @@ class Inferred(SparseMoE, Family):
         self.layers = layers
         names = {id(m): n for n, m in model.named_modules()}
         self.checking = "embeddings"
-        self.embed_tokens = names.get(id(model.get_input_embeddings()))
+        self.embed_tokens = names.get(id(token_embeddings(model)))
         if not self.embed_tokens:
             _refuse("embeddings", "get_input_embeddings() is not a module of the model")
         self.checking = "model_forward"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -10,12 +12,14 @@ import torch
 from nnsight import TransformersModel
 from nnsight.intervention.interleaver import OutOfOrderError
 
+from . import verification
 from .access import Access
 from .envoys import Helpful, add_model_values, envoy_classes
 from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout
 from .inputs import check_inputs
 from .locations import attach
+from .locations.cache import kept_by
 from .registry import family_for, resolve_family
 from .support import Support
 
@@ -77,6 +81,19 @@ def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     return family
 
 
+@contextlib.contextmanager
+def _quiet_pipeline():
+    """Without transformers' log that a model of a class of its own "is not supported for text-generation" (and a
+    list of every class that is): nnsight builds a pipeline around every model, and attnlens serves such models."""
+    logger = logging.getLogger("transformers.pipelines.base")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
     """The model object, loading a hub name or folder (its structure is needed to find the blocks)."""
     if isinstance(model, torch.nn.Module):
@@ -95,6 +112,11 @@ class StandardizedTransformer(Helpful, TransformersModel):
     `model` is a hub name, a local folder or a model object already loaded. `family` overrides the registered
     family for the model's type: a registered model type's name (`"llama"`), an `attnlens.Family` subclass or an
     instance. `torch_dtype=` is accepted as transformers' older spelling of `dtype=`.
+
+    Every module path and size the family names is found in the model as it loads (`attnlens.Miswired` where one is
+    not there). `verify` runs one forward on a few tokens at load that checks every served value's layout and the
+    identities between them (`attnlens.verification`): None (the default) does it for a family attnlens does not
+    ship (one you register or pass, one inferred from the model's structure), True for any family, False for none.
     """
 
     def __init__(
@@ -104,6 +126,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         attn_implementation: str | None = None,
         family: Family | type[Family] | str | None = None,
         rebuild_patterns: bool = False,
+        verify: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if "torch_dtype" in kwargs:
@@ -128,12 +151,29 @@ class StandardizedTransformer(Helpful, TransformersModel):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
         renames = self.family.renames("transformers")
-        super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
-        layers = self._module.get_submodule(self.family.layers)
+        no_tokenizer = ValueError(
+            "no tokenizer came with this model (a model object built in Python, or a folder without tokenizer "
+            "files): pass tokenizer= (a transformers tokenizer; attnlens.models.char_tokenizer() for token ids)"
+        )
+        if tokenizer is None and isinstance(model, torch.nn.Module) and not model.config._name_or_path:
+            raise no_tokenizer  # nothing to load one from (transformers' pipeline would look it up by '' on the hub)
+        try:
+            with _quiet_pipeline():
+                super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
+        except Exception as error:
+            if "Impossible to guess which tokenizer" not in str(error):
+                raise
+            raise no_tokenizer from error
+        built_in = type(self.family).__module__.startswith("attnlens.families.")
+        layers = verification.blocks(self._module, self.family)
         self.access = Access(self.family, self.config, len(layers), "transformers", self._geometry, rebuild_patterns)
         attach(self.interleaver, self.access)
+        if not isinstance(self.family, UnknownLayout):
+            verification.resolve(self)
+        self.access.without = kept_by(self._module, self.family, self.config, layers)
         self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
-        self._verify()
+        if (not built_in if verify is None else verify) and not isinstance(self.family, UnknownLayout):
+            verification.verify(self)
 
     def _count_tokens(self, module, args, kwargs) -> None:
         """Before each forward: how many tokens the sequence holds once it has run (the cache's, then this step's)."""
@@ -161,17 +201,6 @@ class StandardizedTransformer(Helpful, TransformersModel):
     @rebuild_patterns.setter
     def rebuild_patterns(self, value: bool) -> None:
         self.access.rebuild_patterns = value
-
-    def _verify(self) -> None:
-        """Check the family's operations once per kind of layer (hybrids mix attention and linear-attention layers)."""
-        checked = set()
-        for i, layer in enumerate(self.layers):
-            attention = getattr(layer, "self_attn", None)  # renamed: a hybrid's other mixer too
-            attention = attention._module if attention is not None else None
-            kind = (type(layer._module), type(attention), self.family.layer_kind(self.config, i))
-            if kind not in checked:
-                checked.add(kind)
-                self.family.verify(self._module, i, layer._module, attention)
 
     def support(self, layer: int = 0) -> Support:
         """Which values `layer` serves and, for each it doesn't, why (and `.analyses`: which analyses). Answers before

@@ -5,6 +5,9 @@ import torch
 from conftest import ALL_CASES, PROMPT, tiny
 from identities import failures, read_everything, saved_for, swapped
 
+import attnlens
+from attnlens import verification
+
 #: Values every family must serve on at least one layer: a family that declared them away would pass the identities.
 ESSENTIAL = (
     "layer_input",
@@ -28,6 +31,26 @@ def test_identities_hold(case):
     assert {layer: names for layer, names in bad.items() if names} == {}
     served = [[key for key in ESSENTIAL if model.support(layer)[key] is None] for layer in range(model.num_layers)]
     assert max(served, key=len) == list(ESSENTIAL)
+
+
+#: Built-in layouts the load-time verification would refuse (`verify=True`), and why: their values depart from
+#: docs/values.md's layouts in ways their notes say.
+VERIFY_REFUSES = {
+    "zamba": "the shared block's attention norm reads the stream and the embeddings concatenated (2 x hidden wide)",
+    "zamba2": "the same",
+    "zamba2:plain": "the same",
+}
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_the_load_time_verification_holds_on_every_built_in_layout(case):
+    """`verify=True` on a built-in family: the verification a user family gets at load (attnlens/verification.py)
+    finds nothing wrong with a family the identities above hold for: no false refusal."""
+    if case in VERIFY_REFUSES:
+        with pytest.raises(attnlens.Miswired, match="attention_norm_output layout"):
+            verification.verify(tiny(case))
+        return
+    verification.verify(tiny(case))
 
 
 @pytest.mark.parametrize("case", ALL_CASES)

@@ -182,3 +182,37 @@ def test_the_installed_command_line(installed, tmp_path):
     assert _run(installed / "attnlens", "--version", cwd=tmp_path, env=env).stdout.strip() == f"attnlens {VERSION}"
     families = _run(installed / "attnlens", "families", cwd=tmp_path, env=env).stdout
     assert re.search(r"│ Llama +│ llama +│ ✓", families), families[:2000]
+
+
+#: Run by the installed interpreter: a page's Python blocks in order, in one namespace, each from a file of its own
+#: (nnsight reads a trace's body back from its source), printing what each printed as one JSON list per block.
+PAGE = r"""
+import contextlib, io, json, pathlib, sys
+
+printed = []
+namespace = {"__name__": "page"}
+for number, block in enumerate(json.loads(pathlib.Path("blocks.json").read_text())):
+    script = pathlib.Path(f"block_{number}.py")
+    script.write_text(block)
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        exec(compile(block, str(script.resolve()), "exec"), namespace)
+    printed.append(buffer.getvalue().splitlines())
+print(json.dumps(printed))
+"""
+
+
+def test_adding_a_family_runs_as_written_on_the_installed_package(installed, tmp_path):
+    """docs/extending.md, the walk-through of a family for a model of one's own, from the wheel alone: its models
+    (`attnlens.toys`) ship in the package."""
+    from test_docs import BLOCK, expected_output
+
+    blocks = BLOCK.findall((ROOT / "docs" / "extending.md").read_text())
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", ATTNLENS_CACHE=str(tmp_path / "cache"))
+    run = _run(installed / "python", "-c", PAGE, cwd=tmp_path, env=env)
+    printed = json.loads(run.stdout.strip().splitlines()[-1])
+    for block, lines in zip(blocks, printed):
+        for want in expected_output(block):
+            assert any(line.strip() == want.strip() for line in lines), (want, lines)

@@ -33,6 +33,8 @@ LAYERS = {
         "attnlens.envoys",
         "attnlens.inputs",
         "attnlens.rebuild",
+        "attnlens.checks",
+        "attnlens.verification",
     ),
     "engines": ("attnlens.standardized", "attnlens.vllm"),
 }

@@ -28,7 +28,7 @@ import torch
 from ..checks import TOLERANCE
 from ..errors import Unavailable
 from .norms import NormForm
-from .reasons import final_norm_form, model_reason, post_norm_form, residual_multiplier, split_reason
+from .reasons import final_norm_form, hidden_size, model_reason, post_norm_form, residual_multiplier, split_reason
 
 #: The residual values read per layer, and those a split layer adds.
 BLOCK_READS = ("layer_input", "layer_mid", "layer_output")
@@ -132,15 +132,15 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
     final = final_norm_form(model)
     if (target is None) == (direction is None):
         raise ValueError("attribution takes a target token (with an optional versus token) or a direction, not both")
-    config = _text_config(model)
     if direction is not None:
         if versus is not None:
             raise ValueError("versus goes with target, not with direction")
         direction = torch.as_tensor(direction, dtype=torch.float32)
-        if direction.shape not in ((config.hidden_size,), (len(rows), config.hidden_size)):
+        hidden = hidden_size(model)
+        if direction.shape not in ((hidden,), (len(rows), hidden)):
             raise ValueError(
-                f"direction must be [{config.hidden_size}] (the final norm output's basis) or "
-                f"[rows, {config.hidden_size}]; got {list(direction.shape)}"
+                f"direction must be [{hidden}] (the final norm output's basis) or [rows, {hidden}]; got "
+                f"{list(direction.shape)}"
             )
         directions, offsets = direction.expand(len(rows), -1).clone(), torch.zeros(len(rows))
         tokens, softcap, what = None, None, "direction . final_norm_output"

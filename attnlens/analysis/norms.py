@@ -45,9 +45,10 @@ class NormForm:
     enters: str = "weight"  #: how the weight enters: "weight", "one_plus" (1 + w) or "none"
 
     @classmethod
-    def of(cls, module: torch.nn.Module, hidden: int) -> NormForm | None:
-        """The form `module` computes, found by running it on random input; None where no form matches."""
-        weight = getattr(module, "weight", None)
+    def of(cls, module: torch.nn.Module, hidden: int, weight: torch.Tensor | None = None) -> NormForm | None:
+        """The form `module` computes, found by running it on random input; None where no form matches. `weight` is
+        its gain where the family names it otherwise (`Identities.norm_gain`); by default its `weight`."""
+        weight = getattr(module, "weight", None) if weight is None else weight
         bias = getattr(module, "bias", None)
         if weight is not None and weight.dim() != 1:
             return None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Family
-from ..parts.identities import Identities
+from .. import verification
+from ..parts.identities import overrides
 from .norms import NormForm
 
 #: What can be patched: the value read and written, and the axes of the grid it gives.
@@ -44,20 +44,23 @@ RESIDUAL = ("layer_input", "layer_output")
 SPLIT = ("self_attn.attention_probabilities", "self_attn.attention_values", "self_attn.attention_output")
 
 
-def _overrides(family: Family, step: str) -> bool:
-    """Whether the family's identity oracle computes `step` otherwise than the common layout's."""
-    return getattr(family.Identities, step) is not getattr(Identities, step)
-
-
 def hidden_size(model) -> int:
+    """The residual stream's width (`verification.hidden_size`: the config's, else the input embeddings')."""
+    if model.access.engine == "transformers":
+        return verification.hidden_size(model._module, model.family)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     return config.hidden_size
+
+
+def frozen_norm(model, module: torch.nn.Module) -> NormForm | None:
+    """The frozen form of the norm `module`, its gain where the family's `Identities.norm_gain` finds it."""
+    return NormForm.of(module, hidden_size(model), model.family.identities.norm_gain(module))
 
 
 def final_norm_form(model) -> NormForm | str:
     """The final norm's frozen form, or why it has none."""
     family = model.family
-    if _overrides(family, "residual_read"):
+    if overrides(family, "residual_read"):
         return f"the {family.name} family's final norm reads several residual streams collapsed (residual_read)"
     if model.access.engine == "vllm":
         from .vllm import final_norm_form as vllm_form
@@ -67,7 +70,7 @@ def final_norm_form(model) -> NormForm | str:
         module = model._module.get_submodule(family.final_norm)
     except AttributeError:
         return f"the {family.name} family names no final norm module"
-    form = NormForm.of(module, hidden_size(model))
+    form = frozen_norm(model, module)
     return (
         form
         if form is not None
@@ -82,7 +85,7 @@ def residual_multiplier(model, layer: int) -> torch.Tensor | str:
     """What the block's residual add multiplies the attention update by ([hidden], float32), or why it is not a
     constant multiplier of the update added to the block's input."""
     family = model.family
-    if not _overrides(family, "residual_add"):
+    if not overrides(family, "residual_add"):
         return torch.ones(hidden_size(model))
     if family.identities.block_arguments:
         return (
@@ -124,7 +127,7 @@ def post_norm_form(model, layer: int) -> NormForm | str | None:
         path = model.family.path("attention_post_norm", "vllm")
         return norm_form(model.layers[layer]._module.get_submodule(path), f"norm after attention ({path})")
     module = model.layers[layer]._module.get_submodule(name)
-    form = NormForm.of(module, hidden_size(model))
+    form = frozen_norm(model, module)
     return (
         form
         if form is not None
@@ -136,22 +139,11 @@ def post_norm_form(model, layer: int) -> NormForm | str | None:
 
 
 def head_between(model) -> str | None:
-    """Why the unembedding does not read the final norm's output directly: a module with weights of its own beside the
-    decoder and the output embedding (ModernBERT's prediction head); None where there is none (eager only: vLLM's
-    implementations are checked by their families)."""
+    """Why the unembedding does not read the final norm's output directly (`verification.head_between`); None where
+    nothing sits between them (eager only: vLLM's implementations are checked by their families)."""
     if model.access.engine != "transformers":
         return None
-    root = model._module
-    output = root.get_output_embeddings()
-    layers = root.get_submodule(model.family.layers)
-    for name, child in root.named_children():
-        if child is output or any(m is layers for m in child.modules()) or next(child.parameters(), None) is None:
-            continue
-        return (
-            f"{name} ({type(child).__name__}) sits between the final norm and the unembedding, so the logits are "
-            f"no linear read-out of final_norm_output"
-        )
-    return None
+    return verification.head_between(model._module, model.family)
 
 
 def model_reason(model) -> str | None:
@@ -195,7 +187,7 @@ def _split_reason(model, layer: int) -> str | None:
         ("project_output", "computes the attention output otherwise than its output projection"),
         ("project_routed_output", "routes the output projection by the attention's input"),
     ):
-        if _overrides(family, method):
+        if overrides(family, method):
             return f"the {family.name} family {what} ({method})"
     for reason in (residual_multiplier(model, layer), post_norm_form(model, layer)):
         if isinstance(reason, str):

@@ -292,8 +292,17 @@ class Derived(Location):
     """A value computed from another location's value by a view (`view`) and written back by `unview`.
 
     For layouts the forward never holds as one tensor (a fused projection's slice, heads of a flattened tensor).
-    Where `view` returns a view of the held tensor, in-place edits land; where it copies (`in_place=False`), they
-    cannot, and attnlens refuses them. Assignments go through `unview`; without one the value is read-only.
+    `view(envoy, held)` returns the value from the tensor `source` holds (`envoy`: the value's envoy, for its sizes:
+    `context(envoy).geometry(layer)`); `unview(envoy, held, new)` returns the tensor to put back at `source` so that
+    the value reads `new`. Where `view` returns a view of the held tensor, in-place edits land; where it copies
+    (`in_place=False`), they cannot, and attnlens refuses them. Without `unview` the value is read-only, and `why_not`
+    says why to whoever assigns it. `label` names the value in messages; `note` is what `support()` says of it.
+
+        per_head = Derived(
+            ModuleInput("o_proj"),
+            view=lambda envoy, held: held.unflatten(-1, (heads, -1)),  # [b, s, heads*d] -> [b, s, heads, d]
+            unview=lambda envoy, held, new: new.flatten(-2),
+        )
     """
 
     source: Location

@@ -139,6 +139,26 @@ def unavailable(family: Any, config: Any, layer: int, engine: str, reasons: dict
 # --- transformers' cache ----------------------------------------------------------------------------------------
 
 
+def kept_by(root: Any, family: Any, config: Any, blocks: Any) -> dict[str, str]:
+    """Why the model keeps no KV cache at all (the cache values -> the reason), or {} where its attention takes one:
+    a model of its own whose attention forward has no cache argument (`CACHE_KEYWORDS`) caches nothing."""
+    import inspect
+
+    for layer, block in enumerate(blocks):
+        if "attention_keys" not in family.locations_for(config, layer):
+            continue
+        attention = block.get_submodule(family.path("attention"))
+        parameters = inspect.signature(type(attention).forward).parameters
+        if any(p.kind is p.VAR_KEYWORD or name in CACHE_KEYWORDS for name, p in parameters.items()):
+            return {}
+        why = (
+            f"the model keeps no KV cache: its attention ({type(attention).__name__}.forward) takes none "
+            f"(no argument {', '.join(CACHE_KEYWORDS)}), so every step recomputes the keys and values"
+        )
+        return dict.fromkeys(NAMES, why)
+    return {}
+
+
 #: The keywords transformers' attention modules take their cache by.
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 

@@ -36,6 +36,11 @@ class MLPArithmetic:
     says: tuple[str, str, str] = ("gate(mlp input)", "activation * up(mlp input)", "down projection(neurons)")
 
 
+def overrides(family, step: str) -> bool:
+    """Whether `family`'s identity oracle computes `step` otherwise than the common layout's."""
+    return getattr(family.Identities, step) is not getattr(Identities, step)
+
+
 class Identities:
     """The block's arithmetic between the standardized values of `family`."""
 
@@ -51,6 +56,15 @@ class Identities:
         (`attention_input`, the `attention_norm_output` read in the same forward; None where unread): JetMoE routes
         each token to its output experts by the attention's input. By default `project_output`, which ignores it."""
         return self.project_output(module, premix)
+
+    def norm_gain(self, norm) -> torch.Tensor | None:
+        """The gain a norm module multiplies by, or None where it has none: its `weight`, else its one parameter of
+        one dimension (a norm that names its gain otherwise, `g`). The analyses that freeze a norm read it here."""
+        weight = getattr(norm, "weight", None)
+        if weight is not None:
+            return weight
+        own = [p for p in norm.parameters(recurse=False) if p.dim() == 1]
+        return own[0] if len(own) == 1 else None
 
     def mlp_forward(self, mlp, mlp_input: torch.Tensor, **arguments) -> torch.Tensor:
         """The MLP's output from its input, as the forward computes it (the tests' identity): `mlp(mlp_input)`, unless

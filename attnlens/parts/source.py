@@ -76,10 +76,17 @@ class Anchored:
                     expected = f"operation {op_name!r}" + (
                         f" on a line containing {location.anchor!r}" if location.anchor else ""
                     )
+                    code = sys.modules.get(getattr(function, "__module__", ""), None)
+                    origin = getattr(code, "__name__", "")
+                    moved = (
+                        f"(transformers {__version__}), found {found}. The installed transformers moved this value"
+                        if origin.startswith("transformers.")
+                        else f"(the model's own code, {origin or 'not in transformers'}), found {found}. The model's "
+                        f"code differs from what the family states"
+                    )
                     raise LocationDrift(
-                        f"family {self.name}, value {name}: expected {expected} in {where} "
-                        f"(transformers {__version__}), found {found}. The installed transformers moved this value; "
-                        f"update the family's location (see docs/extending.md)."
+                        f"family {self.name}, value {name}: expected {expected} in {where} {moved}; update the "
+                        f"family's location (see docs/extending.md)."
                     )
                 if depth < len(location.path) - 1:
                     drilled = self.drilled_functions(attention_module)
