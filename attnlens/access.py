@@ -99,7 +99,8 @@ class Access:
         #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
         #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
         self.mode: EngineMode | None = None
-        #: Reasons that hold on every layer, found by the engine at load (a model that keeps no KV cache).
+        #: Reasons that hold on every layer, found by the engine at load (a model that keeps no KV cache, a base model
+        #: without a head and so without logits).
         self.without: dict[str, str] = {}
 
     # --- layers ------------------------------------------------------------------------------------------------
@@ -162,8 +163,9 @@ class Access:
             from . import rebuild
 
             reasons = self.family.unavailable(self.config, 0 if layer is None else layer, self.engine)
+            reasons = {**self.without, **reasons}  # the family's own reason first
             if layer is not None:  # the KV cache values: the same words on both engines (locations/cache.py)
-                reasons = cache.unavailable(self.family, self.config, layer, self.engine, {**self.without, **reasons})
+                reasons = cache.unavailable(self.family, self.config, layer, self.engine, reasons)
             if self.rebuild_patterns and layer is not None:
                 reasons = rebuild.adjust(self, layer, reasons)
             if self.mode is not None:

@@ -11,6 +11,7 @@ one of them. A value the family reports unavailable skips the checks that need i
 import nnsight
 import torch
 
+from .locations import submodule
 from .values import of_scope
 
 #: Every block value, in forward order.
@@ -44,17 +45,26 @@ def read_everything(model, prompt, layers=None, saved=None):
                 saved[(i, name)] = getattr(host, name).save()
         if model.support()["final_norm_output"] is None:
             saved["final_norm_output"] = model.final_norm_output.save()
-        saved["logits"] = model.logits.save()
+        if model.support()["logits"] is None:  # a base model without a head has none
+            saved["logits"] = model.logits.save()
     return saved
 
 
+def batch_and_length(saved: dict, layer: int | None = None) -> tuple[int, int]:
+    """The batch size and sequence length of a `read_everything` run: off a block's input (a classifier's logits are
+    [batch, labels]), else the embeddings, else the logits."""
+    held = (saved.get((layer, "layer_input")), saved.get("embeddings"), saved.get("logits"))
+    return tuple(next(tensor for tensor in held if tensor is not None).shape[:2])
+
+
 def visible(config, family, layer, length, device=None):
-    """Which keys each query may see: causal, within the sliding window where the layer has one, and where the
-    family's own mask lets it (a chunked layer's chunks): never more than the independent causal window."""
+    """Which keys each query may see: causal (every key, where the family's score function says its attention is
+    bidirectional), within the sliding window where the layer has one, and where the family's own mask lets it (a
+    chunked layer's chunks): never more than the independent causal window."""
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
-    allowed = k <= q
     score_function = family.score_function()
+    allowed = k <= q if score_function.causal(config) else torch.ones_like(k <= q)
     window = score_function.sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
@@ -139,7 +149,7 @@ def failures(model, saved, layer):
     block = model.layers[layer]._module
     v = {name: saved[(layer, name)] for name in BLOCK if (layer, name) in saved}
     arguments = saved.get((layer, "block_arguments"), {})  # Identities.block_arguments
-    batch, length = saved["logits"].shape[:2]
+    batch, length = batch_and_length(saved, layer)
     check = Checks()
 
     def has(*names):
@@ -172,7 +182,7 @@ def failures(model, saved, layer):
             v["layer_mid"],
         )
     if has("layer_mid", "mlp_norm_output"):
-        norm = block.get_submodule(f.mlp_norm)  # a dotted path where the block holds its norms in a list
+        norm = submodule(block, f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check(
             "mlp norm(layer mid) == mlp norm output",
             rebuilt(lambda: norm(oracle.residual_read(block, "mlp", v["layer_mid"]))),

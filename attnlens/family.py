@@ -13,11 +13,13 @@ families since). A new family subclasses it, states how it differs, and register
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
+from nnsight.intervention.envoy import Envoy
 
 from .errors import UnknownFamily
 from .locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, with_key_positions
@@ -31,6 +33,9 @@ from .parts.sizes import FamilyMethod, Sizes
 from .parts.source import Anchored, operation_lines  # noqa: F401  (re-exported for families)
 from .parts.vllm import LEGACY_VLLM, VLLMLayout
 from .values import ALL_VALUES
+
+#: The values the wrapped model's own envoy carries: a child module of that name is mounted at `E_<name>`.
+MODEL_VALUES = tuple(value.name for value in ALL_VALUES if value.scope == "model")
 
 #: The engines a family describes, and what each runs: transformers' own modules (`StandardizedTransformer`, whatever
 #: its attention implementation), and vLLM's (`StandardizedVLLM`).
@@ -398,6 +403,37 @@ def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None
     return ranked[0] if ranked else None
 
 
+#: The family's members that are module paths from the wrapped model (the others are from a block or a sublayer).
+MODEL_PATHS = ("layers", "embed_tokens", "final_norm")
+
+
+def headless(model: torch.nn.Module) -> bool:
+    """Whether `model` is a base model without a head (`BertModel`, `LlamaModel`: the class `AutoModel` builds for its
+    config): its output holds hidden states."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = MODEL_MAPPING_NAMES.get(getattr(model.config, "model_type", None), ())
+    return type(model).__name__ in ((names,) if isinstance(names, str) else names)
+
+
+def rebased(family: Family, model: torch.nn.Module) -> Family:
+    """`family` on `model`: where `model` is a base model without its head (`BertModel` where the family names the
+    paths of `BertForMaskedLM`, under `bert.`), its paths from the model with that prefix dropped (on the instance)."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    if not headless(model):
+        return family
+    family = copy.copy(family)  # an instance the caller passed may serve other models too
+    family.__dict__.pop("_by_kind", None)  # locations kept per kind were made with the head model's paths
+    for member in MODEL_PATHS:
+        path = getattr(family, member)
+        if isinstance(path, str) and path.startswith(prefix) and not hasattr(model, prefix[:-1]):
+            path = path[len(prefix) :]
+            if path.split(".")[0] in MODEL_VALUES:  # nnsight mounts a child named as a model value elsewhere
+                path = Envoy.OVERLOAD_PREFIX + path
+            setattr(family, member, path)
+    return family
+
+
 def token_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module that embeds the tokens: `get_input_embeddings()`, else (a model that defines none) its one
     `Embedding` as long as the vocabulary; None where there is no such one."""
@@ -442,6 +478,8 @@ class UnknownLayout(Family):
         self.kind: str | None = None
         #: Value name -> how its tensor's layout differs from docs/values.md here (seen on one forward at load).
         self.layouts: dict[str, str] = {}
+        #: Why the model's output has no logits to serve (None: it has), seen on the same forward.
+        self.no_logits: str | None = None
 
     @property
     def name(self) -> str:
@@ -452,7 +490,7 @@ class UnknownLayout(Family):
         found = {"embeddings": ModuleOutput(self.embed_tokens)} if served else {}
         if self.blocks_not_once is None:
             found.update(layer_input=ModuleInput(), layer_output=ModuleOutput("", 0))
-        return {**found, "logits": OutputField("logits")}
+        return found if self.no_logits else {**found, "logits": OutputField("logits")}
 
     def notes(self, config, layer, engine="transformers"):
         notes = dict(self.layouts)
@@ -473,10 +511,12 @@ class UnknownLayout(Family):
         )
         blocks = dict.fromkeys(("layer_input", "layer_output"), self.blocks_not_once) if self.blocks_not_once else {}
         embeddings = {"embeddings": self.embeddings_not_run} if self.embeddings_not_run else {}
+        logits = {"logits": self.no_logits} if self.no_logits else {}
         return {
             **{value.name: reason for value in ALL_VALUES if value.name not in self.locations()},
             **blocks,
             **embeddings,
+            **logits,
         }
 
     def verify(self, model, layer, layer_module, attention_module):

@@ -182,7 +182,13 @@ def layouts(model: torch.nn.Module, family) -> dict[str, str]:
             seen.clear()
             tokens = torch.arange(LAYOUT_PROMPTS * length).view(LAYOUT_PROMPTS, length) % max(vocab - 3, 1) + 3
             with torch.no_grad():
-                keep("logits", getattr(model(input_ids=tokens.to(model.device)), "logits", None))
+                output = model(input_ids=tokens.to(model.device))
+            if getattr(output, "logits", None) is None:  # an encoder's hidden states, no head
+                family.no_logits = (
+                    f"the model's output ({type(output).__name__}) holds no logits: it has no head; its last block's "
+                    f"output is layers[-1].layer_output"
+                )
+            keep("logits", getattr(output, "logits", None))
             for name, kept in seen.items():  # the first block laid out otherwise, else the first
                 odd = (
                     shape

@@ -16,7 +16,7 @@ from . import verification
 from .access import Access
 from .envoys import Helpful, add_model_values, envoy_classes
 from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
-from .family import Family, UnknownLayout
+from .family import Family, UnknownLayout, headless, rebased
 from .inputs import check_inputs
 from .locations import attach
 from .locations.cache import kept_by
@@ -81,6 +81,14 @@ def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     return family
 
 
+def _task(model: Any) -> str:
+    """The pipeline task nnsight wraps the model in: text generation for a causal LM (what a hub name or folder loads
+    as), feature extraction for a model object that cannot generate (an encoder: BERT's masked LM, a classifier),
+    which the text-generation pipeline refuses with a raw AttributeError."""
+    generates = not isinstance(model, torch.nn.Module) or getattr(type(model), "can_generate", lambda: True)()
+    return "text-generation" if generates else "feature-extraction"
+
+
 @contextlib.contextmanager
 def _quiet_pipeline():
     """Without transformers' log that a model of a class of its own "is not supported for text-generation" (and a
@@ -141,12 +149,14 @@ class StandardizedTransformer(Helpful, TransformersModel):
                 model = _loaded(model, kwargs)
                 family = _inferred(model, model_type)
         self.family: Family = resolve_family(family)
+        if isinstance(model, torch.nn.Module):
+            self.family = rebased(self.family, model)
         if attn_implementation is not None:
             if isinstance(model, torch.nn.Module):
                 model.set_attn_implementation(attn_implementation)
             else:
                 kwargs["attn_implementation"] = attn_implementation
-        kwargs.setdefault("task", "text-generation")  # a causal LM; never ask the hub to infer it
+        kwargs.setdefault("task", _task(model))  # never ask the hub to infer it
         if not isinstance(model, torch.nn.Module):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
@@ -171,6 +181,11 @@ class StandardizedTransformer(Helpful, TransformersModel):
         if not isinstance(self.family, UnknownLayout):
             verification.resolve(self)
         self.access.without = kept_by(self._module, self.family, self.config, layers)
+        if headless(self._module):
+            self.access.without["logits"] = (
+                f"{type(self._module).__name__} is a base model without a head: its output holds hidden states, not "
+                f"logits; the last block's output is layers[-1].layer_output"
+            )
         self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         if (not built_in if verify is None else verify) and not isinstance(self.family, UnknownLayout):
             verification.verify(self)

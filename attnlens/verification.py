@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from nnsight.intervention.envoy import Envoy
 
-from .checks import Checks, failures, read_everything
+from .checks import Checks, batch_and_length, failures, read_everything
 from .errors import AttnlensError, Miswired
 from .family import token_embeddings
 from .locations import Location, child
@@ -226,16 +226,19 @@ def input_embeddings(root: torch.nn.Module, family) -> torch.nn.Module:
 def layout_failures(model, saved: dict, layers: list[int]) -> list[str]:
     """Each served value whose shape differs from its layout (docs/values.md) at the model's sizes."""
     root, family = model._module, model.family
-    batch, length = saved["logits"].shape[:2]
+    batch, length = batch_and_length(saved, layers[0])
     config = model.config.get_text_config(decoder=True)
     common = {"batch": batch, "seq": length, "query": length, "key": length, "hidden": hidden_size(root, family)}
-    if getattr(config, "vocab_size", None):
+    head = root.get_output_embeddings()  # a classifier's logits are over its labels: checked where it unembeds
+    if getattr(head, "weight", None) is not None and getattr(config, "vocab_size", None):
         common["vocab"] = config.vocab_size
     streams = overrides(family, "residual_read")  # the norms read several streams collapsed
     check = Checks()
     for key, tensor in saved.items():
         layer, name = key if isinstance(key, tuple) else (None, key)
         if name not in BY_NAME or not torch.is_tensor(tensor) or name.startswith("attention_cache"):
+            continue
+        if name == "logits" and "vocab" not in common:  # a classifier's, over its labels: as its caller gets them
             continue
         sizes = dict(common)
         if layer is not None and model.support(layer)["self_attn.attention_queries"] is None:
@@ -284,6 +287,8 @@ def unembedding_failures(model, saved: dict) -> list[str]:
     if "final_norm_output" not in saved or weight is None or weight.dim() != 2:
         return []
     if head_between(model._module, model.family) is not None:
+        return []
+    if "logits" not in saved:
         return []
     x, logits = saved["final_norm_output"], saved["logits"]
     expected = None

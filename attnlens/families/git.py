@@ -37,16 +37,6 @@ def _untranspose(envoy, old, new):
     return new.transpose(-1, -2)
 
 
-class _GitMLP:
-    """The MLP as the checks call it: `output.dense(intermediate(x))`, the block's two modules, before the norm."""
-
-    def __init__(self, block):
-        self.block, self.dense = block, block.output.dense
-
-    def __call__(self, hidden_states):
-        return self.dense(self.block.intermediate(hidden_states))
-
-
 class Git(Family):
     model_types = ("git",)
     vllm = VLLMLayout(
@@ -129,7 +119,7 @@ class Git(Family):
             return module.output.dense(premix)
 
         def mlp_module(self, block):
-            return _GitMLP(block)
+            return identities.IntermediateMLP(block)
 
         def residual_add(self, block, sublayer, stream, update):
             """Post-norm: the stream after a sublayer is the norm of the sum (the attention's `output.LayerNorm`, the

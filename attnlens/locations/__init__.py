@@ -58,6 +58,16 @@ def child(envoy, path: str):
     return envoy
 
 
+def submodule(module, path: str):
+    """The module at the dotted envoy `path` below `module` (`child`'s path on the modules themselves): nnsight's
+    envoys call a module named as one of their attributes (`output`) `E_output`."""
+    for part in filter(None, path.split(".")):
+        if part.startswith("E_") and not hasattr(module, part):
+            part = part[2:]
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module
+
+
 def operation(envoy, name: str):
     """The operation `envoy.source.<name>` of a module's own forward, made once per envoy and module (kept by the
     engine's context): nnsight builds a new `Source` and operation envoy on every `.source`, about 2 us on most reads,

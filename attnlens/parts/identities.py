@@ -36,6 +36,17 @@ class MLPArithmetic:
     says: tuple[str, str, str] = ("gate(mlp input)", "activation * up(mlp input)", "down projection(neurons)")
 
 
+class IntermediateMLP:
+    """A BERT-style block's MLP as the checks call it (`Identities.mlp_module`): `output.dense(intermediate(x))`, the
+    block's two modules, before the norm that follows them (GIT, BERT)."""
+
+    def __init__(self, block):
+        self.block, self.dense = block, block.output.dense
+
+    def __call__(self, hidden_states):
+        return self.dense(self.block.intermediate(hidden_states))
+
+
 def overrides(family, step: str) -> bool:
     """Whether `family`'s identity oracle computes `step` otherwise than the common layout's."""
     return getattr(family.Identities, step) is not getattr(Identities, step)

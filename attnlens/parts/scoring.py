@@ -167,6 +167,11 @@ class ScoreFunction:
         probabilities = joined.softmax(-1, dtype=joined.dtype)
         return probabilities[..., :-1], probabilities[..., -1]
 
+    def causal(self, config) -> bool:
+        """Whether a query sees only the keys up to its own position (a decoder), or every key (an encoder's
+        bidirectional attention: BERT's, unless its config makes it a decoder)."""
+        return True
+
     def mask(
         self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None
     ) -> torch.Tensor:
@@ -175,6 +180,8 @@ class ScoreFunction:
         key_positions = torch.arange(num_keys, device=device)
         query_positions = key_positions[num_keys - num_queries :, None]
         visible = key_positions[None, :] <= query_positions
+        if not self.causal(config):
+            visible = torch.ones_like(visible)
         window = self.window(config, layer)
         if window is not None:
             visible &= query_positions - key_positions[None, :] < window

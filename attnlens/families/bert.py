@@ -1,0 +1,133 @@
+"""BERT: a post-norm encoder whose attention calls the shared attention interface; bidirectional, or causal where its
+config makes it a decoder (`is_decoder=True`: `BertLMHeadModel`, the causal LM registry's BERT).
+
+Each `BertLayer` runs `attention` (a `BertAttention`, renamed `self_attn`: `self`, whose forward calls the attention
+interface, then `output`: `LayerNorm(dense(heads merged) + layer_input)`), then `intermediate` (dense and activation)
+and `output` (renamed `mlp`: `LayerNorm(dense(activation) + stream)`). Every norm follows a residual add: attention
+reads the block input itself (no `attention_norm_output`), `layer_mid` is what the attention's LayerNorm receives
+(`layer_input + attention_output`), `mlp_norm_output` its output (the MLP's input and the stream its output joins), and
+there is no final norm (the heads read the last block's output). nnsight mounts the `output` submodules at `E_output`
+(`.output` is every envoy's output).
+
+The module paths are a head model's (`BertForMaskedLM`, `BertForSequenceClassification`, `BertLMHeadModel`: the encoder
+under `bert`); a bare `BertModel` is served with the prefix dropped (`Family` paths rebased at load).
+"""
+
+from __future__ import annotations
+
+from ..family import Family, Tiny, VLLMLayout
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..parts import identities, scoring
+from ..parts.sizes import Sizes
+
+POST_NORM = "BERT normalises after each residual add, not before a sublayer: {what}"
+
+
+class Bert(Family):
+    model_types = ("bert",)
+    vllm = VLLMLayout(
+        refusal="vLLM 0.32 takes a BertLMHeadModel checkpoint through its Transformers backend "
+        "(TransformersForCausalLM, measured on the tiny checkpoint) and BERT's encoders as pooling models; attnlens "
+        "has not yet compared either with transformers on the same weights, so it serves neither there; the "
+        "transformers engine serves the family"
+    )
+    tiny = Tiny(
+        "BertConfig",
+        "BertLMHeadModel",
+        {"is_decoder": True, "num_key_value_heads": None},
+    )
+    layers = "bert.encoder.layer"
+    embed_tokens = "bert.embeddings.word_embeddings"
+    final_norm = None
+    attention = "attention"
+    attention_norm = None
+    mlp_norm = "attention.E_output.LayerNorm"
+    mlp = "output"
+    output_projection = "E_output.dense"
+    down_projection = "dense"
+    padding_changes_values = "positions count from the padded start: BERT's position ids take no mask"
+    sizes = Sizes(
+        num_heads=("self.num_attention_heads",),
+        head_dim=("self.attention_head_size",),
+        scale=("self.scaling",),
+    )
+
+    def renames(self, engine="transformers"):
+        from transformers.models.bert import modeling_bert as bert
+
+        # by class: `output` names the attention's projection module, the MLP's last module and nothing else here
+        return {self.layers: "layers", bert.BertAttention: "self_attn", bert.BertOutput: "mlp"}
+
+    def locations(self):
+        inner = dict(module="self")
+        probabilities, probabilities_anchor = self.eager.probabilities
+        return {
+            "embeddings": ModuleOutput(self.embed_tokens),
+            "layer_input": ModuleInput(),
+            "attention_queries": Operation((INTERFACE_CALL,), "arg", 1, **inner),
+            "attention_keys": Operation((INTERFACE_CALL,), "arg", 2, **inner),
+            "attention_values": Operation((INTERFACE_CALL,), "arg", 3, **inner),
+            # what the softmax receives: an encoder's batch without padding gets no mask (the `+ attention_mask`
+            # assignment never runs), so the scores are the softmax's argument, masked or not
+            "attention_scores": Operation(
+                (INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax", **inner
+            ),
+            "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor, **inner),
+            "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0, **inner),
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput(self.output_projection),
+            "layer_mid": ModuleInput(self.mlp_norm),
+            "mlp_norm_output": ModuleOutput(self.mlp_norm),
+            "mlp_input": ModuleInput("intermediate"),
+            "mlp_activation": ModuleInput(),  # BertOutput receives the activation's output itself
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": ModuleOutput(self.down_projection),
+            "layer_output": ModuleOutput(""),
+            "logits": OutputField("logits"),
+        }
+
+    class ScoreFunction(scoring.ScoreFunction):
+        def causal(self, config):
+            return bool(getattr(config, "is_decoder", False))
+
+    class Identities(identities.Identities):
+        def project_output(self, module, premix):
+            return module.output.dense(premix)
+
+        def mlp_module(self, block):
+            return identities.IntermediateMLP(block)
+
+        def residual_add(self, block, sublayer, stream, update, **arguments):
+            """Post-norm: the attention's update joins the block input before its LayerNorm (`layer_mid`); the MLP's
+            joins the normalised stream, and the block's `output.LayerNorm` follows."""
+            if sublayer == "attention":
+                return stream + update
+            return block.output.LayerNorm(block.attention.output.LayerNorm(stream) + update)
+
+    kind_reasons = {
+        "*": {
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+            "final_norm_output": "BERT has no final norm: its heads read the last block's output, which ends in that "
+            "block's own LayerNorm",
+        }
+    }
+
+    kind_notes = {
+        "*": {
+            "attention_queries": "no rotary embedding: positions were added to the embeddings",
+            "attention_probabilities": lambda family, config, layer: (
+                "causal: BertLMHeadModel, is_decoder=True"
+                if family.score_function().causal(config)
+                else "bidirectional: every query sees every key that is not padding"
+            ),
+            "attention_output": "attention.output.dense's output (its dropout, the identity in eval, follows)",
+            "layer_mid": "layer_input + attention_output, what attention.output.LayerNorm receives (post-norm)",
+            "mlp_norm_output": "attention.output.LayerNorm(layer_mid): the MLP's input and the stream its output joins",
+            "mlp_activation": "intermediate's output, read as what output (renamed mlp) receives: the same tensor",
+            "mlp_neurons": "what output.dense receives, equal to mlp_activation (no gate)",
+            "layer_output": "output.LayerNorm(mlp_norm_output + mlp_output): post-norm",
+            "layer_input": lambda family, config, layer: (
+                "LayerNorm(word + token type + position embeddings): BertEmbeddings' output" if layer == 0 else None
+            ),
+        }
+    }
