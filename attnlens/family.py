@@ -403,8 +403,23 @@ def block_list(model: torch.nn.Module, *, any_depth: bool = False) -> str | None
     return ranked[0] if ranked else None
 
 
-#: The family's members that are module paths from the wrapped model (the others are from a block or a sublayer).
-MODEL_PATHS = ("layers", "embed_tokens", "final_norm")
+#: The family's members that are module paths: from the wrapped model (the first three), from a block, from its
+#: attention (`output_projection`), from its MLP (`activation`, `down_projection`).
+MODULE_PATHS = (
+    "layers",
+    "embed_tokens",
+    "final_norm",
+    "attention",
+    "mlp",
+    "attention_norm",
+    "mlp_norm",
+    "attention_post_norm",
+    "mlp_post_norm",
+    "output_projection",
+    "activation",
+    "down_projection",
+)
+MODEL_PATHS = MODULE_PATHS[:3]
 
 
 def headless(model: torch.nn.Module) -> bool:

@@ -23,26 +23,10 @@ from nnsight.intervention.envoy import Envoy
 
 from .checks import Checks, batch_and_length, failures, read_everything
 from .errors import AttnlensError, Miswired
-from .family import token_embeddings
+from .family import MODULE_PATHS, token_embeddings
 from .locations import Location, child
 from .parts.identities import overrides
 from .values import BY_NAME
-
-#: The family's members that are module paths, and what each is relative to.
-MODULE_PATHS = {
-    "layers": "model",
-    "embed_tokens": "model",
-    "final_norm": "model",
-    "attention": "layer",
-    "mlp": "layer",
-    "attention_norm": "layer",
-    "mlp_norm": "layer",
-    "attention_post_norm": "layer",
-    "mlp_post_norm": "layer",
-    "output_projection": "attention",
-    "activation": "mlp",
-    "down_projection": "mlp",
-}
 
 #: The axes of a layout read off the attention's head sizes (`Sizes`): a layer serving a value laid out along one of
 #: them has heads to read (a mixer layer, a Mamba layer has none).
@@ -240,23 +224,23 @@ def layout_failures(model, saved: dict, layers: list[int]) -> list[str]:
             continue
         if name == "logits" and "vocab" not in common:  # a classifier's, over its labels: as its caller gets them
             continue
-        sizes = dict(common)
+        known = dict(common)
         if layer is not None and model.support(layer)["self_attn.attention_queries"] is None:
             heads = model.access.geometry(layer)
-            sizes.update(
+            known.update(
                 num_heads=heads.num_heads,
                 num_kv_heads=heads.num_kv_heads,
                 head_dim=heads.head_dim,
                 qk_head_dim=heads.qk_head_dim,
             )
-            sizes["num_heads*head_dim"] = heads.num_heads * heads.head_dim
+            known["num_heads*head_dim"] = heads.num_heads * heads.head_dim
         axes = BY_NAME[name].axes
         if name == "attention_premix" and overrides(family, "merge_heads"):
             continue  # the family merges its heads otherwise (DiffLlama's pairs): the premix's width is its own
         if streams and axes == ["batch", "seq", "hidden"] and tensor.dim() == 4:
             axes = ["batch", "seq", "streams", "hidden"]  # several residual streams (hyper-connections)
         where = "" if layer is None else f"layer {layer}, "
-        expected = tuple(sizes.get(axis, found) for axis, found in zip(axes, tensor.shape))
+        expected = tuple(known.get(axis, found) for axis, found in zip(axes, tensor.shape))
         if len(axes) != tensor.dim():
             expected = tuple(axes)
         check(f"{where}{name} layout [{' '.join(axes)}]", expected, tensor.shape)

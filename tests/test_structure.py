@@ -196,8 +196,11 @@ def test_family_states_at_most_25_members_besides_module_paths_each_documented()
     """The base class stays a surface a family author can hold in mind; docs/architecture.md says what each is for."""
     import re
 
+    from attnlens.family import MODULE_PATHS
+
     paths, others = family_members()
     assert len(paths) == 12 and len(others) <= 25, (paths, others)
+    assert sorted(paths) == sorted(MODULE_PATHS), "family.MODULE_PATHS lists the class's module paths"
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Family's members", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`(\w+)", section))

@@ -6,7 +6,6 @@ The model is `attnlens.toys.gated_toy_model()`: module names of its own, 4 query
 projection, its own masked softmax, a gate per head and token before the output projection, RMSNorms whose gain is
 `g`, no `hidden_size` in its config, no `get_input_embeddings`."""
 
-import time
 import warnings
 from dataclasses import replace
 
@@ -282,13 +281,3 @@ def test_a_built_in_family_opts_in_and_a_miswired_one_is_refused():
     wrong = type("Scaled", (type(llama),), {"sizes": replace(llama.sizes, scale=(0.5,))})
     with pytest.raises(attnlens.Miswired, match="scores == family score function"):
         attnlens.StandardizedTransformer(model, tokenizer=tokenizer, family=wrong)
-
-
-def test_verification_costs_one_short_forward():
-    """Not timed as an assertion (the machine is shared): the load with and without the forward, for the record."""
-    started = time.perf_counter()
-    load()
-    verified = time.perf_counter() - started
-    started = time.perf_counter()
-    load(verify=False)
-    print(f"gated toy load: verified {verified:.3f} s, unverified {time.perf_counter() - started:.3f} s")

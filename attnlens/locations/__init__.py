@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from greenlet import getcurrent
+from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.source import STATE as NNSIGHT_STATE
 
 #: nnsight's name for the call of transformers' shared attention interface inside an attention forward (its
@@ -62,8 +63,8 @@ def submodule(module, path: str):
     """The module at the dotted envoy `path` below `module` (`child`'s path on the modules themselves): nnsight's
     envoys call a module named as one of their attributes (`output`) `E_output`."""
     for part in filter(None, path.split(".")):
-        if part.startswith("E_") and not hasattr(module, part):
-            part = part[2:]
+        if part.startswith(Envoy.OVERLOAD_PREFIX) and not hasattr(module, part):
+            part = part[len(Envoy.OVERLOAD_PREFIX) :]
         module = module[int(part)] if part.isdigit() else getattr(module, part)
     return module
 
