@@ -19,7 +19,7 @@ from .errors import (
     UnknownFamily,
     UnknownFamilyWarning,
 )
-from .family import EagerFunction, Family, Joined, MLPArithmetic, Tiny
+from .family import EagerFunction, EncoderDecoder, Family, Joined, MLPArithmetic, Tiny
 from .geometry import HeadGeometry
 from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
@@ -31,7 +31,8 @@ from .parts.vllm import VLLMLayout
 from .plot import plot
 from .registry import family_for, register, registered
 from .show import View, show
-from .standardized import StandardizedTransformer
+from .stacks import StandardizedSeq2Seq
+from .standardized import StandardizedEncoder, StandardizedTransformer
 from .support import Support
 from .values import ALL_VALUES, Value
 
@@ -74,6 +75,9 @@ __all__ = [
     "Tiny",
     "VLLMLayout",
     "StandardizedTransformer",
+    "StandardizedEncoder",
+    "StandardizedSeq2Seq",
+    "EncoderDecoder",
     "Support",
     "Unavailable",
     "UnknownFamily",

@@ -19,11 +19,14 @@ from .family import Family, engine_named
 from .geometry import HeadGeometry
 from .locations import Location, cache, context, mediator
 from .support import Support
-from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, model_position
+from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, WITH_CROSS_ATTENTION, model_position
 
 
-def describe(name: str, layer: int | None) -> str:
-    return name if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
+def describe(name: str, layer: int | None, stack: str = "") -> str:
+    """How messages name a value: `layers[3].self_attn.attention_keys`, `logits`; in a stack of an encoder-decoder,
+    `decoder.layers[3].cross_attn.attention_probabilities`."""
+    named = BY_NAME[name].key if layer is None else f"layers[{layer}].{BY_NAME[name].key}"
+    return f"{stack}.{named}" if stack else named
 
 
 #: Ranks within one block are far below this: a (block, rank) position packs into one integer, so the order check on
@@ -78,8 +81,13 @@ class Access:
         engine: str,
         geometry: Callable[[int], HeadGeometry],
         rebuild_patterns: bool = False,
+        stack: str = "",
+        first_block: int = 0,
     ):
         self.family, self.config, self.num_layers = family, config, num_layers
+        #: The stack of blocks this serves where the model has several (an encoder-decoder's "encoder", "decoder"),
+        #: as messages name it; its blocks come after `first_block` blocks of the stacks run before it.
+        self.stack, self.first_block = stack, first_block
         self.engine = engine_named(engine)
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
@@ -102,6 +110,13 @@ class Access:
         #: Reasons that hold on every layer, found by the engine at load (a model that keeps no KV cache, a base model
         #: without a head and so without logits).
         self.without: dict[str, str] = {}
+
+    def of(self, envoy) -> Access:
+        """The access that serves `envoy`: this one (a model of several stacks attaches `Stacks`)."""
+        return self
+
+    def describe(self, name: str, layer: int | None) -> str:
+        return describe(name, layer, self.stack)
 
     # --- layers ------------------------------------------------------------------------------------------------
 
@@ -182,7 +197,7 @@ class Access:
         if found is None:
             reason = self.reasons(layer).get(name)
             if reason is not None:
-                raise Unavailable(f"{describe(name, layer)} on {self.where}: {reason}")
+                raise Unavailable(f"{self.describe(name, layer)} on {self.where}: {reason}")
             from . import rebuild
 
             found = rebuild.location(self, name, layer) or self.locations(layer)[name]
@@ -194,7 +209,12 @@ class Access:
     def support(self, layer: int = 0) -> Support:
         layer = self.check_layer(layer)
         reasons = self.reasons(layer)
-        report = {value.key: reasons.get(value.name) for value in LAYER_VALUES}
+        crossed = self.family.cross_attention is not None  # a decoder-only block's vocabulary has no cross-attention
+        report = {
+            value.key: reasons.get(value.name)
+            for value in LAYER_VALUES
+            if crossed or value.name not in WITH_CROSS_ATTENTION
+        }
         report.update(
             {value.name: self.reasons(None).get(value.name) for value in ALL_VALUES if value.scope == "model"}
         )
@@ -258,7 +278,7 @@ class Access:
             location = self.location(name, layer)
             block, rank = self.position(name, layer)
             copy = None if location.in_place else location.why_not or "it is a copy of what the forward holds"
-            found = Plan(name, layer, location, (block + 1) * _RANKS + rank + 1, copy)
+            found = Plan(name, layer, location, (self.first_block + block + 1) * _RANKS + rank + 1, copy)
             self._plans[envoy.path, name] = found
         return found
 
@@ -285,7 +305,7 @@ class Access:
         registry[:] = [entry for entry in registry if entry[2:4] != (name, layer)]
         if not location.writable:
             why = location.why_not or "its location gives no way to write it back (a Derived value without unview)"
-            raise EditError(f"{describe(name, layer)} is read-only on {self.where}: {why}")
+            raise EditError(f"{self.describe(name, layer)} is read-only on {self.where}: {why}")
         running = mediator()
         if running is not None:
             self._check(running, plan)
@@ -332,7 +352,7 @@ class Access:
         """A read or write outside a trace, where no forward runs to hold the value (nnsight says "`.source` is
         only available inside a trace" or the like): where to do it instead."""
         return OutsideTrace(
-            f"{describe(plan.name, plan.layer)} is {done} inside a trace, while the forward runs: "
+            f"{self.describe(plan.name, plan.layer)} is {done} inside a trace, while the forward runs: "
             f"`with model.trace(prompt):` (or `model.generate(...)`) and the read in its body, on either engine"
         )
 
@@ -347,13 +367,12 @@ class Access:
         if later:
             return OrderError(self._order_message(plan.name, plan.layer, later[-1].name, later[-1].layer))
         return OrderError(
-            f"{describe(plan.name, plan.layer)} was requested after the forward pass had computed it; read "
+            f"{self.describe(plan.name, plan.layer)} was requested after the forward pass had computed it; read "
             f"values in forward order (model.order(layer) gives it)"
         )
 
-    @staticmethod
-    def _order_message(name: str, layer: int | None, other_name: str, other_layer: int | None) -> str:
-        this, other = describe(name, layer), describe(other_name, other_layer)
+    def _order_message(self, name: str, layer: int | None, other_name: str, other_layer: int | None) -> str:
+        this, other = self.describe(name, layer), self.describe(other_name, other_layer)
         return (
             f"{this} was read after {other}, but the forward computes {this} first; read {this} before {other} "
             f"(model.order(layer) gives the forward order)"
@@ -370,12 +389,12 @@ class Access:
             return torch.full_like(current, float(new))
         if not isinstance(new, torch.Tensor):
             raise EditError(
-                f"{describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "
+                f"{self.describe(name, layer)}: write a tensor of layout {self.layout(name, layer, current)} "
                 f"or a number; got {type(new).__name__}"
             )
         if tuple(new.shape) != tuple(current.shape):
             raise EditError(
-                f"{describe(name, layer)} expects a tensor of layout "
+                f"{self.describe(name, layer)} expects a tensor of layout "
                 f"{self.layout(name, layer, current)}; got shape {list(new.shape)}."
                 f"{self.shape_hint(name, layer, current, new)} Nothing was written."
             )
@@ -451,7 +470,7 @@ class Access:
         for tensor, _, name, layer, why in registry if asked else ():
             if id(tensor) == int(asked.group(1)):
                 return Unavailable(
-                    f"the gradient of {describe(name, layer)} on {self.where} is unavailable: {why}, "
+                    f"the gradient of {self.describe(name, layer)} on {self.where} is unavailable: {why}, "
                     f"computed beside the forward, so no gradient from the loss reaches it. Take the "
                     f"gradient of a value the forward uses (the queries and keys, the head outputs)"
                 )
@@ -461,12 +480,46 @@ class Access:
         for tensor, version, name, layer, why in self._registry() if registry is None else registry:
             if tensor._version != version:
                 raise EditError(
-                    f"{describe(name, layer)} was edited in place, but on {self.where} {why}, so the edit "
+                    f"{self.describe(name, layer)} was edited in place, but on {self.where} {why}, so the edit "
                     f"could not reach the model. Assign it instead: "
                     f"`... .{name} = edited` with an edited tensor or a clone you edit."
                 )
 
 
 def access_of(envoy: Any) -> Access:
-    """The `Access` of the model `envoy` belongs to: the `locations.Context` its engine attached."""
+    """The `Access` that serves `envoy`: the `locations.Context` its engine attached (its stack's, where the model has
+    several)."""
     return cast(Access, context(envoy))
+
+
+class Stacks:
+    """What an encoder-decoder attaches to its interleaver in place of one `Access`: one per stack of blocks, each
+    serving the envoys under its stack's module (the encoder's), the last (the decoder's) the rest (the model's own
+    values, its logits). Every read goes through `read`, as through an `Access`."""
+
+    def __init__(self, stacks: dict[str, Access]):
+        #: A stack's envoy path (`model.model.encoder`) -> its access, for it and every envoy under it; "" for the rest.
+        self.stacks = stacks
+        self._of: dict[str, Access] = {}
+
+    def of(self, envoy) -> Access:
+        path = envoy.path
+        found = self._of.get(path)
+        if found is None:
+            found = next(
+                access
+                for stack, access in self.stacks.items()
+                if not stack or path == stack or path.startswith(f"{stack}.")
+            )
+            self._of[path] = found
+        return found
+
+    def read(self, envoy, name: str) -> Any:
+        return self.of(envoy).read(envoy, name)
+
+    def write(self, envoy, name: str, new: Any) -> None:
+        self.of(envoy).write(envoy, name, new)
+
+    def check_copies(self, registry: list | None = None) -> None:
+        for access in self.stacks.values():
+            access.check_copies(registry)

@@ -12,42 +12,54 @@ import nnsight
 import torch
 
 from .locations import submodule
-from .values import of_scope
+from .values import BY_KEY, of_scope
 
 #: Every block value, in forward order.
-BLOCK = of_scope("layer", "attention", "mlp")
+BLOCK = of_scope("layer", "attention", "cross_attention", "mlp")
 
 
 def read_everything(model, prompt, layers=None, saved=None):
     """All values of every layer (or of `layers`) in one trace, in forward order; returns {(layer, name): tensor},
     and the model's own values by name (into `saved` where given: what was read before a read failed)."""
     saved = {} if saved is None else saved
-    chosen = range(model.num_layers) if layers is None else sorted(set(layers))
     with torch.no_grad(), model.trace(prompt):
-        if model.support()["embeddings"] is None:
-            saved["embeddings"] = model.embeddings.save()
-        for i in chosen:
-            layer = model.layers[i]
-            if model.family.identities.block_arguments:  # read first: the block's inputs come before its values
-                args = layer.inputs[0]
-                saved[(i, "block_arguments")] = nnsight.save(
-                    {name: args[position] for name, position in model.family.identities.block_arguments.items()}
-                )
-            report = model.support(i)
-            for name, _ in sorted(model.order(i).items(), key=lambda item: item[1]):
-                if report[name] is not None:
-                    continue
-                host = layer
-                if name.startswith("self_attn."):
-                    host, name = layer.self_attn, name.split(".")[1]
-                elif name.startswith("mlp."):
-                    host, name = layer.mlp, name.split(".")[1]
-                saved[(i, name)] = getattr(host, name).save()
-        if model.support()["final_norm_output"] is None:
-            saved["final_norm_output"] = model.final_norm_output.save()
+        _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()
     return saved
+
+
+def read_stacks(model, *inputs, **kwargs):
+    """`read_everything` for an encoder-decoder (`StandardizedSeq2Seq`): every value of each stack, in one trace of
+    `inputs` (and `decoder_input_ids=`); returns {stack: {(layer, name): tensor}}, the logits with the decoder's."""
+    saved = {name: {} for name in model.stacks}
+    with torch.no_grad(), model.trace(*inputs, **kwargs):
+        for name in model.stacks:
+            _read_stack(getattr(model, name), None, saved[name])
+        saved[name]["logits"] = model.logits.save()
+    return saved
+
+
+def _read_stack(stack, layers, saved):
+    """Inside a trace: the values of `stack`'s blocks (a model, or one stack of an encoder-decoder), in forward
+    order, its embeddings before them and its final norm's output after."""
+    if stack.support()["embeddings"] is None:
+        saved["embeddings"] = stack.embeddings.save()
+    for i in range(stack.num_layers) if layers is None else sorted(set(layers)):
+        layer = stack.layers[i]
+        if stack.family.identities.block_arguments:  # read first: the block's inputs come before its values
+            args = layer.inputs[0]
+            saved[(i, "block_arguments")] = nnsight.save(
+                {name: args[position] for name, position in stack.family.identities.block_arguments.items()}
+            )
+        report = stack.support(i)
+        for key, _ in sorted(stack.order(i).items(), key=lambda item: item[1]):
+            if report[key] is not None:
+                continue
+            sublayer, _, attribute = key.rpartition(".")
+            saved[(i, BY_KEY[key].name)] = getattr(getattr(layer, sublayer) if sublayer else layer, attribute).save()
+    if stack.support()["final_norm_output"] is None:
+        saved["final_norm_output"] = stack.final_norm_output.save()
 
 
 def batch_and_length(saved: dict, layer: int | None = None) -> tuple[int, int]:
@@ -174,11 +186,29 @@ def failures(model, saved, layer):
     def post_norm(sublayer, name, x):
         return x if name is None else oracle.post_norm(block, sublayer, name, x)
 
-    if has("layer_input", "attention_output", "layer_mid"):
+    after_attention = "cross_attention_input" if f.cross_attention is not None else "layer_mid"
+    if has("layer_input", "attention_output", after_attention):
         residual = post_norm("attention", f.attention_post_norm, v["attention_output"])
         check(
-            "layer input + attention output == layer mid",
+            f"layer input + attention output == {after_attention.replace('_', ' ')}",
             rebuilt(oracle.residual_add, block, "attention", v["layer_input"], residual, **arguments),
+            v[after_attention],
+        )
+    if has("cross_attention_input", "cross_attention_norm_output"):
+        norm = submodule(block, f.cross_attention_norm)
+        check(
+            "cross attention norm(cross attention input) == cross attention norm output",
+            rebuilt(lambda: norm(v["cross_attention_input"])),
+            v["cross_attention_norm_output"],
+        )
+    if has("cross_attention_queries", "cross_attention_keys", "cross_attention_values"):
+        check += _cross_attention_failures(model, layer, v, batch, length)
+    if has("cross_attention_input", "cross_attention_output", "layer_mid"):
+        check(
+            "cross attention input + cross attention output == layer mid",
+            rebuilt(
+                oracle.residual_add, block, "cross_attention", v["cross_attention_input"], v["cross_attention_output"]
+            ),
             v["layer_mid"],
         )
     if has("layer_mid", "mlp_norm_output"):
@@ -279,4 +309,38 @@ def _attention_failures(model, module, layer, v, batch, length):
         check("head outputs shape", (batch, length, h, d), heads.shape)
         mixed = rebuilt(lambda: (probs @ scoring.repeat_kv(vals, h // kv)).transpose(1, 2))
         check("probabilities @ values == head outputs", mixed, heads)
+    return check
+
+
+def _cross_attention_failures(model, layer, v, batch, length):
+    """The identities of a decoder block's cross-attention: its queries from the decoder's positions, its keys and
+    values from the encoder's (`source` of them, read off the keys), no mask on an unpadded source."""
+    attn = model.layers[layer].cross_attn
+    module, oracle, scoring = attn._module, model.family.identities, model.family.score_function()
+    q, k, vals = v["cross_attention_queries"], v["cross_attention_keys"], v["cross_attention_values"]
+    h, kv, d, source = attn.num_heads, attn.num_kv_heads, attn.head_dim, k.shape[2]
+    check = Checks()
+    check("cross queries shape", (batch, h, length, attn.qk_head_dim), q.shape)
+    check("cross keys shape", (batch, kv, source, attn.qk_head_dim), k.shape)
+    check("cross values shape", (batch, kv, source, d), vals.shape)
+    if "cross_attention_scores" in v:
+        scores = v["cross_attention_scores"]
+        expected = rebuilt(scoring.cross_scores, attn.heads, model.config, q, k, layer)
+        check("cross scores == family cross score function", expected, scores)
+    if "cross_attention_probabilities" in v:
+        probs = v["cross_attention_probabilities"]
+        check("cross pattern shape", (batch, h, length, source), probs.shape)
+        check("cross rows sum to one", torch.ones_like(probs.sum(-1)), probs.sum(-1))
+        check("every source position seen", bool((probs > 0).all()))
+        if "cross_attention_scores" in v:
+            check("softmax(cross scores) == cross probabilities", v["cross_attention_scores"].softmax(-1), probs)
+        if "cross_attention_head_outputs" in v:
+            mixed = rebuilt(lambda: (probs @ scoring.repeat_kv(vals, h // kv)).transpose(1, 2))
+            check("cross probabilities @ values == head outputs", mixed, v["cross_attention_head_outputs"])
+    if "cross_attention_head_outputs" in v and "cross_attention_premix" in v:
+        merged = rebuilt(oracle.merge_heads, module, v["cross_attention_head_outputs"])
+        check("merged cross head outputs == cross premix", merged, v["cross_attention_premix"])
+    if "cross_attention_premix" in v and "cross_attention_output" in v:
+        projected = rebuilt(oracle.project_output, module, v["cross_attention_premix"])
+        check("output projection(cross premix) == cross attention output", projected, v["cross_attention_output"])
     return check

@@ -14,14 +14,14 @@ from nnsight.intervention.envoy import Envoy
 from .access import access_of
 from .errors import LocationDrift
 from .geometry import HeadGeometry
-from .values import ALL_VALUES, HOSTS, Value, closest
+from .values import ALL_VALUES, HOSTS, SUBLAYER_OF, Value, closest
 
 #: The standardized sublayers of a block: the envoy name and the scope of the values it carries.
-SUBLAYERS = {"self_attn": "attention", "mlp": "mlp"}
+SUBLAYERS = {name: scope for scope, name in SUBLAYER_OF.items()}
 
 
 def value_property(value: Value) -> property:
-    name = value.name
+    name = value.name  # what attnlens knows it by (on `cross_attn`, not the attribute)
 
     def read(envoy):
         try:
@@ -31,9 +31,9 @@ def value_property(value: Value) -> property:
 
     def write(envoy, new):
         if isinstance(new, Envoy):  # nnsight mounting a submodule named after this value (Inkling 2's `mlp_input`)
-            mounted = f"{Envoy.OVERLOAD_PREFIX}{name}"  # moved as nnsight moves its own names: the value stays
+            mounted = f"{Envoy.OVERLOAD_PREFIX}{value.attribute}"  # moved as nnsight moves its own names
             object.__setattr__(envoy, mounted, new)
-            envoy._aliases[mounted] = name
+            envoy._aliases[mounted] = value.attribute
             return
         try:
             access_of(envoy).write(envoy, name, new)
@@ -66,7 +66,7 @@ class Helpful:
     def _hint(self, name: str) -> str:
         if name in SUBLAYERS:
             return f" {name} is a block's sublayer: model.layers[i].{name}."
-        misplaced = next((v for v in ALL_VALUES if v.name == name and v.scope != self.scope), None)
+        misplaced = next((v for v in ALL_VALUES if v.attribute == name and v.scope != self.scope), None)
         if misplaced is not None:
             return f" {name} is read on {HOSTS[misplaced.scope]}, not on {HOSTS[self.scope]}."
         return closest(name)
@@ -82,7 +82,8 @@ class LayersEnvoy(Envoy):
 
 
 class LayerEnvoy(Helpful, Envoy):
-    """`model.layers[i]`: the block's residual-stream values, and its `self_attn` and `mlp`, always there."""
+    """`model.layers[i]`: the block's residual-stream values, and its `self_attn`, `mlp` (and an encoder-decoder's
+    decoder block's `cross_attn`), always there."""
 
     scope = "layer"
 
@@ -93,8 +94,8 @@ class LayerEnvoy(Helpful, Envoy):
             found = Envoy.__getattr__(self, name)
         except AttributeError:
             found = None
-        # No module of that name (a BERT block's `attention`, a block without an MLP), or None in its place (a
-        # hybrid's Mamba layer): the values are still asked for here, and each raises the reason support() gives.
+        # No module of that name (a block without an MLP, a decoder-only block's `cross_attn`), or None in its place
+        # (a hybrid's Mamba layer): the values are still asked for here, and each raises the reason support() gives.
         return found if isinstance(found, Envoy) else ABSENT[name](self, name)
 
 
@@ -110,7 +111,7 @@ class AbsentSublayer(Helpful):
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        access = self.interleaver.attnlens
+        access = access_of(self)
         raise AttributeError(
             f"layers[{access.layer_of(self)}] of {access.where} has no {self.name} module, so it has "
             f"no {name!r}; its standardized values raise attnlens.Unavailable (see model.support())."
@@ -126,12 +127,12 @@ def absent_property(value: Value) -> property:
     module names are wrong."""
 
     def refuse(envoy, *_):
-        access = envoy.interleaver.attnlens
+        access = access_of(envoy)
         layer = access.layer_of(envoy)
         access.location(value.name, layer)  # raises Unavailable with the reason, where there is one
         raise LocationDrift(
             f"layers[{layer}].{value.key} is served on {access.where}, but block {layer} has no "
-            f"module {envoy.name}: the family's module names (attention, mlp) do not match the model"
+            f"module {envoy.name}: the family's module names (attention, cross_attention, mlp) do not match the model"
         )
 
     return property(refuse, refuse, doc=f"{value.meaning} [{value.layout}]")
@@ -155,23 +156,37 @@ class AttentionEnvoy(Helpful, Envoy):
     scale = property(lambda self: self.heads.scale, doc="the factor the scores are multiplied by")
 
 
+class CrossAttentionEnvoy(AttentionEnvoy):
+    """`model.decoder.layers[i].cross_attn`: the cross-attention's values, under the attention values' names
+    (queries from the decoder, keys and values from the encoder's output), and its heads' sizes."""
+
+    scope = "cross_attention"
+
+
 class MLPEnvoy(Helpful, Envoy):
     """`model.layers[i].mlp`: the MLP's values."""
 
     scope = "mlp"
 
 
+#: The envoy class that carries each scope's values.
+HOST_CLASSES = {
+    "layer": LayerEnvoy,
+    "attention": AttentionEnvoy,
+    "cross_attention": CrossAttentionEnvoy,
+    "mlp": MLPEnvoy,
+}
 for _value in ALL_VALUES:
-    _host = {"layer": LayerEnvoy, "attention": AttentionEnvoy, "mlp": MLPEnvoy}.get(_value.scope)
+    _host = HOST_CLASSES.get(_value.scope)
     if _host is not None:
-        setattr(_host, _value.name, value_property(_value))
+        setattr(_host, _value.attribute, value_property(_value))
 
 #: The stand-in for each sublayer a block lacks, with the values of its scope.
 ABSENT = {
     name: type(
-        f"Absent{scope.capitalize()}",
+        f"Absent{scope.title().replace('_', '')}",
         (AbsentSublayer,),
-        {"scope": scope, **{value.name: absent_property(value) for value in ALL_VALUES if value.scope == scope}},
+        {"scope": scope, **{value.attribute: absent_property(value) for value in ALL_VALUES if value.scope == scope}},
     )
     for name, scope in SUBLAYERS.items()
 }
@@ -199,6 +214,7 @@ def envoy_classes(layers: str = "layers", attention: str = "self_attn", mlp: str
         layers: LayersEnvoy,
         f"{layers}.*": LayerEnvoy,
         f"{layers}.*.{attention}": AttentionEnvoy,
+        f"{layers}.*.cross_attn": CrossAttentionEnvoy,
         f"{layers}.*.{mlp}": MLPEnvoy,
     }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from nnsight.intervention.envoy import Envoy
@@ -32,7 +32,7 @@ from .parts.scoring import ScoreFunction
 from .parts.sizes import FamilyMethod, Sizes
 from .parts.source import Anchored, operation_lines  # noqa: F401  (re-exported for families)
 from .parts.vllm import LEGACY_VLLM, VLLMLayout
-from .values import ALL_VALUES
+from .values import ALL_VALUES, WITH_CROSS_ATTENTION
 
 #: The values the wrapped model's own envoy carries: a child module of that name is mounted at `E_<name>`.
 MODEL_VALUES = tuple(value.name for value in ALL_VALUES if value.scope == "model")
@@ -127,6 +127,11 @@ class Family(Anchored, OldSpelling):
     #: them `layer_input + attention_output == layer_mid` and `layer_mid + mlp_output == layer_output`.
     attention_post_norm: str | None = None
     mlp_post_norm: str | None = None
+    #: The cross-attention of an encoder-decoder's decoder block (`encoder_attn`, renamed `cross_attn`), or None: a
+    #: block that attends to its own sequence only (every other family; `support()` then lists no cross values).
+    cross_attention: str | None = None
+    #: The norm in front of the cross-attention (pre-norm: mBART's `encoder_attn_layer_norm`), or None.
+    cross_attention_norm: str | None = None
     #: transformers' eager attention function as this family calls it (`attnlens.EagerFunction`): where it holds the
     #: masked scores and the pattern, and the values only it forms.
     eager: ClassVar[EagerFunction] = EagerFunction()
@@ -139,6 +144,11 @@ class Family(Anchored, OldSpelling):
     absent: ClassVar[dict[str, str]] = {
         "attention_sinks": "no sink logit: every row of the pattern sums to one",
         "attention_gate": "no output gate: the merged head outputs are the premix",
+        **dict.fromkeys(
+            sorted(WITH_CROSS_ATTENTION),
+            "no cross-attention: the block attends to its own sequence only (an encoder-decoder's decoder blocks "
+            "have one: attnlens.StandardizedSeq2Seq)",
+        ),
     }
 
     #: What `support()` says of values, as data: selector -> {value name: note}. A selector is "*" (every layer) or
@@ -218,7 +228,7 @@ class Family(Anchored, OldSpelling):
     def renames(self, engine: str = "transformers") -> dict[str, str]:
         """nnsight's `rename=`: module names -> the standardized `layers`, `self_attn` and `mlp`."""
         renames = {self.path("layers", engine): "layers"}
-        for role, standard in (("attention", "self_attn"), ("mlp", "mlp")):
+        for role, standard in (("attention", "self_attn"), ("cross_attention", "cross_attn"), ("mlp", "mlp")):
             name = self.path(role, engine)
             if name and name != standard:
                 renames[name] = standard
@@ -415,6 +425,8 @@ MODULE_PATHS = (
     "mlp_norm",
     "attention_post_norm",
     "mlp_post_norm",
+    "cross_attention",
+    "cross_attention_norm",
     "output_projection",
     "activation",
     "down_projection",
@@ -536,3 +548,39 @@ class UnknownLayout(Family):
 
     def verify(self, model, layer, layer_module, attention_module):
         pass
+
+
+class EncoderDecoder:
+    """The family of an encoder-decoder: a `Family` for each stack, with its paths from that stack's module, and where
+    each stack's module is in the model (`stacks`, nnsight paths from the head model). The decoder's family names the
+    cross-attention (`Family.cross_attention`) and reads the logits (on the model)."""
+
+    #: `config.model_type` values this family serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    encoder: ClassVar[type[Family]]
+    decoder: ClassVar[type[Family]]
+    #: Each stack's module in the head model (`BartForConditionalGeneration`: `model.encoder`).
+    stacks: ClassVar[dict[str, str]] = {"encoder": "model.encoder", "decoder": "model.decoder"}
+    #: How to build a small random model of the family (`Tiny`), or None.
+    tiny: ClassVar[Tiny | None] = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def stack(self, name: str) -> Family:
+        """A new instance of stack `name`'s family."""
+        return getattr(self, name)()
+
+    def renames(self) -> dict[str, Any]:
+        """nnsight's `rename=`: each stack mounted as `encoder` / `decoder` on the model, its blocks as `layers`, and
+        the blocks' sublayers under the standardized names."""
+        renames: dict[str, Any] = {}
+        for name, path in self.stacks.items():
+            family = self.stack(name)
+            if path != name:
+                renames[path] = name
+            if family.layers != "layers":
+                renames[f"{path}.{family.layers}"] = f"{path}.layers"
+            renames.update({k: v for k, v in family.renames().items() if k != family.layers})
+        return renames

@@ -164,14 +164,7 @@ def tiny_model(
     # Set before construction: some families (Falcon) fix their attention path when built.
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).eval()
-    with torch.no_grad():
-        # Norms start as the identity and residual gates (Ergo's) alike; perturbed, one wired in place of another
-        # fails the identities.
-        for module in model.modules():
-            if any(word in type(module).__name__.lower() for word in ("norm", "residualgate")):
-                for parameter in module.parameters(recurse=False):
-                    parameter.add_(torch.randn_like(parameter) * 0.1)
+    model = _perturbed(getattr(transformers, model_class)(config).eval())
     from .standardized import built_as_text_model
 
     if checkpoint or not built_as_text_model(config):
@@ -183,6 +176,49 @@ def tiny_model(
         return transformers.AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation=attn_implementation, dtype=torch.float32
         ).eval()
+
+
+def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its norms' parameters moved off their start: norms start as the identity and residual gates
+    (Ergo's) alike; perturbed, one wired in place of another fails the identities."""
+    with torch.no_grad():
+        for module in model.modules():
+            if any(word in type(module).__name__.lower() for word in ("norm", "residualgate")):
+                for parameter in module.parameters(recurse=False):
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def tiny_seq2seq_model(
+    model_type: str, seed: int = 0, attn_implementation: str = "eager", **config_overrides
+) -> torch.nn.Module:
+    """A small randomly initialised encoder-decoder of `model_type` (its family's `tiny` sizes, the config class and
+    the sequence-to-sequence class transformers registers for the type), seeded, in float32, eager unless asked."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    from .registry import encoder_decoder_for
+
+    recipe = encoder_decoder_for(model_type).tiny
+    if recipe is None:
+        raise ValueError(f"the {model_type!r} encoder-decoder family records no tiny configuration")
+    config = transformers.AutoConfig.for_model(model_type, **{**recipe.kwargs, **config_overrides})
+    config._attn_implementation = attn_implementation
+    classes = {
+        **modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        **modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    }
+    torch.manual_seed(seed)
+    return _perturbed(getattr(transformers, classes[model_type])(config).eval())
+
+
+def tiny_seq2seq(model_type: str, *, seed: int = 0, attn_implementation: str = "eager", **config_overrides):
+    """A `StandardizedSeq2Seq` on a small random encoder-decoder of `model_type` (`tiny_seq2seq_model`), with
+    `char_tokenizer`."""
+    from .stacks import StandardizedSeq2Seq
+
+    model = tiny_seq2seq_model(model_type, seed=seed, attn_implementation=attn_implementation, **config_overrides)
+    return StandardizedSeq2Seq(model, tokenizer=char_tokenizer())
 
 
 def tiny(

@@ -12,10 +12,12 @@ import inspect
 import pkgutil
 
 from .errors import UnknownFamily
-from .family import Family
+from .family import EncoderDecoder, Family
 
 _BUILT_IN: dict[str, type[Family]] = {}
 _REGISTERED: dict[str, type[Family]] = {}
+#: The encoder-decoders (`attnlens.stacks.EncoderDecoder`: a family per stack), by model type.
+_ENCODER_DECODERS: dict[str, type[EncoderDecoder]] = {}
 
 
 def register(family: type[Family]) -> type[Family]:
@@ -34,9 +36,19 @@ def _built_in() -> dict[str, type[Family]]:
         for info in pkgutil.iter_modules(families.__path__):
             module = importlib.import_module(f"{families.__name__}.{info.name}")
             for _, found in inspect.getmembers(module, inspect.isclass):
-                if issubclass(found, Family) and found.__module__ == module.__name__ and "model_types" in vars(found):
+                if found.__module__ != module.__name__ or "model_types" not in vars(found):
+                    continue
+                if issubclass(found, Family):
                     _BUILT_IN.update(dict.fromkeys(found.model_types, found))
+                elif issubclass(found, EncoderDecoder):
+                    _ENCODER_DECODERS.update(dict.fromkeys(found.model_types, found))
     return _BUILT_IN
+
+
+def encoder_decoders() -> dict[str, type[EncoderDecoder]]:
+    """Every encoder-decoder model type attnlens serves (`StandardizedSeq2Seq`), and its family."""
+    _built_in()
+    return dict(_ENCODER_DECODERS)
 
 
 def registered() -> dict[str, type[Family]]:
@@ -67,3 +79,13 @@ def resolve_family(family: Family | type[Family] | str) -> Family:
         f"family= takes a registered model type's name (e.g. 'llama'), an attnlens.Family subclass or "
         f"an instance; got {family!r}"
     )
+
+
+def encoder_decoder_for(model_type: str) -> EncoderDecoder:
+    found = encoder_decoders().get(model_type)
+    if found is None:
+        raise UnknownFamily(
+            f"attnlens has no encoder-decoder family for model type {model_type!r}; it serves "
+            f"{', '.join(sorted(encoder_decoders()))} (docs/encoders.md)"
+        )
+    return found()

@@ -90,7 +90,7 @@ def _task(model: Any) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_pipeline():
+def quiet_pipeline():
     """Without transformers' log that a model of a class of its own "is not supported for text-generation" (and a
     list of every class that is): nnsight builds a pipeline around every model, and attnlens serves such models."""
     logger = logging.getLogger("transformers.pipelines.base")
@@ -102,15 +102,32 @@ def _quiet_pipeline():
         logger.setLevel(level)
 
 
-def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
-    """The model object, loading a hub name or folder (its structure is needed to find the blocks)."""
+def _loaded(model: Any, kwargs: dict, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
+    """The model object, loading a hub name or folder with transformers' `auto` class (its structure is needed to find
+    the blocks)."""
     if isinstance(model, torch.nn.Module):
         return model
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     loader_kwargs = {k: v for k, v in kwargs.items() if k not in ("task", "dispatch")}
     loader_kwargs.setdefault("dtype", torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model, **loader_kwargs)
+    return getattr(transformers, auto).from_pretrained(model, **loader_kwargs)
+
+
+def _refuse_encoder_decoder(model: Any, kwargs: dict) -> None:
+    """An encoder-decoder has two stacks and a cross-attention: `StandardizedSeq2Seq` serves it."""
+    if isinstance(model, torch.nn.Module):
+        config = model.config
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs})
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"a {config.model_type} model is an encoder-decoder (two stacks of blocks and a cross-attention): load "
+            f"it with attnlens.StandardizedSeq2Seq, which serves model.encoder.layers[i], model.decoder.layers[i] "
+            f"and their .cross_attn"
+        )
 
 
 @add_model_values
@@ -141,6 +158,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
             kwargs["dtype"] = kwargs.pop("torch_dtype")
+        _refuse_encoder_decoder(model, kwargs)
         if family is None:
             model_type = _model_type(model, kwargs)
             try:
@@ -168,7 +186,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         if tokenizer is None and isinstance(model, torch.nn.Module) and not model.config._name_or_path:
             raise no_tokenizer  # nothing to load one from (transformers' pipeline would look it up by '' on the hub)
         try:
-            with _quiet_pipeline():
+            with quiet_pipeline():
                 super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
         except Exception as error:
             if "Impossible to guess which tokenizer" not in str(error):
@@ -251,3 +269,37 @@ class StandardizedTransformer(Helpful, TransformersModel):
             copies, self.access.run_copies = self.access.run_copies, None
         self.access.check_copies(copies)
         return result
+
+
+#: `StandardizedEncoder`'s heads: what `head=` names -> the transformers auto class a hub name or folder loads with.
+ENCODER_HEADS = {
+    "masked_lm": "AutoModelForMaskedLM",
+    "base": "AutoModel",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "token_classification": "AutoModelForTokenClassification",
+}
+
+
+class StandardizedEncoder(StandardizedTransformer):
+    """An encoder (BERT and the families built as it is): the encoder of a masked LM, a classifier or an embedding
+    model, with the same values, `support()`, `order()` and edits as a decoder, its attention bidirectional.
+
+    `model` is a hub name or folder, loaded with the auto class of `head` (`ENCODER_HEADS`: "masked_lm", "base",
+    "sequence_classification", "token_classification"), or a model object already loaded (of any head). `logits` is
+    the head's output (a masked LM's vocabulary logits, a classifier's labels); a base model has none. A model whose
+    family makes it causal (a BERT built with `is_decoder=True`) is a decoder: `StandardizedTransformer` serves it.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, head: str = "masked_lm", **kwargs: Any) -> None:
+        if head not in ENCODER_HEADS:
+            raise ValueError(f"head={head!r} is not an encoder head attnlens loads; one of {', '.join(ENCODER_HEADS)}")
+        if not isinstance(model, torch.nn.Module):
+            _refuse_encoder_decoder(model, kwargs)
+            model = _loaded(model, kwargs, ENCODER_HEADS[head])
+        super().__init__(model, tokenizer=tokenizer, **kwargs)
+        if self.family.score_function().causal(self.config):
+            raise TypeError(
+                f"this {self.config.model_type} model attends causally ({self.family.name}'s score function says so "
+                f"from its config: a decoder, such as BERT with is_decoder=True): serve it with "
+                f"attnlens.StandardizedTransformer"
+            )

@@ -9,29 +9,39 @@ import difflib
 from dataclasses import dataclass
 from typing import Literal
 
-Scope = Literal["model", "layer", "attention", "mlp"]
+Scope = Literal["model", "layer", "attention", "cross_attention", "mlp"]
 #: The envoy that carries each scope's values.
 HOSTS = {
     "model": "model",
     "layer": "model.layers[i]",
     "attention": "model.layers[i].self_attn",
+    "cross_attention": "model.decoder.layers[i].cross_attn",
     "mlp": "model.layers[i].mlp",
 }
+#: The sublayer envoy each scope's values are read on, from a block.
+SUBLAYER_OF = {"attention": "self_attn", "cross_attention": "cross_attn", "mlp": "mlp"}
 
 
 @dataclass(frozen=True)
 class Value:
-    name: str  #: the attribute name on its envoy
+    name: str  #: the name attnlens knows it by: the attribute on its envoy, but for a cross-attention value
     short: str  #: the cache name (`run_with_cache`, static taps): TransformerLens-like, as the capture spec writes
     scope: Scope  #: which envoy carries it: the model, `layers[i]`, `layers[i].self_attn` or `layers[i].mlp`
     layout: str  #: axis names, in order
     meaning: str
 
     @property
+    def attribute(self) -> str:
+        """The attribute it is read as on its envoy: its name, but on `cross_attn` the attention value's own name
+        (`cross_attention_keys` is `cross_attn.attention_keys`)."""
+        return self.name.removeprefix("cross_") if self.scope == "cross_attention" else self.name
+
+    @property
     def key(self) -> str:
-        """How `support()` and `order()` name it relative to a layer: `self_attn.attention_keys`, `layer_input`."""
-        prefix = {"attention": "self_attn.", "mlp": "mlp."}.get(self.scope, "")
-        return prefix + self.name
+        """How `support()` and `order()` name it relative to a layer: `self_attn.attention_keys`, `layer_input`,
+        `cross_attn.attention_probabilities`."""
+        sublayer = SUBLAYER_OF.get(self.scope)
+        return f"{sublayer}.{self.attribute}" if sublayer else self.name
 
     @property
     def axes(self) -> list[str]:
@@ -40,6 +50,68 @@ class Value:
 
 MODEL_VALUES_BEFORE = (
     Value("embeddings", "embed", "model", "batch seq hidden", "the token embedding module's output"),
+)
+
+#: Cross-attention, in an encoder-decoder's decoder blocks: the attention values again, with queries from the decoder
+#: and keys and values from the encoder's output (its `source` positions), read on `model.decoder.layers[i].cross_attn`
+#: under the attention value's own name. Their keys and values are computed once, on the first step, and cached.
+CROSS_VALUES = (
+    Value(
+        "cross_attention_queries",
+        "cross_query",
+        "cross_attention",
+        "batch num_heads seq qk_head_dim",
+        "the cross-attention's queries, from the decoder's stream",
+    ),
+    Value(
+        "cross_attention_keys",
+        "cross_key",
+        "cross_attention",
+        "batch num_kv_heads source qk_head_dim",
+        "the cross-attention's keys, from the encoder's output (one per source position)",
+    ),
+    Value(
+        "cross_attention_values",
+        "cross_value",
+        "cross_attention",
+        "batch num_kv_heads source head_dim",
+        "the cross-attention's values, from the encoder's output",
+    ),
+    Value(
+        "cross_attention_scores",
+        "cross_scores",
+        "cross_attention",
+        "batch num_heads query source",
+        "the cross-attention's scaled scores entering the softmax, masked where the source is padding",
+    ),
+    Value(
+        "cross_attention_probabilities",
+        "cross_probs",
+        "cross_attention",
+        "batch num_heads query source",
+        "the cross-attention's pattern: each decoder position's weights over the encoder's positions",
+    ),
+    Value(
+        "cross_attention_head_outputs",
+        "cross_z",
+        "cross_attention",
+        "batch seq num_heads head_dim",
+        "each cross-attention head's mix of the encoder's values, before the heads are merged",
+    ),
+    Value(
+        "cross_attention_premix",
+        "cross_premix",
+        "cross_attention",
+        "batch seq num_heads*head_dim",
+        "what the cross-attention's output projection receives: the heads merged",
+    ),
+    Value(
+        "cross_attention_output",
+        "cross_attn_out",
+        "cross_attention",
+        "batch seq hidden",
+        "the cross-attention sublayer's output",
+    ),
 )
 
 LAYER_VALUES = (
@@ -145,11 +217,26 @@ LAYER_VALUES = (
     ),
     Value("attention_output", "attn_out", "attention", "batch seq hidden", "the attention sublayer's output"),
     Value(
+        "cross_attention_input",
+        "resid_cross",
+        "layer",
+        "batch seq hidden",
+        "the residual stream entering an encoder-decoder's cross-attention sublayer: after self-attention",
+    ),
+    Value(
+        "cross_attention_norm_output",
+        "cross_norm",
+        "layer",
+        "batch seq hidden",
+        "the normalised residual the cross-attention reads its queries from",
+    ),
+    *CROSS_VALUES,
+    Value(
         "layer_mid",
         "resid_mid",
         "layer",
         "batch seq hidden",
-        "the residual stream after attention, entering the MLP's norm",
+        "the residual stream after attention (and cross-attention), entering the MLP's norm",
     ),
     Value("mlp_norm_output", "mlp_norm", "layer", "batch seq hidden", "the output of the norm in front of the MLP"),
     Value("mlp_input", "mlp_in", "layer", "batch seq hidden", "what the MLP module receives"),
@@ -171,8 +258,15 @@ MODEL_VALUES_AFTER = (
 )
 
 ALL_VALUES = MODEL_VALUES_BEFORE + LAYER_VALUES + MODEL_VALUES_AFTER
+#: The values only a block with cross-attention has (`Family.cross_attention`): `support()` lists them there only.
+WITH_CROSS_ATTENTION = frozenset(value.name for value in CROSS_VALUES) | {
+    "cross_attention_input",
+    "cross_attention_norm_output",
+}
 BY_NAME = {value.name: value for value in ALL_VALUES}
 BY_SHORT = {value.short: value for value in ALL_VALUES}
+#: By how `support()` and `order()` name each value (`Value.key`: `cross_attn.attention_keys`).
+BY_KEY = {value.key: value for value in ALL_VALUES}
 #: What every family's attention kernel receives: standardized name -> cache short name. Reductions at vLLM's
 #: attention op (attnlens.vllm.reducer) read these and only these.
 KERNEL_VALUES = {name: BY_NAME[name].short for name in ("attention_queries", "attention_keys", "attention_values")}
@@ -196,4 +290,4 @@ def closest(name: str) -> str:
     found = [BY_NAME.get(n) or BY_SHORT[n] for n in near]
     if not found:
         return ""
-    return " Did you mean " + " or ".join(dict.fromkeys(f"{HOSTS[v.scope]}.{v.name}" for v in found)) + "?"
+    return " Did you mean " + " or ".join(dict.fromkeys(f"{HOSTS[v.scope]}.{v.attribute}" for v in found)) + "?"

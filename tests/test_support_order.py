@@ -60,7 +60,8 @@ def test_values_read_under_sdpa_equal_eager(family):
 
 def test_support_is_a_mapping_and_prints_as_a_table():
     report = tiny("llama").support(layer=0)
-    assert next(iter(report)) == "layer_input" and len(report) == len(attnlens.values.ALL_VALUES)
+    listed = [v for v in attnlens.values.ALL_VALUES if v.name not in attnlens.values.WITH_CROSS_ATTENTION]
+    assert next(iter(report)) == "layer_input" and len(report) == len(listed)  # no cross-attention here
     absent = ["self_attn.attention_sinks", "self_attn.attention_gate"]  # Llama has neither
     assert report.available == [key for key in report if key not in absent]
     assert "sums to one" in report["self_attn.attention_sinks"]

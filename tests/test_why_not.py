@@ -24,7 +24,7 @@ TOKENS = torch.arange(3, 9).repeat(2, 1)
 #: The axes whose size the input fixes, on a prefill.
 SIZES = {"batch": 2, "seq": 6, "query": 6, "key": 6}
 #: Where each scope's values are read, below `model.layers[i]`.
-SUBLAYER = {"attention": "self_attn", "mlp": "mlp"}
+from attnlens.values import SUBLAYER_OF as SUBLAYER  # noqa: E402
 
 
 def surveyed() -> tuple:
@@ -68,7 +68,9 @@ def in_forward_order(model, layers: list[int]) -> list[tuple]:
     blocks = []
     for layer in layers:
         rank = model.order(layer)
-        blocks += sorted(((v, layer) for v in ALL_VALUES if v.scope != "model"), key=lambda r: rank.get(r[0].key, -1))
+        listed = model.support(layer).reasons  # a decoder-only block's vocabulary has no cross-attention
+        values = (v for v in ALL_VALUES if v.scope != "model" and v.key in listed)
+        blocks += sorted(((v, layer) for v in values), key=lambda r: rank.get(r[0].key, -1))
     return before + blocks + after
 
 

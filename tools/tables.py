@@ -13,7 +13,10 @@ from pathlib import Path
 
 from attnlens.family import Family
 from attnlens.registry import registered
-from attnlens.values import ALL_VALUES, HOSTS
+from attnlens.values import ALL_VALUES, HOSTS, WITH_CROSS_ATTENTION
+
+#: The values of a decoder-only block and model: the families these pages describe (no cross-attention).
+DECODER_VALUES = [value for value in ALL_VALUES if value.name not in WITH_CROSS_ATTENTION]
 
 FOLDER = "families"  # under docs/
 
@@ -96,7 +99,7 @@ def _columns(case: str) -> tuple[dict[tuple[str, tuple], list[int]], int]:
             report = access.support(layer)
             cells = tuple(
                 ("✗", report[value.key]) if report[value.key] else ("✓", report.notes.get(value.key))
-                for value in ALL_VALUES
+                for value in DECODER_VALUES
             )
             columns.setdefault((engine, cells), []).append(layer)
     return columns, len(engines)
@@ -109,7 +112,7 @@ def _layout_table(columns: dict[tuple[str, tuple], list[int]], engines: int, not
         for (engine, _), layers in columns.items()
     ]
     lines = ["| value | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    for row, value in enumerate(ALL_VALUES):
+    for row, value in enumerate(DECODER_VALUES):
         lines.append(f"| `{value.key}` | " + " | ".join(notes.cell(*cells[row]) for _, cells in columns) + " |")
     return lines
 
@@ -173,7 +176,7 @@ def family_pages() -> dict[str, str]:
     pages = {}
     rows = [
         INDEX_HEADER + f"Generated with transformers {__version__}.\n",
-        f"| family | model types | layouts | values served (default layout, of {len(ALL_VALUES)}) | in short |",
+        f"| family | model types | layouts | values served (default layout, of {len(DECODER_VALUES)}) | in short |",
         "|---|---|---|---|---|",
     ]
     for family, model_types in _families().items():
@@ -196,7 +199,7 @@ def values_table() -> str:
     lines = [VALUES_MARKERS[0], "| on | value | cache name | layout | what it is |", "|---|---|---|---|---|"]
     for value in ALL_VALUES:
         layout = ", ".join(value.axes)
-        lines.append(f"| `{HOSTS[value.scope]}` | `{value.name}` | `{value.short}` | {layout} | {value.meaning} |")
+        lines.append(f"| `{HOSTS[value.scope]}` | `{value.attribute}` | `{value.short}` | {layout} | {value.meaning} |")
     return "\n".join([*lines, VALUES_MARKERS[1]]) + "\n"
 
 

@@ -55,7 +55,7 @@ def knock_out(model, layer: int, queries=None, keys=None, heads: Iterable[int] |
     """Inside a trace (or one step of a generation): remove the edges `queries` -> `keys` from `layer`'s pattern, on
     `heads` (default all: the whole layer). See the module docstring."""
     attn = model.layers[layer].self_attn
-    access = attn.interleaver.attnlens  # the model's Access, also in vLLM's worker where the body runs
+    access = attn.interleaver.attnlens.of(attn)  # the model's Access, also in vLLM's worker where the body runs
     layer = access.check_layer(layer)
     reason = knock_out_reason(access, layer)
     if reason is not None:

@@ -146,7 +146,7 @@ class Context:
 
     @property
     def access(self):
-        return self.attn.interleaver.attnlens
+        return self.attn.interleaver.attnlens.of(self.attn)
 
     def rows(self) -> list[int]:
         """The chosen query rows of this prompt, as positions (rows past its length are left out)."""

@@ -41,7 +41,7 @@ class UnpaddedPattern(RebuiltPattern):
 
 
 def _v_width(envoy):
-    return envoy.interleaver.attnlens.config.v_head_dim
+    return envoy.interleaver.attnlens.of(envoy).config.v_head_dim
 
 
 def _unpadded(envoy, heads):

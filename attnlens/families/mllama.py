@@ -43,12 +43,12 @@ class Mllama(Llama):
         return {**super().renames(engine), "cross_attn": "self_attn"}  # so layers[i].self_attn exists on every block
 
     @staticmethod
-    def cross_attention(config, layer: int) -> bool:
+    def cross_attention_block(config, layer: int) -> bool:
         return layer in (config.get_text_config(decoder=True).cross_attention_layers or [])
 
     def layer_kind(self, config, layer):
         kind = super().layer_kind(config, layer)
-        return kind | {"cross"} if self.cross_attention(config, layer) else kind
+        return kind | {"cross"} if self.cross_attention_block(config, layer) else kind
 
     def kind_locations(self, kind, config, engine):
         locations = super().kind_locations(kind, config, engine)

@@ -37,7 +37,7 @@ class Context(Protocol):
 def context(envoy) -> Context:
     """The engine's context of the model `envoy` belongs to: attached to nnsight's interleaver when the engine loads
     (`attach`), so a location reaches it from any envoy of the model, in the client and in vLLM's worker alike."""
-    return envoy.interleaver.attnlens
+    return envoy.interleaver.attnlens.of(envoy)
 
 
 def attach(interleaver, found: Context) -> None:

@@ -30,7 +30,7 @@ from .vllm import VLLMLayout
 
 
 def _split_heads(envoy, flat):
-    access = envoy.interleaver.attnlens
+    access = envoy.interleaver.attnlens.of(envoy)
     return flat.unflatten(-1, (-1, access.geometry(access.layer_of(envoy)).head_dim))
 
 

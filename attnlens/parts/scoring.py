@@ -136,6 +136,23 @@ class ScoreFunction:
         mask = self.mask(*sizes, config, layer, key_mask, scores.dtype, scores.device)
         return scores.add_(mask)
 
+    def cross_scores(
+        self,
+        heads: HeadGeometry,
+        config,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        layer: int,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """An encoder-decoder's cross-attention scores: the decoder's queries against the encoder's keys, scaled, no
+        causal mask or window (every query sees every source position), masked only where the source is padding
+        (`key_mask` [batch, source])."""
+        scores = self.products(queries, keys).mul_(heads.scale)
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :].bool(), torch.finfo(scores.dtype).min)
+        return scores
+
     def products(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Each query head's dot products with its key/value head's keys, `[batch, heads, query, key]`. Where the heads
         pair as `repeat_kv` pairs them by default (each key/value head's query heads in a row), a key/value head's

@@ -1,0 +1,169 @@
+"""Models of two stacks of blocks: an encoder-decoder (BART, Marian, Whisper), as `StandardizedSeq2Seq`.
+
+Each stack is served as a decoder-only model is: a `Family` of its own (paths from the stack's module), an `Access`
+of its own (`support()`, `order()`, every read and write), the same envoys (`layers[i]`, `.self_attn`, `.mlp`).
+The decoder's family names its blocks' cross-attention (`Family.cross_attention`), whose values are the attention
+values again on `model.decoder.layers[i].cross_attn`. One nnsight interleaver runs the whole model, so what it
+attaches is `Stacks`, which hands each envoy to its stack's access; forward order runs through both stacks, the
+encoder's blocks before the decoder's.
+
+    model = attnlens.StandardizedSeq2Seq(bart, tokenizer=tokenizer)
+    with model.trace(source_ids, decoder_input_ids=target_ids):
+        pattern = model.encoder.layers[0].self_attn.attention_probabilities.save()
+        alignment = model.decoder.layers[-1].cross_attn.attention_probabilities.save()
+        logits = model.logits.save()
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from nnsight import TransformersModel
+from nnsight.intervention.envoy import Envoy
+
+from .access import Access, Stacks, access_of
+from .envoys import Helpful, envoy_classes, value_property
+from .family import EncoderDecoder, Family
+from .locations import attach
+from .registry import encoder_decoder_for
+from .standardized import quiet_pipeline
+from .support import Support
+from .values import ALL_VALUES, BY_NAME
+
+#: The stacks of an encoder-decoder, in the order they run.
+STACKS = ("encoder", "decoder")
+
+
+def _stack_values(scope_names: tuple[str, ...]) -> dict[str, property]:
+    return {value.attribute: value_property(value) for value in ALL_VALUES if value.name in scope_names}
+
+
+class StackEnvoy(Helpful, Envoy):
+    """`model.encoder`, `model.decoder`: a stack of blocks, with its `layers`, its own values (`embeddings`,
+    `final_norm_output`), `support(i)`, `order(i)` and `num_layers`, as a decoder-only model has them."""
+
+    @property
+    def num_layers(self) -> int:
+        return access_of(self).num_layers
+
+    @property
+    def family(self) -> Family:
+        """The stack's family (the decoder's names the cross-attention)."""
+        return access_of(self).family
+
+    @property
+    def config(self) -> Any:
+        return access_of(self).config
+
+    def support(self, layer: int = 0) -> Support:
+        """Which values block `layer` of this stack serves and, for each it doesn't, why."""
+        return access_of(self).support(layer)
+
+    def order(self, layer: int = 0) -> dict[str, int]:
+        """Forward-order rank of every value of block `layer` of this stack."""
+        return access_of(self).order(layer)
+
+
+for _name, _property in _stack_values(("embeddings", "final_norm_output")).items():
+    setattr(StackEnvoy, _name, _property)
+
+
+def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
+    """The model object: a hub name or folder loaded as a speech or text sequence-to-sequence model."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs})
+    speech = config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    loader = AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
+    return loader.from_pretrained(model, **{"dtype": torch.float32, **kwargs})
+
+
+class StandardizedSeq2Seq(Helpful, TransformersModel):
+    """A transformers encoder-decoder (`AutoModelForSeq2SeqLM`, `AutoModelForSpeechSeq2Seq`) under nnsight, with the
+    standardized values on `encoder.layers[i]` and `decoder.layers[i]` (`.self_attn`, `.mlp`, and the decoder's
+    `.cross_attn`), and the logits on the model.
+
+    `model` is a hub name, a local folder or a model object already loaded; `family` an `EncoderDecoder` (class or
+    instance) in place of the registered one. Pass the decoder's tokens as `decoder_input_ids=` to `trace` (BART
+    shifts the input right where none are given); `generate` runs the encoder once and the decoder every step.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, family: Any = None, **kwargs: Any) -> None:
+        model = _loaded(model, kwargs)
+        if not getattr(model.config, "is_encoder_decoder", False):
+            raise TypeError(
+                f"{type(model).__name__} is not an encoder-decoder (config.is_encoder_decoder is not set): serve a "
+                f"decoder-only model with attnlens.StandardizedTransformer, an encoder with "
+                f"attnlens.StandardizedEncoder"
+            )
+        found = encoder_decoder_for(model.config.model_type) if family is None else family
+        self.family: EncoderDecoder = found() if isinstance(found, type) else found
+        envoys: dict[str, type] = {}
+        for name in STACKS:
+            envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})
+        if tokenizer is None and not model.config._name_or_path:
+            raise ValueError(
+                "no tokenizer came with this model (a model object built in Python): pass tokenizer= (a "
+                "transformers tokenizer; attnlens.models.char_tokenizer() for token ids)"
+            )
+        with quiet_pipeline():
+            super().__init__(
+                model,
+                tokenizer=tokenizer,
+                rename=self.family.renames(),
+                envoys=envoys,
+                task="text-generation",
+                **kwargs,
+            )
+        self.stacks: dict[str, Access] = {}
+        first_block = 0
+        for name in STACKS:
+            family, stack = self.family.stack(name), getattr(self, name)
+            count = len(stack.layers)
+            access = Access(
+                family, self.config, count, "transformers", self._geometry_of(name), stack=name, first_block=first_block
+            )
+            self.stacks[name] = access
+            first_block += count + 2  # the stack's own values before and after its blocks
+            stack._module.register_forward_pre_hook(self._count_tokens(access), with_kwargs=True)
+        before = {getattr(self, name).path: self.stacks[name] for name in STACKS[:-1]}
+        attach(self.interleaver, Stacks({**before, "": self.stacks[STACKS[-1]]}))
+
+    def _geometry_of(self, stack: str):
+        def geometry(layer: int):
+            family = self.stacks[stack].family
+            return family.sizes.geometry(getattr(self, stack).layers[layer].self_attn._module, family)
+
+        return geometry
+
+    @staticmethod
+    def _count_tokens(access: Access):
+        """Before each forward of a stack: how many tokens its sequence holds once it has run (the decoder's cache's,
+        then this step's)."""
+
+        def count(module, args, kwargs) -> None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            if tokens is None:
+                tokens = kwargs.get("inputs_embeds")
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            cache = getattr(cache, "self_attention_cache", cache)
+            seen = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+            access.tokens_seen = None if tokens is None else seen + tokens.shape[1]
+
+        return count
+
+    @property
+    def num_layers(self) -> dict[str, int]:
+        """Blocks per stack."""
+        return {name: access.num_layers for name, access in self.stacks.items()}
+
+    def support(self, layer: int = 0, stack: str = "decoder") -> Support:
+        """`model.decoder.support(layer)` (or `stack="encoder"`), with the model named."""
+        return replace(self.stacks[stack].support(layer), model=self)
+
+    logits = value_property(BY_NAME["logits"])

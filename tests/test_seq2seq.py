@@ -1,0 +1,219 @@
+"""Encoder-decoders (`StandardizedSeq2Seq`): every type attnlens serves, built tiny, against transformers' own attention
+(`output_attentions`: the encoder's, the decoder's and the cross-attentions), the identities on both stacks, every
+unserved value's reason, generation step by step, padding, an edit recomputed by hand, and the refusals between the
+model classes."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import attnlens
+from attnlens.checks import failures, read_stacks
+from attnlens.registry import encoder_decoders
+from attnlens.values import ALL_VALUES, SUBLAYER_OF
+
+TYPES = sorted(encoder_decoders())
+SOURCE = torch.tensor([[5, 6, 7, 8, 9, 10]])
+TARGET = torch.tensor([[2, 11, 12, 13]])
+_models: dict = {}
+
+
+def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
+    if model_type not in _models:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _models[model_type] = attnlens.models.tiny_seq2seq(model_type)
+    return _models[model_type]
+
+
+def source(model_type: str, batch: int = 1) -> dict:
+    """The encoder's input: token ids, or Whisper's log-mel frames (two per encoder position)."""
+    if model_type == "whisper":
+        torch.manual_seed(1)
+        return {"input_features": torch.randn(batch, 16, 64)}
+    return {"input_ids": SOURCE.expand(batch, -1)}
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_value_of_both_stacks_equals_transformers_and_the_identities_hold(model_type):
+    model = tiny(model_type)
+    saved = read_stacks(model, **source(model_type), decoder_input_ids=TARGET)
+    for name in model.stacks:
+        stack = getattr(model, name)
+        assert [failures(stack, saved[name], layer) for layer in range(stack.num_layers)] == [[], []], name
+    with torch.no_grad():
+        reference = model._module(
+            **source(model_type), decoder_input_ids=TARGET, output_attentions=True, output_hidden_states=True
+        )
+    encoder, decoder = saved["encoder"], saved["decoder"]
+    for layer in range(2):
+        assert torch.equal(encoder[(layer, "attention_probabilities")], reference.encoder_attentions[layer])
+        assert torch.equal(decoder[(layer, "attention_probabilities")], reference.decoder_attentions[layer])
+        assert torch.equal(decoder[(layer, "cross_attention_probabilities")], reference.cross_attentions[layer])
+        assert torch.equal(decoder[(layer, "layer_input")], reference.decoder_hidden_states[layer])
+    assert torch.equal(decoder["logits"], reference.logits)
+    # the bidirectional encoder: an earlier position reads a later one; the causal decoder: never
+    assert (encoder[(0, "attention_probabilities")][..., 0, 1:] > 0).all()
+    assert (decoder[(0, "attention_probabilities")][..., 0, 1:] == 0).all()
+    # the cross keys are the encoder's output projected: one per source position
+    length = reference.encoder_last_hidden_state.shape[1]
+    assert decoder[(0, "cross_attention_keys")].shape[2] == length
+
+
+@pytest.mark.parametrize("model_type", ["bart", "mbart"])
+def test_every_unserved_value_raises_the_reason_support_gives(model_type):
+    model = tiny(model_type)
+    for name in model.stacks:
+        stack = getattr(model, name)
+        report = stack.support(0)
+        unserved = [v for v in ALL_VALUES if v.key in report.reasons and v.scope != "model" and report[v.key]]
+        assert unserved, "each stack leaves some values unserved (the KV cache values at least)"
+        for value in unserved:
+            said = []  # (a name bound inside a trace body does not outlive it; a list from outside does)
+            with model.trace(**source(model_type), decoder_input_ids=TARGET):
+                block = stack.layers[0]
+                host = getattr(block, SUBLAYER_OF[value.scope]) if value.scope in SUBLAYER_OF else block
+                try:
+                    getattr(host, value.attribute)
+                except attnlens.Unavailable as error:
+                    said.append(str(error))
+            assert said and said[0].endswith(report[value.key]), (name, value.key, said)
+            assert said[0].startswith(f"{name}.layers[0].{value.key}")
+    encoder_report = model.encoder.support(0)
+    assert "cross_attn.attention_probabilities" not in encoder_report.reasons, "an encoder block has no cross_attn"
+    assert model.decoder.support(0)["cross_attn.attention_probabilities"] is None
+
+
+def test_generation_serves_the_cross_attention_of_every_step_as_transformers_returns_it():
+    model = tiny("bart")
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    patterns, keys = [], []
+    with torch.no_grad(), model.generate(SOURCE, **kwargs) as tracer:
+        for _ in tracer.iter[0:3]:
+            cross = model.decoder.layers[1].cross_attn
+            keys.append(cross.attention_keys.save())
+            patterns.append(cross.attention_probabilities.save())
+        tokens = tracer.result.save()
+    with torch.no_grad():
+        reference = model._module.generate(SOURCE, **kwargs, output_attentions=True, return_dict_in_generate=True)
+    assert torch.equal(tokens, reference.sequences)
+    assert [p.shape for p in patterns] == [(1, 4, 1, SOURCE.shape[1])] * 3
+    for pattern, step in zip(patterns, reference.cross_attentions):
+        assert torch.allclose(pattern, step[1], atol=1e-6)
+    assert all(torch.equal(k, keys[0]) for k in keys), "the cross keys are computed once and cached"
+
+
+def test_source_padding_is_masked_in_the_cross_attention_and_the_score_function_reproduces_it():
+    model = tiny("bart")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 0, 0, 0]])
+    mask = (ids != 0).long()
+    target = TARGET.expand(2, -1)
+    with torch.no_grad(), model.trace(input_ids=ids, attention_mask=mask, decoder_input_ids=target):
+        cross = model.decoder.layers[0].cross_attn
+        queries, keys = cross.attention_queries.save(), cross.attention_keys.save()
+        scores, pattern = cross.attention_scores.save(), cross.attention_probabilities.save()
+    with torch.no_grad():
+        reference = model._module(input_ids=ids, attention_mask=mask, decoder_input_ids=target, output_attentions=True)
+    assert torch.equal(pattern, reference.cross_attentions[0])
+    assert (pattern[1, :, :, 3:] == 0).all() and (pattern[1, :, :, :3] > 0).all()
+    score_function = model.decoder.family.score_function()
+    heads = model.decoder.layers[0].cross_attn.heads
+    rebuilt = score_function.cross_scores(heads, model.config, queries, keys, 0, mask)
+    assert torch.allclose(rebuilt, scores)
+
+
+def test_a_cross_attention_head_ablated_moves_the_logits_as_a_hook_predicts():
+    """Zeroing head 1 of the last decoder block's cross-attention equals zeroing its slice of what the attention
+    function returns, by a hook on `out_proj`'s input."""
+    model = tiny("mbart")
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        heads = model.decoder.layers[1].cross_attn.attention_head_outputs
+        heads[:, :, 1] = 0
+        logits = model.logits.save()
+
+    def zero_head(module, args):
+        merged = args[0].clone()
+        merged.view(*merged.shape[:2], 4, 16)[:, :, 1] = 0
+        return (merged,)
+
+    inner = model._module
+    handle = inner.model.decoder.layers[1].encoder_attn.out_proj.register_forward_pre_hook(zero_head)
+    try:
+        with torch.no_grad():
+            expected = inner(SOURCE, decoder_input_ids=TARGET).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = inner(SOURCE, decoder_input_ids=TARGET).logits
+    assert torch.allclose(logits, expected, atol=1e-5)
+    assert not torch.allclose(logits, plain, atol=1e-3)
+
+
+def test_the_identities_catch_a_miswired_stack():
+    """A decoder family that scales the scores as Whisper's pre-scaled queries need (by 1.0), or that attends both
+    ways, fails the identities on mBART's decoder: they are not identities that hold whatever is read."""
+    from attnlens.families.bart import PreNormBart, PreNormDecoder, WhisperScaling
+    from attnlens.parts import scoring
+
+    class Bidirectional(PreNormDecoder):
+        class ScoreFunction(scoring.ScoreFunction):
+            def causal(self, config):
+                return False
+
+    miswired = {
+        "Unscaled": ({"decoder": type("Unscaled", (WhisperScaling, PreNormDecoder), {})}, "scores =="),
+        "Bidirectional": ({"decoder": Bidirectional}, "visible entries positive"),
+    }
+    inner = attnlens.models.tiny_seq2seq_model("mbart")
+    for name, (stacks, failed) in miswired.items():
+        family = type(name, (PreNormBart,), stacks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = attnlens.StandardizedSeq2Seq(inner, tokenizer=attnlens.models.char_tokenizer(), family=family)
+        saved = read_stacks(model, SOURCE, decoder_input_ids=TARGET)
+        found = failures(model.decoder, saved["decoder"], 0)
+        assert any(failure.startswith(failed) for failure in found), (name, found)
+        assert failures(model.encoder, saved["encoder"], 0) == []
+
+
+def test_reading_the_encoder_after_the_decoder_is_an_order_error_naming_both():
+    model = tiny("bart")
+    with pytest.raises(attnlens.OrderError) as raised:
+        with model.trace(SOURCE, decoder_input_ids=TARGET):
+            model.decoder.layers[0].layer_input.save()
+            model.encoder.layers[1].layer_output.save()
+    assert "encoder.layers[1].layer_output" in str(raised.value)
+    assert model.encoder.order(0)["self_attn.attention_probabilities"] < model.encoder.order(0)["layer_output"]
+
+
+def test_each_model_class_refuses_the_others_models_naming_the_right_one():
+    bart = tiny("bart")._module
+    with pytest.raises(TypeError, match="StandardizedSeq2Seq"):
+        attnlens.StandardizedTransformer(bart, tokenizer=attnlens.models.char_tokenizer())
+    llama = attnlens.models.tiny_model("llama")
+    with pytest.raises(TypeError, match="StandardizedTransformer"):
+        attnlens.StandardizedSeq2Seq(llama, tokenizer=attnlens.models.char_tokenizer())
+    causal_bert = attnlens.models.tiny_model("bert")
+    with pytest.raises(TypeError, match="attends causally"):
+        attnlens.StandardizedEncoder(causal_bert, tokenizer=attnlens.models.char_tokenizer())
+    with pytest.raises(attnlens.Unavailable, match="no cross-attention"):
+        model = attnlens.models.tiny("llama")
+        with model.trace("Hello"):
+            model.layers[0].cross_attn.attention_probabilities.save()
+
+
+def test_an_encoder_serves_bidirectional_attention_as_standardized_encoder():
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=128
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    inner = transformers.BertForMaskedLM(config).eval()
+    model = attnlens.StandardizedEncoder(inner, tokenizer=attnlens.models.char_tokenizer())
+    with torch.no_grad(), model.trace("Hello"):
+        pattern = model.layers[0].self_attn.attention_probabilities.save()
+    assert (pattern[..., 0, 1:] > 0).all()
+    with pytest.raises(ValueError, match="not an encoder head"):
+        attnlens.StandardizedEncoder(inner, head="causal_lm")
