@@ -271,7 +271,8 @@ class Family(Anchored, OldSpelling):
         reasons = {}
         implementation = getattr(config, "_attn_implementation", "eager")
         if engine == "transformers" and implementation != "eager":
-            for name in self.eager.only:
+            crossed = [f"cross_{name}" for name in self.eager.only] if self.cross_attention else []
+            for name in (*self.eager.only, *crossed):
                 reasons[name] = (
                     f"read inside transformers' eager attention function, but this model runs "
                     f"{implementation!r}, which never forms it; load with attn_implementation='eager'"

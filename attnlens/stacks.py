@@ -23,6 +23,7 @@ import torch
 from nnsight import TransformersModel
 from nnsight.intervention.envoy import Envoy
 
+from . import verification
 from .access import Access, Stacks, access_of
 from .envoys import Helpful, envoy_classes, value_property
 from .family import EncoderDecoder, Family
@@ -94,6 +95,12 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, family: Any = None, **kwargs: Any) -> None:
+        if tokenizer is None and not isinstance(model, torch.nn.Module):  # the checkpoint's, beside its weights
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs}
+            )
         model = _loaded(model, kwargs)
         if not getattr(model.config, "is_encoder_decoder", False):
             raise TypeError(
@@ -133,6 +140,8 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             stack._module.register_forward_pre_hook(self._count_tokens(access), with_kwargs=True)
         before = {getattr(self, name).path: self.stacks[name] for name in STACKS[:-1]}
         attach(self.interleaver, Stacks({**before, "": self.stacks[STACKS[-1]]}))
+        for name in STACKS:  # every module path, size and operation each stack's family names, found in the model
+            verification.resolve(getattr(self, name))
 
     def _geometry_of(self, stack: str):
         def geometry(layer: int):

@@ -26,7 +26,7 @@ from .errors import AttnlensError, Miswired
 from .family import MODULE_PATHS, token_embeddings
 from .locations import Location, child
 from .parts.identities import overrides
-from .values import BY_NAME
+from .values import BY_NAME, SUBLAYER_OF
 
 #: The axes of a layout read off the attention's head sizes (`Sizes`): a layer serving a value laid out along one of
 #: them has heads to read (a mixer layer, a Mamba layer has none).
@@ -152,8 +152,8 @@ def resolve(model) -> None:
         served = family.locations_for(config, layer)
         for value, location in served.items():
             scope = BY_NAME[value].scope if value in BY_NAME else "attention"
-            if scope not in hosts:  # the attention or the MLP, found once a value is read on it
-                role, standard = ("attention", "self_attn") if scope == "attention" else ("mlp", "mlp")
+            if scope not in hosts:  # a sublayer (attention, cross-attention, MLP), found once a value is read on it
+                role, standard = scope, SUBLAYER_OF[scope]
                 hosts[scope] = getattr(block, standard, None)
                 if not isinstance(hosts[scope], Envoy):  # nothing renamed to it: the path is not there
                     raise Miswired(

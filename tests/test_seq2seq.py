@@ -217,3 +217,28 @@ def test_an_encoder_serves_bidirectional_attention_as_standardized_encoder():
     assert (pattern[..., 0, 1:] > 0).all()
     with pytest.raises(ValueError, match="not an encoder head"):
         attnlens.StandardizedEncoder(inner, head="causal_lm")
+
+
+def test_a_family_naming_a_module_the_model_lacks_is_refused_at_load():
+    from attnlens.families.bart import Bart, BartDecoder
+
+    class Misnamed(Bart):
+        decoder = type("MisnamedDecoder", (BartDecoder,), {"cross_attention": "cross_attention"})
+
+    inner = attnlens.models.tiny_seq2seq_model("bart")
+    with pytest.raises(attnlens.Miswired, match="cross_attention = 'cross_attention' names no module"):
+        attnlens.StandardizedSeq2Seq(inner, tokenizer=attnlens.models.char_tokenizer(), family=Misnamed)
+
+
+def test_a_folder_loads_by_path_with_its_tokenizer(tmp_path):
+    """A saved encoder-decoder (as a hub download lands) loads as `AutoModelForSeq2SeqLM` builds it."""
+    inner = attnlens.models.tiny_seq2seq_model("bart")
+    inner.save_pretrained(tmp_path)
+    attnlens.models.char_tokenizer().save_pretrained(tmp_path)
+    model = attnlens.StandardizedSeq2Seq(str(tmp_path))
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        logits = model.logits.save()
+    with torch.no_grad():  # loaded at transformers' default attention (sdpa): equal up to its rounding
+        assert torch.allclose(logits, inner(SOURCE, decoder_input_ids=TARGET).logits, atol=1e-5)
+    assert model.num_layers == {"encoder": 2, "decoder": 2}
+    assert model.decoder.support(0)["cross_attn.attention_probabilities"].startswith("read inside transformers' eager")

@@ -60,6 +60,8 @@ class Anchored:
             scope = BY_NAME[name].scope if name in BY_NAME else "attention"
             if scope == "mlp":  # read on the MLP's envoy, so relative to the MLP module
                 scopes.setdefault("mlp", layer_module.get_submodule(self.mlp))
+            if scope == "cross_attention":  # read on the cross-attention's envoy
+                scopes.setdefault(scope, layer_module.get_submodule(self.cross_attention))
             host = scopes.get(scope, layer_module)
             for part in filter(None, location.module.split(".")):
                 host = getattr(host, part)
