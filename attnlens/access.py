@@ -209,12 +209,10 @@ class Access:
     def support(self, layer: int = 0) -> Support:
         layer = self.check_layer(layer)
         reasons = self.reasons(layer)
-        crossed = self.family.cross_attention is not None  # a decoder-only block's vocabulary has no cross-attention
-        report = {
-            value.key: reasons.get(value.name)
-            for value in LAYER_VALUES
-            if crossed or value.name not in WITH_CROSS_ATTENTION
-        }
+        report = {value.key: reasons.get(value.name) for value in LAYER_VALUES}
+        omitted = {}
+        if self.family.cross_attention is None:  # a decoder-only block's vocabulary has no cross-attention
+            omitted = {value.key: report.pop(value.key) for value in LAYER_VALUES if value.name in WITH_CROSS_ATTENTION}
         report.update(
             {value.name: self.reasons(None).get(value.name) for value in ALL_VALUES if value.scope == "model"}
         )
@@ -233,6 +231,7 @@ class Access:
             engine=self.engine,
             reasons=report,
             notes={key: note for key, note in keyed.items() if report.get(key) is None},
+            omitted=omitted,
         )
 
     def order(self, layer: int = 0) -> dict[str, int]:

@@ -168,7 +168,7 @@ def failures(model, saved, layer):
         return all(name in v for name in names)
 
     if has("attention_queries", "attention_keys", "attention_values", "attention_probabilities"):
-        check += _attention_failures(model, module, layer, v, batch, length)
+        check += _attention_failures(model, module, layer, v, batch, length, saved)
     if has("attention_head_outputs", "attention_premix"):
         heads = v["attention_head_outputs"]
         if "attention_gate" in v:  # gated heads: the gate multiplies each head's output before the merge
@@ -269,7 +269,7 @@ def failures(model, saved, layer):
     return list(check)
 
 
-def _attention_failures(model, module, layer, v, batch, length):
+def _attention_failures(model, module, layer, v, batch, length, saved):
     f = model.family
     attn = model.layers[layer].self_attn
     q, k, vals = v["attention_queries"], v["attention_keys"], v["attention_values"]
@@ -295,6 +295,10 @@ def _attention_failures(model, module, layer, v, batch, length):
     if probs.shape[-2:] == allowed.shape:
         check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
         check("visible entries positive", bool((probs[..., allowed] > 0).all()))
+    if "attention_position_bias" in v:  # computed by the block, or handed on from the stack's first
+        own = rebuilt(oracle.position_bias, module, length, length)
+        first = saved.get((0, "attention_position_bias"))
+        check("position bias == the family's", own if own is not None else first, v["attention_position_bias"])
     if "attention_scores" in v:
         scores = v["attention_scores"]
         check("scores shape", tuple(probs.shape), scores.shape)

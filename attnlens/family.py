@@ -144,6 +144,8 @@ class Family(Anchored, OldSpelling):
     absent: ClassVar[dict[str, str]] = {
         "attention_sinks": "no sink logit: every row of the pattern sums to one",
         "attention_gate": "no output gate: the merged head outputs are the premix",
+        "attention_position_bias": "no position bias: the scores are the queries' products with the keys (scaled, "
+        "masked), and positions enter through the queries and keys",
         **dict.fromkeys(
             sorted(WITH_CROSS_ATTENTION),
             "no cross-attention: the block attends to its own sequence only (an encoder-decoder's decoder blocks "

@@ -38,6 +38,9 @@ class Support(Mapping[str, str | None]):
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
     #: The engine's model the report is of (set by the engines; None in vLLM's worker): the analyses are asked of it.
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: Values of the catalogue outside this block's vocabulary (a decoder-only block's cross-attention), with the
+    #: reason: `report[key]` answers them, the table and iteration leave them out.
+    omitted: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def analyses(self) -> dict[str, str | None]:
@@ -50,6 +53,8 @@ class Support(Mapping[str, str | None]):
         return found
 
     def __getitem__(self, key: str) -> str | None:
+        if key in self.omitted:
+            return self.omitted[key]
         if key not in self.reasons:
             raise KeyError(f"{key!r} is not a standardized value; known: {', '.join(self.reasons)}")
         return self.reasons[key]

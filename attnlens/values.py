@@ -173,6 +173,15 @@ LAYER_VALUES = (
         "the keys the step attends over (on a sliding-window layer, the window's)",
     ),
     Value(
+        "attention_position_bias",
+        "pos_bias",
+        "attention",
+        "batch num_heads query key",
+        "a term the attention adds to the scores before the softmax that the queries and keys do not give: T5's "
+        "bucketed relative position bias, learned in the first block and shared by the others (batch axis of one); "
+        "assigning it moves the scores",
+    ),
+    Value(
         "attention_scores",
         "attn_scores",
         "attention",

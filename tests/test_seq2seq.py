@@ -62,7 +62,7 @@ def test_every_value_of_both_stacks_equals_transformers_and_the_identities_hold(
     assert decoder[(0, "cross_attention_keys")].shape[2] == length
 
 
-@pytest.mark.parametrize("model_type", ["bart", "mbart"])
+@pytest.mark.parametrize("model_type", ["bart", "mbart", "t5"])
 def test_every_unserved_value_raises_the_reason_support_gives(model_type):
     model = tiny(model_type)
     for name in model.stacks:
@@ -86,8 +86,9 @@ def test_every_unserved_value_raises_the_reason_support_gives(model_type):
     assert model.decoder.support(0)["cross_attn.attention_probabilities"] is None
 
 
-def test_generation_serves_the_cross_attention_of_every_step_as_transformers_returns_it():
-    model = tiny("bart")
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_generation_serves_the_cross_attention_of_every_step_as_transformers_returns_it(model_type):
+    model = tiny(model_type)
     kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
     patterns, keys = [], []
     with torch.no_grad(), model.generate(SOURCE, **kwargs) as tracer:
@@ -198,8 +199,12 @@ def test_each_model_class_refuses_the_others_models_naming_the_right_one():
     causal_bert = attnlens.models.tiny_model("bert")
     with pytest.raises(TypeError, match="attends causally"):
         attnlens.StandardizedEncoder(causal_bert, tokenizer=attnlens.models.char_tokenizer())
+    model = attnlens.models.tiny("llama")
+    reason = model.support(0)["cross_attn.attention_probabilities"]  # answered, though the table leaves it out
+    assert reason.startswith("no cross-attention") and "cross_attn.attention_probabilities" not in list(
+        model.support(0)
+    )
     with pytest.raises(attnlens.Unavailable, match="no cross-attention"):
-        model = attnlens.models.tiny("llama")
         with model.trace("Hello"):
             model.layers[0].cross_attn.attention_probabilities.save()
 
@@ -242,3 +247,34 @@ def test_a_folder_loads_by_path_with_its_tokenizer(tmp_path):
         assert torch.allclose(logits, inner(SOURCE, decoder_input_ids=TARGET).logits, atol=1e-5)
     assert model.num_layers == {"encoder": 2, "decoder": 2}
     assert model.decoder.support(0)["cross_attn.attention_probabilities"].startswith("read inside transformers' eager")
+
+
+def test_t5s_position_bias_is_a_value_an_edit_of_which_moves_the_scores_and_the_logits():
+    """Layer 0 of T5's encoder computes the bucketed bias (the identities check it against `compute_bias`); adding
+    one to head 2's bias at every query-key pair adds one to its scores, leaves its pattern (a constant per row),
+    and doubling it moves the pattern and the logits."""
+    model = tiny("t5")
+    attention = model.encoder.layers[0].self_attn
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        bias = attention.attention_position_bias.save()
+        scores = attention.attention_scores.save()
+        pattern = attention.attention_probabilities.save()
+        logits = model.logits.save()
+    assert bias.shape == (1, 4, SOURCE.shape[1], SOURCE.shape[1])
+    shifted = bias.clone()
+    shifted[:, 2] += 1.0
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        attention.attention_position_bias = shifted
+        moved_scores = attention.attention_scores.save()
+        moved_pattern = attention.attention_probabilities.save()
+        same_logits = model.logits.save()
+    assert torch.allclose(moved_scores - scores, (shifted - bias).expand_as(scores), atol=1e-5)
+    assert torch.allclose(moved_pattern, pattern, atol=1e-6) and torch.allclose(same_logits, logits, atol=1e-5)
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        attention.attention_position_bias = bias * 2
+        doubled = attention.attention_scores.save()
+        moved_logits = model.logits.save()
+    assert torch.allclose(doubled - scores, bias.expand_as(scores), atol=1e-5)
+    assert not torch.allclose(moved_logits, logits, atol=1e-4)
+    assert model.encoder.support(0)["self_attn.attention_position_bias"] is None
+    assert model.encoder.support(0).notes["self_attn.attention_position_bias"].startswith("[1, num_heads")

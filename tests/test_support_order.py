@@ -62,7 +62,7 @@ def test_support_is_a_mapping_and_prints_as_a_table():
     report = tiny("llama").support(layer=0)
     listed = [v for v in attnlens.values.ALL_VALUES if v.name not in attnlens.values.WITH_CROSS_ATTENTION]
     assert next(iter(report)) == "layer_input" and len(report) == len(listed)  # no cross-attention here
-    absent = ["self_attn.attention_sinks", "self_attn.attention_gate"]  # Llama has neither
+    absent = ["self_attn.attention_position_bias", "self_attn.attention_sinks", "self_attn.attention_gate"]
     assert report.available == [key for key in report if key not in absent]
     assert "sums to one" in report["self_attn.attention_sinks"]
     text = str(report)

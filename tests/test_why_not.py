@@ -16,15 +16,13 @@ import transformers
 
 import attnlens
 from attnlens.models import char_tokenizer
-from attnlens.values import ALL_VALUES
+from attnlens.values import ALL_VALUES, SUBLAYER_OF
 
 #: 2 prompts of 6 token ids clear of pad, bos and eos: past the survey's sliding windows (4), and sizes no tiny model's
 #: hidden size or head count takes, so a swapped axis shows.
 TOKENS = torch.arange(3, 9).repeat(2, 1)
 #: The axes whose size the input fixes, on a prefill.
 SIZES = {"batch": 2, "seq": 6, "query": 6, "key": 6}
-#: Where each scope's values are read, below `model.layers[i]`.
-from attnlens.values import SUBLAYER_OF as SUBLAYER  # noqa: E402
 
 
 def surveyed() -> tuple:
@@ -48,7 +46,7 @@ def host(model, scope: str, layer: int | None):
     if scope == "model":
         return model
     block = model.layers[layer]
-    return block if scope == "layer" else getattr(block, SUBLAYER[scope])
+    return block if scope == "layer" else getattr(block, SUBLAYER_OF[scope])
 
 
 def kinds(model) -> list[int]:
@@ -68,9 +66,7 @@ def in_forward_order(model, layers: list[int]) -> list[tuple]:
     blocks = []
     for layer in layers:
         rank = model.order(layer)
-        listed = model.support(layer).reasons  # a decoder-only block's vocabulary has no cross-attention
-        values = (v for v in ALL_VALUES if v.scope != "model" and v.key in listed)
-        blocks += sorted(((v, layer) for v in values), key=lambda r: rank.get(r[0].key, -1))
+        blocks += sorted(((v, layer) for v in ALL_VALUES if v.scope != "model"), key=lambda r: rank.get(r[0].key, -1))
     return before + blocks + after
 
 
@@ -91,7 +87,7 @@ def test_every_why_not_raises_its_reason_and_every_served_value_reads(model_type
     with torch.no_grad(), model.trace(TOKENS):
         for value, layer in reads:
             try:
-                read = getattr(host(model, value.scope, layer), value.name)
+                read = getattr(host(model, value.scope, layer), value.attribute)
                 outcomes.append((value, layer, None, read))
             except Exception as error:  # noqa: BLE001  (recorded: every wrong outcome is reported at once)
                 outcomes.append((value, layer, error, None))

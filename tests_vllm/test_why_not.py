@@ -2,7 +2,7 @@
 value `support()` reports unavailable raises `attnlens.Unavailable` with exactly that reason when read inside a trace,
 in vLLM's worker, where the reads run."""
 
-from attnlens.values import ALL_VALUES
+from attnlens.values import ALL_VALUES, SUBLAYER_OF
 
 
 def test_every_unserved_value_raises_its_reason(models):
@@ -11,9 +11,9 @@ def test_every_unserved_value_raises_its_reason(models):
     for layer in range(model.num_layers):  # the first layer of each distinct report stands for its kind
         first.setdefault(tuple(model.support(layer).reasons.items()), layer)
     layers = list(first.values())
-    asked = [(None, "model", v.name, model.support(layers[0])[v.key]) for v in ALL_VALUES if v.scope == "model"]
+    asked = [(None, "model", v.attribute, model.support(layers[0])[v.key]) for v in ALL_VALUES if v.scope == "model"]
     asked += [
-        (layer, v.scope, v.name, model.support(layer)[v.key])
+        (layer, v.scope, v.attribute, model.support(layer)[v.key])
         for layer in layers
         for v in ALL_VALUES
         if v.scope != "model"
@@ -24,8 +24,8 @@ def test_every_unserved_value_raises_its_reason(models):
         for layer, scope, name, _ in asked:
             try:
                 target = model if layer is None else model.layers[layer]
-                if scope in ("attention", "mlp"):
-                    target = getattr(target, {"attention": "self_attn", "mlp": "mlp"}[scope])
+                if scope in SUBLAYER_OF:  # a decoder-only block's `cross_attn` stands in, raising the reason
+                    target = getattr(target, SUBLAYER_OF[scope])
                 getattr(target, name)
                 raised.append(None)
             except Exception as error:  # noqa: BLE001  (recorded: every wrong outcome is reported at once)

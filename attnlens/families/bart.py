@@ -23,6 +23,7 @@ from ..parts import identities, scoring
 from ..parts.sizes import Sizes, same_as
 
 POST_NORM = "BART normalises after each residual add, not before a sublayer: {what}"
+NO_CACHE = "an encoder keeps no KV cache: it runs once, over the whole input"
 
 
 class BartEncoder(Family):
@@ -95,7 +96,7 @@ class BartEncoder(Family):
             "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
             "final_norm_output": "BART's stacks have no final norm: the last block's output ends in its own "
             "final_layer_norm",
-            **dict.fromkeys(CACHE_VALUES, "an encoder keeps no KV cache: it runs once, over the whole input"),
+            **dict.fromkeys(CACHE_VALUES, NO_CACHE),
         }
     }
     kind_notes = {

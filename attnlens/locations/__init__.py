@@ -210,20 +210,21 @@ class Operation(Location):
 
     `path` names the operation and the calls drilled into on the way, outermost first:
     `("attention_interface_1", "attn_weights_1")` is the assignment `attn_weights_1` inside the function that the
-    call `attention_interface_1` runs. `part` is `"output"` (optionally one `item` of it) or `"arg"` (positional
-    argument `item`). `anchor` is text the operation's source line must contain; it is checked when a model loads,
-    so a renumbered operation fails loudly instead of serving another tensor.
+    call `attention_interface_1` runs. `part` is `"output"` (optionally one `item` of it), `"arg"` (positional
+    argument `item`) or `"kwarg"` (keyword argument `item`: T5's `position_bias`). `anchor` is text the operation's
+    source line must contain; it is checked when a model loads, so a renumbered operation fails loudly instead of
+    serving another tensor.
     """
 
     path: tuple[str, ...]
     part: str = "output"
-    item: int | None = None
+    item: int | str | None = None
     anchor: str = ""
     module: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.module}.source.{'.source.'.join(self.path)}.{'input' if self.part == 'arg' else 'output'}"
+        return f"{self.module}.source.{'.source.'.join(self.path)}.{'output' if self.part == 'output' else 'input'}"
 
     def op(self, envoy):
         op = operation(child(envoy, self.module), self.path[0])
@@ -233,21 +234,25 @@ class Operation(Location):
 
     def read(self, envoy):
         op = self.op(envoy)
-        if self.part == "arg":
-            args, _ = op.inputs
-            return args[self.item]
+        if self.part != "output":
+            args, kwargs = op.inputs
+            return kwargs[self.item] if self.part == "kwarg" else args[self.item]
         output = op.output
         return output if self.item is None else output[self.item]
 
     def write(self, envoy, value):
         op = self.op(envoy)
-        if self.part == "arg":
-            assert self.item is not None  # an argument is read by position
+        if self.part == "kwarg":
+            args, kwargs = op.inputs
+            op.inputs = (args, {**kwargs, self.item: value})
+        elif self.part == "arg":
+            assert isinstance(self.item, int)  # an argument is read by position
             args, kwargs = op.inputs
             op.inputs = (_replace_item(args, self.item, value), kwargs)
         elif self.item is None:
             op.output = value
         else:
+            assert isinstance(self.item, int)  # an output is indexed by position
             op.output = _replace_item(op.output, self.item, value)
 
 

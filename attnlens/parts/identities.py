@@ -115,7 +115,9 @@ class Identities:
     def mlp_module(self, block) -> torch.nn.Module:
         """The module that runs the MLP in `block` (the checks call `mlp_forward` and the down projection on it): the
         MLP module, or the block itself where the block calls the MLP's parts inline (OPT)."""
-        return getattr(block, self.family.mlp)
+        from ..locations import submodule
+
+        return submodule(block, self.family.mlp)  # a dotted path where the block holds its sublayers in a list (T5)
 
     def residual_add(
         self, block, sublayer: str, stream: torch.Tensor, update: torch.Tensor, **arguments
@@ -145,6 +147,11 @@ class Identities:
         """The premix from a prefill's head outputs [batch, seq, heads, head_dim] (times the gate where there is one):
         the heads concatenated, unless the family transforms each head's output first (DeepSeek-V4 rotates it back)."""
         return heads.reshape(*heads.shape[:2], -1)
+
+    def position_bias(self, module, num_queries: int, num_keys: int) -> torch.Tensor | None:
+        """The position bias `module` adds to its scores (`attention_position_bias`), computed as the forward does,
+        or None where the block does not compute its own (T5's blocks after the first are handed the first's)."""
+        return None
 
     def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
         """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
