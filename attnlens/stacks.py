@@ -26,6 +26,7 @@ from nnsight.intervention.envoy import Envoy
 from . import verification
 from .access import Access, Stacks, access_of
 from .envoys import Helpful, envoy_classes, value_property
+from .errors import UnknownFamily
 from .family import EncoderDecoder, Family
 from .locations import attach
 from .registry import encoder_decoder_for
@@ -84,6 +85,21 @@ def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
     return loader.from_pretrained(model, **{"dtype": torch.float32, **kwargs})
 
 
+def refusal(config: Any) -> str | None:
+    """Why `StandardizedSeq2Seq` does not serve a model of `config` (None: it does): not an encoder-decoder, or one
+    attnlens has no family for."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return (
+            f"a {config.model_type} model is not an encoder-decoder (config.is_encoder_decoder is not set): serve a "
+            f"decoder-only model with attnlens.StandardizedTransformer, an encoder with attnlens.StandardizedEncoder"
+        )
+    try:
+        encoder_decoder_for(config.model_type)
+    except UnknownFamily as error:
+        return str(error)
+    return None
+
+
 class StandardizedSeq2Seq(Helpful, TransformersModel):
     """A transformers encoder-decoder (`AutoModelForSeq2SeqLM`, `AutoModelForSpeechSeq2Seq`) under nnsight, with the
     standardized values on `encoder.layers[i]` and `decoder.layers[i]` (`.self_attn`, `.mlp`, and the decoder's
@@ -103,11 +119,7 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             )
         model = _loaded(model, kwargs)
         if not getattr(model.config, "is_encoder_decoder", False):
-            raise TypeError(
-                f"{type(model).__name__} is not an encoder-decoder (config.is_encoder_decoder is not set): serve a "
-                f"decoder-only model with attnlens.StandardizedTransformer, an encoder with "
-                f"attnlens.StandardizedEncoder"
-            )
+            raise TypeError(refusal(model.config))
         found = encoder_decoder_for(model.config.model_type) if family is None else family
         self.family: EncoderDecoder = found() if isinstance(found, type) else found
         envoys: dict[str, type] = {}

@@ -225,6 +225,8 @@ def layout_failures(model, saved: dict, layers: list[int]) -> list[str]:
         if name == "logits" and "vocab" not in common:  # a classifier's, over its labels: as its caller gets them
             continue
         known = dict(common)
+        if name == "embeddings":  # the token embedding's own width (ELECTRA's embedding_size, projected after it)
+            known["hidden"] = input_embeddings(root, family).weight.shape[-1]
         if layer is not None and model.support(layer)["self_attn.attention_queries"] is None:
             heads = model.access.geometry(layer)
             known.update(

@@ -97,3 +97,43 @@ def test_support_says_what_the_encoder_is():
     assert report["attention_norm_output"].startswith("BERT normalises after each residual add")
     causal = attnlens.models.tiny("bert").support(0)
     assert causal.notes["self_attn.attention_probabilities"].startswith("causal")
+
+
+#: The types built as BERT is (`families/bert.py`, `bert_shaped`), by their masked-LM class where they have one.
+BERT_SHAPED = {
+    "roberta": "RobertaForMaskedLM",
+    "xlm-roberta": "XLMRobertaForMaskedLM",
+    "camembert": "CamembertForMaskedLM",
+    "data2vec-text": "Data2VecTextForMaskedLM",
+    "electra": "ElectraForMaskedLM",
+    "ernie": "ErnieForMaskedLM",
+    "roc_bert": "RoCBertForMaskedLM",
+    "bert-generation": "BertGenerationEncoder",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(BERT_SHAPED))
+def test_every_bert_shaped_type_is_an_encoder_equal_to_transformers(model_type):
+    """As the encoder each is (`StandardizedEncoder`, bidirectional, padded batch), every value's identities hold and
+    each pattern is transformers' own, as it is for their causal LMs in every family test."""
+    config = transformers.AutoConfig.for_model(model_type, **SIZES, pad_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    inner = getattr(transformers, BERT_SHAPED[model_type])(config).eval()
+    model = attnlens.StandardizedEncoder(inner, tokenizer=attnlens.models.char_tokenizer())
+    assert model.family.model_types == (model_type,)
+    saved = read_everything(model, PROMPT)
+    assert [failures(model, saved, layer) for layer in range(model.num_layers)] == [[], []]
+    prompts = ["Hello world", "Hi"]
+    batch = model.tokenizer(prompts, return_tensors="pt", padding=True)
+    patterns = []  # (a name bound in a trace body does not outlive it; a list from outside does)
+    with torch.no_grad(), model.trace(prompts):
+        for layer in range(2):
+            patterns.append(model.layers[layer].self_attn.attention_probabilities.save())
+    with torch.no_grad():
+        reference = inner(**batch, output_attentions=True).attentions
+    keys = batch.attention_mask.bool()
+    real = keys[:, None, :, None] & keys[:, None, None, :]
+    for pattern, expected in zip(patterns, reference):
+        assert torch.allclose(pattern[real.expand_as(pattern)], expected[real.expand_as(pattern)], atol=1e-6)
+        assert (pattern[1, :, 0, 1:2] > 0).all(), "bidirectional: the first position reads the second"

@@ -4,6 +4,7 @@ unserved value's reason, generation step by step, padding, an edit recomputed by
 model classes."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -278,3 +279,35 @@ def test_t5s_position_bias_is_a_value_an_edit_of_which_moves_the_scores_and_the_
     assert not torch.allclose(moved_logits, logits, atol=1e-4)
     assert model.encoder.support(0)["self_attn.attention_position_bias"] is None
     assert model.encoder.support(0).notes["self_attn.attention_position_bias"].startswith("[1, num_heads")
+
+
+def test_every_sequence_to_sequence_type_of_transformers_is_served_or_refused_with_its_reason():
+    """transformers' two sequence-to-sequence registries (text, and speech), type by type from their configs: served
+    (and then in this file's every-value test), or refused naming why and what serves it."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
+
+    from attnlens.stacks import refusal
+
+    registries = (
+        modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+    outcomes = {}
+    for types in registries:
+        for model_type in types:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    config = AutoConfig.for_model(model_type)
+                except ValueError:  # EncoderDecoderConfig wants its two sub-configs (transformers 5.19)
+                    config = SimpleNamespace(model_type=model_type, is_encoder_decoder=True)
+                said = refusal(config)
+            outcomes[model_type] = said
+            if model_type in TYPES:
+                assert said is None, model_type
+            else:
+                assert said and ("StandardizedTransformer" in said or "attnlens has no encoder-decoder" in said)
+    served = sorted(t for t, said in outcomes.items() if said is None)
+    assert served == sorted(t for t in TYPES if t in outcomes)
+    print(f"{len(outcomes)} types: {len(served)} served, {len(outcomes) - len(served)} refused with the reason")

@@ -54,7 +54,10 @@ def page_name(family: type[Family]) -> str:
 
 
 def _docstring(family: type[Family]) -> str:
-    return inspect.getdoc(inspect.getmodule(family)) or ""
+    """The family's module's docstring, after the family's own where it has one (a module of several families:
+    bert.py's BERT-shaped types)."""
+    own = inspect.cleandoc(family.__dict__.get("__doc__") or "")
+    return "\n\n".join(filter(None, (own, inspect.getdoc(inspect.getmodule(family)) or "")))
 
 
 def _summary(family: type[Family]) -> str:

@@ -11,12 +11,19 @@ there is no final norm (the heads read the last block's output). nnsight mounts 
 
 The module paths are a head model's (`BertForMaskedLM`, `BertForSequenceClassification`, `BertLMHeadModel`: the encoder
 under `bert`); a bare `BertModel` is served with the prefix dropped (`Family` paths rebased at load).
+
+The types built as BERT is, under classes and a base model of their own (RoBERTa, XLM-RoBERTa, CamemBERT,
+Data2VecText, ELECTRA, ERNIE, RoCBert, BertGeneration), are BERT's family on their paths (`bert_shaped`): the modules
+renamed by class are their own `<Prefix>Attention` and `<Prefix>Output`, found beside the classes their `tiny` names.
 """
 
 from __future__ import annotations
 
+import sys
+
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 
@@ -53,10 +60,14 @@ class Bert(Family):
     )
 
     def renames(self, engine="transformers"):
-        from transformers.models.bert import modeling_bert as bert
+        import transformers
 
-        # by class: `output` names the attention's projection module, the MLP's last module and nothing else here
-        return {self.layers: "layers", bert.BertAttention: "self_attn", bert.BertOutput: "mlp"}
+        # by class: `output` names the attention's projection module, the MLP's last module and nothing else here;
+        # the classes are the ones beside the type's own (its `tiny` model's module, named from its config)
+        modeling = sys.modules[getattr(transformers, self.tiny.model).__module__]
+        prefix = self.tiny.config.removesuffix("Config")
+        attention, output = getattr(modeling, f"{prefix}Attention"), getattr(modeling, f"{prefix}Output")
+        return {self.layers: "layers", attention: "self_attn", output: "mlp"}
 
     def locations(self):
         inner = dict(module="self")
@@ -131,3 +142,81 @@ class Bert(Family):
             ),
         }
     }
+
+
+def bert_shaped(
+    name: str,
+    model_type: str,
+    base: str,
+    config: str,
+    causal_lm: str,
+    summary: str,
+    reasons: dict | None = None,
+    notes: dict | None = None,
+) -> type[Bert]:
+    """BERT's family on a type built as BERT is: its base model under `base` (`roberta`), its classes (`config`,
+    `causal_lm`, and beside them `<Prefix>Attention`, `<Prefix>Output`), and reasons and notes of its own
+    (`kind_reasons`, `kind_notes`)."""
+    return type(
+        name,
+        (Bert,),
+        {
+            "__doc__": f"{summary}: BERT's post-norm block and attention under classes of its own (`bert.py`).",
+            "__module__": __name__,
+            "model_types": (model_type,),
+            "layers": f"{base}.encoder.layer",
+            "embed_tokens": f"{base}.embeddings.word_embeddings",
+            "tiny": Tiny(config, causal_lm, Bert.tiny.kwargs),
+            "kind_reasons": reasons or {},
+            "kind_notes": notes or {},
+            "vllm": VLLMLayout(
+                refusal=f"vLLM 0.32 builds {causal_lm} through its Transformers backend (TransformersForCausalLM, "
+                "measured on BERT's tiny checkpoint) and the encoders as pooling models; attnlens has not yet "
+                "compared either with transformers on the same weights, so it serves neither there; the "
+                "transformers engine serves the family"
+            ),
+        },
+    )
+
+
+Roberta = bert_shaped("Roberta", "roberta", "roberta", "RobertaConfig", "RobertaForCausalLM", "RoBERTa")
+XLMRoberta = bert_shaped(
+    "XLMRoberta", "xlm-roberta", "roberta", "XLMRobertaConfig", "XLMRobertaForCausalLM", "XLM-RoBERTa"
+)
+Camembert = bert_shaped("Camembert", "camembert", "roberta", "CamembertConfig", "CamembertForCausalLM", "CamemBERT")
+Data2VecText = bert_shaped(
+    "Data2VecText", "data2vec-text", "data2vec_text", "Data2VecTextConfig", "Data2VecTextForCausalLM", "Data2Vec text"
+)
+Electra = bert_shaped(
+    "Electra",
+    "electra",
+    "electra",
+    "ElectraConfig",
+    "ElectraForCausalLM",
+    "ELECTRA",
+    notes={
+        "*": {
+            "embeddings": "the word embeddings' output, config.embedding_size wide: ELECTRA adds the positions and "
+            "token types, normalises, and projects the sum to hidden_size (embeddings_project) before layers[0]"
+        }
+    },
+)
+Ernie = bert_shaped("Ernie", "ernie", "ernie", "ErnieConfig", "ErnieForCausalLM", "ERNIE")
+RoCBert = bert_shaped(
+    "RoCBert",
+    "roc_bert",
+    "roc_bert",
+    "RoCBertConfig",
+    "RoCBertForCausalLM",
+    "RoCBert",
+    {
+        "*": dict.fromkeys(
+            CACHE_VALUES,
+            "RoCBertForCausalLM keeps its cache as an EncoderDecoderCache (a cross-attention half it never fills), "
+            "which attnlens does not read or edit",
+        )
+    },
+)
+BertGeneration = bert_shaped(
+    "BertGeneration", "bert-generation", "bert", "BertGenerationConfig", "BertGenerationDecoder", "BertGeneration"
+)

@@ -91,6 +91,8 @@ class StandardizedVLLM(Helpful, VLLM):
             if refused is None:
                 raise
             raise UnknownFamily(refused) from error
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnknownFamily(_encoder_decoder_refusal(config))
         self.text_config = config.get_text_config()
         # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
         model_type = config.model_type if config.model_type in registered() else self.text_config.model_type
@@ -353,6 +355,28 @@ def _refusal_of_folder(path: str) -> str | None:
     except Exception:  # noqa: BLE001  (no folder, no config, no family: the original error says more)
         return None
     return _refusal(family, model_type)
+
+
+def _encoder_decoder_refusal(config: Any) -> str:
+    """Why StandardizedVLLM refuses an encoder-decoder checkpoint, with what vLLM's own registry says of its class."""
+    from vllm.model_executor.models import registry as vllm_registry
+
+    architecture = (config.architectures or ["?"])[0]
+    plugin = vllm_registry._OOT_SUPPORTED_MODELS.get(architecture)
+    if plugin is not None:
+        vllm_says = f"vLLM runs {architecture} only through an out-of-tree plugin ({plugin}), not installed"
+    elif architecture in vllm_registry.ModelRegistry.get_supported_archs():
+        vllm_says = (
+            f"vLLM runs {architecture} (an encoder-decoder, its encoder and cross-attention on vLLM's own path), but "
+            f"attnlens's vLLM backend reads decoder-only models: the encoder's blocks and the cross-attention are not "
+            f"mapped in vLLM's worker yet"
+        )
+    else:
+        vllm_says = f"vLLM has no implementation of {architecture}"
+    return (
+        f"StandardizedVLLM does not serve the encoder-decoder {config.model_type!r}: {vllm_says}. The transformers "
+        f"engine serves it: attnlens.StandardizedSeq2Seq (docs/encoders.md)"
+    )
 
 
 def _refusal(family: Family, model_type: str) -> str | None:
