@@ -1,4 +1,4 @@
-"""Models of two stacks of blocks: an encoder-decoder (BART, Marian, Whisper), as `StandardizedSeq2Seq`.
+"""Models of two stacks of blocks: an encoder-decoder (T5, BART, Marian, Whisper), as `StandardizedSeq2Seq`.
 
 Each stack is served as a decoder-only model is: a `Family` of its own (paths from the stack's module), an `Access`
 of its own (`support()`, `order()`, every read and write), the same envoys (`layers[i]`, `.self_attn`, `.mlp`).
@@ -32,14 +32,10 @@ from .locations import attach
 from .registry import encoder_decoder_for
 from .standardized import quiet_pipeline
 from .support import Support
-from .values import ALL_VALUES, BY_NAME
+from .values import BY_NAME
 
 #: The stacks of an encoder-decoder, in the order they run.
 STACKS = ("encoder", "decoder")
-
-
-def _stack_values(scope_names: tuple[str, ...]) -> dict[str, property]:
-    return {value.attribute: value_property(value) for value in ALL_VALUES if value.name in scope_names}
 
 
 class StackEnvoy(Helpful, Envoy):
@@ -68,8 +64,8 @@ class StackEnvoy(Helpful, Envoy):
         return access_of(self).order(layer)
 
 
-for _name, _property in _stack_values(("embeddings", "final_norm_output")).items():
-    setattr(StackEnvoy, _name, _property)
+for _name in ("embeddings", "final_norm_output"):  # a stack's own values; the logits are the model's
+    setattr(StackEnvoy, _name, value_property(BY_NAME[_name]))
 
 
 def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
