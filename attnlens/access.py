@@ -494,7 +494,7 @@ def access_of(envoy: Any) -> Access:
 class Stacks:
     """What an encoder-decoder attaches to its interleaver in place of one `Access`: one per stack of blocks, each
     serving the envoys under its stack's module (the encoder's), the last (the decoder's) the rest (the model's own
-    values, its logits). Every read goes through `read`, as through an `Access`."""
+    values, its logits). Every read goes through `read`, as through an `Access`; everything else asks `of(envoy)`."""
 
     def __init__(self, stacks: dict[str, Access]):
         #: A stack's envoy path (`model.model.encoder`) -> its access, for it and every envoy under it; "" for the rest.
@@ -513,12 +513,5 @@ class Stacks:
             self._of[path] = found
         return found
 
-    def read(self, envoy, name: str) -> Any:
+    def read(self, envoy, name: str) -> Any:  # the one call made on the attached object itself (every read)
         return self.of(envoy).read(envoy, name)
-
-    def write(self, envoy, name: str, new: Any) -> None:
-        self.of(envoy).write(envoy, name, new)
-
-    def check_copies(self, registry: list | None = None) -> None:
-        for access in self.stacks.values():
-            access.check_copies(registry)
