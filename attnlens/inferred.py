@@ -189,6 +189,11 @@ def layouts(model: torch.nn.Module, family) -> dict[str, str]:
                     f"output is layers[-1].layer_output"
                 )
             keep("logits", getattr(output, "logits", None))
+            if "layer_input" in served and "layer_input" not in seen:  # SqueezeBERT's `layer.forward(...)`
+                family.blocks_not_once = (
+                    f"the blocks of {family.layers} never run as modules (their forward is called directly, past "
+                    f"the module call that nnsight and hooks see), so no block input or output can be read"
+                )
             for name, kept in seen.items():  # the first block laid out otherwise, else the first
                 odd = (
                     shape

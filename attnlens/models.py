@@ -120,9 +120,11 @@ def char_tokenizer(vocab_size: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def tiny_cases() -> list[str]:
+def tiny_cases(causal: bool = True) -> list[str]:
     """Every registered family with a tiny recipe, by its first model type, and each of its other layouts
-    (`"falcon:alibi"`): what the test suites build a tiny model of."""
+    (`"falcon:alibi"`): what the test suites build a tiny model of. `causal`: the decoders (every family test runs
+    them), else the encoders (a recipe whose config makes the family's score function bidirectional: ModernBERT,
+    DeBERTa, served by `StandardizedEncoder`)."""
     from .registry import registered
 
     cases, seen = [], set()
@@ -130,8 +132,46 @@ def tiny_cases() -> list[str]:
         if family.tiny is None or family in seen:
             continue
         seen.add(family)
-        cases += [model_type] + [f"{model_type}:{layout}" for layout in family.tiny.layouts]
+        cases += [
+            case
+            for case in [model_type] + [f"{model_type}:{layout}" for layout in family.tiny.layouts]
+            if _causal(case) in (causal, None)  # None: a type newer than transformers, skipped where used
+        ]
     return sorted(cases)
+
+
+def _causal(case: str) -> bool | None:
+    """Whether `case`'s tiny model attends causally, from its family's score function (on the recipe's config where
+    the score function reads one), or None where transformers lacks the config class."""
+    from .parts.scoring import ScoreFunction
+    from .registry import family_for
+
+    scores = family_for(case.partition(":")[0]).score_function()
+    if type(scores).causal is ScoreFunction.causal:  # causal whatever the config
+        return True
+    config = _tiny_config(case)
+    return None if config is None else scores.causal(config)
+
+
+def _tiny_config(case: str, **config_overrides):
+    """The config of `case`'s tiny recipe (sizes merged over `TINY_DEFAULTS`), or None where the installed transformers
+    lacks its config class (a type newer than it)."""
+    import transformers
+
+    from .family import TINY_DEFAULTS
+    from .registry import family_for
+
+    model_type, _, layout = case.partition(":")
+    recipe = family_for(model_type)
+    if recipe.tiny is None:
+        raise ValueError(f"the {model_type!r} family records no tiny configuration (Family.tiny)")
+    if layout and layout not in recipe.tiny.layouts:
+        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny.layouts)}")
+    config_class, _, kwargs, layouts = recipe.tiny
+    if not hasattr(transformers, config_class):
+        return None
+    merged = {**TINY_DEFAULTS, **kwargs, **layouts.get(layout, {}), **config_overrides}
+    return getattr(transformers, config_class)(**{k: v for k, v in merged.items() if v is not None})
 
 
 def tiny_model(
@@ -146,21 +186,12 @@ def tiny_model(
     """
     import transformers
 
-    from .family import TINY_DEFAULTS
     from .registry import family_for
 
-    model_type, _, layout = family.partition(":")
-    recipe = family_for(model_type)
-    if recipe.tiny is None:
-        raise ValueError(f"the {model_type!r} family records no tiny configuration (Family.tiny)")
-    if layout and layout not in recipe.tiny.layouts:
-        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.tiny.layouts)}")
-    config_class, model_class, kwargs, layouts = recipe.tiny
-    layout_kwargs = layouts.get(layout, {})
-    merged = {
-        k: v for k, v in {**TINY_DEFAULTS, **kwargs, **layout_kwargs, **config_overrides}.items() if v is not None
-    }
-    config = getattr(transformers, config_class)(**merged)
+    config = _tiny_config(family, **config_overrides)
+    if config is None:
+        raise ValueError(f"transformers {transformers.__version__} lacks the config class of {family!r}'s tiny recipe")
+    model_class = family_for(family.partition(":")[0]).tiny.model
     # Set before construction: some families (Falcon) fix their attention path when built.
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
@@ -229,10 +260,11 @@ def tiny(
     rebuild_patterns: bool = False,
     **config_overrides,
 ):
-    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`."""
-    from .standardized import StandardizedTransformer
+    """A `StandardizedTransformer` on a small random model of `family` (see `tiny_model`), with `char_tokenizer`; a
+    `StandardizedEncoder` where the family's score function makes it bidirectional (`tiny_cases(causal=False)`)."""
+    from .standardized import StandardizedEncoder, StandardizedTransformer
 
     model = tiny_model(family, seed=seed, attn_implementation=attn_implementation, **config_overrides)
-    return StandardizedTransformer(
+    return (StandardizedTransformer if _causal(family) else StandardizedEncoder)(
         model, tokenizer=char_tokenizer(), attn_implementation=attn_implementation, rebuild_patterns=rebuild_patterns
     )

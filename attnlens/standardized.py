@@ -19,7 +19,8 @@ from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFami
 from .family import Family, UnknownLayout, headless, rebased
 from .inputs import check_inputs
 from .locations import attach
-from .locations.cache import kept_by
+from .locations.cache import NAMES as CACHE_NAMES
+from .locations.cache import NO_CACHE, kept_by
 from .registry import family_for, resolve_family
 from .support import Support
 
@@ -65,19 +66,26 @@ def _unknown_family_message(model_type: str, refusal: str = "", kind: str | None
 def _inferred(model: torch.nn.Module, model_type: str) -> Family:
     """The common layout inferred and verified on `model` (`attnlens.inferred`), else `UnknownLayout` naming the first
     check that failed; either warns."""
-    from .inferred import Inferred, NotCommonLayout, blocks_run_once, layouts, not_a_plain_decoder
+    from .inferred import Inferred, NotCommonLayout, not_a_plain_decoder
 
     try:
         family = Inferred(model)
     except NotCommonLayout as refusal:
-        kind = not_a_plain_decoder(model)
-        warnings.warn(_unknown_family_message(model_type, str(refusal), kind), UnknownFamilyWarning, stacklevel=3)
-        family = UnknownLayout(model, refusal=str(refusal))
-        family.kind = kind
-        family.blocks_not_once = blocks_run_once(model, family.layers)
-        family.layouts = layouts(model, family)  # what it serves, as one forward at load lays it out
-        return family
-    warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=3)
+        return _unknown_layout(model, model_type, str(refusal), not_a_plain_decoder(model))
+    warnings.warn(family.advice(), InferredFamilyWarning, stacklevel=4)
+    return family
+
+
+def _unknown_layout(model: torch.nn.Module, model_type: str, refusal: str, kind: str | None) -> UnknownLayout:
+    """What is served without a family (`UnknownLayout`): the block inputs and outputs, embeddings and logits, with a
+    warning saying why (`refusal`: the check the common layout failed) and what kind of model it is."""
+    from .inferred import blocks_run_once, layouts
+
+    warnings.warn(_unknown_family_message(model_type, refusal, kind), UnknownFamilyWarning, stacklevel=5)
+    family = UnknownLayout(model, refusal=refusal)
+    family.kind = kind
+    family.blocks_not_once = blocks_run_once(model, family.layers)
+    family.layouts = layouts(model, family)  # what it serves, as one forward at load lays it out
     return family
 
 
@@ -165,7 +173,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
                 family = family_for(model_type)
             except UnknownFamily:
                 model = _loaded(model, kwargs)
-                family = _inferred(model, model_type)
+                family = self._unknown_family(model, model_type)
         self.family: Family = resolve_family(family)
         if isinstance(model, torch.nn.Module):
             self.family = rebased(self.family, model)
@@ -192,6 +200,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             if "Impossible to guess which tokenizer" not in str(error):
                 raise
             raise no_tokenizer from error
+        self._refuse_direction()
         built_in = type(self.family).__module__.startswith("attnlens.families.")
         layers = verification.blocks(self._module, self.family)
         self.access = Access(self.family, self.config, len(layers), "transformers", self._geometry, rebuild_patterns)
@@ -207,6 +216,32 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self._module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         if (not built_in if verify is None else verify) and not isinstance(self.family, UnknownLayout):
             verification.verify(self)
+
+    #: Whether this class serves causal attention (a decoder) or bidirectional (`StandardizedEncoder`).
+    causal = True
+
+    @staticmethod
+    def _unknown_family(model: torch.nn.Module, model_type: str) -> Family:
+        """The family of a model type attnlens has none for: the common layout inferred from the model, if it
+        verifies (`_inferred`)."""
+        return _inferred(model, model_type)
+
+    def _refuse_direction(self) -> None:
+        """A model whose family's score function attends the other way than this class serves is refused, naming the
+        class that serves it (a family unknown here serves no attention value, so either class takes it)."""
+        if isinstance(self.family, UnknownLayout):
+            return
+        causal = self.family.score_function().causal(self.config)
+        if causal == self.causal:
+            return
+        said = f"{self.family.name}'s score function says so from its config"
+        raise TypeError(
+            f"this {self.config.model_type} model attends causally ({said}: a decoder, such as BERT with "
+            f"is_decoder=True): serve it with attnlens.StandardizedTransformer"
+            if causal
+            else f"this {self.config.model_type} model attends bidirectionally ({said}: an encoder): serve it with "
+            f"attnlens.StandardizedEncoder"
+        )
 
     def _count_tokens(self, module, args, kwargs) -> None:
         """Before each forward: how many tokens the sequence holds once it has run (the cache's, then this step's)."""
@@ -297,9 +332,13 @@ class StandardizedEncoder(StandardizedTransformer):
             _refuse_encoder_decoder(model, kwargs)
             model = _loaded(model, kwargs, ENCODER_HEADS[head])
         super().__init__(model, tokenizer=tokenizer, **kwargs)
-        if self.family.score_function().causal(self.config):
-            raise TypeError(
-                f"this {self.config.model_type} model attends causally ({self.family.name}'s score function says so "
-                f"from its config: a decoder, such as BERT with is_decoder=True): serve it with "
-                f"attnlens.StandardizedTransformer"
-            )
+        # an encoder runs once over its whole input: nothing is cached or generated
+        self.access.without.update(dict.fromkeys(CACHE_NAMES, NO_CACHE))
+
+    causal = False
+
+    @staticmethod
+    def _unknown_family(model: torch.nn.Module, model_type: str) -> Family:
+        """An encoder's family is written by hand: attnlens infers the common layout of causal decoders only."""
+        refusal = "attnlens infers the common layout of causal decoders only; an encoder's family is written by hand"
+        return _unknown_layout(model, model_type, refusal, "an encoder")

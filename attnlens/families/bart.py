@@ -19,11 +19,11 @@ from dataclasses import replace
 from ..family import EncoderDecoder, Family, Tiny
 from ..locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.cache import NAMES as CACHE_VALUES
+from ..locations.cache import NO_CACHE
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes, same_as
 
 POST_NORM = "BART normalises after each residual add, not before a sublayer: {what}"
-NO_CACHE = "an encoder keeps no KV cache: it runs once, over the whole input"
 
 
 class BartEncoder(Family):

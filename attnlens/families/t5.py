@@ -16,10 +16,11 @@ from __future__ import annotations
 from ..family import EncoderDecoder, Family, MLPArithmetic, Tiny
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
 from ..locations.cache import NAMES as CACHE_VALUES
+from ..locations.cache import NO_CACHE
 from ..parts import identities, scoring
 from ..parts.eager import EagerFunction
 from ..parts.sizes import Sizes, same_as
-from .bart import CROSS_NOTES, DECODER_CACHE, NO_CACHE
+from .bart import CROSS_NOTES, DECODER_CACHE
 
 BIAS = "T5's bucketed relative position bias (attention_position_bias)"
 

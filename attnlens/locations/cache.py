@@ -29,6 +29,8 @@ from . import Location, context, insert_after
 
 #: The cache values, in forward order, and what each holds: keys (0), values (1), visibility (2).
 NAMES = ("attention_cache_keys", "attention_cache_values", "attention_cache_visible")
+#: Why an encoder (a stack that reads its whole input once) serves none of them.
+NO_CACHE = "an encoder keeps no KV cache: it runs once, over the whole input"
 
 #: transformers' cache layer classes whose keys and values attnlens reads and edits. Others (static, quantized,
 #: offloaded, indexed caches) keep their tensors in layouts or places attnlens does not write to, and are refused.
