@@ -296,7 +296,7 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
         check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
         check("visible entries positive", bool((probs[..., allowed] > 0).all()))
     if "attention_position_bias" in v:  # computed by the block, or handed on from the stack's first
-        own = rebuilt(oracle.position_bias, module, length, length)
+        own = rebuilt(oracle.layer_position_bias, getattr(model, "_module", None), module, v, length, length)
         first = saved.get((0, "attention_position_bias"))
         check("position bias == the family's", own if own is not None else first, v["attention_position_bias"])
     if "attention_scores" in v:

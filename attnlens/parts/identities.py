@@ -153,6 +153,14 @@ class Identities:
         or None where the block does not compute its own (T5's blocks after the first are handed the first's)."""
         return None
 
+    def layer_position_bias(
+        self, root, module, values: dict[str, torch.Tensor], num_queries: int, num_keys: int
+    ) -> torch.Tensor | None:
+        """`position_bias` where the block's bias also depends on the layer's values (read in the same forward, by
+        name) or on modules outside the block (`root`, the wrapped model): DeBERTa's relative terms, from each layer's
+        queries and keys and its encoder's relative embeddings. By default `position_bias(module, ...)`."""
+        return self.position_bias(module, num_queries, num_keys)
+
     def score_bias_value(self, module, values: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
         """That term on a prefill, [batch, heads, query, key], as the forward computes it from the attention `module`
         (transformers') and the layer's values read in the same forward (`values`, by name): the identities' side."""
