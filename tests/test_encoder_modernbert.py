@@ -39,14 +39,16 @@ def encoder(model_type: str, family=None, **overrides) -> attnlens.StandardizedE
     )
 
 
-def rotated(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """`x` [batch, heads, seq, head_dim] rotated at positions 0.. with base `theta`, by hand (rotate-half layout)."""
-    dim = x.shape[-1]
+def rotated(x: torch.Tensor, theta: float, fraction: float = 1.0) -> torch.Tensor:
+    """`x` [batch, heads, seq, head_dim] rotated at positions 0.. with base `theta`, by hand (rotate-half layout), on
+    each head's first `fraction` of channels."""
+    dim = int(x.shape[-1] * fraction)
+    x, rest = x[..., :dim], x[..., dim:]
     inverse = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     angles = torch.arange(x.shape[2], dtype=torch.float32)[:, None] * inverse
     angles = torch.cat((angles, angles), dim=-1)
     half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
-    return x * angles.cos() + half * angles.sin()
+    return torch.cat((x * angles.cos() + half * angles.sin(), rest), dim=-1)
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -106,14 +108,13 @@ def test_a_band_one_key_too_wide_fails_the_identities():
     assert "scores == family score function" in found and "visible entries positive" in found
 
 
-@pytest.mark.parametrize("model_type", ["modernbert", "ultrabert"])
+@pytest.mark.parametrize("model_type", ["modernbert", "ultrabert", "neomme"])
 def test_each_kind_of_layer_rotates_with_its_own_theta(model_type):
     """The queries and keys served are the projections rotated by hand with the theta of the layer's kind, and not
     with the other kind's: swapped thetas fail."""
     model = encoder(model_type, num_hidden_layers=3)
-    thetas = {
-        kind: model.config.rope_parameters[kind]["rope_theta"] for kind in ("full_attention", "sliding_attention")
-    }
+    parameters = model.config.rope_parameters
+    thetas = {kind: parameters[kind]["rope_theta"] for kind in ("full_attention", "sliding_attention")}
     assert len(set(thetas.values())) == 2
     read = []
     with torch.no_grad(), model.trace(PROMPT):
@@ -129,12 +130,16 @@ def test_each_kind_of_layer_rotates_with_its_own_theta(model_type):
                 q, k, _ = attention.Wqkv(x).view(*x.shape[:2], 3, -1, d).unbind(dim=2)
             else:
                 q, k = attention.q_proj(x).view(*x.shape[:2], -1, d), attention.k_proj(x).view(*x.shape[:2], -1, d)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if model_type == "neomme":  # normalised per head before the rotation
+                q, k = attention.q_norm(q), attention.k_norm(k)
         kind = model.config.layer_types[layer]
         (other,) = set(thetas) - {kind}
-        assert torch.allclose(rotated(q, thetas[kind]), queries, atol=1e-5), (layer, kind)
-        assert torch.allclose(rotated(k, thetas[kind]), keys, atol=1e-5), (layer, kind)
-        assert (rotated(q, thetas[other]) - queries).abs().max() > 1e-2, (layer, "the other theta gives these too")
+        fraction = parameters[kind].get("partial_rotary_factor", 1.0)  # NeoMME's global layers: a quarter
+        assert torch.allclose(rotated(q, thetas[kind], fraction), queries, atol=1e-5), (layer, kind)
+        assert torch.allclose(rotated(k, thetas[kind], fraction), keys, atol=1e-5), (layer, kind)
+        wrong = rotated(q, thetas[other], fraction)
+        assert (wrong - queries).abs().max() > 1e-2, (layer, "the other theta gives these too")
         assert f"theta {thetas[kind]:g}" in model.support(layer).notes["self_attn.attention_queries"]
 
 
@@ -215,3 +220,57 @@ def test_gte_shaped_blocks_are_post_norm_and_attend_from_the_block_input(model_t
             assert torch.allclose(out, saved[(layer, "layer_output")], atol=1e-6)
     assert model.support(0)["attention_norm_output"].startswith("this encoder normalises after each residual add")
     assert "no final norm" in model.support(0)["final_norm_output"]
+
+
+def neomme() -> attnlens.StandardizedEncoder:
+    """NeoMME's tiny masked LM with the weights its initialisation zeroes drawn at random (the output projection, the
+    MLP's down projection, exclusive self-attention's alpha, the value embeddings, the mix with the first input), so
+    every branch the identities check carries something."""
+    model = inner("neomme")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "value_embeddings.weight")):
+                parameter.normal_(0, 0.2)
+            elif name.endswith(("alpha", "lambdas")):
+                parameter.uniform_(0.3, 0.9)
+    return attnlens.StandardizedEncoder(model, tokenizer=attnlens.models.char_tokenizer())
+
+
+def test_neomme_holds_its_identities_with_every_branch_carrying_something():
+    model = neomme()
+    assert [model.config.per_layer_config[i].sliding_window for i in range(3)] == [2, 1024, None]
+    saved = read_everything(model, PROMPT)
+    assert [failures(model, saved, layer) for layer in range(3)] == [[], [], []]
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = model._module(ids, output_attentions=True, output_hidden_states=True)
+    for layer in range(3):
+        assert torch.equal(saved[(layer, "attention_probabilities")], reference.attentions[layer])
+        assert saved[(layer, "attention_output")].abs().max() > 1e-2 and saved[(layer, "mlp_output")].abs().max() > 1e-2
+    assert torch.equal(saved[(1, "layer_output")], reference.hidden_states[2])
+    assert torch.equal(saved["logits"], reference.logits)
+    pattern = saved[(0, "attention_probabilities")]  # the short band: 2 keys each side
+    distance = torch.arange(11)[:, None] - torch.arange(11)[None, :]
+    assert (pattern[..., distance.abs() > 2] == 0).all() and (pattern[..., distance.abs() <= 2] > 0).all()
+    assert "within 2 positions" in model.support(0).notes["self_attn.attention_probabilities"]
+
+
+def test_neomme_output_path_is_exclusive_self_attention_then_the_gate_which_is_why_no_premix_is_served():
+    model = neomme()
+    saved = read_everything(model, PROMPT)
+    for layer in range(3):
+        attention = model.layers[layer].self_attn._module
+        heads, values = saved[(layer, "attention_head_outputs")], saved[(layer, "attention_values")]
+        x = saved[(layer, "attention_norm_output")]
+        with torch.no_grad():
+            unit = torch.nn.functional.normalize(values.repeat_interleave(2, dim=1).transpose(1, 2), dim=-1)
+            alpha = torch.tanh(attention.exclusive_self_attention.alpha).view(1, 1, -1, 1)
+            exclusive = heads - alpha * (heads * unit).sum(-1, keepdim=True) * unit
+            gate = torch.sigmoid(attention.output_projection.gate_proj(x))
+            output = attention.output_projection.o_proj(exclusive.flatten(-2) * gate)
+            merged_gated = attention.output_projection.o_proj(heads.flatten(-2) * gate)
+        assert torch.allclose(output, saved[(layer, "attention_output")], atol=1e-5)
+        assert (merged_gated - saved[(layer, "attention_output")]).abs().max() > 1e-3
+    reason = model.support(0)["self_attn.attention_premix"]
+    assert reason.startswith("NeoMME does not merge the head outputs") and "exclusive self-attention" in reason

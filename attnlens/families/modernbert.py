@@ -87,12 +87,21 @@ def band_note(family, config, layer) -> str:
 
 def rotary_note(family, config, layer) -> str:
     """The queries' and keys' note on `layer`: rotated with its kind's theta, where each kind of layer has its own
-    (`rope_parameters` by layer type), else the one theta."""
+    (`rope_parameters` by layer type), else the one theta; and how many channels of each head, where not all."""
     kind = (getattr(config, "layer_types", None) or [None] * (layer + 1))[layer]
+    parameters = config.rope_parameters.get(kind, config.rope_parameters)
+    whose = f" of {kind} layers" if kind in config.rope_parameters else ""
+    note = f"after the rotary embedding{whose}, theta {parameters['rope_theta']:g}"
     if kind in config.rope_parameters:
-        theta = config.rope_parameters[kind]["rope_theta"]
-        return f"after the rotary embedding of {kind} layers, theta {theta:g} (rope_parameters[{kind!r}])"
-    return f"after the rotary embedding, theta {config.rope_parameters['rope_theta']:g}"
+        note += f" (rope_parameters[{kind!r}])"
+    factor = parameters.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        note += (
+            f"; only each head's first {int(head_dim * factor)} channels are rotated (partial_rotary_factor "
+            f"{factor:g}), the rest pass unchanged"
+        )
+    return note
 
 
 class ModernBert(ModernBertDecoder):
