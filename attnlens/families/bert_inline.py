@@ -90,11 +90,12 @@ class InlineBert(Bert):
     }
 
 
-def _inline(name, model_type, base, config, causal_lm, summary, **members):
-    """An `InlineBert` family under `base`, its `<Prefix>Attention` and `<Prefix>Output` beside `causal_lm`."""
+def _inline(name, model_type, base, config, causal_lm, summary, parent=None, **members):
+    """An `InlineBert` family (or one of `parent`, a subclass) under `base`, its `<Prefix>Attention` and
+    `<Prefix>Output` beside `causal_lm`."""
     return type(
         name,
-        (InlineBert,),
+        (parent or InlineBert,),
         {
             "__doc__": summary,
             "__module__": __name__,
