@@ -202,6 +202,10 @@ class BigBird(
     """BigBird: BERT's blocks; its `original_full` attention served, computed inline; `block_sparse` refused."""
 
     model_types = ("big_bird",)
+    vllm = VLLMLayout(
+        refusal="attnlens has not compared vLLM's BigBird with transformers on the same weights; the transformers "
+        "engine serves the family"
+    )
 
     def layer_kind(self, config, layer):
         return frozenset({"block_sparse"}) if getattr(config, "attention_type", None) == "block_sparse" else frozenset()
