@@ -90,7 +90,7 @@ class InlineBert(Bert):
     }
 
 
-def _inline(name, model_type, base, config, causal_lm, summary, parent=None, **members):
+def inline_bert(name, model_type, base, config, causal_lm, summary, parent=None, **members):
     """An `InlineBert` family (or one of `parent`, a subclass) under `base`, its `<Prefix>Attention` and
     `<Prefix>Output` beside `causal_lm`."""
     return type(
@@ -114,7 +114,7 @@ def _inline(name, model_type, base, config, causal_lm, summary, parent=None, **m
 
 
 Tapas = encoder_only(
-    _inline("Tapas", "tapas", "tapas", "TapasConfig", "TapasForMaskedLM", "TAPAS"),
+    inline_bert("Tapas", "tapas", "tapas", "TapasConfig", "TapasForMaskedLM", "TAPAS"),
     "Tapas",
     "TapasForMaskedLM",
     __name__,
@@ -141,7 +141,7 @@ REMBERT_CACHE = (
     "attnlens does not read or edit"
 )
 
-RemBert = _inline(
+RemBert = inline_bert(
     "RemBert",
     "rembert",
     "rembert",
@@ -188,7 +188,7 @@ SPARSE_VALUES = (
 
 
 class BigBird(
-    _inline(
+    inline_bert(
         "BigBird",
         "big_bird",
         "bert",

@@ -4,8 +4,8 @@ num_heads // 2` wide: BERT's attention, computed inline (`(queries @ keys^T) / s
 The other half is a span-based dynamic convolution of the same width: `conv_out_layer(x)` mixed over a window of
 `conv_kernel_size` positions by weights computed per position (`conv_kernel_layer` of the query times a separable
 convolution of the block input, softmaxed over the window). `attention.self` concatenates the attention heads' outputs
-and the convolution's outputs (per head, `[batch, seq, heads, 2 * head_dim]`, flattened) and `attention.output.dense`
-projects both.
+and the convolution's outputs along the heads (`[batch, seq, 2 * heads, head_dim]`: the attention heads first),
+flattens them, and `attention.output.dense` projects both.
 
 attnlens serves the attention heads (queries, keys, values, scores, pattern, head outputs: `heads.num_heads` is the
 attention heads' count) and the attention sublayer's output; the convolution half has no query-by-key pattern and is
@@ -18,7 +18,7 @@ has no causal LM in transformers: it is served as an encoder.
 from __future__ import annotations
 
 from ..locations import ModuleOutput, Operation
-from .bert_inline import InlineBert, _inline
+from .bert_inline import InlineBert, inline_bert
 from .layoutlm import encoder_only
 
 CONV_HALF = (
@@ -58,8 +58,8 @@ class _ConvBertLocations(InlineBert):
         "*": {
             "attention_queries": "the attention heads' only: num_attention_heads // head_ratio heads, each "
             "hidden_size // heads // 2 wide (the convolution takes the other half of the hidden size)",
-            "attention_head_outputs": "the attention heads' outputs; attention.self concatenates each with the "
-            "convolution's output of the same head width before output.dense",
+            "attention_head_outputs": "the attention heads' outputs; attention.self concatenates them with the "
+            "convolution's outputs (as many heads of the same width, after them) before output.dense",
             "attention_output": "attention.output.dense's output: the projection of the attention heads' outputs "
             "and the span-based dynamic convolution's outputs together (the convolution's share is not separable "
             "from the values served)",
@@ -71,7 +71,7 @@ class _ConvBertLocations(InlineBert):
 
 
 ConvBert = encoder_only(
-    _inline(
+    inline_bert(
         "ConvBert", "convbert", "convbert", "ConvBertConfig", "ConvBertForMaskedLM", "ConvBERT", _ConvBertLocations
     ),
     "ConvBert",

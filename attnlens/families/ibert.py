@@ -20,7 +20,7 @@ from ..locations import ModuleInput, ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities
 from ..values import ALL_VALUES
-from .bert_inline import InlineBert, _inline
+from .bert_inline import InlineBert, inline_bert
 from .layoutlm import encoder_only
 
 QUANT_MODE = (
@@ -125,7 +125,7 @@ class _IBertLocations(InlineBert):
 
 
 IBert = encoder_only(
-    _inline("IBert", "ibert", "ibert", "IBertConfig", "IBertForMaskedLM", "I-BERT", _IBertLocations),
+    inline_bert("IBert", "ibert", "ibert", "IBertConfig", "IBertForMaskedLM", "I-BERT", _IBertLocations),
     "IBert",
     "IBertForMaskedLM",
     __name__,
