@@ -22,7 +22,12 @@ OWN = {
     "big_bird": {"attention_type": "original_full"},
     "convbert": {"embedding_size": 32},
     "ibert": {},
-    "mobilebert": {"true_hidden_size": 64, "intra_bottleneck_size": 64, "embedding_size": 32},
+    "mobilebert": {
+        "true_hidden_size": 64,
+        "intra_bottleneck_size": 64,
+        "embedding_size": 32,
+        "initializer_range": 0.05,
+    },
     "xmod": {"default_language": "en_XX"},
 }
 

@@ -127,5 +127,11 @@ MobileBert = encoder_only(
     "MobileBertForMaskedLM",
     __name__,
     "MobileBERT: BERT's post-norm blocks in a bottleneck, several feed-forward networks per block.",
-    {"true_hidden_size": 64, "intra_bottleneck_size": 64, "embedding_size": 32, "num_feedforward_networks": 2},
+    {
+        "true_hidden_size": 64,
+        "intra_bottleneck_size": 64,
+        "embedding_size": 32,
+        "num_feedforward_networks": 2,
+        "initializer_range": 0.05,  # NoNorm does not normalise: wider weights saturate the patterns
+    },
 )
