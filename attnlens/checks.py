@@ -215,7 +215,7 @@ def failures(model, saved, layer):
         norm = submodule(block, f.mlp_norm)  # a dotted path where the block holds its norms in a list
         check(
             "mlp norm(layer mid) == mlp norm output",
-            rebuilt(lambda: norm(oracle.residual_read(block, "mlp", v["layer_mid"]))),
+            rebuilt(lambda: _tensor(norm(oracle.residual_read(block, "mlp", v["layer_mid"])))),
             v["mlp_norm_output"],
         )
     if has("mlp_input", "mlp_norm_output"):
@@ -267,6 +267,11 @@ def failures(model, saved, layer):
     if nxt is not None and "layer_output" in v:
         check("layer output == next layer input", v["layer_output"], nxt)
     return list(check)
+
+
+def _tensor(output):
+    """A norm's output: the tensor, or item 0 of the (output, scaling factor) pair I-BERT's norms return."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _attention_failures(model, module, layer, v, batch, length, saved):
