@@ -107,6 +107,7 @@ MASKED_LM = modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
 OTHER_ENCODERS = {"bert-generation": "BertGenerationEncoder"}
 #: What a type's config needs beyond `SIZES` to build small at all (a served family's own `tiny.kwargs` apply too).
 BUILD = {
+    "big_bird": dict(attention_type="original_full"),  # what it runs at these lengths; block_sparse is refused
     "funnel": dict(num_hidden_layers=None, block_sizes=[1, 1]),
     "mobilebert": dict(embedding_size=64, intra_bottleneck_size=64, true_hidden_size=64),
     "reformer": dict(axial_pos_embds_dim=[32, 32], axial_pos_shape=[4, 8], attn_layers=["local", "lsh"]),
