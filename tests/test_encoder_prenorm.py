@@ -259,8 +259,9 @@ def test_own_attention_masks_padding_as_the_score_function_does(model_type):
 
 @pytest.mark.parametrize("model_type", ["roberta-prelayernorm", "xlm-roberta-xl", "megatron-bert"])
 def test_left_padding_changes_values_only_where_the_family_says(model_type):
-    """RoBERTa's position ids count real tokens only, so a left-padded prompt's values equal its own run's
-    (`padding_changes_values` None); Megatron-BERT's count from the padded start, and the family says so."""
+    """RoBERTa's position ids count real tokens only, so transformers' own left-padded run keeps a prompt's values,
+    while Megatron-BERT's count from the padded start; both families say padding changes values under attnlens, the
+    RoBERTa ones because nnsight gives a left-padded batch 0-based positions (`bert.ROBERTA_POSITIONS`)."""
     model = encoder(model_type)
     inner = model._module
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids(model, "Hi")], dim=1)
@@ -268,5 +269,5 @@ def test_left_padding_changes_values_only_where_the_family_says(model_type):
     with torch.no_grad():
         alone = inner(ids(model, "Hi"), output_hidden_states=True).hidden_states[1]
         left = inner(padded, attention_mask=mask, output_hidden_states=True).hidden_states[1][:, 3:]
-    same = torch.allclose(alone, left, atol=1e-5)
-    assert same == (model.family.padding_changes_values is None)
+    assert torch.allclose(alone, left, atol=1e-5) == (model_type != "megatron-bert")
+    assert model.family.padding_changes_values is not None

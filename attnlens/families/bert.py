@@ -27,6 +27,10 @@ from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 
+ROBERTA_POSITIONS = (
+    "RoBERTa's position ids, counted from the input ids past the padding, start at padding_idx + 1, and nnsight "
+    "gives a left-padded batch mask-derived ones counted from 0 instead, shifting every row"
+)
 POST_NORM = "BERT normalises after each residual add, not before a sublayer: {what}"
 
 
@@ -153,10 +157,11 @@ def bert_shaped(
     summary: str,
     reasons: dict | None = None,
     notes: dict | None = None,
+    padding: str = Bert.padding_changes_values,
 ) -> type[Bert]:
     """BERT's family on a type built as BERT is: its base model under `base` (`roberta`), its classes (`config`,
     `causal_lm`, and beside them `<Prefix>Attention`, `<Prefix>Output`), and reasons and notes of its own
-    (`kind_reasons`, `kind_notes`)."""
+    (`kind_reasons`, `kind_notes`), and why a padded batch changes its values (`padding`: RoBERTa's positions)."""
     return type(
         name,
         (Bert,),
@@ -169,6 +174,7 @@ def bert_shaped(
             "tiny": Tiny(config, causal_lm, Bert.tiny.kwargs),
             "kind_reasons": reasons or {},
             "kind_notes": notes or {},
+            "padding_changes_values": padding,
             "vllm": VLLMLayout(
                 refusal=f"vLLM 0.32 builds {causal_lm} through its Transformers backend (TransformersForCausalLM, "
                 "measured on BERT's tiny checkpoint) and the encoders as pooling models; attnlens has not yet "
@@ -179,13 +185,35 @@ def bert_shaped(
     )
 
 
-Roberta = bert_shaped("Roberta", "roberta", "roberta", "RobertaConfig", "RobertaForCausalLM", "RoBERTa")
-XLMRoberta = bert_shaped(
-    "XLMRoberta", "xlm-roberta", "roberta", "XLMRobertaConfig", "XLMRobertaForCausalLM", "XLM-RoBERTa"
+Roberta = bert_shaped(
+    "Roberta", "roberta", "roberta", "RobertaConfig", "RobertaForCausalLM", "RoBERTa", padding=ROBERTA_POSITIONS
 )
-Camembert = bert_shaped("Camembert", "camembert", "roberta", "CamembertConfig", "CamembertForCausalLM", "CamemBERT")
+XLMRoberta = bert_shaped(
+    "XLMRoberta",
+    "xlm-roberta",
+    "roberta",
+    "XLMRobertaConfig",
+    "XLMRobertaForCausalLM",
+    "XLM-RoBERTa",
+    padding=ROBERTA_POSITIONS,
+)
+Camembert = bert_shaped(
+    "Camembert",
+    "camembert",
+    "roberta",
+    "CamembertConfig",
+    "CamembertForCausalLM",
+    "CamemBERT",
+    padding=ROBERTA_POSITIONS,
+)
 Data2VecText = bert_shaped(
-    "Data2VecText", "data2vec-text", "data2vec_text", "Data2VecTextConfig", "Data2VecTextForCausalLM", "Data2Vec text"
+    "Data2VecText",
+    "data2vec-text",
+    "data2vec_text",
+    "Data2VecTextConfig",
+    "Data2VecTextForCausalLM",
+    "Data2Vec text",
+    padding=ROBERTA_POSITIONS,
 )
 Electra = bert_shaped(
     "Electra",

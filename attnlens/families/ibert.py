@@ -20,6 +20,7 @@ from ..locations import ModuleInput, ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities
 from ..values import ALL_VALUES
+from .bert import ROBERTA_POSITIONS
 from .bert_inline import InlineBert, inline_bert
 from .layoutlm import encoder_only
 
@@ -43,7 +44,7 @@ class _IBertMLP:
 
 class _IBertLocations(InlineBert):
     block_tuple = True
-    padding_changes_values = None  # RoBERTa's positions: counted from the input ids, past the padding
+    padding_changes_values = ROBERTA_POSITIONS
 
     def locations(self):
         inner = dict(module="self")

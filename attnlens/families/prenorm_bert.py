@@ -25,7 +25,7 @@ from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import CacheEntries
 from ..parts import identities
 from ..parts.sizes import Sizes
-from .bert import Bert
+from .bert import ROBERTA_POSITIONS, Bert
 
 NOT_MEASURED = (
     "attnlens has not yet compared vLLM with transformers on {name} (the lead measures vLLM per family separately), "
@@ -60,7 +60,7 @@ class PreNormBert(Bert):
     mlp_norm = "LayerNorm"
     final_norm: str | None = None  # each type names its own
     mlp_reads = "intermediate"
-    padding_changes_values = None
+    padding_changes_values = ROBERTA_POSITIONS
 
     def locations(self):
         found = super().locations()  # BERT's attention and MLP values, on this family's paths

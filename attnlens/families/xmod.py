@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..family import Tiny, VLLMLayout
 from ..parts import identities
 from ..values import ALL_VALUES
-from .bert import Bert, bert_shaped
+from .bert import ROBERTA_POSITIONS, Bert, bert_shaped
 
 PRE_NORM = (
     "config.pre_norm=True: X-MOD then normalises before each sublayer with the post-norm's own LayerNorm modules "
@@ -47,7 +47,7 @@ class Xmod(
         "adapters take lang_ids beside the tokens); the transformers engine serves the family"
     )
     tiny = Tiny("XmodConfig", "XmodForCausalLM", {**Bert.tiny.kwargs, "default_language": "en_XX"})
-    padding_changes_values = None  # RoBERTa's positions: counted from the input ids, past the padding
+    padding_changes_values = ROBERTA_POSITIONS
 
     def layer_kind(self, config, layer):
         return frozenset({"pre_norm"}) if getattr(config, "pre_norm", False) else frozenset()
