@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..family import EncoderDecoder, Family, Tiny
-from ..locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import NO_CACHE
 from ..parts import identities, scoring
@@ -62,18 +62,14 @@ class BartEncoder(Family):
             f"{prefix}attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
             f"{prefix}attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
             f"{prefix}attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            f"{prefix}attention_scores": Operation(
-                (INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"
-            ),
+            f"{prefix}attention_scores": softmax_argument(INTERFACE_CALL),
             f"{prefix}attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
             f"{prefix}attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             f"{prefix}attention_premix": ModuleInput(self.output_projection),
             f"{prefix}attention_output": ModuleOutput("", 0),
         }
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return False
+    ScoreFunction = scoring.Bidirectional
 
     class Identities(identities.Identities):
         def mlp_module(self, block):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
@@ -82,11 +82,7 @@ class Bert(Family):
             "attention_queries": Operation((INTERFACE_CALL,), "arg", 1, **inner),
             "attention_keys": Operation((INTERFACE_CALL,), "arg", 2, **inner),
             "attention_values": Operation((INTERFACE_CALL,), "arg", 3, **inner),
-            # what the softmax receives: an encoder's batch without padding gets no mask (the `+ attention_mask`
-            # assignment never runs), so the scores are the softmax's argument, masked or not
-            "attention_scores": Operation(
-                (INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax", **inner
-            ),
+            "attention_scores": softmax_argument(INTERFACE_CALL, **inner),
             "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor, **inner),
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0, **inner),
             "attention_premix": ModuleInput(self.output_projection),
@@ -248,3 +244,30 @@ RoCBert = bert_shaped(
 BertGeneration = bert_shaped(
     "BertGeneration", "bert-generation", "bert", "BertGenerationConfig", "BertGenerationDecoder", "BertGeneration"
 )
+
+
+ENCODER_ONLY_VLLM = (
+    "{name} has no causal LM in transformers and attnlens serves it as an encoder (StandardizedEncoder), which "
+    "attnlens's vLLM backend does not run; the transformers engine serves the family"
+)
+
+
+def encoder_only(
+    parent: type, name: str, masked_lm: str, module: str, doc: str, kwargs: dict | None = None, **members
+) -> type:
+    """`parent` (a BERT-like family) as the encoder-only family `name` of `module` (a type without a causal LM:
+    LayoutLM, TAPAS, ConvBERT, MobileBERT, I-BERT): its tiny recipe the masked LM `masked_lm` with `kwargs`,
+    bidirectional, vLLM refused; `members` added (a table of notes)."""
+    return type(
+        name,
+        (parent,),
+        {
+            "__doc__": doc,
+            "__module__": module,
+            "model_types": parent.model_types,
+            "tiny": Tiny(parent.tiny.config, masked_lm, kwargs or {}),
+            "ScoreFunction": scoring.Bidirectional,
+            "vllm": VLLMLayout(refusal=ENCODER_ONLY_VLLM.format(name=name)),
+            **members,
+        },
+    )

@@ -21,11 +21,10 @@ applies the softmax and dropout, and mixes the values;
 from __future__ import annotations
 
 from ..family import EagerFunction, Tiny, VLLMLayout
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts.sizes import Sizes
-from .bert import Bert
-from .layoutlm import encoder_only
+from .bert import Bert, encoder_only
 
 
 def _keys(envoy, transposed):
@@ -58,7 +57,7 @@ class InlineBert(Bert):
             "attention_keys": Derived(
                 Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys, _untranspose, "attention_keys"
             ),
-            "attention_scores": Operation(("nn_functional_softmax_0",), "arg", 0, anchor="softmax", **inner),
+            "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
             "attention_values": Operation(("torch_matmul_1",), "arg", 1, anchor="value_layer", **inner),
             "attention_head_outputs": Operation(("context_layer_1",), anchor="permute", **inner),

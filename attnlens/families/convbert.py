@@ -18,8 +18,8 @@ has no causal LM in transformers: it is served as an encoder.
 from __future__ import annotations
 
 from ..locations import ModuleOutput, Operation
+from .bert import encoder_only
 from .bert_inline import InlineBert, inline_bert
-from .layoutlm import encoder_only
 
 CONV_HALF = (
     "ConvBERT's output projection (attention.output.dense) reads the attention heads' outputs concatenated with its "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..family import EagerFunction, Tiny, VLLMLayout
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..parts import scoring
 from ..parts.sizes import Sizes
 from .bert import Bert
@@ -162,7 +162,7 @@ class Deberta(Bert):
             "attention_position_bias": Operation(
                 ("self_disentangled_att_bias_0",), anchor="self.disentangled_att_bias(", **inner
             ),
-            "attention_scores": Operation(("nn_functional_softmax_0",), "arg", 0, anchor="softmax", **inner),
+            "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="self.dropout(", **inner),
             "attention_head_outputs": Operation(("context_layer_1",), anchor="permute(0, 2, 1, 3)", **inner),
         }
@@ -184,10 +184,7 @@ class Deberta(Bert):
             "logits": OutputField("logits"),
         }
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return False
-
+    class ScoreFunction(scoring.Bidirectional):
         def sliding_window(self, config, layer):
             return None
 
@@ -345,7 +342,7 @@ class DebertaV2(Deberta):
             "attention_position_bias": unfolded(
                 "attention_position_bias", "self_disentangled_attention_bias_0", "self.disentangled_attention_bias("
             ),
-            "attention_scores": Operation(("nn_functional_softmax_0",), "arg", 0, anchor="softmax", **inner),
+            "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="self.dropout(", **inner),
             "attention_head_outputs": Operation(("context_layer_1",), anchor="context_layer = (", **inner),
         }

@@ -13,7 +13,7 @@ embeddings added before the blocks; there are no token types.
 from __future__ import annotations
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
@@ -49,8 +49,7 @@ class DistilBert(Family):
             "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
             "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
             "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            # what the softmax receives: without padding there is no mask (the `+ attention_mask` never runs)
-            "attention_scores": Operation((INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"),
+            "attention_scores": softmax_argument(INTERFACE_CALL),
             "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             "attention_premix": ModuleInput(self.output_projection),
@@ -65,9 +64,7 @@ class DistilBert(Family):
             "logits": OutputField("logits"),
         }
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return False
+    ScoreFunction = scoring.Bidirectional
 
     class Identities(identities.Identities):
         def residual_add(self, block, sublayer, stream, update, **arguments):

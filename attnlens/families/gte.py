@@ -22,7 +22,7 @@ The types differ in their MLP and head:
 from __future__ import annotations
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..parts import identities
 from .modernbert import BidirectionalWindow, rotary_note
 
@@ -50,8 +50,7 @@ class Gte(Family):
             "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
             "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
             "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            # an unpadded batch gets no mask (the `+ attention_mask` assignment never runs): the softmax's argument
-            "attention_scores": Operation((INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"),
+            "attention_scores": softmax_argument(INTERFACE_CALL),
             "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             "attention_premix": ModuleInput(self.output_projection),

@@ -20,9 +20,8 @@ from ..locations import ModuleInput, ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities
 from ..values import ALL_VALUES
-from .bert import ROBERTA_POSITIONS
+from .bert import ROBERTA_POSITIONS, encoder_only
 from .bert_inline import InlineBert, inline_bert
-from .layoutlm import encoder_only
 
 QUANT_MODE = (
     "config.quant_mode=True: I-BERT's modules compute on quantised tensors with integer approximations (IntSoftmax "

@@ -7,54 +7,11 @@ the box at the origin). The box enters the embeddings only: it changes the value
 LayoutLM has no causal LM in transformers: it is served as an encoder (`StandardizedEncoder`), bidirectional whatever
 `is_decoder` says (LayoutLMModel builds its mask from the padding alone).
 
-`encoder_only` makes a `bert_shaped` family (or one built as BERT is) an encoder-only family: the other BERT-like
-encoders without a causal LM (`bert_inline.py`, `convbert.py`, `mobilebert.py`, `ibert.py`) use it too.
 """
 
 from __future__ import annotations
 
-from ..family import Tiny, VLLMLayout
-from ..locations.cache import NAMES as CACHE_VALUES
-from ..parts import scoring
-from .bert import bert_shaped
-
-ENCODER_ONLY_VLLM = (
-    "{name} has no causal LM in transformers and attnlens serves it as an encoder (StandardizedEncoder), which "
-    "attnlens's vLLM backend does not run; the transformers engine serves the family"
-)
-NO_CACHE = (
-    "{name} is an encoder: its model takes no cache and keeps none, so every forward recomputes the keys and values"
-)
-
-
-class Bidirectional(scoring.ScoreFunction):
-    """An encoder's score function: every query sees every key that is not padding, whatever the config says."""
-
-    def causal(self, config):
-        return False
-
-
-def encoder_only(
-    parent: type, name: str, masked_lm: str, module: str, doc: str, kwargs: dict | None = None, **members
-) -> type:
-    """`parent` (a BERT-like family) as an encoder-only family `name` of `module`: its tiny recipe the masked LM
-    `masked_lm` with `kwargs`, bidirectional, no cache, vLLM refused; `members` added (a table of notes)."""
-    reasons = {"*": dict.fromkeys(CACHE_VALUES, NO_CACHE.format(name=name))}
-    return type(
-        name,
-        (parent,),
-        {
-            "__doc__": doc,
-            "__module__": module,
-            "model_types": parent.model_types,
-            "tiny": Tiny(parent.tiny.config, masked_lm, kwargs or {}),
-            "ScoreFunction": Bidirectional,
-            "vllm": VLLMLayout(refusal=ENCODER_ONLY_VLLM.format(name=name)),
-            "kind_reasons": reasons,
-            **members,
-        },
-    )
-
+from .bert import bert_shaped, encoder_only
 
 LayoutLM = encoder_only(
     bert_shaped("LayoutLM", "layoutlm", "layoutlm", "LayoutLMConfig", "LayoutLMForMaskedLM", "LayoutLM"),

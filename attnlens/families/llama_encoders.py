@@ -18,7 +18,7 @@ batch, the padded keys masked otherwise) and, on UltraBERT's local layers, a ban
 from __future__ import annotations
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, Operation
+from ..locations import INTERFACE_CALL, softmax_argument
 from ..parts import identities
 from .modernbert import BidirectionalWindow, band_note, rotary_note
 
@@ -38,8 +38,7 @@ class LlamaEncoder(Family):
     def locations(self):
         return {
             **super().locations(),
-            # an unpadded batch gets no mask (the `+ attention_mask` assignment never runs): the softmax's argument
-            "attention_scores": Operation((INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"),
+            "attention_scores": softmax_argument(INTERFACE_CALL),
         }
 
     class ScoreFunction(BidirectionalWindow):

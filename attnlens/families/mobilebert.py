@@ -25,8 +25,7 @@ from __future__ import annotations
 from ..family import MLPArithmetic
 from ..locations import ModuleInput
 from ..parts import identities
-from .bert import bert_shaped
-from .layoutlm import encoder_only
+from .bert import bert_shaped, encoder_only
 
 WIDTH = "true_hidden_size wide (the bottleneck's width), not hidden_size"
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, Operation
+from ..locations import INTERFACE_CALL, Operation, softmax_argument
 from ..parts import scoring
 from ..parts.sizes import Sizes, same_as
 from .modernbert_decoder import ModernBertDecoder
@@ -41,13 +41,10 @@ from .modernbert_decoder import ModernBertDecoder
 GLOBAL = "bidirectional global attention: every query sees every key that is not padding"
 
 
-class BidirectionalWindow(scoring.ScoreFunction):
+class BidirectionalWindow(scoring.Bidirectional):
     """Bidirectional attention, masked to a band `|query - key| <= half_window` on local layers (the keys on both
     sides of each query, itself included) and to the real keys where a batch is padded: what transformers'
     `create_bidirectional_sliding_window_mask` builds (and `create_bidirectional_mask` on global layers)."""
-
-    def causal(self, config) -> bool:
-        return False
 
     def sliding_window(self, config, layer: int) -> int | None:
         """None: no causal window (a query sees later keys too; the band is `half_window`, applied by `mask`)."""
@@ -132,9 +129,7 @@ class ModernBert(ModernBertDecoder):
         probabilities, probabilities_anchor = self.eager.probabilities
         return {
             **super().locations(),
-            # what the softmax receives: a global layer of an unpadded batch gets no mask (the `+ attention_mask`
-            # assignment never runs), so the scores are the softmax's argument, masked or not
-            "attention_scores": Operation((INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"),
+            "attention_scores": softmax_argument(INTERFACE_CALL),
             "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
         }
 

@@ -15,7 +15,7 @@ block as the same tensor: a block's copy is served, and assigning it changes tha
 from __future__ import annotations
 
 from ..family import Tiny, VLLMLayout
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.eager import EagerFunction
@@ -78,7 +78,7 @@ class MPNet(Bert):
             "attention_keys": Operation(("k_0",), anchor="self.k(", **inner),
             "attention_values": Operation(("v_0",), anchor="self.v(", **inner),
             # what the softmax receives: scaled, the bias added, and the mask where there is padding
-            "attention_scores": Operation(("nn_functional_softmax_0",), "arg", 0, anchor="softmax", **inner),
+            "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="self.dropout(", **inner),
             "attention_head_outputs": Operation(("c_1",), anchor="permute", **inner),
             "attention_premix": ModuleInput(self.output_projection),
@@ -93,10 +93,7 @@ class MPNet(Bert):
             "logits": OutputField("logits"),
         }
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return False
-
+    class ScoreFunction(scoring.Bidirectional):
         def score_bias(self, config, layer):
             return BIAS
 

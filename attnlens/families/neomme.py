@@ -23,7 +23,7 @@ factor's output. The logits are `lm_head(final_norm_output @ unembedding_project
 from __future__ import annotations
 
 from ..family import Family, Tiny, VLLMLayout, after_attention
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, softmax_argument
 from ..parts import identities
 from .modernbert import BidirectionalWindow, band_note, rotary_note
 
@@ -69,8 +69,7 @@ class NeoMME(Family):
             "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
             "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
             "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            # an unpadded batch gets no mask on a global layer: the softmax's argument, masked or not
-            "attention_scores": Operation((INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"),
+            "attention_scores": softmax_argument(INTERFACE_CALL),
             "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
             "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             "attention_output": ModuleOutput("", 0),

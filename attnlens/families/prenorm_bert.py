@@ -20,7 +20,7 @@ learned position embeddings instead), and a scaling of 1.
 from __future__ import annotations
 
 from ..family import EagerFunction, Tiny, VLLMLayout
-from ..locations import Derived, ModuleInput, ModuleOutput, Operation, insert_after
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, insert_after, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import CacheEntries
 from ..parts import identities
@@ -141,7 +141,7 @@ class OwnAttention(Bert):
             ),
             # without padding an encoder's mask is None and `+ attention_mask` never runs: the softmax's argument is
             # the scores, masked or not
-            "attention_scores": Operation(("nn_functional_softmax_0",), "arg", 0, anchor="softmax", **inner),
+            "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
             # the values as the pattern mixes them (after any cache update): read after the pattern
             "attention_values": Operation(("torch_matmul_1",), "arg", 1, anchor="value_layer", **inner),

@@ -14,7 +14,7 @@ the stack; UMT5 computes one in every block. The cross-attention's bias is zeros
 from __future__ import annotations
 
 from ..family import EncoderDecoder, Family, MLPArithmetic, Tiny
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField
+from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import NO_CACHE
 from ..parts import identities, scoring
@@ -50,9 +50,7 @@ class T5Encoder(Family):
             f"{prefix}attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
             f"{prefix}attention_values": Operation((INTERFACE_CALL,), "arg", 3),
             f"{prefix}attention_position_bias": Operation((INTERFACE_CALL,), "kwarg", "position_bias"),
-            f"{prefix}attention_scores": Operation(
-                (INTERFACE_CALL, "nn_functional_softmax_0"), "arg", 0, anchor="softmax"
-            ),
+            f"{prefix}attention_scores": softmax_argument(INTERFACE_CALL),
             f"{prefix}attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=anchor),
             f"{prefix}attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
             f"{prefix}attention_premix": ModuleInput(self.output_projection),
@@ -83,10 +81,7 @@ class T5Encoder(Family):
     def cross_attention_locations(self) -> dict:
         return {}
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return False
-
+    class ScoreFunction(scoring.Bidirectional):
         def score_bias(self, config, layer):
             return BIAS
 

@@ -256,6 +256,13 @@ class Operation(Location):
             op.output = _replace_item(op.output, self.item, value)
 
 
+def softmax_argument(*path: str, module: str = "") -> Operation:
+    """The scores as the attention's first softmax receives them, inside the calls `path` (the attention interface,
+    or none where the module computes its attention itself). An encoder's batch without padding gets no mask (the
+    `+ attention_mask` assignment never runs), so the softmax's argument is the scores, masked or not."""
+    return Operation((*path, "nn_functional_softmax_0"), "arg", 0, anchor="softmax", module=module)
+
+
 @dataclass(frozen=True)
 class KeyPositions(Location):
     """Each key's position in the sequence, `[batch, key]`, for the keys read at `keys`: the last `key` positions of

@@ -206,3 +206,10 @@ class ScoreFunction:
         if key_mask is not None:
             visible = visible & key_mask[:, None, None, :].bool().to(visible.device)
         return torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device), torch.finfo(dtype).min)
+
+
+class Bidirectional(ScoreFunction):
+    """An encoder's score function: every query sees every key that is not padding, whatever the config says."""
+
+    def causal(self, config) -> bool:
+        return False
