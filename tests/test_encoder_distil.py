@@ -18,7 +18,7 @@ TYPES = ("distilbert", "mpnet")
 
 
 def encoder(model_type: str) -> attnlens.StandardizedEncoder:
-    """The type's masked LM, tiny, eager, wide weights (as check_encoder.py builds it)."""
+    """The type's masked LM, tiny, eager, wide weights (as tests/test_encoders.py builds it)."""
     config = transformers.AutoConfig.for_model(
         model_type, **SIZES, pad_token_id=0, **family_for(model_type).tiny.kwargs
     )

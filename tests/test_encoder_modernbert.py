@@ -1,5 +1,5 @@
 """ModernBERT and the rotary encoders served beside it (families/modernbert.py, llama_encoders.py, gte.py), each a
-tiny masked LM built as /work/shared-enc/check_encoder.py builds it: the identities on every layer and the patterns
+tiny masked LM built as tests/test_encoders.py builds it: the identities on every layer and the patterns
 against transformers' own; ModernBERT's local band, zero outside it on both sides and nowhere else; each kind of
 layer rotating with its own theta, recomputed by hand; and what each other type adds (ESM C's scaled residual
 branches, GTE's post-norm block, a padded batch's masked keys)."""
@@ -7,6 +7,7 @@ branches, GTE's post-norm block, a padded batch's masked keys)."""
 import pytest
 import torch
 import transformers
+from conftest import needs
 from transformers.models.auto import modeling_auto
 
 import attnlens
@@ -22,7 +23,9 @@ WITH_FINAL_NORM = ("modernbert", "eurobert", "ultrabert", "esmc")
 
 
 def inner(model_type: str, **overrides) -> torch.nn.Module:
-    """The tiny masked LM check_encoder.py builds: its sizes, the family's tiny kwargs, then `overrides`."""
+    """The tiny masked LM tests/test_encoders.py builds: its sizes, the family's tiny kwargs, then `overrides`
+    (skipped where the installed transformers lacks the type: UltraBERT is newer than 5.19)."""
+    needs(model_type)
     config = transformers.AutoConfig.for_model(
         model_type, **{**SIZES, **family_for(model_type).tiny.kwargs, **overrides}
     )

@@ -34,7 +34,7 @@ HEADS = {"megatron-bert": "cls", "roberta-prelayernorm": "lm_head", "xlm-roberta
 
 @functools.cache
 def encoder(model_type: str, **config) -> attnlens.StandardizedEncoder:
-    """The type's masked LM, built as check_encoder.py builds it: tiny, eager, its norms perturbed off the identity."""
+    """The type's masked LM, built as tests/test_encoders.py builds it: tiny, eager, its norms perturbed."""
     built = transformers.AutoConfig.for_model(model_type, **{**SIZES, **config})
     built._attn_implementation = "eager"
     torch.manual_seed(0)

@@ -108,10 +108,10 @@ def test_every_why_not_raises_its_reason_and_every_served_value_reads(model_type
 
 
 def test_a_sublayer_the_block_lacks_still_answers_with_the_reason():
-    """A RemBERT block's attention is `attention`, Granite 4's Mamba layers hold `self_attn = None`: `self_attn` and
+    """A Reformer block's attention is `attention`, Granite 4's Mamba layers hold `self_attn = None`: `self_attn` and
     `mlp` are there all the same, and their values, written or read, raise the reason; other names say what is
     missing."""
-    for model_type, layer in (("rembert", 0), ("granitemoehybrid", 0)):
+    for model_type, layer in (("reformer", 0), ("granitemoehybrid", 0)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = attnlens.StandardizedTransformer(BUILD(model_type), tokenizer=char_tokenizer())
