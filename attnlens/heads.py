@@ -81,7 +81,11 @@ def summarize(
       of each counted row's weight on its target, and `name_rows` [batch], the rows counted;
     - with `top_rows` and `top_k`: `top_weights` and `top_keys` [batch, heads, len(top_rows), top_k], the `top_k`
       largest weights of those rows and their key indexes (weight 0 and key -1 past the keys a row sees).
+
+    A bidirectional score function (`scores.causal` False: an encoder's) lets every row see every key: its rows are
+    scored in one chunk (a band's mask places rows by their count from the end), and targets may lie after a row.
     """
+    causal = getattr(scores, "causal", True)
     batch, num_heads, num_queries, _ = queries.shape
     num_keys = keys.shape[2]
     offset = num_keys - num_queries  # query i sits at key offset + i
@@ -95,10 +99,12 @@ def summarize(
     for name, target in targets.items():
         # checked in Python, each row's key against its position: a few hundred ints, no tensor operations
         listed = target.tolist() if target.dim() == 1 else None
-        if listed is None or len(listed) != num_queries or any(map(gt, listed, range(offset, offset + num_queries))):
+        last = range(offset, offset + num_queries) if causal else [num_keys - 1] * num_queries
+        if listed is None or len(listed) != num_queries or any(map(gt, listed, last)):
             raise ValueError(
                 f"summarize: targets[{name!r}] must give one key per query row, at most the row's own "
-                f"position (or -1); got shape {tuple(target.shape)}"
+                f"position{'' if causal else ' (any key: the attention is bidirectional)'} (or -1); got shape "
+                f"{tuple(target.shape)}"
             )
         counted = sum(map((0).__le__, listed))  # rows whose key is 0 or more
         out[f"{name}_rows"] = torch.full((batch,), float(counted), device=device)
@@ -110,14 +116,16 @@ def summarize(
         return out
     for name in ("entropy", "sink", *targets):
         out[name] = torch.zeros(batch, num_heads, device=device)
-    if chunk_rows is None:  # as many as fit, in chunks of equal size
+    if not causal:
+        chunk_rows = num_queries
+    elif chunk_rows is None:  # as many as fit, in chunks of equal size
         chunks = -(-num_queries // max(1, CHUNK_ELEMENTS // (batch * num_heads * num_keys)))
         chunk_rows = -(-num_queries // chunks)
     # each head's keys channel-major: the products then read them as the matrix product wants (a third less time)
     keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
     for start in range(0, num_queries, chunk_rows):
         stop = min(start + chunk_rows, num_queries)
-        width = offset + stop  # the keys these rows can see
+        width = offset + stop if causal else num_keys  # the keys these rows can see
         chunk = scores(queries[:, :, start:stop], keys[:, :, :width]).float()
         probs = chunk.softmax(-1)
         out["entropy"] += _entropy(chunk, probs).sum(-1)
@@ -128,7 +136,7 @@ def summarize(
             out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum(-1)
         for j, row in enumerate(top_rows):
             if start <= row < stop:
-                seen = offset + row + 1  # the keys this row sees
+                seen = offset + row + 1 if causal else num_keys  # the keys this row sees
                 weights, found = probs[:, :, row - start, :seen].topk(min(top_k, seen), dim=-1)
                 out["top_weights"][:, :, j, : found.shape[-1]] = weights
                 out["top_keys"][:, :, j, : found.shape[-1]] = found
@@ -174,12 +182,14 @@ def _entropy(scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 class LayerScores:
     """A layer's score function as `summarize` takes it: called on (queries, keys), the family's own masked scores
     (scale, grouped heads, soft-cap, mask, sliding window) on unpadded queries and keys; `common_layout` is
-    `ScoreFunction.common_layout`'s {scale, softcap, window} where the compiled kernel can score the layer, else None.
-    The one place attnlens.heads calls `ScoreFunction.scores`."""
+    `ScoreFunction.common_layout`'s {scale, softcap, window} where the compiled kernel can score the layer (a causal
+    one), else None; `causal` whether a row sees only the keys up to its own. The one place attnlens.heads calls
+    `ScoreFunction.scores`."""
 
     def __init__(self, function, heads, config, layer: int) -> None:
         self.function, self.heads, self.config, self.layer = function, heads, config, layer
-        self.common_layout = function.common_layout(heads, config, layer)
+        self.causal = function.causal(config)
+        self.common_layout = function.common_layout(heads, config, layer) if self.causal else None
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return self.function.scores(self.heads, self.config, queries, keys, self.layer, None)
@@ -392,20 +402,21 @@ def _progress(show: bool | None, total: int):
     )
 
 
-def _summarise_batch(model, layers, batch_input, pads, options) -> list[dict[int, dict]]:
-    """One forward over a left-padded batch (on vLLM, one traced request per prompt); per prompt, per layer,
-    `summarize`'s sums (computed inside the forward, as each layer's queries and keys are formed)."""
+def _summarise_batch(model, layers, batch_input, spans, options) -> list[dict[int, dict]]:
+    """One forward over a padded batch (`spans`: where each prompt lies; on vLLM, one traced request per prompt); per
+    prompt, per layer, `summarize`'s sums (computed inside the forward, as each layer's queries and keys are
+    formed)."""
     if model.access.engine == "vllm":
         found = []
         for ids, option in zip(batch_input if isinstance(batch_input, list) else list(batch_input), options):
             with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
                 results = [{}].save()
-                _collect(model, layers, [0], [option], results)
+                _collect(model, layers, [slice(0, None)], [option], results)
             found += results
         return found
-    results: list[dict[int, dict]] = [{} for _ in pads]
+    results: list[dict[int, dict]] = [{} for _ in spans]
     with torch.no_grad(), model.trace(batch_input):
-        _collect(model, layers, pads, options, results)
+        _collect(model, layers, spans, options, results)
     return results
 
 
@@ -472,7 +483,7 @@ def _sums_by_item(scores, values, options) -> list[dict]:
     return [dict(zip(split, one)) for one in zip(*split.values())]
 
 
-def _collect(model, layers, pads, options, results) -> None:
+def _collect(model, layers, spans, options, results) -> None:
     """Inside a trace (on vLLM, inside its worker, so only the sums leave it): each layer's sums per prompt."""
     for layer in layers:
         attn = model.layers[layer].self_attn
@@ -480,9 +491,9 @@ def _collect(model, layers, pads, options, results) -> None:
         names = sorted(("attention_queries", "attention_keys"), key=lambda name: order[f"self_attn.{name}"])
         read = {name: getattr(attn, name) for name in names}
         scores = score_function(attn)
-        for i, pad in enumerate(pads):
-            queries = read["attention_queries"][i : i + 1, :, pad:]
-            keys = read["attention_keys"][i : i + 1, :, pad:]
+        for i, span in enumerate(spans):
+            queries = read["attention_queries"][i : i + 1, :, span]
+            keys = read["attention_keys"][i : i + 1, :, span]
             sums = summarize(scores, queries, keys, **options[i])
             results[i][layer] = {name: value[0].detach().cpu() for name, value in sums.items()}  # its one prompt
 
@@ -490,7 +501,7 @@ def _collect(model, layers, pads, options, results) -> None:
 def _run(model, layers, texts: list[torch.Tensor], options: dict, *, batch_size, bar, description) -> list[dict]:
     """`summarize`'s sums for every text (`options`: summarize's), run in batches of similar lengths; on vLLM, every
     text at once, reduced in its worker."""
-    from .capture.runs import batches
+    from .capture.runs import batches, spans
 
     task = bar.add_task(description, total=len(texts))
     if model.access.engine == "vllm" and _tapped(model, layers):
@@ -500,10 +511,8 @@ def _run(model, layers, texts: list[torch.Tensor], options: dict, *, batch_size,
     results: list = [None] * len(texts)
     for batch in batches(model, [len(text) for text in texts], batch_size):
         lengths = [len(texts[i]) for i in batch]
-        pads = [max(lengths) - length for length in lengths]
-        # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids
         batch_input = texts[batch[0]][None] if len(batch) == 1 else [texts[i] for i in batch]
-        found = _summarise_batch(model, layers, batch_input, pads, [options] * len(batch))
+        found = _summarise_batch(model, layers, batch_input, spans(model, lengths), [options] * len(batch))
         for i, sums in zip(batch, found):
             results[i] = sums
         bar.advance(task, len(batch))

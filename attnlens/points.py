@@ -71,8 +71,9 @@ def read(model, short: str, layer: int | None):
     return getattr(host, value.name)
 
 
-def unpad(tensor: torch.Tensor, short: str, row: int, pad: int) -> torch.Tensor:
-    """Row `row` of a batched value (batch axis kept), without its `pad` left-padding positions; a copy."""
+def unpad(tensor: torch.Tensor, short: str, row: int, span: slice) -> torch.Tensor:
+    """Row `row` of a batched value (batch axis kept), its positions those of `span` (where the prompt lies in the
+    padded batch: `capture.runs.spans`); a copy."""
     layout = ("batch", "seq", "fused") if short == FUSED else BY_NAME[value_of(short)].axes
-    index = [slice(row, row + 1)] + [slice(pad, None) if axis in POSITION_AXES else slice(None) for axis in layout[1:]]
+    index = [slice(row, row + 1)] + [span if axis in POSITION_AXES else slice(None) for axis in layout[1:]]
     return tensor[tuple(index)].clone()

@@ -113,10 +113,11 @@ def test_keep_heads_and_rows():
         attnlens.capture_attention(model, "Hi", 1, keep=["pattern"])
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case", ALL_CASES + attnlens.models.tiny_cases(causal=False))
 def test_padded_batches_equal_one_prompt_at_a_time(case):
     """Every family: left padding with mask-derived positions (grouped heads, learned positions, sliding windows
-    shorter than the prompts, recurrences that skip the padding); families whose values padding would change
+    shorter than the prompts, recurrences that skip the padding), and an encoder's right padding (its positions its
+    own, each prompt at the start of its row); families whose values padding would change
     (`Family.padding_changes_values`: TrOCR, RecurrentGemma) batch only prompts of one length."""
     model = tiny(case)
     layers = [

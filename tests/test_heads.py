@@ -16,8 +16,9 @@ ROWS = [-1, 0, 1]
 TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # float32 sums of up to 25 terms per row; the pattern rounds once more
 
 
-def reference(patterns, rows=(), top_k=3, repeated=False):
-    """The summaries of full patterns ([heads, query, key] per text), computed the plain way."""
+def reference(patterns, rows=(), top_k=3, repeated=False, causal=True):
+    """The summaries of full patterns ([heads, query, key] per text), computed the plain way; a row of a causal
+    pattern ranks the keys up to its own, of a bidirectional one every key."""
     patterns = [p.float() for p in patterns]
     out = {
         "entropy": torch.cat([torch.special.entr(p).sum(-1) for p in patterns], dim=1).mean(1),
@@ -32,9 +33,9 @@ def reference(patterns, rows=(), top_k=3, repeated=False):
     }
     for name, cells in stripes.items() if repeated else ():
         out[name] = torch.stack([p[:, i, j] for p in patterns for i, j in cells], dim=1).mean(1)
+    seen = (lambda p, row: row % p.shape[1] + 1) if causal else (lambda p, row: p.shape[2])
     out["top"] = [
-        [p[:, row % p.shape[1], : row % p.shape[1] + 1].topk(min(top_k, row % p.shape[1] + 1)) for row in rows]
-        for p in patterns
+        [p[:, row % p.shape[1], : seen(p, row)].topk(min(top_k, seen(p, row))) for row in rows] for p in patterns
     ]
     return out
 
@@ -43,10 +44,11 @@ def summarisable(model):
     return [layer for layer in range(model.num_layers) if heads.why_not(model, layer) is None]
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case", ALL_CASES + attnlens.models.tiny_cases(causal=False))
 def test_summaries_equal_the_full_pattern(case):
-    """Every family: the chunked summaries equal those of the eager `attention_probabilities` on every layer that
-    serves queries and keys; layers that don't (linear attention, sink logits) are skipped with the reason."""
+    """Every family, the encoders' too (rows that see every key, ModernBERT's bands both ways): the chunked summaries
+    equal those of the eager `attention_probabilities` on every layer that serves queries and keys; layers that don't
+    (linear attention, sink logits, DeBERTa's position terms) are skipped with the reason."""
     model = tiny(case)
     layers = summarisable(model)
     for layer in set(range(model.num_layers)) - set(layers):
@@ -70,7 +72,8 @@ def test_summaries_equal_the_full_pattern(case):
         want = reference([r[layer]["probs"] for r in on_repeats], repeated=True)
         for metric in heads.TARGETED:
             assert torch.allclose(found.get(metric, layer), want[metric], **TOLERANCE), (metric, layer)
-        want = reference([r[layer]["probs"] for r in on_prompts], rows=ROWS)
+        causal = model.family.score_function().causal(model.config)
+        want = reference([r[layer]["probs"] for r in on_prompts], rows=ROWS, causal=causal)
         for metric in heads.ON_TEXT:
             assert torch.allclose(found.get(metric, layer), want[metric], **TOLERANCE), (metric, layer)
         entries = iter(found.top[layer])

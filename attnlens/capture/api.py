@@ -36,11 +36,11 @@ def run_with_cache(
     points = plan.points(model, names)
     prompts, single = runs.checked_prompts(model, inputs)
 
-    def collect(indexes, pads):
+    def collect(indexes, spans):
         batch = {(short, layer): plan.read(model, short, layer) for short, layer in points}
         return [
-            {cache_key(short, layer): plan.unpad(t, short, row, pad) for (short, layer), t in batch.items()}
-            for row, pad in enumerate(pads)
+            {cache_key(short, layer): plan.unpad(t, short, row, span) for (short, layer), t in batch.items()}
+            for row, span in enumerate(spans)
         ]
 
     results = runs.run(model, prompts, collect, batch_size=batch_size, progress=progress, save_to=save_to, kind="cache")
@@ -117,8 +117,8 @@ def capture_attention(
     rows_of = [_indices(rows, len(ids), "row") for ids in prompts]  # checked before the model runs
     family = model.family
 
-    def collect(indexes, pads):
-        results = [{} for _ in pads]
+    def collect(indexes, spans):
+        results = [{} for _ in spans]
         for layer in layers:
             attn = model.layers[layer].self_attn
             rebuilt = any(
@@ -131,20 +131,20 @@ def capture_attention(
                 if kind == "value" or not rebuilt:
                     read[kind] = getattr(attn, KINDS[kind])
             values = read.pop("value", None)
-            for i, pad in enumerate(pads):
+            for i, span in enumerate(spans):
                 row_list, head_list = rows_of[indexes[i]], heads_of[layer]
                 out = results[i]
                 if values is not None:
-                    out[f"{layer}.value"] = values[i, :, pad:].transpose(0, 1).clone()
+                    out[f"{layer}.value"] = values[i, :, span].transpose(0, 1).clone()
                 if rebuilt:
-                    own_mask = None if mask is None else mask[i : i + 1 if mask.shape[0] > 1 else 1, :, pad:, pad:]
+                    own_mask = None if mask is None else mask[i : i + 1 if mask.shape[0] > 1 else 1, :, span, span]
                     patterns = rebuild.pattern_rows(
                         family,
                         model.access.geometry(layer),
                         model.config,
                         layer,
-                        queries[i : i + 1, :, pad:],
-                        keys[i : i + 1, :, pad:],
+                        queries[i : i + 1, :, span],
+                        keys[i : i + 1, :, span],
                         own_mask,
                         rows=row_list,
                         heads=head_list,
@@ -156,10 +156,10 @@ def capture_attention(
                         if kind in keep:
                             out[f"{layer}.{kind}"] = patterns[name][0]
                 for kind, tensor in read.items():
-                    picked = tensor[i, :, :, pad:]
+                    picked = tensor[i, :, :, span]
                     if head_list is not None:
                         picked = picked[head_list]
-                    picked = picked[:, pad:] if row_list is None else picked[:, [pad + r for r in row_list]]
+                    picked = picked[:, span] if row_list is None else picked[:, [span.start + r for r in row_list]]
                     out[f"{layer}.{kind}"] = picked.clone()
         return results
 

@@ -118,8 +118,9 @@ def run(
     save_to: str | Path | None,
     kind: str,
 ) -> list:
-    """Run `prompts` in batches; `collect(indexes, pads)`, called inside each trace with the batch's prompt indexes
-    and left padding, returns one flat dict of tensors per prompt. Returns them in prompt order, or their files."""
+    """Run `prompts` in batches; `collect(indexes, spans)`, called inside each trace with the batch's prompt indexes
+    and where each prompt's tokens lie (`spans`), returns one flat dict of tensors per prompt. Returns them in prompt
+    order, or their files."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1; got {batch_size}")
     lengths = [len(ids) for ids in prompts]
@@ -146,15 +147,23 @@ def _per_request(model) -> bool:
     return model.access.engine == "vllm"
 
 
+def spans(model, lengths: list[int]) -> list[slice]:
+    """Where each of a padded batch's prompts (of `lengths` tokens) lies along its positions: after the padding where
+    the tokenizer pads on the left (nnsight left-pads a causal LM and gives the padded rows mask-derived positions),
+    before it where it pads on the right (an encoder's, so that its positions stay its own). On vLLM (a request per
+    prompt, no padding) the whole sequence: `[slice(0, None)]`."""
+    longest = max(lengths)
+    if getattr(model.tokenizer, "padding_side", "left") == "right":
+        return [slice(0, length) for length in lengths]
+    return [slice(longest - length, longest) for length in lengths]
+
+
 def _padded(model, prompts, batch, collect) -> list[dict]:
-    """One eager forward over the batch, left-padded."""
-    lengths = [len(prompts[i]) for i in batch]
-    pads = [max(lengths) - length for length in lengths]
-    # nnsight left-pads a list of ids and gives the padded rows mask-derived position ids
+    """One eager forward over the batch, padded as the tokenizer pads (`spans`)."""
     batch_input = prompts[batch[0]][None] if len(batch) == 1 else [prompts[i] for i in batch]
     collected: list[dict] = []
     with model.trace(batch_input):
-        collected.extend(collect(batch, pads))
+        collected.extend(collect(batch, spans(model, [len(prompts[i]) for i in batch])))
     return collected
 
 
@@ -165,7 +174,7 @@ def _requests(model, prompts, batch, collect) -> list[dict]:
     for i in batch:
         with model.trace(prompts[i].tolist()):
             collected = list().save()
-            collected.extend(collect([i], [0]))
+            collected.extend(collect([i], [slice(0, None)]))
         out.extend(collected)
     return out
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..capture.runs import spans
 from ..errors import Unavailable
 from ..family import engine_named
 from ..values import BY_NAME
@@ -255,16 +256,15 @@ class Collector:
                 for i, ids in enumerate(prompts):
                     with tracer.invoke(ids):
                         found = list().save()
-                        compute(model, plan, features, options, wants, [ids], [0], found, i, self.states)
+                        compute(model, plan, features, options, wants, [ids], [slice(0, None)], found, i, self.states)
             found = found if len(prompts) > 1 else [found]  # a name saved by several requests comes back as a list
             by_prompt = {entry[0][0]: entry[0][1] for entry in found}
             return [by_prompt[i] for i in range(len(prompts))]
-        lengths = [len(ids) for ids in prompts]
-        pads = [max(lengths) - length for length in lengths]
+        where = spans(model, [len(ids) for ids in prompts])
         batch_input = torch.tensor([prompts[0]]) if len(prompts) == 1 else [torch.tensor(ids) for ids in prompts]
         found: list = []
         with torch.no_grad(), model.trace(batch_input):
-            compute(model, plan, features, options, wants, prompts, pads, found, 0, self.states)
+            compute(model, plan, features, options, wants, prompts, where, found, 0, self.states)
         return [entry[1] for entry in sorted(found, key=lambda entry: entry[0])]
 
     def _rows(self, rows: dict, record: Record, tokens: int, found: dict) -> None:
@@ -327,19 +327,19 @@ def _batches(model, runnable: list, batch_size: int) -> list[list]:
     return [[runnable[i] for i in batch] for batch in batches(model, [len(ids) for _, ids in runnable], batch_size)]
 
 
-def compute(model, plan, features, options, wants, prompts, pads, found, first, states) -> None:
+def compute(model, plan, features, options, wants, prompts, spans, found, first, states) -> None:
     """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch
     (`prompts`: token ids), (its place, {layer: {column: per-head values}}) appended to `found`. Features with a
     `finish` complete theirs from the values after the last layer, read once for the batch."""
     from ..points import unpad
 
     lengths = [len(ids) for ids in prompts]
-    results = [{} for _ in pads]
+    results = [{} for _ in spans]
     for layer, reads in plan:
         attn = model.layers[layer].self_attn
         read = {name: getattr(attn, name) for name in reads}
-        for i, pad in enumerate(pads):
-            values = {name: unpad(tensor, BY_NAME[name].short, i, pad) for name, tensor in read.items()}
+        for i, span in enumerate(spans):
+            values = {name: unpad(tensor, BY_NAME[name].short, i, span) for name, tensor in read.items()}
             for name, tensor in values.items():  # a prefill split in chunks would be seen a chunk at a time
                 axes = BY_NAME[name].axes
                 seen = tensor.shape[axes.index("seq")] if "seq" in axes else lengths[i]
@@ -356,8 +356,8 @@ def compute(model, plan, features, options, wants, prompts, pads, found, first, 
         last = model.layers[model.num_layers - 1]
         hosts = {"layer_output": last, "final_norm_output": model, "logits": model}
         finals = {name: getattr(hosts[name], name) for name in registry.FINALS}
-        for i, pad in enumerate(pads):
-            unpadded = {name: unpad(tensor, BY_NAME[name].short, i, pad) for name, tensor in finals.items()}
+        for i, span in enumerate(spans):
+            unpadded = {name: unpad(tensor, BY_NAME[name].short, i, span) for name, tensor in finals.items()}
             prompt = registry.Prompt(list(prompts[i]), registry.rows_of(options, lengths[i]), unpadded, results[i])
             for feature in finishing:
                 feature.finish(model, states[feature.name], prompt)
