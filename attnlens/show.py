@@ -135,6 +135,75 @@ def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:
     return {layer: captured[layer]["probs"] for layer in captured}, picked
 
 
+#: The attention of an encoder-decoder a picture shows (`attention=`): its stack, the sublayer, and which of the
+#: source (s) and target (t) tokens are the queries and the keys.
+SEQ2SEQ_VIEWS = {
+    "encoder": ("encoder", "self_attn", "s", "s"),
+    "decoder": ("decoder", "self_attn", "t", "t"),
+    "cross": ("decoder", "cross_attn", "t", "s"),
+}
+
+
+def _is_seq2seq(obj) -> bool:
+    from .stacks import StandardizedSeq2Seq
+
+    return isinstance(obj, StandardizedSeq2Seq)
+
+
+def _seq2seq(model, prompt, target, layers, heads, attention: str):
+    """An encoder-decoder's patterns of `attention` (`SEQ2SEQ_VIEWS`) for the source `prompt` (text, token ids, or a
+    mapping of the encoder's inputs: Whisper's `input_features`) and the decoder's `target` (text or ids): ({layer:
+    [heads, query, key]}, head numbers kept, every token's text (the source's, then the target's), query positions,
+    key positions, the prompt's text). The keys of cross-attention are the source, its queries the target."""
+    if attention not in SEQ2SEQ_VIEWS:
+        raise ValueError(
+            f"attention= is one of {', '.join(map(repr, SEQ2SEQ_VIEWS))} on an encoder-decoder; got {attention!r}"
+        )
+    if prompt is None or target is None or layers is None:
+        raise ValueError(
+            "show(model, source, layers, target=...): name the source, the decoder's tokens and the layers"
+        )
+    stack_name, sublayer, queries_from, keys_from = SEQ2SEQ_VIEWS[attention]
+    from .access import access_of
+
+    stack = getattr(model, stack_name)
+    access = access_of(stack)
+    layers = [access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
+    tokenizer = model.tokenizer
+
+    def ids(given) -> torch.Tensor:
+        found = tokenizer(given, return_tensors="pt").input_ids if isinstance(given, str) else torch.as_tensor(given)
+        return found.reshape(1, -1)
+
+    inputs = dict(prompt) if isinstance(prompt, Mapping) else {"input_ids": ids(prompt)}
+    target_ids = ids(target)
+    read: list = []
+    with torch.no_grad(), model.trace(**inputs, decoder_input_ids=target_ids):
+        for layer in layers:
+            read.append(getattr(stack.layers[layer], sublayer).attention_probabilities.save())
+    data = {layer: pattern[0] for layer, pattern in zip(layers, read)}
+    picked = None if heads is None else _index_list(heads, data[layers[0]].shape[0], "head")
+    if picked is not None:
+        data = {layer: pattern[picked] for layer, pattern in data.items()}
+    # a source of token ids reads as its tokens; one of features (Whisper's frames) as its positions
+    key_count = data[layers[0]].shape[-1] if keys_from == "s" else None
+    if "input_ids" in inputs:
+        source = [tokenizer.decode([int(i)]) for i in inputs["input_ids"][0]]
+    else:
+        source = [f"@{j}" for j in range(key_count if key_count is not None else 0)]
+    target_tokens = [tokenizer.decode([int(i)]) for i in target_ids[0]]
+    where = {"s": list(range(len(source))), "t": list(range(len(source), len(source) + len(target_tokens)))}
+    text = (
+        prompt
+        if isinstance(prompt, str)
+        else tokenizer.decode(inputs["input_ids"][0])
+        if "input_ids" in inputs
+        else f"{len(source)} source positions"
+    )
+    text += " → " + (target if isinstance(target, str) else tokenizer.decode(target_ids[0]))
+    return data, picked, source + target_tokens, where[queries_from], where[keys_from], text
+
+
 def _given(source, layers) -> dict:
     """{layer: [heads, query, key]} of a capture result or a tensor."""
     if isinstance(source, Mapping):
@@ -176,6 +245,8 @@ def patterns(
     key_positions=None,
     query_positions=None,
     title: str | None = None,
+    target=None,
+    attention: str = "cross",
 ) -> Patterns:
     """Normalise what `show` and `plot` accept into `Patterns`.
 
@@ -190,8 +261,22 @@ def patterns(
     tokenizer on `prompt`, else numbers). A pattern's keys are the last of those positions unless `key_positions`
     says which they are (a sliding window's keys on a decode step), and likewise its queries (`query_positions`).
     `model` (given a capture or a tensor) decodes the tokens and names the model; `title` names it instead.
+
+    An encoder-decoder (`StandardizedSeq2Seq`) takes the source as `prompt` (text, ids, or the encoder's inputs as a
+    mapping: Whisper's `{"input_features": ...}`), the decoder's tokens as `target`, and which attention to show as
+    `attention`: "cross" (target rows over source keys: what each target token reads of the source), "encoder" or
+    "decoder"; the tokens are the source's, then the target's.
     """
-    if _is_model(source):
+    if _is_seq2seq(source):
+        model = source
+        data, head_labels, tokens, query_positions, key_positions, text = _seq2seq(
+            model, prompt, target, layers, heads, attention
+        )
+        heads, prompt = None, text
+        title = title if title is not None else f"{model_name(model)}, {attention} attention"
+    elif target is not None:
+        raise ValueError("target= names an encoder-decoder's decoder tokens; this source is not an encoder-decoder")
+    elif _is_model(source):
         model = source
         data, head_labels = _captured(model, prompt, layers, heads)
         heads = None
@@ -199,7 +284,7 @@ def patterns(
         data = _given(source, layers)
     if not data:
         raise ValueError("nothing to show: no layers")
-    found, text = _tokens(model, prompt)
+    found, text = (None, prompt) if _is_seq2seq(model) else _tokens(model, prompt)
     tokens = list(tokens) if tokens is not None else found
     key_positions, query_positions = (
         None if p is None else [int(i) for i in torch.as_tensor(p).flatten().tolist()]

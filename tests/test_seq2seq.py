@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from test_show import close, page_data
 
 import attnlens
 from attnlens.checks import failures, read_stacks
@@ -311,3 +312,51 @@ def test_every_sequence_to_sequence_type_of_transformers_is_served_or_refused_wi
     served = sorted(t for t, said in outcomes.items() if said is None)
     assert served == sorted(t for t in TYPES if t in outcomes)
     print(f"{len(outcomes)} types: {len(served)} served, {len(outcomes) - len(served)} refused with the reason")
+
+
+@pytest.mark.parametrize("attention", ["cross", "encoder", "decoder"])
+def test_show_and_plot_draw_each_attention_of_an_encoder_decoder_with_source_and_target_tokens(attention, tmp_path):
+    """`show`/`plot` on an encoder-decoder: the tokens are the source's then the target's; cross-attention's rows are
+    the target's and its keys the source's, the encoder's both the source's, the decoder's both the target's; each
+    pattern is the one `cross_attn` / `self_attn` serves."""
+    from attnlens.show import patterns
+
+    model = tiny("bart")
+    found = patterns(model, SOURCE[0], [0, 1], target=TARGET[0], attention=attention)
+    source, target = SOURCE.shape[1], TARGET.shape[1]
+    assert len(found.tokens) == source + target
+    stack, sublayer = (
+        ("encoder", "self_attn")
+        if attention == "encoder"
+        else ("decoder", {"cross": "cross_attn"}.get(attention, "self_attn"))
+    )
+    expected = []  # (a name bound in a trace body does not outlive it; a list from outside does)
+    with torch.no_grad(), model.trace(SOURCE, decoder_input_ids=TARGET):
+        for layer in (0, 1):
+            expected.append(getattr(getattr(model, stack).layers[layer], sublayer).attention_probabilities.save())
+    on_source, on_target = list(range(source)), list(range(source, source + target))
+    for layer, pattern in zip(found.layers, expected):
+        assert torch.equal(layer.probs, pattern[0])
+        assert layer.query_positions == (on_source if attention == "encoder" else on_target)
+        assert layer.key_positions == (on_target if attention == "decoder" else on_source)
+    assert attention in found.model
+    page = page_data(attnlens.show(model, SOURCE[0], [0, 1], target=TARGET[0], attention=attention).html())
+    assert page["tokens"] == found.tokens
+    for shown, layer in zip(page["layers"], found.layers):
+        assert (shown["queries"], shown["keys"]) == (layer.query_positions, layer.key_positions)
+        assert close(shown["weights"], layer.probs)  # one byte a weight
+    assert (
+        attnlens.plot(model, SOURCE[0], 1, target=TARGET[0], attention=attention, out=tmp_path / "p.png").stat().st_size
+    )
+
+
+def test_show_on_an_encoder_decoder_says_what_is_missing_or_wrong():
+    model = tiny("bart")
+    with pytest.raises(ValueError, match="attention= is one of"):
+        attnlens.show(model, SOURCE[0], 0, target=TARGET[0], attention="both")
+    with pytest.raises(ValueError, match="target="):
+        attnlens.show(model, SOURCE[0], 0)
+    with pytest.raises(IndexError, match="layer 5 is out of range"):
+        attnlens.show(model, SOURCE[0], 5, target=TARGET[0])
+    with pytest.raises(ValueError, match="not an encoder-decoder"):
+        attnlens.show(attnlens.models.tiny("gpt2"), "Hi", 0, target="Hi")
