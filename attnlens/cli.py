@@ -73,16 +73,33 @@ def load_model(spec: str, engine: str = "transformers"):
         return _vllm_model(spec)
     if spec.startswith("tiny:"):
         return _tiny(spec)
-    from .standardized import StandardizedTransformer
+    from .standardized import StandardizedEncoder, StandardizedTransformer
 
     folder = _folder(spec)
     try:
-        return StandardizedTransformer(str(folder or spec), attn_implementation="eager")
+        source = str(folder or spec)
+        served_by = StandardizedEncoder if _bidirectional(source) else StandardizedTransformer
+        return served_by(source, attn_implementation="eager")
     except Exception as error:  # noqa: BLE001  the hub, a broken folder: one line saying which
         where = f"the folder {folder}" if folder else "a hub name"
         raise CommandError(
             f"could not load {spec!r} as {where} (bundled: {', '.join(BUNDLED)}; or tiny:FAMILY): {_line(error)}"
         ) from None
+
+
+def _bidirectional(source: str) -> bool:
+    """Whether the checkpoint at `source` is an encoder: its family's score function, on its config, sees every key
+    (a BERT saved as a masked LM, a DeBERTa); a decoder, or a type without a family, is not."""
+    from transformers import AutoConfig
+
+    from .errors import UnknownFamily
+    from .registry import family_for
+
+    config = AutoConfig.from_pretrained(source)
+    try:
+        return not family_for(config.model_type).score_function().causal(config)
+    except UnknownFamily:
+        return False
 
 
 def _vllm_model(spec: str):

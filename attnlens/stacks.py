@@ -30,7 +30,7 @@ from .errors import UnknownFamily
 from .family import EncoderDecoder, Family
 from .locations import attach
 from .registry import encoder_decoder_for
-from .standardized import quiet_pipeline
+from .standardized import checkpoint_tokenizer, quiet_pipeline
 from .support import Support
 from .values import BY_NAME
 
@@ -107,12 +107,7 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, family: Any = None, **kwargs: Any) -> None:
-        if tokenizer is None and not isinstance(model, torch.nn.Module):  # the checkpoint's, beside its weights
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(
-                model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs}
-            )
+        tokenizer = checkpoint_tokenizer(model, tokenizer, kwargs)
         model = _loaded(model, kwargs)
         if not getattr(model.config, "is_encoder_decoder", False):
             raise TypeError(refusal(model.config))

@@ -110,6 +110,16 @@ def quiet_pipeline():
         logger.setLevel(level)
 
 
+def checkpoint_tokenizer(model: Any, tokenizer: Any, kwargs: dict) -> Any:
+    """`tokenizer`, else the checkpoint's beside its weights where `model` names one (a folder or hub name) that is
+    loaded here rather than by nnsight (an encoder by its head, an encoder-decoder)."""
+    if tokenizer is not None or isinstance(model, torch.nn.Module):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs})
+
+
 def _loaded(model: Any, kwargs: dict, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
     """The model object, loading a hub name or folder with transformers' `auto` class (its structure is needed to find
     the blocks)."""
@@ -330,6 +340,7 @@ class StandardizedEncoder(StandardizedTransformer):
             raise ValueError(f"head={head!r} is not an encoder head attnlens loads; one of {', '.join(ENCODER_HEADS)}")
         if not isinstance(model, torch.nn.Module):
             _refuse_encoder_decoder(model, kwargs)
+            tokenizer = checkpoint_tokenizer(model, tokenizer, kwargs)
             model = _loaded(model, kwargs, ENCODER_HEADS[head])
         super().__init__(model, tokenizer=tokenizer, **kwargs)
         # an encoder runs once over its whole input: nothing is cached or generated

@@ -222,3 +222,25 @@ def test_heads_table_to_a_file(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out)
     text = out.read_text()
     assert "induction" in text and text.count("\n│     2 │") == 4  # layer 2's four heads
+
+
+def test_an_encoder_checkpoint_loads_as_an_encoder_and_a_decoder_as_a_decoder(tmp_path, capsys):
+    """A folder holding a masked LM (BERT saved without is_decoder) is served by StandardizedEncoder, bidirectional;
+    the same type saved as a causal LM by StandardizedTransformer."""
+    import transformers
+
+    from attnlens.models import char_tokenizer
+
+    for name, is_decoder in (("encoder", False), ("decoder", True)):
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=128,
+            is_decoder=is_decoder,
+        )  # fmt: skip
+        model_class = transformers.BertLMHeadModel if is_decoder else transformers.BertForMaskedLM
+        model_class(config).save_pretrained(tmp_path / name)
+        char_tokenizer().save_pretrained(tmp_path / name)
+        loaded = cli.load_model(str(tmp_path / name))
+        assert type(loaded).__name__ == ("StandardizedTransformer" if is_decoder else "StandardizedEncoder")
+        assert cli.main(["support", str(tmp_path / name)]) == 0
+        notes = capsys.readouterr().out
+        assert ("causal" if is_decoder else "bidirectional") in notes
