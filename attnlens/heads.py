@@ -39,9 +39,13 @@ METRICS = {
     "previous": "mean weight from a token to the one before it (repeated random tokens)",
     "duplicate": "mean weight from a token of the second copy to its earlier occurrence, key i - n",
     "induction": "mean weight from a token of the second copy to the token after its earlier occurrence, key i - n + 1",
+    "next": "mean weight from a token to the one after it (repeated random tokens; bidirectional layers only)",
+    "last": "mean weight on the last token (a BERT-style prompt's [SEP]; bidirectional layers only)",
 }
+#: The metrics only a bidirectional layer has (a causal row sees no later key).
+BIDIRECTIONAL = ("next", "last")
 #: Measured on the text (prompts, or the repeated sequences without prompts); the others on the repeated sequences.
-ON_TEXT = ("entropy", "sink")
+ON_TEXT = ("entropy", "sink", "last")
 TARGETED = tuple(name for name in METRICS if name not in ON_TEXT)
 #: Elements of one chunk of scores (a batch, all heads, a few rows, the keys they see): 2 MiB in float32. Small chunks
 #: stay in the CPU's cache through the passes over them, and a long prompt's later rows are scored against only the
@@ -76,7 +80,7 @@ def summarize(
     on the queries' device:
 
     - `rows` [batch]: the rows summed; `entropy` and `sink` [batch, heads]: sums of each row's entropy and of its
-      weight on key 0;
+      weight on key 0 (and, on a bidirectional layer, `last`: on the last key);
     - for each `targets[name]` ([query] key indexes, -1 where a row does not count): `name` [batch, heads], the sum
       of each counted row's weight on its target, and `name_rows` [batch], the rows counted;
     - with `top_rows` and `top_k`: `top_weights` and `top_keys` [batch, heads, len(top_rows), top_k], the `top_k`
@@ -114,7 +118,8 @@ def summarize(
         out["top_keys"] = torch.full((batch, num_heads, len(top_rows), top_k), -1, device=device, dtype=torch.long)
     if _row_statistics(scores, queries, keys, targets, top_rows, top_k, out):
         return out
-    for name in ("entropy", "sink", *targets):
+    sums = ("entropy", "sink", *targets) if causal else ("entropy", "sink", "last", *targets)
+    for name in sums:
         out[name] = torch.zeros(batch, num_heads, device=device)
     if not causal:
         chunk_rows = num_queries
@@ -130,6 +135,8 @@ def summarize(
         probs = chunk.softmax(-1)
         out["entropy"] += _entropy(chunk, probs).sum(-1)
         out["sink"] += probs[..., 0].sum(-1)
+        if not causal:
+            out["last"] += probs[..., -1].sum(-1)
         for name, target in targets.items():
             target = target[start:stop]
             index = target.clamp(min=0)[None, None, :, None].expand(batch, num_heads, -1, 1)
@@ -259,15 +266,17 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
     return sequences
 
 
-def repeat_targets(total: int, length: int) -> dict[str, torch.Tensor]:
-    """Key index per row of a `[BOS +] R + R` sequence of `total` tokens (-1: the row does not count)."""
+def repeat_targets(total: int, length: int, causal: bool = True) -> dict[str, torch.Tensor]:
+    """Key index per row of a `[BOS +] R + R` sequence of `total` tokens (-1: the row does not count); on a
+    bidirectional model also `next`, the key after each row."""
     rows = torch.arange(total)
     second = rows >= total - length  # the rows of the second copy
-    return {
+    found = {
         "previous": torch.where(rows >= 1, rows - 1, -1),
         "duplicate": torch.where(second, rows - length, -1),
         "induction": torch.where(second, rows - length + 1, -1),
     }
+    return found if causal else {**found, "next": torch.where(rows < total - 1, rows + 1, -1)}
 
 
 # --- the result -----------------------------------------------------------------------------------------------------
@@ -275,7 +284,8 @@ def repeat_targets(total: int, length: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class HeadSummaries:
-    """Per layer and head, each of `METRICS` (`values[metric][layer]` is a [heads] tensor) and the top keys."""
+    """Per layer and head, each of `METRICS` the model has (`values[metric][layer]` is a [heads] tensor: `next` and
+    `last` on a bidirectional model only) and the top keys."""
 
     model: str
     layers: list[int]
@@ -286,9 +296,16 @@ class HeadSummaries:
     skipped: dict[int, str] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
 
+    @property
+    def metrics(self) -> list[str]:
+        """The metrics summarised, in `METRICS`' order."""
+        return list(self.values)
+
     def get(self, metric: str, layer: int) -> torch.Tensor:
         if metric not in METRICS:
             raise KeyError(f"{metric!r} is not a head summary; known: {', '.join(METRICS)}")
+        if metric not in self.values:
+            raise KeyError(f"{metric!r} is measured on bidirectional models only; this one attends causally")
         if layer not in self.values[metric]:
             raise KeyError(
                 f"layer {layer} was not summarised; summarised: {self.layers}"
@@ -310,7 +327,7 @@ class HeadSummaries:
         for layer in self.layers:
             for head in range(len(self.values["entropy"][layer])):
                 row = {"layer": layer, "head": head}
-                row.update({metric: round(float(self.values[metric][layer][head]), 6) for metric in METRICS})
+                row.update({metric: round(float(self.values[metric][layer][head]), 6) for metric in self.metrics})
                 row["top"] = [
                     {"prompt": entry["prompt"], "row": entry["row"], "keys": entry["keys"][head]}
                     for entry in self.top.get(layer, [])
@@ -321,7 +338,7 @@ class HeadSummaries:
     def to_csv(self) -> str:
         rows = self.to_rows()
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=["layer", "head", *METRICS, "top"], lineterminator="\n")
+        writer = csv.DictWriter(buffer, fieldnames=["layer", "head", *self.metrics, "top"], lineterminator="\n")
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "top": json.dumps(row["top"], ensure_ascii=False)})
@@ -331,7 +348,7 @@ class HeadSummaries:
         return json.dumps(
             {
                 "model": self.model,
-                "metrics": METRICS,
+                "metrics": {metric: METRICS[metric] for metric in self.metrics},
                 "settings": self.settings,
                 "skipped": {str(k): v for k, v in self.skipped.items()},
                 "heads": self.to_rows(),
@@ -344,12 +361,12 @@ class HeadSummaries:
         from rich.table import Table
 
         table = Table(title=f"head summaries · {self.model}", title_justify="left")
-        for column in ("layer", "head", *METRICS, "top keys (first prompt, row)"):
+        for column in ("layer", "head", *self.metrics, "top keys (first prompt, row)"):
             table.add_column(column, justify="left" if column.startswith("top") else "right")
         for row in self.to_rows():
             top = row["top"][0]["keys"] if row["top"] else []
             cells = ", ".join(f"{token!r}@{position} {weight:.2f}" for position, token, weight in top)
-            table.add_row(str(row["layer"]), str(row["head"]), *(f"{row[m]:.3f}" for m in METRICS), cells)
+            table.add_row(str(row["layer"]), str(row["head"]), *(f"{row[m]:.3f}" for m in self.metrics), cells)
         if self.skipped:
             table.caption = "skipped: " + "; ".join(f"layer {k}: {v}" for k, v in self.skipped.items())
         return table
@@ -572,7 +589,9 @@ def head_summaries(
         for row in row_list:
             if not -len(ids) <= row < len(ids):
                 raise IndexError(f"row {row} is out of range for a prompt of {len(ids)} tokens")
-    targets = repeat_targets(len(repeats[0]), length)
+    causal = model.family.score_function().causal(model.access.config)
+    metrics = [metric for metric in METRICS if not causal or metric not in BIDIRECTIONAL]
+    targets = repeat_targets(len(repeats[0]), length, causal)
     text_options = {"top_rows": row_list, "top_k": top_k, "chunk_rows": chunk_rows}
     repeat_options = {"targets": targets, "chunk_rows": chunk_rows}
     forwards = -(-len(repeats) // batch_size) + (0 if prompts is None else -(-len(texts) // batch_size))
@@ -607,8 +626,8 @@ def head_summaries(
                 description="attnlens heads: prompts",
             )
 
-    values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in METRICS}
-    for metric in METRICS:
+    values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in metrics}
+    for metric in metrics:
         found = on_text if metric in ON_TEXT else on_repeats
         rows = "rows" if metric in ON_TEXT else f"{metric}_rows"
         if len({r[layer][metric].shape for r in found for layer in chosen}) == 1:

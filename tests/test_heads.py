@@ -23,6 +23,7 @@ def reference(patterns, rows=(), top_k=3, repeated=False, causal=True):
     out = {
         "entropy": torch.cat([torch.special.entr(p).sum(-1) for p in patterns], dim=1).mean(1),
         "sink": torch.cat([p[..., 0] for p in patterns], dim=1).mean(1),
+        "last": torch.cat([p[..., -1] for p in patterns], dim=1).mean(1),  # a bidirectional model's only
     }
     # BOS + R + R, R of LENGTH: row i of the second copy (LENGTH + 1 .. 2 LENGTH) and its earlier occurrence i - LENGTH
     second = range(LENGTH + 1, 2 * LENGTH + 1)
@@ -30,6 +31,7 @@ def reference(patterns, rows=(), top_k=3, repeated=False, causal=True):
         "previous": [(i, i - 1) for i in range(1, 2 * LENGTH + 1)],
         "duplicate": [(i, i - LENGTH) for i in second],
         "induction": [(i, i - LENGTH + 1) for i in second],
+        "next": [(i, i + 1) for i in range(2 * LENGTH)],  # a bidirectional model's only
     }
     for name, cells in stripes.items() if repeated else ():
         out[name] = torch.stack([p[:, i, j] for p in patterns for i, j in cells], dim=1).mean(1)
@@ -67,14 +69,15 @@ def test_summaries_equal_the_full_pattern(case):
     assert repeats.shape == (SEQUENCES, 1 + 2 * LENGTH)
     assert torch.equal(repeats[:, 1 : 1 + LENGTH], repeats[:, 1 + LENGTH :]) and (repeats[:, 0] == 1).all()
     on_repeats = attnlens.capture_attention(model, repeats, layers, keep="probs", progress=False)
+    causal = model.family.score_function().causal(model.config)
     on_prompts = attnlens.capture_attention(model, PROMPTS, layers, keep="probs", progress=False)
     for layer in layers:
         want = reference([r[layer]["probs"] for r in on_repeats], repeated=True)
-        for metric in heads.TARGETED:
+        assert ("next" in found.metrics) == (not causal) == ("last" in found.metrics)
+        for metric in [metric for metric in heads.TARGETED if metric in found.metrics]:
             assert torch.allclose(found.get(metric, layer), want[metric], **TOLERANCE), (metric, layer)
-        causal = model.family.score_function().causal(model.config)
         want = reference([r[layer]["probs"] for r in on_prompts], rows=ROWS, causal=causal)
-        for metric in heads.ON_TEXT:
+        for metric in [metric for metric in heads.ON_TEXT if metric in found.metrics]:
             assert torch.allclose(found.get(metric, layer), want[metric], **TOLERANCE), (metric, layer)
         entries = iter(found.top[layer])
         for p, per_row in enumerate(want["top"]):
@@ -98,7 +101,8 @@ def test_rebuilt_sdpa_model_gives_the_same_summaries():
     assert sdpa.support(1)["self_attn.attention_probabilities"] is not None
     a = heads.head_summaries(sdpa, PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
     b = heads.head_summaries(tiny("gemma3"), PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
-    for metric in heads.METRICS:
+    assert a.metrics == b.metrics == [metric for metric in heads.METRICS if metric not in heads.BIDIRECTIONAL]
+    for metric in a.metrics:
         for layer in a.layers:
             assert torch.allclose(a.get(metric, layer), b.get(metric, layer), atol=1e-5), (metric, layer)
 
@@ -152,13 +156,14 @@ def test_result_formats():
     model = tiny("llama")
     found = heads.head_summaries(model, "Hello world", length=LENGTH, sequences=SEQUENCES, top_k=2, progress=False)
     rows = found.to_rows()
-    assert len(rows) == 3 * 4 and set(rows[0]) == {"layer", "head", *heads.METRICS, "top"}
+    causal_metrics = [metric for metric in heads.METRICS if metric not in heads.BIDIRECTIONAL]
+    assert len(rows) == 3 * 4 and set(rows[0]) == {"layer", "head", *causal_metrics, "top"}
     assert rows[0]["top"][0]["row"] == len("Hello world") - 1
     assert all(len(keys) <= 2 for row in rows for keys in [row["top"][0]["keys"]])
     csv_lines = found.to_csv().splitlines()
-    assert csv_lines[0] == "layer,head," + ",".join(heads.METRICS) + ",top" and len(csv_lines) == 13
+    assert csv_lines[0] == "layer,head," + ",".join(causal_metrics) + ",top" and len(csv_lines) == 13
     parsed = json.loads(found.to_json())
-    assert parsed["heads"] == json.loads(json.dumps(rows)) and set(parsed["metrics"]) == set(heads.METRICS)
+    assert parsed["heads"] == json.loads(json.dumps(rows)) and set(parsed["metrics"]) == set(causal_metrics)
     assert "induction" in str(found) and found.ranked("induction", 2)[0] in [(r["layer"], r["head"]) for r in rows]
     best = max(rows, key=lambda r: r["induction"])
     assert found.ranked("induction", 1) == [(best["layer"], best["head"])]
@@ -172,8 +177,11 @@ def test_errors_name_what_was_wrong():
         heads.head_summaries(model, "Hello", rows=30, length=LENGTH)
     with pytest.raises(ValueError, match="longer than the model's 128 positions"):
         heads.head_summaries(model, length=100)
+    summarised = heads.head_summaries(model, length=LENGTH, sequences=1, layers=[1], progress=False)
     with pytest.raises(KeyError, match="not a head summary"):
-        heads.head_summaries(model, length=LENGTH, sequences=1, layers=[1], progress=False).get("nope", 1)
+        summarised.get("nope", 1)
+    with pytest.raises(KeyError, match="measured on bidirectional models only"):
+        summarised.get("next", 1)
     hybrid = tiny("qwen3_next")  # layer 0 is linear attention: no queries and keys
     with pytest.raises(attnlens.Unavailable, match="layer 0 on Qwen3Next"):
         heads.head_summaries(hybrid, layers=[0])
