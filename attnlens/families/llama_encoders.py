@@ -17,17 +17,11 @@ batch, the padded keys masked otherwise) and, on UltraBERT's local layers, a ban
 
 from __future__ import annotations
 
-from ..family import Family, Tiny, VLLMLayout
+from ..family import Family, Tiny
 from ..locations import INTERFACE_CALL, softmax_argument
 from ..parts import identities
+from ..parts.vllm import encoder_on_vllm
 from .modernbert import BidirectionalWindow, band_note, rotary_note
-
-
-def refusal(name: str) -> str:
-    return (
-        f"attnlens has not yet compared vLLM with transformers on {name}'s weights (an encoder: a pooling model "
-        f"there, if vLLM builds it), so it does not serve it; the transformers engine serves the family"
-    )
 
 
 class LlamaEncoder(Family):
@@ -61,7 +55,7 @@ class EuroBert(LlamaEncoder):
     """EuroBERT: the layout with nothing added."""
 
     model_types = ("eurobert",)
-    vllm = VLLMLayout(refusal=refusal("EuroBERT"))
+    vllm = encoder_on_vllm("EuroBERT")
     tiny = Tiny(
         "EuroBertConfig",
         "EuroBertForMaskedLM",
@@ -74,7 +68,7 @@ class Ultrabert(LlamaEncoder):
     """UltraBERT: Llama's block with ModernBERT's local and global layers, each kind with its own rotary theta."""
 
     model_types = ("ultrabert",)
-    vllm = VLLMLayout(refusal=refusal("UltraBERT"))
+    vllm = encoder_on_vllm("UltraBERT")
     tiny = Tiny(
         "UltrabertConfig",
         "UltrabertForMaskedLM",
@@ -94,7 +88,7 @@ class Esmc(LlamaEncoder):
     `1 / sqrt(num_hidden_layers / 36)`."""
 
     model_types = ("esmc",)
-    vllm = VLLMLayout(refusal=refusal("ESM C"))
+    vllm = encoder_on_vllm("ESM C")
     tiny = Tiny("EsmcConfig", "EsmcForMaskedLM", {"num_key_value_heads": None, "bos_token_id": 1, "mask_token_id": 3})
     layers = "esmc.layers"
     embed_tokens = "esmc.embed_tokens"

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from ..family import Tiny, VLLMLayout
+from ..family import Tiny
 from ..locations import INTERFACE_CALL, Operation, softmax_argument
 from ..parts import scoring
 from ..parts.sizes import Sizes, same_as
+from ..parts.vllm import encoder_on_vllm
 from .modernbert_decoder import ModernBertDecoder
 
 #: The probability note of a bidirectional layer that sees every key.
@@ -103,10 +104,7 @@ def rotary_note(family, config, layer) -> str:
 
 class ModernBert(ModernBertDecoder):
     model_types = ("modernbert",)
-    vllm = VLLMLayout(
-        refusal="attnlens has not yet compared vLLM's ModernBERT (a pooling model there) with transformers on the "
-        "same weights, so it does not serve it; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("ModernBERT")
     tiny = Tiny(
         "ModernBertConfig",
         "ModernBertForMaskedLM",

@@ -14,12 +14,13 @@ block as the same tensor: a block's copy is served, and assigning it changes tha
 
 from __future__ import annotations
 
-from ..family import Tiny, VLLMLayout
+from ..family import Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.eager import EagerFunction
 from ..parts.sizes import Sizes
+from ..parts.vllm import encoder_on_vllm
 from .bert import POST_NORM, Bert
 
 BIAS = "MPNet's bucketed relative position bias (attention_position_bias), computed by the encoder"
@@ -40,10 +41,7 @@ def _bias_back(envoy, held, new):
 
 class MPNet(Bert):
     model_types = ("mpnet",)
-    vllm = VLLMLayout(
-        refusal="vLLM serves MPNet, if at all, as a pooling model; attnlens has not compared it with transformers on "
-        "the same weights, so it does not serve it there yet; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("MPNet")
     tiny = Tiny("MPNetConfig", "MPNetForMaskedLM", {})
     layers = "mpnet.encoder.layer"
     embed_tokens = "mpnet.embeddings.word_embeddings"

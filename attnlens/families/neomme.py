@@ -22,9 +22,10 @@ factor's output. The logits are `lm_head(final_norm_output @ unembedding_project
 
 from __future__ import annotations
 
-from ..family import Family, Tiny, VLLMLayout, after_attention
+from ..family import Family, Tiny, after_attention
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, softmax_argument
 from ..parts import identities
+from ..parts.vllm import encoder_on_vllm
 from .modernbert import BidirectionalWindow, band_note, rotary_note
 
 BETWEEN = (
@@ -39,10 +40,7 @@ BETWEEN = (
 
 class NeoMME(Family):
     model_types = ("neomme",)
-    vllm = VLLMLayout(
-        refusal="attnlens has not yet compared vLLM with transformers on NeoMME's weights (an encoder: a pooling "
-        "model there, if vLLM builds it), so it does not serve it; the transformers engine serves the family"
-    )
+    vllm = encoder_on_vllm("NeoMME")
     tiny = Tiny(
         "NeoMMEConfig",
         "NeoMMEForMaskedLM",

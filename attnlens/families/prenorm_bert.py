@@ -25,6 +25,7 @@ from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import CacheEntries
 from ..parts import identities
 from ..parts.sizes import Sizes
+from ..parts.vllm import encoder_on_vllm
 from .bert import ROBERTA_POSITIONS, Bert
 
 NOT_MEASURED = (
@@ -286,7 +287,7 @@ class Esm(PreNormBert):
     `config.position_embedding_type` is "rotary", learned absolute ones added to the embeddings by default."""
 
     model_types = ("esm",)
-    vllm = VLLMLayout(refusal=NOT_MEASURED.format(name="ESM"))
+    vllm = encoder_on_vllm("ESM")
     # no causal LM in transformers: an encoder, served through StandardizedEncoder
     tiny = Tiny(
         "EsmConfig",

