@@ -27,13 +27,14 @@ SERVED = {
     "plbart": bart_causal.BartCausalLM,
     "blenderbot-small": bart_causal.BartCausalLM,
     "marian": bart_causal.BartCausalLM,
+    "mvp": bart_causal.MvpCausalLM,
     "mbart": bart_causal.PreNormCausalLM,
     "pegasus": bart_causal.PreNormCausalLM,
     "blenderbot": bart_causal.PreNormCausalLM,
     "bigbird_pegasus": bart_causal.BigBirdPegasusCausalLM,
     "whisper": bart_causal.WhisperCausalLM,
 }
-POST_NORM = ("bart", "plbart", "blenderbot-small", "marian")
+POST_NORM = ("bart", "plbart", "blenderbot-small", "marian", "mvp")
 
 
 def causal_lm(model_type: str) -> torch.nn.Module:
@@ -141,10 +142,12 @@ def test_an_edit_of_the_attention_output_recomputes_by_hand_with_no_cross_attent
         assert not torch.allclose(output, wired, atol=1e-3)
 
 
-def test_the_self_attention_cache_is_a_dynamic_cache_read_and_edited_as_any_decoders():
-    """Generating, the cache at step 1 holds the keys and values layer 1's attention received at step 0; keys
-    overwritten at one position move the next step's logits as transformers run by hand on the edited cache."""
-    model = served("bart")
+@pytest.mark.parametrize("model_type", ["bart", "mvp", "whisper"])
+def test_the_self_attention_cache_is_a_dynamic_cache_read_and_edited_as_any_decoders(model_type):
+    """Generating, the cache at step 1 holds the keys layer 1's attention received at step 0; keys overwritten at one
+    position move the next step's logits as transformers run by hand on the edited cache (BART's attention, MVP's
+    folded heads, Whisper's)."""
+    model = served(model_type)
     hf = model._module
     ids = model.tokenizer("Hello world", return_tensors="pt").input_ids
     torch.manual_seed(1)

@@ -5,11 +5,12 @@ bart.py's decoder families, at `model.decoder` (`model` a `...DecoderWrapper`), 
 Each block is the decoder family's block: causal `self_attn`, a cross-attention (`encoder_attn`, renamed
 `cross_attn`), then `fc1`, `activation_fn` and `fc2`. The causal LM's forward takes token ids alone, and a block given
 no `encoder_hidden_states` skips its cross-attention, so its values are answered as absent with that reason, and the
-block is the rest of the decoder block: post-norm (BART, PLBart, BlenderbotSmall, Marian), `layer_mid` is what
+block is the rest of the decoder block: post-norm (BART, PLBart, BlenderbotSmall, Marian, MVP), `layer_mid` is what
 `self_attn_layer_norm` receives and the MLP reads that norm's output; pre-norm (mBART, Pegasus, Blenderbot,
 BigBirdPegasus, Whisper), `layer_mid` is `layer_input + attention_output`, what `final_layer_norm` receives. The self-
 attention cache is a plain `DynamicCache` here (transformers builds an `EncoderDecoderCache` only with encoder states
-or on an encoder-decoder's config), which attnlens reads and edits as any decoder's.
+or on an encoder-decoder's config), which attnlens reads and edits as any decoder's. MVP's attention is arithmetic of
+its own (XGLM's folded heads), read as XGLM's is.
 
 The families are registered for the model types as plain `Family`s: `StandardizedTransformer` serves a model of one
 of these types whose config is not an encoder-decoder's (the causal LM sets `is_encoder_decoder = False`); the
@@ -19,10 +20,14 @@ encoder-decoder classes keep their `EncoderDecoder` families (bart.py) and `Stan
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..family import Family, Tiny, VLLMLayout
+from ..locations import ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..values import WITH_CROSS_ATTENTION
 from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder, WhisperDecoder
+from .xglm import folded
 
 VLLM = VLLMLayout(
     refusal="attnlens has not compared vLLM with transformers on the decoders of BART's encoder-decoders run alone "
@@ -147,3 +152,35 @@ class WhisperCausalLM(RunAlone, WhisperDecoder):
         },
     )
     kind_notes = {"*": without_cross_attention(PreNormEncoder)}
+
+
+class MvpCausalLM(BartCausalLM):
+    """MVP's decoder run alone (`MvpForCausalLM`): BART's post-norm decoder block, whose attention (`MvpAttention`) is
+    BART's older arithmetic of its own, as XGLM's: the queries pre-scaled, the heads folded into the batch for
+    `torch.bmm`, no clamp. The causal LM's decoder is built without MVP's prompts (`use_prompt` is the
+    encoder-decoder's), so the keys are the sequence's own."""
+
+    model_types = ("mvp",)
+    vllm = VLLM
+    sizes = replace(BartCausalLM.sizes, scale=(1.0,))
+    tiny = Tiny("MvpConfig", "MvpForCausalLM", BartCausalLM.tiny.kwargs)
+
+    def locations(self):
+        return {
+            **super().locations(),
+            "attention_queries": folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
+            "attention_keys": folded("key_states_4", "key_states.reshape(*proj_shape)", "keys"),
+            "attention_values": folded("value_states_4", "value_states.reshape(*proj_shape)", "values"),
+            "attention_scores": folded("attn_weights_2", "attn_weights.view(bsz * self.num_heads", "scores"),
+            "attention_probabilities": folded("attn_probs_0", "dropout(", "probabilities"),
+            "attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)"),
+            "layer_output": ModuleOutput("", 0),  # MvpDecoderLayer returns a tuple
+        }
+
+    kind_notes = {
+        "*": {
+            "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the heads "
+            "folded into the batch",
+            "attention_scores": "queries @ keys^T + mask (the queries carry the scale)",
+        }
+    }
