@@ -34,9 +34,10 @@ VLLM = VLLMLayout(
     "(...ForCausalLM), so it serves none of them there yet; the transformers engine serves them"
 )
 NEVER_RUNS = (
-    "the block holds a cross-attention ({family.cross_attention}, renamed cross_attn), but the causal LM runs its "
-    "decoder on token ids alone, without encoder states, and a block given none skips its cross-attention: it never "
-    "runs (the encoder-decoder runs it: attnlens.StandardizedSeq2Seq)"
+    "the block holds a cross-attention ({family.cross_attention}, renamed cross_attn), which runs only on an "
+    "encoder's states (encoder_hidden_states): the causal LM is served on token ids alone, without encoder states, "
+    "where each block skips it, so it never runs (the decoder run on an encoder's states is the encoder-decoder's: "
+    "attnlens.StandardizedSeq2Seq)"
 )
 
 #: How each type's decoder turns the token embedding's output (`embeddings`) into layers[0]'s input.
