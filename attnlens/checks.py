@@ -186,7 +186,8 @@ def failures(model, saved, layer):
     def post_norm(sublayer, name, x):
         return x if name is None else oracle.post_norm(block, sublayer, name, x)
 
-    after_attention = "cross_attention_input" if f.cross_attention is not None else "layer_mid"
+    # the stream after the self-attention: the cross-attention's input where it runs (a decoder given encoder states)
+    after_attention = "cross_attention_input" if "cross_attention_input" in v else "layer_mid"
     if has("layer_input", "attention_output", after_attention):
         residual = post_norm("attention", f.attention_post_norm, v["attention_output"])
         check(

@@ -83,8 +83,8 @@ class BartEncoder(Family):
             identities name the sum itself (`layer_mid`, what the MLP's norm receives)."""
             if sublayer == "mlp":
                 return block.final_layer_norm(getattr(block, self.family.mlp_norm)(stream) + update)
-            if sublayer == "attention" and self.family.cross_attention is not None:
-                return block.self_attn_layer_norm(stream + update)  # what the cross-attention reads
+            if sublayer == "attention" and "cross_attention_input" in self.family.locations():
+                return block.self_attn_layer_norm(stream + update)  # what the cross-attention reads, where it runs
             return stream + update
 
     kind_reasons = {
