@@ -293,6 +293,19 @@ class StandardizedTransformer(Helpful, TransformersModel):
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
         check_inputs(inputs, kwargs)
+        held = getattr(self.family, "cross_attention", None)
+        if (
+            kwargs.get("encoder_hidden_states") is not None
+            and held
+            and "cross_attention_input" not in self.access.locations(0)
+        ):
+            # an encoder-decoder's decoder run alone (BartForCausalLM): its values are laid out for a block whose
+            # cross-attention never runs, so encoder states would run it past what the family reads
+            raise ValueError(
+                f"encoder_hidden_states: this {self.family.name} model is served as a causal LM, its blocks' "
+                f"cross-attention ({held}) never running; load the encoder-decoder with attnlens.StandardizedSeq2Seq "
+                f"to trace the decoder over an encoder's output"
+            )
         return super()._batch_size(*inputs, **kwargs)
 
     def interleave(self, *args, **kwargs):

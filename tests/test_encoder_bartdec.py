@@ -212,3 +212,14 @@ def test_a_saved_causal_lm_loads_by_path_as_the_causal_lm(tmp_path):
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.equal(pattern, inner(ids, output_attentions=True).attentions[2])
+
+
+@pytest.mark.parametrize("model_type", ["bart", "mbart"])
+def test_encoder_states_are_refused_where_the_cross_attention_would_run_past_what_is_served(model_type):
+    """Given encoder_hidden_states the causal LM would run its cross-attention, which the family serves as never
+    running (a post-norm block's MLP would then read another norm): refused before the forward, naming the way."""
+    model = served(model_type)
+    states = torch.zeros(1, 3, model.config.hidden_size)
+    with pytest.raises(ValueError, match=r"encoder_hidden_states: .*StandardizedSeq2Seq"):
+        with torch.no_grad(), model.trace(PROMPT, encoder_hidden_states=states):
+            model.layers[0].layer_output.save()
