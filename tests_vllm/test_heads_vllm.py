@@ -16,7 +16,8 @@ SUMMARIES = dict(length=12, sequences=3, top_k=2, progress=False)
 
 def assert_summaries_equal(got, want, rtol: float) -> None:
     assert got.layers == want.layers and got.skipped.keys() == want.skipped.keys()
-    for metric in attnlens.heads.METRICS:
+    assert got.metrics == want.metrics
+    for metric in want.metrics:
         for layer in want.layers:
             a, b = got.get(metric, layer), want.get(metric, layer)
             assert torch.allclose(a, b, atol=rtol * max(1.0, float(b.abs().max())), equal_nan=True), (metric, layer)
