@@ -25,6 +25,7 @@ from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .parts.fused import FusedQKV
 from .parts.identities import Identities
+from .parts.multimodal import Positions
 from .parts.scoring import ScoreFunction
 from .parts.sizes import Sizes
 from .parts.vllm import VLLMLayout
@@ -70,6 +71,7 @@ __all__ = [
     "OutputField",
     "OrderError",
     "OutsideTrace",
+    "Positions",
     "ScoreFunction",
     "Sizes",
     "Tiny",

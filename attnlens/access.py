@@ -83,11 +83,15 @@ class Access:
         rebuild_patterns: bool = False,
         stack: str = "",
         first_block: int = 0,
+        embedded_before: int | None = None,
     ):
         self.family, self.config, self.num_layers = family, config, num_layers
         #: The stack of blocks this serves where the model has several (an encoder-decoder's "encoder", "decoder"),
         #: as messages name it; its blocks come after `first_block` blocks of the stacks run before it.
         self.stack, self.first_block = stack, first_block
+        #: Where the values before its blocks (`embeddings`) fall, in blocks, where not just before them: a multimodal
+        #: model embeds its tokens before its towers run (0).
+        self.embedded_before = first_block if embedded_before is None else embedded_before
         self.engine = engine_named(engine)
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
@@ -104,6 +108,9 @@ class Access:
         self.run_copies: list | None = None
         #: Tokens the running forward has seen, this step's included (eager; None where keys span the context).
         self.tokens_seen: int | None = None
+        #: Which image each position of the running prompt belongs to (`Positions.image`), where the family's mask
+        #: lets an image's tokens see each other (None: no images, or a generation step past the prompt).
+        self.image_of: torch.Tensor | None = None
         #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
         #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
         self.mode: EngineMode | None = None
@@ -277,7 +284,8 @@ class Access:
             location = self.location(name, layer)
             block, rank = self.position(name, layer)
             copy = None if location.in_place else location.why_not or "it is a copy of what the forward holds"
-            found = Plan(name, layer, location, (self.first_block + block + 1) * _RANKS + rank + 1, copy)
+            start = self.embedded_before if block < 0 else self.first_block
+            found = Plan(name, layer, location, (start + block + 1) * _RANKS + rank + 1, copy)
             self._plans[envoy.path, name] = found
         return found
 

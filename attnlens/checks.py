@@ -18,12 +18,21 @@ from .values import BY_KEY, of_scope
 BLOCK = of_scope("layer", "attention", "cross_attention", "mlp")
 
 
-def read_everything(model, prompt, layers=None, saved=None):
+def read_everything(model, prompt, layers=None, saved=None, **inputs):
     """All values of every layer (or of `layers`) in one trace, in forward order; returns {(layer, name): tensor},
-    and the model's own values by name (into `saved` where given: what was read before a read failed)."""
+    and the model's own values by name (into `saved` where given: what was read before a read failed). A multimodal
+    model's towers (`model.towers`) run after its language model embeds the tokens: each tower's values are under
+    its name ({"vision": {(layer, name): tensor}})."""
     saved = {} if saved is None else saved
-    with torch.no_grad(), model.trace(prompt):
-        _read_stack(model, layers, saved)
+    towers = [name for name, tower in getattr(model.family, "towers", {}).items() if set(tower.inputs) & set(inputs)]
+    with torch.no_grad(), model.trace(prompt, **inputs):
+        if towers and model.support()["embeddings"] is None:
+            saved["embeddings"] = model.embeddings.save()
+        for name in towers:
+            _read_stack(getattr(model, name), None, saved.setdefault(name, {}))
+        if towers:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
+            saved["image_of"] = model.positions(prompt, **inputs).image
+        _read_stack(model, layers, saved, embeddings=not towers)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()
     return saved
@@ -40,10 +49,10 @@ def read_stacks(model, *inputs, **kwargs):
     return saved
 
 
-def _read_stack(stack, layers, saved):
+def _read_stack(stack, layers, saved, embeddings=True):
     """Inside a trace: the values of `stack`'s blocks (a model, or one stack of an encoder-decoder), in forward
-    order, its embeddings before them and its final norm's output after."""
-    if stack.support()["embeddings"] is None:
+    order, its embeddings before them (unless read already) and its final norm's output after."""
+    if embeddings and stack.support()["embeddings"] is None:
         saved["embeddings"] = stack.embeddings.save()
     for i in range(stack.num_layers) if layers is None else sorted(set(layers)):
         layer = stack.layers[i]
@@ -69,18 +78,22 @@ def batch_and_length(saved: dict, layer: int | None = None) -> tuple[int, int]:
     return tuple(next(tensor for tensor in held if tensor is not None).shape[:2])
 
 
-def visible(config, family, layer, length, device=None):
+def visible(config, family, layer, length, device=None, image_of=None):
     """Which keys each query may see: causal (every key, where the family's score function says its attention is
     bidirectional), within the sliding window where the layer has one, and where the family's own mask lets it (a
-    chunked layer's chunks): never more than the independent causal window."""
+    chunked layer's chunks, an image's tokens both ways where `image_of` places images): [batch or 1, q, k]."""
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     score_function = family.score_function()
+    score_function.image_of = image_of
+    own = score_function.mask(length, length, config, layer)[:, 0].to(device) == 0
+    if image_of is not None:  # the family's mask says which keys an image's tokens see
+        return own
     allowed = k <= q if score_function.causal(config) else torch.ones_like(k <= q)
     window = score_function.sliding_window(config, layer)
     if window is not None:
         allowed &= q - k < window
-    return allowed & (score_function.mask(length, length, config, layer)[0, 0].to(allowed.device) == 0)
+    return allowed & own
 
 
 #: (atol, rtol) by the coarser dtype of the two sides: the identities are exact up to rounding, which half precision
@@ -297,10 +310,11 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
     else:
         check("rows sum to one", torch.ones_like(row_sums), row_sums)
         renormalised = probs
-    allowed = visible(model.config, f, layer, length, probs.device)
-    if probs.shape[-2:] == allowed.shape:
-        check("masked entries exactly zero", bool((probs[..., ~allowed] == 0).all()))
-        check("visible entries positive", bool((probs[..., allowed] > 0).all()))
+    image_of = saved.get("image_of")
+    allowed = visible(model.config, f, layer, length, probs.device, image_of)[:, None].expand_as(probs)
+    if probs.shape == allowed.shape:
+        check("masked entries exactly zero", bool((probs[~allowed] == 0).all()))
+        check("visible entries positive", bool((probs[allowed] > 0).all()))
     if "attention_position_bias" in v:  # computed by the block, or handed on from the stack's first
         own = rebuilt(oracle.layer_position_bias, getattr(model, "_module", None), module, v, length, length)
         first = saved.get((0, "attention_position_bias"))
@@ -310,6 +324,7 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
         check("scores shape", tuple(probs.shape), scores.shape)
         check("softmax(scores) == probabilities (renormalised with a sink)", scores.softmax(-1), renormalised)
         values = {"values": vals} if scoring.scores_need_values else {}  # Doge's dynamic mask
+        scoring.image_of = image_of
         expected = rebuilt(scoring.scores, attn.heads, model.config, q, k, layer, **values)
         if expected is not None and scoring.score_bias(model.config, layer) is not None:  # from the hidden states
             expected = expected + oracle.score_bias_value(module, v, layer)

@@ -8,13 +8,18 @@ and layout before it touches nnsight.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 from nnsight.intervention.envoy import Envoy
 
 from .access import access_of
 from .errors import LocationDrift
 from .geometry import HeadGeometry
-from .values import ALL_VALUES, HOSTS, SUBLAYER_OF, Value, closest
+from .values import ALL_VALUES, BY_NAME, HOSTS, SUBLAYER_OF, Value, closest
+
+if TYPE_CHECKING:
+    from .family import Family
+    from .support import Support
 
 #: The standardized sublayers of a block: the envoy name and the scope of the values it carries.
 SUBLAYERS = {name: scope for scope, name in SUBLAYER_OF.items()}
@@ -225,3 +230,34 @@ def add_model_values(cls: type) -> type:
         if value.scope == "model":
             setattr(cls, value.name, value_property(value))
     return cls
+
+
+class StackEnvoy(Helpful, Envoy):
+    """`model.encoder`, `model.decoder`, a multimodal model's `model.vision`: a stack of blocks, with its `layers`,
+    its own values (`embeddings`, `final_norm_output`), `support(i)`, `order(i)` and `num_layers`, as a decoder-only
+    model has them."""
+
+    @property
+    def num_layers(self) -> int:
+        return access_of(self).num_layers
+
+    @property
+    def family(self) -> Family:
+        """The stack's family (the decoder's names the cross-attention)."""
+        return access_of(self).family
+
+    @property
+    def config(self) -> Any:
+        return access_of(self).config
+
+    def support(self, layer: int = 0) -> Support:
+        """Which values block `layer` of this stack serves and, for each it doesn't, why."""
+        return access_of(self).support(layer)
+
+    def order(self, layer: int = 0) -> dict[str, int]:
+        """Forward-order rank of every value of block `layer` of this stack."""
+        return access_of(self).order(layer)
+
+
+for _name in ("embeddings", "final_norm_output"):  # a stack's own values; the logits are the model's
+    setattr(StackEnvoy, _name, value_property(BY_NAME[_name]))

@@ -211,12 +211,16 @@ def tiny_model(
 
 def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its norms' parameters moved off their start: norms start as the identity and residual gates
-    (Ergo's) alike; perturbed, one wired in place of another fails the identities."""
+    (Ergo's) alike; perturbed, one wired in place of another fails the identities. A weight matrix that starts at
+    zero (Gemma 3's image projection) is drawn as the others are: at zero, what flows through it never arrives."""
     with torch.no_grad():
         for module in model.modules():
             if any(word in type(module).__name__.lower() for word in ("norm", "residualgate")):
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
+        for parameter in model.parameters():
+            if parameter.dim() >= 2 and not parameter.any():
+                parameter.normal_(0.0, 0.2)
     return model
 
 

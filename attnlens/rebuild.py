@@ -146,6 +146,7 @@ def pattern_rows(
     chunk_rows: int | None = None,
     scores: bool = True,
     probabilities: bool = True,
+    image_of: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scores and/or probabilities of the query `rows` and `heads` (all by default), [batch, heads, rows, key].
 
@@ -170,10 +171,16 @@ def pattern_rows(
         out["probabilities"] = queries.new_empty(shape)
     pick = None if heads == list(range(num_heads)) else torch.tensor(heads, device=queries.device)
     score_function = family.score_function()
+    score_function.image_of = image_of  # where the prompt's images sit (`Access.image_of`)
+    causal = score_function.causal(config)
+    # the last key each row sees, where the model's mask lets rows see past themselves (an image's tokens each other)
+    reach = None if seen is None else num_keys - 1 - seen.flip(-1).int().argmax(-1).amax(dim=(0, 1))
     for at, first, length in _runs(rows):
         for start in range(first, first + length, chunk_rows):
             stop = min(start + chunk_rows, first + length)
-            width = offset + stop  # the keys these rows can see
+            width = offset + stop if causal else num_keys  # the keys these rows can see
+            if reach is not None:
+                width = max(width, int(reach[start:stop].max()) + 1)
             chunk = score_function.scores(
                 geometry,
                 config,
@@ -238,6 +245,7 @@ class Rebuilt(Location):
             mask,
             scores=kind == "scores",
             probabilities=kind == "probabilities",
+            image_of=access.image_of,
         )[kind]
 
     def write(self, envoy, value):

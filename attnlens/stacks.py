@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 from nnsight import TransformersModel
-from nnsight.intervention.envoy import Envoy
 
 from . import verification
-from .access import Access, Stacks, access_of
-from .envoys import Helpful, envoy_classes, value_property
+from .access import Access, Stacks
+from .envoys import Helpful, StackEnvoy, envoy_classes, value_property
 from .errors import UnknownFamily
-from .family import EncoderDecoder, Family
+from .family import EncoderDecoder
 from .locations import attach
 from .registry import encoder_decoder_for
 from .standardized import checkpoint_tokenizer, quiet_pipeline
@@ -36,36 +35,6 @@ from .values import BY_NAME
 
 #: The stacks of an encoder-decoder, in the order they run.
 STACKS = ("encoder", "decoder")
-
-
-class StackEnvoy(Helpful, Envoy):
-    """`model.encoder`, `model.decoder`: a stack of blocks, with its `layers`, its own values (`embeddings`,
-    `final_norm_output`), `support(i)`, `order(i)` and `num_layers`, as a decoder-only model has them."""
-
-    @property
-    def num_layers(self) -> int:
-        return access_of(self).num_layers
-
-    @property
-    def family(self) -> Family:
-        """The stack's family (the decoder's names the cross-attention)."""
-        return access_of(self).family
-
-    @property
-    def config(self) -> Any:
-        return access_of(self).config
-
-    def support(self, layer: int = 0) -> Support:
-        """Which values block `layer` of this stack serves and, for each it doesn't, why."""
-        return access_of(self).support(layer)
-
-    def order(self, layer: int = 0) -> dict[str, int]:
-        """Forward-order rank of every value of block `layer` of this stack."""
-        return access_of(self).order(layer)
-
-
-for _name in ("embeddings", "final_norm_output"):  # a stack's own values; the logits are the model's
-    setattr(StackEnvoy, _name, value_property(BY_NAME[_name]))
 
 
 def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:

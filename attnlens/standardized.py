@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -13,14 +14,15 @@ from nnsight import TransformersModel
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from . import verification
-from .access import Access
-from .envoys import Helpful, add_model_values, envoy_classes
-from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
+from .access import Access, Stacks
+from .envoys import Helpful, StackEnvoy, add_model_values, envoy_classes
+from .errors import EditError, InferredFamilyWarning, Unavailable, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout, headless, rebased
 from .inputs import check_inputs
 from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
+from .parts.multimodal import Positions, TextOnly
 from .registry import family_for, resolve_family
 from .support import Support
 
@@ -197,6 +199,12 @@ class StandardizedTransformer(Helpful, TransformersModel):
             kwargs.setdefault("dispatch", True)
             kwargs.setdefault("dtype", torch.float32)
         renames = self.family.renames("transformers")
+        towers = getattr(self.family, "towers", {})
+        envoys = envoy_classes()
+        for name, tower in towers.items():  # mounted as model.vision, its blocks as model.vision.layers
+            family = tower.family()
+            renames.update({tower.path: name, f"{tower.path}.{family.layers}": f"{tower.path}.layers"})
+            envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})
         no_tokenizer = ValueError(
             "no tokenizer came with this model (a model object built in Python, or a folder without tokenizer "
             "files): pass tokenizer= (a transformers tokenizer; attnlens.models.char_tokenizer() for token ids)"
@@ -205,7 +213,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             raise no_tokenizer  # nothing to load one from (transformers' pipeline would look it up by '' on the hub)
         try:
             with quiet_pipeline():
-                super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoy_classes(), **kwargs)
+                super().__init__(model, tokenizer=tokenizer, rename=renames, envoys=envoys, **kwargs)
         except Exception as error:
             if "Impossible to guess which tokenizer" not in str(error):
                 raise
@@ -213,10 +221,25 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self._refuse_direction()
         built_in = type(self.family).__module__.startswith("attnlens.families.")
         layers = verification.blocks(self._module, self.family)
-        self.access = Access(self.family, self.config, len(layers), "transformers", self._geometry, rebuild_patterns)
-        attach(self.interleaver, self.access)
+        self.towers = {name: self._tower_access(name, tower) for name, tower in towers.items()}
+        # the language model embeds its tokens, then its towers run (blocks 1, ...), then its own blocks
+        after_towers = 1 + sum(access.num_layers + 2 for access in self.towers.values())
+        self.access = Access(
+            self.family,
+            self.config,
+            len(layers),
+            "transformers",
+            self._geometry,
+            rebuild_patterns,
+            first_block=after_towers if towers else 0,
+            embedded_before=0,
+        )
+        stacks = {getattr(self, name).path: access for name, access in self.towers.items()}
+        attach(self.interleaver, Stacks({**stacks, "": self.access}) if stacks else self.access)
         if not isinstance(self.family, UnknownLayout):
             verification.resolve(self)
+        for name in self.towers:
+            verification.resolve(getattr(self, name))
         self.access.without = kept_by(self._module, self.family, self.config, layers)
         if headless(self._module):
             self.access.without["logits"] = (
@@ -261,6 +284,28 @@ class StandardizedTransformer(Helpful, TransformersModel):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 spells it `cache`
         seen = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
         self.access.tokens_seen = None if tokens is None else seen + tokens.shape[1]
+        images = getattr(self.family, "images", None)
+        prompt = kwargs.get("input_ids", args[0] if args else None)
+        self.access.image_of = (
+            images.positions(self.config, prompt, kwargs).image
+            if images is not None and images.bidirectional and prompt is not None and not seen
+            else None
+        )
+
+    def _tower_access(self, name: str, tower) -> Access:
+        """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""
+        family = tower.family()
+        stack = getattr(self, name)
+        count = len(stack.layers)
+
+        def geometry(layer: int):
+            return family.sizes.geometry(stack.layers[layer].self_attn._module, family)
+
+        access = Access(
+            family, getattr(self.config, tower.config), count, "transformers", geometry, stack=name, first_block=1
+        )
+        access.without.update(dict.fromkeys(CACHE_NAMES, NO_CACHE))
+        return access
 
     def _geometry(self, layer: int):
         return self.family.sizes.geometry(self.layers[layer].self_attn._module, self.family)
@@ -288,6 +333,24 @@ class StandardizedTransformer(Helpful, TransformersModel):
     def order(self, layer: int = 0) -> dict[str, int]:
         """Forward-order rank of every value of block `layer`; values read at one location share a rank."""
         return self.access.order(layer)
+
+    def positions(self, input_ids: Any, **inputs: Any) -> Positions:
+        """What each position of a prompt is: text, a special token, or an image's token with its image and its row
+        and column in that image's grid (`attnlens.Positions`; `.on_grid(pattern_row, image)` puts a row of a
+        pattern onto the image). Pass the inputs the trace takes (a processor's output, or its input_ids and the
+        rest as keywords)."""
+        if isinstance(input_ids, Mapping):
+            inputs, input_ids = {**input_ids, **inputs}, input_ids["input_ids"]
+        ids = torch.as_tensor(input_ids)
+        images = getattr(self.family, "images", None)
+        if images is None:
+            if getattr(self.config, "vision_config", None) is not None:
+                raise Unavailable(
+                    f"model.positions: attnlens has not laid out how {self.family.name} prompts hold images (which "
+                    f"tokens, on which grid); its values on image tokens are served, their places in the image not"
+                )
+            images = TextOnly()
+        return images.positions(self.config, ids, inputs)
 
     # --- runs ------------------------------------------------------------------------------------------------------
 

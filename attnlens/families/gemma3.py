@@ -12,8 +12,9 @@ from dataclasses import replace
 
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts import scoring
-from ..parts.multimodal import LanguageModelOf, released_vllm
+from ..parts.multimodal import LanguageModelOf, SquareGrid, Tower, released_vllm
 from .gemma2 import Gemma2
+from .vision import SiglipTower
 
 
 class Gemma3(Gemma2):
@@ -38,19 +39,37 @@ class Gemma3(Gemma2):
             return None
 
 
+class Gemma3Images(SquareGrid):
+    """An image is `mm_tokens_per_image` tokens (256: SigLIP's 64 x 64 patches average-pooled to 16 x 16), between
+    `boi_token_index` and `eoi_token_index`; the processor resizes every image to the tower's square (pan and scan
+    adds crops as images of their own). An image's tokens attend to each other both ways."""
+
+    around = ("boi_token_index", "eoi_token_index")
+    bidirectional = True
+
+
 class Gemma3Multimodal(LanguageModelOf, Gemma3):
     model_types = ("gemma3",)
+    towers = {"vision": Tower("model.vision_tower", SiglipTower)}
+    images = Gemma3Images()
     tiny = Tiny(
         "Gemma3Config",
         "Gemma3ForConditionalGeneration",
         {
-            "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2]},
+            # the image tokens past the character tokenizer's 128 ids, so no text prompt holds one
+            "text_config": {"model_type": "gemma3_text", **TINY_DEFAULTS, **Gemma3.tiny[2], "vocab_size": 132},
+            "image_token_id": 129,
+            "boi_token_index": 130,
+            "eoi_token_index": 131,
+            "mm_tokens_per_image": 4,  # the 4 x 4 patches pooled to 2 x 2
             "vision_config": {
                 "model_type": "siglip_vision_model",
-                "num_hidden_layers": 1,
+                "num_hidden_layers": 2,
                 "hidden_size": 32,
                 "num_attention_heads": 2,
                 "intermediate_size": 64,
+                "image_size": 32,
+                "patch_size": 8,
             },
         },
     )

@@ -55,7 +55,8 @@ def child(envoy, path: str):
     if not path:  # most locations sit on the envoy itself; this runs on every read
         return envoy
     for part in filter(None, path.split(".")):
-        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        moved = Envoy.OVERLOAD_PREFIX + part  # a child named as an attribute of its envoy's class (`embeddings`)
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, moved if moved in envoy.__dict__ else part)
     return envoy
 
 

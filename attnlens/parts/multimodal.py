@@ -11,10 +11,29 @@ the text model does.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import torch
 
 from . import scoring
+
+if TYPE_CHECKING:
+    from ..family import Family
+
+
+class Tower(NamedTuple):
+    """A tower of a multimodal model beside its language model (its vision encoder): where its model is in the head
+    model (an nnsight path, `model.vision_tower`), and its family (paths from that model)."""
+
+    path: str
+    family: type[Family]
+    #: The composite config's member that configures the tower.
+    config: str = "vision_config"
+    #: The model's inputs the tower reads: it runs only on a prompt that gives one of them.
+    inputs: tuple[str, ...] = ("pixel_values",)
+
 
 #: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
 VLLM_LANGUAGE_MODEL = {
@@ -40,6 +59,12 @@ class LanguageModelOf:
     """Mixin, before a text family: the same family, on the language model inside a multimodal causal LM."""
 
     layers = "model.language_model.layers"
+    #: The model's towers, mounted by name (`model.vision.layers[i]`): each a stack of blocks served under the same
+    #: vocabulary, run before the language model's blocks.
+    towers: ClassVar[dict[str, Tower]] = {}
+    #: How its prompts hold images (`ImageTokens`), what `model.positions(...)` reads; None where attnlens has not
+    #: laid out this family's image tokens (its prompts are traced, their positions not placed on a grid).
+    images: ClassVar[ImageTokens | None] = None
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
     #: vLLM runs these types as its own multimodal classes (gemma3_mm, gemma4_mm, ...), which build the text model's
@@ -61,7 +86,15 @@ class LanguageModelOf:
             return super().softcap(_text(config), layer)
 
         def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
-            return super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
+            mask = super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
+            images = self.family.images
+            if self.image_of is None or images is None or not images.bidirectional:
+                return mask
+            # an image's tokens see each other both ways (the model's own mask, from its token types)
+            image_of = self.image_of[:, :num_keys].to(mask.device)
+            together = (image_of[:, :, None] == image_of[:, None, :]) & (image_of[:, :, None] >= 0)
+            zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+            return torch.where(together[:, None, num_keys - num_queries :], zero, mask)
 
         def scores(self, heads, config, queries, keys, layer, key_mask=None):
             return super().scores(heads, _text(config), queries, keys, layer, key_mask)
@@ -78,3 +111,120 @@ class LanguageModelOf:
 
     def unavailable(self, config, layer, engine="transformers"):
         return super().unavailable(_text(config), layer, engine)
+
+
+#: What a position of a multimodal prompt holds (`Positions.kind` indexes this).
+KINDS = ("text", "image", "special")
+
+
+@dataclass(frozen=True)
+class Positions:
+    """What each position of a prompt is, as `model.positions(...)` answers it: [batch, sequence] tensors.
+
+    `kind` indexes `KINDS` (text, an image's token, a special token the processor puts around an image); `image` is
+    which image of its row (0, 1, ... in prompt order; -1 off images); `row` and `col` the token's place in that
+    image's grid (-1 off images), which `grids[b][i]` sizes: (rows, columns) over the image as the processor resized
+    it, so that a token covers a rectangle of it. `on_grid` puts a row of a pattern onto an image."""
+
+    kind: torch.Tensor
+    image: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+    grids: tuple[tuple[tuple[int, int], ...], ...]
+
+    def of_image(self, image: int, batch: int = 0) -> torch.Tensor:
+        """The positions of `image`'s tokens in row `batch`, row-major over its grid."""
+        where = (self.image[batch] == image).nonzero().flatten()
+        order = (self.row[batch, where] * self.grids[batch][image][1] + self.col[batch, where]).argsort()
+        return where[order]
+
+    def on_grid(self, values: torch.Tensor, image: int, batch: int = 0) -> torch.Tensor:
+        """`values` over positions (the last axis: a pattern's row, a head's attention to each key) on `image`'s grid:
+        [..., rows, columns]."""
+        rows, cols = self.grids[batch][image]
+        return values[..., self.of_image(image, batch)].reshape(*values.shape[:-1], rows, cols)
+
+    def spans(self, batch: int = 0) -> dict[str, list[int]]:
+        """Positions of row `batch` by what they are: "text", "special", and "image 0", "image 1", ..."""
+        found = {kind: (self.kind[batch] == k).nonzero().flatten().tolist() for k, kind in enumerate(KINDS) if k != 1}
+        for image in range(len(self.grids[batch])):
+            found[f"image {image}"] = self.of_image(image, batch).tolist()
+        return found
+
+    def frame(self, batch: int = 0):
+        """Row `batch` as a pandas DataFrame: one row per position (position, kind, image, row, col)."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "position": range(self.kind.shape[1]),
+                "kind": [KINDS[k] for k in self.kind[batch].tolist()],
+                "image": self.image[batch].tolist(),
+                "row": self.row[batch].tolist(),
+                "col": self.col[batch].tolist(),
+            }
+        )
+
+
+class ImageTokens:
+    """How a multimodal family's prompts hold images: each image a run of `image_token` ids (a config member),
+    row-major over a grid of `grid(config, inputs, image)`, between special tokens (`around`: config members)."""
+
+    image_token: ClassVar[str] = "image_token_id"
+    around: ClassVar[tuple[str, ...]] = ()
+    #: Whether an image's tokens attend to each other both ways (Gemma 3), or causally as text does.
+    bidirectional: ClassVar[bool] = False
+
+    def grid(self, config, inputs: dict, image: int) -> tuple[int, int]:
+        """(rows, columns) of the tokens of the `image`-th image in the batch."""
+        raise NotImplementedError
+
+    def positions(self, config, input_ids: torch.Tensor, inputs: dict) -> Positions:
+        ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()  # a few ints per position: on the CPU
+        token = getattr(config, self.image_token)
+        special = torch.zeros_like(ids, dtype=torch.bool)
+        for name in self.around:
+            special |= ids == getattr(config, name)
+        is_image = ids == token
+        kind = torch.where(is_image, 1, torch.where(special, 2, 0))
+        image, row, col = (torch.full_like(ids, -1) for _ in range(3))
+        grids, counted = [], 0
+        for b in range(ids.shape[0]):
+            where = is_image[b].nonzero().flatten().tolist()
+            own, at = [], 0
+            while at < len(where):
+                rows, cols = self.grid(config, inputs, counted)
+                span = where[at : at + rows * cols]
+                if len(span) < rows * cols:
+                    raise ValueError(
+                        f"input_ids: image {len(own)} of prompt {b} has {len(span)} image tokens "
+                        f"({self.image_token} = {token}) where its grid needs {rows} x {cols}: pass the processor's "
+                        f"input_ids unchanged"
+                    )
+                places = torch.tensor(span, device=ids.device)
+                image[b, places] = len(own)
+                row[b, places] = torch.arange(rows * cols, device=ids.device) // cols
+                col[b, places] = torch.arange(rows * cols, device=ids.device) % cols
+                own.append((rows, cols))
+                at, counted = at + rows * cols, counted + 1
+            grids.append(tuple(own))
+        return Positions(kind, image, row, col, tuple(grids))
+
+
+class SquareGrid(ImageTokens):
+    """Every image as one square grid of `config.<per_image>` tokens (Gemma 3: the tower's patches pooled)."""
+
+    per_image: ClassVar[str] = "mm_tokens_per_image"
+
+    def grid(self, config, inputs, image):
+        side = math.isqrt(getattr(config, self.per_image))
+        return side, side
+
+
+class TextOnly(ImageTokens):
+    """A family whose prompts hold text alone: every position is text."""
+
+    def positions(self, config, input_ids, inputs):
+        ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()
+        none = torch.full_like(ids, -1)
+        return Positions(torch.zeros_like(ids), none, none, none, ((),) * ids.shape[0])

@@ -23,6 +23,9 @@ class ScoreFunction:
     def __init__(self, family, engine: str = "transformers"):  # (a Family: the layer above this one)
         self.family = family
         self.engine = engine
+        #: Which image each position of the prompt belongs to ([batch, sequence], -1 off images: `Positions.image`),
+        #: for a multimodal family whose mask lets an image's tokens see each other; None: a text prompt.
+        self.image_of: torch.Tensor | None = None
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked

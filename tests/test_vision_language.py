@@ -1,0 +1,151 @@
+"""Vision-language models on the transformers engine: prompts with images, what each position is, the vision tower's
+own attention, against transformers' own attention weights and the identities.
+
+The tiny Gemma 3 multimodal model (`models.tiny("gemma3")`): a 2-block SigLIP tower over 32 x 32 images (4 x 4
+patches of 8 pixels, pooled to 2 x 2 image tokens), a 3-block language model whose image tokens (id 129, between
+130 and 131) attend to each other both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlens
+from attnlens.checks import failures, read_everything
+
+IMAGE, START, END = 129, 130, 131
+#: Text, an image, text, a second image, text.
+PROMPT = torch.tensor([[1, 40, 41, START, *[IMAGE] * 4, END, 42, START, *[IMAGE] * 4, END, 43, 44]])
+FIRST, SECOND = [4, 5, 6, 7], [11, 12, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return attnlens.models.tiny("gemma3")
+
+
+@pytest.fixture(scope="module")
+def pixels():
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def _inputs(pixels):
+    return {"pixel_values": pixels, "token_type_ids": (PROMPT == IMAGE).long()}
+
+
+def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_with_two_images(model, pixels):
+    """The language model's patterns (image rows included, where Gemma 3 attends both ways) and the vision tower's
+    (one per image) are torch.equal to `output_attentions`; the logits equal the model's."""
+    with torch.no_grad():
+        own = model._module(input_ids=PROMPT, output_attentions=True, **_inputs(pixels))
+        tower = model._module.model.vision_tower(pixels, output_attentions=True)
+    vision, language = [], []
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        for i in range(2):
+            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
+        for i in range(3):
+            language.append(model.layers[i].self_attn.attention_probabilities.save())
+        logits = model.logits.save()
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    assert torch.equal(logits, own.logits)
+    assert vision[0].shape == (2, 2, 16, 16)  # two images, two heads, 16 patches each way
+    first = language[1][0, :, FIRST][..., FIRST]
+    assert (first > 0).all()  # an image's tokens see each other both ways: above the diagonal too
+    assert (language[1][0, :, FIRST][..., SECOND] == 0).all()  # not a later image
+
+
+def test_the_identities_hold_on_both_stacks_with_images(model, pixels):
+    """Every identity of every block of the tower and of the language model on the two-image prompt: the masked
+    entries are the model's (an image's tokens both ways), the scores the family's score function's with them."""
+    saved = read_everything(model, PROMPT, **_inputs(pixels))
+    assert [failures(model.vision, saved["vision"], i) for i in range(model.vision.num_layers)] == [[], []]
+    assert [failures(model, saved, i) for i in range(model.num_layers)] == [[], [], []]
+    together = saved["image_of"][0, FIRST[0]] == saved["image_of"][0, FIRST[-1]] == 0
+    assert together
+
+
+def test_the_causal_mask_would_be_wrong_on_image_rows(model, pixels):
+    """Can fail: without the image positions the checks hold the image rows to the causal mask, and fail."""
+    saved = read_everything(model, PROMPT, **_inputs(pixels))
+    del saved["image_of"]
+    assert "masked entries exactly zero" in failures(model, saved, 0)
+
+
+def test_positions_place_every_image_token_on_its_images_grid(model, pixels):
+    """Each position's kind, image, row and column; `on_grid` puts a row of a pattern onto an image's 2 x 2 grid."""
+    found = model.positions(PROMPT, **_inputs(pixels))
+    spans = {"text": [0, 1, 2, 9, 16, 17], "special": [3, 8, 10, 15], "image 0": FIRST, "image 1": SECOND}
+    assert found.spans() == spans
+    assert found.grids == (((2, 2), (2, 2)),)
+    assert found.row[0, FIRST].tolist() == [0, 0, 1, 1] and found.col[0, SECOND].tolist() == [0, 1, 0, 1]
+    row = torch.arange(PROMPT.shape[1], dtype=torch.float32)
+    assert found.on_grid(row, 1).tolist() == [[11.0, 12.0], [13.0, 14.0]]
+    assert list(found.frame().columns) == ["position", "kind", "image", "row", "col"]
+    with pytest.raises(ValueError, match="image 1 of prompt 0 has 3 image tokens"):
+        model.positions(PROMPT[:, :14])
+    assert (attnlens.models.tiny("llama").positions(torch.tensor([5, 6, 7])).kind == 0).all()
+
+
+def test_the_sdpa_rebuild_sees_an_images_tokens_both_ways(pixels):
+    """On sdpa with `rebuild_patterns`, the pattern rebuilt from the queries and keys with the model's mask equals
+    the eager pattern (image rows too) within 1e-6."""
+    eager = attnlens.models.tiny("gemma3")
+    sdpa = attnlens.models.tiny("gemma3", attn_implementation="sdpa", rebuild_patterns=True)
+
+    def patterns(model):
+        with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+            first = model.layers[0].self_attn.attention_probabilities.save()
+            second = model.layers[1].self_attn.attention_probabilities.save()
+        return first, second
+
+    for found, expected in zip(patterns(sdpa), patterns(eager)):
+        assert torch.allclose(found, expected, atol=1e-6)
+        assert (found[0, :, FIRST[0], FIRST[-1]] > 0).all()
+
+
+def test_reads_in_forward_order_the_language_embedding_first_then_the_tower(model, pixels):
+    """The language model embeds the prompt's tokens before the tower runs: `model.embeddings` then
+    `model.vision...` then the language blocks is forward order, and the reverse is refused by name."""
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        embeddings = model.embeddings.save()
+        patches = model.vision.embeddings.save()
+        first = model.layers[0].layer_input.save()
+    assert patches.shape == (2, 16, 32)
+    # the image tokens' embeddings are the placeholder's; the projected image features replace them before layers[0]
+    assert torch.equal(embeddings[0, FIRST[0]], embeddings[0, FIRST[1]])
+    assert not torch.equal(first[0, FIRST[0]], first[0, FIRST[1]])
+    with pytest.raises(attnlens.OrderError, match="embeddings"):
+        with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+            model.vision.layers[0].self_attn.attention_probabilities.save()
+            model.embeddings.save()
+
+
+def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_predicts(model, pixels):
+    """Uniform attention in the tower's last block: the logits equal a hand-run of the model with that block's
+    attention replaced by the mean of its values; the tower's support says what it serves and why not logits."""
+    last = model.vision.layers[-1]
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        pattern = last.self_attn.attention_probabilities
+        last.self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
+        edited = model.logits.save()
+    module = model._module.model.vision_tower.encoder.layers[-1].self_attn
+
+    def uniform(attention, hidden_states, attention_mask=None, **kwargs):
+        b, n, _ = hidden_states.shape
+        values = attention.v_proj(hidden_states).view(b, n, -1, attention.head_dim)
+        mixed = values.mean(1, keepdim=True).expand(b, n, -1, -1).reshape(b, n, -1)
+        return attention.out_proj(mixed), None
+
+    original = module.forward
+    module.forward = lambda *a, **k: uniform(module, *a, **k)
+    try:
+        with torch.no_grad():
+            expected = model._module(input_ids=PROMPT, **_inputs(pixels)).logits
+    finally:
+        module.forward = original
+    assert torch.allclose(edited, expected, atol=1e-5)
+    support = model.vision.support(0)
+    assert support["self_attn.attention_probabilities"] is None
+    assert "no logits" in support["logits"]
