@@ -28,7 +28,16 @@ import torch
 from ..checks import TOLERANCE
 from ..errors import Unavailable
 from .norms import NormForm
-from .reasons import final_norm_form, hidden_size, model_reason, post_norm_form, residual_multiplier, split_reason
+from .reasons import (
+    direction_reason,
+    final_norm_form,
+    hidden_size,
+    model_reason,
+    output_map,
+    post_norm_form,
+    residual_multiplier,
+    split_reason,
+)
 
 #: The residual values read per layer, and those a split layer adds.
 BLOCK_READS = ("layer_input", "layer_mid", "layer_output")
@@ -125,10 +134,18 @@ def kv_of_head(model, layer: int) -> torch.Tensor:
 
 
 def plan(model, rows: list[int], target=None, versus=None, direction=None, *, split_layers=None) -> Plan:
-    """What `collect` reads and with which weights; raises `Unavailable` where the model serves no attribution."""
-    reason = model_reason(model)
+    """What `collect` reads and with which weights; raises `Unavailable` where the model serves no attribution (a
+    `direction=` of the final norm's output is served where only the modules after the final norm are not linear:
+    an encoder's prediction head, a classifier's)."""
+    reason = direction_reason(model) if direction is not None else model_reason(model)
     if reason is not None:
-        raise Unavailable(f"attribution on {model.family.name}: {reason}")
+        hint = ""
+        if direction is None and direction_reason(model) is None:
+            hint = (
+                "; a direction of final_norm_output (attribution(..., direction=vector): what the head reads) is "
+                "decomposed exactly"
+            )
+        raise Unavailable(f"attribution on {model.family.name}: {reason}{hint}")
     final = final_norm_form(model)
     if (target is None) == (direction is None):
         raise ValueError("attribution takes a target token (with an optional versus token) or a direction, not both")
@@ -175,9 +192,9 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
 
 def prepare(model, plan: Plan) -> None:
     """The weights `plan` computes with, read off the model's modules where the run is (eager: before the trace)."""
-    weight, bias = unembedding(model, plan.engine, plan.paths["embed_tokens"])
-    plan.unembedding = (weight.detach(), None if bias is None else bias.detach())
-    if plan.tokens is not None:
+    if plan.tokens is not None:  # a direction= reads no unembedding (an encoder's classifier has none)
+        weight, bias = unembedding(model, plan.engine, plan.paths["embed_tokens"])
+        plan.unembedding = (weight.detach(), None if bias is None else bias.detach())
         t, v = plan.tokens
         directions = weight[t].detach().float().cpu()
         offsets = bias[t].detach().float().cpu() if bias is not None else torch.zeros(())
@@ -199,14 +216,14 @@ def _label(model, token: int) -> str:
 def _weights(model, layer: int, found: LayerPlan, plan: Plan) -> None:
     """The output projection as a matrix [hidden, heads * head_dim] and its bias."""
     attention = model.layers[layer].self_attn._module
-    projection = attention.get_submodule(plan.paths["output_projection"])
+    projection = attention.get_submodule(plan.paths["output_projection"]) if plan.engine == "vllm" else None
     width = len(found.kv_of_head) * found.head_dim
     if plan.engine == "vllm":
         from .vllm import projection_weights
 
         found.weight, found.bias = projection_weights(projection, width)
-    else:
-        found.weight, found.bias = linear_map(projection, width)
+    else:  # the family's project_output on the identity: the output projection, where it nests (BERT's output.dense)
+        found.weight, found.bias = output_map(model, layer)
 
 
 def linear_map(module: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -280,13 +297,14 @@ def collect(model, plan: Plan, found: dict) -> None:
         last = read["layer_output"]
     final_read = model.final_norm_output[0]
     final = final_read.float()
-    logits = model.logits[0, -1].float()
     terms["final_residual"] = last.cpu()
     terms["final_norm_output"] = final[rows].cpu()
-    weight, bias = plan.unembedding
-    plain = weight.float() @ final[-1] + (0 if bias is None else bias.float())
-    terms["last_plain"] = plain[: logits.shape[-1]].cpu()  # vLLM pads its vocabulary
-    terms["last_logits"] = logits.cpu()
+    if plan.tokens is not None:  # the read-out checked against the logits (a direction= reads none)
+        logits = model.logits[0, -1].float()
+        weight, bias = plan.unembedding
+        plain = weight.float() @ final[-1] + (0 if bias is None else bias.float())
+        terms["last_plain"] = plain[: logits.shape[-1]].cpu()  # vLLM pads its vocabulary
+        terms["last_logits"] = logits.cpu()
     terms["directions"], terms["offsets"] = plan.directions.cpu(), plan.offsets.cpu()
     terms["final_form"] = plan.final.to("cpu")
     terms["dtype"] = final_read.dtype
@@ -566,7 +584,17 @@ def rows_of(rows, length: int) -> list[int]:
     return [row % length for row in rows]
 
 
-def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None, layers=None, max_new_tokens: int = 0):
+def attribution(
+    model,
+    prompt,
+    rows=-1,
+    target=None,
+    versus=None,
+    direction=None,
+    layers=None,
+    max_new_tokens: int = 0,
+    decoder_input_ids=None,
+):
     """Direct attribution of `target`'s logit (minus `versus`'s), or of `direction . final_norm_output`, at query
     `rows` of `prompt` (default the last), split by layer, head and source position; see the module's docstring.
 
@@ -574,8 +602,25 @@ def attribution(model, prompt, rows=-1, target=None, versus=None, direction=None
     `max_new_tokens`, the prompt is generated from greedily and a list comes back: the prefill's attribution, then one
     per decode step (its new row, over every key of the context; generated sources are labelled `<generated i>`).
     Runs on `StandardizedTransformer` (eager attention, or `rebuild_patterns=True`) and `StandardizedVLLM` (in the
-    worker, where only the terms leave it)."""
+    worker, where only the terms leave it).
+
+    On `StandardizedSeq2Seq`, `prompt` is the encoder's input and `decoder_input_ids` the decoder's tokens: the
+    decoder logit is split by decoder head and source, and through the cross-attention by encoder position
+    (`attnlens.analysis.seq2seq`; `layers` and `max_new_tokens` are not taken there)."""
     from ..capture import prompts_of
+    from ..stacks import StandardizedSeq2Seq
+
+    if isinstance(model, StandardizedSeq2Seq):
+        if layers is not None or max_new_tokens:
+            raise ValueError(
+                "attribution on an encoder-decoder splits every layer of one teacher-forced run: "
+                "layers= and max_new_tokens= are not taken"
+            )
+        from .seq2seq import seq2seq_attribution
+
+        return seq2seq_attribution(model, prompt, decoder_input_ids, rows, target, versus, direction)
+    if decoder_input_ids is not None:
+        raise ValueError("decoder_input_ids goes with an encoder-decoder (StandardizedSeq2Seq)")
 
     ids = prompts_of(model, prompt)[0]
     if len(ids) != 1:

@@ -150,6 +150,16 @@ def model_reason(model) -> str | None:
     """Why no analysis of the residual stream is served on this model (None: it is)."""
     cached = model.__dict__.setdefault("_attnlens_analysis", {})
     if "model" not in cached:
+        cached["model"] = direction_reason(model) or head_between(model)
+    return cached["model"]
+
+
+def direction_reason(model) -> str | None:
+    """Why no read-out of `final_norm_output` (attribution's `direction=`) is decomposed on this model (None: it is):
+    `model_reason` without the modules between the final norm and the logits, which a direction of the final norm's
+    output never passes through (an encoder's prediction head, a classifier's pooler and classifier)."""
+    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    if "direction" not in cached:
         reason = None
         for layer in range(model.num_layers):
             report = model.support(layer)
@@ -157,15 +167,45 @@ def model_reason(model) -> str | None:
             if missing:
                 reason = f"layer {layer}: {missing[0]} is unavailable ({report[missing[0]]})"
                 break
+        if reason is None:
+            reason = post_norm_reason(model)
         if reason is None and model.support()["final_norm_output"] is not None:
             reason = f"final_norm_output is unavailable ({model.support()['final_norm_output']})"
         if reason is None:
-            reason = head_between(model)
-        if reason is None:
             form = final_norm_form(model)
             reason = form if isinstance(form, str) else None
-        cached["model"] = reason
-    return cached["model"]
+        cached["direction"] = reason
+    return cached["direction"]
+
+
+def post_norm_reason(model) -> str | None:
+    """Why the residual stream is no sum of the pieces the blocks add (None: it is, as far as the probe sees): a
+    post-norm block (BERT, BART, GPT-1) normalises the stream after its MLP's add, so the block's output is not its
+    input plus updates: the family's `residual_add` of a zero MLP update, probed on random input, changes the stream.
+    Probed on the transformers engine on the first block; a residual add that needs more than the two tensors is
+    left to `residual_multiplier`."""
+    family = model.family
+    if model.access.engine != "transformers" or not overrides(family, "residual_add"):
+        return None
+    if family.identities.block_arguments:
+        return None
+    block = model.layers[0]._module
+    stream = torch.randn(1, 2, hidden_size(model), generator=torch.Generator().manual_seed(0))
+    parameter = next(block.parameters(), None)
+    if parameter is not None:
+        stream = stream.to(device=parameter.device, dtype=parameter.dtype)
+    try:
+        with torch.no_grad():
+            kept = family.identities.residual_add(block, "mlp", stream, torch.zeros_like(stream))
+    except Exception:  # noqa: BLE001  (a residual add this probe cannot call: left to the other checks)
+        return None
+    if torch.allclose(kept.float(), stream.float(), atol=1e-5):
+        return None
+    return (
+        f"the {family.name} block is post-norm: a norm follows its residual add (residual_add), so the stream is "
+        f"rescaled after every block and the blocks' updates do not add up to the final residual; direct "
+        f"attribution splits a pre-norm stream only"
+    )
 
 
 def split_reason(model, layer: int) -> str | None:
@@ -182,17 +222,55 @@ def _split_reason(model, layer: int) -> str | None:
     for name in SPLIT:
         if report[name] is not None:
             return f"{name.split('.')[-1]} is unavailable ({report[name]})"
+    premix = report["self_attn.attention_premix"]
+    if model.access.engine == "transformers" and premix is not None:  # NeoMME's exclusive self-attention
+        return f"the output projection does not read the heads merged: attention_premix is unavailable ({premix})"
     for method, what in (
         ("merge_heads", "transforms the head outputs before the output projection"),
         ("project_output", "computes the attention output otherwise than its output projection"),
         ("project_routed_output", "routes the output projection by the attention's input"),
     ):
-        if overrides(family, method):
+        if overrides(family, method) and not (method == "project_output" and affine_output(model, layer)):
             return f"the {family.name} family {what} ({method})"
     for reason in (residual_multiplier(model, layer), post_norm_form(model, layer)):
         if isinstance(reason, str):
             return reason
     return None
+
+
+def output_map(model, layer: int, attention=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention output as an affine map of the merged heads: the family's `project_output` (what the forward
+    computes from the premix) run on the identity, as [hidden, heads * head_dim] and its offset (None where zero).
+    `attention`: the attention module (default: block `layer`'s self-attention)."""
+    module = model.layers[layer].self_attn._module if attention is None else attention
+    geometry = model.family.sizes.geometry(module, model.family)
+    width = geometry.num_heads * geometry.head_dim
+    parameter = next(module.parameters())
+    project = model.family.identities.project_output
+    with torch.no_grad():
+        basis = torch.eye(width + 1, width, device=parameter.device, dtype=parameter.dtype)[None]  # last row zero
+        out = project(module, basis)[0].float()
+    offset = out[-1]
+    return (out[:-1] - offset).T.contiguous(), (offset if bool(offset.abs().max() > 0) else None)
+
+
+def affine_output(model, layer: int, attention=None) -> bool:
+    """Whether a family's own `project_output` is affine in the merged heads (BERT's `output.dense`, nested in the
+    attention module): its map read on the identity (`output_map`) reproduces it on random input. The transformers
+    engine only (vLLM's modules are not the ones the identity names)."""
+    if model.access.engine != "transformers":
+        return False
+    module = model.layers[layer].self_attn._module if attention is None else attention
+    try:
+        weight, bias = output_map(model, layer, module)
+        parameter = next(module.parameters())
+        x = torch.randn(1, 3, weight.shape[1], generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out = model.family.identities.project_output(module, x.to(device=parameter.device, dtype=parameter.dtype))
+    except Exception:  # noqa: BLE001  (a projection that is not one map of the merged heads)
+        return False
+    expected = x.to(weight.device) @ weight.T + (0 if bias is None else bias)
+    return bool(torch.allclose(out.float(), expected, atol=1e-4, rtol=1e-4))
 
 
 def read_only(access, key: str, layer: int) -> str | None:
@@ -205,6 +283,8 @@ def read_only(access, key: str, layer: int) -> str | None:
 def served(model, layer: int) -> dict[str, str | None]:
     """Every analysis (`ANALYSES`) -> None where `layer` of `model` serves it, else why not: what `support(layer)`
     lists as its `analyses` (registered with the access layer when this package is imported)."""
+    if hasattr(model, "stacks"):  # an encoder-decoder: the decoder logit's attribution alone (analysis.seq2seq)
+        return seq2seq_served(model, layer)
     layer = model.access.check_layer(layer)
     report = model.support(layer)
     whole = model_reason(model)
@@ -225,6 +305,29 @@ def served(model, layer: int) -> dict[str, str | None]:
             else needs or None
         )
     reasons[KNOCK_OUT] = knock_out_reason(model.access, layer)
+    return reasons
+
+
+def seq2seq_served(model, layer: int) -> dict[str, str | None]:
+    """`served` on a `StandardizedSeq2Seq` (whose reports do not say which stack they are of): `attribution` answers
+    for the decoder's logit by decoder block `layer` (its self- and cross-attention split by head and source); the
+    other analyses are not served on encoder-decoders yet."""
+    from .seq2seq import cross_split_reason, decoder_stack
+    from .seq2seq import model_reason as seq2seq_reason
+
+    stack = decoder_stack(model)
+    reasons: dict[str, str | None] = dict.fromkeys(
+        ANALYSES,
+        "not served on an encoder-decoder yet: attribution is (of a decoder logit, by decoder head and source)",
+    )
+    whole = seq2seq_reason(model, direction=True) or seq2seq_reason(model, direction=False)
+    if whole is not None:
+        reasons[ATTRIBUTION] = whole
+    elif layer < stack.num_layers:
+        split = split_reason(stack, layer) or cross_split_reason(stack, layer)
+        reasons[ATTRIBUTION] = None if split is None else f"decoder layer {layer} is not split by head: {split}"
+    else:
+        reasons[ATTRIBUTION] = f"the decoder has {stack.num_layers} layers: attribution splits the decoder's logit"
     return reasons
 
 
