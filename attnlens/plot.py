@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
+
 from .show import patterns
 
 #: Above this many tokens on an axis, only some are labelled (with their positions).
@@ -38,7 +40,11 @@ def plot(
     """Write a PNG heatmap of one layer: every head (or `heads=`) in a grid, tokens on both axes, head numbers, a
     colour bar, the model and layer in the title. Takes what `attnlens.show` takes (a model with `prompt` and
     `layer`, a `capture_attention` result, a [heads, query, key] tensor; see `attnlens.show.patterns`). `vmax=None`
-    scales the colours to the largest weight shown instead of 1. Returns the path written."""
+    scales the colours to the largest weight shown instead of 1. Returns the path written.
+
+    On a multimodal model's inputs (a prompt with images), the PNG is attention over the images: for each image (a
+    row of panels), each head's and the heads' mean attention from the query `rows=` (positions; default the last,
+    averaged over several) to the image's tokens, on the image's token grid, laid over the image."""
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"{out}: attnlens.plot writes .png (attnlens.show(...).save writes .html)")
@@ -64,8 +70,13 @@ def figure(
         raise ModuleNotFoundError(
             "attnlens.plot needs matplotlib: pip install matplotlib (or attnlens[plot])"
         ) from None
+    rows = options.pop("rows", None)
     shown = patterns(source, prompt, layer, **options)
     pattern = shown.layer(layer if len(shown.layers) > 1 else None)
+    if shown.images:
+        return _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, vmax, dpi)
+    if rows is not None:
+        raise ValueError("rows= picks the text rows whose attention is drawn over a prompt's images; this has none")
     probs, num_heads = pattern.probs.numpy(), len(pattern.heads)
     num_queries, num_keys = probs.shape[1:]
     columns = columns or (num_heads if num_heads <= 3 else math.ceil(math.sqrt(num_heads)))
@@ -99,4 +110,60 @@ def figure(
     title = " · ".join(part for part in (shown.model, f"layer {pattern.layer}") if part)
     prompt_text = shown.prompt if len(shown.prompt) <= 110 else shown.prompt[:107] + "..."
     fig.suptitle(f"{title}\n" + prompt_text.replace("\n", " ").replace("$", r"\$"), fontsize=10)
+    return fig
+
+
+def image_heats(shown, pattern, rows=None) -> tuple[list[torch.Tensor], list[int]]:
+    """What `plot` lays over each image of a prompt: per image, [heads + 1, grid rows, grid columns], each head's
+    attention from the query positions `rows` (default the last; averaged over several) to the image's tokens on
+    its grid, then the heads' mean; and the query positions drawn."""
+    positions = pattern.query_positions
+    chosen = [positions[-1]] if rows is None else [rows] if isinstance(rows, int) else list(rows)
+    chosen = [row % len(shown.tokens) for row in chosen]
+    missing = [row for row in chosen if row not in positions]
+    if missing:
+        raise IndexError(f"rows {missing} are not among the pattern's query positions")
+    at = [positions.index(row) for row in chosen]
+    keys = {position: column for column, position in enumerate(pattern.key_positions)}
+    mean_rows = pattern.probs[:, at].mean(1)  # [heads, key]
+    heats = []
+    for image in shown.images:
+        grid = mean_rows[:, [keys[p] for p in image.positions]].reshape(len(pattern.heads), *image.grid)
+        heats.append(torch.cat([grid, grid.mean(0, keepdim=True)]))
+    return heats, chosen
+
+
+def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, vmax, dpi):
+    """The figure of attention over a prompt's images: a row of panels per image, a column per head and the mean."""
+    found, chosen = image_heats(shown, pattern, rows)
+    heats = [heat.numpy() for heat in found]
+    panels = [*(f"head {h}" for h in pattern.heads), "mean of heads"]
+    top = max(float(heat.max()) for heat in heats) if vmax is None else vmax
+    columns, side = len(panels), 2.4
+    fig = Figure(figsize=(columns * side + 1.2, len(heats) * side + 1.0), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(heats), columns, squeeze=False)
+    drawn = None
+    for number, (row_axes, image, heat) in enumerate(zip(axes, shown.images, heats)):
+        height, width = image.pixels.shape[:2]
+        row_axes[0].set_ylabel(f"image {number}", fontsize=9)
+        for index, ax in enumerate(row_axes):
+            ax.imshow(image.pixels.numpy(), interpolation="bilinear")
+            drawn = ax.imshow(
+                heat[index],
+                cmap="inferno",
+                vmin=0.0,
+                vmax=top,
+                alpha=0.6,
+                extent=(0, width, height, 0),
+                interpolation="nearest",
+            )
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(panels[index], fontsize=9)
+    assert drawn is not None
+    fig.colorbar(drawn, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
+    said = ", ".join(f"{row} {_label(shown.tokens[row])}" for row in chosen)
+    title = " · ".join(part for part in (shown.model, f"layer {pattern.layer}") if part)
+    fig.suptitle(f"{title}\nattention from query {said} to each image's tokens", fontsize=10)
     return fig

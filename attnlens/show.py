@@ -19,7 +19,7 @@ import html
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -40,13 +40,23 @@ class LayerPattern:
 
 
 @dataclass
+class ImageShown:
+    """One image of a prompt, as a picture overlays attention on it: its pixels and where its tokens are."""
+
+    pixels: torch.Tensor  #: uint8 [height, width, 3]: the image given, else what the tower saw (rescaled)
+    grid: tuple[int, int]  #: (rows, columns) of its tokens over it
+    positions: list[int]  #: the position of each of its tokens, row-major over the grid
+
+
+@dataclass
 class Patterns:
-    """What a picture shows: one prompt, its tokens, one or more layers."""
+    """What a picture shows: one prompt, its tokens, one or more layers, and the prompt's images (if any)."""
 
     model: str
     prompt: str
     tokens: list[str]  #: the text of every position
     layers: list[LayerPattern]
+    images: list[ImageShown] = field(default_factory=list)
 
     def layer(self, layer: int | None = None) -> LayerPattern:
         """The pattern of `layer` (the only one when None)."""
@@ -119,6 +129,67 @@ def _tokens(model, prompt) -> tuple[list[str] | None, str]:
         raise ValueError("a picture shows one prompt; pass one (a string or 1-D token ids)")
     tokenizer = model.tokenizer
     return [tokenizer.decode([int(i)]) for i in ids[0]], prompt if isinstance(prompt, str) else tokenizer.decode(ids[0])
+
+
+def _with_images(prompt) -> bool:
+    """Whether `prompt` is a multimodal model's inputs (a processor's output: input_ids beside pixel_values, ...)."""
+    return isinstance(prompt, Mapping) and "input_ids" in prompt and len(prompt) > 1
+
+
+def _captured_inputs(model, inputs: Mapping, layers, heads) -> tuple[dict, list[int] | None]:
+    """`_captured` of a prompt given as the model's inputs (a processor's output: ids with images): one trace."""
+    if layers is None:
+        raise ValueError("show(model, inputs, layers): name the layers to capture")
+    ids = torch.as_tensor(inputs["input_ids"])
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError("a picture shows one prompt; the inputs hold a batch of " + str(ids.shape[0]))
+    layers = [model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
+    picked = None if heads is None else _index_list(heads, model.layers[layers[0]].self_attn.num_heads, "head")
+    rest = {name: value for name, value in inputs.items() if name != "input_ids"}
+    saved = {}
+    with torch.no_grad(), model.trace(ids.reshape(1, -1), **rest):
+        for layer in layers:
+            saved[layer] = model.layers[layer].self_attn.attention_probabilities.save()
+    return {layer: (p[0] if picked is None else p[0, picked]) for layer, p in saved.items()}, picked
+
+
+def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[str]]:
+    """The images of a multimodal prompt (`given`: the images themselves, PIL or [H, W, 3] arrays; else the
+    processor's `pixel_values` rescaled to 0-255, which is what the tower saw), and a label for every position."""
+    found = model.positions(inputs)
+    ids = torch.as_tensor(inputs["input_ids"]).flatten().tolist()
+    pictures = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+    pixels = inputs.get("pixel_values")
+    count = len(found.grids[0])
+    if not pictures and not (isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and pixels.shape[1] == 3):
+        raise ValueError(
+            "images=: pass the prompt's images to draw attention over them (this model's pixel_values are not "
+            "[images, 3, height, width] pictures)"
+        )
+    if pictures and len(pictures) != count:
+        raise ValueError(f"images= gives {len(pictures)} images for a prompt holding {count}")
+    import numpy as np
+
+    shown = []
+    for image in range(count):
+        if pictures:
+            given_image = pictures[image]
+            picture = torch.as_tensor(
+                np.asarray(given_image.convert("RGB") if hasattr(given_image, "convert") else given_image)
+            )
+        else:
+            seen = pixels[image].float()
+            low, high = seen.amin(dim=(1, 2), keepdim=True), seen.amax(dim=(1, 2), keepdim=True)
+            picture = ((seen - low) / (high - low).clamp(min=1e-6) * 255).round().permute(1, 2, 0)
+        shown.append(ImageShown(picture.to(torch.uint8), found.grids[0][image], found.of_image(image).tolist()))
+    labels = []
+    for position, token in enumerate(ids):
+        image = int(found.image[0, position])
+        if image >= 0:
+            labels.append(f"<image {image} {int(found.row[0, position])},{int(found.col[0, position])}>")
+        else:
+            labels.append(model.tokenizer.decode([token]) if model.tokenizer is not None else str(token))
+    return shown, labels
 
 
 def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:
@@ -247,6 +318,7 @@ def patterns(
     title: str | None = None,
     target=None,
     attention: str = "cross",
+    images=None,
 ) -> Patterns:
     """Normalise what `show` and `plot` accept into `Patterns`.
 
@@ -266,7 +338,14 @@ def patterns(
     mapping: Whisper's `{"input_features": ...}`), the decoder's tokens as `target`, and which attention to show as
     `attention`: "cross" (target rows over source keys: what each target token reads of the source), "encoder" or
     "decoder"; the tokens are the source's, then the target's.
+
+    A multimodal model takes the prompt as its inputs (a processor's output, or a dict of input_ids, pixel_values and
+    the rest): each image's tokens are labelled `<image i row,col>`, and the images travel with the patterns to be
+    drawn under attention (`images=`: the pictures themselves; else `pixel_values` rescaled, what the tower saw).
     """
+    shown_images: list[ImageShown] = []
+    if images is not None and not (_is_model(source) and _with_images(prompt)):
+        raise ValueError("images= draws a multimodal prompt's images: pass the model and its inputs (with the images)")
     if _is_seq2seq(source):
         model = source
         data, head_labels, tokens, query_positions, key_positions, text = _seq2seq(
@@ -276,6 +355,12 @@ def patterns(
         title = title if title is not None else f"{model_name(model)}, {attention} attention"
     elif target is not None:
         raise ValueError("target= names an encoder-decoder's decoder tokens; this source is not an encoder-decoder")
+    elif _is_model(source) and _with_images(prompt):
+        model = source
+        data, head_labels = _captured_inputs(model, prompt, layers, heads)
+        shown_images, labels = _images_of(model, prompt, images)
+        tokens = labels if tokens is None else tokens
+        heads, prompt = None, "".join(labels)
     elif _is_model(source):
         model = source
         data, head_labels = _captured(model, prompt, layers, heads)
@@ -284,7 +369,10 @@ def patterns(
         data = _given(source, layers)
     if not data:
         raise ValueError("nothing to show: no layers")
-    found, text = (None, prompt) if _is_seq2seq(model) else _tokens(model, prompt)
+    if shown_images:
+        found, text = None, prompt
+    else:
+        found, text = (None, prompt) if _is_seq2seq(model) else _tokens(model, prompt)
     tokens = list(tokens) if tokens is not None else found
     key_positions, query_positions = (
         None if p is None else [int(i) for i in torch.as_tensor(p).flatten().tolist()]
@@ -317,7 +405,9 @@ def patterns(
     if tokens is None:
         tokens = [str(i) for i in range(max(max(p.key_positions + p.query_positions) for p in out) + 1)]
     name = title if title is not None else model_name(model) if model is not None else ""
-    return Patterns(model=name, prompt=text or "".join(tokens), tokens=[str(t) for t in tokens], layers=out)
+    return Patterns(
+        model=name, prompt=text or "".join(tokens), tokens=[str(t) for t in tokens], layers=out, images=shown_images
+    )
 
 
 def _attribution_layers(attribution, patterns: Patterns) -> list[dict]:
@@ -399,6 +489,27 @@ def _encode(pattern: LayerPattern) -> dict:
     }
 
 
+#: The longest side of an image on the page, in pixels (larger ones are shrunk: the page stays small).
+IMAGE_SIDE = 320
+
+
+def _encode_image(image: ImageShown) -> dict:
+    """One image for the page: its RGB bytes (base64, shrunk to `IMAGE_SIDE`), its token grid, its tokens' positions."""
+    pixels = image.pixels.permute(2, 0, 1)[None].float()
+    scale = IMAGE_SIDE / max(pixels.shape[-2:])
+    if scale < 1:
+        pixels = torch.nn.functional.interpolate(pixels, scale_factor=scale, mode="area")
+    rgb = pixels[0].round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
+    return {
+        "width": rgb.shape[1],
+        "height": rgb.shape[0],
+        "rgb": base64.b64encode(rgb.numpy().tobytes()).decode("ascii"),
+        "rows": image.grid[0],
+        "cols": image.grid[1],
+        "positions": image.positions,
+    }
+
+
 def _json_for_script(data) -> str:
     return (
         json.dumps(data, ensure_ascii=True, separators=(",", ":"))
@@ -422,6 +533,8 @@ class View:
         p = self.patterns
         layers = [_encode(x) for x in p.layers]
         page: dict = {"model": p.model, "prompt": p.prompt, "tokens": p.tokens, "layers": layers}
+        if p.images:
+            page["images"] = [_encode_image(image) for image in p.images]
         if self._maps is not None:
             a = self.attribution
             page["attribution"] = {"what": a.what, "rows": a.rows, "values": a.value.tolist(), "notes": a.notes}
@@ -501,7 +614,7 @@ _BODY = (
     '<label class="al-rows">attributed row <select class="al-row"></select></label></div>'
     '<div class="al-attribution"></div>'
     '<div class="al-grid"></div><div class="al-large"><canvas class="al-big"></canvas><canvas class="al-map"></canvas>'
-    "</div>"
+    '</div><div class="al-images"></div>'
     '<div class="al-tip"></div>'
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_show import browser, close, open_page  # noqa: F401 (browser: the fixture, one Chromium per module)
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -149,3 +150,79 @@ def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_p
     support = model.vision.support(0)
     assert support["self_attn.attention_probabilities"] is None
     assert "no logits" in support["logits"]
+
+
+# --- pictures -------------------------------------------------------------------------------------------------------
+
+
+def test_plot_lays_each_heads_attention_from_the_chosen_rows_over_each_image(model, pixels, tmp_path):
+    """The heat over image 1 for head h is the pattern's row (or the mean of rows) at image 1's tokens, on its 2 x 2
+    grid; the last panel is the heads' mean; the PNG is written, and a text prompt refuses `rows=`."""
+    from attnlens.plot import image_heats
+    from attnlens.show import patterns
+
+    inputs = {"input_ids": PROMPT, **_inputs(pixels)}
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        pattern = model.layers[1].self_attn.attention_probabilities.save()
+    shown = patterns(model, inputs, [1])
+    assert shown.tokens[FIRST[1]] == "<image 0 0,1>" and len(shown.images) == 2
+    assert shown.images[1].positions == SECOND and shown.images[0].pixels.shape == (32, 32, 3)
+    heats, rows = image_heats(shown, shown.layer(1), rows=[-1, -2])
+    assert rows == [17, 16]
+    expected = pattern[0, :, [17, 16]][..., SECOND].mean(1).reshape(4, 2, 2)
+    assert torch.allclose(heats[1][:4], expected, atol=1e-7)
+    assert torch.allclose(heats[1][4], expected.mean(0), atol=1e-7)
+    out = attnlens.plot(model, inputs, 1, out=tmp_path / "over.png", rows=9)
+    assert out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="rows= picks the text rows"):
+        attnlens.plot(model, PROMPT[0, :3], 1, out=tmp_path / "text.png", rows=1)
+    with pytest.raises(ValueError, match="images= gives 1 images for a prompt holding 2"):
+        patterns(model, inputs, [1], images=[torch.zeros(8, 8, 3, dtype=torch.uint8)])
+
+
+@pytest.mark.any_transformers
+@pytest.mark.xdist_group("browser")
+def test_the_viewer_shows_each_image_with_the_enlarged_heads_attention_from_a_query_row(
+    model,
+    pixels,
+    browser,  # noqa: F811 (the fixture imported above)
+    tmp_path,
+):
+    """In a real browser: one canvas per image; hovering a patch gives its image, row, column, key and the weight of
+    the enlarged head from the query row the pointer last crossed in the pattern (the last row until then)."""
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    inputs = {"input_ids": PROMPT, **_inputs(pixels)}
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        pattern = model.layers[1].self_attn.attention_probabilities.save()
+    view = open_page(browser, attnlens.show(model, inputs, layers=[1]).save(tmp_path / "images.html"))
+    canvases = view.find_elements("css selector", "canvas.al-image")
+    assert len(canvases) == 2 and view.get_attribute("data-image-query") == "17"
+    identity = view.get_attribute("id")
+
+    def point(canvas, x, y):
+        at = browser.execute_script(
+            "const [c, x, y] = arguments; c.scrollIntoView({block: 'center'}); const r = c.getBoundingClientRect();"
+            "return [r.left + x * r.width / c.width, r.top + y * r.height / c.height];",
+            canvas,
+            x,
+            y,
+        )
+        actions = ActionBuilder(browser)
+        actions.pointer_action.move_to_location(int(at[0]), int(at[1]))
+        actions.perform()
+        tip = view.find_element("css selector", ".al-tip")
+        return tip.text, {key: tip.get_attribute(f"data-{key}") for key in ("image", "row", "col", "key", "weight")}
+
+    x, y = browser.execute_script(f"return window.attnlens[{identity!r}].patch(1, 1, 0)")
+    text, data = point(canvases[1], x, y)
+    assert (data["image"], data["row"], data["col"], data["key"]) == ("1", "1", "0", str(SECOND[2]))
+    assert close(float(data["weight"]), pattern[0, 0, 17, SECOND[2]]) and "query 17" in text
+    big = view.find_element("css selector", "canvas.al-big")
+    x, y = browser.execute_script(f"return window.attnlens[{identity!r}].cell(9, 0)")  # row 9: text after image 0
+    point(big, x, y)
+    assert view.get_attribute("data-image-query") == "9"
+    canvases = view.find_elements("css selector", "canvas.al-image")
+    x, y = browser.execute_script(f"return window.attnlens[{identity!r}].patch(0, 0, 1)")
+    text, data = point(canvases[0], x, y)
+    assert data["key"] == str(FIRST[1]) and close(float(data["weight"]), pattern[0, 0, 9, FIRST[1]])

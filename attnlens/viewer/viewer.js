@@ -30,7 +30,9 @@
     lut[0] = signed[128] = 0xffffffff;  // exactly zero (masked, or no contribution): white
     LUTS[mode] = lut; SIGNED_LUTS[mode] = signed;
   }
-  const state = {layer: 0, head: 0, row: 0, mode: "linear", geometry: null, mapGeometry: null};
+  const state = {layer: 0, head: 0, row: 0, mode: "linear", geometry: null, mapGeometry: null, query: null};
+  // matplotlib's "inferno", as attnlens.plot draws attention over images
+  const INFERNO = [[0,0,4],[40,11,84],[101,21,110],[159,42,99],[212,72,66],[245,125,21],[250,193,39],[252,255,164]];
 
   function decode(text) {
     const raw = atob(text), out = new Uint8Array(raw.length);
@@ -230,9 +232,60 @@
     state.mapGeometry = {left, top, cellW, cellH};
   }
 
+  const images = $(".al-images"), pictures = (page.images || []).map((found) => {  // each drawn once, at its size
+    const canvas = document.createElement("canvas"), raw = decode(found.rgb);
+    canvas.width = found.width; canvas.height = found.height;
+    const context = canvas.getContext("2d"), data = context.createImageData(found.width, found.height);
+    for (let i = 0, j = 0; i < raw.length; i += 3, j += 4) {
+      data.data[j] = raw[i]; data.data[j + 1] = raw[i + 1]; data.data[j + 2] = raw[i + 2]; data.data[j + 3] = 255;
+    }
+    context.putImageData(data, 0, 0);
+    return canvas;
+  });
+  function renderImages() {  // the enlarged head's attention from one query row over each image of the prompt
+    if (!pictures.length) return;
+    const layer = current(), column = new Map(layer.keys.map((k, c) => [k, c]));
+    const row = state.query === null || state.query >= layer.queries.length ? layer.queries.length - 1 : state.query;
+    const q = layer.queries[row];
+    images.textContent = "";
+    page.images.forEach((found, i) => {
+      const weights = found.positions.map((k) => (column.has(k) ? weight(layer, state.head, row, column.get(k)) : 0));
+      const largest = Math.max(...weights) || 1;
+      const figure = document.createElement("figure"), canvas = document.createElement("canvas");
+      canvas.className = "al-image"; canvas.width = found.width; canvas.height = found.height;
+      canvas.dataset.image = i;
+      const context = canvas.getContext("2d");
+      context.drawImage(pictures[i], 0, 0);
+      const cellW = found.width / found.cols, cellH = found.height / found.rows;
+      weights.forEach((w, t) => {
+        const [r, g, b] = colour(INFERNO, w / largest);
+        context.fillStyle = "rgba(" + r + "," + g + "," + b + ",0.6)";
+        context.fillRect((t % found.cols) * cellW, Math.floor(t / found.cols) * cellH, cellW, cellH);
+      });
+      canvas.addEventListener("mousemove", (event) => {
+        const [x, y] = pointer(canvas, event);
+        const r = Math.floor(y / cellH), c = Math.floor(x / cellW), t = r * found.cols + c;
+        if (r < 0 || c < 0 || r >= found.rows || c >= found.cols) return hide();
+        const k = found.positions[t], w = weights[t];
+        showTip(event, "layer " + layer.layer + " \u00b7 head " + layer.heads[state.head] + "\nquery " + q + " " +
+          JSON.stringify(page.tokens[q]) + "\nimage " + i + " row " + r + " col " + c + " (key " + k + ")\nweight " +
+          (w >= 0.001 ? w.toFixed(3) : w.toExponential(1)), {image: i, row: r, col: c, key: k, weight: w});
+      });
+      canvas.addEventListener("mouseleave", hide);
+      const caption = document.createElement("figcaption");
+      caption.textContent = "image " + i + " \u00b7 head " + layer.heads[state.head] + " from query " + q + " " +
+        JSON.stringify(page.tokens[q]) + " \u00b7 brightest " + largest.toFixed(3) + " (hover a row above to move)";
+      figure.append(canvas, caption);
+      images.append(figure);
+    });
+    root.dataset.imageQuery = q;
+  }
+
   big.addEventListener("mousemove", (event) => {
     const g = state.geometry, [x, y] = pointer(big, event);
-    hover(event, state.head, Math.floor((y - g.top) / g.cellH), Math.floor((x - g.left) / g.cellW));
+    const row = Math.floor((y - g.top) / g.cellH);
+    hover(event, state.head, row, Math.floor((x - g.left) / g.cellW));
+    if (pictures.length && row >= 0 && row < g.Q && row !== state.query) { state.query = row; renderImages(); }
   });
   big.addEventListener("mouseleave", hide);
   map.addEventListener("mousemove", (event) => {
@@ -279,6 +332,7 @@
     }
     renderGrid();
     renderLarge();
+    renderImages();
   }
 
   select(0, 0);
@@ -292,5 +346,8 @@
     // the centre of cell (attributed row, column) of the attribution map, in its own pixels
     mapCell: (row, column) => [state.mapGeometry.left + (column + 0.5) * state.mapGeometry.cellW,
                                state.mapGeometry.top + (row + 0.5) * state.mapGeometry.cellH],
+    // the centre of token (row, column) of image `i`'s grid, in that image canvas's own pixels
+    patch: (i, row, column) => [(column + 0.5) * page.images[i].width / page.images[i].cols,
+                                (row + 0.5) * page.images[i].height / page.images[i].rows],
   };
 })();
