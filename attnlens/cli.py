@@ -244,16 +244,51 @@ def run_show(args) -> int:
         raise CommandError("a PNG shows one layer; name one --layer, or write .html for several")
     model = _loading(args.model)
     layers = list(range(model.num_layers)) if layers is None else layers
+    prompt, options = args.prompt, {"heads": args.heads}
+    if args.image:
+        prompt, options["images"] = _with_images(args.model, args.prompt, args.image)
     if png:
         from .plot import plot
 
-        plot(model, args.prompt, layers[0], heads=args.heads, out=out)
+        plot(model, prompt, layers[0], out=out, **options)
     else:
         from .show import show
 
-        show(model, args.prompt, layers, heads=args.heads).save(out)
+        show(model, prompt, layers, **options).save(out)
     print(out)
     return 0
+
+
+def _with_images(spec: str, prompt: str, files: list[Path]):
+    """(the model's inputs for `prompt` with the images in `files`, the images): through the checkpoint's processor
+    (a tiny model's built here), each image's placeholder put before the prompt where the prompt holds none."""
+    from PIL import Image
+
+    images = []
+    for file in files:
+        try:
+            images.append(Image.open(file).convert("RGB"))
+        except OSError as error:
+            raise CommandError(f"--image {file}: not an image this machine can read ({_line(error)})") from None
+    try:
+        if spec.startswith("tiny:"):
+            from .models import tiny_processor
+
+            processor = tiny_processor(spec.removeprefix("tiny:"))
+        else:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(_folder(spec) or spec))
+    except Exception as error:  # noqa: BLE001  a checkpoint without a processor: one line saying so
+        raise CommandError(f"--image: {spec!r} has no processor that takes images ({_line(error)})") from None
+    tokenizer = getattr(processor, "tokenizer", None)
+    placeholder = getattr(tokenizer, "boi_token", None) or getattr(tokenizer, "image_token", None)
+    if placeholder is None:
+        raise CommandError(f"--image: {type(processor).__name__} names no image placeholder token")
+    if placeholder not in prompt:
+        prompt = placeholder * len(images) + prompt
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    return dict(inputs), images
 
 
 def _prompts(source: str | None) -> list[str] | None:
@@ -481,6 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--layer", type=int_list, required=True, help="layer(s): 10, or 10,11, 8-11 or all for a page")
     show.add_argument("--heads", type=int_list, default=None, help="heads to show: 0,3,5 or 0-3 (default: all)")
     show.add_argument("--out", type=Path, required=True, help="FILE.html or FILE.png")
+    show.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=None,
+        help="an image the prompt holds (repeat for several; a vision-language model), drawn under its attention",
+    )
     show.set_defaults(run=run_show)
 
     heads = commands.add_parser(

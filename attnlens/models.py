@@ -106,8 +106,11 @@ def gemma3_270m(**kwargs):
     return StandardizedTransformer(str(gemma3_270m_path()), **kwargs)
 
 
-def char_tokenizer(vocab_size: int = 128):
-    """A hub-free tokenizer for tiny models: one token per printable character, ids 0-2 for pad, bos and eos."""
+def char_tokenizer(vocab_size: int = 128, extra: dict[str, int] | None = None, named: dict[str, str] | None = None):
+    """A hub-free tokenizer for tiny models: one token per printable character, ids 0-2 for pad, bos and eos.
+    `extra`: special tokens (text -> id, ids from `vocab_size` on, in order) such as a multimodal model's image
+    tokens; `named`: the tokenizer's attributes for them (`{"image_token": "<image_soft_token>"}`), which processors
+    read."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers import models as tokenizer_models
     from transformers import PreTrainedTokenizerFast
@@ -117,7 +120,30 @@ def char_tokenizer(vocab_size: int = 128):
     tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    if extra:
+        if sorted(extra.values()) != list(range(vocab_size, vocab_size + len(extra))):
+            raise ValueError(f"extra tokens take the ids after the characters', from {vocab_size}: {extra}")
+        tokenizer.add_special_tokens(sorted(extra, key=extra.__getitem__))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        **({"extra_special_tokens": named} if named else {}),
+    )
+
+
+def tiny_processor(family: str):
+    """The processor of a multimodal family's tiny model (`tiny(family)`), built locally: its tokenizer (the
+    character one, with the image tokens) and image processor, which turn text and images into the model's inputs."""
+    from .registry import family_for
+
+    config = _tiny_config(family)
+    images = getattr(family_for(family.partition(":")[0]), "images", None)
+    processor = None if images is None else images.tiny_processor(config)
+    if processor is None:
+        raise ValueError(f"attnlens builds no processor for the tiny {family!r} model (not a multimodal family)")
+    return processor
 
 
 def tiny_cases(causal: bool = True) -> list[str]:

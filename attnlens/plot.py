@@ -44,7 +44,8 @@ def plot(
 
     On a multimodal model's inputs (a prompt with images), the PNG is attention over the images: for each image (a
     row of panels), each head's and the heads' mean attention from the query `rows=` (positions; default the last,
-    averaged over several) to the image's tokens, on the image's token grid, laid over the image."""
+    averaged over several) to the image's tokens, on the image's token grid, laid over the image; the colours run
+    to the largest weight drawn (`vmax` is the patterns')."""
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"{out}: attnlens.plot writes .png (attnlens.show(...).save writes .html)")
@@ -74,7 +75,7 @@ def figure(
     shown = patterns(source, prompt, layer, **options)
     pattern = shown.layer(layer if len(shown.layers) > 1 else None)
     if shown.images:
-        return _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, vmax, dpi)
+        return _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, dpi)
     if rows is not None:
         raise ValueError("rows= picks the text rows whose attention is drawn over a prompt's images; this has none")
     probs, num_heads = pattern.probs.numpy(), len(pattern.heads)
@@ -133,12 +134,12 @@ def image_heats(shown, pattern, rows=None) -> tuple[list[torch.Tensor], list[int
     return heats, chosen
 
 
-def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, vmax, dpi):
+def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, dpi):
     """The figure of attention over a prompt's images: a row of panels per image, a column per head and the mean."""
     found, chosen = image_heats(shown, pattern, rows)
     heats = [heat.numpy() for heat in found]
     panels = [*(f"head {h}" for h in pattern.heads), "mean of heads"]
-    top = max(float(heat.max()) for heat in heats) if vmax is None else vmax
+    top = max(float(heat.max()) for heat in heats)  # attention to one image token is small: the largest is the top
     columns, side = len(panels), 2.4
     fig = Figure(figsize=(columns * side + 1.2, len(heats) * side + 1.0), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
@@ -162,7 +163,7 @@ def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, vmax, dpi):
             ax.set_yticks([])
             ax.set_title(panels[index], fontsize=9)
     assert drawn is not None
-    fig.colorbar(drawn, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
+    fig.colorbar(drawn, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight (to the largest drawn)")
     said = ", ".join(f"{row} {_label(shown.tokens[row])}" for row in chosen)
     title = " · ".join(part for part in (shown.model, f"layer {pattern.layer}") if part)
     fig.suptitle(f"{title}\nattention from query {said} to each image's tokens", fontsize=10)

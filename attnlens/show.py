@@ -174,7 +174,7 @@ def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[st
     for image in range(count):
         if pictures:
             given_image = pictures[image]
-            picture = torch.as_tensor(
+            picture = torch.tensor(  # a copy: PIL's array is read-only
                 np.asarray(given_image.convert("RGB") if hasattr(given_image, "convert") else given_image)
             )
         else:

@@ -226,3 +226,38 @@ def test_the_viewer_shows_each_image_with_the_enlarged_heads_attention_from_a_qu
     x, y = browser.execute_script(f"return window.attnlens[{identity!r}].patch(0, 0, 1)")
     text, data = point(canvases[0], x, y)
     assert data["key"] == str(FIRST[1]) and close(float(data["weight"]), pattern[0, 0, 9, FIRST[1]])
+
+
+def test_attnlens_show_with_an_image_writes_the_page_and_the_png_through_the_models_processor(tmp_path):
+    """`attnlens show MODEL PROMPT --image FILE`: the processor (the tiny model's, built locally) puts the image's
+    tokens in the prompt; the page carries the image on its 2 x 2 grid, the PNG is written; a missing file and a
+    text model's refusal are one line each."""
+    import cli_run
+    from PIL import Image
+
+    picture = tmp_path / "picture.png"
+    Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()).save(
+        picture
+    )
+    page = tmp_path / "page.html"
+    run = cli_run.attnlens(
+        "show", "tiny:gemma3", "Describe this.", "--image", str(picture), "--layer", "0,1", "--out", str(page)
+    )
+    assert run.returncode == 0, run.stderr
+    from test_show import page_data
+
+    data = page_data(page.read_text())
+    assert len(data["images"]) == 1 and (data["images"][0]["rows"], data["images"][0]["cols"]) == (2, 2)
+    assert (data["images"][0]["width"], data["images"][0]["height"]) == (40, 24)  # the picture itself, not resized
+    assert data["tokens"][data["images"][0]["positions"][3]] == "<image 0 1,1>"
+    png = tmp_path / "over.png"
+    run = cli_run.attnlens(
+        "show", "tiny:gemma3", "Describe this.", "--image", str(picture), "--layer", "1", "--out", str(png)
+    )
+    assert run.returncode == 0 and png.stat().st_size > 5_000
+    run = cli_run.attnlens(
+        "show", "tiny:gemma3", "x", "--image", str(tmp_path / "none.png"), "--layer", "1", "--out", str(png)
+    )
+    assert run.returncode != 0 and "--image" in run.stderr and "none.png" in run.stderr
+    run = cli_run.attnlens("show", "tiny:llama", "x", "--image", str(picture), "--layer", "1", "--out", str(png))
+    assert run.returncode != 0 and "no processor that takes images" in run.stderr

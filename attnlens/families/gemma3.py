@@ -47,6 +47,22 @@ class Gemma3Images(SquareGrid):
     around = ("boi_token_index", "eoi_token_index")
     bidirectional = True
 
+    def tiny_processor(self, config):
+        from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+        from ..models import char_tokenizer
+
+        tokens = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+        at = {
+            config.image_token_id: "image_token",
+            config.boi_token_index: "boi_token",
+            config.eoi_token_index: "eoi_token",
+        }
+        tokenizer = char_tokenizer(min(at), extra={tokens[at[i]]: i for i in sorted(at)}, named=tokens)
+        side = config.vision_config.image_size
+        images = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=config.mm_tokens_per_image)
+
 
 class Gemma3Multimodal(LanguageModelOf, Gemma3):
     model_types = ("gemma3",)

@@ -179,6 +179,12 @@ class ImageTokens:
         """(rows, columns) of the tokens of the `image`-th image in the batch."""
         raise NotImplementedError
 
+    def tiny_processor(self, config) -> Any:
+        """A processor for the family's tiny model (`attnlens.models.tiny_processor`), built here, nothing loaded:
+        the character tokenizer with the image tokens at the config's ids, and the image processor at the tower's
+        size. None where attnlens has not built one for the family."""
+        return None
+
     def positions(self, config, input_ids: torch.Tensor, inputs: dict) -> Positions:
         ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()  # a few ints per position: on the CPU
         token = getattr(config, self.image_token)
