@@ -182,14 +182,19 @@ def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[st
             low, high = seen.amin(dim=(1, 2), keepdim=True), seen.amax(dim=(1, 2), keepdim=True)
             picture = ((seen - low) / (high - low).clamp(min=1e-6) * 255).round().permute(1, 2, 0)
         shown.append(ImageShown(picture.to(torch.uint8), found.grids[0][image], found.of_image(image).tolist()))
-    labels = []
-    for position, token in enumerate(ids):
-        image = int(found.image[0, position])
+    return shown, labels(model, ids, found)
+
+
+def labels(model, ids, positions) -> list[str]:
+    """A label for every position of a multimodal prompt: an image's token as `<image i row,col>`, else its text."""
+    found = []
+    for position, token in enumerate(torch.as_tensor(ids).flatten().tolist()):
+        image = int(positions.image[0, position])
         if image >= 0:
-            labels.append(f"<image {image} {int(found.row[0, position])},{int(found.col[0, position])}>")
+            found.append(f"<image {image} {int(positions.row[0, position])},{int(positions.col[0, position])}>")
         else:
-            labels.append(model.tokenizer.decode([token]) if model.tokenizer is not None else str(token))
-    return shown, labels
+            found.append(model.tokenizer.decode([token]) if model.tokenizer is not None else str(token))
+    return found
 
 
 def _captured(model, prompt, layers, heads) -> tuple[dict, list[int] | None]:

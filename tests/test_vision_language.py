@@ -13,6 +13,7 @@ import torch
 from test_show import browser, close, open_page  # noqa: F401 (browser: the fixture, one Chromium per module)
 
 import attnlens
+from attnlens.analysis import knock_out
 from attnlens.checks import failures, read_everything
 
 IMAGE, START, END = 129, 130, 131
@@ -261,3 +262,47 @@ def test_attnlens_show_with_an_image_writes_the_page_and_the_png_through_the_mod
     assert run.returncode != 0 and "--image" in run.stderr and "none.png" in run.stderr
     run = cli_run.attnlens("show", "tiny:llama", "x", "--image", str(picture), "--layer", "1", "--out", str(png))
     assert run.returncode != 0 and "no processor that takes images" in run.stderr
+
+
+# --- analyses -------------------------------------------------------------------------------------------------------
+
+
+def test_attribution_of_a_prompt_with_images_adds_up_and_says_how_much_came_from_each_image(model, pixels):
+    """Attribution takes the model's inputs: the pieces add up to the logit, image tokens are labelled, and
+    `by_span` sums the head pieces from each image's tokens (equal to the pieces at those sources by hand); the
+    spans of every position add up to all head pieces; another second image moves only what depends on it."""
+    inputs = {"input_ids": PROMPT, **_inputs(pixels)}
+    found = attnlens.attribution(model, inputs, target=5)
+    assert torch.allclose(found.total, found.value, atol=1e-4)
+    assert found.tokens[SECOND[0]] == "<image 1 0,0>"
+    spans = model.positions(inputs).spans()
+    shares = found.by_span(spans)
+    by_hand = sum(pieces[0, :, SECOND].sum() for pieces in found.heads.values())
+    assert torch.allclose(shares["image 1"], by_hand.reshape(1), atol=1e-6)
+    every = sum(pieces.sum((1, 2)) for pieces in found.heads.values())
+    assert torch.allclose(sum(shares.values()), every, atol=1e-5)
+    other = pixels.clone()
+    other[1] = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(5))
+    moved = attnlens.attribution(model, {**inputs, "pixel_values": other}, target=5).by_span(spans)
+    assert not torch.allclose(moved["image 1"], shares["image 1"], atol=1e-4)
+
+
+def test_knocking_out_text_rows_reading_the_images_makes_the_last_logits_blind_to_the_pixels(model, pixels):
+    """With every layer's text rows forbidden to read any image token (`knock_out` with `positions`), the text
+    positions' logits are the same whatever the images are; without it they differ."""
+    found = model.positions(PROMPT)
+    spans = found.spans()
+    images = spans["image 0"] + spans["image 1"]
+    text = [p for p in range(PROMPT.shape[1]) if p not in images]
+    other = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+    def logits(pixel_values, knock):
+        with torch.no_grad(), model.trace(PROMPT, pixel_values=pixel_values, token_type_ids=(PROMPT == IMAGE).long()):
+            if knock:
+                for layer in range(model.num_layers):
+                    knock_out(model, layer, queries=text, keys=images)
+            out = model.logits.save()
+        return out[0, text]
+
+    assert torch.allclose(logits(pixels, True), logits(other, True), atol=1e-5)
+    assert not torch.allclose(logits(pixels, False), logits(other, False), atol=1e-3)

@@ -21,6 +21,7 @@ runs in the worker, so only the `[rows, heads, sources]` numbers leave it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -377,6 +378,19 @@ class Attribution:
         """The layer's head pieces and bias summed: equals `attention[layer]` (the per-layer identity)."""
         return self.heads[layer].sum((1, 2)) + self.attention_bias[layer]
 
+    def by_span(self, spans: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+        """Name -> [rows]: the head pieces from the sources in each span, summed over every split layer and head
+        ("how much of this logit came from image 1": `model.positions(inputs).spans()` names each image's tokens,
+        the text and the special tokens). Only attention reads sources: the embeddings, MLPs, biases and unsplit
+        layers are in no span, so the spans of every position add up to the split layers' head pieces."""
+        found = {}
+        for name, positions in spans.items():
+            where = torch.as_tensor(list(positions), dtype=torch.long)
+            found[name] = sum(
+                (pieces[..., where].sum((1, 2)) for pieces in self.heads.values()), torch.zeros(len(self.rows))
+            )
+        return found
+
     def by_head(self) -> dict[int, torch.Tensor]:
         """Layer -> [rows, heads]: each head's contribution summed over sources."""
         return {layer: pieces.sum(-1) for layer, pieces in self.heads.items()}
@@ -622,6 +636,12 @@ def attribution(
     if decoder_input_ids is not None:
         raise ValueError("decoder_input_ids goes with an encoder-decoder (StandardizedSeq2Seq)")
 
+    inputs: dict = {}
+    if isinstance(prompt, Mapping):  # a multimodal model's inputs: the ids beside the images
+        if max_new_tokens or model.access.engine == "vllm":
+            raise ValueError("attribution of a prompt with images runs one forward on the transformers engine")
+        inputs = {name: value for name, value in prompt.items() if name != "input_ids"}
+        prompt = torch.as_tensor(prompt["input_ids"]).reshape(-1)
     ids = prompts_of(model, prompt)[0]
     if len(ids) != 1:
         raise ValueError(f"attribution takes one prompt; got {len(ids)}")
@@ -644,6 +664,10 @@ def attribution(
         if getattr(model, "tokenizer", None)
         else [str(int(i)) for i in ids]
     )
+    if inputs:
+        from ..show import labels
+
+        tokens = labels(model, ids, model.positions(ids, **inputs))
     vllm = model.access.engine == "vllm"
     if max_new_tokens == 0:
         if vllm:
@@ -652,7 +676,7 @@ def attribution(
             found = run_attribution(model, ids, the_plan, prepare, collect)
         else:
             found = {}
-            with torch.no_grad(), model.trace(ids[None]):
+            with torch.no_grad(), model.trace(ids[None], **inputs):
                 collect(model, the_plan, found)
         return _finish(model, the_plan, found, tokens)
     from .vllm import prepare as prepare_in_worker  # imported here: the body below runs in vLLM's worker
