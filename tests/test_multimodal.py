@@ -20,4 +20,4 @@ def test_multimodal_types_serve_their_language_model(case, text):
     )
     notes, text_notes = model.support(0).notes, plain.support(0).notes
     assert notes["self_attn.attention_probabilities"].startswith(text_notes["self_attn.attention_probabilities"])
-    assert "media" in notes["self_attn.attention_probabilities"]
+    assert "image" in notes["self_attn.attention_probabilities"]

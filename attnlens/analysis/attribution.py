@@ -82,6 +82,8 @@ class Plan:
     paths: dict[str, str | None] = field(default_factory=dict)
     tokens: tuple[int, int | None] | None = None  #: (target, versus) where the read-out is a logit
     unembedding: tuple[torch.Tensor, torch.Tensor | None] | None = None  #: weight [vocab, hidden], bias, once read
+    #: Whether the read-out is a logit chosen on the run (collect's next token): the unembedding is read then too
+    logit_on_the_run: bool = False
 
 
 def _text_config(model):
@@ -193,9 +195,10 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
 
 def prepare(model, plan: Plan) -> None:
     """The weights `plan` computes with, read off the model's modules where the run is (eager: before the trace)."""
-    if plan.tokens is not None:  # a direction= reads no unembedding (an encoder's classifier has none)
+    if plan.tokens is not None or plan.logit_on_the_run:  # a direction= alone reads none (a classifier has none)
         weight, bias = unembedding(model, plan.engine, plan.paths["embed_tokens"])
         plan.unembedding = (weight.detach(), None if bias is None else bias.detach())
+    if plan.tokens is not None:
         t, v = plan.tokens
         directions = weight[t].detach().float().cpu()
         offsets = bias[t].detach().float().cpu() if bias is not None else torch.zeros(())

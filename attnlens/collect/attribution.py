@@ -39,7 +39,7 @@ def prepare(model, layers: list[int]):
     hidden = _text_config(model).hidden_size
     found = plan(model, [0], direction=torch.zeros(hidden), split_layers=layers)
     # a logit's read-out: its multiple of the unembedding is fitted on the run, a final soft-cap undone first
-    return replace(found, what="logit(next token)", softcap=final_softcap(model))
+    return replace(found, what="logit(next token)", softcap=final_softcap(model), logit_on_the_run=True)
 
 
 def compute(context) -> dict:
@@ -61,8 +61,11 @@ def finish(model, plan, prompt) -> None:
     from ..analysis.attribution import prepare as prepare_weights
     from ..analysis.vllm import prepare as prepare_in_worker
 
-    if plan.engine == "vllm" and plan.unembedding is None:
-        prepare_in_worker(model, plan, prepare_weights)  # in vLLM's worker: its own weights
+    if plan.unembedding is None:  # read once, where the run is (in vLLM's worker: its own weights)
+        if plan.engine == "vllm":
+            prepare_in_worker(model, plan, prepare_weights)
+        else:
+            prepare_weights(model, plan)
     rows = prompt.rows
     residual = prompt.finals["layer_output"][0][rows].float()
     normed = prompt.finals["final_norm_output"][0].float()

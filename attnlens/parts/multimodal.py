@@ -117,8 +117,13 @@ class LanguageModelOf:
                 "model asks to see both ways), so its values are those of the model with causal image tokens; "
                 "an engine whose kernel applies the spans is refused images"
             )
+        elif images is not None:
+            media = "text and image tokens attend causally"
         else:
-            media = "text and image tokens attend causally" if images is not None else None
+            media = (
+                "prompts with images are traced, the model's own mask applied; attnlens has not laid out this "
+                "family's image tokens (model.positions refuses them)"
+            )
         notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
         if self.towers and engine == "transformers":
             notes["embeddings"] = (
