@@ -33,6 +33,11 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
         _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()
+    for name in towers:  # a tower whose patches attend within segments of its sequence (Qwen's: images, windows)
+        stack = getattr(model, name)
+        if hasattr(stack.family, "segments"):
+            for i in range(stack.num_layers):
+                saved[name][(i, "segments")] = stack.family.segments(stack.config, inputs, i)
     return saved
 
 
@@ -308,7 +313,7 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
     else:
         check("rows sum to one", torch.ones_like(row_sums), row_sums)
         renormalised = probs
-    image_of = saved.get("image_of")
+    image_of = saved.get((layer, "segments"), saved.get("image_of"))  # a tower's segments, or where images sit
     allowed = visible(model.config, f, layer, length, probs.device, image_of)[:, None].expand_as(probs)
     if probs.shape == allowed.shape:
         check("masked entries exactly zero", bool((probs[~allowed] == 0).all()))

@@ -204,6 +204,8 @@ class StandardizedTransformer(Helpful, TransformersModel):
         for name, tower in towers.items():  # mounted as model.vision, its blocks as model.vision.layers
             family = tower.family()
             renames.update({tower.path: name, f"{tower.path}.{family.layers}": f"{tower.path}.layers"})
+            # its blocks' sublayers under the standard names (Qwen's `attn`): its family's renames but the blocks'
+            renames.update({path: standard for path, standard in family.renames().items() if path != family.layers})
             envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})
         no_tokenizer = ValueError(
             "no tokenizer came with this model (a model object built in Python, or a folder without tokenizer "
