@@ -197,12 +197,11 @@ def tiny_model(
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = _perturbed(getattr(transformers, model_class)(config).eval())
-    from .parts.multimodal import LanguageModelOf
     from .standardized import built_as_text_model
 
-    # a family of the composite's language model (Mllama's, whose text model is a family of its own) serves the
-    # composite: its recipe's class, not the text model AutoModelForCausalLM would build
-    if checkpoint or not built_as_text_model(config) or isinstance(recipe, LanguageModelOf):
+    # a family that serves the composite itself (Mllama's, whose text model is a family of its own) gets its recipe's
+    # class, not the text model AutoModelForCausalLM would build
+    if checkpoint or not built_as_text_model(config) or getattr(recipe, "serves_composite", False):
         return model
     import tempfile
 
