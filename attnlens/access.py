@@ -19,7 +19,7 @@ from .family import Family, engine_named
 from .geometry import HeadGeometry
 from .locations import Location, cache, context, mediator
 from .support import Support
-from .values import ALL_VALUES, BY_NAME, LAYER_VALUES, WITH_CROSS_ATTENTION, model_position
+from .values import ALL_VALUES, BY_KEY, BY_NAME, LAYER_VALUES, WITH_CROSS_ATTENTION, model_position
 
 
 def describe(name: str, layer: int | None, stack: str = "") -> str:
@@ -221,7 +221,7 @@ class Access:
         )
         notes = self.family.notes(self.config, layer, self.engine)
         for name in report:  # the location's own word on a value (a copy, a rebuilt pattern) joins the family's
-            value = BY_NAME[name.rpartition(".")[2]]
+            value = BY_KEY[name]  # a cross-attention key names its own value (cross_attn.attention_keys)
             if report[name] is None:
                 location = self.location(value.name, None if value.scope == "model" else layer)
                 said = [note for note in (notes.get(value.name), location.note) if note]

@@ -60,9 +60,12 @@ def _read_stack(stack, layers, saved):
     for i in range(stack.num_layers) if layers is None else sorted(set(layers)):
         layer = stack.layers[i]
         if stack.family.identities.block_arguments:  # read first: the block's inputs come before its values
-            args = layer.inputs[0]
+            args, kwargs = layer.inputs
             saved[(i, "block_arguments")] = nnsight.save(
-                {name: args[position] for name, position in stack.family.identities.block_arguments.items()}
+                {
+                    name: args[position] if isinstance(position, int) else kwargs.get(position)
+                    for name, position in stack.family.identities.block_arguments.items()
+                }
             )
         report = stack.support(i)
         for key, _ in sorted(stack.order(i).items(), key=lambda item: item[1]):

@@ -155,8 +155,8 @@ def tiny_cases(causal: bool = True) -> list[str]:
 
     cases, seen = [], set()
     for model_type, family in registered().items():
-        if family.tiny is None or family in seen:
-            continue
+        if family.tiny is None or family in seen or getattr(family, "needs_images", None):
+            continue  # (a family whose blocks run only beside images is read by its own tests, with images)
         seen.add(family)
         cases += [
             case
@@ -217,14 +217,17 @@ def tiny_model(
     config = _tiny_config(family, **config_overrides)
     if config is None:
         raise ValueError(f"transformers {transformers.__version__} lacks the config class of {family!r}'s tiny recipe")
-    model_class = family_for(family.partition(":")[0]).tiny.model
+    recipe = family_for(family.partition(":")[0])
+    model_class = recipe.tiny.model
     # Set before construction: some families (Falcon) fix their attention path when built.
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = _perturbed(getattr(transformers, model_class)(config).eval())
     from .standardized import built_as_text_model
 
-    if checkpoint or not built_as_text_model(config):
+    # a family that serves the composite itself (Mllama's, whose text model is a family of its own) gets its recipe's
+    # class, not the text model AutoModelForCausalLM would build
+    if checkpoint or not built_as_text_model(config) or getattr(recipe, "serves_composite", False):
         return model
     import tempfile
 
@@ -238,15 +241,18 @@ def tiny_model(
 def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its norms' parameters moved off their start: norms start as the identity and residual gates
     (Ergo's) alike; perturbed, one wired in place of another fails the identities. A weight matrix that starts at
-    zero (Gemma 3's image projection) is drawn as the others are: at zero, what flows through it never arrives."""
+    zero (Gemma 3's image projection) is drawn as the others are, and a scalar gate that starts at zero (Mllama's tanh
+    gates): at zero, what flows through it never arrives."""
     with torch.no_grad():
         for module in model.modules():
             if any(word in type(module).__name__.lower() for word in ("norm", "residualgate")):
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() >= 2 and not parameter.any():
                 parameter.normal_(0.0, 0.2)
+            elif name.endswith("gate") and parameter.numel() == 1 and not parameter.any():
+                parameter.normal_(0.0, 1.0)  # a tanh gate at zero (Mllama's cross-attention blocks) shuts its sublayer
     return model
 
 

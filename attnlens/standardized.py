@@ -317,7 +317,10 @@ class StandardizedTransformer(Helpful, TransformersModel):
         return access
 
     def _geometry(self, layer: int):
-        return self.family.sizes.geometry(self.layers[layer].self_attn._module, self.family)
+        module = self.layers[layer].self_attn._module
+        if module is None and self.family.cross_attention:  # a cross-attention block alone (Mllama's): its heads
+            module = self.layers[layer].cross_attn._module
+        return self.family.sizes.geometry(module, self.family)
 
     # --- introspection ---------------------------------------------------------------------------------------
 

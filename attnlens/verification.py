@@ -165,6 +165,8 @@ def resolve(model) -> None:
             if path:
                 _find(root, hosts[scope], path, family, _member(family, path, value))
         attention = hosts["attention"]._module if "attention" in hosts else None
+        if attention is None and "cross_attention" in hosts:  # a block with a cross-attention alone (Mllama's)
+            attention = hosts["cross_attention"]._module
         if any(HEAD_AXES & set(BY_NAME[value].axes) for value in served if value in BY_NAME):
             sizes(family, attention)
         family.verify(root, layer, block._module, attention)  # its operations, in the module's code

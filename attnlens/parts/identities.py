@@ -135,8 +135,9 @@ class Identities:
     #: Arguments of a block's call (name -> position) that `residual_add` and `mlp_forward` also need, where the
     #: standardized values do not determine the residual or the MLP: none on most families (Gemma 3n's per-layer
     #: input, Zaya's router state carried from the previous block). `attnlens.checks` reads them from the block's
-    #: inputs in the same trace and passes them to both as keyword arguments.
-    block_arguments: ClassVar[dict[str, int]] = {}
+    #: inputs in the same trace and passes them to both as keyword arguments (a position, or a keyword's name where the
+    #: block is called with it by keyword: Mllama's `full_text_row_masked_out_mask`).
+    block_arguments: ClassVar[dict[str, int | str]] = {}
 
     def residual_read(self, owner, sublayer: str, stream: torch.Tensor) -> torch.Tensor:
         """What the norm in front of `sublayer` ("attention" or "mlp" of the block `owner`; "final" with the causal LM

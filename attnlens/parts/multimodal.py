@@ -66,6 +66,14 @@ class LanguageModelOf:
     #: How its prompts hold images (`ImageTokens`), what `model.positions(...)` reads; None where attnlens has not
     #: laid out this family's image tokens (its prompts are traced, their positions not placed on a grid).
     images: ClassVar[ImageTokens | None] = None
+    #: Why a text prompt alone cannot read every value `support()` serves (blocks that run only beside images:
+    #: Mllama's cross-attention blocks), or None; the suites that build every tiny recipe and read it on text
+    #: (`models.tiny_cases`) leave such a family to its own tests, which give images.
+    needs_images: ClassVar[str | None] = None
+    #: Whether the family serves the composite model even where `AutoModelForCausalLM` builds the text model alone
+    #: from its checkpoint (Mllama: the text model, `mllama_text_model`, is a family of its own); its tiny model is
+    #: then the composite.
+    serves_composite: ClassVar[bool] = False
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
     #: vLLM runs these types as its own multimodal classes (gemma3_mm, gemma4_mm, ...), which build the text model's

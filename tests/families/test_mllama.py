@@ -6,7 +6,7 @@ from identities import saved_for
 
 
 def test_mllama_skips_cross_attention_blocks_on_text():
-    model, saved = tiny("mllama"), saved_for("mllama")
+    model, saved = tiny("mllama_text_model"), saved_for("mllama_text_model")
     assert model.config.cross_attention_layers == [1]
     reason = model.support(1)["layer_input"]
     assert reason.startswith("layer 1 of Mllama is a cross-attention block")
