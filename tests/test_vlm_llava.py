@@ -14,7 +14,7 @@ import torch
 
 import attnlens
 from attnlens.checks import failures, read_everything
-from attnlens.families.llava import LlavaImages
+from attnlens.families.llava import Llava, LlavaImages
 
 IMAGE = 129
 #: Text, an image, text, a second image, text.
@@ -217,3 +217,51 @@ def test_the_sdpa_rebuild_of_the_image_rows_is_causal(pixels):
     for found, expected in zip(patterns(sdpa), patterns(eager)):
         assert torch.allclose(found, expected, atol=1e-6)
     assert "eager" in sdpa.vision.support(0)["self_attn.attention_probabilities"]  # the tower's is not rebuilt
+
+
+def test_a_siglip_towered_llava_is_refused_at_load_with_the_reason():
+    """Can fail: a LLaVA whose tower is SigLIP's (no class token, no pre_layrnorm) would be served with CLIP's
+    notes and a class token that is a patch; it is refused by name at load."""
+    siglip = {**Llava.tiny.kwargs["vision_config"], "model_type": "siglip_vision_model"}
+    with pytest.raises(attnlens.errors.Miswired, match="SiglipVisionModel, no CLIP tower"):
+        attnlens.models.tiny("llava", vision_config=siglip)
+
+
+@pytest.fixture(scope="module")
+def next_model():
+    return attnlens.models.tiny("llava_next")
+
+
+#: LLaVA-NeXT: one 32 x 64 image (height x width), tiled at the 32 x 64 pinpoint: its base view and two tiles (3
+#: crops of 32 x 32); 16 base tokens, then the stitched 4 x 8 grid (nothing to unpad), each row ended by a newline.
+SIZES = torch.tensor([[32, 64]])
+NEXT = torch.tensor([[1, 40, *[IMAGE] * (16 + 4 * 9), 43]])
+
+
+def test_llava_next_patterns_of_both_stacks_equal_transformers_attention_and_the_identities_hold(next_model):
+    """Every pattern of the tower (over the 3 crops) and the language model torch.equal to `output_attentions`; the
+    identities of every block of both stacks hold, the image rows causal."""
+    pixels = torch.randn(1, 3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    inputs = {"pixel_values": pixels, "image_sizes": SIZES}
+    with torch.no_grad():
+        own = next_model._module(input_ids=NEXT, output_attentions=True, **inputs)
+        tower = next_model._module.model.vision_tower(pixels[0], output_attentions=True)
+    vision, language = [], []
+    with torch.no_grad(), next_model.trace(NEXT, **inputs):
+        for i in range(2):
+            vision.append(next_model.vision.layers[i].self_attn.attention_probabilities.save())
+        for i in range(3):
+            language.append(next_model.layers[i].self_attn.attention_probabilities.save())
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    assert vision[0].shape == (3, 2, 17, 17)
+    saved = read_everything(next_model, NEXT, **inputs)
+    assert "image_of" not in saved  # its positions are refused: the image rows are held to the causal mask
+    assert [failures(next_model.vision, saved["vision"], i) for i in range(2)] == [[], []]
+    assert [failures(next_model, saved, i) for i in range(3)] == [[], [], []]
+
+
+def test_llava_next_positions_are_refused_with_the_reason(next_model):
+    """An image is two grids (the base view, the stitched and unpadded tiles) and newline tokens: refused by name."""
+    with pytest.raises(attnlens.errors.Unavailable, match=r"two grids .* image_newline"):
+        next_model.positions(NEXT, image_sizes=SIZES)

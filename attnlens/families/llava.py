@@ -109,3 +109,35 @@ class Llava(LanguageModelOf, Llama):
             "attention_probabilities": "image tokens attend causally, as text does: LLaVA's mask is its text model's",
         }
     }
+
+
+class LlavaNextImages(ImageTokens):
+    """LLaVA-NeXT's images ("anyres"): each is its base view's (image_size / patch_size)^2 patches, then its tiles
+    stitched into one grid of the best-fitting `image_grid_pinpoints` resolution, unpadded to the image's aspect
+    (`image_sizes`: rows or columns cut from both ends), each row of it ended by an `image_newline` feature: two
+    grids of one image at two resolutions, and newline positions, all under `image_token_id`. `Positions` places an
+    image's tokens on one grid, so `positions` is refused rather than answered with one grid of the two."""
+
+    def positions(self, config, input_ids, inputs):
+        raise Unavailable(
+            "model.positions: a LLaVA-NeXT image is two grids (its base view's (image_size / patch_size)^2 patches, "
+            "then its tiles stitched and unpadded to the image's aspect, each row ended by an image_newline token), "
+            "which attnlens's Positions (one grid per image) does not hold; its values on image tokens are served"
+        )
+
+
+class LlavaNext(LanguageModelOf, Llama):
+    model_types = ("llava_next",)
+    towers = {"vision": Tower("model.vision_tower", ClipTower)}
+    images = LlavaNextImages()
+    tiny = Tiny(
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        {
+            "text_config": {"model_type": "llama", **TINY_DEFAULTS, "vocab_size": 132},
+            "image_token_index": 129,
+            "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]],  # tiles of the tower's 32 x 32
+            "vision_config": Llava.tiny.kwargs["vision_config"],
+        },
+    )
+    kind_notes = Llava.kind_notes

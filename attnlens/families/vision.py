@@ -12,6 +12,7 @@ with its positions added (what the first block reads, one row per patch, row-maj
 
 from __future__ import annotations
 
+from ..errors import Miswired
 from ..family import Family
 from ..locations import INTERFACE_CALL, ModuleOutput, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
@@ -91,3 +92,14 @@ class ClipTower(SiglipTower):
             "projector hands the language model",
         }
     }
+
+    def verify(self, model, layer, layer_module, attention_module):
+        """A CLIP tower: its class embedding and `pre_layrnorm` are there (a SigLIP tower, some LLaVA checkpoints', has
+        neither, and LLaVA's "default" strategy would drop a patch of it, not a class token)."""
+        if not hasattr(model, "pre_layrnorm") or not hasattr(getattr(model, "embeddings", None), "class_embedding"):
+            raise Miswired(
+                f"family {self.name}: the tower is a {type(model).__name__}, no CLIP tower (no class embedding, no "
+                f"pre_layrnorm); attnlens serves this model's tower as CLIP's only (a SigLIP-towered LLaVA is not "
+                f"laid out: its feature strategy drops or keeps a patch, not a class token)"
+            )
+        super().verify(model, layer, layer_module, attention_module)
