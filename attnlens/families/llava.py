@@ -127,6 +127,10 @@ class LlavaNextImages(ImageTokens):
 
 
 class LlavaNext(LanguageModelOf, Llama):
+    """LLaVA-NeXT ("llava_next", `LlavaNextForConditionalGeneration`): LLaVA's CLIP tower over each image's anyres
+    crops (its base view and its tiles, `image_sizes`), the features packed with `image_newline` tokens, a Llama
+    language model attending causally; `model.positions` is refused (two grids per image, newline tokens)."""
+
     model_types = ("llava_next",)
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
     images = LlavaNextImages()
