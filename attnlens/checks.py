@@ -11,6 +11,7 @@ one of them. A value the family reports unavailable skips the checks that need i
 import nnsight
 import torch
 
+from .errors import Unavailable
 from .locations import submodule
 from .values import BY_KEY, of_scope
 
@@ -29,7 +30,10 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
         for name in towers:
             _read_stack(getattr(model, name), None, saved.setdefault(name, {}))
         if towers:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
-            saved["image_of"] = model.positions(prompt, **inputs).image
+            try:  # noqa: SIM105  (plain try in a trace body, which nnsight runs as written)
+                saved["image_of"] = model.positions(prompt, **inputs).image
+            except Unavailable:  # images not placed (LLaVA-NeXT's): their rows are held to the text mask
+                pass
         _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()

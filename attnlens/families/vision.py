@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..errors import Miswired
 from ..family import Family, after_attention
 from ..locations import (
     INTERFACE_CALL,
@@ -75,15 +76,45 @@ class SiglipTower(Family):
 
 
 class ClipTower(SiglipTower):
-    """CLIP's vision tower (`CLIPVisionModel`, LLaVA's): SigLIP's block, a class embedding before the patches and a
-    norm before the first block (`pre_layrnorm`)."""
+    """CLIP's vision tower (`CLIPVisionModel`, LLaVA's): SigLIP's block, a class embedding before the patches, a norm
+    before the first block (`pre_layrnorm`), and a final norm (`post_layernorm`) over the class token's row alone.
+
+    A vision-language model reads one block's output (LLaVA's `vision_feature_layer`, the second-to-last by default),
+    not the tower's end: the blocks after it run, but nothing reads what they compute."""
 
     kind_notes = {
         "*": {
-            "embeddings": "the class embedding then the patch embeddings, learned positions added (before "
-            "pre_layrnorm): row 0 is the class token, then one row per patch, row-major over the patch grid",
+            "embeddings": "the class embedding then the patch embeddings, learned positions added, before "
+            "pre_layrnorm: row 0 is the class token, then one row per patch, row-major over the patch grid; "
+            "layers[0].layer_input is pre_layrnorm(embeddings)",
+            "attention_probabilities": "bidirectional: every position (the class token and every patch) sees every "
+            "position of its image",
+            "layer_output": "a vision-language model reads one block's output, not the tower's end: LLaVA's "
+            "projector reads hidden_states[vision_feature_layer] (its config's; -2 by default: the second-to-last "
+            "block's layer_output; 0 would be layers[0].layer_input), the class token's row dropped under "
+            "vision_feature_select_strategy 'default'; the blocks after it run, but nothing reads their outputs (an "
+            "edit there changes nothing downstream)",
+            "final_norm_output": "post_layernorm of the class token's row alone: one row per image (images x hidden, "
+            "no sequence axis: CLIP's pooled output); a vision-language model's projector does not read it",
         }
     }
+    kind_reasons = {
+        "*": {
+            "logits": "a vision tower has no logits: one block's output (LLaVA's vision_feature_layer) is what the "
+            "projector hands the language model",
+        }
+    }
+
+    def verify(self, model, layer, layer_module, attention_module):
+        """A CLIP tower: its class embedding and `pre_layrnorm` are there (a SigLIP tower, some LLaVA checkpoints', has
+        neither, and LLaVA's "default" strategy would drop a patch of it, not a class token)."""
+        if not hasattr(model, "pre_layrnorm") or not hasattr(getattr(model, "embeddings", None), "class_embedding"):
+            raise Miswired(
+                f"family {self.name}: the tower is a {type(model).__name__}, no CLIP tower (no class embedding, no "
+                f"pre_layrnorm); attnlens serves this model's tower as CLIP's only (a SigLIP-towered LLaVA is not "
+                f"laid out: its feature strategy drops or keeps a patch, not a class token)"
+            )
+        super().verify(model, layer, layer_module, attention_module)
 
 
 # --- Qwen's ViT (Qwen2-VL, Qwen2.5-VL) ---------------------------------------------------------------------------

@@ -144,18 +144,21 @@ class LanguageModelOf:
         return super().unavailable(_text(config), layer, engine)
 
 
-#: What a position of a multimodal prompt holds (`Positions.kind` indexes this).
-KINDS = ("text", "image", "special")
+#: What a position of a multimodal prompt holds (`Positions.kind` indexes this): "class" is a vision tower's class
+#: token handed to the language model as one of an image's tokens (LLaVA's "full" feature strategy): it belongs to
+#: its image (`Positions.image`) but summarises it, a patch of no place on its grid (row and column -1).
+KINDS = ("text", "image", "special", "class")
 
 
 @dataclass(frozen=True)
 class Positions:
     """What each position of a prompt is, as `model.positions(...)` answers it: [batch, sequence] tensors.
 
-    `kind` indexes `KINDS` (text, an image's token, a special token the processor puts around an image); `image` is
-    which image of its row (0, 1, ... in prompt order; -1 off images); `row` and `col` the token's place in that
-    image's grid (-1 off images), which `grids[b][i]` sizes: (rows, columns) over the image as the processor resized
-    it, so that a token covers a rectangle of it. `on_grid` puts a row of a pattern onto an image."""
+    `kind` indexes `KINDS` (text, an image's token, a special token the processor puts around an image, a tower's
+    class token); `image` is which image of its row (0, 1, ... in prompt order; -1 off images); `row` and `col` the
+    token's place in that image's grid (-1 off images and on a class token), which `grids[b][i]` sizes: (rows,
+    columns) over the image as the processor resized it, so that a token covers a rectangle of it. `on_grid` puts a
+    row of a pattern onto an image."""
 
     kind: torch.Tensor
     image: torch.Tensor
@@ -165,7 +168,7 @@ class Positions:
 
     def of_image(self, image: int, batch: int = 0) -> torch.Tensor:
         """The positions of `image`'s tokens in row `batch`, row-major over its grid."""
-        where = (self.image[batch] == image).nonzero().flatten()
+        where = ((self.image[batch] == image) & (self.row[batch] >= 0)).nonzero().flatten()  # not a class token
         order = (self.row[batch, where] * self.grids[batch][image][1] + self.col[batch, where]).argsort()
         return where[order]
 
@@ -176,8 +179,11 @@ class Positions:
         return values[..., self.of_image(image, batch)].reshape(*values.shape[:-1], rows, cols)
 
     def spans(self, batch: int = 0) -> dict[str, list[int]]:
-        """Positions of row `batch` by what they are: "text", "special", and "image 0", "image 1", ..."""
+        """Positions of row `batch` by what they are: "text", "special", "class" (where the row has class tokens),
+        and "image 0", "image 1", ..."""
         found = {kind: (self.kind[batch] == k).nonzero().flatten().tolist() for k, kind in enumerate(KINDS) if k != 1}
+        if not found["class"]:
+            del found["class"]
         for image in range(len(self.grids[batch])):
             found[f"image {image}"] = self.of_image(image, batch).tolist()
         return found
