@@ -12,7 +12,7 @@ import torch
 from nnsight import TransformersModel
 from nnsight.intervention.interleaver import OutOfOrderError
 
-from . import verification
+from . import applications, verification
 from .access import Access
 from .envoys import Helpful, add_model_values, envoy_classes
 from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
@@ -213,7 +213,9 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self._refuse_direction()
         built_in = type(self.family).__module__.startswith("attnlens.families.")
         layers = verification.blocks(self._module, self.family)
-        self.access = Access(self.family, self.config, len(layers), "transformers", self._geometry, rebuild_patterns)
+        applied = applications.mount(self)  # `layers` as the applications of blocks run several times (ALBERT's)
+        count = len(layers) if applied is None else len(applied)
+        self.access = Access(self.family, self.config, count, "transformers", self._geometry, rebuild_patterns)
         attach(self.interleaver, self.access)
         if not isinstance(self.family, UnknownLayout):
             verification.resolve(self)
