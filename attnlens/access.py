@@ -138,6 +138,10 @@ class Access:
     def layer_of(self, envoy) -> int:
         path = envoy.path
         if path not in self._layers:
+            applied = envoy.__dict__.get("application")  # an application of a block run several times (ALBERT's)
+            if applied is not None:
+                self._layers[path] = applied
+                return applied
             found = self._layer_path.search(path)
             if found is None:
                 raise RuntimeError(f"{path} is not inside a block of {self.family.path('layers', self.engine)}")

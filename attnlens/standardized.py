@@ -13,7 +13,7 @@ import torch
 from nnsight import TransformersModel
 from nnsight.intervention.interleaver import OutOfOrderError
 
-from . import verification
+from . import applications, verification
 from .access import Access, Stacks
 from .envoys import Helpful, StackEnvoy, add_model_values, envoy_classes
 from .errors import EditError, InferredFamilyWarning, Unavailable, UnknownFamily, UnknownFamilyWarning
@@ -228,10 +228,11 @@ class StandardizedTransformer(Helpful, TransformersModel):
         for name, tower in towers.items():
             self.towers[name] = self._tower_access(name, tower, after_towers)
             after_towers += self.towers[name].num_layers + 2
+        applied = applications.mount(self)  # `layers` as the applications of blocks run several times (ALBERT's)
         self.access = Access(
             self.family,
             self.config,
-            len(layers),
+            len(layers) if applied is None else len(applied),
             "transformers",
             self._geometry,
             rebuild_patterns,

@@ -28,6 +28,7 @@ LAYERS = {
     "families": ("attnlens.family", "attnlens.families", "attnlens.registry", "attnlens.inferred"),
     "access": (
         "attnlens.access",
+        "attnlens.applications",
         "attnlens.points",
         "attnlens.support",
         "attnlens.envoys",

@@ -1,0 +1,244 @@
+"""Blocks run more than once per forward (ALBERT's shared layers): `model.layers[i]` as the i-th *application*.
+
+A family whose blocks are one module called several times per forward says so with a method `applications(self,
+config)` (not a member of `Family` itself, which keeps to the 25 members tests/test_structure.py allows; `mount` looks
+for it): the module path of the block each application runs, in forward order (ALBERT:
+`albert_layer_groups.{g}.albert_layers.{j}` for each of its num_hidden_layers x inner_group_num calls). `model.layers`
+is then that list of applications (`Applications`), and `model.layers[i]` an envoy of the block's module
+(`AppliedEnvoy`) whose every read and write, standardized or nnsight's own (`.output`, `.input`, `.inputs`, an
+operation of `.source`, `.skip`), binds to the module's call that is application i, and to no other. The weights are
+the module's: an edit of a weight moves every application.
+
+How it binds (`Call.within`). nnsight counts each visit of a location in a run (its occurrence) and serves a request
+at the occurrence the running mediator asks for (`Mediator.iteration`: a number, or None for the next visit of that
+location). Application i runs the `call`-th call of its module M. A read on it first makes sure the forward is inside
+that call: where M's input has not yet been visited `call + 1` times, it reads M's input at occurrence `call` (an
+anchor, pinned); from inside the call every request is unpinned, so it binds to the next visit of its location,
+which is within the call. Pinning every request to `call` would not do: an operation drilled into (`op.source`: the
+softmax inside the eager attention function) is instrumented in a run only from the call on which it was first asked
+for, so its occurrences do not count M's calls. A read asked after M's output has passed that call is refused
+(`OrderError`), before nnsight is asked or, where nnsight bound it to a later call, after.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nnsight.intervention.envoy import Envoy
+from nnsight.intervention.interleaver import OutOfOrderError
+
+from .access import access_of
+from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy
+from .errors import OrderError
+from .locations import mediator
+
+#: nnsight's handoffs on an envoy or an operation: what a read or write of them asks the running forward for.
+REQUESTS = ("output", "input", "inputs")
+
+
+@dataclass(frozen=True)
+class Call:
+    """Application `index` of a block run several times: the `call`-th call (from 0) of the module at `block` (an
+    envoy of the wrapped model)."""
+
+    index: int
+    block: Envoy
+    call: int
+
+    def within(self, action: Callable[[], Any]) -> Any:
+        """`action()` (one nnsight request, or a few of one location's), bound to this call of the block."""
+        running = mediator()
+        if running is None or running.interleaver is None:  # outside a trace: nnsight says what it says
+            return action()
+        entered, left = f"{self.block.path}.input", f"{self.block.path}.output"
+        if running.occurrence(left) > self.call:
+            raise self.passed()
+        previous = running.iteration
+        try:
+            if running.occurrence(entered) <= self.call:  # not yet inside the call (or at its input): wait for it
+                running.iteration = self.call
+                self.block.inputs  # noqa: B018  (the anchor: a read of the call's input)
+            running.iteration = None  # inside the call: each request binds to its location's next visit
+            result = action()
+        except OutOfOrderError as error:  # the run ended with the request unserved: the forward had passed it
+            raise self.passed() from error
+        finally:
+            running.iteration = previous
+        if running.occurrence(left) > self.call:  # served past the call: a value of a later application
+            raise self.passed()
+        return result
+
+    def passed(self) -> OrderError:
+        return OrderError(
+            f"layers[{self.index}] (call {self.call} of {self.block.path}, a block run several times per forward) was "
+            f"read after the forward had run past it; read each application's values in forward order "
+            f"(model.order(layer) gives it, and layers[i] runs before layers[i + 1])"
+        )
+
+
+class Positioned:
+    """An nnsight object under an application (a `Source`, an operation's envoy): its requests bound to the call."""
+
+    __slots__ = ("_call", "_target")
+
+    def __init__(self, target: Any, call: Call):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_call", call)
+
+    def __getattr__(self, name: str) -> Any:
+        target, call = self._target, self._call
+        if name in (*REQUESTS, "source"):  # an operation's `.source` asks for the function it calls
+            return positioned(call.within(lambda: getattr(target, name)), call)
+        if name == "skip":
+            return lambda replacement: call.within(lambda: target.skip(replacement))
+        return positioned(getattr(target, name), call)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        target = self._target
+        self._call.within(lambda: setattr(target, name, value))
+
+    def __repr__(self) -> str:
+        return f"<application {self._call.index} of {self._target!r}>"
+
+
+def positioned(found: Any, call: Call) -> Any:
+    """`found` bound to `call` where it is an nnsight object that makes requests (not a tensor, not a value)."""
+    module = type(found).__module__
+    return Positioned(found, call) if module.startswith("nnsight.intervention.source") else found
+
+
+class AppliedEnvoy:
+    """An envoy of one application of a block run several times (mixed in front of the envoy class of its role:
+    `LayerEnvoy`, `AttentionEnvoy`, `MLPEnvoy`, or nnsight's `Envoy`). It carries the standardized values of that role;
+    everything else is the module's own envoy's, with each request bound to the application's call."""
+
+    def __init__(self, real: Envoy, call: Call, path: str, roles: dict[str, type]):
+        # not Envoy.__init__: the module's envoy exists and is instrumented; this one only points at it
+        self.__dict__.update(
+            _real=real,
+            _module=real._module,
+            _call=call,
+            _roles=roles,
+            _made={},
+            interleaver=real.interleaver,
+            path=path,
+            application=call.index,  # `Access.layer_of` reads it
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_real" not in self.__dict__:
+            raise AttributeError(name)
+        made = self.__dict__["_made"]
+        if name in made:
+            return made[name]
+        found = getattr(self.__dict__["_real"], name)
+        if not isinstance(found, Envoy):
+            return positioned(found, self._call)
+        role = self._roles.get(name, Envoy)
+        made[name] = applied(role)(found, self._call, f"{self.path}.{name}", {})
+        return made[name]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and key < 0:
+            key += len(self._module)
+        return getattr(self, str(key))
+
+    def __iter__(self):
+        return iter([getattr(self, name) for name in self._real._child_map])
+
+    def __repr__(self) -> str:
+        return f"<application {self._call.index}: call {self._call.call} of {self._real.path}>"
+
+    @property
+    def output(self) -> Any:
+        return self._call.within(lambda: self._real.output)
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._call.within(lambda: setattr(self._real, "output", value))
+
+    @property
+    def input(self) -> Any:
+        return self._call.within(lambda: self._real.input)
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        self._call.within(lambda: setattr(self._real, "input", value))
+
+    @property
+    def inputs(self) -> Any:
+        return self._call.within(lambda: self._real.inputs)
+
+    @inputs.setter
+    def inputs(self, value: Any) -> None:
+        self._call.within(lambda: setattr(self._real, "inputs", value))
+
+    @property
+    def source(self) -> Positioned:
+        return Positioned(self._real.source, self._call)
+
+    def skip(self, replacement: Any) -> None:
+        self._call.within(lambda: self._real.skip(replacement))
+
+
+@functools.cache
+def applied(role: type) -> type:
+    """The envoy class of an application of a module whose envoy has `role`."""
+    return type(f"Applied{role.__name__}", (AppliedEnvoy, role), {"__module__": __name__})
+
+
+class Applications:
+    """`model.layers` where the blocks run several times per forward: application i of its block's module, as the
+    family's `applications(config)` lists them. Indexing checks the range (negative indices count from the end)."""
+
+    def __init__(self, model: Envoy, paths: tuple[str, ...], roles: dict[str, type]):
+        self.interleaver, self.path = model.interleaver, f"{model.path}.layers"
+        seen: dict[str, int] = {}
+        self.calls = []
+        for index, path in enumerate(paths):
+            block = model
+            for part in path.split("."):  # (getattr: the renamed list's own indexing asks for the access, not yet made)
+                block = getattr(block, part)
+            self.calls.append(Call(index, block, seen.get(path, 0)))
+            seen[path] = seen.get(path, 0) + 1
+        self._roles = roles
+        self._made: dict[int, AppliedEnvoy] = {}
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return [self[index] for index in range(len(self))[key]]
+        index = access_of(self).check_layer(key)
+        if index not in self._made:
+            call = self.calls[index]
+            self._made[index] = applied(LayerEnvoy)(call.block, call, f"{self.path}.{index}", self._roles)
+        return self._made[index]
+
+    def __iter__(self):
+        return iter([self[index] for index in range(len(self))])
+
+    def __repr__(self) -> str:
+        where = sorted({call.block.path for call in self.calls})
+        return f"<{len(self)} applications of {', '.join(where)}>"
+
+
+def mount(model) -> Applications | None:
+    """Where `model`'s family runs its blocks several times per forward: `model.layers` as their applications
+    (returned); else None, and nothing changes."""
+    declared = getattr(model.family, "applications", None)  # a method of the families that run blocks repeatedly
+    paths = None if declared is None else declared(model.config)
+    if paths is None:
+        return None
+    family = model.family
+    roles = {
+        **dict.fromkeys(("self_attn", family.attention), AttentionEnvoy),
+        **dict.fromkeys(("mlp", family.mlp), MLPEnvoy),
+    }
+    found = Applications(model, tuple(paths), roles)
+    object.__setattr__(model, "layers", found)
+    return found
