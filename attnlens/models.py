@@ -140,7 +140,7 @@ def tiny_processor(family: str):
 
     config = _tiny_config(family)
     images = getattr(family_for(family.partition(":")[0]), "images", None)
-    processor = None if images is None else images.tiny_processor(config)
+    processor = None if images is None else images.tiny_processor(config, char_tokenizer)
     if processor is None:
         raise ValueError(f"attnlens builds no processor for the tiny {family!r} model (not a multimodal family)")
     return processor

@@ -68,7 +68,7 @@ def test_importing_attnlens_alone_registers_the_analyses():
     script = (
         "import attnlens\n"
         "from attnlens import support\n"
-        "assert [answer.__module__ for answer in support._ANALYSES] == ['attnlens.analysis.reasons']\n"
+        "assert [answer.__module__ for answer in support._ANALYSES] == ['attnlens.analysis.entry']\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, env=os.environ.copy())
 

@@ -6,11 +6,12 @@ paths from the family, so it runs on every family (and, where said, on vLLM) tha
 """
 
 from ..support import register_analyses
-from .attribution import Attribution, attribution
+from .attribution import Attribution
+from .entry import attribution, served, unavailable
 from .knockout import knock_out, knocked
 from .lens import LogitLens, logit_lens
 from .patching import PatchGrid, agreement, attribution_patching, logit_difference, patch
-from .reasons import ANALYSES, served, unavailable
+from .reasons import ANALYSES
 
 register_analyses(served)  # support(layer).analyses: what each engine's layer serves of these, and why not
 

@@ -601,7 +601,7 @@ def rows_of(rows, length: int) -> list[int]:
     return [row % length for row in rows]
 
 
-def attribution(
+def stack_attribution(
     model,
     prompt,
     rows=-1,
@@ -610,34 +610,10 @@ def attribution(
     direction=None,
     layers=None,
     max_new_tokens: int = 0,
-    decoder_input_ids=None,
 ):
-    """Direct attribution of `target`'s logit (minus `versus`'s), or of `direction . final_norm_output`, at query
-    `rows` of `prompt` (default the last), split by layer, head and source position; see the module's docstring.
-
-    `layers` limits which layers are split by head (the others give their attention update as one term). With
-    `max_new_tokens`, the prompt is generated from greedily and a list comes back: the prefill's attribution, then one
-    per decode step (its new row, over every key of the context; generated sources are labelled `<generated i>`).
-    Runs on `StandardizedTransformer` (eager attention, or `rebuild_patterns=True`) and `StandardizedVLLM` (in the
-    worker, where only the terms leave it).
-
-    On `StandardizedSeq2Seq`, `prompt` is the encoder's input and `decoder_input_ids` the decoder's tokens: the
-    decoder logit is split by decoder head and source, and through the cross-attention by encoder position
-    (`attnlens.analysis.seq2seq`; `layers` and `max_new_tokens` are not taken there)."""
+    """`attnlens.attribution` on a model of one stack of blocks (a decoder, an encoder, a multimodal model's
+    language model); `analysis.entry.attribution` hands an encoder-decoder to `analysis.seq2seq`."""
     from ..capture import prompts_of
-    from ..stacks import StandardizedSeq2Seq
-
-    if isinstance(model, StandardizedSeq2Seq):
-        if layers is not None or max_new_tokens:
-            raise ValueError(
-                "attribution on an encoder-decoder splits every layer of one teacher-forced run: "
-                "layers= and max_new_tokens= are not taken"
-            )
-        from .seq2seq import seq2seq_attribution
-
-        return seq2seq_attribution(model, prompt, decoder_input_ids, rows, target, versus, direction)
-    if decoder_input_ids is not None:
-        raise ValueError("decoder_input_ids goes with an encoder-decoder (StandardizedSeq2Seq)")
 
     inputs: dict = {}
     if isinstance(prompt, Mapping):  # a multimodal model's inputs: the ids beside the images

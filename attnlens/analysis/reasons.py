@@ -282,9 +282,7 @@ def read_only(access, key: str, layer: int) -> str | None:
 
 def served(model, layer: int) -> dict[str, str | None]:
     """Every analysis (`ANALYSES`) -> None where `layer` of `model` serves it, else why not: what `support(layer)`
-    lists as its `analyses` (registered with the access layer when this package is imported)."""
-    if hasattr(model, "stacks"):  # an encoder-decoder: the decoder logit's attribution alone (analysis.seq2seq)
-        return seq2seq_served(model, layer)
+    lists as its `analyses` on a model of one stack (`analysis.entry.served` answers on every model)."""
     layer = model.access.check_layer(layer)
     report = model.support(layer)
     whole = model_reason(model)
@@ -308,29 +306,6 @@ def served(model, layer: int) -> dict[str, str | None]:
     return reasons
 
 
-def seq2seq_served(model, layer: int) -> dict[str, str | None]:
-    """`served` on a `StandardizedSeq2Seq` (whose reports do not say which stack they are of): `attribution` answers
-    for the decoder's logit by decoder block `layer` (its self- and cross-attention split by head and source); the
-    other analyses are not served on encoder-decoders yet."""
-    from .seq2seq import cross_split_reason, decoder_stack
-    from .seq2seq import model_reason as seq2seq_reason
-
-    stack = decoder_stack(model)
-    reasons: dict[str, str | None] = dict.fromkeys(
-        ANALYSES,
-        "not served on an encoder-decoder yet: attribution is (of a decoder logit, by decoder head and source)",
-    )
-    whole = seq2seq_reason(model, direction=True) or seq2seq_reason(model, direction=False)
-    if whole is not None:
-        reasons[ATTRIBUTION] = whole
-    elif layer < stack.num_layers:
-        split = split_reason(stack, layer) or cross_split_reason(stack, layer)
-        reasons[ATTRIBUTION] = None if split is None else f"decoder layer {layer} is not split by head: {split}"
-    else:
-        reasons[ATTRIBUTION] = f"the decoder has {stack.num_layers} layers: attribution splits the decoder's logit"
-    return reasons
-
-
 def knock_out_reason(access, layer: int) -> str | None:
     """Why `layer` cannot have edges knocked out (None: it can): it needs the pattern, and writes it. `access`: the
     model's (also in vLLM's worker, where `knock_out` runs)."""
@@ -338,9 +313,3 @@ def knock_out_reason(access, layer: int) -> str | None:
     if probabilities is not None:
         return f"attention_probabilities is unavailable ({probabilities})"
     return read_only(access, "self_attn.attention_probabilities", layer)
-
-
-def unavailable(model, layer: int) -> dict[str, str]:
-    """Analysis name (`ANALYSES`) -> why `layer` of `model` does not serve it; absent where it does. For
-    `attribution`, a layer that cannot be split by head still contributes its attention update as one term."""
-    return {name: reason for name, reason in served(model, layer).items() if reason is not None}

@@ -26,7 +26,15 @@ import torch
 
 from ..errors import Unavailable
 from .attribution import Attribution, head_pieces, rows_of, run_tolerance, token_id
-from .reasons import affine_output, direction_reason, hidden_size, output_map, residual_multiplier
+from .reasons import (
+    ANALYSES,
+    ATTRIBUTION,
+    affine_output,
+    direction_reason,
+    hidden_size,
+    output_map,
+    residual_multiplier,
+)
 from .reasons import split_reason as self_split_reason
 
 #: The residual values read per decoder block, in forward order.
@@ -339,3 +347,23 @@ def _finish(
         cross_attention=terms["cross"],
         cross_unsplit={layer: plan["cross"] for layer, plan in plans.items() if plan["cross"] is not None},
     )
+
+
+def served(model, layer: int) -> dict[str, str | None]:
+    """`served` on a `StandardizedSeq2Seq` (whose reports do not say which stack they are of): `attribution` answers
+    for the decoder's logit by decoder block `layer` (its self- and cross-attention split by head and source); the
+    other analyses are not served on encoder-decoders yet."""
+    stack = decoder_stack(model)
+    reasons: dict[str, str | None] = dict.fromkeys(
+        ANALYSES,
+        "not served on an encoder-decoder yet: attribution is (of a decoder logit, by decoder head and source)",
+    )
+    whole = model_reason(model, direction=True) or model_reason(model, direction=False)
+    if whole is not None:
+        reasons[ATTRIBUTION] = whole
+    elif layer < stack.num_layers:
+        split = self_split_reason(stack, layer) or cross_split_reason(stack, layer)
+        reasons[ATTRIBUTION] = None if split is None else f"decoder layer {layer} is not split by head: {split}"
+    else:
+        reasons[ATTRIBUTION] = f"the decoder has {stack.num_layers} layers: attribution splits the decoder's logit"
+    return reasons

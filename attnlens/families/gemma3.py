@@ -47,10 +47,8 @@ class Gemma3Images(SquareGrid):
     around = ("boi_token_index", "eoi_token_index")
     bidirectional = True
 
-    def tiny_processor(self, config):
+    def tiny_processor(self, config, char_tokenizer):
         from transformers import Gemma3ImageProcessorPil, Gemma3Processor
-
-        from ..models import char_tokenizer
 
         tokens = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
         at = {

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from ..locations import ModuleInput
 from . import scoring
-
-if TYPE_CHECKING:
-    from ..family import Family
 
 
 class Tower(NamedTuple):
@@ -29,7 +26,7 @@ class Tower(NamedTuple):
     model (an nnsight path, `model.vision_tower`), and its family (paths from that model)."""
 
     path: str
-    family: type[Family]
+    family: type  #: a `Family` subclass (families sit above parts)
     #: The composite config's member that configures the tower.
     config: str = "vision_config"
     #: The model's inputs the tower reads: it runs only on a prompt that gives one of them.
@@ -216,10 +213,10 @@ class ImageTokens:
         """(rows, columns) of the tokens of the `image`-th image in the batch."""
         raise NotImplementedError
 
-    def tiny_processor(self, config) -> Any:
+    def tiny_processor(self, config, char_tokenizer) -> Any:
         """A processor for the family's tiny model (`attnlens.models.tiny_processor`), built here, nothing loaded:
-        the character tokenizer with the image tokens at the config's ids, and the image processor at the tower's
-        size. None where attnlens has not built one for the family."""
+        the character tokenizer (`char_tokenizer`, `attnlens.models`') with the image tokens at the config's ids,
+        and the image processor at the tower's size. None where attnlens has not built one for the family."""
         return None
 
     def positions(self, config, input_ids: torch.Tensor, inputs: dict) -> Positions:
