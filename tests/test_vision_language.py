@@ -305,3 +305,30 @@ def test_knocking_out_text_rows_reading_the_images_makes_the_last_logits_blind_t
 
     assert torch.allclose(logits(pixels, True), logits(other, True), atol=1e-5)
     assert not torch.allclose(logits(pixels, False), logits(other, False), atol=1e-3)
+
+
+def test_patching_image_token_positions_from_one_image_into_another_equals_a_hand_run(model, pixels):
+    """`patch` over the residual positions of two prompts differing only in their second image: each cell is the
+    metric of the corrupted run with that position's block input taken from the clean run, as a hand-written trace
+    computes it; text positions before the second image change nothing."""
+    from attnlens.analysis import patch
+
+    clean = {"input_ids": PROMPT, **_inputs(pixels)}
+    other = pixels.clone()
+    other[1] = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(9))
+    corrupt = {"input_ids": PROMPT, **_inputs(other)}
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 6]
+
+    grid = patch(model, clean, corrupt, metric, over="residual", layers=[1], batch_size=8)
+    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
+        source = model.layers[1].layer_input.save()
+    for position in (SECOND[0], SECOND[3], 9):
+        with torch.no_grad(), model.trace(PROMPT, **_inputs(other)):
+            stream = model.layers[1].layer_input
+            stream[0, position] = source[0, position]
+            by_hand = metric(model.logits).save()
+        assert torch.allclose(grid.values[0, position], by_hand[0], atol=1e-5), position
+    assert grid.values[0, 9] == pytest.approx(grid.corrupt, abs=1e-6)  # before the second image: same in both
+    assert grid.clean != pytest.approx(grid.corrupt, abs=1e-3)

@@ -11,6 +11,7 @@ The metric takes the logits `[batch, seq, vocab]` and returns one number per row
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -114,10 +115,31 @@ class PatchGrid:
 def _ids(model, text):
     from ..capture import prompts_of
 
+    if isinstance(text, Mapping):  # a multimodal model's inputs: the ids of `_inputs`'s
+        text = torch.as_tensor(text["input_ids"]).reshape(-1)
     ids = prompts_of(model, text)[0]
     if len(ids) != 1:
         raise ValueError(f"patching takes one clean and one corrupted prompt; got {len(ids)}")
     return ids[0]
+
+
+def _inputs(model, prompt) -> dict:
+    """What a prompt given as the model's inputs (a processor's output: ids beside the images) holds besides its
+    ids, for every forward of it (on the transformers engine)."""
+    if not isinstance(prompt, Mapping):
+        return {}
+    if model.access.engine == "vllm":
+        raise ValueError("patching prompts with images runs on the transformers engine")
+    return {name: value for name, value in prompt.items() if name != "input_ids"}
+
+
+def _repeated(inputs: dict, copies: int) -> dict:
+    """`inputs` for `copies` batch rows of one prompt: every tensor repeated along its first axis (a batch's images
+    and their grids are concatenated in row order)."""
+    return {
+        name: torch.cat([value] * copies) if isinstance(value, torch.Tensor) and copies > 1 else value
+        for name, value in inputs.items()
+    }
 
 
 def _pieces(model, over: str, layers: list[int], length: int) -> list[tuple]:
@@ -160,10 +182,10 @@ def _host(model, layer: int, key: str):
     )
 
 
-def clean_values(model, ids, key: str, layers: list[int]) -> dict[int, torch.Tensor]:
-    """`key` of every layer in `layers` on one run of `ids`."""
+def clean_values(model, ids, key: str, layers: list[int], inputs: dict | None = None) -> dict[int, torch.Tensor]:
+    """`key` of every layer in `layers` on one run of `ids` (with the rest of its `inputs`: its images)."""
     found = {}
-    with torch.no_grad(), model.trace(ids[None]):
+    with torch.no_grad(), model.trace(ids[None], **(inputs or {})):
         for layer in layers:
             host, name = _host(model, layer, key)
             found[layer] = getattr(host, name).save()
@@ -188,10 +210,13 @@ def _by_layer(patches: list[list[tuple]]) -> dict[int, list[tuple[int, tuple]]]:
     return by_layer
 
 
-def _run(model, ids, metric, key: str, patches: list[list[tuple]], clean: dict, batch: int) -> torch.Tensor:
-    """The metric of each batch row, row b patched with every piece of `patches[b]` from `clean`."""
+def _run(
+    model, ids, metric, key: str, patches: list[list[tuple]], clean: dict, batch: int, inputs=None
+) -> torch.Tensor:
+    """The metric of each batch row, row b patched with every piece of `patches[b]` from `clean` (every row with the
+    rest of the prompt's `inputs`: its images)."""
     by_layer = _by_layer(patches)
-    with torch.no_grad(), model.trace(ids[None].expand(len(patches), -1)):
+    with torch.no_grad(), model.trace(ids[None].expand(len(patches), -1), **_repeated(inputs or {}, len(patches))):
         for layer in sorted(by_layer):
             host, name = _host(model, layer, key)
             value = getattr(host, name)
@@ -270,9 +295,13 @@ def _patch_requests(model, clean_ids, corrupt_ids, metric, key, pieces, layers, 
 
 def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch_size: int = 16) -> PatchGrid:
     """Activation patching: the metric of the corrupted run with each piece `over` ("heads", "head_positions",
-    "residual" positions, "patterns" of each head) of the clean run patched in, `batch_size` patches per forward."""
+    "residual" positions, "patterns" of each head) of the clean run patched in, `batch_size` patches per forward.
+    On a vision-language model, `clean` and `corrupt` may be the model's inputs (a processor's output) holding two
+    images at the same token positions: each image token's residual, or each head there, patched from one to the
+    other (transformers engine)."""
     chosen = _check(model, over, layers)
     clean_ids, corrupt_ids = _ids(model, clean), _ids(model, corrupt)
+    clean_inputs, corrupt_inputs = _inputs(model, clean), _inputs(model, corrupt)
     if clean_ids.shape != corrupt_ids.shape:
         raise ValueError(
             f"the clean and corrupted prompts must have the same length in tokens; got "
@@ -287,13 +316,13 @@ def patch(model, clean, corrupt, metric, over: str = "heads", layers=None, batch
             model, clean_ids, corrupt_ids, metric, key, pieces, chosen, batch_size
         )
     else:
-        sources = clean_values(model, clean_ids, key, chosen)
-        baseline = float(_run(model, corrupt_ids, metric, key, [[]], sources, 1)[0])
-        reference = float(_run(model, clean_ids, metric, key, [[]], sources, 1)[0])
+        sources = clean_values(model, clean_ids, key, chosen, clean_inputs)
+        baseline = float(_run(model, corrupt_ids, metric, key, [[]], sources, 1, corrupt_inputs)[0])
+        reference = float(_run(model, clean_ids, metric, key, [[]], sources, 1, clean_inputs)[0])
         found, forwards = [], 2
         for start in range(0, len(pieces), batch_size):
-            group = pieces[start : start + batch_size]
-            found.append(_run(model, corrupt_ids, metric, key, [[piece] for piece in group], sources, len(group)))
+            group = [[piece] for piece in pieces[start : start + batch_size]]
+            found.append(_run(model, corrupt_ids, metric, key, group, sources, len(group), corrupt_inputs))
             forwards += 1
         values = torch.cat(found)
     shape = [len(chosen)] + [max(piece[i] for piece in pieces) + 1 for i in range(1, len(axes))]
