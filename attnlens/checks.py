@@ -91,7 +91,8 @@ def batch_and_length(saved: dict, layer: int | None = None) -> tuple[int, int]:
 def visible(config, family, layer, length, device=None, image_of=None):
     """Which keys each query may see: causal (every key, where the family's score function says its attention is
     bidirectional), within the sliding window where the layer has one, and where the family's own mask lets it (a
-    chunked layer's chunks, an image's tokens both ways where `image_of` places images): [batch or 1, q, k]."""
+    chunked layer's chunks, an image's tokens both ways where `image_of` places images): [q, k], or [batch, q, k]
+    with `image_of` ([batch, sequence])."""
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     score_function = family.score_function()
@@ -99,6 +100,7 @@ def visible(config, family, layer, length, device=None, image_of=None):
     own = score_function.mask(length, length, config, layer)[:, 0].to(device) == 0
     if image_of is not None:  # the family's mask says which keys an image's tokens see
         return own
+    own = own[0]
     allowed = k <= q if score_function.causal(config) else torch.ones_like(k <= q)
     window = score_function.sliding_window(config, layer)
     if window is not None:
@@ -321,7 +323,8 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
         check("rows sum to one", torch.ones_like(row_sums), row_sums)
         renormalised = probs
     image_of = saved.get((layer, "segments"), saved.get("image_of"))  # a tower's segments, or where images sit
-    allowed = visible(model.config, f, layer, length, probs.device, image_of)[:, None].expand_as(probs)
+    allowed = visible(model.config, f, layer, length, probs.device, image_of)
+    allowed = (allowed if image_of is not None else allowed[None])[:, None].expand_as(probs)
     if probs.shape == allowed.shape:
         check("masked entries exactly zero", bool((probs[~allowed] == 0).all()))
         check("visible entries positive", bool((probs[allowed] > 0).all()))
