@@ -118,12 +118,14 @@ class LlavaNextImages(ImageTokens):
     grids of one image at two resolutions, and newline positions, all under `image_token_id`. `Positions` places an
     image's tokens on one grid, so `positions` is refused rather than answered with one grid of the two."""
 
+    refused = (
+        "model.positions: a LLaVA-NeXT image is two grids (its base view's (image_size / patch_size)^2 patches, "
+        "then its tiles stitched and unpadded to the image's aspect, each row ended by an image_newline token), "
+        "which attnlens's Positions (one grid per image) does not hold; its values on image tokens are served"
+    )
+
     def positions(self, config, input_ids, inputs):
-        raise Unavailable(
-            "model.positions: a LLaVA-NeXT image is two grids (its base view's (image_size / patch_size)^2 patches, "
-            "then its tiles stitched and unpadded to the image's aspect, each row ended by an image_newline token), "
-            "which attnlens's Positions (one grid per image) does not hold; its values on image tokens are served"
-        )
+        raise Unavailable(self.refused)
 
 
 class LlavaNext(LanguageModelOf, Llama):

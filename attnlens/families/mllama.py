@@ -251,6 +251,7 @@ class MllamaMultimodal(LanguageModelOf, MllamaBlocks):
     cross_attention = "cross_attn"
     cross_attention_norm = "input_layernorm"
     images = MllamaImages()
+    towers_refused = {"vision": TOWER_REFUSED}
     serves_composite = True
     needs_images = "its cross-attention blocks run only beside images (tests/test_vlm_mllama.py gives them)"
     tiny = Tiny(

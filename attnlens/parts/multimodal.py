@@ -60,6 +60,9 @@ class LanguageModelOf:
     #: The model's towers, mounted by name (`model.vision.layers[i]`): each a stack of blocks served under the same
     #: vocabulary, run before the language model's blocks.
     towers: ClassVar[dict[str, Tower]] = {}
+    #: The model's towers attnlens does not mount, by name, and why (Mllama's vision tower): what
+    #: `attnlens.vision_types.coverage` states for the type.
+    towers_refused: ClassVar[dict[str, str]] = {}
     #: How its prompts hold images (`ImageTokens`), what `model.positions(...)` reads; None where attnlens has not
     #: laid out this family's image tokens (its prompts are traced, their positions not placed on a grid).
     images: ClassVar[ImageTokens | None] = None
@@ -208,6 +211,8 @@ class ImageTokens:
     around: ClassVar[tuple[str, ...]] = ()
     #: Whether an image's tokens attend to each other both ways (Gemma 3), or causally as text does.
     bidirectional: ClassVar[bool] = False
+    #: Why `positions` is refused for this family's prompts (a layout `Positions` does not hold), or None.
+    refused: ClassVar[str | None] = None
 
     def grid(self, config, inputs: dict, image: int) -> tuple[int, int]:
         """(rows, columns) of the tokens of the `image`-th image in the batch."""
