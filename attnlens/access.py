@@ -107,6 +107,9 @@ class Access:
         #: Which image each position of the running prompt belongs to (`Positions.image`), where the family's mask
         #: lets an image's tokens see each other (None: no images, or a generation step past the prompt).
         self.image_of: torch.Tensor | None = None
+        #: The running prompt's prefix that attends both ways (`ImageTokens.prefix`: PaliGemma's, from its token
+        #: types), where the family's mask has one (None: none, or a generation step past the prompt).
+        self.prefix: torch.Tensor | None = None
         #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
         #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
         self.mode: EngineMode | None = None

@@ -8,6 +8,8 @@ family's score function), never from the location being checked, so a value read
 one of them. A value the family reports unavailable skips the checks that need it.
 """
 
+from collections.abc import Mapping
+
 import nnsight
 import torch
 
@@ -26,6 +28,11 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
     ({"vision": {(layer, name): tensor}})."""
     saved = {} if saved is None else saved
     towers = [name for name, tower in getattr(model.family, "towers", {}).items() if set(tower.inputs) & set(inputs)]
+    images = getattr(model.family, "images", None)
+    given = {**prompt, **inputs} if isinstance(prompt, Mapping) else inputs
+    prefix = None if images is None else images.prefix(model.config, given)
+    if prefix is not None:  # a prefix-LM's prefix (PaliGemma's, from its token types): it sees itself both ways
+        saved["prefix"] = prefix
     with torch.no_grad(), model.trace(prompt, **inputs):
         for name in towers:
             _read_stack(getattr(model, name), None, saved.setdefault(name, {}))
@@ -88,17 +95,17 @@ def batch_and_length(saved: dict, layer: int | None = None) -> tuple[int, int]:
     return tuple(next(tensor for tensor in held if tensor is not None).shape[:2])
 
 
-def visible(config, family, layer, length, device=None, image_of=None):
+def visible(config, family, layer, length, device=None, image_of=None, prefix=None):
     """Which keys each query may see: causal (every key, where the family's score function says its attention is
     bidirectional), within the sliding window where the layer has one, and where the family's own mask lets it (a
     chunked layer's chunks, an image's tokens both ways where `image_of` places images): [q, k], or [batch, q, k]
-    with `image_of` ([batch, sequence])."""
+    with `image_of` ([batch, sequence]) or a prefix-LM's `prefix` ([batch, sequence]: positions seeing each other)."""
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     score_function = family.score_function()
-    score_function.image_of = image_of
+    score_function.image_of, score_function.prefix = image_of, prefix
     own = score_function.mask(length, length, config, layer)[:, 0].to(device) == 0
-    if image_of is not None:  # the family's mask says which keys an image's tokens see
+    if image_of is not None or prefix is not None:  # the family's mask says which keys they see
         return own
     own = own[0]
     allowed = k <= q if score_function.causal(config) else torch.ones_like(k <= q)
@@ -323,8 +330,9 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
         check("rows sum to one", torch.ones_like(row_sums), row_sums)
         renormalised = probs
     image_of = saved.get((layer, "segments"), saved.get("image_of"))  # a tower's segments, or where images sit
-    allowed = visible(model.config, f, layer, length, probs.device, image_of)
-    allowed = (allowed if image_of is not None else allowed[None])[:, None].expand_as(probs)
+    prefix = saved.get("prefix")  # a prefix-LM's (a tower's saved values hold none)
+    allowed = visible(model.config, f, layer, length, probs.device, image_of, prefix)
+    allowed = (allowed if image_of is not None or prefix is not None else allowed[None])[:, None].expand_as(probs)
     if probs.shape == allowed.shape:
         check("masked entries exactly zero", bool((probs[~allowed] == 0).all()))
         check("visible entries positive", bool((probs[allowed] > 0).all()))
@@ -337,7 +345,7 @@ def _attention_failures(model, module, layer, v, batch, length, saved):
         check("scores shape", tuple(probs.shape), scores.shape)
         check("softmax(scores) == probabilities (renormalised with a sink)", scores.softmax(-1), renormalised)
         values = {"values": vals} if scoring.scores_need_values else {}  # Doge's dynamic mask
-        scoring.image_of = image_of
+        scoring.image_of, scoring.prefix = image_of, prefix
         expected = rebuilt(scoring.scores, attn.heads, model.config, q, k, layer, **values)
         if expected is not None and scoring.score_bias(model.config, layer) is not None:  # from the hidden states
             expected = expected + oracle.score_bias_value(module, v, layer)

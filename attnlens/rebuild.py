@@ -147,6 +147,7 @@ def pattern_rows(
     scores: bool = True,
     probabilities: bool = True,
     image_of: torch.Tensor | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scores and/or probabilities of the query `rows` and `heads` (all by default), [batch, heads, rows, key].
 
@@ -172,6 +173,7 @@ def pattern_rows(
     pick = None if heads == list(range(num_heads)) else torch.tensor(heads, device=queries.device)
     score_function = family.score_function()
     score_function.image_of = image_of  # where the prompt's images sit (`Access.image_of`)
+    score_function.prefix = prefix  # the prompt's prefix that attends both ways (`Access.prefix`)
     causal = score_function.causal(config)
     # the last key each row sees, where the model's mask lets rows see past themselves (an image's tokens each other)
     reach = None if seen is None else num_keys - 1 - seen.flip(-1).int().argmax(-1).amax(dim=(0, 1))
@@ -246,6 +248,7 @@ class Rebuilt(Location):
             scores=kind == "scores",
             probabilities=kind == "probabilities",
             image_of=access.image_of,
+            prefix=access.prefix,
         )[kind]
 
     def write(self, envoy, value):

@@ -295,6 +295,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             if images is not None and images.bidirectional and prompt is not None and not seen
             else None
         )
+        self.access.prefix = images.prefix(self.config, kwargs) if images is not None and not seen else None
 
     def _tower_access(self, name: str, tower, first_block: int) -> Access:
         """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""

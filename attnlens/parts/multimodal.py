@@ -102,11 +102,17 @@ class LanguageModelOf:
         def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
             mask = super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
             images = self.family.images
-            if self.image_of is None or images is None or not images.bidirectional:
+            together = None
+            if self.image_of is not None and images is not None and images.bidirectional:
+                # an image's tokens see each other both ways (the model's own mask, from its token types)
+                image_of = self.image_of[:, :num_keys].to(mask.device)
+                together = (image_of[:, :, None] == image_of[:, None, :]) & (image_of[:, :, None] >= 0)
+            if self.prefix is not None:  # a prefix-LM's prefix sees itself both ways (PaliGemma's token types)
+                prefix = self.prefix[:, :num_keys].to(mask.device)
+                inside = prefix[:, :, None] & prefix[:, None, :]
+                together = inside if together is None else together | inside
+            if together is None:
                 return mask
-            # an image's tokens see each other both ways (the model's own mask, from its token types)
-            image_of = self.image_of[:, :num_keys].to(mask.device)
-            together = (image_of[:, :, None] == image_of[:, None, :]) & (image_of[:, :, None] >= 0)
             zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
             return torch.where(together[:, None, num_keys - num_queries :], zero, mask)
 
@@ -217,6 +223,12 @@ class ImageTokens:
     def grid(self, config, inputs: dict, image: int) -> tuple[int, int]:
         """(rows, columns) of the tokens of the `image`-th image in the batch."""
         raise NotImplementedError
+
+    def prefix(self, config, inputs: dict) -> torch.Tensor | None:
+        """Which positions of the prompt form a prefix whose tokens all see each other both ways, the rest attending
+        causally ([batch, sequence] bool, from the model's inputs: PaliGemma's prefix-LM mask, its token types), or
+        None where the model's mask has no such prefix (the default) or the inputs give none."""
+        return None
 
     def tiny_processor(self, config, char_tokenizer) -> Any:
         """A processor for the family's tiny model (`attnlens.models.tiny_processor`), built here, nothing loaded:

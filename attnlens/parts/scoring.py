@@ -26,6 +26,9 @@ class ScoreFunction:
         #: Which image each position of the prompt belongs to ([batch, sequence], -1 off images: `Positions.image`),
         #: for a multimodal family whose mask lets an image's tokens see each other; None: a text prompt.
         self.image_of: torch.Tensor | None = None
+        #: Which positions form a prefix that attends both ways ([batch, sequence] bool: each sees every other, the
+        #: rest causally), for a prefix-LM family (PaliGemma: `ImageTokens.prefix`, from its token types); None: none.
+        self.prefix: torch.Tensor | None = None
 
     def alibi_slopes(self, config, layer: int) -> torch.Tensor | None:
         """The per-head ALiBi slopes vLLM's kernel holds for `layer` (float32), or None where it adds no ALiBi: checked
