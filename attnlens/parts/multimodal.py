@@ -103,9 +103,10 @@ class LanguageModelOf:
                 return mask
             # an image's tokens see each other both ways (the model's own mask, from its token types)
             image_of = self.image_of[:, :num_keys].to(mask.device)
-            together = (image_of[:, :, None] == image_of[:, None, :]) & (image_of[:, :, None] >= 0)
+            rows = image_of[:, num_keys - num_queries :, None]  # the queries' (not every key's: chunks of rows)
+            together = (rows == image_of[:, None, :]) & (rows >= 0)
             zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
-            return torch.where(together[:, None, num_keys - num_queries :], zero, mask)
+            return torch.where(together[:, None], zero, mask)
 
         def scores(self, heads, config, queries, keys, layer, key_mask=None):
             return super().scores(heads, _text(config), queries, keys, layer, key_mask)
