@@ -6,6 +6,8 @@ per head: the full `heads x query x key` pattern never exists. The summaries (`M
 
 - on the text (the prompts given, or the repeated sequences when none are): each row's entropy and its weight on the
   first token (the sink), and the top-k keys of chosen rows;
+- on prompts with images (each given as the model's inputs: input_ids, pixel_values and the rest; transformers engine),
+  `image`: the share of attention text rows give the image tokens;
 - on repeated random tokens, `BOS + R + R` with `R` random of length `n` (the usual head detectors' inputs): the
   previous-token score (row i to key i - 1), the duplicate-token score (a row i of the second copy to i - n, the same
   token's earlier occurrence) and the induction score (to i - n + 1, the token after it).
@@ -23,7 +25,7 @@ import csv
 import io
 import json
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import gt
 
@@ -41,11 +43,18 @@ METRICS = {
     "induction": "mean weight from a token of the second copy to the token after its earlier occurrence, key i - n + 1",
     "next": "mean weight from a token to the one after it (repeated random tokens; bidirectional layers only)",
     "last": "mean weight on the last token (a BERT-style prompt's [SEP]; bidirectional layers only)",
+    "image": "mean weight on image tokens (every image's, a class token included) from a text row after an image "
+    "(kind text in model.positions, after the prompt's first image token; image and special rows not counted; "
+    "prompts with images only)",
 }
 #: The metrics only a bidirectional layer has (a causal row sees no later key).
 BIDIRECTIONAL = ("next", "last")
+#: The metrics only prompts with images have.
+ON_IMAGES = ("image",)
 #: Measured on the text (prompts, or the repeated sequences without prompts); the others on the repeated sequences.
-ON_TEXT = ("entropy", "sink", "last")
+ON_TEXT = ("entropy", "sink", "last", "image")
+#: Averaged over every row; the others over the rows they count (`{metric}_rows`).
+EVERY_ROW = ("entropy", "sink", "last")
 TARGETED = tuple(name for name in METRICS if name not in ON_TEXT)
 #: Elements of one chunk of scores (a batch, all heads, a few rows, the keys they see): 2 MiB in float32. Small chunks
 #: stay in the CPU's cache through the passes over them, and a long prompt's later rows are scored against only the
@@ -69,6 +78,7 @@ def summarize(
     top_rows: Sequence[int] = (),
     top_k: int = 0,
     chunk_rows: int | None = None,
+    masses: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per batch element and head, sums over every row of the pattern `softmax(scores(queries, keys))`, computed a
     chunk of rows at a time.
@@ -84,10 +94,14 @@ def summarize(
     - for each `targets[name]` ([query] key indexes, -1 where a row does not count): `name` [batch, heads], the sum
       of each counted row's weight on its target, and `name_rows` [batch], the rows counted;
     - with `top_rows` and `top_k`: `top_weights` and `top_keys` [batch, heads, len(top_rows), top_k], the `top_k`
-      largest weights of those rows and their key indexes (weight 0 and key -1 past the keys a row sees).
+      largest weights of those rows and their key indexes (weight 0 and key -1 past the keys a row sees);
+    - for each `masses[name]` = (rows [query], keys [key], booleans): `name` [batch, heads], the sum over those rows
+      of each row's weight on those keys together, and `name_rows` [batch], the rows counted.
 
     A bidirectional score function (`scores.causal` False: an encoder's) lets every row see every key: its rows are
     scored in one chunk (a band's mask places rows by their count from the end), and targets may lie after a row.
+    A score function with `image_of` (a multimodal prompt's image positions, where an image's tokens see each other
+    both ways) has its chunks end where an image does, so that a row sees its image's later tokens.
     """
     causal = getattr(scores, "causal", True)
     batch, num_heads, num_queries, _ = queries.shape
@@ -112,13 +126,16 @@ def summarize(
             )
         counted = sum(map((0).__le__, listed))  # rows whose key is 0 or more
         out[f"{name}_rows"] = torch.full((batch,), float(counted), device=device)
+    masses = {name: (rows.to(device), keys.to(device)) for name, (rows, keys) in (masses or {}).items()}
+    for name, (rows, _) in masses.items():
+        out[f"{name}_rows"] = torch.full((batch,), float(rows.sum()), device=device)
     top_rows = [row % num_queries for row in top_rows] if top_k else []
     if top_rows:
         out["top_weights"] = torch.zeros(batch, num_heads, len(top_rows), top_k, device=device)
         out["top_keys"] = torch.full((batch, num_heads, len(top_rows), top_k), -1, device=device, dtype=torch.long)
-    if _row_statistics(scores, queries, keys, targets, top_rows, top_k, out):
+    if not masses and _row_statistics(scores, queries, keys, targets, top_rows, top_k, out):
         return out
-    sums = ("entropy", "sink", *targets) if causal else ("entropy", "sink", "last", *targets)
+    sums = ("entropy", "sink", *targets, *masses) if causal else ("entropy", "sink", "last", *targets, *masses)
     for name in sums:
         out[name] = torch.zeros(batch, num_heads, device=device)
     if not causal:
@@ -128,8 +145,12 @@ def summarize(
         chunk_rows = -(-num_queries // chunks)
     # each head's keys channel-major: the products then read them as the matrix product wants (a third less time)
     keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
-    for start in range(0, num_queries, chunk_rows):
+    reach = _reach(getattr(scores, "image_of", None), num_keys) if causal else None
+    start = 0
+    while start < num_queries:
         stop = min(start + chunk_rows, num_queries)
+        while reach is not None and int(reach[offset + start : offset + stop].max()) + 1 - offset > stop:
+            stop = int(reach[offset + start : offset + stop].max()) + 1 - offset  # to the end of the image
         width = offset + stop if causal else num_keys  # the keys these rows can see
         chunk = scores(queries[:, :, start:stop], keys[:, :, :width]).float()
         probs = chunk.softmax(-1)
@@ -141,13 +162,30 @@ def summarize(
             target = target[start:stop]
             index = target.clamp(min=0)[None, None, :, None].expand(batch, num_heads, -1, 1)
             out[name] += (probs.gather(-1, index)[..., 0] * (target >= 0)).sum(-1)
+        for name, (rows, on) in masses.items():
+            out[name] += (probs @ on[:width].to(probs.dtype) * rows[start:stop]).sum(-1)
         for j, row in enumerate(top_rows):
             if start <= row < stop:
                 seen = offset + row + 1 if causal else num_keys  # the keys this row sees
                 weights, found = probs[:, :, row - start, :seen].topk(min(top_k, seen), dim=-1)
                 out["top_weights"][:, :, j, : found.shape[-1]] = weights
                 out["top_keys"][:, :, j, : found.shape[-1]] = found
+        start = stop
     return out
+
+
+def _reach(image_of: torch.Tensor | None, num_keys: int) -> torch.Tensor | None:
+    """Per key position, the last key its row sees beyond the causal mask: its image's last token (an image's tokens
+    see each other both ways), or itself off images; None without images. `image_of`: [batch, sequence],
+    `Positions.image`."""
+    if image_of is None or not bool((image_of >= 0).any()):
+        return None
+    image_of = image_of[:, :num_keys].cpu()
+    at = torch.arange(image_of.shape[1]).expand_as(image_of)
+    ends = torch.full((image_of.shape[0], int(image_of.max()) + 1), -1).scatter_reduce(
+        1, image_of.clamp(min=0), torch.where(image_of >= 0, at, -1), "amax"
+    )
+    return torch.where(image_of >= 0, ends.gather(1, image_of.clamp(min=0)), at).amax(0)
 
 
 def _row_statistics(scores, queries, keys, targets, top_rows, top_k, out) -> bool:
@@ -190,24 +228,28 @@ class LayerScores:
     """A layer's score function as `summarize` takes it: called on (queries, keys), the family's own masked scores
     (scale, grouped heads, soft-cap, mask, sliding window) on unpadded queries and keys; `common_layout` is
     `ScoreFunction.common_layout`'s {scale, softcap, window} where the compiled kernel can score the layer (a causal
-    one), else None; `causal` whether a row sees only the keys up to its own. The one place attnlens.heads calls
-    `ScoreFunction.scores`."""
+    one), else None; `causal` whether a row sees only the keys up to its own; `image_of` where a prompt's images
+    sit (`Positions.image`), for a family whose image tokens see each other both ways (its mask then reads it). The
+    one place attnlens.heads calls `ScoreFunction.scores`."""
 
-    def __init__(self, function, heads, config, layer: int) -> None:
+    def __init__(self, function, heads, config, layer: int, image_of: torch.Tensor | None = None) -> None:
         self.function, self.heads, self.config, self.layer = function, heads, config, layer
+        self.function.image_of = self.image_of = image_of
         self.causal = function.causal(config)
-        self.common_layout = function.common_layout(heads, config, layer) if self.causal else None
+        plain = self.causal and image_of is None  # the kernel masks causally: no image seen both ways
+        self.common_layout = function.common_layout(heads, config, layer) if plain else None
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return self.function.scores(self.heads, self.config, queries, keys, self.layer, None)
 
 
-def score_function(attn) -> LayerScores:
-    """The score function of the attention envoy `attn` as `summarize` takes it. It reads the model's `Access`
-    through the envoy, so it works in vLLM's worker too."""
+def score_function(attn, image_of: torch.Tensor | None = None) -> LayerScores:
+    """The score function of the attention envoy `attn` as `summarize` takes it (`image_of`: `LayerScores`'). It
+    reads the model's `Access` through the envoy, so it works in vLLM's worker too."""
     access = context(attn)
     layer = access.layer_of(attn)
-    return LayerScores(access.family.score_function(access.engine), access.geometry(layer), access.config, layer)
+    function = access.family.score_function(access.engine)
+    return LayerScores(function, access.geometry(layer), access.config, layer, image_of)
 
 
 def why_not(model, layer: int) -> str | None:
@@ -305,6 +347,8 @@ class HeadSummaries:
         if metric not in METRICS:
             raise KeyError(f"{metric!r} is not a head summary; known: {', '.join(METRICS)}")
         if metric not in self.values:
+            if metric in ON_IMAGES:
+                raise KeyError(f"{metric!r} is measured on prompts with images only; these held none")
             raise KeyError(f"{metric!r} is measured on bidirectional models only; this one attends causally")
         if layer not in self.values[metric]:
             raise KeyError(
@@ -500,14 +544,15 @@ def _sums_by_item(scores, values, options) -> list[dict]:
     return [dict(zip(split, one)) for one in zip(*split.values())]
 
 
-def _collect(model, layers, spans, options, results) -> None:
-    """Inside a trace (on vLLM, inside its worker, so only the sums leave it): each layer's sums per prompt."""
+def _collect(model, layers, spans, options, results, image_of=None) -> None:
+    """Inside a trace (on vLLM, inside its worker, so only the sums leave it): each layer's sums per prompt
+    (`image_of`: the one prompt's images, where its image tokens see each other both ways)."""
     for layer in layers:
         attn = model.layers[layer].self_attn
         order = context(attn).order(layer)
         names = sorted(("attention_queries", "attention_keys"), key=lambda name: order[f"self_attn.{name}"])
         read = {name: getattr(attn, name) for name in names}
-        scores = score_function(attn)
+        scores = score_function(attn, image_of)
         for i, span in enumerate(spans):
             queries = read["attention_queries"][i : i + 1, :, span]
             keys = read["attention_keys"][i : i + 1, :, span]
@@ -533,6 +578,59 @@ def _run(model, layers, texts: list[torch.Tensor], options: dict, *, batch_size,
         for i, sums in zip(batch, found):
             results[i] = sums
         bar.advance(task, len(batch))
+    return results
+
+
+def _with_images(model, prompts) -> list[dict] | None:
+    """The prompts as the model's inputs, one dict per prompt with input_ids [1, seq], where any is given so (a dict
+    holding pixel_values, or another input a tower of the model reads); None where none is (the plain prompts
+    `prompts_of` reads, a tokenizer's encoding of several included)."""
+    from .capture import prompts_of
+
+    towers = getattr(model.family, "towers", None) or {}
+    images = {"pixel_values", *(name for tower in towers.values() for name in tower.inputs)}
+    listed = [prompts] if isinstance(prompts, Mapping) else list(prompts) if isinstance(prompts, (list, tuple)) else []
+    if not any(isinstance(one, Mapping) and images & set(one) for one in listed):
+        return None
+    if model.access.engine != "transformers":
+        raise Unavailable(
+            "head_summaries: prompts with images are summarised on the transformers engine "
+            "(attnlens.StandardizedTransformer, eager or sdpa); on vLLM the summaries are computed in its worker "
+            "from plain token requests, which carry no images"
+        )
+    found = []
+    for one in listed:
+        one = dict(one) if isinstance(one, Mapping) else {"input_ids": prompts_of(model, one)[0][0]}
+        ids = torch.as_tensor(one["input_ids"])
+        one["input_ids"] = ids[None] if ids.dim() == 1 else ids
+        if one["input_ids"].shape[0] != 1:
+            raise ValueError(
+                f"head_summaries: a prompt with images is one prompt's inputs (input_ids [1, seq]); got input_ids of "
+                f"shape {tuple(ids.shape)}: give a list of dicts, one per prompt"
+            )
+        found.append(one)
+    return found
+
+
+def _run_with_images(model, layers, prompts: list[dict], options: dict, *, bar, description) -> list[dict]:
+    """`_run` for prompts given as the model's inputs (`_with_images`), a forward each: `model.positions` says
+    where its images sit, which the score function masks by (an image's tokens both ways, where the family's do)
+    and the `image` metric reads (rows: text after the first image token; keys: every image's tokens)."""
+    task = bar.add_task(description, total=len(prompts))
+    both_ways = getattr(getattr(model.family, "images", None), "bidirectional", False)
+    results = []
+    for inputs in prompts:
+        positions = model.positions(inputs)
+        on_image = positions.image[0] >= 0
+        after = torch.arange(len(on_image)) > (int(on_image.nonzero()[0]) if on_image.any() else len(on_image))
+        masses = {"image": ((positions.kind[0] == 0) & after, on_image)}
+        image_of = positions.image if both_ways and on_image.any() else None
+        found: list[dict] = [{}]
+        rest = {name: value for name, value in inputs.items() if name != "input_ids"}
+        with torch.no_grad(), model.trace(inputs["input_ids"], **rest):
+            _collect(model, layers, [slice(0, None)], [{**options, "masses": masses}], found, image_of)
+        results += found
+        bar.advance(task)
     return results
 
 
@@ -564,7 +662,10 @@ def head_summaries(
 
     - `prompts`: a prompt or a list of them (strings or token ids); the entropy, the sink and the `top_k` keys of
       `rows` (row indexes of each prompt, negative from its end; default its last) are measured on them. Without
-      prompts they are measured on the repeated sequences.
+      prompts they are measured on the repeated sequences. A prompt with images is the model's inputs as a dict
+      (input_ids [1, seq], pixel_values and the rest its processor gives), a forward each, on the transformers
+      engine: its image tokens are masked as the model masks them, and where any prompt holds an image, `image`
+      (`METRICS`) is summarised too.
     - `layers`: which layers (default: every layer that can be summarised; the others are listed in `.skipped`).
     - `length`, `sequences`, `seed`: the repeated random sequences `BOS + R + R` (`R` of `length` tokens, `sequences`
       of them) the previous-token, duplicate and induction scores are measured on.
@@ -581,7 +682,11 @@ def head_summaries(
         raise ValueError(f"top_k must be >= 0 and batch_size >= 1; got top_k={top_k}, batch_size={batch_size}")
     chosen, skipped = _layers(model, layers)
     repeats = list(repeated_tokens(model, length, sequences, seed))
-    texts = prompts_of(model, prompts)[0] if prompts is not None else repeats
+    with_images = _with_images(model, prompts)
+    if with_images is not None:
+        texts = [inputs["input_ids"][0] for inputs in with_images]
+    else:
+        texts = prompts_of(model, prompts)[0] if prompts is not None else repeats
     if min(len(ids) for ids in texts) == 0:
         raise ValueError("a prompt has no tokens")
     row_list = [rows] if isinstance(rows, int) else list(rows)
@@ -590,11 +695,13 @@ def head_summaries(
             if not -len(ids) <= row < len(ids):
                 raise IndexError(f"row {row} is out of range for a prompt of {len(ids)} tokens")
     causal = model.family.score_function().causal(model.access.config)
-    metrics = [metric for metric in METRICS if not causal or metric not in BIDIRECTIONAL]
+    images = with_images is not None and any((model.positions(one).image >= 0).any() for one in with_images)
+    metrics = [m for m in METRICS if (not causal or m not in BIDIRECTIONAL) and (images or m not in ON_IMAGES)]
     targets = repeat_targets(len(repeats[0]), length, causal)
     text_options = {"top_rows": row_list, "top_k": top_k, "chunk_rows": chunk_rows}
     repeat_options = {"targets": targets, "chunk_rows": chunk_rows}
-    forwards = -(-len(repeats) // batch_size) + (0 if prompts is None else -(-len(texts) // batch_size))
+    on_prompts = len(texts) if with_images is not None else -(-len(texts) // batch_size)  # a forward per image prompt
+    forwards = -(-len(repeats) // batch_size) + (0 if prompts is None else on_prompts)
     with _progress(progress, forwards) as bar:
         if prompts is None:
             on_repeats = on_text = _run(
@@ -616,20 +723,25 @@ def head_summaries(
                 bar=bar,
                 description="attnlens heads: repeats",
             )
-            on_text = _run(
-                model,
-                chosen,
-                texts,
-                text_options,
-                batch_size=batch_size,
-                bar=bar,
-                description="attnlens heads: prompts",
-            )
+            if with_images is not None:
+                on_text = _run_with_images(
+                    model, chosen, with_images, text_options, bar=bar, description="attnlens heads: prompts"
+                )
+            else:
+                on_text = _run(
+                    model,
+                    chosen,
+                    texts,
+                    text_options,
+                    batch_size=batch_size,
+                    bar=bar,
+                    description="attnlens heads: prompts",
+                )
 
     values: dict[str, dict[int, torch.Tensor]] = {metric: {} for metric in metrics}
     for metric in metrics:
         found = on_text if metric in ON_TEXT else on_repeats
-        rows = "rows" if metric in ON_TEXT else f"{metric}_rows"
+        rows = "rows" if metric in EVERY_ROW else f"{metric}_rows"
         if len({r[layer][metric].shape for r in found for layer in chosen}) == 1:
             # one stack per sum over every text and layer, not a sum per layer and metric (1,200 small operations)
             sums, counts = (

@@ -180,17 +180,23 @@ def pattern_rows(
     for at, first, length in _runs(rows):
         for start in range(first, first + length, chunk_rows):
             stop = min(start + chunk_rows, first + length)
-            width = offset + stop if causal else num_keys  # the keys these rows can see
+            # the score function places its queries as the last rows of its keys: rows that see past themselves (a
+            # bidirectional layer; an image's tokens each other, a prefix) are scored with the rows up to the last
+            # key they reach, then cut to their own
+            end = stop if causal else num_queries
             if reach is not None:
-                width = max(width, int(reach[start:stop].max()) + 1)
+                end = max(end, min(num_queries, int(reach[start:stop].max()) + 1 - offset))
+            elif image_of is not None or prefix is not None:
+                end = num_queries
+            width = offset + end  # the keys these rows can see
             chunk = score_function.scores(
                 geometry,
                 config,
-                queries[:, :, start:stop],
+                queries[:, :, start:end],
                 keys[:, :, :width],
                 layer,
                 None if real is None else real[:, :width],
-            )
+            )[:, :, : stop - start]
             if seen is not None:
                 chunk = torch.where(seen[:, :, start:stop, :width], chunk, minimum)
             full = chunk.new_full((batch, num_heads, stop - start, num_keys), minimum)

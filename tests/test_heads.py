@@ -101,7 +101,11 @@ def test_rebuilt_sdpa_model_gives_the_same_summaries():
     assert sdpa.support(1)["self_attn.attention_probabilities"] is not None
     a = heads.head_summaries(sdpa, PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
     b = heads.head_summaries(tiny("gemma3"), PROMPTS, length=LENGTH, sequences=SEQUENCES, progress=False)
-    assert a.metrics == b.metrics == [metric for metric in heads.METRICS if metric not in heads.BIDIRECTIONAL]
+    assert (
+        a.metrics
+        == b.metrics
+        == [metric for metric in heads.METRICS if metric not in (*heads.BIDIRECTIONAL, *heads.ON_IMAGES)]
+    )
     for metric in a.metrics:
         for layer in a.layers:
             assert torch.allclose(a.get(metric, layer), b.get(metric, layer), atol=1e-5), (metric, layer)
@@ -156,7 +160,7 @@ def test_result_formats():
     model = tiny("llama")
     found = heads.head_summaries(model, "Hello world", length=LENGTH, sequences=SEQUENCES, top_k=2, progress=False)
     rows = found.to_rows()
-    causal_metrics = [metric for metric in heads.METRICS if metric not in heads.BIDIRECTIONAL]
+    causal_metrics = [metric for metric in heads.METRICS if metric not in (*heads.BIDIRECTIONAL, *heads.ON_IMAGES)]
     assert len(rows) == 3 * 4 and set(rows[0]) == {"layer", "head", *causal_metrics, "top"}
     assert rows[0]["top"][0]["row"] == len("Hello world") - 1
     assert all(len(keys) <= 2 for row in rows for keys in [row["top"][0]["keys"]])

@@ -102,19 +102,20 @@ class LanguageModelOf:
         def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
             mask = super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
             images = self.family.images
+            rows = slice(num_keys - num_queries, num_keys)  # the queries' positions (a chunk of rows: the last)
             together = None
             if self.image_of is not None and images is not None and images.bidirectional:
                 # an image's tokens see each other both ways (the model's own mask, from its token types)
                 image_of = self.image_of[:, :num_keys].to(mask.device)
-                together = (image_of[:, :, None] == image_of[:, None, :]) & (image_of[:, :, None] >= 0)
+                together = (image_of[:, rows, None] == image_of[:, None, :]) & (image_of[:, rows, None] >= 0)
             if self.prefix is not None:  # a prefix-LM's prefix sees itself both ways (PaliGemma's token types)
                 prefix = self.prefix[:, :num_keys].to(mask.device)
-                inside = prefix[:, :, None] & prefix[:, None, :]
+                inside = prefix[:, rows, None] & prefix[:, None, :]
                 together = inside if together is None else together | inside
             if together is None:
                 return mask
             zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
-            return torch.where(together[:, None, num_keys - num_queries :], zero, mask)
+            return torch.where(together[:, None], zero, mask)
 
         def scores(self, heads, config, queries, keys, layer, key_mask=None):
             return super().scores(heads, _text(config), queries, keys, layer, key_mask)
