@@ -34,7 +34,9 @@ def moe_by_hand(block, x):
     added as it is: ERNIE 4.5's shared_experts)."""
     flat = x.reshape(-1, x.shape[-1])
     probs = torch.softmax((flat @ block.gate.weight.T).float(), dim=-1)
-    top, chosen = probs.topk(block.gate.top_k, dim=-1)
+    statics = getattr(block.gate, "moe_statics", None)  # ERNIE 4.5 chooses by the scores plus a correction bias
+    _, chosen = (probs if statics is None else statics(probs)).topk(block.gate.top_k, dim=-1)
+    top = probs.gather(-1, chosen)
     if getattr(block.gate, "norm_topk_prob", True):  # Mixtral always renormalises
         top = top / top.sum(-1, keepdim=True)
     experts = block.experts

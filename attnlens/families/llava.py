@@ -22,6 +22,7 @@ import torch
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
+from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .vision import ClipTower
 
@@ -80,8 +81,13 @@ class LlavaImages(ImageTokens):
         return Positions(kind, image, row, col, tuple(grids))
 
 
+#: What vLLM is said to do with LLaVA's types here.
+VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA's language model with images on vLLM with transformers")
+
+
 class Llava(LanguageModelOf, Llama):
     model_types = ("llava",)
+    vllm = VLLM
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
     images = LlavaImages()
     tiny = Tiny(
@@ -134,6 +140,7 @@ class LlavaNext(LanguageModelOf, Llama):
     language model attending causally; `model.positions` is refused (two grids per image, newline tokens)."""
 
     model_types = ("llava_next",)
+    vllm = VLLM
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
     images = LlavaNextImages()
     tiny = Tiny(

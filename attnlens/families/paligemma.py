@@ -33,6 +33,7 @@ from __future__ import annotations
 from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
+from ..parts.vllm import VLLMLayout
 from .gemma import Gemma
 from .gemma2 import Gemma2
 from .vision import SiglipTower
@@ -71,6 +72,10 @@ class PaliGemmaImages(ImageTokens):
         images = SiglipImageProcessorPil(size={"height": side, "width": side})
         images.image_seq_length = (side // config.vision_config.patch_size) ** 2
         return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+#: What vLLM is said to do with PaliGemma here.
+VLLM = VLLMLayout(refusal="attnlens has not compared PaliGemma's prefix-LM with images on vLLM with transformers")
 
 
 class _PaliGemma(LanguageModelOf):
@@ -116,6 +121,7 @@ TOWER = {
 
 class PaliGemma(_PaliGemma, Gemma):
     model_types = ("paligemma",)
+    vllm = VLLM
     tiny = Tiny(
         "PaliGemmaConfig",
         "PaliGemmaForConditionalGeneration",
@@ -134,6 +140,8 @@ class PaliGemma(_PaliGemma, Gemma):
 class PaliGemma2(_PaliGemma, Gemma2):
     """PaliGemma 2: PaliGemma with a Gemma 2 language model (`family=PaliGemma2`; the registry serves "paligemma"
     with `PaliGemma`, which refuses a Gemma 2 language model)."""
+
+    vllm = VLLM
 
     text_type = "gemma2"
     tiny = Tiny(
