@@ -178,6 +178,7 @@ def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[st
                 np.asarray(given_image.convert("RGB") if hasattr(given_image, "convert") else given_image)
             )
         else:
+            assert isinstance(pixels, torch.Tensor)  # checked above: no pictures given, so pixel_values are pictures
             seen = pixels[image].float()
             low, high = seen.amin(dim=(1, 2), keepdim=True), seen.amax(dim=(1, 2), keepdim=True)
             picture = ((seen - low) / (high - low).clamp(min=1e-6) * 255).round().permute(1, 2, 0)
@@ -363,9 +364,9 @@ def patterns(
     elif _is_model(source) and _with_images(prompt):
         model = source
         data, head_labels = _captured_inputs(model, prompt, layers, heads)
-        shown_images, labels = _images_of(model, prompt, images)
-        tokens = labels if tokens is None else tokens
-        heads, prompt = None, "".join(labels)
+        shown_images, image_labels = _images_of(model, prompt, images)
+        tokens = image_labels if tokens is None else tokens
+        heads, prompt = None, "".join(image_labels)
     elif _is_model(source):
         model = source
         data, head_labels = _captured(model, prompt, layers, heads)
