@@ -285,6 +285,7 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
     if length < 2 or count < 1:
         raise ValueError(f"repeated sequences need length >= 2 and count >= 1; got length={length}, count={count}")
     config = model.access.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config  # a VLM's text
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     total = 2 * length + (bos_id(model) is not None)
     if limit is not None and total > limit:

@@ -18,7 +18,8 @@ from attnlens.analysis.reasons import direction_reason, model_reason, split_reas
 from attnlens.registry import encoder_decoders
 
 PROMPT = "Hello world"
-ENCODERS = attnlens.models.tiny_cases(causal=False)
+#: The encoders this transformers has the config class of (a type newer than it is left out).
+ENCODERS = [case for case in attnlens.models.tiny_cases(causal=False) if attnlens.models._causal(case) is not None]
 SEQ2SEQ = sorted(encoder_decoders())
 SOURCE = torch.tensor([5, 6, 7, 8, 9, 10])
 TARGET = torch.tensor([2, 11, 12, 13])
@@ -98,8 +99,8 @@ def test_which_encoders_are_served():
     """What the tiny encoders get, named: the pre-norm ones split, the post-norm ones refused as such."""
     served = {case for case in ENCODERS if direction_reason(tiny(case)) is None}
     logits = {case for case in ENCODERS if model_reason(tiny(case)) is None}
-    assert served == {"esm", "esm:rotary", "esmc", "eurobert", "modernbert", "neomme", "ultrabert"}
-    assert logits == {"eurobert"}
+    assert served == {"esm", "esm:rotary", "esmc", "eurobert", "modernbert", "neomme", "ultrabert"} & set(ENCODERS)
+    assert logits == {"eurobert"} & set(ENCODERS)
     for case in ("convbert", "deberta", "distilbert", "gte", "layoutlm", "mpnet", "nomic_bert", "tapas"):
         assert "post-norm" in direction_reason(tiny(case)), case
     assert "premix" in split_reason(tiny("neomme"), 0)  # exclusive self-attention: not split by head

@@ -16,6 +16,9 @@ from attnlens.errors import Unavailable
 from attnlens.models import _perturbed, char_tokenizer
 from attnlens.vision_types import coverages, image_text_types
 
+#: The lists are transformers 5.25's registry: run on the newest transformers only (`make test-eager-vllm` deselects it)
+pytestmark = pytest.mark.any_transformers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Where the docs' table of these outcomes is (its section, "Image-text-to-text types").
 DOCS = ROOT / "docs" / "vision-language.md"
