@@ -249,7 +249,8 @@ def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
                 for parameter in module.parameters(recurse=False):
                     parameter.add_(torch.randn_like(parameter) * 0.1)
         for name, parameter in model.named_parameters():
-            if parameter.dim() >= 2 and not parameter.any():
+            # a matrix, not a row of biases: ERNIE 4.5's [1, experts] correction bias stays as transformers makes it
+            if parameter.dim() >= 2 and min(parameter.shape) > 1 and not parameter.any():
                 parameter.normal_(0.0, 0.2)
             elif name.endswith("gate") and parameter.numel() == 1 and not parameter.any():
                 parameter.normal_(0.0, 1.0)  # a tanh gate at zero (Mllama's cross-attention blocks) shuts its sublayer
