@@ -294,10 +294,8 @@ def repeated_tokens(model, length: int = 50, count: int = 8, seed: int = 0) -> t
             f"choose length <= {(limit - 1) // 2}"
         )
     special = list(getattr(getattr(model, "tokenizer", None), "all_special_ids", None) or [])
-    images = getattr(model.family, "images", None)  # a multimodal model's image tokens are no text to draw
-    held = (images.image_token, *images.around) if images is not None else ()
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id", *held):
-        found = getattr(config, name, None) or getattr(model.access.config, name, None)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        found = getattr(config, name, None)
         special += found if isinstance(found, list) else [found]  # (several end-of-sequence ids: a list)
     kept = torch.ones(config.vocab_size, dtype=torch.bool)
     kept[[i for i in special if isinstance(i, int) and 0 <= i < config.vocab_size]] = False
