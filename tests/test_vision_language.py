@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from images import logits_with_uniform_tower_attention
 from test_show import browser, close, open_page  # noqa: F401 (browser: the fixture, one Chromium per module)
 
 import attnlens
@@ -131,21 +132,7 @@ def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_p
         pattern = last.self_attn.attention_probabilities
         last.self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
         edited = model.logits.save()
-    module = model._module.model.vision_tower.encoder.layers[-1].self_attn
-
-    def uniform(attention, hidden_states, attention_mask=None, **kwargs):
-        b, n, _ = hidden_states.shape
-        values = attention.v_proj(hidden_states).view(b, n, -1, attention.head_dim)
-        mixed = values.mean(1, keepdim=True).expand(b, n, -1, -1).reshape(b, n, -1)
-        return attention.out_proj(mixed), None
-
-    original = module.forward
-    module.forward = lambda *a, **k: uniform(module, *a, **k)
-    try:
-        with torch.no_grad():
-            expected = model._module(input_ids=PROMPT, **_inputs(pixels)).logits
-    finally:
-        module.forward = original
+    expected = logits_with_uniform_tower_attention(model, -1, PROMPT, **_inputs(pixels))
     assert torch.allclose(edited, expected, atol=1e-5)
     support = model.vision.support(0)
     assert support["self_attn.attention_probabilities"] is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -136,26 +137,11 @@ def test_each_image_token_holds_the_projected_feature_of_its_place(layout, model
     output (`vision_feature_layer` -2 of 2 blocks) at the class token (kind "class") or at the patch of its grid
     row and column (1 + row * 4 + col in the tower's sequence), within 1e-6."""
     model, prompt = (model, PROMPT) if layout == "default" else (full, FULL)
-    with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
-        features = model.vision.layers[0].layer_output.save()
-        first = model.layers[0].layer_input.save()
-    found = model.positions(prompt, pixel_values=pixels)
-    projector = model._module.model.multi_modal_projector
-    kinds = found.kind[0].tolist()
-    with torch.no_grad():
-        for at in (found.image[0] >= 0).nonzero().flatten().tolist():
-            image, r, c = (int(t[0, at]) for t in (found.image, found.row, found.col))
-            place = 0 if kinds[at] == attnlens.parts.multimodal.KINDS.index("class") else 1 + r * 4 + c
-            assert torch.allclose(first[0, at], projector(features[image, place]), atol=1e-6)
-    assert (found.kind[0] == 3).sum() == (2 if layout == "full" else 0)
-
-
-def _uniform(attention, hidden_states, attention_mask=None, **kwargs):
-    """CLIP's attention with every position attending to every position equally: the mean of the values."""
-    b, n, _ = hidden_states.shape
-    values = attention.v_proj(hidden_states).view(b, n, -1, attention.head_dim)
-    mixed = values.mean(1, keepdim=True).expand(b, n, -1, -1).reshape(b, n, -1)
-    return attention.out_proj(mixed), None
+    checked = image_tokens_hold_projected_features(
+        model, prompt, lambda vision: vision.layers[0].layer_output, first_patch=1, pixel_values=pixels
+    )
+    assert len(checked) == (34 if layout == "full" else 32)
+    assert (model.positions(prompt, pixel_values=pixels).kind[0] == 3).sum() == (2 if layout == "full" else 0)
 
 
 def test_an_edit_of_the_read_tower_block_moves_the_logits_and_of_the_unread_last_block_does_not(model, pixels):
@@ -172,14 +158,7 @@ def test_an_edit_of_the_read_tower_block_moves_the_logits_and_of_the_unread_last
             model.vision.layers[i].self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
             logits = model.logits.save()
         edited[i] = logits
-    module = model._module.model.vision_tower.encoder.layers[0].self_attn
-    original = module.forward
-    module.forward = lambda *a, **k: _uniform(module, *a, **k)
-    try:
-        with torch.no_grad():
-            expected = model._module(input_ids=PROMPT, pixel_values=pixels).logits
-    finally:
-        module.forward = original
+    expected = logits_with_uniform_tower_attention(model, 0, PROMPT, pixel_values=pixels)
     assert not torch.allclose(expected, plain, atol=1e-3)
     assert torch.allclose(edited[0], expected, atol=1e-5)
     assert torch.equal(edited[1], plain)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -114,15 +115,10 @@ def test_positions_place_every_image_token_on_its_images_patch_grid(model, pixel
 def test_each_image_token_holds_the_projected_feature_of_its_patch(model, pixels):
     """By hand: the language model's input at an image token is the projector's image of the tower's output (its
     last block through `post_layernorm`) at the patch of its grid row and column, within 1e-6."""
-    with torch.no_grad(), model.trace(PROMPT, **_inputs(pixels)):
-        features = model.vision.final_norm_output.save()
-        first = model.layers[0].layer_input.save()
-    found = model.positions(PROMPT, **_inputs(pixels))
-    projector = model._module.model.multi_modal_projector
-    with torch.no_grad():
-        for at in FIRST + SECOND:
-            image, r, c = (int(t[0, at]) for t in (found.image, found.row, found.col))
-            assert torch.allclose(first[0, at], projector(features[image, r * 4 + c]), atol=1e-6)
+    checked = image_tokens_hold_projected_features(
+        model, PROMPT, lambda vision: vision.final_norm_output, **_inputs(pixels)
+    )
+    assert checked == FIRST + SECOND
 
 
 def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_predicts(model, pixels):
@@ -133,21 +129,7 @@ def test_an_edit_of_the_towers_pattern_moves_the_logits_as_recomputing_by_hand_p
         pattern = last.self_attn.attention_probabilities
         last.self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
         edited = model.logits.save()
-    module = model._module.model.vision_tower.encoder.layers[-1].self_attn
-
-    def uniform(attention, hidden_states, attention_mask=None, **kwargs):
-        b, n, _ = hidden_states.shape
-        values = attention.v_proj(hidden_states).view(b, n, -1, attention.head_dim)
-        mixed = values.mean(1, keepdim=True).expand(b, n, -1, -1).reshape(b, n, -1)
-        return attention.out_proj(mixed), None
-
-    original = module.forward
-    module.forward = lambda *a, **k: uniform(module, *a, **k)
-    try:
-        with torch.no_grad():
-            expected = model._module(input_ids=PROMPT, **_inputs(pixels)).logits
-    finally:
-        module.forward = original
+    expected = logits_with_uniform_tower_attention(model, -1, PROMPT, **_inputs(pixels))
     with torch.no_grad():
         plain = model._module(input_ids=PROMPT, **_inputs(pixels)).logits
     assert torch.allclose(edited, expected, atol=1e-5)

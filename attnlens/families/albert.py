@@ -25,10 +25,11 @@ receives, `mlp_norm_output` its output, no final norm.
 from __future__ import annotations
 
 from ..family import Family, Tiny
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
+from ..locations import ModuleInput, ModuleOutput
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 from ..parts.vllm import encoder_on_vllm
+from .bert import post_norm_locations
 
 POST_NORM = "ALBERT normalises after each residual add, not before a sublayer: {what}"
 SHARED = (
@@ -80,27 +81,13 @@ class Albert(Family):
         return applications(config, self.layers.partition(".albert_layer_groups.")[0])
 
     def locations(self):
-        probabilities, probabilities_anchor = self.eager.probabilities
-        return {
-            "embeddings": ModuleOutput(self.embed_tokens),
-            "layer_input": ModuleInput(),
-            "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
-            "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
-            "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            "attention_scores": softmax_argument(INTERFACE_CALL),
-            "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
-            "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
-            "attention_premix": ModuleInput(self.output_projection),
-            "attention_output": ModuleOutput(self.output_projection),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput("ffn"),
-            "mlp_activation": ModuleInput(),  # ffn_output receives the activation's output itself
-            "mlp_neurons": ModuleInput(),
-            "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput(""),
-            "logits": OutputField("logits"),
-        }
+        return post_norm_locations(
+            super().locations(),
+            attention_output=ModuleOutput(self.output_projection),
+            mlp_input=ModuleInput("ffn"),
+            mlp_activation=ModuleInput(),  # ffn_output receives the activation's output itself
+            mlp_neurons=ModuleInput(),
+        )
 
     class Identities(identities.Identities):
         def project_output(self, module, premix):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 from ..family import Family, Tiny, VLLMLayout
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
+from ..locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
@@ -33,6 +33,15 @@ ROBERTA_POSITIONS = (
     "gives a left-padded batch mask-derived ones counted from 0 instead, shifting every row"
 )
 POST_NORM = "BERT normalises after each residual add, not before a sublayer: {what}"
+
+
+def post_norm_locations(common: dict[str, Location], **replaced: Location) -> dict[str, Location]:
+    """`common` (`Family.locations`: the common block's) for a post-norm encoder that calls the attention interface:
+    the scores as the softmax receives them (an unpadded batch gets no mask), the block's whole output, no attention
+    norm and no final norm; `replaced` on top, in `common`'s order."""
+    found = {**common, "attention_scores": softmax_argument(INTERFACE_CALL), "layer_output": ModuleOutput("")}
+    del found["attention_norm_output"], found["final_norm_output"]
+    return {**found, **replaced}
 
 
 class Bert(Family):

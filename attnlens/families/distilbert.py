@@ -13,12 +13,11 @@ embeddings added before the blocks; there are no token types.
 from __future__ import annotations
 
 from ..family import Family, Tiny
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 from ..parts.vllm import encoder_on_vllm
-from .bert import POST_NORM
+from .bert import POST_NORM, post_norm_locations
 
 
 class DistilBert(Family):
@@ -39,27 +38,7 @@ class DistilBert(Family):
     sizes = Sizes(num_heads=("n_heads",), head_dim=("attention_head_size",), scale=("scaling",))
 
     def locations(self):
-        probabilities, probabilities_anchor = self.eager.probabilities
-        return {
-            "embeddings": ModuleOutput(self.embed_tokens),
-            "layer_input": ModuleInput(),
-            "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
-            "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
-            "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            "attention_scores": softmax_argument(INTERFACE_CALL),
-            "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
-            "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
-            "attention_premix": ModuleInput(self.output_projection),
-            "attention_output": ModuleOutput("", 0),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput(""),
-            "logits": OutputField("logits"),
-        }
+        return post_norm_locations(super().locations())
 
     ScoreFunction = scoring.Bidirectional
 

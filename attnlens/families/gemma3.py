@@ -14,7 +14,7 @@ from ..family import TINY_DEFAULTS, Tiny
 from ..parts import scoring
 from ..parts.multimodal import LanguageModelOf, SquareGrid, Tower, released_vllm
 from .gemma2 import Gemma2
-from .vision import SiglipTower
+from .vision import TINY_TOWER, SiglipTower
 
 
 class Gemma3(Gemma2):
@@ -76,15 +76,7 @@ class Gemma3Multimodal(LanguageModelOf, Gemma3):
             "boi_token_index": 130,
             "eoi_token_index": 131,
             "mm_tokens_per_image": 4,  # the 4 x 4 patches pooled to 2 x 2
-            "vision_config": {
-                "model_type": "siglip_vision_model",
-                "num_hidden_layers": 2,
-                "hidden_size": 32,
-                "num_attention_heads": 2,
-                "intermediate_size": 64,
-                "image_size": 32,
-                "patch_size": 8,
-            },
+            "vision_config": {"model_type": "siglip_vision_model", **TINY_TOWER},
         },
     )
     vllm = released_vllm(Gemma3, "gemma3", tiny)  # vLLM's gemma3_mm (tests_vllm)

@@ -22,9 +22,9 @@ The types differ in their MLP and head:
 from __future__ import annotations
 
 from ..family import Family, Tiny
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
 from ..parts import identities
 from ..parts.vllm import encoder_on_vllm
+from .bert import post_norm_locations
 from .modernbert import BidirectionalWindow, rotary_note
 
 POST_NORM = "{name} normalises after each residual add, not before a sublayer: {what}"
@@ -41,27 +41,7 @@ class Gte(Family):
     mlp_norm = "post_attention_layernorm"
 
     def locations(self):
-        probabilities, probabilities_anchor = self.eager.probabilities
-        return {
-            "embeddings": ModuleOutput(self.embed_tokens),
-            "layer_input": ModuleInput(),
-            "attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
-            "attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
-            "attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            "attention_scores": softmax_argument(INTERFACE_CALL),
-            "attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
-            "attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
-            "attention_premix": ModuleInput(self.output_projection),
-            "attention_output": ModuleOutput("", 0),
-            "layer_mid": ModuleInput(self.mlp_norm),
-            "mlp_norm_output": ModuleOutput(self.mlp_norm),
-            "mlp_input": ModuleInput(self.mlp),
-            "mlp_activation": ModuleOutput(self.activation),
-            "mlp_neurons": ModuleInput(self.down_projection),
-            "mlp_output": ModuleOutput(),
-            "layer_output": ModuleOutput(""),
-            "logits": OutputField("logits"),
-        }
+        return post_norm_locations(super().locations())
 
     class ScoreFunction(BidirectionalWindow):
         def half_window(self, config, layer):

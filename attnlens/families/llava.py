@@ -24,7 +24,7 @@ from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
-from .vision import ClipTower
+from .vision import TINY_TOWER, ClipTower
 
 #: `Positions.kind` of a tower's class token.
 CLASS = KINDS.index("class")
@@ -81,6 +81,8 @@ class LlavaImages(ImageTokens):
         return Positions(kind, image, row, col, tuple(grids))
 
 
+#: The tiny LLaVA and LLaVA-NeXT recipes' CLIP tower: 4 x 4 patches of 8 pixels.
+TOWER = {"model_type": "clip_vision_model", **TINY_TOWER}
 #: What vLLM is said to do with LLaVA's types here.
 VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA's language model with images on vLLM with transformers")
 
@@ -98,15 +100,7 @@ class Llava(LanguageModelOf, Llama):
             "text_config": {"model_type": "llama", **TINY_DEFAULTS, "vocab_size": 132},
             "image_token_index": 129,
             "image_seq_length": 16,  # the 4 x 4 patches, the class token dropped
-            "vision_config": {
-                "model_type": "clip_vision_model",
-                "num_hidden_layers": 2,
-                "hidden_size": 32,
-                "num_attention_heads": 2,
-                "intermediate_size": 64,
-                "image_size": 32,
-                "patch_size": 8,
-            },
+            "vision_config": TOWER,
         },
         layouts={"full": {"vision_feature_select_strategy": "full", "image_seq_length": 17}},
     )
@@ -150,7 +144,7 @@ class LlavaNext(LanguageModelOf, Llama):
             "text_config": {"model_type": "llama", **TINY_DEFAULTS, "vocab_size": 132},
             "image_token_index": 129,
             "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]],  # tiles of the tower's 32 x 32
-            "vision_config": Llava.tiny.kwargs["vision_config"],
+            "vision_config": TOWER,
         },
     )
     kind_notes = Llava.kind_notes

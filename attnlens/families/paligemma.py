@@ -36,7 +36,7 @@ from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
 from ..parts.vllm import VLLMLayout
 from .gemma import Gemma
 from .gemma2 import Gemma2
-from .vision import SiglipTower
+from .vision import TINY_TOWER, SiglipTower
 
 PREFIX_NOTE = (
     "a prefix-LM's mask: given token_type_ids (the processor's: 0 on the images and the prompt, 1 on a suffix), "
@@ -108,15 +108,7 @@ class _PaliGemma(LanguageModelOf):
         super().verify(model, layer, layer_module, attention_module)
 
 
-TOWER = {
-    "model_type": "siglip_vision_model",
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "image_size": 32,
-    "patch_size": 8,
-}
+TOWER = {"model_type": "siglip_vision_model", **TINY_TOWER}
 
 
 class PaliGemma(_PaliGemma, Gemma):

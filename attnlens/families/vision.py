@@ -35,6 +35,16 @@ from ..parts.vllm import VLLMLayout
 TOWER_HAS_NO_LOGITS = "a vision tower has no logits: its last block's output (after final_norm_output) is what the "
 TOWER_HAS_NO_LOGITS += "projector hands the language model"
 
+#: A tiny recipe's CLIP or SigLIP tower, but for its `model_type`: 4 x 4 patches of 8 pixels, 2 blocks 32 wide.
+TINY_TOWER = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
 
 class SiglipTower(Family):
     """SigLIP's vision tower (`SiglipVisionModel`), as a stack of a multimodal model."""
