@@ -1,6 +1,12 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
+import contextlib
 from importlib.metadata import version as _installed_version
+
+# nnsight, imported below, mounts `.save` on every object, which anyio refuses on classes it defines after that; its
+# asyncio backend loads on first use (an HTTP server's first streamed response): load it first
+with contextlib.suppress(ImportError):
+    import anyio._backends._asyncio  # noqa: F401
 
 from . import models
 from .analysis import Attribution, LogitLens, PatchGrid, attribution, attribution_patching, logit_lens, patch

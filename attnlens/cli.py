@@ -472,6 +472,20 @@ def _write_csv(out: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def run_serve(args) -> int:
+    folder = _folder(args.model)
+    if folder is None:
+        raise CommandError(f"{args.model}: attnlens serve takes a bundled name or a folder (the hub is not read)")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError("attnlens serve needs vLLM, which is not installed here (make install-vllm)")
+    from .serve import launch
+
+    launch.main(str(folder), list(args.vllm_args), args.model if args.model in BUNDLED else None)
+    return 0
+
+
 # --- the parser ------------------------------------------------------------------------------------------------------
 
 MODEL_HELP = "a bundled name (smollm2, gemma3-270m), tiny:FAMILY (e.g. tiny:llama), a folder or a hub name"
@@ -488,6 +502,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="The registered families, their model types, and which engines serve them.",
     )
     families.set_defaults(run=run_families)
+
+    serve = commands.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server, answering requests' attention",
+        description="Start vLLM's OpenAI-compatible server on MODEL (vLLM's own serve arguments after it, e.g. "
+        "--port 8000 --tensor-parallel-size 2) with requests' `attention` field answered: see docs/serve.md. "
+        "Needs vLLM.",
+        add_help=True,
+    )
+    serve.add_argument("model", metavar="MODEL", help="a bundled name (smollm2, gemma3-270m) or a folder")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's serve arguments, and --attention-max-values")
+    serve.set_defaults(run=run_serve)
 
     support = commands.add_parser(
         "support",

@@ -244,3 +244,9 @@ def test_an_encoder_checkpoint_loads_as_an_encoder_and_a_decoder_as_a_decoder(tm
         assert cli.main(["support", str(tmp_path / name)]) == 0
         notes = capsys.readouterr().out
         assert ("causal" if is_decoder else "bidirectional") in notes
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the refusal where vLLM is missing (tests_vllm/test_serve.py serves)")
+def test_serve_without_vllm_says_so():
+    run = attnlens("serve", "smollm2", "--port", "8000")
+    assert run.returncode == 1 and "attnlens serve needs vLLM" in run.stderr and "make install-vllm" in run.stderr

@@ -34,6 +34,7 @@ LAYERS = {
         "attnlens.envoys",
         "attnlens.inputs",
         "attnlens.rebuild",
+        "attnlens.row_features",
         "attnlens.checks",
         "attnlens.verification",
     ),

@@ -71,8 +71,6 @@ class StandardizedVLLM(Helpful, VLLM):
         enforce_eager: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        from transformers import AutoConfig
-
         path = str(model)
         if int(kwargs.get("pipeline_parallel_size") or 1) > 1:
             raise ValueError(
@@ -85,44 +83,7 @@ class StandardizedVLLM(Helpful, VLLM):
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
             kwargs["dtype"] = kwargs.pop("torch_dtype")
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except Exception as error:  # vLLM registers its own config classes; some refuse transformers' configs
-            refused = _refusal_of_folder(path)
-            if refused is None:
-                raise
-            raise UnknownFamily(refused) from error
-        if getattr(config, "is_encoder_decoder", False):
-            raise UnknownFamily(_encoder_decoder_refusal(config))
-        self.text_config = config.get_text_config()
-        # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
-        model_type = config.model_type if config.model_type in registered() else self.text_config.model_type
-        if family is None and model_type not in registered():  # the common layout, inferred and checked for vLLM
-            self.family: Family = inferred.infer(config, kwargs.get("model_impl", "auto"))
-        else:
-            self.family = family_for(model_type) if family is None else resolve_family(family)
-        refused = _refusal(self.family, model_type)
-        if refused is not None:
-            raise UnknownFamily(refused)
-        native = self.family.vllm.architecture
-        if native and config.architectures != [native]:  # vLLM's own class, not the one transformers saved
-            overrides = kwargs.setdefault("hf_overrides", {})
-            if isinstance(overrides, dict):
-                overrides.setdefault("architectures", [native])
-        if not worker.has_accelerator():
-            worker.adapt_client_for_cpu()
-            if getattr(self.text_config, "kv_lora_rank", None) and not _chosen_backend(kwargs):
-                # latent attention: on CPUs with AMX vLLM picks AMX_MLA, which takes bfloat16 weights only and packs
-                # its cache for AMX; attnlens reads the reference CPU_MLA kernel's cache (plain latent rows)
-                kwargs["attention_backend"] = "CPU_MLA"
-        family_class = type(self.family)
-        kwargs["additional_config"] = {
-            **(kwargs.get("additional_config") or {}),
-            "attnlens_family": inferred.MARKER
-            if isinstance(self.family, Inferred)
-            else f"{family_class.__module__}:{family_class.__qualname__}",
-            "attnlens_model_impl": kwargs.get("model_impl", "auto"),
-        }
+        self.text_config, self.family = engine_settings(path, family, kwargs)
         self.access = Access(self.family, self.text_config, self.text_config.num_hidden_layers, "vllm", self._geometry)
         self.static_points = static.declare(self, static_points) if static_points is not None else []
         if self.static_points:  # checked before the engine is built; the worker hooks them (static.py)
@@ -309,6 +270,54 @@ NO_EDITS = (
 )
 #: The worker reads the engine's mode here (`additional_config`), to leave a compiled model uninstrumented.
 COMPILED_KEY = "attnlens_compiled"
+
+
+def engine_settings(path: str, family: Family | type[Family] | str | None, kwargs: dict) -> tuple[Any, Family]:
+    """The text config and family of the checkpoint at `path` (`family` as `StandardizedVLLM` takes it), refused
+    with the reason where vLLM or attnlens cannot serve it, and vLLM's engine arguments for attnlens's worker set in
+    `kwargs`: the family named for the worker, vLLM's own class where the family names one, the CPU's adaptations.
+    Shared by `StandardizedVLLM` and `attnlens serve`."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # vLLM registers its own config classes; some refuse transformers' configs
+        refused = _refusal_of_folder(path)
+        if refused is None:
+            raise
+        raise UnknownFamily(refused) from error
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnknownFamily(_encoder_decoder_refusal(config))
+    text_config = config.get_text_config()
+    # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
+    model_type = config.model_type if config.model_type in registered() else text_config.model_type
+    if family is None and model_type not in registered():  # the common layout, inferred and checked for vLLM
+        found: Family = inferred.infer(config, kwargs.get("model_impl", "auto"))
+    else:
+        found = family_for(model_type) if family is None else resolve_family(family)
+    refused = _refusal(found, model_type)
+    if refused is not None:
+        raise UnknownFamily(refused)
+    native = found.vllm.architecture
+    if native and config.architectures != [native]:  # vLLM's own class, not the one transformers saved
+        overrides = kwargs.setdefault("hf_overrides", {})
+        if isinstance(overrides, dict):
+            overrides.setdefault("architectures", [native])
+    if not worker.has_accelerator():
+        worker.adapt_client_for_cpu()
+        if getattr(text_config, "kv_lora_rank", None) and not _chosen_backend(kwargs):
+            # latent attention: on CPUs with AMX vLLM picks AMX_MLA, which takes bfloat16 weights only and packs
+            # its cache for AMX; attnlens reads the reference CPU_MLA kernel's cache (plain latent rows)
+            kwargs["attention_backend"] = "CPU_MLA"
+    family_class = type(found)
+    kwargs["additional_config"] = {
+        **(kwargs.get("additional_config") or {}),
+        "attnlens_family": inferred.MARKER
+        if isinstance(found, Inferred)
+        else f"{family_class.__module__}:{family_class.__qualname__}",
+        "attnlens_model_impl": kwargs.get("model_impl", "auto"),
+    }
+    return text_config, found
 
 
 def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dict) -> bool:

@@ -269,6 +269,8 @@ class StaticRecorder:
             self.requests.setdefault(tag, _Request())
         for request_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self.tags.pop(request_id, None)  # its captures stay until taken
+        if hasattr(self.reduce, "schedule"):
+            self.reduce.schedule(scheduler_output)
         self.tokens = dict(scheduler_output.num_scheduled_tokens)
         self.spans = None  # worked out at the first hook, when the batch's order is final
 

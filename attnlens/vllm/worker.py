@@ -26,7 +26,7 @@ from ..locations.views import gather_heads, gathered_heads, local_heads
 from ..locations.vllm import kernel_arg, kernel_geometry, with_kernel_arg
 from ..registry import family_for
 from ..values import BY_NAME
-from . import inferred, kept, payload, shared_kv, static
+from . import inferred, kept, payload, serving, shared_kv, static
 from .blocks import attention_block, handoffs
 
 
@@ -499,6 +499,8 @@ class AttnlensRunner:
         self.nnsight_requests.__class__ = AttnlensRequests
         self.nnsight_requests.access = self.attnlens.access
         self.attnlens_static = static.install(self)
+        if (self.vllm_config.additional_config or {}).get(serving.CONFIG_KEY):
+            serving.install(self)
         self.attnlens_trees = payload.Trees(self.nnsight_persistent_objects)
         payload.send_results_as_bytes()
         if self.attnlens_compiled:
@@ -599,6 +601,14 @@ class _WorkerRPC:
     def attnlens_static_take(self, tags: list | None = None) -> dict:
         """The static captures of these requests (`static.generate`, via `collective_rpc`), freed in the worker."""
         return self.model_runner.attnlens_static.take(tags)
+
+    def attnlens_serve_take(self, tag: str, final: bool) -> dict:
+        """A served request's numbers so far (`serving.take`, via the API server's `collective_rpc`)."""
+        return serving.take(self, tag, final)
+
+    def attnlens_serve_held(self) -> dict:
+        """What the worker holds for served requests (`serving.held`: the API server's `/v1/attention/held`)."""
+        return serving.held(self)
 
 
 class GPUWorker(_WorkerRPC, NNsightGPUWorker):
