@@ -149,28 +149,38 @@ def assert_equal_numbers(found: client.Numbers, want: dict[str, torch.Tensor]) -
 
 @pytest.mark.parametrize("rows", ["generated", "prompt", "all"])
 def test_openai_completions_equal_the_eager_pattern(server, eager, rows):
+    """Two prompts in one request (their decode steps scored in one batch in the worker), every feature, three
+    layers and heads, against the eager pattern of each choice's own tokens."""
     attention = {"features": NAMES, "layers": [0, 13, -1], "heads": [0, 4, 8], "rows": rows}
-    attention["spans"] = [{"tokens": [0, 3]}, {"chars": [5, 9]}]  # "When Mary and"; " Mary"
+    attention["spans"] = [{"tokens": [0, 3]}, {"tokens": [1, 2]}]  # "When Mary and"; " Mary"
     response = server.openai().completions.create(
         model=server.model,
-        prompt=PROMPT,
+        prompt=[PROMPT, "The capital of France is Paris, and the capital of Italy is"],
         max_tokens=5,
         temperature=0,
         extra_body={"attention": attention, "return_token_ids": True},
     )
-    found = client.numbers(response)[0]
-    choice = response.choices[0].model_dump()
-    prompt, generated = choice["prompt_token_ids"], choice["token_ids"]
-    assert found.prompt_tokens == len(prompt) and found.layers == [0, 13, 29] and found.heads == [0, 4, 8]
-    first = {"generated": len(prompt) - 1, "prompt": 0, "all": 0}[rows]
-    last = len(prompt) if rows == "prompt" else len(prompt) + len(generated) - 1
-    assert found.positions == list(range(first, last))
-    assert found.spans == [(0, 3), (1, 2)]
-    assert eager.tokenizer.decode(prompt[1:2]) == " Mary"
-    want = expected(eager, prompt + generated, found, spans=tuple(found.spans), top_k=5)
-    assert_equal_numbers(found, want)
-    # each row's pattern sums to one, and the rows the prompt's last token and each decode step produced are there
-    assert torch.allclose(found.arrays["pattern"].sum(-1), torch.ones(()), atol=1e-5)
+    by_index = client.numbers(response)
+    assert sorted(by_index) == [0, 1]
+    for choice in response.choices:
+        found, dumped = by_index[choice.index], choice.model_dump()
+        prompt, generated = dumped["prompt_token_ids"], dumped["token_ids"]
+        assert found.prompt_tokens == len(prompt) and found.layers == [0, 13, 29] and found.heads == [0, 4, 8]
+        first = {"generated": len(prompt) - 1, "prompt": 0, "all": 0}[rows]
+        last = len(prompt) if rows == "prompt" else len(prompt) + len(generated) - 1
+        assert found.positions == list(range(first, last)) and found.spans == [(0, 3), (1, 2)]
+        want = expected(eager, prompt + generated, found, spans=tuple(found.spans), top_k=5)
+        assert_equal_numbers(found, want)
+        assert torch.allclose(found.arrays["pattern"].sum(-1), torch.ones(()), atol=1e-5)  # each row sums to one
+
+
+def test_character_spans_are_the_tokens_they_cover(server, eager):
+    found = client.numbers(
+        server.completion({"features": ["span_mass"], "spans": [{"chars": [5, 9]}, {"chars": [0, 13]}]})
+    )[0]
+    ids = eager.tokenizer(PROMPT)["input_ids"]
+    assert found.spans == [(1, 2), (0, 3)]
+    assert eager.tokenizer.decode(ids[1:2]) == " Mary" and eager.tokenizer.decode(ids[0:3]) == "When Mary and"
 
 
 def test_chat_with_message_spans_streamed_and_not(server, eager):

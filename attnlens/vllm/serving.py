@@ -23,7 +23,7 @@ import torch
 
 from .. import row_features
 from ..locations.views import gather_heads, gathered_heads, heads_first, tensor_parallel
-from . import static
+from . import kept, static
 
 #: `additional_config` key of an engine that serves attention (`attnlens serve`).
 CONFIG_KEY = "attnlens_serve"
@@ -149,12 +149,18 @@ class Rows:
 
     def _reduce(self, layer: int, query, key, spans: list) -> None:
         """Each request's wanted rows of this step (a suffix of its rows, up to its last wanted one), scored against
-        its keys up to there, reduced to its features."""
+        its keys up to there, reduced to its features; decode steps (one row each) of a layer scoring the common
+        layout's way scored in one batch, their keys read from the cache blocks straight into place (as static
+        captures' are: `StaticRecorder._from_cache`)."""
         values = self.values
         heads, function = values.geometry[layer], values.score_function
-        earlier = self.recorder.earlier(layer, spans, values=False)
         # every rank's heads (collectives: every rank reaches them, for the same spans)
         queries = gathered_heads(query.reshape(query.shape[0], -1), heads.qk_head_dim, heads.num_heads)
+        batched = self.recorder._from_cache(layer, spans)
+        if batched:
+            self._decoded(layer, queries, key, [span for span in spans if span[1] in batched])
+        spans = [span for span in spans if span[1] not in batched]
+        earlier = self.recorder.earlier(layer, spans, values=False)
         for _, request_id, start, count, position in spans:
             served = self.served[request_id]
             rows = served.wanted(position, count)
@@ -167,15 +173,35 @@ class Rows:
                 continue
             asked = queries[:, :, start + rows.start - position : start + rows.stop - position]
             scores = function.scores(heads, values.config, asked, keys, layer)
-            probabilities = function.softmax(scores, values.sinks.get(layer))[0][0].float()
-            plan = served.plan
-            if plan["heads"] is not None:
-                probabilities = probabilities[plan["heads"]]
-            positions = torch.arange(rows.start, rows.stop)
-            if layer == plan["layers"][0]:
-                served.positions.append(positions)
-            request = row_features.Rows(positions, served.prompt_tokens, plan["spans"], plan["top_k"])
-            served.arrays[layer].append(row_features.compute(plan["features"], probabilities, request))
+            self._record(served, layer, function.softmax(scores, values.sinks.get(layer))[0][0], rows)
+
+    def _decoded(self, layer: int, queries, key, spans: list) -> None:
+        values = self.values
+        kernel = values.kernels[layer]
+        tables = [values.tables.row(kernel, request_id) for _, request_id, _, _, _ in spans]
+        rows = [(table, position, key[start]) for (table, _), (_, _, start, _, position) in zip(tables, spans)]
+        keys, lengths = kept.decode_keys(kernel, tables[0][1], rows)
+        keys = gather_heads(keys, values.geometry[layer].num_kv_heads, 1)
+        if not self.here:
+            return
+        asked = torch.cat([queries[:, :, start : start + 1] for _, _, start, _, _ in spans])
+        _, (probabilities, _) = static.decode_patterns(values, layer, asked, keys, lengths)
+        longest = keys.shape[2]
+        for row, ((_, request_id, _, _, position), length) in enumerate(zip(spans, lengths)):
+            rows = range(position, position + 1)
+            self._record(self.served[request_id], layer, probabilities[row, :, :, longest - length :], rows)
+
+    def _record(self, served: _Served, layer: int, probabilities: torch.Tensor, rows: range) -> None:
+        """A request's rows `[heads, rows, keys]` on `layer`, reduced to its plan's features and kept."""
+        plan = served.plan
+        probabilities = probabilities.float()
+        if plan["heads"] is not None:
+            probabilities = probabilities[plan["heads"]]
+        positions = torch.arange(rows.start, rows.stop)
+        if layer == plan["layers"][0]:
+            served.positions.append(positions)
+        request = row_features.Rows(positions, served.prompt_tokens, plan["spans"], plan["top_k"])
+        served.arrays[layer].append(row_features.compute(plan["features"], probabilities, request))
 
     def schedule(self, scheduler_output: Any) -> None:
         """Mark the finished requests; drop the numbers of those not taken within `UNCLAIMED_S` (a rank that reduces
