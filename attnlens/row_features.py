@@ -19,13 +19,25 @@ import torch
 @dataclass(frozen=True)
 class Rows:
     """The rows one step reduces, and what the request asked: `positions` `[rows]` (each row's position in the
-    sequence: prompt then generated tokens), the prompt's length, the spans of `span_mass` (token ranges, end
-    exclusive), and `top_k`."""
+    sequence: prompt then generated tokens), the prompt's length (one, or per row), the spans of `span_mass` (token
+    ranges, end exclusive) and `top_k`. `offsets` `[rows]`: where each row's key 0 sits on the key axis, in a batch of
+    rows of different requests left-padded to one length (None: at 0)."""
 
     positions: torch.Tensor
-    prompt_tokens: int
+    prompt_tokens: int | torch.Tensor
     spans: tuple[tuple[int, int], ...] = ()
     top_k: int = 5
+    offsets: torch.Tensor | None = None
+
+    def keys(self, width: int) -> torch.Tensor:
+        """`[rows, width]`: the position of each key column for each row (negative on a row's padding)."""
+        columns = torch.arange(width)
+        return columns.expand(len(self.positions), -1) if self.offsets is None else columns - self.offsets[:, None]
+
+    def at(self, p: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`[heads, rows]`: each row's weight on the key at `positions` `[rows]`."""
+        columns = positions if self.offsets is None else positions + self.offsets
+        return p.gather(-1, columns.clamp(min=0).expand(p.shape[0], -1)[..., None])[..., 0]
 
 
 @dataclass(frozen=True)
@@ -45,19 +57,20 @@ def _entropy(p: torch.Tensor, rows: Rows) -> dict:
 
 
 def _sink(p: torch.Tensor, rows: Rows) -> dict:
-    return {"sink": p[..., 0]}
+    return {"sink": rows.at(p, torch.zeros_like(rows.positions))}
 
 
 def _previous(p: torch.Tensor, rows: Rows) -> dict:
-    before = (rows.positions - 1).clamp(min=0)
-    found = p.gather(-1, before.expand(p.shape[0], -1)[..., None])[..., 0]
+    found = rows.at(p, rows.positions - 1)
     return {"previous": torch.where(rows.positions >= 1, found, torch.nan)}
 
 
 def _top_keys(p: torch.Tensor, rows: Rows) -> dict:
     k = min(rows.top_k, p.shape[-1])
-    weights, keys = p.topk(k, dim=-1)
-    seen = keys <= rows.positions[:, None]  # a row's masked keys (weight 0) are not among its top keys
+    weights, columns = p.topk(k, dim=-1)
+    keys = columns if rows.offsets is None else columns - rows.offsets[:, None]
+    # a row's masked keys and padding (weight 0) are not among its top keys
+    seen = (keys >= 0) & (keys <= rows.positions[:, None])
     weights, keys = weights.where(seen, 0.0), keys.where(seen, -1)
     if k < rows.top_k:  # fewer keys than asked: padded as past the keys a row sees
         pad = rows.top_k - k
@@ -67,22 +80,30 @@ def _top_keys(p: torch.Tensor, rows: Rows) -> dict:
 
 
 def _pattern(p: torch.Tensor, rows: Rows) -> dict:
-    return {"pattern": p}
+    if rows.offsets is None:
+        return {"pattern": p}
+    width = int(rows.positions.max()) + 1  # each row's keys from its key 0, zero past its own position
+    columns = rows.offsets[:, None] + torch.arange(width)
+    found = p.gather(-1, columns.clamp(max=p.shape[-1] - 1).expand(p.shape[0], -1, -1))
+    return {"pattern": found.where(torch.arange(width) <= rows.positions[:, None], 0.0)}
 
 
 def _span_mass(p: torch.Tensor, rows: Rows) -> dict:
-    keys = p.shape[-1]
-    found = [p[..., min(start, keys) : min(end, keys)].sum(-1) for start, end in rows.spans]
-    return {"span_mass": torch.stack(found, -1) if found else p.new_zeros(*p.shape[:2], 0)}
+    if not rows.spans:
+        return {"span_mass": p.new_zeros(*p.shape[:2], 0)}
+    keys = rows.keys(p.shape[-1])  # [rows, keys]
+    inside = torch.stack([(keys >= start) & (keys < end) for start, end in rows.spans], 1)  # [rows, spans, keys]
+    return {"span_mass": torch.einsum("hrk,rsk->hrs", p, inside.to(p.dtype))}
 
 
 def _lookback(p: torch.Tensor, rows: Rows) -> dict:
     """Lookback Lens's ratio: the mean weight on a prompt token against the mean weight on a generated one, over the
     keys each row sees; nan where a row sees no generated token (the prompt's rows, and the first generated token's)."""
-    prompt = rows.prompt_tokens
-    on_prompt = p[..., :prompt].sum(-1) / prompt
+    prompt = torch.as_tensor(rows.prompt_tokens).expand(len(rows.positions))
+    keys = rows.keys(p.shape[-1])
+    on_prompt = (p * ((keys >= 0) & (keys < prompt[:, None]))).sum(-1) / prompt
     generated = (rows.positions + 1 - prompt).clamp(min=0)  # generated keys each row sees
-    on_generated = p[..., prompt:].sum(-1) / generated.clamp(min=1)
+    on_generated = (p * (keys >= prompt[:, None])).sum(-1) / generated.clamp(min=1)
     ratio = on_prompt / (on_prompt + on_generated)
     return {"lookback": torch.where(generated > 0, ratio, torch.nan)}
 

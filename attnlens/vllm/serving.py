@@ -35,8 +35,9 @@ TAG = "attnlens-serve-"
 UNCLAIMED_S = 300.0
 
 
-def plan_of(extra: dict) -> dict:
-    plan = json.loads(extra[KEY])
+def plan_of(asked: str) -> dict:
+    """A request's plan from its `extra_args[KEY]`."""
+    plan = json.loads(asked)
     plan["spans"] = tuple(tuple(span) for span in plan.get("spans", ()))
     return plan
 
@@ -54,10 +55,11 @@ def layers_served(family, config, num_layers: int) -> list[int]:
 class _Served:
     """One request's plan and numbers not yet taken: per step with rows, their positions and per layer the arrays."""
 
-    def __init__(self, tag: str, plan: dict, prompt_tokens: int) -> None:
-        self.tag, self.plan, self.prompt_tokens = tag, plan, prompt_tokens
+    def __init__(self, tag: str, asked: str, prompt_tokens: int) -> None:
+        self.tag, self.asked, self.prompt_tokens = tag, asked, prompt_tokens
+        self.plan = plan_of(asked)
         self.positions: list[torch.Tensor] = []
-        self.arrays: dict[int, list[dict]] = {layer: [] for layer in plan["layers"]}
+        self.arrays: dict[int, list[dict]] = {layer: [] for layer in self.plan["layers"]}
         self.finished: float | None = None
 
     def wanted(self, position: int, count: int) -> range:
@@ -71,8 +73,12 @@ class _Served:
         as `wire` sends them; held no longer here."""
         positions = torch.cat(self.positions) if self.positions else torch.zeros(0, dtype=torch.long)
         found = {"positions": wire(positions)}
+        width = int(positions.max()) + 1 if len(positions) else 0  # a pattern's keys: up to these rows' last
         found["layers"] = {
-            layer: {name: wire(array) for name, array in _joined(steps).items()} for layer, steps in self.arrays.items()
+            layer: {
+                name: wire(array[..., :width] if name == "pattern" else array) for name, array in _joined(steps).items()
+            }
+            for layer, steps in self.arrays.items()
         }
         self.positions = []
         self.arrays = {layer: [] for layer in self.arrays}
@@ -136,8 +142,8 @@ class Rows:
         for _, request_id, _, _, _ in mine:
             if request_id not in self.served:
                 state = self.runner.requests[request_id]
-                plan = plan_of(state.sampling_params.extra_args)
-                self.served[request_id] = _Served(tags[request_id], plan, state.num_prompt_tokens)
+                asked = state.sampling_params.extra_args[KEY]
+                self.served[request_id] = _Served(tags[request_id], asked, state.num_prompt_tokens)
         reducing = [
             span
             for span in mine
@@ -176,6 +182,8 @@ class Rows:
             self._record(served, layer, function.softmax(scores, values.sinks.get(layer))[0][0], rows)
 
     def _decoded(self, layer: int, queries, key, spans: list) -> None:
+        """Decode steps (one row each) scored in one batch, their keys left-padded; the requests that asked alike
+        (one plan) reduced together too (`row_features.Rows.offsets`), each then keeping its own row."""
         values = self.values
         kernel = values.kernels[layer]
         tables = [values.tables.row(kernel, request_id) for _, request_id, _, _, _ in spans]
@@ -186,17 +194,36 @@ class Rows:
             return
         asked = torch.cat([queries[:, :, start : start + 1] for _, _, start, _, _ in spans])
         _, (probabilities, _) = static.decode_patterns(values, layer, asked, keys, lengths)
+        groups: dict[str, list[int]] = {}
+        for row, span in enumerate(spans):
+            groups.setdefault(self.served[span[1]].asked, []).append(row)
         longest = keys.shape[2]
-        for row, ((_, request_id, _, _, position), length) in enumerate(zip(spans, lengths)):
-            rows = range(position, position + 1)
-            self._record(self.served[request_id], layer, probabilities[row, :, :, longest - length :], rows)
+        for group in groups.values():
+            served = [self.served[spans[row][1]] for row in group]
+            plan = served[0].plan
+            positions = torch.tensor([spans[row][4] for row in group])
+            request = row_features.Rows(
+                positions,
+                torch.tensor([one.prompt_tokens for one in served]),
+                plan["spans"],
+                plan["top_k"],
+                offsets=longest - 1 - positions,
+            )
+            chosen = probabilities[group, :, 0].transpose(0, 1).float()  # [heads, requests, keys]
+            found = row_features.compute(plan["features"], self._heads(chosen, plan), request)
+            for i, one in enumerate(served):
+                if layer == plan["layers"][0]:
+                    one.positions.append(positions[i : i + 1])
+                one.arrays[layer].append({name: array[:, i : i + 1] for name, array in found.items()})
+
+    @staticmethod
+    def _heads(probabilities: torch.Tensor, plan: dict) -> torch.Tensor:
+        return probabilities if plan["heads"] is None else probabilities[plan["heads"]]
 
     def _record(self, served: _Served, layer: int, probabilities: torch.Tensor, rows: range) -> None:
         """A request's rows `[heads, rows, keys]` on `layer`, reduced to its plan's features and kept."""
         plan = served.plan
-        probabilities = probabilities.float()
-        if plan["heads"] is not None:
-            probabilities = probabilities[plan["heads"]]
+        probabilities = self._heads(probabilities.float(), plan)
         positions = torch.arange(rows.start, rows.stop)
         if layer == plan["layers"][0]:
             served.positions.append(positions)
