@@ -211,10 +211,12 @@ class Rows:
             )
             chosen = probabilities[group, :, 0].transpose(0, 1).float()  # [heads, requests, keys]
             found = row_features.compute(plan["features"], self._heads(chosen, plan), request)
-            for i, one in enumerate(served):
-                if layer == plan["layers"][0]:
-                    one.positions.append(positions[i : i + 1])
-                one.arrays[layer].append({name: array[:, i : i + 1] for name, array in found.items()})
+            each = {name: array.split(1, dim=1) for name, array in found.items()}  # one view per request
+            first = layer == plan["layers"][0]
+            for i, (one, position) in enumerate(zip(served, positions.split(1))):
+                if first:
+                    one.positions.append(position)
+                one.arrays[layer].append({name: views[i] for name, views in each.items()})
 
     @staticmethod
     def _heads(probabilities: torch.Tensor, plan: dict) -> torch.Tensor:
