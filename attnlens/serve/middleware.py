@@ -271,7 +271,8 @@ def encoded(array: torch.Tensor, encoding: str, dtype: str) -> dict:
     if encoding == "base64":
         if array.is_floating_point():
             array = array.to(getattr(torch, dtype))
-        data = base64.b64encode(array.contiguous().numpy().astype(array.numpy().dtype.newbyteorder("<")).tobytes())
+        flat = array.contiguous().numpy()
+        data = base64.b64encode(flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes())
         return {"shape": list(array.shape), "dtype": str(array.dtype).removeprefix("torch."), "data": data.decode()}
     listed = array.tolist()
     if array.is_floating_point() and bool(array.isnan().any()):

@@ -113,13 +113,10 @@ class Reducer:
             self.recorder.tap(layer)
 
     def __call__(self, layer: int, query, key, value, spans: list) -> list:
-        tags = self.recorder.tags
-        mine = [span for span in spans if tags.get(span[1], "").startswith(TAG)]
-        if not mine:
-            return spans
-        if layer in self.plan:
+        mine, others = self.recorder.split(spans, TAG)
+        if mine and layer in self.plan:
             self._take(layer, (query, key, value), mine)
-        return [span for span in spans if not tags.get(span[1], "").startswith(TAG)]
+        return others
 
     def _take(self, layer: int, arguments: tuple, spans: list) -> None:
         shapes = self.shapes[layer]

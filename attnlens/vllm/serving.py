@@ -134,10 +134,7 @@ class Rows:
 
     def __call__(self, layer: int, query, key, value, spans: list) -> list:
         tags = self.recorder.tags
-        mine = [span for span in spans if tags.get(span[1], "").startswith(TAG)]
-        if not mine:
-            return spans
-        left = [span for span in spans if not tags.get(span[1], "").startswith(TAG)]
+        mine, others = self.recorder.split(spans, TAG)
         mine = [span for span in mine if tags[span[1]] not in self.closed]
         for _, request_id, _, _, _ in mine:
             if request_id not in self.served:
@@ -151,7 +148,7 @@ class Rows:
         ]
         if reducing:
             self._reduce(layer, query, key, reducing)
-        return left
+        return others
 
     def _reduce(self, layer: int, query, key, spans: list) -> None:
         """Each request's wanted rows of this step (a suffix of its rows, up to its last wanted one), scored against

@@ -255,6 +255,13 @@ class StaticRecorder:
         before_kernel(child(attention, kernel)._module, self._kernel_hook(layer))
         self.tapped.add(layer)
 
+    def split(self, spans: list, prefix: str) -> tuple[list, list]:
+        """This step's spans (`_spans`) of requests tagged with `prefix` (a tool's own), and the others."""
+        mine, others = [], []
+        for span in spans:
+            (mine if self.tags.get(span[1], "").startswith(prefix) else others).append(span)
+        return mine, others
+
     # --- scheduling ----------------------------------------------------------------------------------------
 
     def schedule(self, scheduler_output: Any) -> None:
