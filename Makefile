@@ -120,7 +120,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VPIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/constraints.txt
 	$(VPIP) install -q -c $(VLLM_VENV)/constraints.txt nnsight==0.8.1 "rich>=13" safetensors \
 		"pytest>=8" "pytest-xdist>=3.5" "gguf>=0.10" "accelerate>=1.0" psutil "matplotlib>=3.7" "selenium>=4.11" \
-		pillow "pyarrow>=15" "duckdb>=1.0" "pandas>=2" "polars>=1" "datasets>=3" "ray[data]>=2.40"
+		pillow "pyarrow>=15" "duckdb>=1.0" "pandas>=2" "polars>=1" "datasets>=3" "ray[data]>=2.40" "orjson>=3.9"
 	$(VPIP) install -q --no-deps -e .
 	$(VPIP) install -q --no-deps $(REAL_MODELS)
 	$(BROWSER_INSTALL)

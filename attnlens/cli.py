@@ -9,6 +9,7 @@ hub name.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -161,6 +162,17 @@ def int_list(text: str) -> list[int]:
     return items
 
 
+def _span(text: str) -> list[int | None]:
+    """ "0:1", "-8:" or ":4" -> [start, end) as a Python slice of a prompt's tokens (None: its start or end)."""
+    start, colon, end = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        return [int(start) if start.strip() else None, int(end) if end.strip() else None]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a span like 0:1, -8: or :4") from None
+
+
 def _writable(path: Path, suffixes: tuple[str, ...]) -> Path:
     if path.suffix.lower() not in suffixes:
         raise CommandError(f"--out {path}: write {' or '.join(suffixes)}")
@@ -239,6 +251,12 @@ def run_support(args) -> int:
 def run_show(args) -> int:
     out = _writable(args.out, (".html", ".htm", ".png"))
     png = out.suffix.lower() == ".png"
+    if args.response is not None:
+        return _show_response(args, out, png)
+    if args.model is None or args.prompt is None:
+        raise CommandError("show runs MODEL on PROMPT (or shows a served response: --response FILE.json)")
+    if args.layer is None:
+        raise CommandError("show: name the layer(s) to capture with --layer (10, 10,11, 8-11 or all)")
     layers = args.layer
     if png and (layers is None or len(layers) > 1):
         raise CommandError("a PNG shows one layer; name one --layer, or write .html for several")
@@ -255,6 +273,70 @@ def run_show(args) -> int:
         from .show import show
 
         show(model, prompt, layers, **options).save(out)
+    print(out)
+    return 0
+
+
+def _show_response(args, out: Path, png: bool) -> int:
+    """`attnlens show --response FILE.json`: the pattern rows a served response carries (`attnlens serve`, the
+    `pattern` feature) in the viewer or a PNG, labelled with the tokens where the response has their ids
+    (`return_token_ids`) and MODEL is given to decode them, else by position."""
+    from . import client
+    from .show import show
+
+    if args.prompt is not None or args.image:
+        raise CommandError("--response shows what a server answered: no PROMPT or --image (MODEL only decodes tokens)")
+    try:
+        response = json.loads(Path(args.response).read_text(encoding="utf-8"))
+        found = client.numbers(response)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = _line(error)
+        raise CommandError(f"--response {args.response}: not a served response with attention ({reason})") from None
+    if args.choice not in found:
+        raise CommandError(f"--response: no choice {args.choice} with attention; it has {sorted(found) or 'none'}")
+    numbers = found[args.choice]
+    if numbers.error:
+        raise CommandError(f"--response: choice {args.choice} has no numbers: {numbers.error}")
+    if "pattern" not in numbers.arrays:
+        raise CommandError(
+            f"--response: choice {args.choice} holds {sorted(numbers.arrays)}, no pattern rows to draw; ask the server "
+            'for them: "attention": {"features": ["pattern"], ...}'
+        )
+    layers = numbers.layers if args.layer is None else args.layer
+    missing = [layer for layer in layers if layer not in numbers.layers]
+    if missing:
+        raise CommandError(f"--layer {missing}: not in this response; it has layers {numbers.layers}")
+    if png and len(layers) > 1:
+        raise CommandError("a PNG shows one layer; name one --layer, or write .html for several")
+    heads = None
+    if args.heads is not None:
+        absent = [head for head in args.heads if head not in numbers.heads]
+        if absent:
+            raise CommandError(f"--heads {absent}: not in this response; it has heads {numbers.heads}")
+        heads = [numbers.heads.index(head) for head in args.heads]
+    capture = {layer: {"probs": numbers.at("pattern", layer)} for layer in layers}
+    width = next(iter(capture.values()))["probs"].shape[-1]
+    whole = response if isinstance(response, dict) else {}  # a stream saved as a list of chunks has no choices here
+    choice = next((c for c in whole.get("choices") or () if c.get("index") == args.choice), {})
+    ids = (choice.get("prompt_token_ids") or []) + (choice.get("token_ids") or [])
+    tokens = None
+    if args.model is not None and len(ids) >= width:
+        tokenizer = _loading(args.model).tokenizer
+        tokens = [tokenizer.decode([token]) for token in ids[:width]]
+    options = dict(
+        query_positions=numbers.positions,
+        key_positions=list(range(width)),
+        head_labels=numbers.heads,
+        heads=heads,
+        tokens=tokens,
+        title=f"{whole.get('model', 'served')}, choice {args.choice}",
+    )
+    if png:
+        from .plot import plot
+
+        plot(capture, layer=layers[0], out=out, **options)
+    else:
+        show(capture, layers=layers, **options).save(out)
     print(out)
     return 0
 
@@ -391,6 +473,8 @@ def run_collect(args) -> int:
         layers=args.layers,
         top_k=args.top_k,
         rows=args.rows,
+        spans=args.span,
+        context=args.context,
         field=args.field,
         key_field=args.key_field,
         shard_size=args.shard_size,
@@ -535,11 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a pattern as an HTML viewer or a PNG",
         description="Capture the pattern of PROMPT on some layers and write a self-contained "
         "HTML viewer (.html: every head, hover for weights) or a PNG (.png, one "
-        "layer).",
+        "layer); or draw the pattern rows a served response carries (--response).",
     )
-    show.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    show.add_argument("prompt", metavar="PROMPT", help="the text to run")
-    show.add_argument("--layer", type=int_list, required=True, help="layer(s): 10, or 10,11, 8-11 or all for a page")
+    show.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
+    show.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to run")
+    show.add_argument(
+        "--layer", type=int_list, default=None, help="layer(s): 10, or 10,11, 8-11 or all for a page (required to run)"
+    )
     show.add_argument("--heads", type=int_list, default=None, help="heads to show: 0,3,5 or 0-3 (default: all)")
     show.add_argument("--out", type=Path, required=True, help="FILE.html or FILE.png")
     show.add_argument(
@@ -549,6 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="an image the prompt holds (repeat for several; a vision-language model), drawn under its attention",
     )
+    show.add_argument(
+        "--response",
+        type=Path,
+        default=None,
+        help="a response of `attnlens serve` with pattern rows (JSON); MODEL, if given, decodes its token ids",
+    )
+    show.add_argument("--choice", type=int, default=0, help="the response's choice to draw (0)")
     show.set_defaults(run=run_show)
 
     heads = commands.add_parser(
@@ -608,7 +701,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collect.add_argument("--top-k", type=int, default=5, help="top keys kept per chosen row (5)")
     collect.add_argument(
-        "--rows", type=int_list, default=[-1], help="query rows for top_keys and pattern, negative from the end (-1)"
+        "--rows",
+        type=int_list,
+        default=[-1],
+        help="query rows for top_keys, pattern, span_mass and lookback, negative from the end (-1)",
+    )
+    collect.add_argument(
+        "--span",
+        action="append",
+        type=_span,
+        default=[],
+        metavar="START:END",
+        help="a token range for span_mass, as a Python slice (repeatable): 0:1, -8:",
+    )
+    collect.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="leading tokens that are the context lookback weighs against the rest (negative: all but that many)",
     )
     collect.add_argument("--field", default="text", help="the JSONL field or Parquet column with the text (text)")
     collect.add_argument("--key-field", default="id", help="a field kept with each row as its key (id)")

@@ -33,6 +33,7 @@ from vllm_capture import PROMPTS, say
 import attnlens
 
 ATTENTION = {"features": ["entropy", "sink", "top_keys"], "rows": "generated"}
+ATTENTION_BASE64 = {**ATTENTION, "encoding": "base64", "dtype": "float16"}
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "smollm2", "--seed", "0"]
 
 
@@ -119,6 +120,7 @@ def main() -> None:
             "plain vLLM": (servers["plain vLLM"][1], None),
             "attnlens serve, no attention": (servers["attnlens serve"][1], None),
             "attnlens serve, entropy+sink+top_keys, every layer": (servers["attnlens serve"][1], ATTENTION),
+            "  the same, base64 float16": (servers["attnlens serve"][1], ATTENTION_BASE64),
         }
         seconds = {name: [] for name in rows}
         latencies = {name: [] for name in rows}

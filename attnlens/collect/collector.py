@@ -77,6 +77,8 @@ class Collector:
         *,
         top_k: int = 5,
         rows: Sequence[int] = (-1,),
+        spans: Sequence[Sequence[int | None]] = (),
+        context: int | None = None,
         batch_size: int | None = None,
     ):
         from ..heads import why_not
@@ -87,6 +89,13 @@ class Collector:
         self.options = {"top_k": int(top_k), "rows": [int(r) for r in ([rows] if isinstance(rows, int) else rows)]}
         if self.options["top_k"] < 1 and "top_keys" in self.names:
             raise ValueError(f"top_k must be at least 1 with the top_keys feature; got {top_k}")
+        # given only where set, so the options (part of a run's identity) of runs from before them stay the same
+        if spans:
+            if any(len(span) != 2 for span in spans):
+                raise ValueError(f"spans: each is [start, end) (end None: to the prompt's end); got {list(spans)}")
+            self.options["spans"] = [[start, end] for start, end in spans]
+        if context is not None:
+            self.options["context"] = int(context)
         self.wants = registry.wants_of(self.features)
         self.vllm = model.access.engine == "vllm"
         # on vLLM: reduced at the attention op (no trace), where every feature reads only the kernel's arguments

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import heads
+from .. import heads, row_features
 
 #: Options every feature may read, with their defaults (part of the features' hash).
 DEFAULT_OPTIONS = {"top_k": 5, "rows": [-1]}
@@ -246,20 +246,63 @@ def _top(context: Context) -> dict[str, torch.Tensor]:
     }
 
 
-def _pattern(context: Context) -> dict[str, torch.Tensor]:
+def _chosen_patterns(context: Context) -> list[torch.Tensor]:
     """Each chosen row's pattern, [heads, keys the row sees], scored alone by the family's score function."""
     queries, keys = context.values["attention_queries"], context.values["attention_keys"]
     scores = heads.score_function(context.attn)
-    rows = context.rows()
-    found = [
+    return [
         scores(queries[:, :, row : row + 1], keys[:, :, : row + 1]).softmax(-1, dtype=torch.float32)[0, :, 0]
-        for row in rows
+        for row in context.rows()
     ]
-    num_heads = queries.shape[1]
+
+
+def _pattern(context: Context) -> dict[str, torch.Tensor]:
+    found = _chosen_patterns(context)
+    num_heads = context.values["attention_queries"].shape[1]
     return {
-        "pattern_rows": torch.tensor(rows, dtype=torch.int32).expand(num_heads, -1),
+        "pattern_rows": torch.tensor(context.rows(), dtype=torch.int32).expand(num_heads, -1),
         "pattern": [[row[h] for row in found] for h in range(num_heads)],
     }
+
+
+def spans_of(options: dict, tokens: int) -> tuple[tuple[int, int], ...]:
+    """The run's `spans` on a prompt of `tokens` tokens: each `[start, end)` as Python slices it (negative from the
+    prompt's end; end None: to its end), as token ranges."""
+    found = []
+    for start, end in options.get("spans") or ():
+        chosen = range(tokens)[start:end]
+        found.append((chosen.start, chosen.stop) if len(chosen) else (0, 0))
+    return tuple(found)
+
+
+def context_of(options: dict, tokens: int) -> int:
+    """How many leading tokens of a prompt are the context `lookback` weighs against the rest (`context`: a count,
+    negative: all but that many)."""
+    return len(range(tokens)[: options.get("context")])
+
+
+def _row_features(name: str, rows_column: str) -> Callable[[Context], dict[str, torch.Tensor]]:
+    """A feature of `attnlens.row_features` (what `attnlens serve` returns per row) on each chosen row: the same
+    code on the chosen rows' patterns."""
+
+    def compute(context: Context) -> dict[str, torch.Tensor]:
+        rows, tokens = context.rows(), context.tokens
+        num_heads = context.values["attention_queries"].shape[1]
+        found = _chosen_patterns(context)
+        width = rows[-1] + 1 if rows else 0
+        pattern = torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[-1])) for row in found], 1)
+        request = row_features.Rows(
+            torch.tensor(rows), context_of(context.options, tokens) if name == "lookback" else tokens,
+            spans_of(context.options, tokens),
+        )  # fmt: skip
+        if not rows:
+            shape = (num_heads, 0, len(request.spans)) if name == "span_mass" else (num_heads, 0)
+            array = torch.zeros(shape)
+        else:
+            array = row_features.compute([name], pattern, request)[name]
+        return {rows_column: torch.tensor(rows, dtype=torch.int32).expand(num_heads, -1), name: array}
+
+    return compute
 
 
 def _norm(name: str, head_axis: int, kv: bool) -> Callable[[Context], dict[str, torch.Tensor]]:
@@ -348,3 +391,25 @@ for _value, (_column, _axis, _kv) in NORMS.items():
             grouped=True,
         )
     )
+
+register(
+    Feature(
+        "span_mass",
+        "each chosen row's (span_rows) weight on each of the run's spans (token ranges, negative from the end)",
+        QK,
+        {"span_rows": "list<int32>", "span_mass": "list<list<float32>>"},
+        _row_features("span_mass", "span_rows"),
+        scored=True,
+    )
+)
+register(
+    Feature(
+        "lookback",
+        "each chosen row's (lookback_rows) Lookback Lens ratio: mean weight on a context token / (that + mean weight "
+        "on a later token), the context being the run's first `context` tokens; nan where the row sees no later token",
+        QK,
+        {"lookback_rows": "list<int32>", "lookback": "list<float32>"},
+        _row_features("lookback", "lookback_rows"),
+        scored=True,
+    )
+)

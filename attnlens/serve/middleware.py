@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import math
 import os
 import re
 import uuid
 from typing import Any
 
+import orjson
 import torch
 
 from .. import row_features
@@ -274,16 +274,16 @@ def encoded(array: torch.Tensor, encoding: str, dtype: str) -> dict:
         flat = array.contiguous().numpy()
         data = base64.b64encode(flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes())
         return {"shape": list(array.shape), "dtype": str(array.dtype).removeprefix("torch."), "data": data.decode()}
-    listed = array.tolist()
-    if array.is_floating_point() and bool(array.isnan().any()):
-        listed = _nan_to_none(listed)  # JSON has no NaN
-    return {"shape": list(array.shape), "dtype": str(array.dtype).removeprefix("torch."), "data": listed}
+    # a numpy array, which `dumps` writes as nested lists (NaN as null: JSON has none) in C
+    data = array.contiguous().numpy()
+    return {"shape": list(array.shape), "dtype": str(array.dtype).removeprefix("torch."), "data": data}
 
 
-def _nan_to_none(value):
-    if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
-    return None if isinstance(value, float) and math.isnan(value) else value
+def dumps(content: Any) -> bytes:
+    """JSON of a response or chunk holding the numbers as numpy arrays (`encoded`): orjson writes them in C, each
+    float32 as the shortest decimal that reads back to it, where the standard library's `json` would spend a core
+    formatting them one Python float at a time."""
+    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def choices_attention(taken: dict, request: dict, lengths: list[int], n: int, chat: bool) -> dict[int, dict]:
@@ -294,12 +294,10 @@ def choices_attention(taken: dict, request: dict, lengths: list[int], n: int, ch
     heads = plan["heads"]
     for request_id, numbers in taken.items():
         index = choice_index(request_id, n, chat)
-        layers = {layer: {name: unwire(a) for name, a in arrays.items()} for layer, arrays in numbers["layers"].items()}
-        arrays = {}
-        names = list(layers[plan["layers"][0]]) if layers.get(plan["layers"][0]) else []
-        for name in names:
-            stacked = _stacked([layers[layer][name] for layer in plan["layers"]])
-            arrays[name] = encoded(stacked, request["encoding"], request["dtype"])
+        arrays = {
+            name: encoded(unwire(array), request["encoding"], request["dtype"])
+            for name, array in numbers["arrays"].items()
+        }
         found[index] = ChoiceAttention(
             index=index,
             layers=plan["layers"],
@@ -307,17 +305,10 @@ def choices_attention(taken: dict, request: dict, lengths: list[int], n: int, ch
             positions=unwire(numbers["positions"]).tolist(),
             prompt_tokens=lengths[index // n] if index // n < len(lengths) else lengths[0],
             spans=plan["spans"],
-            arrays=arrays,
             error=numbers.get("error"),
         ).model_dump(exclude_none=True)
+        found[index]["arrays"] = arrays  # as `encoded` made them (JSON's numpy arrays go to `dumps` as they are)
     return found
-
-
-def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
-    width = max(part.shape[-1] for part in parts) if parts[0].dim() == 3 else None
-    if width is not None:  # patterns: keys padded to the widest layer's (they agree: one set of rows)
-        parts = [torch.nn.functional.pad(part, (0, width - part.shape[-1])) for part in parts]
-    return torch.stack(parts)
 
 
 # --- the middleware ---------------------------------------------------------------------------------------------------
@@ -480,7 +471,7 @@ class _Relay:
             response["attention"] = [
                 numbers.get(c["index"], {"index": c["index"], **failed}) for c in response["choices"]
             ]
-            body = json.dumps(response).encode()
+            body = dumps(response)
         headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
         await self.send({**self.start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await self.send({"type": "http.response.body", "body": body})
@@ -496,7 +487,7 @@ class _Relay:
             if payload == b"[DONE]":
                 rest = self._entries(await self._final())
                 if rest:
-                    out.append(b"data: " + json.dumps({**self.last, "choices": [], "attention": rest}).encode())
+                    out.append(b"data: " + dumps({**self.last, "choices": [], "attention": rest}))
                 out.append(event)
                 continue
             chunk = json.loads(payload)
@@ -505,7 +496,7 @@ class _Relay:
             numbers = self._entries(await self.take(False))
             if numbers:
                 chunk["attention"] = numbers
-                event = b"data: " + json.dumps(chunk).encode()
+                event = b"data: " + dumps(chunk)
             out.append(event)
         if out:
             await self.send(

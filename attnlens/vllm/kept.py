@@ -245,15 +245,24 @@ class BlockTables:
         self.groups: dict[str, int] | None = None
 
     def row(self, kernel: torch.nn.Module, request_id: str) -> tuple[torch.Tensor, int]:
+        table, block_size = self.rows(kernel, [request_id])
+        return table[0], block_size
+
+    def group(self, kernel: torch.nn.Module) -> int:
+        """The index of the kernel's KV cache group."""
         if self.groups is None:  # the KV cache is configured after the model loads
             self.groups = {
                 name: index
                 for index, group in enumerate(self.runner.kv_cache_config.kv_cache_groups)
                 for name in group.layer_names
             }
-        table = self.runner.input_batch.block_table[self.groups[kernel.layer_name]]
-        row = self.runner.input_batch.req_id_to_index[request_id]
-        return table.get_cpu_tensor()[row], table.block_size
+        return self.groups[kernel.layer_name]
+
+    def rows(self, kernel: torch.nn.Module, request_ids: list[str]) -> tuple[torch.Tensor, int]:
+        """The rows of these requests, `[requests, width]`, and the group's block size."""
+        table = self.runner.input_batch.block_table[self.group(kernel)]
+        index = self.runner.input_batch.req_id_to_index
+        return table.get_cpu_tensor()[[index[request_id] for request_id in request_ids]], table.block_size
 
 
 class RequestCaches:

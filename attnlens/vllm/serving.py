@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .. import row_features
-from ..locations.views import gather_heads, gathered_heads, heads_first, tensor_parallel
+from .. import kernels, row_features
+from ..locations.views import gather_heads, gathered_heads, heads_first, local_heads, tensor_parallel
 from . import kept, static
 
 #: `additional_config` key of an engine that serves attention (`attnlens serve`).
@@ -53,13 +53,13 @@ def layers_served(family, config, num_layers: int) -> list[int]:
 
 
 class _Served:
-    """One request's plan and numbers not yet taken: per step with rows, their positions and per layer the arrays."""
+    """One request's plan and its steps not yet taken: each a `_Step` and the request's rows in it."""
 
     def __init__(self, tag: str, asked: str, prompt_tokens: int) -> None:
         self.tag, self.asked, self.prompt_tokens = tag, asked, prompt_tokens
         self.plan = plan_of(asked)
-        self.positions: list[torch.Tensor] = []
-        self.arrays: dict[int, list[dict]] = {layer: [] for layer in self.plan["layers"]}
+        self.layers = set(self.plan["layers"])
+        self.steps: list[tuple[_Step, slice]] = []
         self.finished: float | None = None
 
     def wanted(self, position: int, count: int) -> range:
@@ -69,20 +69,108 @@ class _Served:
         return range(max(position, first), min(position + count, last))
 
     def taken(self) -> dict:
-        """The numbers so far, each array's steps joined along the rows (a pattern's keys padded to its widest row),
-        as `wire` sends them; held no longer here."""
-        positions = torch.cat(self.positions) if self.positions else torch.zeros(0, dtype=torch.long)
-        found = {"positions": wire(positions)}
-        width = int(positions.max()) + 1 if len(positions) else 0  # a pattern's keys: up to these rows' last
-        found["layers"] = {
-            layer: {
-                name: wire(array[..., :width] if name == "pattern" else array) for name, array in _joined(steps).items()
-            }
-            for layer, steps in self.arrays.items()
-        }
-        self.positions = []
-        self.arrays = {layer: [] for layer in self.arrays}
-        return found
+        """The numbers so far, each array `[layers, heads, rows, ...]` over its steps' rows (a pattern's keys padded
+        to its widest row), as `wire` sends them; held no longer here."""
+        for step, _ in self.steps:
+            step.arrays()
+        failed = [step.error for step, _ in self.steps if step.error]
+        if failed:
+            self.steps = []
+            empty = torch.zeros(0, dtype=torch.long)
+            return {"positions": wire(empty), "arrays": {}, "error": f"these rows were not reduced ({failed[0]})"}
+        positions = torch.cat([step.positions[rows] for step, rows in self.steps])
+        width = int(positions.max()) + 1  # a pattern's keys: up to these rows' last
+        parts: dict[str, list[torch.Tensor]] = {}
+        for step, rows in self.steps:
+            for name, array in step.arrays().items():
+                part = array[:, :, rows]
+                if name == "pattern":
+                    part = torch.nn.functional.pad(part[..., :width], (0, max(width - part.shape[-1], 0)))
+                parts.setdefault(name, []).append(part)
+        self.steps = []
+        return {"positions": wire(positions), "arrays": {name: wire(torch.cat(p, dim=2)) for name, p in parts.items()}}
+
+
+class _Step:
+    """The rows one step reduced for requests that asked alike (one plan), in the requests' order: their positions
+    and, per layer, either their pattern (decode rows, one per request: reduced for every layer at once when the step
+    is over, `arrays`) or their features (a prompt's rows, reduced at the layer: they may be many)."""
+
+    def __init__(self, served: list[_Served], positions: torch.Tensor, counts: list[int], request_ids=()) -> None:
+        self.plan, self.request_ids = served[0].plan, list(request_ids)
+        self.positions = positions
+        self.width = int(positions.max()) + 1  # keys up to the last row's (batches of other rows may be wider)
+        self.prompt_tokens = torch.tensor([one.prompt_tokens for one in served]).repeat_interleave(torch.tensor(counts))
+        self.patterns: dict[int, torch.Tensor] = {}  # layer -> [heads, rows, keys], key 0 first
+        self.found: dict[int, dict[str, torch.Tensor]] = {}  # layer -> features [heads, rows, ...]
+        self._arrays: dict[str, torch.Tensor] | None = None
+        self.error: str | None = None
+        start = 0
+        for one, count in zip(served, counts):
+            one.steps.append((self, slice(start, start + count)))
+            start += count
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The features, `[layers, heads, rows, ...]` in the plan's order of layers; the patterns then dropped. A
+        failure is the step's `error` (its requests' responses say why they have no numbers), never the engine's."""
+        if self._arrays is None:
+            try:
+                self._arrays = self._reduced()
+            except Exception as error:  # noqa: BLE001  the server goes on; the client reads why
+                self.error = f"{type(error).__name__}: {error}"
+                self._arrays = {}
+            self.patterns, self.found = {}, {}
+        return self._arrays
+
+    def _reduced(self) -> dict[str, torch.Tensor]:
+        plan, layers = self.plan, self.plan["layers"]
+        if self.patterns:
+            stacked = torch.stack([self.patterns[layer] for layer in layers])
+            request = row_features.Rows(self.positions, self.prompt_tokens, plan["spans"], plan["top_k"])
+            found = row_features.compute(plan["features"], stacked.flatten(0, 1), request)
+            return {name: array.unflatten(0, stacked.shape[:2]) for name, array in found.items()}
+        names = self.found[layers[0]]
+        return {name: _stacked([self.found[layer][name] for layer in layers]) for name in names}
+
+    def bytes(self) -> int:
+        arrays = [*self.patterns.values(), *(a for f in self.found.values() for a in f.values())]
+        arrays += list((self._arrays or {}).values())
+        return sum(a.numel() * a.element_size() for a in arrays)
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer arrays stacked on a new first axis; patterns' keys padded to the widest layer's."""
+    if parts[0].dim() == 3:
+        width = max(part.shape[-1] for part in parts)
+        parts = [torch.nn.functional.pad(part, (0, width - part.shape[-1])) for part in parts]
+    return torch.stack(parts)
+
+
+class _Decoding:
+    """A step's decode rows (one per request) of the requests one KV cache group holds, worked out at the first layer
+    that reduces them and kept for the step's other layers: where each row is in the step's tokens, its position, its
+    block table row, and for each plan's `_Step` (one per step, whatever group its layers are in) the rows of this
+    batch in that step's order."""
+
+    def __init__(self, rows: Rows, kernel, spans: list) -> None:
+        self.request_ids = [span[1] for span in spans]
+        self.starts = torch.tensor([span[2] for span in spans])
+        self.positions = torch.tensor([span[4] for span in spans])
+        self.tables, self.block_size = rows.values.tables.rows(kernel, self.request_ids)
+        self.steps: list[tuple[_Step, torch.Tensor]] = []
+        if rows.here:
+            groups: dict[str, list[str]] = {}
+            for request_id in self.request_ids:
+                groups.setdefault(rows.served[request_id].asked, []).append(request_id)
+            for asked, request_ids in groups.items():
+                step = rows.step[3].get(("decoding", asked))
+                if step is None:
+                    served = [rows.served[request_id] for request_id in request_ids]
+                    index = torch.tensor([self.request_ids.index(request_id) for request_id in request_ids])
+                    step = _Step(served, self.positions[index], [1] * len(served), request_ids)
+                    rows.step[3][("decoding", asked)] = step
+                order = {request_id: i for i, request_id in enumerate(self.request_ids)}
+                self.steps.append((step, torch.tensor([order[request_id] for request_id in step.request_ids])))
 
 
 def wire(array: torch.Tensor) -> tuple[str, list[int], bytes]:
@@ -96,19 +184,6 @@ def unwire(sent: tuple) -> torch.Tensor:
     if not data:
         return torch.empty(shape, dtype=getattr(torch, dtype))
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
-
-
-def _joined(steps: list[dict]) -> dict:
-    if not steps:
-        return {}
-    found = {}
-    for name in steps[0]:
-        parts = [step[name] for step in steps]
-        if name == "pattern":
-            width = max(part.shape[-1] for part in parts)
-            parts = [torch.nn.functional.pad(part, (0, width - part.shape[-1])) for part in parts]
-        found[name] = torch.cat(parts, dim=1)
-    return found
 
 
 class Rows:
@@ -129,10 +204,22 @@ class Rows:
         #: tags whose numbers were taken for good, and when: their requests (still running if the client left, until
         #: vLLM aborts them) are reduced no more
         self.closed: dict[str, float] = {}
+        #: this step's spans as the recorder gave them, the served ones among them (`_mine`), and its decode batches
+        self.step: tuple[list | None, list, list, dict] = (None, [], [], {})
         for layer in self.layers:
             self.recorder.tap(layer)
 
     def __call__(self, layer: int, query, key, value, spans: list) -> list:
+        if self.step[0] is not spans:  # the step's first tapped layer
+            self.step = (spans, *self._mine(spans), {})
+        _, mine, others, _ = self.step
+        reducing = [span for span in mine if layer in self.served[span[1]].layers]
+        if reducing:
+            self._reduce(layer, query, key, reducing)
+        return others
+
+    def _mine(self, spans: list) -> tuple[list, list]:
+        """The step's spans of served requests with rows their plans want, and the other requests' spans."""
         tags = self.recorder.tags
         mine, others = self.recorder.split(spans, TAG)
         mine = [span for span in mine if tags[span[1]] not in self.closed]
@@ -141,28 +228,22 @@ class Rows:
                 state = self.runner.requests[request_id]
                 asked = state.sampling_params.extra_args[KEY]
                 self.served[request_id] = _Served(tags[request_id], asked, state.num_prompt_tokens)
-        reducing = [
-            span
-            for span in mine
-            if layer in self.served[span[1]].arrays and self.served[span[1]].wanted(span[4], span[3])
-        ]
-        if reducing:
-            self._reduce(layer, query, key, reducing)
-        return others
+        return [span for span in mine if self.served[span[1]].wanted(span[4], span[3])], others
 
     def _reduce(self, layer: int, query, key, spans: list) -> None:
         """Each request's wanted rows of this step (a suffix of its rows, up to its last wanted one), scored against
         its keys up to there, reduced to its features; decode steps (one row each) of a layer scoring the common
-        layout's way scored in one batch, their keys read from the cache blocks straight into place (as static
-        captures' are: `StaticRecorder._from_cache`)."""
+        layout's way scored in one batch, their keys read from the cache blocks in place (`_decoded`)."""
         values = self.values
         heads, function = values.geometry[layer], values.score_function
+        batched = self._batched(layer, spans)
+        if batched:
+            self._decoded(layer, query, key, [span for span in spans if span[1] in batched])
+        spans = [span for span in spans if span[1] not in batched]
+        if not spans:
+            return
         # every rank's heads (collectives: every rank reaches them, for the same spans)
         queries = gathered_heads(query.reshape(query.shape[0], -1), heads.qk_head_dim, heads.num_heads)
-        batched = self.recorder._from_cache(layer, spans)
-        if batched:
-            self._decoded(layer, queries, key, [span for span in spans if span[1] in batched])
-        spans = [span for span in spans if span[1] not in batched]
         earlier = self.recorder.earlier(layer, spans, values=False)
         for _, request_id, start, count, position in spans:
             served = self.served[request_id]
@@ -178,42 +259,55 @@ class Rows:
             scores = function.scores(heads, values.config, asked, keys, layer)
             self._record(served, layer, function.softmax(scores, values.sinks.get(layer))[0][0], rows)
 
-    def _decoded(self, layer: int, queries, key, spans: list) -> None:
-        """Decode steps (one row each) scored in one batch, their keys left-padded; the requests that asked alike
-        (one plan) reduced together too (`row_features.Rows.offsets`), each then keeping its own row."""
+    def _batched(self, layer: int, spans: list) -> set[str]:
+        """The requests whose row `_decoded` reduces: decode steps (one row past the first position), where the
+        layer scores the common layout's way on a cache whose blocks are views (`kept.key_chunks`). Which requests
+        these are does not depend on the layer (the family and the cache decide), so a request's step is reduced one
+        way at every layer."""
         values = self.values
         kernel = values.kernels[layer]
-        tables = [values.tables.row(kernel, request_id) for _, request_id, _, _, _ in spans]
-        rows = [(table, position, key[start]) for (table, _), (_, _, start, _, position) in zip(tables, spans)]
-        keys, lengths = kept.decode_keys(kernel, tables[0][1], rows)
-        keys = gather_heads(keys, values.geometry[layer].num_kv_heads, 1)
+        if values.score_function.layer_key(values.config, layer) is None:
+            return set()
+        if kept.key_chunks(kernel, values.tables.rows(kernel, [])[1]) is None:
+            return set()
+        return {request_id for _, request_id, _, count, position in spans if count == 1 and position}
+
+    def _decoded(self, layer: int, query, key, spans: list) -> None:
+        """Decode steps (one row each) in one batch: each rank's rows from its own heads' queries, its keys read in
+        place from the cache blocks (`kernels.paged_rows`), or where that kernel does not apply, every rank's heads
+        scored against keys copied out of the blocks, left-padded (`kept.decode_keys`). The rows are kept per plan
+        (`_Step.patterns`), reduced when the step is over."""
+        values = self.values
+        heads, kernel = values.geometry[layer], values.kernels[layer]
+        group = ("batch", values.tables.group(kernel))
+        batch = self.step[3].get(group)
+        if batch is None or batch.request_ids != [span[1] for span in spans]:
+            batch = self.step[3][group] = _Decoding(self, kernel, spans)
+        local = query.view(query.shape[0], -1, heads.qk_head_dim)[batch.starts]  # [requests, this rank's heads, dim]
+        now = key.view(key.shape[0], -1, heads.qk_head_dim)[batch.starts]
+        layout = values.score_function.common_layout(heads, values.config, layer)
+        sinks = values.sinks.get(layer)
+        rows = None
+        if layout is not None:
+            blocks = kept.key_chunks(kernel, batch.block_size)[0]
+            local_sinks = None if sinks is None else local_heads(sinks, heads.num_heads, 0)
+            rows = kernels.paged_rows(local, blocks, now, batch.tables, batch.positions, sinks=local_sinks, **layout)
+        if rows is not None:
+            rows = gather_heads(rows, heads.num_heads, 1)
+        else:
+            decoding = [
+                (table, position, now[i])
+                for i, (table, position) in enumerate(zip(batch.tables, batch.positions.tolist()))
+            ]
+            keys, lengths = kept.decode_keys(kernel, batch.block_size, decoding)
+            keys = gather_heads(keys, heads.num_kv_heads, 1)
+            queries = gather_heads(local.transpose(0, 1)[None], heads.num_heads, 1)[0].transpose(0, 1)[:, :, None]
+            _, (probabilities, _) = static.decode_patterns(values, layer, queries, keys, lengths)
+            rows = _from_left(probabilities[:, :, 0], batch.positions)
         if not self.here:
             return
-        asked = torch.cat([queries[:, :, start : start + 1] for _, _, start, _, _ in spans])
-        _, (probabilities, _) = static.decode_patterns(values, layer, asked, keys, lengths)
-        groups: dict[str, list[int]] = {}
-        for row, span in enumerate(spans):
-            groups.setdefault(self.served[span[1]].asked, []).append(row)
-        longest = keys.shape[2]
-        for group in groups.values():
-            served = [self.served[spans[row][1]] for row in group]
-            plan = served[0].plan
-            positions = torch.tensor([spans[row][4] for row in group])
-            request = row_features.Rows(
-                positions,
-                torch.tensor([one.prompt_tokens for one in served]),
-                plan["spans"],
-                plan["top_k"],
-                offsets=longest - 1 - positions,
-            )
-            chosen = probabilities[group, :, 0].transpose(0, 1).float()  # [heads, requests, keys]
-            found = row_features.compute(plan["features"], self._heads(chosen, plan), request)
-            each = {name: array.split(1, dim=1) for name, array in found.items()}  # one view per request
-            first = layer == plan["layers"][0]
-            for i, (one, position) in enumerate(zip(served, positions.split(1))):
-                if first:
-                    one.positions.append(position)
-                one.arrays[layer].append({name: views[i] for name, views in each.items()})
+        for step, index in batch.steps:
+            step.patterns[layer] = self._heads(rows[index, :, : step.width].transpose(0, 1).float(), step.plan)
 
     @staticmethod
     def _heads(probabilities: torch.Tensor, plan: dict) -> torch.Tensor:
@@ -221,17 +315,20 @@ class Rows:
 
     def _record(self, served: _Served, layer: int, probabilities: torch.Tensor, rows: range) -> None:
         """A request's rows `[heads, rows, keys]` on `layer`, reduced to its plan's features and kept."""
-        plan = served.plan
-        probabilities = self._heads(probabilities.float(), plan)
-        positions = torch.arange(rows.start, rows.stop)
-        if layer == plan["layers"][0]:
-            served.positions.append(positions)
-        request = row_features.Rows(positions, served.prompt_tokens, plan["spans"], plan["top_k"])
-        served.arrays[layer].append(row_features.compute(plan["features"], probabilities, request))
+        plan, key = served.plan, ("rows", id(served))
+        step = self.step[3].get(key)
+        if step is None:
+            step = self.step[3][key] = _Step([served], torch.arange(rows.start, rows.stop), [len(rows)])
+        request = row_features.Rows(step.positions, served.prompt_tokens, plan["spans"], plan["top_k"])
+        step.found[layer] = row_features.compute(plan["features"], self._heads(probabilities.float(), plan), request)
 
     def schedule(self, scheduler_output: Any) -> None:
         """Mark the finished requests; drop the numbers of those not taken within `UNCLAIMED_S` (a rank that reduces
         nothing drops a request once it finishes)."""
+        for step in self.step[3].values():  # the step that ended: its decode rows reduced, for every layer at once
+            if isinstance(step, _Step):
+                step.arrays()
+        self.step = (None, [], [], {})
         now = time.monotonic()
         for request_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             if request_id in self.served:
@@ -249,7 +346,7 @@ class Rows:
         found = {}
         for request_id, served in list(self.served.items()):
             if served.tag == tag:
-                if self.here and served.positions:
+                if self.here and served.steps:
                     found[request_id] = served.taken()
                 if final:
                     self._forget(request_id)
@@ -265,14 +362,17 @@ class Rows:
 
     def held(self) -> dict:
         """What this worker holds for served requests (0 and 0 once every response is complete)."""
-        arrays = [
-            a
-            for served in self.served.values()
-            for steps in served.arrays.values()
-            for step in steps
-            for a in step.values()
-        ]
-        return {"requests": len(self.served), "bytes": sum(a.numel() * a.element_size() for a in arrays)}
+        steps = {id(step): step for served in self.served.values() for step, _ in served.steps}
+        return {"requests": len(self.served), "bytes": sum(step.bytes() for step in steps.values())}
+
+
+def _from_left(probabilities: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows `[requests, heads, longest]` of a left-padded batch (each request's keys at the end) with each request's
+    key 0 first, 0 past its position."""
+    longest = probabilities.shape[-1]
+    columns = (longest - 1 - positions)[:, None] + torch.arange(longest)
+    found = probabilities.gather(-1, columns.clamp(max=longest - 1)[:, None].expand_as(probabilities))
+    return found.where(torch.arange(longest) <= positions[:, None, None], 0.0)
 
 
 def install(runner: Any) -> None:
