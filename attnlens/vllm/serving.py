@@ -4,13 +4,17 @@
 its static recorder (static.py), which taps every layer whose attention kernel receives the queries and keys as
 attnlens serves them. A request asks through its sampling parameters' `extra_args` (the OpenAI server's `vllm_xargs`):
 `KEY` holds its plan (`plan_of`: features, layers, heads, rows, spans, top_k), `static.CONFIG_KEY` a tag. At each
-tapped layer's kernel, the step's rows that the plan wants are scored against the request's keys (the earlier ones
-read from vLLM's paged cache) with the family's score function, as static captures are, reduced by
-`attnlens.serve.features` and dropped: only the numbers stay, per request and step, until the API server takes them
-(`take`, through `collective_rpc`). Requests without a plan take vLLM's path untouched.
+tapped layer's kernel, the step's rows that the plan wants are scored against the request's keys with the family's
+score function. A decode step's row (one per request) is scored by `kernels.paged_rows` with its keys read in place
+from vLLM's paged cache, every request's at once, and kept until the step is over, when every layer's rows of the
+requests that asked alike are reduced in one call (`_Step`); a prompt's rows (many per request) are scored against
+keys copied out of the cache and reduced at the layer. The features are `attnlens.row_features`'. Only the numbers
+stay, per request and step, until the API server takes them (`take`, through `collective_rpc`). Requests without a
+plan take vLLM's path untouched.
 
 Rows: "prompt" (every prompt position), "generated" (the row that produced each generated token: the prompt's last,
-then each decode step's), or "all". Under tensor parallelism every rank gathers the heads and rank 0 reduces.
+then each decode step's), or "all". Under tensor parallelism each rank scores decode rows on its own heads and the
+rows are gathered; a prompt's queries and keys are gathered; rank 0 reduces.
 """
 
 from __future__ import annotations
@@ -146,6 +150,17 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts)
 
 
+class _Now:
+    """The step in progress, worked out at its first tapped layer: the recorder's spans (a new list each step), the
+    served requests' spans with rows their plans want and the other requests', the decode batch of each KV cache group,
+    and the `_Step`s (a plan's decode rows by its plan, a request's prompt rows by the request)."""
+
+    def __init__(self, spans: list | None = None, mine: list | tuple = (), others: list | tuple = ()) -> None:
+        self.spans, self.mine, self.others = spans, list(mine), list(others)
+        self.batches: dict[int, _Decoding] = {}
+        self.steps: dict[str | int, _Step] = {}
+
+
 class _Decoding:
     """A step's decode rows (one per request) of the requests one KV cache group holds, worked out at the first layer
     that reduces them and kept for the step's other layers: where each row is in the step's tokens, its position, its
@@ -163,12 +178,12 @@ class _Decoding:
             for request_id in self.request_ids:
                 groups.setdefault(rows.served[request_id].asked, []).append(request_id)
             for asked, request_ids in groups.items():
-                step = rows.step[3].get(("decoding", asked))
+                step = rows.now.steps.get(asked)
                 if step is None:
                     served = [rows.served[request_id] for request_id in request_ids]
                     index = torch.tensor([self.request_ids.index(request_id) for request_id in request_ids])
                     step = _Step(served, self.positions[index], [1] * len(served), request_ids)
-                    rows.step[3][("decoding", asked)] = step
+                    rows.now.steps[asked] = step
                 order = {request_id: i for i, request_id in enumerate(self.request_ids)}
                 self.steps.append((step, torch.tensor([order[request_id] for request_id in step.request_ids])))
 
@@ -204,19 +219,18 @@ class Rows:
         #: tags whose numbers were taken for good, and when: their requests (still running if the client left, until
         #: vLLM aborts them) are reduced no more
         self.closed: dict[str, float] = {}
-        #: this step's spans as the recorder gave them, the served ones among them (`_mine`), and its decode batches
-        self.step: tuple[list | None, list, list, dict] = (None, [], [], {})
+        self.now = _Now()
+        self.batching: dict[int, bool] = {}  # layer -> whether `_batched` finds decode rows there
         for layer in self.layers:
             self.recorder.tap(layer)
 
     def __call__(self, layer: int, query, key, value, spans: list) -> list:
-        if self.step[0] is not spans:  # the step's first tapped layer
-            self.step = (spans, *self._mine(spans), {})
-        _, mine, others, _ = self.step
-        reducing = [span for span in mine if layer in self.served[span[1]].layers]
+        if self.now.spans is not spans:  # the step's first tapped layer
+            self.now = _Now(spans, *self._mine(spans))
+        reducing = [span for span in self.now.mine if layer in self.served[span[1]].layers]
         if reducing:
             self._reduce(layer, query, key, reducing)
-        return others
+        return self.now.others
 
     def _mine(self, spans: list) -> tuple[list, list]:
         """The step's spans of served requests with rows their plans want, and the other requests' spans."""
@@ -264,11 +278,13 @@ class Rows:
         layer scores the common layout's way on a cache whose blocks are views (`kept.key_chunks`). Which requests
         these are does not depend on the layer (the family and the cache decide), so a request's step is reduced one
         way at every layer."""
-        values = self.values
-        kernel = values.kernels[layer]
-        if values.score_function.layer_key(values.config, layer) is None:
-            return set()
-        if kept.key_chunks(kernel, values.tables.rows(kernel, [])[1]) is None:
+        if layer not in self.batching:  # the layer's kind and cache decide, once
+            values = self.values
+            kernel = values.kernels[layer]
+            self.batching[layer] = values.score_function.layer_key(values.config, layer) is not None and (
+                kept.key_chunks(kernel, values.tables.rows(kernel, [])[1]) is not None
+            )
+        if not self.batching[layer]:
             return set()
         return {request_id for _, request_id, _, count, position in spans if count == 1 and position}
 
@@ -279,10 +295,10 @@ class Rows:
         (`_Step.patterns`), reduced when the step is over."""
         values = self.values
         heads, kernel = values.geometry[layer], values.kernels[layer]
-        group = ("batch", values.tables.group(kernel))
-        batch = self.step[3].get(group)
+        group = values.tables.group(kernel)
+        batch = self.now.batches.get(group)
         if batch is None or batch.request_ids != [span[1] for span in spans]:
-            batch = self.step[3][group] = _Decoding(self, kernel, spans)
+            batch = self.now.batches[group] = _Decoding(self, kernel, spans)
         local = query.view(query.shape[0], -1, heads.qk_head_dim)[batch.starts]  # [requests, this rank's heads, dim]
         now = key.view(key.shape[0], -1, heads.qk_head_dim)[batch.starts]
         layout = values.score_function.common_layout(heads, values.config, layer)
@@ -315,20 +331,19 @@ class Rows:
 
     def _record(self, served: _Served, layer: int, probabilities: torch.Tensor, rows: range) -> None:
         """A request's rows `[heads, rows, keys]` on `layer`, reduced to its plan's features and kept."""
-        plan, key = served.plan, ("rows", id(served))
-        step = self.step[3].get(key)
+        plan, key = served.plan, id(served)
+        step = self.now.steps.get(key)
         if step is None:
-            step = self.step[3][key] = _Step([served], torch.arange(rows.start, rows.stop), [len(rows)])
+            step = self.now.steps[key] = _Step([served], torch.arange(rows.start, rows.stop), [len(rows)])
         request = row_features.Rows(step.positions, served.prompt_tokens, plan["spans"], plan["top_k"])
         step.found[layer] = row_features.compute(plan["features"], self._heads(probabilities.float(), plan), request)
 
     def schedule(self, scheduler_output: Any) -> None:
         """Mark the finished requests; drop the numbers of those not taken within `UNCLAIMED_S` (a rank that reduces
         nothing drops a request once it finishes)."""
-        for step in self.step[3].values():  # the step that ended: its decode rows reduced, for every layer at once
-            if isinstance(step, _Step):
-                step.arrays()
-        self.step = (None, [], [], {})
+        for step in self.now.steps.values():  # the step that ended: its decode rows reduced, every layer at once
+            step.arrays()
+        self.now = _Now()
         now = time.monotonic()
         for request_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             if request_id in self.served:
