@@ -9,8 +9,9 @@ compiled model, prefix caching, chunked prefill): vLLM's own (`vllm.entrypoints.
 to attnlens serve asking entropy, sink and top keys of every layer for the generated tokens, as JSON numbers and as
 base64 float16. The clients check each response holds its numbers without parsing them: on this machine they share
 the server's two cores, and Python's `json.loads` of one response's 100,000 numbers (800 kB) takes 34 ms, where the
-server writes them in 9 ms. Each row's figure is the median over rounds of its throughput (generated tokens per second) as a ratio to plain vLLM's in the same round, with
-the latencies (p50, p99 of a request, over every round) beside; a round's time on this shared machine moves 10-20%.
+server writes them in 9 ms. Each row's figure is the median over rounds of its throughput (generated tokens per
+second) as a ratio to plain vLLM's in the same round, with the latencies (p50, p99 of a request, over every round)
+beside; a round's time on this shared machine moves 10-20%.
 """
 
 from __future__ import annotations

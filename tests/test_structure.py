@@ -24,7 +24,7 @@ PACKAGE = ROOT / "attnlens"
 LAYERS = {
     "catalogue": ("attnlens.values", "attnlens.errors", "attnlens.geometry", "attnlens.names"),
     "locations": ("attnlens.locations",),
-    "parts": ("attnlens.parts",),
+    "parts": ("attnlens.parts", "attnlens.kernels"),
     "families": ("attnlens.family", "attnlens.families", "attnlens.registry", "attnlens.inferred"),
     "access": (
         "attnlens.access",
