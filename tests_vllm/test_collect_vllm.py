@@ -27,6 +27,8 @@ PROMPTS = [
 ]
 ERRORS = {5: "empty", 6: "too_long"}  # 200 tokens: past both engines' contexts (127 + 1 sampled; 128 positions)
 ROWS = [-1, 0, 2]
+#: span_mass's token ranges and lookback's context (every token but the last two), as tests/test_collect.py
+SPANS, CONTEXT = [[0, 1], [1, -1], [-3, None]], -2
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)  # float32, as the rest of tests_vllm
 SORT = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")]
 #: The features reduced at the attention op, without a trace (all but head_output_norm and head_attribution)
@@ -45,8 +47,9 @@ def on_vllm(llama, corpus, tmp_path_factory):
     """The one-process collection on vLLM (shared by the Ray test)."""
     out = tmp_path_factory.mktemp("vllm") / "out"
     result = attnlens.collect(
-        llama.vllm, corpus, "all", out, rows=ROWS, top_k=3, shard_size=3, batch_size=2, progress=False
-    )
+        llama.vllm, corpus, "all", out, rows=ROWS, top_k=3, shard_size=3, batch_size=2, progress=False,
+        spans=SPANS, context=CONTEXT,
+    )  # fmt: skip
     return result
 
 
@@ -56,7 +59,8 @@ def reduced_on_vllm(llama, corpus, tmp_path_factory):
     static points: the reducer taps the kernels when it is installed)."""
     out = tmp_path_factory.mktemp("reduced") / "out"
     assert Collector(llama.vllm, REDUCED).reduced and not llama.vllm.static_points
-    return attnlens.collect(llama.vllm, corpus, REDUCED, out, rows=ROWS, top_k=3, shard_size=3, progress=False)
+    options = dict(rows=ROWS, top_k=3, shard_size=3, progress=False, spans=SPANS, context=CONTEXT)
+    return attnlens.collect(llama.vllm, corpus, REDUCED, out, **options)
 
 
 def assert_tables_close(got, want):
@@ -71,11 +75,13 @@ def assert_tables_close(got, want):
                     b["layer"],
                     b["head"],
                 )
-            elif column in ("pattern", "top_weights"):
+            elif column in ("pattern", "top_weights", "span_mass"):  # a list of floats per chosen row
+                assert len(a[column]) == len(value), column
                 for x, y in zip(a[column], value):
                     assert torch.allclose(torch.tensor(x), torch.tensor(y), **TOLERANCE), column
-            elif column == "attribution":  # a float per chosen row
-                assert torch.allclose(torch.tensor(a[column]), torch.tensor(value), **TOLERANCE), column
+            elif column in ("attribution", "lookback"):  # a float per chosen row (lookback: nan where no later key)
+                found, expected = torch.tensor(a[column]), torch.tensor(value)
+                assert torch.allclose(found, expected, equal_nan=True, **TOLERANCE), column
             else:
                 assert a[column] == value, (column, b["prompt"], b["layer"], b["head"])
 
@@ -84,8 +90,9 @@ def test_features_reduced_in_vllms_worker_equal_eager(llama, corpus, on_vllm, tm
     """Every feature, computed per request inside vLLM's worker (several requests per trace), equals the eager
     engine's collection on the same weights; the same prompts fail for the same reasons; nothing is kept after."""
     on_eager = attnlens.collect(
-        llama.eager, corpus, "all", tmp_path / "eager", rows=ROWS, top_k=3, shard_size=3, progress=False
-    )
+        llama.eager, corpus, "all", tmp_path / "eager", rows=ROWS, top_k=3, shard_size=3, progress=False,
+        spans=SPANS, context=CONTEXT,
+    )  # fmt: skip
     assert on_vllm.layers == on_eager.layers == [0, 1, 2]
     assert on_vllm.rows == on_eager.rows == (len(PROMPTS) - len(ERRORS)) * 3 * 4
     assert_tables_close(read_table(on_vllm.out), read_table(on_eager.out))
@@ -114,6 +121,8 @@ def test_the_same_collection_on_a_local_ray_cluster_equals_one_process(llama, co
             tmp_path / "ray",
             rows=ROWS,
             top_k=3,
+            spans=SPANS,
+            context=CONTEXT,
             shard_size=3,
             batch_size=2,
             engine="vllm",
@@ -156,7 +165,7 @@ def test_features_reduced_at_the_attention_op_under_vllms_defaults_equal_eager(l
     path = tmp_path / "corpus.jsonl"
     texts = [*PROMPTS[:4], PREFIX + "sang.", *PROMPTS[4:], PREFIX + "slept all day."]  # one in each window
     path.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
-    options = dict(rows=ROWS, top_k=3, shard_size=5, progress=False)
+    options = dict(rows=ROWS, top_k=3, shard_size=5, progress=False, spans=SPANS, context=CONTEXT)
     reduced = attnlens.collect(model, path, REDUCED, tmp_path / "reduced", batch_size=4, **options)
     eager = attnlens.collect(llama.eager, path, REDUCED, tmp_path / "eager", **options)
     assert reduced.rows == eager.rows == (len(texts) - len(ERRORS)) * 3 * 4
@@ -192,7 +201,7 @@ def test_reduced_on_two_tensor_parallel_ranks_equals_eager(name, local, corpus, 
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     try:
         assert Collector(model, REDUCED).reduced
-        options = dict(rows=ROWS, top_k=3, progress=False)
+        options = dict(rows=ROWS, top_k=3, progress=False, spans=SPANS, context=CONTEXT)
         result = attnlens.collect(model, corpus, REDUCED, tmp_path / "tp", **options)
         assert model.vllm_entrypoint.collective_rpc(_reduces_own_heads) == [local, local]
         errors = read_table(result.out, "errors").to_pylist()
