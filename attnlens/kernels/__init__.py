@@ -8,8 +8,8 @@ and chosen rows' weights, from queries and keys under the common layout's score 
 pattern. `attnlens.heads.summarize` calls it where it applies (float32 tensors on the CPU) and keeps its PyTorch path
 as the reference and the fallback: the tests hold the two equal.
 
-`paged_rows`: whole pattern rows of decode queries, their keys read in place from vLLM's paged cache (no copy of the
-blocks), for `attnlens serve`'s worker (attnlens/vllm/serving.py), whose PyTorch path (the keys copied out, then
+`paged_rows`: whole pattern rows of decode queries, their keys read in place from vLLM's paged cache (float32 or
+bfloat16, no copy of the blocks), for `attnlens serve`'s worker (attnlens/vllm/serving.py), whose PyTorch path (the keys copied out, then
 scored: `kept.decode_keys`, `static.decode_patterns`) is the reference and the fallback.
 
 `available()` says whether the kernels are built here and, where they are not, why (no C compiler,
@@ -68,6 +68,7 @@ class _Paged(ctypes.Structure):
         ("query_strides", ctypes.c_int64 * 2),
         ("cache", ctypes.c_void_p),
         ("cache_strides", ctypes.c_int64 * 4),
+        ("cache_bfloat16", ctypes.c_int64),
         ("now", ctypes.c_void_p),
         ("now_strides", ctypes.c_int64 * 2),
         ("tables", ctypes.c_void_p),
@@ -203,14 +204,19 @@ def paged_rows(
 ) -> torch.Tensor | None:
     """The pattern rows `[batch, heads, keys]` of one decode query per batch element (`queries` [batch, heads, dim]),
     under the common layout's score function, its keys read in place from a paged cache: `blocks` [blocks, kv_heads,
-    slot, dim] (a view of the cache, any strides: `attnlens.vllm.kept.key_chunks`), the element's block ids `tables`
+    slot, dim] (a view of the cache, any strides, float32 or bfloat16: `attnlens.vllm.kept.key_chunks`), the
+    element's block ids `tables`
     [batch, width] (int32) for its keys before `positions` [batch], and its own key `now` [batch, kv_heads, dim]. Keys
     run 0 .. max(positions); a row's entries past its position or before its window are 0; `sinks` [heads]: the
-    layer's sink logits, in the softmax's denominator. None where the kernel does not apply (not float32 on the CPU,
-    or `available()` says why not)."""
+    layer's sink logits, in the softmax's denominator. Computed in float32 (bfloat16 keys and queries widened
+    exactly). None where the kernel does not apply (a cache neither float32 nor bfloat16, tensors off the CPU, or
+    `available()` says why not)."""
     tensors = (queries, blocks, now)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or available() is not None:
+    if blocks.dtype not in (torch.float32, torch.bfloat16) or any(t.device.type != "cpu" for t in tensors):
         return None
+    if available() is not None:
+        return None
+    queries, now = queries.float(), now.float()  # a few rows: widened here, the cache where it lies
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     now = now if now.stride(-1) == 1 else now.contiguous()
     tables = tables.to(torch.int32).contiguous()
@@ -221,7 +227,7 @@ def paged_rows(
     rows = torch.empty(batch, heads, num_keys)
     problem = _Paged(
         queries.data_ptr(), (ctypes.c_int64 * 2)(*queries.stride()[:2]),
-        blocks.data_ptr(), (ctypes.c_int64 * 4)(*blocks.stride()),
+        blocks.data_ptr(), (ctypes.c_int64 * 4)(*blocks.stride()), int(blocks.dtype == torch.bfloat16),
         now.data_ptr(), (ctypes.c_int64 * 2)(*now.stride()[:2]),
         tables.data_ptr(), tables.shape[1], positions.data_ptr(), None if sinks is None else sinks.data_ptr(),
         batch, heads, blocks.shape[1], dim, blocks.shape[2], num_keys,

