@@ -9,8 +9,8 @@ pattern. `attnlens.heads.summarize` calls it where it applies (float32 tensors o
 as the reference and the fallback: the tests hold the two equal.
 
 `paged_rows`: whole pattern rows of decode queries, their keys read in place from vLLM's paged cache (float32 or
-bfloat16, no copy of the blocks), for `attnlens serve`'s worker (attnlens/vllm/serving.py), whose PyTorch path (the keys copied out, then
-scored: `kept.decode_keys`, `static.decode_patterns`) is the reference and the fallback.
+bfloat16, no copy of the blocks), for `attnlens serve`'s worker (attnlens/vllm/serving.py), whose PyTorch path (the
+keys copied out, then scored: `kept.decode_keys`, `static.decode_patterns`) is the reference and the fallback.
 
 `available()` says whether the kernels are built here and, where they are not, why (no C compiler,
 `ATTNLENS_KERNELS=0`); callers then take their PyTorch path, with the same numbers to float32 rounding.
