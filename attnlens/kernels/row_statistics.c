@@ -154,13 +154,12 @@ static void item(const struct problem *p, int64_t b, int64_t g, float *keys_t, f
     }
 }
 
-/* Every item (batch element x key/value head), on the calling thread's OpenMP team: attnlens.kernels links the
-   OpenMP runtime torch loaded, so these are torch's own threads (on vLLM's CPU worker, bound to its cores), not a
-   second team spinning against them. Each item writes only its heads' sums. Returns 0, or -1 where a thread's
-   scratch could not be allocated. */
-int row_statistics(const struct problem *p) {
-    int64_t padded = padded_keys(p), items = p->batch * p->kv_heads;
-    size_t floats = (size_t)(padded * p->dim + R * padded);
+/* `items` calls of `work(problem, w, scratch)` (each an item: batch element x key/value head, writing only its own
+   heads' outputs), on the calling thread's OpenMP team, each thread with `floats` of aligned scratch of its own:
+   attnlens.kernels links the OpenMP runtime torch loaded, so these are torch's own threads (on vLLM's CPU worker,
+   bound to its cores), not a second team spinning against them. Returns 0, or -1 where a thread's scratch could not
+   be allocated. */
+static int each_item(const void *problem, int64_t items, size_t floats, void (*work)(const void *, int64_t, float *)) {
     floats = (floats + 15) / 16 * 16; /* aligned_alloc wants a multiple of the alignment */
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -169,13 +168,23 @@ int row_statistics(const struct problem *p) {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < items; w++) {
             if (scratch)
-                item(p, w / p->kv_heads, w % p->kv_heads, scratch, scratch + padded * p->dim);
+                work(problem, w, scratch);
             else
                 failed = 1;
         }
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+static void statistics_item(const void *problem, int64_t w, float *scratch) {
+    const struct problem *p = problem;
+    item(p, w / p->kv_heads, w % p->kv_heads, scratch, scratch + padded_keys(p) * p->dim);
+}
+
+int row_statistics(const struct problem *p) {
+    size_t floats = (size_t)(padded_keys(p) * p->dim + R * padded_keys(p));
+    return each_item(p, p->batch * p->kv_heads, floats, statistics_item);
 }
 
 /* ---- paged_rows: whole pattern rows of decode queries, their keys read where vLLM's paged cache keeps them ----
@@ -274,22 +283,11 @@ static void paged_item(const struct paged *p, int64_t b, int64_t g, float *score
     }
 }
 
+static void paged_work(const void *problem, int64_t w, float *scratch) {
+    const struct paged *p = problem;
+    paged_item(p, w / p->kv_heads, w % p->kv_heads, scratch);
+}
+
 int paged_rows(const struct paged *p) {
-    int64_t items = p->batch * p->kv_heads, groups = p->heads / p->kv_heads;
-    size_t floats = (size_t)(groups * paged_padded(p));
-    floats = (floats + 15) / 16 * 16; /* aligned_alloc wants a multiple of the alignment */
-    int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *scratch = aligned_alloc(64, floats * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < items; w++) {
-            if (scratch)
-                paged_item(p, w / p->kv_heads, w % p->kv_heads, scratch);
-            else
-                failed = 1;
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    return each_item(p, p->batch * p->kv_heads, (size_t)(p->heads / p->kv_heads * paged_padded(p)), paged_work);
 }

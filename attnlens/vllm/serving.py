@@ -177,14 +177,14 @@ class _Decoding:
             groups: dict[str, list[str]] = {}
             for request_id in self.request_ids:
                 groups.setdefault(rows.served[request_id].asked, []).append(request_id)
+            order = {request_id: i for i, request_id in enumerate(self.request_ids)}
             for asked, request_ids in groups.items():
                 step = rows.now.steps.get(asked)
                 if step is None:
                     served = [rows.served[request_id] for request_id in request_ids]
-                    index = torch.tensor([self.request_ids.index(request_id) for request_id in request_ids])
+                    index = torch.tensor([order[request_id] for request_id in request_ids])
                     step = _Step(served, self.positions[index], [1] * len(served), request_ids)
                     rows.now.steps[asked] = step
-                order = {request_id: i for i, request_id in enumerate(self.request_ids)}
                 self.steps.append((step, torch.tensor([order[request_id] for request_id in step.request_ids])))
 
 
