@@ -87,17 +87,21 @@ class Server:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def started(tmp_path_factory, *arguments: str, env: dict | None = None):
+    """`attnlens serve smollm2` (float32) on a free port of 127.0.0.1 with the test's API key and output budget and
+    `arguments`; yields its `Server` once it answers, and kills it after."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: vLLM would take most of the machine's memory
+    unwanted = ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")
+    environment = {k: v for k, v in os.environ.items() if k not in unwanted}
+    environment["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: vLLM would take most of the machine's memory
     command = [sys.executable, "-m", "attnlens", "serve", "smollm2", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", "512", "--api-key", KEY]
-    command += ["--attention-max-values", str(MAX_VALUES)]
+    command += ["--attention-max-values", str(MAX_VALUES), *arguments]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**environment, **(env or {})}, start_new_session=True
+        )
     server = Server(port, process, log)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -115,6 +119,11 @@ def server(tmp_path_factory):
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from started(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,8 @@ class Model:
         self.layers = serving.layers_served(self.family, self.config, self.num_layers)
         self.num_heads = self.config.num_attention_heads
         self.max_model_len = vllm_config.model_config.max_model_len
+        #: vLLM's pipeline stages: each reduces its own layers (`serving.joined`)
+        self.stages = vllm_config.parallel_config.pipeline_parallel_size
         self.max_values = int(os.environ.get(MAX_VALUES_ENV) or MAX_VALUES)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         self.name = args.served_model_name[0] if args.served_model_name else args.model
@@ -382,13 +384,15 @@ class Attention:
         async def take(final: bool) -> dict:
             """Per choice index, its numbers so far; on a failure, under None, the reason (the response still goes
             out, each choice's `attention` saying why it has none)."""
+            if model.stages > 1 and not final:  # the stages run a step apart: a stream's numbers come at its end
+                return {}
             try:
                 if engine.errored:
                     raise RuntimeError("the engine stopped (a shutdown, or a fault) before these numbers were taken")
                 # bounded here: an engine draining at SIGTERM rejects the call, and the answer may never come
                 rpc = engine.collective_rpc("attnlens_serve_take", args=(tag, final))
                 taken = await asyncio.wait_for(rpc, TAKE_S)
-                return choices_attention(next((t for t in taken if t), {}), request, lengths, n, chat)
+                return choices_attention(serving.joined(taken, model.stages), request, lengths, n, chat)
             except Exception as error:  # noqa: BLE001  the completion is the client's either way
                 reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
                 return {None: {"error": f"these rows' numbers were not taken from the engine ({reason})"}}

@@ -20,6 +20,14 @@ def attention_block(family: Family, layer: Any) -> Any:
     return layer if found is None else child(layer, found)
 
 
+def held(layers: Any) -> list[int]:
+    """The blocks of the envoy `layers` this worker holds: under pipeline parallelism a stage builds its own blocks
+    and a placeholder (vLLM's `PPMissingLayer`) for every other stage's; on one stage, every block."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return [index for index, layer in enumerate(layers) if not isinstance(layer._module, PPMissingLayer)]
+
+
 def handoffs(family: Family, config: Any, layer: int) -> tuple[str, str]:
     """(the attention kernel, the output projection) of `layer`, from the attention block, read off the family's vLLM
     locations: where keys are kept and where an edited pattern's head outputs are recomputed."""

