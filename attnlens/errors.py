@@ -27,6 +27,11 @@ class Miswired(LocationDrift):
     states, what was expected and found, and what to check."""
 
 
+class EngineStopped(AttnlensError, RuntimeError):
+    """The vLLM engine stopped under a run (a worker process or a Ray node died): nothing of the run's batch in flight
+    was kept, and a resumable run (`attnlens.collect`) goes on from its last commit when started again."""
+
+
 class UnknownFamily(AttnlensError):
     """No attnlens family is registered for this model type."""
 

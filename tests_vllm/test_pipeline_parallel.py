@@ -2,11 +2,15 @@
 second stage fails under `enforce_eager`), and tensor x pipeline parallelism on four: each stage taps, records and
 reduces its own blocks, the client joins the stages. Static captures, `collect`, head summaries and the server's
 numbers equal the transformers engine's on the same weights (and one process's); a trace is refused with the reason.
-Marked `ranks`: the suite runs these after the rest, alone."""
+Marked `stages` (and `ranks`): `make test-stages` runs them, after `make test` in .ci/run."""
 
 import json
 import os
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 import torch
 from conftest import engine_args, pair
@@ -20,7 +24,7 @@ import attnlens
 from attnlens import client
 from attnlens.collect import read_table
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.stages]  # `make test-stages`
 
 #: Every tapped value of every layer of the tiny Llama (3 layers: stage 0 holds layers 0-1, stage 1 layer 2).
 POINTS = [f"{short}.{layer}" for layer in range(3) for short in ("query", "key", "value", "attn_probs")]
@@ -172,3 +176,40 @@ def test_served_numbers_on_two_stages_equal_the_eager_pattern(pp_server):
     for name in want.arrays:
         torch.testing.assert_close(got.arrays[name], want.arrays[name], atol=1e-5, rtol=0, equal_nan=True)
     assert pp_server.held() == [{"requests": 0, "bytes": 0}] * 2
+
+
+def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(tmp_path_factory, tmp_path):
+    """A real `attnlens collect` on two pipeline stages; once its first shards are committed, the second stage's
+    worker process is killed (SIGKILL). The run ends with `EngineStopped`'s message (not with the rest of the
+    prompts recorded as failed), and the same command, run again, finishes with every prompt exactly once."""
+    llama = pair("llama", tmp_path_factory)
+    texts = [f"prompt number {i} " + "abc " * (i % 7) for i in range(400)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "out"
+    engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
+    engine |= {"max_model_len": 128, "kv_cache_memory_bytes": 16 * 2**20}
+    command = [sys.executable, "-m", "attnlens", "collect", str(llama.path), str(corpus), "--engine", "vllm"]
+    command += [arg for key, value in engine.items() for arg in ("--engine-arg", f"{key}={value}")]
+    command += ["--features", "entropy,sink", "--shard-size", "4", "--batch-size", "4", "--out", str(out)]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(list((out / "data").glob("part-*.parquet"))) < 2 and process.poll() is None:
+        assert time.monotonic() < deadline, "no shard committed in 300 s"
+        time.sleep(0.02)
+    assert process.poll() is None, "the run ended before a rank could be killed; give it more prompts"
+    stage = next(p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "VLLM::Worker_PP1")
+    stage.kill()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "vLLM's engine stopped during this collection" in stderr and "run the same command again" in stderr
+    committed = len(list((out / "data").glob("part-*.parquet")))
+    assert 2 <= committed < 100
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    table, errors = read_table(out).to_pylist(), read_table(out, "errors").to_pylist()
+    assert not errors
+    keys = [(row["prompt"], row["layer"], row["head"]) for row in table]
+    assert len(keys) == len(set(keys)) == len(texts) * 3 * 4  # every prompt once: 3 layers x 4 heads
+    assert not list(out.rglob(".*.tmp"))

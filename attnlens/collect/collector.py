@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..capture.runs import spans
-from ..errors import Unavailable
+from ..errors import EngineStopped, Unavailable
 from ..family import engine_named
 from ..values import BY_NAME
 from . import features as registry
@@ -238,7 +238,12 @@ class Collector:
             found = self._forward([ids for _, ids in batch])
         except (ImportError, NameError, SyntaxError):  # the code's fault, not a prompt's: every prompt would fail
             raise
-        except Exception as error:  # noqa: BLE001  one bad prompt must not stop the run
+        except Exception as error:  # one bad prompt must not stop the run (the engine stopping must)
+            if self.vllm and self.model.stopped():  # the engine's fault, not a prompt's: nothing of it is kept
+                raise EngineStopped(
+                    f"vLLM's engine stopped during this collection ({type(error).__name__}: {error}; its log says "
+                    f"which worker died); the shards committed so far are kept: run the same command again to resume"
+                ) from error
             if len(batch) == 1:
                 record, ids = batch[0]
                 _error(errors, record, "failed", f"{type(error).__name__}: {' '.join(str(error).split())}", len(ids))

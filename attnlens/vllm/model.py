@@ -167,6 +167,15 @@ class StandardizedVLLM(Helpful, VLLM):
         """Forward-order rank of every value of block `layer` served here; values read at one place share a rank."""
         return self.access.order(layer)
 
+    def stopped(self) -> bool:
+        """Whether vLLM's engine has stopped (a worker died: its executor shut down; or the engine core's process
+        is gone): every later request would fail, so no failure then is a prompt's own."""
+        client = self.vllm_entrypoint.llm_engine.engine_core
+        resources = getattr(client, "resources", None)  # the engine core in its own process
+        if resources is not None:
+            return bool(resources.engine_dead)
+        return bool(getattr(client.engine_core.model_executor, "is_failed", False))
+
     def kept(self) -> list[dict]:
         """Per worker: how many requests attnlens tracks, the bytes it holds for them (no keys or values: those are
         read from vLLM's KV cache) and the traces whose envoys it holds (`payload`); 0 requests and traces once all
