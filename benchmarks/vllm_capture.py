@@ -1,29 +1,31 @@
 """What capturing a pattern on every step costs on vLLM: greedy generation of many prompts, plain and captured.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm_capture.py [--prompts 32] [--tokens 64] [--layer 10]
-        [--repeats 15] [--rows eager,static,untraced,traced,compiled,heads] [--tp]
+        [--repeats 15] [--rows eager,static,untraced,traced,compiled,heads,collect] [--tp | --pp]
 
-Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user
-builds it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs
-(eager, for reference); static capture (`StandardizedVLLM(static_points=[attn_probs.L])` with `static_generate`,
-which runs vLLM's defaults: the pattern is rebuilt at the attention op each step, over keys read from the paged KV
-cache); the attnlens engine for traces (eager) without a trace; traced capture (`trace` + `tracer.iter` saving layer
-L's `attention_probabilities` on every step of every prompt); the same trace on the static-capture engine, which runs
-vLLM's compiled model and hands the attention op's values to a trace there (`worker.hand_off_at_kernel`). Then the
-memory attnlens holds beside vLLM's KV cache after the traced run (0: earlier keys are read from the cache; the copy
-the earlier design kept is given for comparison). The engines are built side by side and timed in alternation after
-a warm-up, so load from other processes falls on all alike. Each row's figure is the median of its ratios to plain
-vLLM in the same round, with the quartiles, over `--repeats` rounds (the best-of ratio and every round's are printed
-too): on a shared 2-core machine a round's time moves by 10-20%, so a best-of ratio compares two rounds' luck (CPU
-time is no steadier there: torch's OpenMP threads spin while they wait). Every prompt generates exactly `--tokens`
-tokens. Head summaries
-(`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the attention op in the
-worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its
-defaults prefilling the same sequences (one token each, salted out of the prefix cache, as the summaries' requests
-skip reading it). `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4 query heads, 1
-key/value head: its heads divide over two ranks; SmolLM2's 9 do not). `--rows` chooses the rows beside plain vLLM
-(default: all); only their engines are built, since an idle engine's ranks load the machine the others run on.
-Progress (each engine built, each run) and the load average go to stdout as they happen, so a
+Rows, in one process, on SmolLM2-135M float32, each a ratio to plain vLLM at its defaults (`vllm.LLM` as a user builds
+it: compiled model, prefix caching, chunked prefill): plain vLLM configured as an engine for traces runs (eager, for
+reference); static capture (`StandardizedVLLM(static_points=[attn_probs.L])` with `static_generate`, which runs vLLM's
+defaults: the pattern is rebuilt at the attention op each step, over keys read from the paged KV cache); the attnlens
+engine for traces (eager) without a trace; traced capture (`trace` + `tracer.iter` saving layer L's
+`attention_probabilities` on every step of every prompt); the same trace on the static-capture engine, which runs vLLM's
+compiled model and hands the attention op's values to a trace there (`worker.hand_off_at_kernel`). Then the memory
+attnlens holds beside vLLM's KV cache after the traced run (0: earlier keys are read from the cache; the copy the
+earlier design kept is given for comparison). The engines are built side by side and timed in alternation after a
+warm-up, so load from other processes falls on all alike. Each row's figure is the median of its ratios to plain vLLM in
+the same round, with the quartiles, over `--repeats` rounds (the best-of ratio and every round's are printed too): on a
+shared 2-core machine a round's time moves by 10-20%, so a best-of ratio compares two rounds' luck (CPU time is no
+steadier there: torch's OpenMP threads spin while they wait). Every prompt generates exactly `--tokens` tokens. Head
+summaries (`attnlens.head_summaries` of every layer on its repeated random sequences, reduced at the attention op in the
+worker, on the static-capture engine at vLLM's defaults) are timed beside plain vLLM at its defaults prefilling the same
+sequences (one token each, salted out of the prefix cache, as the summaries' requests skip reading it); and
+`attnlens.collect` of entropy, sink, previous and top keys on every layer (reduced in the worker) beside plain vLLM
+prefilling the same prompts, salted. `--tp` adds the same rows on two tensor-parallel CPU ranks, on Gemma-3-270M (4
+query heads, 1 key/value head: its heads divide over two ranks; SmolLM2's 9 do not). `--pp` runs, instead, the rows a
+pipelined engine serves (static capture of a layer on each stage, head summaries, collection) on two pipeline stages of
+SmolLM2 (15 blocks each; one core per stage), every engine, plain vLLM's too, on two stages at vLLM's defaults. `--rows`
+chooses the rows beside plain vLLM (default: all); only their engines are built, since an idle engine's ranks load the
+machine the others run on. Progress (each engine built, each run) and the load average go to stdout as they happen, so a
 run on a loaded machine shows where it is.
 """
 
@@ -49,7 +51,9 @@ STARTS = ["Tell me about {}.", "Three facts about {}:", "A short poem about {}:"
 PROMPTS = [start.format(subject) for start in STARTS for subject in SUBJECTS]
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20, seed=0)
 #: The rows `--rows` chooses from, each beside plain vLLM at its defaults.
-ROWS = ("eager", "static", "untraced", "traced", "compiled", "heads")
+ROWS = ("eager", "static", "untraced", "traced", "compiled", "heads", "collect")
+#: What the collection row reduces in the worker, on every layer.
+COLLECTED = ["entropy", "sink", "previous", "top_keys"]
 
 
 def say(text: str) -> None:
@@ -81,10 +85,18 @@ def built(what: str, make):
     return found
 
 
-def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, rows: set[str], **engine) -> tuple:
+def rows_for(path: str, prompts: list, tokens: int, layers: list, repeats: int, rows: set[str], **engine) -> tuple:
     """The chosen `rows` (ROWS' names) beside plain vLLM at its defaults: only their engines are built (an idle
-    engine's ranks would load the machine the others run on)."""
+    engine's ranks would load the machine the others run on). Static capture taps `layers`; traces read the first."""
+    import tempfile
+
     from vllm import LLM, SamplingParams
+
+    layer = layers[0]
+    folder = tempfile.mkdtemp(prefix="attnlens-bench-")
+    corpus = os.path.join(folder, "corpus.jsonl")
+    with open(corpus, "w") as out:  # the collection's prompts: the generation's, four times over
+        out.writelines(f'{{"text": "{prompt}"}}\n' for prompt in prompts * 4)
 
     sampling = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm = built("plain vLLM (defaults)", lambda: LLM(path, **engine))
@@ -94,8 +106,8 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
             "plain vLLM (eager)",
             lambda: LLM(path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False, **engine),
         )
-    if {"static", "compiled", "heads"} & rows:
-        points = [f"attn_probs.{layer}"]
+    if {"static", "compiled", "heads", "collect"} & rows:
+        points = [f"attn_probs.{layer}" for layer in layers]
         static = built(
             "attnlens static capture", lambda: attnlens.StandardizedVLLM(path, static_points=points, **engine)
         )
@@ -132,19 +144,33 @@ def rows_for(path: str, prompts: list, tokens: int, layer: int, repeats: int, ro
         requests = [{"prompt_token_ids": ids, "cache_salt": salt} for ids in sequences]
         llm.generate(requests, SamplingParams(max_tokens=1), use_tqdm=False)
 
+    def prefill_corpus():  # salted: each round computes the prefill, as the collection's requests do
+        salt = uuid.uuid4().hex
+        requests = [{"prompt": prompt, "cache_salt": salt} for prompt in prompts * 4]
+        llm.generate(requests, SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def collected():  # reduced at the attention op in the worker, every layer, on the engine at vLLM's defaults
+        out = os.path.join(folder, uuid.uuid4().hex)
+        result = attnlens.collect(static, corpus, COLLECTED, out, progress=False)
+        assert result.prompts == len(prompts) * 4 and not result.errors
+
     def summaries():  # reduced at the attention op, on the engine at vLLM's defaults
         found = head_summaries(static, length=50, sequences=8, seed=0, progress=False)
         assert len(found.layers) == static.num_layers
 
     chosen = {
         "eager": {"plain vLLM, eager (as for traces)": plain_eager},
-        "static": {f"static capture, layer {layer} pattern": captured_statically},
+        "static": {f"static capture, layer {', '.join(map(str, layers))} pattern": captured_statically},
         "untraced": {"attnlens engine for traces, no trace": untraced},
         "traced": {f"traced capture, layer {layer} pattern": lambda: traced_capture(model)},
         "compiled": {f"traced capture on the static engine (compiled), layer {layer}": lambda: traced_capture(static)},
         "heads": {
             "plain vLLM, prefill of 8 x 101 tokens": prefill_plain,
             "head summaries, every layer, same 8 x 101 (in the worker, vLLM's defaults)": summaries,
+        },
+        "collect": {
+            f"plain vLLM, prefill of {len(prompts) * 4} prompts": prefill_corpus,
+            f"collect {'+'.join(COLLECTED)}, every layer, same prompts (in the worker)": collected,
         },
     }
     runs = {"plain vLLM": plain}
@@ -200,6 +226,7 @@ def main() -> None:
     )
     parser.add_argument("--tp", action="store_true", help="also two tensor-parallel ranks, on Gemma-3-270M")
     parser.add_argument("--tp-only", action="store_true", help=argparse.SUPPRESS)  # --tp's second process
+    parser.add_argument("--pp", action="store_true", help="instead, the rows on two pipeline stages (SmolLM2)")
     args = parser.parse_args()
     prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
     chosen = set(args.rows.split(",")) - {""}
@@ -215,8 +242,24 @@ def main() -> None:
         flush=True,
     )
 
-    def rows(path: str, layer: int, **engine) -> tuple:
-        return rows_for(path, prompts, args.tokens, layer, args.repeats, chosen, **engine, **ENGINE)
+    def rows(path: str, layers: list, **engine) -> tuple:
+        return rows_for(path, prompts, args.tokens, layers, args.repeats, chosen, **engine, **ENGINE)
+
+    if args.pp:  # two pipeline stages on the `mp` executor, every engine at vLLM's defaults
+        from vllm import envs
+
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per stage
+        envs.disable_envs_cache()
+        chosen.intersection_update({"static", "heads", "collect"})  # a pipelined engine serves no trace
+        # a layer on each stage (15 blocks each)
+        found = rows(
+            str(attnlens.models.smollm2_path()),
+            [args.layer, args.layer + 15],
+            distributed_executor_backend="mp",
+            pipeline_parallel_size=2,
+        )
+        report("SmolLM2-135M, two pipeline stages", found)
+        return
 
     if args.tp_only:  # --tp's rows, in a process of their own: beside the one-process engines, 24 GiB ran out
         from vllm import envs
@@ -224,13 +267,13 @@ def main() -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
         envs.disable_envs_cache()
         found = rows(
-            str(attnlens.models.gemma3_270m_path()), 9, distributed_executor_backend="mp", tensor_parallel_size=2
+            str(attnlens.models.gemma3_270m_path()), [9], distributed_executor_backend="mp", tensor_parallel_size=2
         )
         report("Gemma-3-270M, two tensor-parallel ranks", found)
         return
     report(
         "SmolLM2-135M, one process",
-        rows(str(attnlens.models.smollm2_path()), args.layer, distributed_executor_backend="uni"),
+        rows(str(attnlens.models.smollm2_path()), [args.layer], distributed_executor_backend="uni"),
     )
     say("done, one process")
     if args.tp:

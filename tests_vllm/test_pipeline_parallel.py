@@ -213,3 +213,69 @@ def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(t
     keys = [(row["prompt"], row["layer"], row["head"]) for row in table]
     assert len(keys) == len(set(keys)) == len(texts) * 3 * 4  # every prompt once: 3 layers x 4 heads
     assert not list(out.rglob(".*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A local Ray cluster of two nodes on this machine (Ray's cluster utilities), one CPU and one rank's place each;
+    the second node on its own loopback address (vLLM's Ray executor wants one address per node), its workers told
+    so (`VLLM_HOST_IP`). vLLM's Ray executor on the CPU platform through `ray_on_cpu`."""
+    import ray
+    import ray_on_cpu
+    from ray.cluster_utils import Cluster
+
+    here = os.path.dirname(__file__)
+    env = {"PYTHONPATH": os.pathsep.join([here, *sys.path])}  # the workers import ray_on_cpu and attnlens
+    node = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "resources": {ray_on_cpu.RESOURCE: 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False, "env_vars": env})
+    cluster.add_node(**node, node_ip_address="127.0.0.2", env_vars={**env, "VLLM_HOST_IP": "127.0.0.2"})
+    ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": "ray_on_cpu.install"})
+    ray_on_cpu.install()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _node(worker) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def on_two_nodes(path) -> attnlens.StandardizedVLLM:
+    """Two pipeline stages on vLLM's Ray executor (the cluster `two_nodes` started), every tap declared."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "all"  # one rank a node: each takes what its node has
+    envs.disable_envs_cache()
+    try:
+        args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "ray"}
+        return attnlens.StandardizedVLLM(str(path), static_points=POINTS, pipeline_parallel_size=2, **args)
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tmp_path_factory, tmp_path):
+    """Two pipeline stages on vLLM's Ray executor, one on each node of a local Ray cluster: static captures equal one
+    process's bit for bit, and a collection (reduced on each stage, on its node) equals the eager engine's."""
+    llama = pair("llama", tmp_path_factory)
+    model = on_two_nodes(llama.path)
+    one = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
+    try:
+        nodes = model.vllm_entrypoint.collective_rpc(_node)
+        assert len(set(nodes)) == 2 and {n.node_id for n in two_nodes.list_all_nodes()} == set(nodes)
+        prompts = [llama.prompt, "Hi"]
+        for got, want in zip(model.static_generate(prompts, max_new_tokens=3, do_sample=False),
+                             one.static_generate(prompts, max_new_tokens=3, do_sample=False)):  # fmt: skip
+            assert got.positions == want.positions
+            for a, b in zip(got.steps, want.steps, strict=True):
+                for key in POINTS:
+                    assert torch.equal(a[key], b[key]), key
+        options = dict(rows=ROWS, top_k=3, progress=False, spans=SPANS, context=CONTEXT)
+        result = attnlens.collect(model, corpus, REDUCED, tmp_path / "ray", **options)
+        eager = attnlens.collect(llama.eager, corpus, REDUCED, tmp_path / "eager", **options)
+        assert_tables_close(read_table(result.out), read_table(eager.out))
+    finally:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+        one.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
