@@ -1,31 +1,11 @@
 """attnlens: one vocabulary for the inside of attention, on every model family."""
 
-import contextlib
-import sys
 from importlib.metadata import version as _installed_version
 
-
-def _anyio_before_nnsights_save() -> None:
-    """nnsight, imported below, mounts `.save` on every object, which anyio refuses on classes it defines after that;
-    its asyncio backend loads on first use (an HTTP server's first streamed response): load it first. Where nnsight
-    came first (a Ray worker of vLLM's Ray executor loads it before attnlens), unmount `.save` for that import."""
-    nnsight = sys.modules.get("nnsight")
-    mounted = nnsight is not None and hasattr(object(), "save")
-    with contextlib.suppress(ImportError):
-        if mounted:
-            from nnsight import _c
-
-            _c.unmount("save")
-        try:
-            import anyio._backends._asyncio  # noqa: F401
-        finally:
-            if mounted:
-                _c.mount(nnsight.save, "save")
-
-
-_anyio_before_nnsights_save()
-
-from . import models
+from . import (
+    import_order,  # noqa: F401  first: anyio's classes before nnsight's `.save` (import_order.py)
+    models,
+)
 from .analysis import Attribution, LogitLens, PatchGrid, attribution, attribution_patching, logit_lens, patch
 from .capture import Cache, attn_out_gate, capture_attention, per_head_value, run_with_cache, split_fused_qkv
 from .collect import collect

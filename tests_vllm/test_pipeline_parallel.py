@@ -278,4 +278,3 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
     finally:
         model.vllm_entrypoint.llm_engine.engine_core.shutdown()
         one.vllm_entrypoint.llm_engine.engine_core.shutdown()
-
