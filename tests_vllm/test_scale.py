@@ -2,7 +2,6 @@
 against the transformers engine on the same weights (or against each request alone). Tensor parallelism:
 test_tensor_parallel.py."""
 
-import pytest
 import torch
 from conftest import engine_args
 from test_equal_to_eager import close, read_steps
@@ -132,7 +131,3 @@ def test_an_engine_shutting_down_in_this_process_leaves_the_other_engines_runnin
     assert tokens() == before
     assert parallel_state.model_parallel_is_initialized()
 
-
-def test_pipeline_parallelism_is_refused_before_an_engine_starts(llama):
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2: .*every trace body on every worker"):
-        attnlens.StandardizedVLLM(str(llama.path), pipeline_parallel_size=2)
