@@ -1,6 +1,6 @@
-"""At scale: chunked prefill, many requests in one trace, and the refusal of pipeline parallelism. Each is checked
-against the transformers engine on the same weights (or against each request alone). Tensor parallelism:
-test_tensor_parallel.py."""
+"""At scale: chunked prefill and many requests in one trace. Each is checked against the transformers engine on the
+same weights (or against each request alone). Tensor parallelism: test_tensor_parallel.py; pipeline parallelism:
+test_pipeline_parallel.py."""
 
 import torch
 from conftest import engine_args
@@ -130,4 +130,3 @@ def test_an_engine_shutting_down_in_this_process_leaves_the_other_engines_runnin
     assert not parallel_state.model_parallel_is_initialized()
     assert tokens() == before
     assert parallel_state.model_parallel_is_initialized()
-
