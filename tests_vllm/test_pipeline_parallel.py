@@ -216,23 +216,25 @@ def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(t
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(tmp_path_factory):
     """A local Ray cluster of two nodes on this machine (Ray's cluster utilities), one CPU and one rank's place each;
     the second node on its own loopback address (vLLM's Ray executor wants one address per node), its workers told
-    so (`VLLM_HOST_IP`). vLLM's Ray executor on the CPU platform through `ray_on_cpu`."""
+    so (`VLLM_HOST_IP`). vLLM's Ray executor on the CPU platform through `ray_on_cpu`, in this process and, by
+    `sitecustomize`, in every process the nodes start. Yields the cluster and the `PYTHONPATH` that installs it."""
     import ray
     import ray_on_cpu
     from ray.cluster_utils import Cluster
 
     here = os.path.dirname(__file__)
-    env = {"PYTHONPATH": os.pathsep.join([here, *sys.path])}  # the workers import ray_on_cpu and attnlens
+    path = os.pathsep.join([ray_on_cpu.sitecustomize(tmp_path_factory.mktemp("site")), here, *sys.path])
     node = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "resources": {ray_on_cpu.RESOURCE: 1}}
+    env = {"PYTHONPATH": path}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False, "env_vars": env})
     cluster.add_node(**node, node_ip_address="127.0.0.2", env_vars={**env, "VLLM_HOST_IP": "127.0.0.2"})
-    ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": "ray_on_cpu.install"})
+    ray.init(address=cluster.address)
     ray_on_cpu.install()
     try:
-        yield cluster
+        yield cluster, path
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -256,6 +258,7 @@ def on_two_nodes(path) -> attnlens.StandardizedVLLM:
 
 
 def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tmp_path_factory, tmp_path):
+    cluster, _ = two_nodes
     """Two pipeline stages on vLLM's Ray executor, one on each node of a local Ray cluster: static captures equal one
     process's bit for bit, and a collection (reduced on each stage, on its node) equals the eager engine's."""
     llama = pair("llama", tmp_path_factory)
@@ -263,7 +266,7 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
     one = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
     try:
         nodes = model.vllm_entrypoint.collective_rpc(_node)
-        assert len(set(nodes)) == 2 and {n.node_id for n in two_nodes.list_all_nodes()} == set(nodes)
+        assert len(set(nodes)) == 2 and {n.node_id for n in cluster.list_all_nodes()} == set(nodes)
         prompts = [llama.prompt, "Hi"]
         for got, want in zip(model.static_generate(prompts, max_new_tokens=3, do_sample=False),
                              one.static_generate(prompts, max_new_tokens=3, do_sample=False)):  # fmt: skip
@@ -278,3 +281,30 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
     finally:
         model.vllm_entrypoint.llm_engine.engine_core.shutdown()
         one.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(two_nodes, tmp_path_factory):
+    """`attnlens serve` on two pipeline stages on vLLM's Ray executor, the stages on the cluster's two nodes."""
+    cluster, path = two_nodes
+    env = {"RAY_ADDRESS": cluster.address, "PYTHONPATH": path, "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    arguments = ("--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray")
+    yield from started(tmp_path_factory, *arguments, env=env)
+
+
+def test_served_numbers_across_two_nodes_equal_the_eager_pattern(ray_server):
+    """The server's engine spans both nodes: every feature of layers on both stages, every row, equals the eager
+    pattern."""
+    eager = attnlens.models.smollm2()
+    attention = {"features": NAMES, "layers": [0, 15, 29], "heads": [0, 8], "rows": "all"}
+    attention["spans"] = [{"tokens": [0, 3]}]
+    response = ray_server.openai().completions.create(
+        model=ray_server.model,
+        prompt="When Mary and John went to the store, John gave a drink to",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"attention": attention, "return_token_ids": True},
+    )
+    found, dumped = client.numbers(response)[0], response.choices[0].model_dump()
+    ids = dumped["prompt_token_ids"] + dumped["token_ids"]
+    assert_equal_numbers(found, expected(eager, ids, found, spans=tuple(found.spans), top_k=5))
