@@ -279,8 +279,12 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
         eager = attnlens.collect(llama.eager, corpus, REDUCED, tmp_path / "eager", **options)
         assert_tables_close(read_table(result.out), read_table(eager.out))
     finally:
+        import ray
+
         model.vllm_entrypoint.llm_engine.engine_core.shutdown()
         one.vllm_entrypoint.llm_engine.engine_core.shutdown()
+        # the engine's placement group outlives its shutdown: the server's engine needs the nodes' places
+        ray.util.remove_placement_group(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.placement_group)
 
 
 @pytest.fixture(scope="module")
