@@ -136,7 +136,7 @@ test-vllm: install-vllm
 
 # Engines split into pipeline stages (tests_vllm/test_pipeline_parallel.py: two stages, two stages of two tensor-parallel
 # ranks, the server on two stages, a stage's worker killed mid-collection, two stages on a two-node Ray cluster):
-# about 5.5 minutes past what `make test`'s 30 may take on two cores, so a target of their own, which .ci/run runs after
+# about 12 minutes past what `make test`'s 30 may take on two cores, so a target of their own, which .ci/run runs after
 # `make test`.
 test-stages: install-vllm
 	$(VLLM_ENV) $(VPY) -m pytest -q -p no:cacheprovider -m stages tests_vllm
