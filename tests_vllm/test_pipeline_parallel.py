@@ -23,6 +23,7 @@ from vllm import envs
 import attnlens
 from attnlens import client
 from attnlens.collect import read_table
+from attnlens.vllm import stages
 
 pytestmark = [pytest.mark.ranks, pytest.mark.stages]  # `make test-stages`
 
@@ -30,15 +31,20 @@ pytestmark = [pytest.mark.ranks, pytest.mark.stages]  # `make test-stages`
 POINTS = [f"{short}.{layer}" for layer in range(3) for short in ("query", "key", "value", "attn_probs")]
 
 
-def pipelined(path, stages: int, tensor: int = 1) -> attnlens.StandardizedVLLM:
+def pipelined(path, stages: int, tensor: int = 1, enforce_eager: bool | None = None) -> attnlens.StandardizedVLLM:
     """An engine of `stages` pipeline stages x `tensor` tensor-parallel ranks on the `mp` executor, every tap
-    declared, at vLLM's defaults (compiled)."""
+    declared, at vLLM's defaults (compiled) unless `enforce_eager`."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(["0", "1"] * (stages * tensor // 2))  # ranks share the cores
     envs.disable_envs_cache()  # vLLM froze its environment when the first engine started
     try:
         args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "mp"}
         return attnlens.StandardizedVLLM(
-            str(path), static_points=POINTS, pipeline_parallel_size=stages, tensor_parallel_size=tensor, **args
+            str(path),
+            static_points=POINTS,
+            pipeline_parallel_size=stages,
+            tensor_parallel_size=tensor,
+            enforce_eager=enforce_eager,
+            **args,
         )
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -117,7 +123,38 @@ def test_a_trace_on_two_stages_is_refused_with_the_reason(pp):
     support = model.support(2)  # the attention op's values, to static taps and the tools; no other value
     assert support["self_attn.attention_probabilities"] is None
     assert "pipeline_parallel_size=2" in support["self_attn.attention_output"]
-    assert "pipeline_parallel_size=2" in support.analyses["attribution"]
+    assert support.analyses["attribution"] == stages.ATTRIBUTION_COMPILED  # served on an eager engine (below)
+    with pytest.raises(attnlens.Unavailable, match="enforce_eager=True"):
+        attnlens.attribution(model, llama.prompt, target=5)
+
+
+def test_attribution_on_two_eager_stages_equals_eager(tmp_path_factory):
+    """Attribution on two pipeline stages (built eagerly): each stage splits its own blocks' attention by head and
+    source in its worker, the client joins the stages. Every term equals the transformers engine's: a logit
+    difference at two rows with every layer split, and a direction with layer 1 (on the first stage) left whole."""
+    llama = pair("llama", tmp_path_factory)
+    model = pipelined(llama.path, 2, enforce_eager=True)
+    try:
+        assert model.support(0).analyses["attribution"] is None
+        direction = torch.randn(64, generator=torch.Generator().manual_seed(0))
+        for options in (dict(rows=[-1, 3], target=5, versus=7), dict(direction=direction, layers=[0, 2])):
+            got, want = (attnlens.attribution(m, llama.prompt, **options) for m in (model, llama.eager))
+            assert torch.allclose(got.total, got.value, atol=1e-4) and torch.allclose(got.value, want.value, atol=1e-5)
+            assert set(got.heads) == set(want.heads) and set(got.rest) == set(want.rest) == {0, 1, 2}
+            assert got.unsplit == want.unsplit
+            for name in ("heads", "attention", "attention_bias", "rest"):
+                for layer, term in getattr(want, name).items():
+                    torch.testing.assert_close(getattr(got, name)[layer], term, atol=1e-5, rtol=1e-4)
+            for name in ("embeddings", "final_bias"):
+                torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-4)
+        with pytest.raises(attnlens.Unavailable, match="splits a prefill"):
+            attnlens.attribution(model, llama.prompt, target=5, max_new_tokens=2)
+        with pytest.raises(attnlens.Unavailable, match="pipeline stages"):  # a user's trace is still refused
+            with model.trace(llama.prompt):
+                model.layers[0].layer_output.save()
+        assert model.kept() == [{"requests": 0, "bytes": 0, "traces": 0}] * 2
+    finally:
+        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
 
 
 def test_tensor_by_pipeline_parallel_static_captures_equal_eager(tmp_path_factory):
@@ -258,9 +295,9 @@ def on_two_nodes(path) -> attnlens.StandardizedVLLM:
 
 
 def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tmp_path_factory, tmp_path):
-    cluster, _ = two_nodes
     """Two pipeline stages on vLLM's Ray executor, one on each node of a local Ray cluster: static captures equal one
     process's bit for bit, and a collection (reduced on each stage, on its node) equals the eager engine's."""
+    cluster, _ = two_nodes
     llama = pair("llama", tmp_path_factory)
     model = on_two_nodes(llama.path)
     one = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, **engine_args(128, 16 * 2**20))

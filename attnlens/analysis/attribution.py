@@ -34,6 +34,7 @@ from .reasons import (
     final_norm_form,
     hidden_size,
     model_reason,
+    on_stages,
     output_map,
     post_norm_form,
     residual_multiplier,
@@ -66,6 +67,15 @@ class LayerPlan:
     head_dim: int = 0
     post: NormForm | None = None  #: the norm between the attention output and the residual add
     multiplier: torch.Tensor | None = None  #: the residual add's multiplier of the update [hidden]
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one pipeline stage holds (`StandardizedVLLM` with pipeline_parallel_size > 1, where each stage computes
+    the terms of its own blocks): its blocks, and whether it holds the final norm and the unembedding (the last)."""
+
+    layers: frozenset[int]
+    last: bool
 
 
 @dataclass
@@ -193,23 +203,31 @@ def plan(model, rows: list[int], target=None, versus=None, direction=None, *, sp
     return found
 
 
-def prepare(model, plan: Plan) -> None:
-    """The weights `plan` computes with, read off the model's modules where the run is (eager: before the trace)."""
-    if plan.tokens is not None or plan.logit_on_the_run:  # a direction= alone reads none (a classifier has none)
+def prepare(model, plan: Plan, stage: Held | None = None) -> None:
+    """The weights `plan` computes with, read off the model's modules where the run is (eager: before the trace; a
+    pipeline stage: those of the blocks it holds, and the read-out on the stage holding the unembedding)."""
+    if (stage is None or stage.last) and (plan.tokens is not None or plan.logit_on_the_run):
+        # a direction= alone reads none (a classifier has none)
         weight, bias = unembedding(model, plan.engine, plan.paths["embed_tokens"])
         plan.unembedding = (weight.detach(), None if bias is None else bias.detach())
-    if plan.tokens is not None:
-        t, v = plan.tokens
-        directions = weight[t].detach().float().cpu()
-        offsets = bias[t].detach().float().cpu() if bias is not None else torch.zeros(())
-        if v is not None:
-            directions = directions - weight[v].detach().float().cpu()
-            offsets = offsets - (bias[v].detach().float().cpu() if bias is not None else 0)
-        rows = len(plan.rows)
-        plan.directions, plan.offsets = directions.expand(rows, -1).clone(), offsets.expand(rows).clone()
+        if plan.tokens is not None:
+            read_out(plan, weight, bias)
     for layer, layer_plan in plan.layers.items():
-        if layer_plan.split:
+        if layer_plan.split and (stage is None or layer in stage.layers):
             _weights(model, layer, layer_plan, plan)
+
+
+def read_out(plan: Plan, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`plan`'s directions and offsets: its target token's unembedding row (minus its versus token's) in `weight`
+    [vocab, hidden] and `bias`, one per row."""
+    t, v = plan.tokens
+    directions = weight[t].detach().float().cpu()
+    offsets = bias[t].detach().float().cpu() if bias is not None else torch.zeros(())
+    if v is not None:
+        directions = directions - weight[v].detach().float().cpu()
+        offsets = offsets - (bias[v].detach().float().cpu() if bias is not None else 0)
+    rows = len(plan.rows)
+    plan.directions, plan.offsets = directions.expand(rows, -1).clone(), offsets.expand(rows).clone()
 
 
 def _label(model, token: int) -> str:
@@ -266,14 +284,17 @@ def head_pieces(
     return probabilities.float().transpose(0, 1) * value_reads
 
 
-def collect(model, plan: Plan, found: dict) -> None:
+def collect(model, plan: Plan, found: dict, stage: Held | None = None) -> None:
     """Inside a trace (on vLLM, inside its worker): every term of `plan`'s decomposition, unscaled by the final norm,
-    into `found` (plain tensors on the CPU)."""
+    into `found` (plain tensors on the CPU); on a pipeline stage (`stage`), those of its own blocks, with the
+    embeddings' on the first stage and the final norm's and logits' on the last."""
     rows = plan.rows
     pulled = plan.final.pullback(plan.directions)  # [rows, hidden]
     terms = {"heads": {}, "attention": {}, "attention_bias": {}, "rest": {}, "split_error": {}}
     last = None
     for layer, layer_plan in plan.layers.items():
+        if stage is not None and layer not in stage.layers:
+            continue
         envoy = model.layers[layer]
         read = {}
         for key in layer_plan.reads:
@@ -299,6 +320,10 @@ def collect(model, plan: Plan, found: dict) -> None:
             block = block - attention
         terms["rest"][layer] = block.cpu()
         last = read["layer_output"]
+    terms["directions"], terms["offsets"] = plan.directions.cpu(), plan.offsets.cpu()
+    if stage is not None and not stage.last:
+        found.update(terms)
+        return
     final_read = model.final_norm_output[0]
     final = final_read.float()
     terms["final_residual"] = last.cpu()
@@ -309,7 +334,6 @@ def collect(model, plan: Plan, found: dict) -> None:
         plain = weight.float() @ final[-1] + (0 if bias is None else bias.float())
         terms["last_plain"] = plain[: logits.shape[-1]].cpu()  # vLLM pads its vocabulary
         terms["last_logits"] = logits.cpu()
-    terms["directions"], terms["offsets"] = plan.directions.cpu(), plan.offsets.cpu()
     terms["final_form"] = plan.final.to("cpu")
     terms["dtype"] = final_read.dtype
     found.update(terms)
@@ -627,17 +651,8 @@ def stack_attribution(
     ids = ids[0]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens is an int >= 0; got {max_new_tokens!r}")
-    chosen = rows_of(rows, len(ids))
-    split_layers = (
-        None
-        if layers is None
-        else [model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
-    )
-    for layer in split_layers or ():
-        reason = split_reason(model, layer)
-        if reason is not None:
-            raise Unavailable(f"attribution: layer {layer} on {model.family.name} is not split by head: {reason}")
-    the_plan = plan(model, chosen, target, versus, direction, split_layers=split_layers)
+    with on_stages(model, max_new_tokens):
+        the_plan = _planned(model, rows_of(rows, len(ids)), target, versus, direction, layers)
     tokens = (
         [model.tokenizer.decode([int(i)]) for i in ids]
         if getattr(model, "tokenizer", None)
@@ -680,6 +695,20 @@ def stack_attribution(
         )
         found.append(_finish(model, step_plan, terms, step_tokens))
     return found
+
+
+def _planned(model, rows: list[int], target, versus, direction, layers) -> Plan:
+    """`plan` with the layers split by head (`layers`: one, several or None for all), each checked."""
+    split_layers = (
+        None
+        if layers is None
+        else [model.access.check_layer(layer) for layer in ([layers] if isinstance(layers, int) else layers)]
+    )
+    for layer in split_layers or ():
+        reason = split_reason(model, layer)
+        if reason is not None:
+            raise Unavailable(f"attribution: layer {layer} on {model.family.name} is not split by head: {reason}")
+    return plan(model, rows, target, versus, direction, split_layers=split_layers)
 
 
 def decode_plan(plan: Plan, prepared: bool = True) -> Plan:

@@ -11,9 +11,12 @@ residual stream that is not one vector) make the attribution unavailable on the 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import verification
+from ..errors import Unavailable
 from ..parts.identities import overrides
 from .norms import NormForm
 
@@ -146,9 +149,15 @@ def head_between(model) -> str | None:
     return verification.head_between(model._module, model.family)
 
 
+def _cache(model) -> dict:
+    """The model's reasons worked out so far, per engine mode (`Access.mode`: a pipelined engine's attribution is
+    planned with the values of one stage, `stages.stage_aware`)."""
+    return model.__dict__.setdefault("_attnlens_analysis", {}).setdefault(type(model.access.mode).__name__, {})
+
+
 def model_reason(model) -> str | None:
     """Why no analysis of the residual stream is served on this model (None: it is)."""
-    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    cached = _cache(model)
     if "model" not in cached:
         cached["model"] = direction_reason(model) or head_between(model)
     return cached["model"]
@@ -158,7 +167,7 @@ def direction_reason(model) -> str | None:
     """Why no read-out of `final_norm_output` (attribution's `direction=`) is decomposed on this model (None: it is):
     `model_reason` without the modules between the final norm and the logits, which a direction of the final norm's
     output never passes through (an encoder's prediction head, a classifier's pooler and classifier)."""
-    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    cached = _cache(model)
     if "direction" not in cached:
         reason = None
         for layer in range(model.num_layers):
@@ -210,7 +219,7 @@ def post_norm_reason(model) -> str | None:
 
 def split_reason(model, layer: int) -> str | None:
     """Why `layer`'s attention update is not split by head and source (None: it is)."""
-    cached = model.__dict__.setdefault("_attnlens_analysis", {})
+    cached = _cache(model)
     if ("split", layer) not in cached:
         cached["split", layer] = _split_reason(model, layer)
     return cached["split", layer]
@@ -280,19 +289,41 @@ def read_only(access, key: str, layer: int) -> str | None:
     return None if location.writable else f"{key} is read-only here ({location.why_not})"
 
 
+def on_stages(model, max_new_tokens: int):
+    """Where attribution is planned: on a pipelined vLLM engine with every value its family serves on one stage
+    (`stages.stage_aware`; each stage computes its own blocks' terms), which it must run eagerly, its prefill only;
+    elsewhere as the model is."""
+    if getattr(model, "stages", 1) == 1:
+        return contextlib.nullcontext()
+    from ..vllm import stages
+
+    if model.compiled:
+        raise Unavailable(stages.ATTRIBUTION_COMPILED)
+    if max_new_tokens:
+        raise Unavailable(
+            "attribution on pipeline stages splits a prefill: call it on the prompt and on each longer prompt in "
+            "turn (max_new_tokens=0)"
+        )
+    return stages.stage_aware(model)
+
+
 def served(model, layer: int) -> dict[str, str | None]:
     """Every analysis (`ANALYSES`) -> None where `layer` of `model` serves it, else why not: what `support(layer)`
     lists as its `analyses` on a model of one stack (`analysis.entry.served` answers on every model)."""
     layer = model.access.check_layer(layer)
     report = model.support(layer)
-    whole = model_reason(model)
     reasons: dict[str, str | None] = dict.fromkeys(ANALYSES)
-    if whole is not None:
-        reasons[ATTRIBUTION] = reasons[LENS] = whole
+    reasons[LENS] = model_reason(model)
+    try:
+        staged = on_stages(model, 0)  # on pipeline stages attribution only, its own way
+    except Unavailable as why:
+        reasons[ATTRIBUTION] = str(why)
     else:
-        split = split_reason(model, layer)
-        if split is not None:
-            reasons[ATTRIBUTION] = f"layer {layer}'s attention is not split by head and source: {split}"
+        with staged:
+            reasons[ATTRIBUTION] = model_reason(model)
+            split = split_reason(model, layer) if reasons[ATTRIBUTION] is None else None
+            if split is not None:
+                reasons[ATTRIBUTION] = f"layer {layer}'s attention is not split by head and source: {split}"
     vllm = model.access.engine == "vllm"
     for over, (key, _axes) in OVER.items():
         needs = report[key] and f"{key} is unavailable ({report[key]})"

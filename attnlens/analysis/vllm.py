@@ -11,6 +11,8 @@ its heads' columns of the output projection and its share of the vocabulary: eve
 
 from __future__ import annotations
 
+import pickle
+import uuid
 import weakref
 from dataclasses import replace
 
@@ -122,22 +124,100 @@ def unembedding(module, embeddings: str) -> tuple[torch.Tensor, torch.Tensor | N
     return _cached(head, lambda: _gathered(head.weight.detach(), 0)), None if bias is None else _gathered(bias, 0)
 
 
-def prepare(model, plan, prepare_weights) -> None:
+def prepare(model, plan, prepare_weights, stage=None) -> None:
     """In the worker: the unembedding and the output projections (`prepare_weights`: `attribution.prepare`, passed in
-    so this module need not import it back), then the weights of the final norm and of the norms after attention."""
-    prepare_weights(model, plan)
-    hidden = plan.unembedding[0].shape[-1]
-    plan.final = with_weights(plan.final, model._module.get_submodule(plan.paths["final_norm"]), hidden)
+    so this module need not import it back), then the weights of the final norm and of the norms after attention; on
+    a pipeline stage (`stage`: `attribution.Held`) those it holds (the client read the final norm's: `read_out`)."""
+    prepare_weights(model, plan, stage)
+    hidden = plan.directions.shape[-1]
+    if stage is None or stage.last:
+        plan.final = with_weights(plan.final, model._module.get_submodule(plan.paths["final_norm"]), hidden)
     for layer, layer_plan in plan.layers.items():
-        if layer_plan.split and layer_plan.post is not None:
+        if layer_plan.split and layer_plan.post is not None and (stage is None or layer in stage.layers):
             norm = model.layers[layer]._module.get_submodule(plan.paths["attention_post_norm"])
             layer_plan.post = with_weights(layer_plan.post, norm, hidden)
 
 
 def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
     """One request of `ids`, its prefill only; the terms computed in the worker (`collect`: `attribution.collect`)."""
+    if model.stages > 1:
+        return _on_stages(model, ids, plan, prepare_weights, collect)
     with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
         found = [{}].save()
         prepare(model, plan, prepare_weights)
         collect(model, plan, found[0])
     return found[0]
+
+
+# --- on pipeline stages --------------------------------------------------------------------------------------------
+
+
+def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
+    """`run_attribution` on an engine of pipeline stages: each stage computes the terms of the blocks it holds in one
+    trace (`stages.stage_aware`), keeps them in its worker (`_keep`), and the client takes and joins them. The
+    read-out every stage projects onto (the unembedding's rows through the final norm's gain, on the last stage) is
+    read first (`_read_out`), so only it and the terms travel."""
+    from ..vllm import stages
+
+    directions, offsets, final = pickle.loads(
+        next(found for found in model.vllm_entrypoint.collective_rpc(_read_out, args=(pickle.dumps(plan),)) if found)
+    )
+    plan = replace(plan, directions=directions, offsets=offsets, final=final)
+    tag = uuid.uuid4().hex
+    with stages.stage_aware(model), torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
+        stage = _held(model)
+        prepare(model, plan, prepare_weights, stage)
+        terms = {}
+        collect(model, plan, terms, stage)
+        _keep(tag, terms)
+    per_rank = model.vllm_entrypoint.collective_rpc(_take, args=(tag,))
+    found: dict = {}
+    for stage, ranks in enumerate(stages.by_stage(per_rank, model.stages)):
+        if ranks[0] is None:
+            raise RuntimeError(f"attribution: pipeline stage {stage} kept no terms (its trace failed on the worker)")
+        for key, value in pickle.loads(ranks[0]).items():  # each rank of a stage holds the same (gathered) terms
+            if isinstance(value, dict):
+                found.setdefault(key, {}).update(value)
+            else:
+                found[key] = value
+    return found
+
+
+def _read_out(worker, plan: bytes) -> bytes | None:
+    """Run in each worker (`collective_rpc`): on the stage holding the final norm, `plan`'s directions and offsets
+    read off its unembedding and the final norm with its weights (pickled); None on the others."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from .attribution import read_out
+
+    plan = pickle.loads(plan)
+    module = worker.model_runner.nnsight_model._module
+    norm = module.get_submodule(plan.paths["final_norm"])
+    if isinstance(norm, PPMissingLayer):
+        return None
+    if plan.tokens is not None:
+        read_out(plan, *unembedding(module, plan.paths["embed_tokens"]))
+    return pickle.dumps((plan.directions, plan.offsets, with_weights(plan.final, norm, plan.directions.shape[-1])))
+
+
+def _held(model):
+    """In the worker: what this pipeline stage holds (`attribution.Held`)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from ..vllm.blocks import held
+    from .attribution import Held
+
+    final_norm = model._module.get_submodule(model.family.path("final_norm", "vllm"))
+    return Held(frozenset(held(model.layers)), not isinstance(final_norm, PPMissingLayer))
+
+
+#: Per tag, the terms a stage computed, until the client takes them (`_take`).
+_KEPT: dict[str, bytes] = {}
+
+
+def _keep(tag: str, terms: dict) -> None:
+    _KEPT[tag] = pickle.dumps(terms)
+
+
+def _take(worker, tag: str) -> bytes | None:
+    return _KEPT.pop(tag, None)

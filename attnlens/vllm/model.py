@@ -73,6 +73,7 @@ class StandardizedVLLM(Helpful, VLLM):
     ) -> None:
         path = str(model)
         self.stages = int(kwargs.get("pipeline_parallel_size") or 1)  # vLLM's pipeline stages (`static.joined`)
+        self.stage_aware = False  # a trace on pipeline stages whose body reads each stage's own blocks (stages.py)
         if "torch_dtype" in kwargs:
             if "dtype" in kwargs:
                 raise TypeError("pass dtype= or torch_dtype= (its older spelling), not both")
@@ -219,8 +220,8 @@ class StandardizedVLLM(Helpful, VLLM):
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         """nnsight's, with the envoys pickled once for the whole trace (`payload`), and a mark that tells the worker
-        to track each request; refused on a pipelined engine (`stages`)."""
-        if self.stages > 1:
+        to track each request; refused on a pipelined engine (`stages`) but to attnlens's own stage-aware bodies."""
+        if self.stages > 1 and not self.stage_aware:
             raise Unavailable(stages.NO_TRACES.format(stages=self.stages))
         with payload.by_reference(self) as tree:
             attached = super()._attach_mediators(params, **kwargs)

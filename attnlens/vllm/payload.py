@@ -51,6 +51,30 @@ def by_reference(model: Any) -> Iterator[tuple[str, bytes]]:
             envoy.__dict__.pop("_persistent_id", None)
 
 
+class _OnStage(dict):
+    """nnsight's map of persistent ids on one of several pipeline stages: a module this stage does not hold (inside a
+    block another stage holds, the last stage's logits processor) resolves to a placeholder (vLLM's
+    `PPMissingLayer`), so a trace's tree of the whole model loads on every stage (attnlens's own stage-aware bodies
+    never read those: `stages.stage_aware`)."""
+
+    def __init__(self, objects: dict) -> None:
+        from vllm.model_executor.models.utils import PPMissingLayer
+
+        super().__init__(objects)
+        self.placeholder = PPMissingLayer()
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (isinstance(key, str) and key.startswith("Module:"))
+
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__(key) if super().__contains__(key) else self.placeholder
+
+
+def on_stage(objects: dict, stages: int) -> dict:
+    """`objects` (nnsight's map of persistent ids) as a stage's of `stages` pipeline stages (`_OnStage`)."""
+    return _OnStage(objects) if stages > 1 else objects
+
+
 class Trees:
     """The worker's side: each running trace's envoys, loaded once, resolvable by nnsight while it loads the requests'
     bodies (entries in its map of persistent ids, `objects`), dropped once none of the trace's requests is live."""

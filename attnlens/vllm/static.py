@@ -92,7 +92,8 @@ class CompiledMode:
 
     def location(self, location: Location) -> Location:
         if isinstance(location, RebuiltPattern) and location.writable:
-            return Derived(location, _same, in_place=False, note=location.note, why_not=NO_PATTERN_EDITS)
+            why_not = NO_PATTERN_EDITS if self.why == ON_THE_EAGER_ENGINE else self.why  # pipelined: no edits at all
+            return Derived(location, _same, in_place=False, note=location.note, why_not=why_not)
         return location
 
 

