@@ -4,11 +4,15 @@ reduces its own blocks, the client joins the stages. Static captures, `collect`,
 numbers equal the transformers engine's on the same weights (and one process's); a trace is refused with the reason.
 Marked `stages` (and `ranks`): `make test-stages` runs them, after `make test` in .ci/run."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import pytest
@@ -215,34 +219,39 @@ def test_served_numbers_on_two_stages_equal_the_eager_pattern(pp_server):
     assert pp_server.held() == [{"requests": 0, "bytes": 0}] * 2
 
 
-def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(tmp_path_factory, tmp_path):
-    """A real `attnlens collect` on two pipeline stages; once its first shards are committed, the second stage's
-    worker process is killed (SIGKILL). The run ends with `EngineStopped`'s message (not with the rest of the
-    prompts recorded as failed), and the same command, run again, finishes with every prompt exactly once."""
+def stopped_and_resumed(tmp_path_factory, tmp_path, engine: dict, env: dict, stop) -> float:
+    """A real `attnlens collect` on two pipeline stages (`engine`, in `env`); once its first shards are committed,
+    `stop(process)` ends a stage (and may return a function that makes the engine whole again, run before the
+    resume). The run ends with `EngineStopped`'s message (not with the rest of the prompts recorded as failed), and
+    the same command, run again, finishes with every prompt exactly once. Returns the seconds from `stop` to the
+    run's end."""
     llama = pair("llama", tmp_path_factory)
-    texts = [f"prompt number {i} " + "abc " * (i % 7) for i in range(400)]
+    texts = [f"prompt number {i} " + "abc " * (i % 7) for i in range(300)]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "out"
-    engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
-    engine |= {"max_model_len": 128, "kv_cache_memory_bytes": 16 * 2**20}
+    engine = {"pipeline_parallel_size": 2, "dtype": "float32", "max_model_len": 128, **engine}
+    engine["kv_cache_memory_bytes"] = 16 * 2**20
     command = [sys.executable, "-m", "attnlens", "collect", str(llama.path), str(corpus), "--engine", "vllm"]
     command += [arg for key, value in engine.items() for arg in ("--engine-arg", f"{key}={value}")]
     command += ["--features", "entropy,sink", "--shard-size", "4", "--batch-size", "4", "--out", str(out)]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while len(list((out / "data").glob("part-*.parquet"))) < 2 and process.poll() is None:
         assert time.monotonic() < deadline, "no shard committed in 300 s"
         time.sleep(0.02)
-    assert process.poll() is None, "the run ended before a rank could be killed; give it more prompts"
-    stage = next(p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "VLLM::Worker_PP1")
-    stage.kill()
-    _, stderr = process.communicate(timeout=120)
+    assert process.poll() is None, "the run ended before a stage could be stopped; give it more prompts"
+    start = time.monotonic()
+    mend = stop(process)
+    _, stderr = process.communicate(timeout=300)
+    took = time.monotonic() - start
     assert process.returncode != 0
     assert "vLLM's engine stopped during this collection" in stderr and "run the same command again" in stderr
     committed = len(list((out / "data").glob("part-*.parquet")))
-    assert 2 <= committed < 100
+    assert 2 <= committed < len(texts) // 4
+    if mend is not None:
+        mend()
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     table, errors = read_table(out).to_pylist(), read_table(out, "errors").to_pylist()
@@ -250,6 +259,25 @@ def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(t
     keys = [(row["prompt"], row["layer"], row["head"]) for row in table]
     assert len(keys) == len(set(keys)) == len(texts) * 3 * 4  # every prompt once: 3 layers x 4 heads
     assert not list(out.rglob(".*.tmp"))
+    return took
+
+
+def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(tmp_path_factory, tmp_path):
+    """The second stage's worker process killed (SIGKILL) under a running collection: the run ends at once."""
+
+    def kill(process):
+        children = psutil.Process(process.pid).children(recursive=True)
+        next(p for p in children if p.name() == "VLLM::Worker_PP1").kill()
+
+    engine, env = {"distributed_executor_backend": "mp"}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert stopped_and_resumed(tmp_path_factory, tmp_path, engine, env, kill) < 60
+
+
+@dataclass
+class Nodes:
+    cluster: Any  #: Ray's `Cluster`
+    path: str  #: the `PYTHONPATH` that installs `ray_on_cpu` (`sitecustomize`)
+    add_second: Callable[[], None]  #: adds the second node (again, after it left)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +285,7 @@ def two_nodes(tmp_path_factory):
     """A local Ray cluster of two nodes on this machine (Ray's cluster utilities), one CPU and one rank's place each;
     the second node on its own loopback address (vLLM's Ray executor wants one address per node), its workers told
     so (`VLLM_HOST_IP`). vLLM's Ray executor on the CPU platform through `ray_on_cpu`, in this process and, by
-    `sitecustomize`, in every process the nodes start. Yields the cluster and the `PYTHONPATH` that installs it."""
+    `sitecustomize`, in every process the nodes start."""
     import ray
     import ray_on_cpu
     from ray.cluster_utils import Cluster
@@ -267,11 +295,15 @@ def two_nodes(tmp_path_factory):
     node = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "resources": {ray_on_cpu.RESOURCE: 1}}
     env = {"PYTHONPATH": path}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False, "env_vars": env})
-    cluster.add_node(**node, node_ip_address="127.0.0.2", env_vars={**env, "VLLM_HOST_IP": "127.0.0.2"})
+
+    def add_second():
+        cluster.add_node(**node, node_ip_address="127.0.0.2", env_vars={**env, "VLLM_HOST_IP": "127.0.0.2"})
+
+    add_second()
     ray.init(address=cluster.address)
     ray_on_cpu.install()
     try:
-        yield cluster, path
+        yield Nodes(cluster, path, add_second)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -297,7 +329,7 @@ def on_two_nodes(path) -> attnlens.StandardizedVLLM:
 def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tmp_path_factory, tmp_path):
     """Two pipeline stages on vLLM's Ray executor, one on each node of a local Ray cluster: static captures equal one
     process's bit for bit, and a collection (reduced on each stage, on its node) equals the eager engine's."""
-    cluster, _ = two_nodes
+    cluster = two_nodes.cluster
     llama = pair("llama", tmp_path_factory)
     model = on_two_nodes(llama.path)
     one = attnlens.StandardizedVLLM(str(llama.path), static_points=POINTS, **engine_args(128, 16 * 2**20))
@@ -324,11 +356,33 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
         ray.util.remove_placement_group(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.placement_group)
 
 
+def test_a_node_that_leaves_mid_collection_stops_the_run_which_resumes_exactly_once(
+    two_nodes, tmp_path_factory, tmp_path
+):
+    """The second node of the cluster leaves under a collection on the Ray executor (its raylet and every process it
+    started killed, as when a machine goes): the run ends with `EngineStopped` once vLLM's step times out
+    (`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`, 30 s here: vLLM's Ray executor does not notice a node's workers die
+    sooner), and resumes exactly once on the node back. Before the server's test, which needs both nodes."""
+
+    def leave(process):
+        node = two_nodes.cluster.list_all_nodes()[1]
+        started = psutil.Process(node.all_processes["raylet"][0].process.pid).children(recursive=True)
+        two_nodes.cluster.remove_node(node, allow_graceful=False)
+        for child in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        return two_nodes.add_second
+
+    engine = {"distributed_executor_backend": "ray"}
+    env = {"RAY_ADDRESS": two_nodes.cluster.address, "PYTHONPATH": two_nodes.path, "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "30"
+    assert stopped_and_resumed(tmp_path_factory, tmp_path, engine, env, leave) < 120
+
+
 @pytest.fixture(scope="module")
 def ray_server(two_nodes, tmp_path_factory):
     """`attnlens serve` on two pipeline stages on vLLM's Ray executor, the stages on the cluster's two nodes."""
-    cluster, path = two_nodes
-    env = {"RAY_ADDRESS": cluster.address, "PYTHONPATH": path, "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    env = {"RAY_ADDRESS": two_nodes.cluster.address, "PYTHONPATH": two_nodes.path, "VLLM_CPU_OMP_THREADS_BIND": "all"}
     arguments = ("--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray")
     yield from started(tmp_path_factory, *arguments, env=env)
 
