@@ -154,14 +154,14 @@ def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) ->
 
 def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
     """`run_attribution` on an engine of pipeline stages: each stage computes the terms of the blocks it holds in one
-    trace (`stages.stage_aware`), keeps them in its worker (`_keep`), and the client takes and joins them. The
+    trace (`stages.stage_aware`), keeps them in its worker (`_keep`), and the client takes and joins them (`take`). The
     read-out every stage projects onto (the unembedding's rows through the final norm's gain, on the last stage) is
-    read first (`_read_out`), so only it and the terms travel."""
+    read first (`read_out`), so only it and the terms travel."""
     from ..vllm import stages
 
-    directions, offsets, final = pickle.loads(
-        next(found for found in model.vllm_entrypoint.collective_rpc(_read_out, args=(pickle.dumps(plan),)) if found)
-    )
+    # by the workers' method names: a function is no argument vLLM's engine process takes (its msgpack)
+    read = model.vllm_entrypoint.collective_rpc("attnlens_attribution_read_out", args=(pickle.dumps(plan),))
+    directions, offsets, final = pickle.loads(next(found for found in read if found))
     plan = replace(plan, directions=directions, offsets=offsets, final=final)
     tag = uuid.uuid4().hex
     with stages.stage_aware(model), torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
@@ -170,7 +170,7 @@ def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict
         terms = {}
         collect(model, plan, terms, stage)
         _keep(tag, terms)
-    per_rank = model.vllm_entrypoint.collective_rpc(_take, args=(tag,))
+    per_rank = model.vllm_entrypoint.collective_rpc("attnlens_attribution_take", args=(tag,))
     found: dict = {}
     for stage, ranks in enumerate(stages.by_stage(per_rank, model.stages)):
         if ranks[0] is None:
@@ -183,8 +183,8 @@ def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict
     return found
 
 
-def _read_out(worker, plan: bytes) -> bytes | None:
-    """Run in each worker (`collective_rpc`): on the stage holding the final norm, `plan`'s directions and offsets
+def read_out(worker, plan: bytes) -> bytes | None:
+    """In each worker (`collective_rpc`): on the stage holding the final norm, `plan`'s directions and offsets
     read off its unembedding and the final norm with its weights (pickled); None on the others."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
@@ -211,7 +211,7 @@ def _held(model):
     return Held(frozenset(held(model.layers)), not isinstance(final_norm, PPMissingLayer))
 
 
-#: Per tag, the terms a stage computed, until the client takes them (`_take`).
+#: Per tag, the terms a stage computed, until the client takes them (`take`).
 _KEPT: dict[str, bytes] = {}
 
 
@@ -219,5 +219,6 @@ def _keep(tag: str, terms: dict) -> None:
     _KEPT[tag] = pickle.dumps(terms)
 
 
-def _take(worker, tag: str) -> bytes | None:
+def take(tag: str) -> bytes | None:
+    """In each worker (`collective_rpc`): the terms kept under `tag`, dropped here."""
     return _KEPT.pop(tag, None)

@@ -612,6 +612,18 @@ class _WorkerRPC:
         kernels = list(self.model_runner.attnlens.kernels.values())
         return sum(c.numel() * c.element_size() for c in {k.kv_cache.data_ptr(): k.kv_cache for k in kernels}.values())
 
+    def attnlens_attribution_read_out(self, plan: bytes) -> bytes | None:
+        """Attribution on pipeline stages: the read-out, on the last stage (`analysis.vllm.read_out`)."""
+        from ..analysis.vllm import read_out
+
+        return read_out(self, plan)
+
+    def attnlens_attribution_take(self, tag: str) -> bytes | None:
+        """Attribution on pipeline stages: this stage's terms (`analysis.vllm.take`)."""
+        from ..analysis.vllm import take
+
+        return take(tag)
+
     def attnlens_static_take(self, tags: list | None = None) -> dict:
         """The static captures of these requests (`static.generate`, via `collective_rpc`), freed in the worker."""
         return self.model_runner.attnlens_static.take(tags)
