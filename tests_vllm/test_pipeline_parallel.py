@@ -132,6 +132,22 @@ def test_a_trace_on_two_stages_is_refused_with_the_reason(pp):
         attnlens.attribution(model, llama.prompt, target=5)
 
 
+def assert_attribution_equal(model, llama) -> None:
+    """Attribution on `model` equals the transformers engine's, term by term: a logit difference at two rows with
+    every layer split, and a direction with layer 1 (on the first stage) left whole."""
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for options in (dict(rows=[-1, 3], target=5, versus=7), dict(direction=direction, layers=[0, 2])):
+        got, want = (attnlens.attribution(m, llama.prompt, **options) for m in (model, llama.eager))
+        assert torch.allclose(got.total, got.value, atol=1e-4) and torch.allclose(got.value, want.value, atol=1e-5)
+        assert set(got.heads) == set(want.heads) and set(got.rest) == set(want.rest) == {0, 1, 2}
+        assert got.unsplit == want.unsplit
+        for name in ("heads", "attention", "attention_bias", "rest"):
+            for layer, term in getattr(want, name).items():
+                torch.testing.assert_close(getattr(got, name)[layer], term, atol=1e-5, rtol=1e-4)
+        for name in ("embeddings", "final_bias"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-4)
+
+
 def test_attribution_on_two_eager_stages_equals_eager(tmp_path_factory):
     """Attribution on two pipeline stages (built eagerly): each stage splits its own blocks' attention by head and
     source in its worker, the client joins the stages. Every term equals the transformers engine's: a logit
@@ -140,17 +156,7 @@ def test_attribution_on_two_eager_stages_equals_eager(tmp_path_factory):
     model = pipelined(llama.path, 2, enforce_eager=True)
     try:
         assert model.support(0).analyses["attribution"] is None
-        direction = torch.randn(64, generator=torch.Generator().manual_seed(0))
-        for options in (dict(rows=[-1, 3], target=5, versus=7), dict(direction=direction, layers=[0, 2])):
-            got, want = (attnlens.attribution(m, llama.prompt, **options) for m in (model, llama.eager))
-            assert torch.allclose(got.total, got.value, atol=1e-4) and torch.allclose(got.value, want.value, atol=1e-5)
-            assert set(got.heads) == set(want.heads) and set(got.rest) == set(want.rest) == {0, 1, 2}
-            assert got.unsplit == want.unsplit
-            for name in ("heads", "attention", "attention_bias", "rest"):
-                for layer, term in getattr(want, name).items():
-                    torch.testing.assert_close(getattr(got, name)[layer], term, atol=1e-5, rtol=1e-4)
-            for name in ("embeddings", "final_bias"):
-                torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-4)
+        assert_attribution_equal(model, llama)
         with pytest.raises(attnlens.Unavailable, match="splits a prefill"):
             attnlens.attribution(model, llama.prompt, target=5, max_new_tokens=2)
         with pytest.raises(attnlens.Unavailable, match="pipeline stages"):  # a user's trace is still refused
@@ -315,15 +321,24 @@ def _node(worker) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def on_two_nodes(path) -> attnlens.StandardizedVLLM:
+def on_two_nodes(path, **options) -> attnlens.StandardizedVLLM:
     """Two pipeline stages on vLLM's Ray executor (the cluster `two_nodes` started), every tap declared."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "all"  # one rank a node: each takes what its node has
     envs.disable_envs_cache()
     try:
-        args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "ray"}
+        args = {**engine_args(128, 16 * 2**20), "distributed_executor_backend": "ray", **options}
         return attnlens.StandardizedVLLM(str(path), static_points=POINTS, pipeline_parallel_size=2, **args)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+def shut_down_on_nodes(model) -> None:
+    """Shut `on_two_nodes`' engine down and free its places: its placement group outlives its shutdown, and the
+    next engine on the nodes needs them."""
+    import ray
+
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+    ray.util.remove_placement_group(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.placement_group)
 
 
 def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tmp_path_factory, tmp_path):
@@ -348,12 +363,19 @@ def test_rays_executor_across_two_nodes_equals_one_process(two_nodes, corpus, tm
         eager = attnlens.collect(llama.eager, corpus, REDUCED, tmp_path / "eager", **options)
         assert_tables_close(read_table(result.out), read_table(eager.out))
     finally:
-        import ray
-
-        model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+        shut_down_on_nodes(model)
         one.vllm_entrypoint.llm_engine.engine_core.shutdown()
-        # the engine's placement group outlives its shutdown: the server's engine needs the nodes' places
-        ray.util.remove_placement_group(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.placement_group)
+
+
+def test_attribution_across_two_nodes_equals_eager(two_nodes, tmp_path_factory):
+    """Attribution on two eager pipeline stages on vLLM's Ray executor, one on each node: each stage splits its
+    blocks' terms on its node; every term equals the transformers engine's."""
+    llama = pair("llama", tmp_path_factory)
+    model = on_two_nodes(llama.path, enforce_eager=True)
+    try:
+        assert_attribution_equal(model, llama)
+    finally:
+        shut_down_on_nodes(model)
 
 
 def test_a_node_that_leaves_mid_collection_stops_the_run_which_resumes_exactly_once(
