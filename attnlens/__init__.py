@@ -29,7 +29,7 @@ from .heads import HeadSummaries, head_summaries
 from .locations import Derived, Location, ModuleInput, ModuleOutput, Operation, OutputField
 from .parts.fused import FusedQKV
 from .parts.identities import Identities
-from .parts.multimodal import Positions
+from .parts.multimodal import AudioPositions, Positions
 from .parts.scoring import ScoreFunction
 from .parts.sizes import Sizes
 from .parts.vllm import VLLMLayout
@@ -76,6 +76,7 @@ __all__ = [
     "OutputField",
     "OrderError",
     "OutsideTrace",
+    "AudioPositions",
     "Positions",
     "ScoreFunction",
     "Sizes",

@@ -25,9 +25,10 @@ from nnsight import TransformersModel
 from . import verification
 from .access import Access, Stacks
 from .envoys import Helpful, StackEnvoy, envoy_classes, value_property
-from .errors import UnknownFamily
+from .errors import Unavailable, UnknownFamily
 from .family import EncoderDecoder
 from .locations import attach
+from .parts.multimodal import AudioPositions, audio_positions
 from .registry import encoder_decoder_for
 from .standardized import checkpoint_tokenizer, quiet_pipeline
 from .support import Support
@@ -146,5 +147,19 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
     def support(self, layer: int = 0, stack: str = "decoder") -> Support:
         """`model.decoder.support(layer)` (or `stack="encoder"`), with the model named."""
         return replace(self.stacks[stack].support(layer), model=self)
+
+    def positions(self, input_features: Any, hop_seconds: float = 0.01) -> AudioPositions:
+        """Where each of the encoder's positions sits in the audio, for a speech model (Whisper): `start` and `end`
+        in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features` frames,
+        `hop_seconds` apart (Whisper's feature extractor: hop_length / sampling_rate, 160 / 16000). A decoder
+        token's cross-attention row over those positions is its alignment to time."""
+        frames = torch.as_tensor(input_features).shape[-1]
+        found = audio_positions(self.encoder._module, frames, hop_seconds)
+        if found is None:
+            raise Unavailable(
+                f"model.positions: the {self.family.name} encoder reads tokens, not audio frames; its positions are "
+                f"the source's tokens"
+            )
+        return found
 
     logits = value_property(BY_NAME["logits"])

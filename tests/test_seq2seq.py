@@ -360,3 +360,27 @@ def test_show_on_an_encoder_decoder_says_what_is_missing_or_wrong():
         attnlens.show(model, SOURCE[0], 5, target=TARGET[0])
     with pytest.raises(ValueError, match="not an encoder-decoder"):
         attnlens.show(attnlens.models.tiny("gpt2"), "Hi", 0, target="Hi")
+
+
+def test_whispers_positions_are_its_audio_in_time():
+    """`model.positions(input_features)`: one encoder position per 20 ms (two 10 ms frames), as many as the encoder
+    forms. A change to the frames of one instant moves the encoder's first block input only at the position
+    covering it and its neighbours (the kernels' reach); a text encoder's positions are refused."""
+    model = tiny("whisper")
+    features = source("whisper")["input_features"]
+    positions = model.positions(features)
+    with torch.no_grad(), model.trace(input_features=features, decoder_input_ids=TARGET):
+        plain = model.encoder.layers[0].layer_input.save()
+    assert len(positions.start) == plain.shape[1] == 32
+    torch.testing.assert_close(positions.end - positions.start, torch.full((32,), 0.02, dtype=torch.float64))
+    for frame in (0, 21, 40, 63):
+        moved = features.clone()
+        moved[..., frame] += 1.0
+        with torch.no_grad(), model.trace(input_features=moved, decoder_input_ids=TARGET):
+            changed = model.encoder.layers[0].layer_input.save()
+        where = (changed - plain).abs().amax(-1)[0].nonzero().flatten().tolist()
+        covering = positions.at(frame * 0.01 + 0.005)  # the middle of the frame
+        assert covering == frame // 2 and covering in where and max(abs(p - covering) for p in where) <= 1, where
+    assert list(positions.frame().columns) == ["position", "start", "end"]
+    with pytest.raises(attnlens.Unavailable, match="reads tokens"):
+        tiny("t5").positions(SOURCE)

@@ -210,6 +210,45 @@ class Positions:
         )
 
 
+@dataclass(frozen=True)
+class AudioPositions:
+    """What each position of an audio encoder covers, as `model.positions(input_features)` answers it on a speech
+    encoder-decoder (Whisper): `start` and `end` [positions], in seconds of the audio. A position covers the frames
+    its encoder's convolutions step over (Whisper's: two frames of 10 ms, 20 ms); what it reads reaches a little
+    further, as far as the kernels do (Whisper's: two frames either side)."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+
+    def at(self, seconds: float) -> int:
+        """The position covering the audio at `seconds`."""
+        found = ((self.start <= seconds) & (seconds < self.end)).nonzero().flatten()
+        if not len(found):
+            raise IndexError(f"{seconds} s is outside the audio's {float(self.end[-1]):.2f} s")
+        return int(found[0])
+
+    def frame(self):
+        """A pandas DataFrame: one row per position (position, start, end in seconds)."""
+        import pandas as pd
+
+        return pd.DataFrame({"position": range(len(self.start)), "start": self.start, "end": self.end})
+
+
+def audio_positions(encoder: torch.nn.Module, frames: int, hop_seconds: float) -> AudioPositions | None:
+    """The positions `encoder` gives `frames` input frames `hop_seconds` apart, from its convolutions over time
+    (each one's output length, and their strides multiplied); None where it has none (it reads tokens)."""
+    convolutions = [module for module in encoder.modules() if isinstance(module, torch.nn.Conv1d)]
+    if not convolutions:
+        return None
+    length, stride = frames, 1
+    for conv in convolutions:
+        reach = conv.dilation[0] * (conv.kernel_size[0] - 1)
+        length = (length + 2 * int(conv.padding[0]) - reach - 1) // conv.stride[0] + 1
+        stride *= conv.stride[0]
+    start = torch.arange(length, dtype=torch.float64) * stride * hop_seconds
+    return AudioPositions(start, start + stride * hop_seconds)
+
+
 class ImageTokens:
     """How a multimodal family's prompts hold images: each image a run of `image_token` ids (a config member),
     row-major over a grid of `grid(config, inputs, image)`, between special tokens (`around`: config members)."""
