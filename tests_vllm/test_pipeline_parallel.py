@@ -279,6 +279,28 @@ def test_a_rank_killed_mid_collection_stops_the_run_which_resumes_exactly_once(t
     assert stopped_and_resumed(tmp_path_factory, tmp_path, engine, env, kill) < 60
 
 
+def test_two_pipelined_engines_as_ray_actors_equal_eager(tmp_path_factory, tmp_path):
+    """`attnlens collect --workers 2` with two-stage engine arguments: two Ray actors (on a local Ray the command
+    starts), each a pipelined engine of two ranks on the `mp` executor (four ranks on the two cores); the table
+    equals the eager engine's. Before the tests of the two-node cluster, which a command's Ray would join."""
+    llama = pair("llama", tmp_path_factory)
+    texts = [f"prompt number {i} " + "abc " * (i % 7) for i in range(40)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
+    engine |= {"max_model_len": 128, "kv_cache_memory_bytes": 16 * 2**20}
+    command = [sys.executable, "-m", "attnlens", "collect", str(llama.path), str(corpus), "--engine", "vllm"]
+    command += [arg for key, value in engine.items() for arg in ("--engine-arg", f"{key}={value}")]
+    command += ["--features", "entropy,sink", "--workers", "2", "--batch-size", "4", "--out", str(tmp_path / "ray")]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("RAY_ADDRESS", None)
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    eager = attnlens.collect(llama.eager, corpus, ["entropy", "sink"], tmp_path / "eager", progress=False)
+    assert not read_table(tmp_path / "ray", "errors").to_pylist()
+    assert_tables_close(read_table(tmp_path / "ray"), read_table(eager.out))
+
+
 @dataclass
 class Nodes:
     cluster: Any  #: Ray's `Cluster`
