@@ -384,3 +384,65 @@ def test_whispers_positions_are_its_audio_in_time():
     assert list(positions.frame().columns) == ["position", "start", "end"]
     with pytest.raises(attnlens.Unavailable, match="reads tokens"):
         tiny("t5").positions(SOURCE)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_the_decoders_kv_cache_is_what_earlier_steps_received_and_an_edit_lands_as_by_hand(model_type):
+    """The decoder's self-attention cache (the half of transformers' `EncoderDecoderCache` it keeps for itself): at
+    each step, the keys and values the earlier steps' attention received; a cached key overwritten at the second
+    step moves its logits exactly as transformers run by hand on the same edited cache; a removed position is never
+    read again (on T5, whose attention takes its mask inside position_bias, removing is refused with the reason)."""
+    model = tiny(model_type)
+    attn = model.decoder.layers[1].self_attn
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    keys, values, cached_keys, cached_values = [], [], [], []
+    with torch.no_grad(), model.generate(**source(model_type), **kwargs) as tracer:
+        for _ in tracer.iter[0:3]:
+            cached_keys.append(attn.attention_cache_keys.save())
+            cached_values.append(attn.attention_cache_values.save())
+            keys.append(attn.attention_keys.save())
+            values.append(attn.attention_values.save())
+        tokens = tracer.result.save()
+    assert cached_keys[0].shape[2] == 0
+    for step in (1, 2):  # the keys the step before attended over (its cache and its own), as they were
+        assert cached_keys[step].shape[2] == step
+        assert torch.equal(cached_keys[step], keys[step - 1]) and torch.equal(cached_values[step], values[step - 1])
+
+    def overwritten(cached):  # the first position's key made large: it draws the attention (tiny models move little)
+        cached = cached.clone()
+        cached[..., 0, :] = 4.0
+        return cached
+
+    with torch.no_grad(), model.generate(**source(model_type), **kwargs) as tracer:
+        edited = list().save()
+        for step in tracer.iter[0:2]:
+            if step == 1:
+                attn.attention_cache_keys = overwritten(attn.attention_cache_keys)
+                edited.append(model.logits[:, -1].clone())
+    hf = model._module
+    start = torch.tensor([[hf.generation_config.decoder_start_token_id]])
+    generated = tokens[:, -3:-2]  # the first of the three (Whisper's result leaves out the start token)
+    with torch.no_grad():
+        cache = hf(**source(model_type), decoder_input_ids=start, use_cache=True).past_key_values
+        layer = cache.self_attention_cache.layers[1]
+        layer.keys = overwritten(layer.keys)
+        expected = hf(**source(model_type), decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
+        cache = hf(**source(model_type), decoder_input_ids=start, use_cache=True).past_key_values
+        unedited = hf(**source(model_type), decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(edited[0], expected, atol=1e-5, rtol=1e-5)
+    assert float((expected - unedited).abs().max()) > 1e-4  # the edit moved them, past the tolerance tenfold
+    reason = model.support(1)["self_attn.attention_cache_visible"]
+    if model_type in ("t5", "mt5", "umt5"):
+        assert "position_bias" in reason
+        return
+    assert reason is None
+    with torch.no_grad(), model.generate(**source(model_type), **kwargs) as tracer:
+        rows = list().save()
+        for step in tracer.iter[0:3]:
+            if step == 1:
+                visible = attn.attention_cache_visible.clone()
+                visible[:, 0] = False
+                attn.attention_cache_visible = visible
+            rows.append(attn.attention_probabilities[0, :, -1].clone())
+    assert (rows[0] > 0).all() and bool((rows[1][:, 0] == 0).all()) and bool((rows[2][:, 0] == 0).all())
+    torch.testing.assert_close(rows[2].sum(-1), torch.ones(rows[2].shape[0]))

@@ -108,10 +108,8 @@ class BartEncoder(Family):
     }
 
 
-DECODER_CACHE = (
-    "not served on encoder-decoders yet: their self-attention cache is one half of an EncoderDecoderCache, which "
-    "attnlens does not read or edit"
-)
+#: A decoder keeps the cache an encoder does not: its self-attention's half of transformers' `EncoderDecoderCache`.
+DECODER_CACHE = dict.fromkeys(CACHE_VALUES)
 CROSS_NOTES = {
     "cross_attention_probabilities": "each decoder position over every encoder position that is not padding",
     "cross_attention_keys": "from the encoder's output; computed on the first step and cached for the others",
@@ -148,7 +146,7 @@ class BartDecoder(BartEncoder):
 
     kind_reasons = {
         "*": {
-            **dict.fromkeys(CACHE_VALUES, DECODER_CACHE),
+            **DECODER_CACHE,
             "cross_attention_norm_output": POST_NORM.format(what="the cross-attention reads the stream itself"),
         }
     }
@@ -212,7 +210,7 @@ class PreNormDecoder(PreNormEncoder):
         def causal(self, config):
             return True
 
-    kind_reasons = {"*": dict.fromkeys(CACHE_VALUES, DECODER_CACHE)}
+    kind_reasons = {"*": DECODER_CACHE}
     kind_notes = {
         "*": {
             "attention_probabilities": "causal: each decoder position sees the positions up to its own",

@@ -23,7 +23,6 @@ import sys
 
 from ..family import Family, Tiny, VLLMLayout
 from ..locations import INTERFACE_CALL, Location, ModuleInput, ModuleOutput, Operation, OutputField, softmax_argument
-from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities, scoring
 from ..parts.sizes import Sizes
 from ..parts.vllm import encoder_on_vllm
@@ -244,13 +243,6 @@ RoCBert = bert_shaped(
     "RoCBertConfig",
     "RoCBertForCausalLM",
     "RoCBert",
-    {
-        "*": dict.fromkeys(
-            CACHE_VALUES,
-            "RoCBertForCausalLM keeps its cache as an EncoderDecoderCache (a cross-attention half it never fills), "
-            "which attnlens does not read or edit",
-        )
-    },
 )
 BertGeneration = bert_shaped(
     "BertGeneration", "bert-generation", "bert", "BertGenerationConfig", "BertGenerationDecoder", "BertGeneration"

@@ -135,10 +135,6 @@ Tapas = encoder_only(
     },
 )
 
-REMBERT_CACHE = (
-    "{name}ForCausalLM keeps its cache as an EncoderDecoderCache (a cross-attention half it never fills), which "
-    "attnlens does not read or edit"
-)
 
 RemBert = inline_bert(
     "RemBert",
@@ -152,7 +148,6 @@ RemBert = inline_bert(
         "RemBertForCausalLM",
         {**Bert.tiny.kwargs, "input_embedding_size": 32, "output_embedding_size": 32},
     ),
-    kind_reasons={"*": dict.fromkeys(CACHE_VALUES, REMBERT_CACHE.format(name="RemBert"))},
     kind_notes={
         "*": {
             "embeddings": "the word embeddings' output, config.input_embedding_size wide: RemBERT adds the positions "

@@ -32,10 +32,6 @@ NOT_MEASURED = (
     "attnlens has not yet compared vLLM with transformers on {name} (the lead measures vLLM per family separately), "
     "so it serves it on neither of vLLM's paths; the transformers engine serves the family"
 )
-ENCODER_DECODER_CACHE = (
-    "{causal_lm} keeps its cache as an EncoderDecoderCache (a cross-attention half it never fills), which attnlens "
-    "does not read or edit"
-)
 
 
 def keys_untransposed(envoy, transposed):
@@ -211,9 +207,6 @@ MegatronBert = prenorm_shaped(
     mlp_norm="ln",
     final_norm="bert.encoder.ln",
     padding_changes_values="positions count from the padded start: Megatron-BERT's position ids take no mask",
-    kind_reasons={
-        "*": dict.fromkeys(CACHE_VALUES, ENCODER_DECODER_CACHE.format(causal_lm="MegatronBertForCausalLM")),
-    },
     kind_notes={
         "*": {
             "layer_input": lambda family, config, layer: (

@@ -144,7 +144,13 @@ class T5Decoder(T5Encoder):
         def causal(self, config):
             return True
 
-    kind_reasons = {"*": dict.fromkeys(CACHE_VALUES, DECODER_CACHE)}
+    kind_reasons = {
+        "*": {
+            **DECODER_CACHE,
+            "attention_cache_visible": "T5's attention takes its mask folded into position_bias, not as the "
+            "attention_mask keyword through which attnlens masks a removed position; edit the cached keys and values",
+        }
+    }
     kind_notes = {
         "*": {
             "attention_probabilities": "causal: each decoder position sees the positions up to its own",

@@ -171,6 +171,8 @@ def find_cache(args: tuple, kwargs: dict) -> Any:
     from transformers.cache_utils import Cache
 
     found = next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
+    # an encoder-decoder's (`EncoderDecoderCache`): the decoder's self-attention reads the half it keeps for itself
+    found = getattr(found, "self_attention_cache", found)
     if found is None:
         other = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
         empty = other is not None and callable(getattr(other, "get_seq_length", None)) and not other.get_seq_length()
