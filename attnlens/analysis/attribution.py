@@ -21,8 +21,10 @@ runs in the worker, so only the `[rows, heads, sources]` numbers leave it.
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +42,9 @@ from .reasons import (
     residual_multiplier,
     split_reason,
 )
+
+if TYPE_CHECKING:
+    from .vllm import Held
 
 #: The residual values read per layer, and those a split layer adds.
 BLOCK_READS = ("layer_input", "layer_mid", "layer_output")
@@ -67,15 +72,6 @@ class LayerPlan:
     head_dim: int = 0
     post: NormForm | None = None  #: the norm between the attention output and the residual add
     multiplier: torch.Tensor | None = None  #: the residual add's multiplier of the update [hidden]
-
-
-@dataclass(frozen=True)
-class Held:
-    """What one pipeline stage holds (`StandardizedVLLM` with pipeline_parallel_size > 1, where each stage computes
-    the terms of its own blocks): its blocks, and whether it holds the final norm and the unembedding (the last)."""
-
-    layers: frozenset[int]
-    last: bool
 
 
 @dataclass
@@ -228,6 +224,22 @@ def read_out(plan: Plan, weight: torch.Tensor, bias: torch.Tensor | None) -> Non
         offsets = offsets - (bias[v].detach().float().cpu() if bias is not None else 0)
     rows = len(plan.rows)
     plan.directions, plan.offsets = directions.expand(rows, -1).clone(), offsets.expand(rows).clone()
+
+
+def stage_read_out(worker, plan: bytes) -> bytes | None:
+    """In each worker of a pipelined engine (`analysis.vllm.in_workers`): on the stage holding the final norm, the
+    pickled plan's directions and offsets (`read_out` of its unembedding) and the final norm with its weights
+    (pickled); None on the others."""
+    from .vllm import final_norm_held, unembedding, with_weights
+
+    plan = pickle.loads(plan)
+    module = worker.model_runner.nnsight_model._module
+    norm = final_norm_held(module, plan)
+    if norm is None:
+        return None
+    if plan.tokens is not None:
+        read_out(plan, *unembedding(module, plan.paths["embed_tokens"]))
+    return pickle.dumps((plan.directions, plan.offsets, with_weights(plan.final, norm, plan.directions.shape[-1])))
 
 
 def _label(model, token: int) -> str:
@@ -667,7 +679,7 @@ def stack_attribution(
         if vllm:
             from .vllm import run_attribution
 
-            found = run_attribution(model, ids, the_plan, prepare, collect)
+            found = run_attribution(model, ids, the_plan, prepare, collect, stage_read_out)
         else:
             found = {}
             with torch.no_grad(), model.trace(ids[None], **inputs):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 import uuid
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,10 +138,11 @@ def prepare(model, plan, prepare_weights, stage=None) -> None:
             layer_plan.post = with_weights(layer_plan.post, norm, hidden)
 
 
-def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
-    """One request of `ids`, its prefill only; the terms computed in the worker (`collect`: `attribution.collect`)."""
+def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect, stage_read_out) -> dict:
+    """One request of `ids`, its prefill only; the terms computed in the worker (`collect`: `attribution.collect`;
+    `stage_read_out`: `attribution.stage_read_out`, on pipeline stages)."""
     if model.stages > 1:
-        return _on_stages(model, ids, plan, prepare_weights, collect)
+        return _on_stages(model, ids, plan, prepare_weights, collect, stage_read_out)
     with torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
         found = [{}].save()
         prepare(model, plan, prepare_weights)
@@ -152,29 +153,36 @@ def run_attribution(model, ids: torch.Tensor, plan, prepare_weights, collect) ->
 # --- on pipeline stages --------------------------------------------------------------------------------------------
 
 
-def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict:
+@dataclass(frozen=True)
+class Held:
+    """What one pipeline stage holds (`StandardizedVLLM` with pipeline_parallel_size > 1, where each stage computes
+    the terms of its own blocks): its blocks, and whether it holds the final norm and the unembedding (the last)."""
+
+    layers: frozenset[int]
+    last: bool
+
+
+def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect, stage_read_out) -> dict:
     """`run_attribution` on an engine of pipeline stages: each stage computes the terms of the blocks it holds in one
     trace (`stages.stage_aware`), keeps them in its worker (`_keep`), and the client takes and joins them (`take`). The
     read-out every stage projects onto (the unembedding's rows through the final norm's gain, on the last stage) is
-    read first (`read_out`), so only it and the terms travel."""
+    read first (`stage_read_out`), so only it and the terms travel."""
     from ..vllm import stages
 
-    # by the workers' method names: a function is no argument vLLM's engine process takes (its msgpack)
-    read = model.vllm_entrypoint.collective_rpc("attnlens_attribution_read_out", args=(pickle.dumps(plan),))
+    read = in_workers(model, stage_read_out, pickle.dumps(plan))
     directions, offsets, final = pickle.loads(next(found for found in read if found))
     plan = replace(plan, directions=directions, offsets=offsets, final=final)
     tag = uuid.uuid4().hex
     with stages.stage_aware(model), torch.no_grad(), model.trace(ids.tolist(), max_tokens=1, temperature=0.0):
-        stage = _held(model)
+        stage = _held(model, plan)
         prepare(model, plan, prepare_weights, stage)
         terms = {}
         collect(model, plan, terms, stage)
         _keep(tag, terms)
-    per_rank = model.vllm_entrypoint.collective_rpc("attnlens_attribution_take", args=(tag,))
     found: dict = {}
-    for stage, ranks in enumerate(stages.by_stage(per_rank, model.stages)):
+    for index, ranks in enumerate(stages.by_stage(in_workers(model, take, tag), model.stages)):
         if ranks[0] is None:
-            raise RuntimeError(f"attribution: pipeline stage {stage} kept no terms (its trace failed on the worker)")
+            raise RuntimeError(f"attribution: pipeline stage {index} kept no terms (its trace failed on the worker)")
         for key, value in pickle.loads(ranks[0]).items():  # each rank of a stage holds the same (gathered) terms
             if isinstance(value, dict):
                 found.setdefault(key, {}).update(value)
@@ -183,32 +191,27 @@ def _on_stages(model, ids: torch.Tensor, plan, prepare_weights, collect) -> dict
     return found
 
 
-def read_out(worker, plan: bytes) -> bytes | None:
-    """In each worker (`collective_rpc`): on the stage holding the final norm, `plan`'s directions and offsets
-    read off its unembedding and the final norm with its weights (pickled); None on the others."""
+def in_workers(model, function, *args) -> list:
+    """`function(worker, *args)` run in every worker, its answers in vLLM's rank order: by name (`attnlens_call`), as
+    vLLM's engine process takes no function as an argument."""
+    return model.vllm_entrypoint.collective_rpc(
+        "attnlens_call", args=(f"{function.__module__}:{function.__name__}", *args)
+    )
+
+
+def final_norm_held(module, plan) -> torch.nn.Module | None:
+    """In the worker: vLLM's final norm of `module` (its model), or None on a pipeline stage that does not hold it."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    from .attribution import read_out
-
-    plan = pickle.loads(plan)
-    module = worker.model_runner.nnsight_model._module
     norm = module.get_submodule(plan.paths["final_norm"])
-    if isinstance(norm, PPMissingLayer):
-        return None
-    if plan.tokens is not None:
-        read_out(plan, *unembedding(module, plan.paths["embed_tokens"]))
-    return pickle.dumps((plan.directions, plan.offsets, with_weights(plan.final, norm, plan.directions.shape[-1])))
+    return None if isinstance(norm, PPMissingLayer) else norm
 
 
-def _held(model):
-    """In the worker: what this pipeline stage holds (`attribution.Held`)."""
-    from vllm.model_executor.models.utils import PPMissingLayer
-
+def _held(model, plan) -> Held:
+    """In the worker: what this pipeline stage holds."""
     from ..vllm.blocks import held
-    from .attribution import Held
 
-    final_norm = model._module.get_submodule(model.family.path("final_norm", "vllm"))
-    return Held(frozenset(held(model.layers)), not isinstance(final_norm, PPMissingLayer))
+    return Held(frozenset(held(model.layers)), final_norm_held(model._module, plan) is not None)
 
 
 #: Per tag, the terms a stage computed, until the client takes them (`take`).
@@ -219,6 +222,6 @@ def _keep(tag: str, terms: dict) -> None:
     _KEPT[tag] = pickle.dumps(terms)
 
 
-def take(tag: str) -> bytes | None:
-    """In each worker (`collective_rpc`): the terms kept under `tag`, dropped here."""
+def take(worker, tag: str) -> bytes | None:
+    """In each worker (`in_workers`): the terms kept under `tag`, dropped here."""
     return _KEPT.pop(tag, None)

@@ -612,17 +612,13 @@ class _WorkerRPC:
         kernels = list(self.model_runner.attnlens.kernels.values())
         return sum(c.numel() * c.element_size() for c in {k.kv_cache.data_ptr(): k.kv_cache for k in kernels}.values())
 
-    def attnlens_attribution_read_out(self, plan: bytes) -> bytes | None:
-        """Attribution on pipeline stages: the read-out, on the last stage (`analysis.vllm.read_out`)."""
-        from ..analysis.vllm import read_out
-
-        return read_out(self, plan)
-
-    def attnlens_attribution_take(self, tag: str) -> bytes | None:
-        """Attribution on pipeline stages: this stage's terms (`analysis.vllm.take`)."""
-        from ..analysis.vllm import take
-
-        return take(tag)
+    def attnlens_call(self, target: str, *args: Any) -> Any:
+        """`target` ("module:function", a function of attnlens's) run here, with this worker and `args`: what
+        `collective_rpc` does with a function itself, which vLLM's engine process cannot take (its msgpack)."""
+        module, _, name = target.partition(":")
+        if not module.startswith("attnlens."):
+            raise ValueError(f"attnlens_call runs attnlens's own functions; got {target!r}")
+        return getattr(importlib.import_module(module), name)(self, *args)
 
     def attnlens_static_take(self, tags: list | None = None) -> dict:
         """The static captures of these requests (`static.generate`, via `collective_rpc`), freed in the worker."""
