@@ -127,7 +127,7 @@ def unembedding(module, embeddings: str) -> tuple[torch.Tensor, torch.Tensor | N
 def prepare(model, plan, prepare_weights, stage=None) -> None:
     """In the worker: the unembedding and the output projections (`prepare_weights`: `attribution.prepare`, passed in
     so this module need not import it back), then the weights of the final norm and of the norms after attention; on
-    a pipeline stage (`stage`: `attribution.Held`) those it holds (the client read the final norm's: `read_out`)."""
+    a pipeline stage (`stage`: `Held`) those it holds (the final norm's: `attribution.stage_read_out`)."""
     prepare_weights(model, plan, stage)
     hidden = plan.directions.shape[-1]
     if stage is None or stage.last:
