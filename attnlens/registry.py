@@ -18,6 +18,8 @@ _BUILT_IN: dict[str, type[Family]] = {}
 _REGISTERED: dict[str, type[Family]] = {}
 #: The encoder-decoders (`attnlens.stacks.EncoderDecoder`: a family per stack), by model type.
 _ENCODER_DECODERS: dict[str, type[EncoderDecoder]] = {}
+#: The encoder-decoders attnlens knows and does not serve (an `EncoderDecoder` with `refused`), and why.
+_REFUSED_ENCODER_DECODERS: dict[str, str] = {}
 
 
 def register(family: type[Family]) -> type[Family]:
@@ -40,6 +42,8 @@ def _built_in() -> dict[str, type[Family]]:
                     continue
                 if issubclass(found, Family):
                     _BUILT_IN.update(dict.fromkeys(found.model_types, found))
+                elif issubclass(found, EncoderDecoder) and found.refused:
+                    _REFUSED_ENCODER_DECODERS.update(dict.fromkeys(found.model_types, found.refused))
                 elif issubclass(found, EncoderDecoder):
                     _ENCODER_DECODERS.update(dict.fromkeys(found.model_types, found))
     return _BUILT_IN
@@ -83,6 +87,11 @@ def resolve_family(family: Family | type[Family] | str) -> Family:
 
 def encoder_decoder_for(model_type: str) -> EncoderDecoder:
     found = encoder_decoders().get(model_type)
+    if model_type in _REFUSED_ENCODER_DECODERS:
+        raise UnknownFamily(
+            f"attnlens has no encoder-decoder family for model type {model_type!r}: "
+            f"{_REFUSED_ENCODER_DECODERS[model_type]}"
+        )
     if found is None:
         raise UnknownFamily(
             f"attnlens has no encoder-decoder family for model type {model_type!r}; it serves "
