@@ -566,6 +566,9 @@ class EncoderDecoder:
     stacks: ClassVar[dict[str, str]] = {"encoder": "model.encoder", "decoder": "model.decoder"}
     #: How to build a small random model of the family (`Tiny`), or None.
     tiny: ClassVar[Tiny | None] = None
+    #: Generation settings the tiny model needs to `generate` (Pop2Piano's composer tokens), set on its
+    #: `generation_config`.
+    tiny_generation: ClassVar[dict[str, Any]] = {}
     #: Why attnlens does not serve `model_types` (what their attention does that no family here reproduces), where
     #: the class only records that: `StandardizedSeq2Seq` refuses them with it.
     refused: ClassVar[str | None] = None

@@ -277,7 +277,10 @@ def tiny_seq2seq_model(
         **modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
     }
     torch.manual_seed(seed)
-    return _perturbed(getattr(transformers, classes[model_type])(config).eval())
+    model = _perturbed(getattr(transformers, classes[model_type])(config).eval())
+    for name, value in encoder_decoder_for(model_type).tiny_generation.items():
+        setattr(model.generation_config, name, value)
+    return model
 
 
 def tiny_seq2seq(model_type: str, *, seed: int = 0, attn_implementation: str = "eager", **config_overrides):

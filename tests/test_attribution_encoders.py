@@ -54,6 +54,8 @@ def tiny_seq2seq(model_type):
 def source(model_type):
     if model_type == "whisper":
         return {"input_features": torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1))}
+    if model_type == "pop2piano":
+        return {"input_features": torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))}
     return SOURCE
 
 

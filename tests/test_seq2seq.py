@@ -31,10 +31,14 @@ def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
 
 
 def source(model_type: str, batch: int = 1) -> dict:
-    """The encoder's input: token ids, or Whisper's log-mel frames (two per encoder position)."""
+    """The encoder's input: token ids, or Whisper's log-mel frames (two per encoder position), or Pop2Piano's
+    feature frames (one per encoder position)."""
     if model_type == "whisper":
         torch.manual_seed(1)
         return {"input_features": torch.randn(batch, 16, 64)}
+    if model_type == "pop2piano":
+        torch.manual_seed(1)
+        return {"input_features": torch.randn(batch, 6, 64)}
     return {"input_ids": SOURCE.expand(batch, -1)}
 
 
@@ -422,17 +426,25 @@ def test_the_decoders_kv_cache_is_what_earlier_steps_received_and_an_edit_lands_
     hf = model._module
     start = torch.tensor([[hf.generation_config.decoder_start_token_id]])
     generated = tokens[:, -3:-2]  # the first of the three (Whisper's result leaves out the start token)
+    encoded = source(model_type)
+    if model_type == "pop2piano":  # its generate prepends a composer's embedding to the features
+        conditioned = hf.get_mel_conditioner_outputs(
+            **encoded, composer="composer1", generation_config=hf.generation_config
+        )
+        encoded = {"inputs_embeds": conditioned[0]}
+    # (Switch Transformers' forward hands use_cache on to its encoder, which refuses it; its decoder caches by default)
+    caching = {} if model_type == "switch_transformers" else {"use_cache": True}
     with torch.no_grad():
-        cache = hf(**source(model_type), decoder_input_ids=start, use_cache=True).past_key_values
+        cache = hf(**encoded, decoder_input_ids=start, **caching).past_key_values
         layer = cache.self_attention_cache.layers[1]
         layer.keys = overwritten(layer.keys)
-        expected = hf(**source(model_type), decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
-        cache = hf(**source(model_type), decoder_input_ids=start, use_cache=True).past_key_values
-        unedited = hf(**source(model_type), decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
+        expected = hf(**encoded, decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
+        cache = hf(**encoded, decoder_input_ids=start, **caching).past_key_values
+        unedited = hf(**encoded, decoder_input_ids=generated, past_key_values=cache).logits[:, -1]
     torch.testing.assert_close(edited[0], expected, atol=1e-5, rtol=1e-5)
     assert float((expected - unedited).abs().max()) > 1e-4  # the edit moved them, past the tolerance tenfold
     reason = model.support(1)["self_attn.attention_cache_visible"]
-    if model_type in ("t5", "mt5", "umt5"):
+    if model_type in ("t5", "mt5", "umt5", "switch_transformers", "pop2piano"):
         assert "position_bias" in reason
         return
     assert reason is None
