@@ -183,11 +183,13 @@ def encoder_length(model, model_type):
 
 
 def run_logits(model, model_type):
+    """The run's logits, before the final soft-cap where the decoder caps them (T5Gemma): what attribution splits."""
     inputs = source(model_type)
     inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs[None]}
     with torch.no_grad(), model.trace(**inputs, decoder_input_ids=TARGET[None]):
         logits = model.logits.save()
-    return logits[0]
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    return logits[0] if cap is None else cap * torch.atanh(logits[0] / cap)
 
 
 @pytest.mark.parametrize("model_type", SEQ2SEQ)

@@ -98,3 +98,77 @@ def test_pop2pianos_encoder_reads_the_composer_then_the_features_and_serves_no_e
     with pytest.raises(attnlens.Unavailable, match="embed_tokens never runs"):
         with model.trace(input_features=features, decoder_input_ids=TARGET):
             model.encoder.embeddings.save()
+
+
+# --- T5Gemma ----------------------------------------------------------------------------------------------------------
+
+
+def rotated(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """`x` [batch, heads, seq, dim] rotated as rotary positions 0..seq-1 rotate it (halves paired)."""
+    dim = x.shape[-1]
+    inverse = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    angles = torch.arange(x.shape[2], dtype=torch.float)[:, None] * inverse
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
+    return x * cos + half * sin
+
+
+def test_t5gemmas_encoder_scores_are_rotated_soft_capped_and_windowed_both_ways_by_hand():
+    """Encoder block 1 slides: its queries are q_proj of its norm's output rotated; its pattern is the softmax of
+    tanh(q.k * query_pre_attn_scalar ** -0.5 / cap) * cap, keys more than sliding_window away either side masked.
+    The cross-attention's queries are not rotated."""
+    model = tiny("t5gemma")
+    config = model.config.encoder
+    block = model.encoder.layers[1]
+    with torch.no_grad(), model.trace(input_ids=SOURCE, decoder_input_ids=TARGET):
+        normed = block.attention_norm_output.save()
+        queries = block.self_attn.attention_queries.save()
+        keys = block.self_attn.attention_keys.save()
+        pattern = block.self_attn.attention_probabilities.save()
+        cross_normed = model.decoder.layers[0].cross_attention_norm_output.save()
+        cross_queries = model.decoder.layers[0].cross_attn.attention_queries.save()
+    attention = block._module.self_attn
+    with torch.no_grad():
+        projected = attention.q_proj(normed).view(1, SOURCE.shape[1], 4, 16).transpose(1, 2)
+        assert torch.allclose(queries, rotated(projected, config.rope_parameters["rope_theta"]), atol=1e-5)
+        assert not torch.allclose(queries, projected, atol=1e-3)
+        cap, window = config.attn_logit_softcapping, config.sliding_window
+        scores = queries @ keys.repeat_interleave(2, dim=1).transpose(2, 3) * config.query_pre_attn_scalar**-0.5
+        scores = torch.tanh(scores / cap) * cap
+        distance = torch.arange(6)[:, None] - torch.arange(6)[None, :]
+        scores = scores.masked_fill(distance.abs() > window, torch.finfo(scores.dtype).min)
+        assert torch.allclose(pattern, scores.softmax(-1), atol=1e-6)
+        assert (pattern[..., 0, window + 1 :] == 0).all() and (pattern[..., 0, : window + 1] > 0).all()
+        projected = model.decoder.layers[0]._module.cross_attn.q_proj(cross_normed)
+        assert torch.equal(cross_queries, projected.view(1, TARGET.shape[1], 4, 16).transpose(1, 2))
+    assert (
+        f"up to {window} positions before or after"
+        in model.encoder.support(1).notes["self_attn.attention_probabilities"]
+    )
+
+
+def test_a_t5gemma_cross_head_ablated_moves_the_logits_as_a_hook_predicts():
+    """Zeroing head 1 of decoder block 1's cross-attention (its post-norm then normalises what is left) equals zeroing
+    its slice of o_proj's input by a hook on plain transformers."""
+    model = tiny("t5gemma")
+    with torch.no_grad(), model.trace(input_ids=SOURCE, decoder_input_ids=TARGET):
+        plain = model.logits.save()
+    with torch.no_grad(), model.trace(input_ids=SOURCE, decoder_input_ids=TARGET):
+        heads = model.decoder.layers[1].cross_attn.attention_head_outputs
+        heads[:, :, 1] = 0
+        logits = model.logits.save()
+
+    def zero_head(module, args):
+        merged = args[0].clone()
+        merged.view(*merged.shape[:2], 4, 16)[:, :, 1] = 0
+        return (merged,)
+
+    projection = model.decoder.layers[1]._module.cross_attn.o_proj
+    handle = projection.register_forward_pre_hook(zero_head)
+    try:
+        with torch.no_grad():
+            expected = model._module(input_ids=SOURCE, decoder_input_ids=TARGET).logits
+    finally:
+        handle.remove()
+    assert torch.allclose(logits, expected, atol=1e-5)
+    assert not torch.allclose(logits, plain, atol=1e-4)

@@ -21,18 +21,21 @@ Marian, PLBART, Blenderbot-small: a norm after every add) has no such sum and is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import Unavailable
-from .attribution import Attribution, head_pieces, rows_of, run_tolerance, token_id
+from .attribution import Attribution, final_softcap, head_pieces, rows_of, run_tolerance, token_id
 from .reasons import (
     ANALYSES,
     ATTRIBUTION,
     affine_output,
     direction_reason,
+    frozen_norm,
     hidden_size,
     output_map,
+    post_norm_form,
     residual_multiplier,
 )
 from .reasons import split_reason as self_split_reason
@@ -84,8 +87,22 @@ def cross_split_reason(stack: DecoderStack, layer: int) -> str | None:
                 break
         if reason is None and not affine_output(stack, layer, stack.layers[layer].cross_attn._module):
             reason = "the cross-attention's output is no affine map of its heads merged (project_output)"
+        post = cross_post_norm(stack, layer)
+        if reason is None and isinstance(post, str):
+            reason = post
         cached["cross", layer] = reason
     return cached["cross", layer]
+
+
+def cross_post_norm(stack: DecoderStack, layer: int):
+    """The frozen form of the norm between block `layer`'s cross-attention output and the residual add (T5Gemma's
+    `cross_attention_post_norm`), None where there is none, or why it cannot be frozen."""
+    name = getattr(stack.family, "cross_attention_post_norm", None)
+    if name is None:
+        return None
+    module = stack.layers[layer]._module.get_submodule(name)
+    form = frozen_norm(stack, module)
+    return form if form is not None else f"the norm after the cross-attention, {name}, is no norm attnlens can freeze"
 
 
 def model_reason(model, direction: bool) -> str | None:
@@ -217,13 +234,16 @@ def seq2seq_attribution(
         label = f"logit({_labels(model, [t])[0]!r})"
         what = label + (f" - logit({_labels(model, [v])[0]!r})" if v is not None else "")
     # what is read, and with which weights
-    plans = {}
+    plans: dict[int, dict[str, Any]] = {}
     for layer in range(stack.num_layers):
         envoy = stack.layers[layer]
         self_why, cross_why = self_split_reason(stack, layer), cross_split_reason(stack, layer)
         plans[layer] = {"self": self_why, "cross": cross_why}
         if self_why is None:  # split_reason found it a constant (ones on every pre-norm encoder-decoder)
             plans[layer]["self_multiplier"] = residual_multiplier(stack, layer)
+            plans[layer]["self_post"] = post_norm_form(stack, layer)  # (a reason string was split_reason's)
+        if cross_why is None:
+            plans[layer]["cross_post"] = cross_post_norm(stack, layer)
         for kind, why, attention in (("self", self_why, envoy.self_attn), ("cross", cross_why, envoy.cross_attn)):
             if why is None:
                 module = attention._module
@@ -283,6 +303,10 @@ def _finish(
     ):  # the logits a multiple of the unembedding (T5's d_model ** -0.5 where tied): fitted, checked
         plain = norm_output @ weight.T + bias
         seen = logits[rows].float()[..., : plain.shape[-1]]
+        cap = final_softcap(model)
+        if cap is not None:  # decomposed before the final soft-cap (T5Gemma's), as on a decoder-only model
+            seen = cap * torch.atanh((seen / cap).clamp(-1 + 1e-6, 1 - 1e-6))
+            notes.append(f"decomposes the logits before the final soft-cap tanh(x / {cap}) * {cap}")
         multiple = float((seen * plain).sum() / (plain * plain).sum())
         multiple = 1.0 if abs(multiple - 1.0) < 1e-5 else multiple
         rtol = run_tolerance(final_read.dtype)
@@ -316,11 +340,17 @@ def _finish(
             o_weight, o_bias = plan[f"{kind}_weights"]
             probabilities = reads[layer, f"{kind}_attn.attention_probabilities"][:, rows]
             into = pulled * plan.get(f"{kind}_multiplier", 1.0)
+            post_bias = torch.zeros(len(rows))
+            post = plan.get(f"{kind}_post")
+            if post is not None:  # a norm after the sublayer (T5Gemma's), frozen at the run's attention output
+                post_bias = post.bias_term(into)
+                into = post.pullback(into) / post.scale(read(layer, f"{kind}_attn.attention_output"))
             pieces = head_pieces(
                 probabilities, reads[layer, f"{kind}_attn.attention_values"], plan[f"{kind}_kv"], o_weight, into
             )
             terms[heads][layer] = pieces * factor[:, None, None]
-            terms[biases][layer] = (into @ o_bias if o_bias is not None else torch.zeros(len(rows))) * factor
+            own_bias = into @ o_bias if o_bias is not None else torch.zeros(len(rows))
+            terms[biases][layer] = (own_bias + post_bias) * factor
     first = next(iter(plans))
     if not sources:
         count = next((p.shape[-2] for (_, key), p in reads.items() if key == "cross_attn.attention_values"), 0)
