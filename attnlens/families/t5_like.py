@@ -10,6 +10,9 @@ zeros. The other blocks keep T5's dense `wi`, `act`, `wo`.
 Pop2Piano is T5 (gated GELU feed-forward) whose encoder reads `input_features`, the feature extractor's frames, as its
 input embeddings (under `generate`, a composer's embedding is prepended to them first, by `mel_conditioner`, outside
 the encoder): its `embed_tokens` only embeds the decoder's MIDI tokens.
+
+LongT5 keeps T5's decoder but its encoder attends within blocks (local, or transient-global attention): refused, with
+why (`LongT5.refused`).
 """
 
 from __future__ import annotations
@@ -112,3 +115,19 @@ class Pop2Piano(EncoderDecoder):
     )
     #: `generate` prepends the embedding of a composer named here (Pop2Piano's checkpoint has 21).
     tiny_generation = {"composer_to_feature_token": {"composer1": 100, "composer2": 101}}
+
+
+class LongT5(EncoderDecoder):
+    """LongT5: T5's decoder over an encoder that attends within blocks; not served."""
+
+    model_types = ("longt5",)
+    refused = (
+        "LongT5's encoder attends locally, not over the sequence: LongT5LocalAttention splits it into blocks of "
+        "local_radius + 1 positions and scores each block's queries against the keys of its own and its two "
+        "neighbouring blocks, inside the module (einsum, no attention interface), as [batch, block, heads, block_len, "
+        "3 * block_len] with a relative bias over those 3 blocks; its transient-global attention "
+        "(encoder_attention_type='transient-global') also scores every query against normalised per-block sums of "
+        "its input (global_block_size positions each) with a bias of their own, in one softmax with the local "
+        "keys. attnlens does not rebuild those blocked patterns as [batch, heads, query, key] yet, so neither stack "
+        "is served (the decoder is T5's)"
+    )
