@@ -47,6 +47,7 @@ def test_switch_routes_each_token_to_its_best_expert_as_recomputed_by_hand():
     assert model.encoder.support(0)["mlp.mlp_neurons"] is None
     assert "sparse mixture of experts" in model.encoder.support(1)["mlp.mlp_neurons"]
     assert "sparse mixture of experts" in model.decoder.support(1)["mlp.mlp_activation"]
+    assert model.decoder.support(0)["mlp.mlp_activation"] is None
 
 
 def test_a_token_sent_to_its_second_expert_moves_the_logits_as_a_hook_predicts():
