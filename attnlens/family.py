@@ -566,6 +566,9 @@ class EncoderDecoder:
     stacks: ClassVar[dict[str, str]] = {"encoder": "model.encoder", "decoder": "model.decoder"}
     #: How to build a small random model of the family (`Tiny`), or None.
     tiny: ClassVar[Tiny | None] = None
+    #: The axis of a speech encoder's input that is time (`StandardizedSeq2Seq.positions`): the last of Whisper's
+    #: `input_features` [batch, mel bins, frames]; Speech2Text's are [batch, frames, features].
+    time_axis: ClassVar[int] = -1
     #: Why attnlens does not serve `model_types` (what their attention does that no family here reproduces), where
     #: the class only records that: `StandardizedSeq2Seq` refuses them with it.
     refused: ClassVar[str | None] = None
@@ -573,6 +576,11 @@ class EncoderDecoder:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def refusal(self, model: Any) -> str | None:
+        """Why `StandardizedSeq2Seq` does not serve this model object of the family's types (a class of the type
+        whose stacks the family does not describe: SeamlessM4T's speech-to-text model), or None: it does."""
+        return None
 
     def stack(self, name: str) -> Family:
         """A new instance of stack `name`'s family."""

@@ -43,10 +43,15 @@ def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         return model
     from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
 
     config = AutoConfig.from_pretrained(model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs})
+    # a type in both registries (SeamlessM4T) loads as its text-to-text model: the one its family serves
     speech = config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    speech = speech and config.model_type not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
     loader = AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
     return loader.from_pretrained(model, **{"dtype": torch.float32, **kwargs})
 
@@ -83,6 +88,9 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             raise TypeError(refusal(model.config))
         found = encoder_decoder_for(model.config.model_type) if family is None else family
         self.family: EncoderDecoder = found() if isinstance(found, type) else found
+        refused = self.family.refusal(model)
+        if refused is not None:
+            raise TypeError(f"attnlens does not serve this {type(model).__name__}: {refused}")
         envoys: dict[str, type] = {}
         for name in STACKS:
             envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})
@@ -153,7 +161,7 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features` frames,
         `hop_seconds` apart (Whisper's feature extractor: hop_length / sampling_rate, 160 / 16000). A decoder
         token's cross-attention row over those positions is its alignment to time."""
-        frames = torch.as_tensor(input_features).shape[-1]
+        frames = torch.as_tensor(input_features).shape[self.family.time_axis]
         found = audio_positions(self.encoder._module, frames, hop_seconds)
         if found is None:
             raise Unavailable(
