@@ -566,9 +566,14 @@ class EncoderDecoder:
     stacks: ClassVar[dict[str, str]] = {"encoder": "model.encoder", "decoder": "model.decoder"}
     #: How to build a small random model of the family (`Tiny`), or None.
     tiny: ClassVar[Tiny | None] = None
-    #: The axis of a speech encoder's input that is time (`StandardizedSeq2Seq.positions`): the last of Whisper's
-    #: `input_features` [batch, mel bins, frames]; Speech2Text's are [batch, frames, features].
+    #: A speech encoder's input in time (`StandardizedSeq2Seq.positions`): the axis of time (the last of Whisper's
+    #: `input_features` [batch, mel bins, frames]; Speech2Text's are [batch, frames, features]), the seconds between
+    #: two steps along it (Whisper's 10 ms frames; SpeechT5's 16 kHz samples), and the module, under the encoder's,
+    #: whose convolutions step over it ("": the encoder's every convolution; SpeechT5's prenet also convolves its
+    #: positions, a convolution that keeps their count).
     time_axis: ClassVar[int] = -1
+    hop_seconds: ClassVar[float] = 0.01
+    time_convolutions: ClassVar[str] = ""
     #: Why attnlens does not serve `model_types` (what their attention does that no family here reproduces), where
     #: the class only records that: `StandardizedSeq2Seq` refuses them with it.
     refused: ClassVar[str | None] = None

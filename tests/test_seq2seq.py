@@ -31,8 +31,12 @@ def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
 
 
 #: The speech types' encoder input, by model type: its name and shape past the batch (Whisper's log-mel frames, two
-#: per encoder position; Speech2Text's filterbank frames, four per position).
-AUDIO = {"whisper": ("input_features", (16, 64)), "speech_to_text": ("input_features", (64, 16))}
+#: per encoder position; Speech2Text's filterbank frames, four per position; SpeechT5's waveform samples, ten each).
+AUDIO = {
+    "whisper": ("input_features", (16, 64)),
+    "speech_to_text": ("input_features", (64, 16)),
+    "speecht5": ("input_values", (200,)),
+}
 
 
 def source(model_type: str, batch: int = 1) -> dict:
