@@ -59,10 +59,11 @@ class SeamlessFeedForward:
 
     kind_notes = {
         "*": {
-            "layer_mid": "layer_input + attention_output (in a decoder block, + the cross-attention's), what "
-            "ffn_layer_norm receives",
+            "layer_mid": "layer_input + attention_output, what ffn_layer_norm receives",
             "mlp_norm_output": "ffn_layer_norm(layer_mid): the feed-forward's input",
             "mlp_activation": "ffn.act(ffn.fc1(x)), what ffn.fc2 receives (no gate: the same tensor as mlp_neurons)",
+            "embeddings": "the scaled token embedding's output (times sqrt(hidden_size) where scale_embedding); the "
+            "sinusoidal positions are added before layers[0]",
         }
     }
 

@@ -27,13 +27,24 @@ class Speech2TextEncoder(PreNormEncoder):
     }
 
 
+class Speech2TextDecoder(PreNormDecoder):
+    """S2T's text decoder: mBART's pre-norm decoder blocks, cross-attending to the audio positions."""
+
+    kind_notes = {
+        "*": {
+            "embeddings": "the token embedding's output, before the sqrt(d_model) scale (scale_embedding) and the "
+            "sinusoidal positions are applied",
+        }
+    }
+
+
 class Speech2Text(EncoderDecoder):
     """Speech2Text: filterbank frames (`input_features`) subsampled by convolutions into audio positions, mBART's
     pre-norm blocks over them, and a text decoder of pre-norm blocks cross-attending to them."""
 
     model_types = ("speech_to_text",)
     encoder = Speech2TextEncoder
-    decoder = PreNormDecoder
+    decoder = Speech2TextDecoder
     #: `input_features` is [batch, frames, features]: time is its second axis (`StandardizedSeq2Seq.positions`).
     time_axis = 1
     tiny = Tiny(

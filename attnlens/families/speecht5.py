@@ -31,6 +31,8 @@ from ..parts.eager import EagerFunction
 from ..parts.sizes import Sizes, same_as
 from .bart import BartDecoder, BartEncoder
 
+POST_NORM = "SpeechT5 normalises after each residual add, not before a sublayer: {what}"
+NO_FINAL_NORM = "SpeechT5's decoder has no final norm: the last block's output ends in its own final_layer_norm"
 BIAS = "SpeechT5's relative position term (attention_position_bias): each query against its keys' distance embeddings"
 
 
@@ -140,6 +142,7 @@ class SpeechT5Encoder(SpeechT5Attention, BartEncoder):
 
     kind_reasons = {
         "*": {
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
             "final_norm_output": "SpeechT5's encoder normalises its input (wrapped_encoder.layer_norm, before "
             "layers[0]), not its output: the last block's output ends in its own final_layer_norm",
         }
@@ -166,6 +169,14 @@ class SpeechT5Decoder(SpeechT5Attention, BartDecoder):
 
     layers = "wrapped_decoder.layers"
     embed_tokens = "prenet.embed_tokens"
+
+    kind_reasons = {
+        "*": {
+            "attention_norm_output": POST_NORM.format(what="the attention reads the block input itself"),
+            "cross_attention_norm_output": POST_NORM.format(what="the cross-attention reads the stream itself"),
+            "final_norm_output": NO_FINAL_NORM,
+        }
+    }
 
     kind_notes = {
         "*": {
