@@ -569,6 +569,14 @@ class EncoderDecoder:
     #: Generation settings the tiny model needs to `generate` (Pop2Piano's composer tokens), set on its
     #: `generation_config`.
     tiny_generation: ClassVar[dict[str, Any]] = {}
+    #: A speech encoder's input in time (`StandardizedSeq2Seq.positions`): the axis of time (the last of Whisper's
+    #: `input_features` [batch, mel bins, frames]; Speech2Text's are [batch, frames, features]), the seconds between
+    #: two steps along it (Whisper's 10 ms frames; SpeechT5's 16 kHz samples), and the module, under the encoder's,
+    #: whose convolutions step over it ("": the encoder's every convolution; SpeechT5's prenet also convolves its
+    #: positions, a convolution that keeps their count).
+    time_axis: ClassVar[int] = -1
+    hop_seconds: ClassVar[float] = 0.01
+    time_convolutions: ClassVar[str] = ""
     #: Why attnlens does not serve `model_types` (what their attention does that no family here reproduces), where
     #: the class only records that: `StandardizedSeq2Seq` refuses them with it.
     refused: ClassVar[str | None] = None
@@ -576,6 +584,11 @@ class EncoderDecoder:
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def refusal(self, model: Any) -> str | None:
+        """Why `StandardizedSeq2Seq` does not serve this model object of the family's types (a class of the type
+        whose stacks the family does not describe: SeamlessM4T's speech-to-text model), or None: it does."""
+        return None
 
     def stack(self, name: str) -> Family:
         """A new instance of stack `name`'s family."""

@@ -272,12 +272,15 @@ def tiny_seq2seq_model(
         raise ValueError(f"the {model_type!r} encoder-decoder family records no tiny configuration")
     config = transformers.AutoConfig.for_model(model_type, **{**recipe.kwargs, **config_overrides})
     config._attn_implementation = attn_implementation
-    classes = {
-        **modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-        **modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
-    }
+    registries = (
+        modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+    named = [registry[model_type] for registry in registries if model_type in registry]
+    # the type's own class; the recipe's where the type is in both registries and the recipe names one (SeamlessM4T)
+    chosen = recipe.model if recipe.model in named else named[-1]
     torch.manual_seed(seed)
-    model = _perturbed(getattr(transformers, classes[model_type])(config).eval())
+    model = _perturbed(getattr(transformers, chosen)(config).eval())
     for name, value in encoder_decoder_for(model_type).tiny_generation.items():
         setattr(model.generation_config, name, value)
     return model

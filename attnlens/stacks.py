@@ -43,10 +43,15 @@ def _loaded(model: Any, kwargs: dict) -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         return model
     from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
 
     config = AutoConfig.from_pretrained(model, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs})
+    # a type in both registries (SeamlessM4T) loads as its text-to-text model: the one its family serves
     speech = config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    speech = speech and config.model_type not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
     loader = AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
     return loader.from_pretrained(model, **{"dtype": torch.float32, **kwargs})
 
@@ -83,6 +88,9 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             raise TypeError(refusal(model.config))
         found = encoder_decoder_for(model.config.model_type) if family is None else family
         self.family: EncoderDecoder = found() if isinstance(found, type) else found
+        refused = self.family.refusal(model)
+        if refused is not None:
+            raise TypeError(f"attnlens does not serve this {type(model).__name__}: {refused}")
         envoys: dict[str, type] = {}
         for name in STACKS:
             envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})
@@ -148,18 +156,28 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         """`model.decoder.support(layer)` (or `stack="encoder"`), with the model named."""
         return replace(self.stacks[stack].support(layer), model=self)
 
-    def positions(self, input_features: Any, hop_seconds: float = 0.01) -> AudioPositions:
+    def positions(self, input_features: Any, hop_seconds: float | None = None) -> AudioPositions:
         """Where each of the encoder's positions sits in the audio, for a speech model (Whisper): `start` and `end`
         in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features` frames,
-        `hop_seconds` apart (Whisper's feature extractor: hop_length / sampling_rate, 160 / 16000). A decoder
-        token's cross-attention row over those positions is its alignment to time."""
-        frames = torch.as_tensor(input_features).shape[-1]
-        found = audio_positions(self.encoder._module, frames, hop_seconds)
+        `hop_seconds` apart (by default the family's: Whisper's feature extractor's hop_length / sampling_rate,
+        160 / 16000; SpeechT5's waveform, 1 / 16000). A decoder token's cross-attention row over those positions is
+        its alignment to time."""
+        family = self.family
+        frames = torch.as_tensor(input_features).shape[family.time_axis]
+        convolved = self.encoder._module.get_submodule(family.time_convolutions)
+        found = audio_positions(convolved, frames, family.hop_seconds if hop_seconds is None else hop_seconds)
         if found is None:
             raise Unavailable(
                 f"model.positions: the {self.family.name} encoder reads tokens, not audio frames; its positions are "
                 f"the source's tokens"
             )
         return found
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        """nnsight's count of an invoke's rows, which knows text's and Whisper's inputs, or else one per batch entry
+        of the model's own main input given by keyword (SpeechT5's waveform, `input_values`)."""
+        rows = super()._batch_size(*inputs, **kwargs)
+        main = kwargs.get(self._module.main_input_name)
+        return rows or (len(main) if not inputs and isinstance(main, torch.Tensor) else rows)
 
     logits = value_property(BY_NAME["logits"])

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_seq2seq import AUDIO
 
 import attnlens
 from attnlens.analysis import attribution, unavailable
@@ -52,10 +53,9 @@ def tiny_seq2seq(model_type):
 
 
 def source(model_type):
-    if model_type == "whisper":
-        return {"input_features": torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1))}
-    if model_type == "pop2piano":
-        return {"input_features": torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))}
+    if model_type in AUDIO:
+        name, shape = AUDIO[model_type]
+        return {name: torch.randn(1, *shape, generator=torch.Generator().manual_seed(1))}
     return SOURCE
 
 
@@ -196,7 +196,7 @@ def run_logits(model, model_type):
 def test_a_decoder_logit_adds_up_through_self_and_cross_attention(model_type):
     model = tiny_seq2seq(model_type)
     said = model.support(0).analyses["attribution"]
-    if model_type in ("bart", "plbart", "marian", "blenderbot-small"):  # post-norm decoders
+    if model_type in ("bart", "plbart", "marian", "blenderbot-small", "speecht5"):  # post-norm decoders
         assert "post-norm" in said
         with pytest.raises(attnlens.Unavailable, match="post-norm"):
             attribution(model, source(model_type), target=5, decoder_input_ids=TARGET)

@@ -30,15 +30,22 @@ def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
     return _models[model_type]
 
 
+#: The speech types' encoder input, by model type: its name and shape past the batch (Whisper's log-mel frames, two
+#: per encoder position; Speech2Text's filterbank frames, four per position; SpeechT5's waveform samples, ten each).
+AUDIO = {
+    "whisper": ("input_features", (16, 64)),
+    "speech_to_text": ("input_features", (64, 16)),
+    "speecht5": ("input_values", (200,)),
+    "pop2piano": ("input_features", (6, 64)),  # feature frames, one per encoder position
+}
+
+
 def source(model_type: str, batch: int = 1) -> dict:
-    """The encoder's input: token ids, or Whisper's log-mel frames (two per encoder position), or Pop2Piano's
-    feature frames (one per encoder position)."""
-    if model_type == "whisper":
+    """The encoder's input: token ids, or a speech type's audio (`AUDIO`)."""
+    if model_type in AUDIO:
+        name, shape = AUDIO[model_type]
         torch.manual_seed(1)
-        return {"input_features": torch.randn(batch, 16, 64)}
-    if model_type == "pop2piano":
-        torch.manual_seed(1)
-        return {"input_features": torch.randn(batch, 6, 64)}
+        return {name: torch.randn(batch, *shape)}
     return {"input_ids": SOURCE.expand(batch, -1)}
 
 
