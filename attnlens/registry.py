@@ -55,6 +55,12 @@ def encoder_decoders() -> dict[str, type[EncoderDecoder]]:
     return dict(_ENCODER_DECODERS)
 
 
+def refused_encoder_decoders() -> dict[str, str]:
+    """Every encoder-decoder model type attnlens knows and does not serve, and why."""
+    _built_in()
+    return dict(_REFUSED_ENCODER_DECODERS)
+
+
 def registered() -> dict[str, type[Family]]:
     """Every model type attnlens has a family for, and that family."""
     return {**_built_in(), **_REGISTERED}

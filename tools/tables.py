@@ -9,10 +9,11 @@ from `values.py`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 
-from attnlens.family import Family
-from attnlens.registry import registered
+from attnlens.family import EncoderDecoder, Family
+from attnlens.registry import encoder_decoders, refused_encoder_decoders, registered
 from attnlens.values import ALL_VALUES, HOSTS, WITH_CROSS_ATTENTION
 
 #: The values of a decoder-only block and model: the families these pages describe (no cross-attention).
@@ -48,19 +49,19 @@ def _families() -> dict[type[Family], list[str]]:
     return families
 
 
-def page_name(family: type[Family]) -> str:
+def page_name(family: type[Family] | type[EncoderDecoder]) -> str:
     """The file of `family`'s page under docs/families/."""
     return f"{family.__name__.lower()}.md"
 
 
-def _docstring(family: type[Family]) -> str:
+def _docstring(family: type[Family] | type[EncoderDecoder]) -> str:
     """The family's module's docstring, after the family's own where it has one (a module of several families:
     bert.py's BERT-shaped types)."""
     own = inspect.cleandoc(family.__dict__.get("__doc__") or "")
     return "\n\n".join(filter(None, (own, inspect.getdoc(inspect.getmodule(family)) or "")))
 
 
-def _summary(family: type[Family]) -> str:
+def _summary(family: type[Family] | type[EncoderDecoder]) -> str:
     return _docstring(family).split("\n\n")[0].replace("\n", " ")
 
 
@@ -99,23 +100,28 @@ def _columns(case: str) -> tuple[dict[tuple[str, tuple], list[int]], int]:
     columns: dict[tuple[str, tuple], list[int]] = {}
     for engine, access in engines.items():
         for layer in range(model.num_layers):
-            report = access.support(layer)
-            cells = tuple(
-                ("✗", report[value.key]) if report[value.key] else ("✓", report.notes.get(value.key))
-                for value in DECODER_VALUES
-            )
-            columns.setdefault((engine, cells), []).append(layer)
+            columns.setdefault((engine, _cells(access.support(layer), DECODER_VALUES)), []).append(layer)
     return columns, len(engines)
 
 
-def _layout_table(columns: dict[tuple[str, tuple], list[int]], engines: int, notes: Notes) -> list[str]:
-    """A value per row; a column per engine and kind of layer (layers serving the same values share one)."""
+def _cells(report, values) -> tuple:
+    """Each of `values` as `report` (a `support()`) gives it: (mark, note)."""
+    return tuple(
+        ("✗", report[value.key]) if report[value.key] else ("✓", report.notes.get(value.key)) for value in values
+    )
+
+
+def _layout_table(
+    columns: dict[tuple[str, tuple], list[int]], engines: int, notes: Notes, values: Sequence = DECODER_VALUES
+) -> list[str]:
+    """A value per row; a column per engine (or stack) and kind of layer (layers serving the same values share
+    one)."""
     heads = [
         f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" + (f" · {engine}" if engines > 1 else "")
         for (engine, _), layers in columns.items()
     ]
     lines = ["| value | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
-    for row, value in enumerate(DECODER_VALUES):
+    for row, value in enumerate(values):
         lines.append(f"| `{value.key}` | " + " | ".join(notes.cell(*cells[row]) for _, cells in columns) + " |")
     return lines
 
@@ -172,6 +178,74 @@ def family_page(family: type[Family], model_types: list[str]) -> tuple[str, dict
     return "\n".join(lines).rstrip("\n") + "\n", counts
 
 
+def encoder_decoder_page(family: type[EncoderDecoder], model_types: list[str]) -> tuple[str, dict[str, int]]:
+    """An encoder-decoder family's page: one table, a column per stack and kind of layer (the decoder's rows
+    include the cross-attention's values), on the transformers engine; and how many values each stack serves."""
+    from attnlens.models import tiny_seq2seq
+
+    model = tiny_seq2seq(model_types[0])
+    notes = Notes()
+    columns: dict[tuple[str, tuple], list[int]] = {}
+    for stack, access in model.stacks.items():
+        for layer in range(access.num_layers):
+            columns.setdefault((stack, _cells(access.support(layer), ALL_VALUES)), []).append(layer)
+    stacks = [f"{stack}: {inspect.getdoc(getattr(family, stack)) or ''}".replace("\n", " ") for stack in model.stacks]
+    lines = [
+        f"# {family.__name__}",
+        "",
+        _docstring(family),
+        "",
+        "- Model types: " + ", ".join(f"`{t}`" for t in model_types),
+        *(f"- {line}" for line in stacks),
+        "- vLLM: refused ([encoders and encoder-decoders](../encoders.md) says why)",
+        "",
+        PAGE_KEY + " A value the encoder's blocks do not have (the cross-attention's) is ✗ with the reason.",
+        "",
+        "## Default layout",
+        "",
+        *_layout_table(columns, len(model.stacks), notes, ALL_VALUES),
+        "",
+        *notes.written(),
+    ]
+    served: dict[str, set[int]] = {}
+    for (stack, cells), _ in columns.items():
+        served.setdefault(stack, set()).update(row for row, (mark, _) in enumerate(cells) if mark == "✓")
+    return "\n".join(lines).rstrip("\n") + "\n", {stack: len(rows) for stack, rows in served.items()}
+
+
+def _encoder_decoder_rows(pages: dict[str, str]) -> list[str]:
+    """The index's table of encoder-decoder families (their pages added to `pages`), then the types refused."""
+    import transformers
+
+    families: dict[type[EncoderDecoder], list[str]] = {}
+    for model_type, family in sorted(encoder_decoders().items()):
+        if family.tiny is not None and hasattr(transformers, family.tiny.config):
+            families.setdefault(family, []).append(model_type)
+    rows = [
+        "",
+        "## Encoder-decoders",
+        "",
+        "Served by `StandardizedSeq2Seq` ([encoders and encoder-decoders](../encoders.md)) on the transformers engine: "
+        "each page has one table, a column per stack and kind of layer.",
+        "",
+        f"| family | model types | values served (encoder; decoder, of {len(ALL_VALUES)}) | in short |",
+        "|---|---|---|---|",
+    ]
+    for family, model_types in families.items():
+        name = page_name(family)
+        assert name not in pages, f"{name}: a family of another kind has the page's name"
+        pages[name], counts = encoder_decoder_page(family, model_types)
+        types = ", ".join(f"`{t}`" for t in model_types)
+        served = "; ".join(f"{stack} {count}" for stack, count in counts.items())
+        rows.append(f"| [{family.__name__}]({name}) | {types} | {served} | {_escaped(_summary(family))} |")
+    refused = refused_encoder_decoders()
+    if refused:
+        rows += ["", "Refused, each with the reason `StandardizedSeq2Seq` gives:", "", "| model type | why |"]
+        rows += ["|---|---|"]
+        rows += [f"| `{model_type}` | {_escaped(reason)} |" for model_type, reason in sorted(refused.items())]
+    return rows
+
+
 def family_pages() -> dict[str, str]:
     """docs/families/: file name -> text; index.md lists every family in one line each."""
     from transformers import __version__
@@ -191,6 +265,7 @@ def family_pages() -> dict[str, str]:
             served += "; vLLM refused"
         types = ", ".join(f"`{t}`" for t in model_types)
         rows.append(f"| [{family.__name__}]({name}) | {types} | {layouts} | {served} | {_escaped(_summary(family))} |")
+    rows += _encoder_decoder_rows(pages)
     return {"index.md": "\n".join(rows) + "\n", **pages}
 
 
