@@ -569,6 +569,9 @@ class EncoderDecoder:
     #: Why attnlens does not serve `model_types` (what their attention does that no family here reproduces), where
     #: the class only records that: `StandardizedSeq2Seq` refuses them with it.
     refused: ClassVar[str | None] = None
+    #: A speech encoder's seconds between two input frames, `StandardizedSeq2Seq.positions`' default (Whisper's 10 ms
+    #: mel frames; Moonshine's waveform samples at 16 kHz).
+    hop_seconds: ClassVar[float] = 0.01
 
     @property
     def name(self) -> str:

@@ -139,6 +139,13 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
 
         return count
 
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        """nnsight's count of an invoke's rows, and a speech model's audio given by its own keyword where nnsight counts
+        none (Moonshine's `input_values`: nnsight knows Whisper's `input_features` only)."""
+        found = super()._batch_size(*inputs, **kwargs)
+        audio = kwargs.get(self._module.main_input_name)
+        return audio.shape[0] if found == 0 and not inputs and isinstance(audio, torch.Tensor) else found
+
     @property
     def num_layers(self) -> dict[str, int]:
         """Blocks per stack."""
@@ -148,13 +155,19 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         """`model.decoder.support(layer)` (or `stack="encoder"`), with the model named."""
         return replace(self.stacks[stack].support(layer), model=self)
 
-    def positions(self, input_features: Any, hop_seconds: float = 0.01) -> AudioPositions:
-        """Where each of the encoder's positions sits in the audio, for a speech model (Whisper): `start` and `end`
-        in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features` frames,
-        `hop_seconds` apart (Whisper's feature extractor: hop_length / sampling_rate, 160 / 16000). A decoder
+    def positions(self, input_features: Any, hop_seconds: float | None = None) -> AudioPositions:
+        """Where each of the encoder's positions sits in the audio, for a speech model (Whisper, Moonshine): `start`
+        and `end` in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features`
+        frames (Moonshine's `input_values` samples), `hop_seconds` apart (by default the family's `hop_seconds`:
+        Whisper's feature extractor's hop_length / sampling_rate, 160 / 16000; Moonshine's 16 kHz samples). A decoder
         token's cross-attention row over those positions is its alignment to time."""
         frames = torch.as_tensor(input_features).shape[-1]
-        found = audio_positions(self.encoder._module, frames, hop_seconds)
+        hop = self.family.hop_seconds if hop_seconds is None else hop_seconds
+        try:
+            found = audio_positions(self.encoder._module, frames, hop)
+        except ValueError as error:
+            said = f"model.positions: the {self.family.name} encoder's positions are not derived: {error}"
+            raise Unavailable(said) from error
         if found is None:
             raise Unavailable(
                 f"model.positions: the {self.family.name} encoder reads tokens, not audio frames; its positions are "

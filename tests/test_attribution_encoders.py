@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_seq2seq import AUDIO
 
 import attnlens
 from attnlens.analysis import attribution, unavailable
@@ -52,8 +53,9 @@ def tiny_seq2seq(model_type):
 
 
 def source(model_type):
-    if model_type == "whisper":
-        return {"input_features": torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1))}
+    if model_type in AUDIO:  # a speech model's audio, by the keyword it takes
+        name, shape = AUDIO[model_type]
+        return {name: torch.randn(1, *shape, generator=torch.Generator().manual_seed(1))}
     return SOURCE
 
 

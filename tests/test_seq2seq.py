@@ -30,11 +30,21 @@ def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
     return _models[model_type]
 
 
+#: A speech model's input (name, shape past the batch): Whisper's log-mel frames (two per encoder position),
+#: Moonshine's waveform (384 samples per encoder position; 320 for Moonshine Streaming).
+AUDIO = {
+    "whisper": ("input_features", (16, 64)),
+    "moonshine": ("input_values", (3000,)),
+    "moonshine_streaming": ("input_values", (1920,)),
+}
+
+
 def source(model_type: str, batch: int = 1) -> dict:
-    """The encoder's input: token ids, or Whisper's log-mel frames (two per encoder position)."""
-    if model_type == "whisper":
+    """The encoder's input: token ids, or a speech model's audio (`AUDIO`)."""
+    if model_type in AUDIO:
+        name, shape = AUDIO[model_type]
         torch.manual_seed(1)
-        return {"input_features": torch.randn(batch, 16, 64)}
+        return {name: torch.randn(batch, *shape)}
     return {"input_ids": SOURCE.expand(batch, -1)}
 
 
