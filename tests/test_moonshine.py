@@ -78,8 +78,9 @@ def test_a_rotated_query_edit_moves_the_logits_as_a_hook_on_q_proj_predicts():
 
 
 def test_padded_heads_serve_the_scores_and_premix_and_refuse_the_heads_with_the_reason():
-    """The released checkpoints pad each head (36 to 40): the scores, the pattern and the premix equal transformers',
-    the identities hold, and the per-head values are refused saying why."""
+    """A checkpoint that pads each head (config.pad_head_dim_to_multiple_of; here 16 to 24): the scores, the
+    pattern and the premix equal transformers', the identities hold, and the per-head values are refused saying
+    why."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = attnlens.models.tiny_seq2seq("moonshine", pad_head_dim_to_multiple_of=24)

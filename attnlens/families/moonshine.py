@@ -28,8 +28,8 @@ ROTATED = (
     "after the rotary embedding of its position, on the first {part} of each head's dimensions, interleaved (each "
     "pair of neighbouring dimensions rotated together)"
 )
-#: Why a checkpoint that pads its heads (`config.pad_head_dim_to_multiple_of`: the released ones, 36 to 40) leaves
-#: the per-head values unserved.
+#: Why a checkpoint that pads its heads (`config.pad_head_dim_to_multiple_of`: 8 pads moonshine-tiny's 36 dimensions to
+#: 40) leaves the per-head values unserved.
 PADDED = (
     "Moonshine pads each head with zeros to a multiple of config.pad_head_dim_to_multiple_of before the attention "
     "function and cuts the function's output back after it: what the function receives and returns are not the "
