@@ -147,6 +147,13 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
 
         return count
 
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        """nnsight's count of an invoke's rows, and a speech model's audio given by its own keyword where nnsight counts
+        none (Moonshine's `input_values`: nnsight knows Whisper's `input_features` only)."""
+        found = super()._batch_size(*inputs, **kwargs)
+        audio = kwargs.get(self._module.main_input_name)
+        return audio.shape[0] if found == 0 and not inputs and isinstance(audio, torch.Tensor) else found
+
     @property
     def num_layers(self) -> dict[str, int]:
         """Blocks per stack."""
@@ -157,27 +164,26 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         return replace(self.stacks[stack].support(layer), model=self)
 
     def positions(self, input_features: Any, hop_seconds: float | None = None) -> AudioPositions:
-        """Where each of the encoder's positions sits in the audio, for a speech model (Whisper): `start` and `end`
-        in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the `input_features` frames,
-        `hop_seconds` apart (by default the family's: Whisper's feature extractor's hop_length / sampling_rate,
-        160 / 16000; SpeechT5's waveform, 1 / 16000). A decoder token's cross-attention row over those positions is
-        its alignment to time."""
+        """Where each of the encoder's positions sits in the audio, for a speech model (Whisper, Speech2Text, SpeechT5,
+        Moonshine): `start` and `end` in seconds (`attnlens.AudioPositions`), from the encoder's convolutions over the
+        `input_features` frames (the `input_values` samples of a model over the waveform), `hop_seconds` apart (by
+        default the family's: Whisper's feature extractor's hop_length / sampling_rate, 160 / 16000; a waveform's
+        16 kHz samples, 1 / 16000). A decoder token's cross-attention row over those positions is its alignment to
+        time."""
         family = self.family
         frames = torch.as_tensor(input_features).shape[family.time_axis]
         convolved = self.encoder._module.get_submodule(family.time_convolutions)
-        found = audio_positions(convolved, frames, family.hop_seconds if hop_seconds is None else hop_seconds)
+        hop = family.hop_seconds if hop_seconds is None else hop_seconds
+        try:
+            found = audio_positions(convolved, frames, hop)
+        except ValueError as error:
+            said = f"model.positions: the {family.name} encoder's positions are not derived: {error}"
+            raise Unavailable(said) from error
         if found is None:
             raise Unavailable(
                 f"model.positions: the {self.family.name} encoder reads tokens, not audio frames; its positions are "
                 f"the source's tokens"
             )
         return found
-
-    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
-        """nnsight's count of an invoke's rows, which knows text's and Whisper's inputs, or else one per batch entry
-        of the model's own main input given by keyword (SpeechT5's waveform, `input_values`)."""
-        rows = super()._batch_size(*inputs, **kwargs)
-        main = kwargs.get(self._module.main_input_name)
-        return rows or (len(main) if not inputs and isinstance(main, torch.Tensor) else rows)
 
     logits = value_property(BY_NAME["logits"])

@@ -53,7 +53,7 @@ def tiny_seq2seq(model_type):
 
 
 def source(model_type):
-    if model_type in AUDIO:
+    if model_type in AUDIO:  # a speech model's audio, by the keyword it takes
         name, shape = AUDIO[model_type]
         return {name: torch.randn(1, *shape, generator=torch.Generator().manual_seed(1))}
     return SOURCE

@@ -31,12 +31,15 @@ def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
 
 
 #: The speech types' encoder input, by model type: its name and shape past the batch (Whisper's log-mel frames, two
-#: per encoder position; Speech2Text's filterbank frames, four per position; SpeechT5's waveform samples, ten each).
+#: per encoder position; Speech2Text's filterbank frames, four per position; SpeechT5's waveform samples, ten each;
+#: Moonshine's waveform, 384 samples per position, 320 for Moonshine Streaming; Pop2Piano's feature frames, one each).
 AUDIO = {
     "whisper": ("input_features", (16, 64)),
     "speech_to_text": ("input_features", (64, 16)),
     "speecht5": ("input_values", (200,)),
-    "pop2piano": ("input_features", (6, 64)),  # feature frames, one per encoder position
+    "moonshine": ("input_values", (3000,)),
+    "moonshine_streaming": ("input_values", (1920,)),
+    "pop2piano": ("input_features", (6, 64)),
 }
 
 

@@ -236,10 +236,18 @@ class AudioPositions:
 
 def audio_positions(encoder: torch.nn.Module, frames: int, hop_seconds: float) -> AudioPositions | None:
     """The positions `encoder` gives `frames` input frames `hop_seconds` apart, from its convolutions over time
-    (each one's output length, and their strides multiplied); None where it has none (it reads tokens)."""
+    (each one's output length, and their strides multiplied); None where it has none (it reads tokens). Raises
+    ValueError where a convolution runs a forward of its own (pads or masks itself: Moonshine Streaming's causal ones),
+    whose length its attributes do not give."""
     convolutions = [module for module in encoder.modules() if isinstance(module, torch.nn.Conv1d)]
     if not convolutions:
         return None
+    own = sorted({type(conv).__name__ for conv in convolutions if type(conv).forward is not torch.nn.Conv1d.forward})
+    if own:
+        raise ValueError(
+            f"its convolutions ({', '.join(own)}) run a forward of their own, whose output length "
+            f"attnlens does not derive"
+        )
     length, stride = frames, 1
     for conv in convolutions:
         reach = conv.dilation[0] * (conv.kernel_size[0] - 1)
