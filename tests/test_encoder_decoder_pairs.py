@@ -79,6 +79,7 @@ def test_each_stack_reads_its_own_config_and_family():
     assert encoder.notes["self_attn.attention_probabilities"].startswith("bidirectional")
     assert encoder["self_attn.attention_cache_keys"].startswith("an encoder keeps no KV cache")
     assert "cross_attn.attention_probabilities" not in encoder.reasons
+    assert encoder["logits"].startswith("the encoder is its type's base model, without a head")
     assert decoder["cross_attn.attention_probabilities"] is None and decoder["cross_attention_norm_output"] is None
     assert decoder["self_attn.attention_cache_visible"] is None  # GPT-2's block passes attention_mask by keyword
     assert model.decoder.family.cross_attention_norm == "ln_cross_attn"

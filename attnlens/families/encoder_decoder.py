@@ -56,7 +56,13 @@ class AsEncoder(PathRenames):
         found.pop("logits", None)
         return found
 
-    kind_reasons: dict[str, dict[str, Note]] = {"*": dict.fromkeys(CACHE_VALUES, NO_CACHE)}
+    kind_reasons: dict[str, dict[str, Note]] = {
+        "*": {
+            **dict.fromkeys(CACHE_VALUES, NO_CACHE),
+            "logits": "the encoder is its type's base model, without a head: the logits are the decoder's "
+            "(model.logits)",
+        }
+    }
 
 
 class CrossAttending(PathRenames):
