@@ -454,14 +454,23 @@ def rebased(family: Family, model: torch.nn.Module) -> Family:
         return family
     family = copy.copy(family)  # an instance the caller passed may serve other models too
     family.__dict__.pop("_by_kind", None)  # locations kept per kind were made with the head model's paths
+    if not hasattr(model, prefix[:-1]):
+        vars(family).update(base_model_paths(family, prefix))
+    return family
+
+
+def base_model_paths(family: Family | type[Family], prefix: str) -> dict[str, str]:
+    """`family`'s model paths (`MODEL_PATHS`) that start with `prefix` (the head model's `bert.`), as the base model
+    under it has them: member -> path from the base model."""
+    paths = {}
     for member in MODEL_PATHS:
         path = getattr(family, member)
-        if isinstance(path, str) and path.startswith(prefix) and not hasattr(model, prefix[:-1]):
+        if isinstance(path, str) and path.startswith(prefix):
             path = path[len(prefix) :]
             if path.split(".")[0] in MODEL_VALUES:  # nnsight mounts a child named as a model value elsewhere
                 path = Envoy.OVERLOAD_PREFIX + path
-            setattr(family, member, path)
-    return family
+            paths[member] = path
+    return paths
 
 
 def token_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -593,6 +602,17 @@ class EncoderDecoder:
     def stack(self, name: str) -> Family:
         """A new instance of stack `name`'s family."""
         return getattr(self, name)()
+
+    def composed(self, config: Any) -> EncoderDecoder:
+        """The family of a model of `config`: this one, whose stacks are the same on every model of its types (BART,
+        T5). An encoder-decoder of any two models (`EncoderDecoderModel`) composes it from its sub-configs' types, and
+        raises `UnknownFamily` saying why where it cannot."""
+        return self
+
+    def stack_config(self, config: Any, name: str) -> Any:
+        """The config stack `name`'s family reads (its score function, sizes, reasons): the model's, unless each stack
+        has one of its own (`EncoderDecoderModel`'s `config.encoder` and `config.decoder`)."""
+        return config
 
     def renames(self) -> dict[str, Any]:
         """nnsight's `rename=`: each stack mounted as `encoder` / `decoder` on the model, its blocks as `layers`, and

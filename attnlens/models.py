@@ -7,6 +7,7 @@ its transformers config class, seeded so tests are deterministic.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import os
@@ -261,16 +262,22 @@ def tiny_seq2seq_model(
     model_type: str, seed: int = 0, attn_implementation: str = "eager", **config_overrides
 ) -> torch.nn.Module:
     """A small randomly initialised encoder-decoder of `model_type` (its family's `tiny` sizes, the config class and
-    the sequence-to-sequence class transformers registers for the type), seeded, in float32, eager unless asked."""
+    the sequence-to-sequence class transformers registers for the type), seeded, in float32, eager unless asked.
+    `model_type` may name one of the recipe's other layouts: `"encoder-decoder:bert-gpt2"` (a pair of models)."""
     import transformers
     from transformers.models.auto import modeling_auto
 
     from .registry import encoder_decoder_for
 
+    model_type, _, layout = model_type.partition(":")
     recipe = encoder_decoder_for(model_type).tiny
     if recipe is None:
         raise ValueError(f"the {model_type!r} encoder-decoder family records no tiny configuration")
-    config = transformers.AutoConfig.for_model(model_type, **{**recipe.kwargs, **config_overrides})
+    if layout and layout not in recipe.layouts:
+        raise ValueError(f"the {model_type!r} family has no tiny layout {layout!r}; it has {list(recipe.layouts)}")
+    # a copy: a composite config's class may pop from its sub-configs' dicts (EncoderDecoderConfig, transformers 5.19)
+    kwargs = copy.deepcopy({**recipe.kwargs, **recipe.layouts.get(layout, {}), **config_overrides})
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = attn_implementation
     registries = (
         modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -284,6 +291,17 @@ def tiny_seq2seq_model(
     for name, value in encoder_decoder_for(model_type).tiny_generation.items():
         setattr(model.generation_config, name, value)
     return model
+
+
+def tiny_seq2seq_cases() -> list[str]:
+    """Every encoder-decoder type attnlens serves, and each other layout of its tiny recipe
+    (`"encoder-decoder:bert-gpt2"`): what the test suites build a tiny encoder-decoder of."""
+    from .registry import encoder_decoders
+
+    cases = []
+    for model_type, family in sorted(encoder_decoders().items()):
+        cases += [model_type] + [f"{model_type}:{layout}" for layout in (family.tiny.layouts if family.tiny else {})]
+    return cases
 
 
 def tiny_seq2seq(model_type: str, *, seed: int = 0, attn_implementation: str = "eager", **config_overrides):

@@ -65,7 +65,7 @@ def refusal(config: Any) -> str | None:
             f"decoder-only model with attnlens.StandardizedTransformer, an encoder with attnlens.StandardizedEncoder"
         )
     try:
-        encoder_decoder_for(config.model_type)
+        encoder_decoder_for(config.model_type).composed(config)
     except UnknownFamily as error:
         return str(error)
     return None
@@ -87,7 +87,7 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         if not getattr(model.config, "is_encoder_decoder", False):
             raise TypeError(refusal(model.config))
         found = encoder_decoder_for(model.config.model_type) if family is None else family
-        self.family: EncoderDecoder = found() if isinstance(found, type) else found
+        self.family: EncoderDecoder = (found() if isinstance(found, type) else found).composed(model.config)
         refused = self.family.refusal(model)
         if refused is not None:
             raise TypeError(f"attnlens does not serve this {type(model).__name__}: {refused}")
@@ -113,8 +113,9 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         for name in STACKS:
             family, stack = self.family.stack(name), getattr(self, name)
             count = len(stack.layers)
+            config = self.family.stack_config(self.config, name)
             access = Access(
-                family, self.config, count, "transformers", self._geometry_of(name), stack=name, first_block=first_block
+                family, config, count, "transformers", self._geometry_of(name), stack=name, first_block=first_block
             )
             self.stacks[name] = access
             first_block += count + 2  # the stack's own values before and after its blocks

@@ -16,12 +16,11 @@ from test_seq2seq import AUDIO
 import attnlens
 from attnlens.analysis import attribution, unavailable
 from attnlens.analysis.reasons import direction_reason, model_reason, split_reason
-from attnlens.registry import encoder_decoders
 
 PROMPT = "Hello world"
 #: The encoders this transformers has the config class of (a type newer than it is left out).
 ENCODERS = [case for case in attnlens.models.tiny_cases(causal=False) if attnlens.models._causal(case) is not None]
-SEQ2SEQ = sorted(encoder_decoders())
+SEQ2SEQ = attnlens.models.tiny_seq2seq_cases()
 SOURCE = torch.tensor([5, 6, 7, 8, 9, 10])
 TARGET = torch.tensor([2, 11, 12, 13])
 _models: dict = {}
@@ -196,7 +195,16 @@ def run_logits(model, model_type):
 def test_a_decoder_logit_adds_up_through_self_and_cross_attention(model_type):
     model = tiny_seq2seq(model_type)
     said = model.support(0).analyses["attribution"]
-    if model_type in ("bart", "plbart", "marian", "blenderbot-small", "speecht5"):  # post-norm decoders
+    post_norm = (
+        "bart",
+        "plbart",
+        "marian",
+        "blenderbot-small",
+        "speecht5",
+        "encoder-decoder",
+        "encoder-decoder:roberta",
+    )
+    if model_type in post_norm:  # post-norm decoders (BART's, SpeechT5's, BERT's and RoBERTa's)
         assert "post-norm" in said
         with pytest.raises(attnlens.Unavailable, match="post-norm"):
             attribution(model, source(model_type), target=5, decoder_input_ids=TARGET)
