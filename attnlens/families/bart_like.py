@@ -1,0 +1,238 @@
+"""Encoder-decoders built as BART is, with code of their own: MVP, BigBirdPegasus, NLLB-MoE and FSMT; and the ones
+whose encoders attend in local windows (LED, PEGASUS-X), refused with the reason.
+
+- MVP: BART's post-norm blocks, whose attention (`MvpAttention`) is BART's older arithmetic, as XGLM's: the queries
+  pre-scaled, the heads folded into the batch for `torch.bmm`, no clamp. With `config.use_prompt` each stack learns
+  a prompt (`MvpPrompt`: per block, `prompt_length` keys and values per head) that the attention puts before the
+  sequence's keys and values, visible to every query; the keys, values, scores and pattern then hold the prompt's
+  positions first.
+- BigBirdPegasus: Pegasus's pre-norm blocks; each stack's final norm is `layernorm_embedding`. The decoder's
+  attention is BART's; the encoder's (`BigBirdPegasusEncoderAttention`) holds BERT's inline self-attention
+  (`self_attn.self`: query, key, value, `(q @ k^T) / sqrt(head_dim)`) and its own output projection
+  (`self_attn.output`) when `config.attention_type` is `original_full`; `block_sparse` is refused (bert_inline.py).
+- NLLB-MoE: M2M100's pre-norm blocks (`ff_layer_norm` before the MLP, `cross_attention` and its norm), whose MLP
+  (`ffn`) is a sparse mixture of experts on every `encoder_sparse_step`-th / `decoder_sparse_step`-th block
+  (`NllbMoeSparseMLP`: a top-2 router, then each expert `fc2(act(fc1(x)))` on the tokens routed to it, weighted).
+- FSMT: BART's post-norm blocks, run time-first: each block reads and returns `[seq, batch, hidden]` (the stacks
+  transpose around their blocks), so attnlens serves the blocks' values transposed, `[batch, seq, hidden]` (views:
+  edits land); its attention is MVP's folded arithmetic on time-first inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..family import EagerFunction, EncoderDecoder, Tiny
+from ..locations import Derived, ModuleInput, ModuleOutput, Operation, softmax_argument
+from ..locations.views import batch_folded
+from ..parts import identities
+from ..parts.moe import SparseMoE, moe_absent
+from ..parts.sizes import Sizes
+from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder
+from .bert_inline import BLOCK_SPARSE, SPARSE_VALUES, _keys, _untranspose
+from .xglm import folded
+
+# --- MVP ---------------------------------------------------------------------------------------------------------
+
+MVP_NOTES = {
+    "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the heads folded "
+    "into the batch",
+    "attention_scores": "queries @ keys^T + mask (the queries carry the scale)",
+}
+PROMPT_NOTES = {
+    "attention_keys": "the block's prompt keys (config.prompt_length of them, the same for every batch row) first, "
+    "then the sequence's",
+    "attention_values": "the block's prompt values first, then the sequence's",
+    "attention_probabilities": "over the prompt's positions first (every query sees them all), then the sequence's",
+}
+
+
+def cross(notes: dict) -> dict:
+    return {f"cross_{name}": note for name, note in notes.items()}
+
+
+class MvpEncoder(BartEncoder):
+    """MVP's encoder: BART's post-norm encoder blocks of `MvpAttention`, whose values are read inside its own
+    arithmetic (the heads folded into the batch)."""
+
+    sizes = replace(BartEncoder.sizes, scale=(1.0,))
+    eager = EagerFunction(only=())  # one attention path, whatever attn_implementation says
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        return {
+            f"{prefix}attention_queries": folded("query_states_2", "query_states.reshape(*proj_shape)", "queries"),
+            f"{prefix}attention_keys": folded("key_states_4", "key_states.reshape(*proj_shape)", "keys"),
+            f"{prefix}attention_values": folded("value_states_4", "value_states.reshape(*proj_shape)", "values"),
+            # the softmax's argument: an unpadded encoder batch has no mask, so the `+ mask` step never runs
+            f"{prefix}attention_scores": batch_folded(softmax_argument(), "scores"),
+            f"{prefix}attention_probabilities": folded("attn_probs_0", "dropout(", "probabilities"),
+            f"{prefix}attention_head_outputs": Operation(("attn_output_2",), anchor="attn_output.transpose(1, 2)"),
+            f"{prefix}attention_premix": ModuleInput(self.output_projection),
+            f"{prefix}attention_output": ModuleOutput("", 0),
+        }
+
+    def locations(self):
+        return {**super().locations(), "layer_output": ModuleOutput("", 0)}  # MVP's blocks return tuples
+
+    def layer_kind(self, config, layer):
+        return super().layer_kind(config, layer) | ({"prompt"} if getattr(config, "use_prompt", False) else set())
+
+
+    kind_notes = {"*": MVP_NOTES, "prompt": PROMPT_NOTES}
+
+
+class MvpDecoder(MvpEncoder, BartDecoder):
+    """MVP's decoder: BART's post-norm decoder blocks of `MvpAttention`, the cross-attention's included."""
+
+    kind_notes = {
+        "*": {**MVP_NOTES, **cross(MVP_NOTES)},
+        "prompt": {**PROMPT_NOTES, **cross(PROMPT_NOTES)},
+    }
+
+
+class Mvp(EncoderDecoder):
+    """MVP: BART's post-norm encoder-decoder with attention of its own, and optional learned prompts."""
+
+    model_types = ("mvp",)
+    encoder = MvpEncoder
+    decoder = MvpDecoder
+    tiny = Tiny("MvpConfig", "MvpForConditionalGeneration", TINY)
+
+
+# --- BigBirdPegasus ---------------------------------------------------------------------------------------------
+
+
+class BigBirdPegasusEncoder(PreNormEncoder):
+    """BigBirdPegasus's encoder: pre-norm blocks whose attention is BERT's inline self-attention (`self_attn.self`)
+    and its output projection (`self_attn.output`), in `original_full`; `block_sparse` attention is refused."""
+
+    final_norm = "layernorm_embedding"
+    output_projection = "output"
+    eager = EagerFunction(only=())  # one attention path, whatever attn_implementation says
+    sizes = Sizes(
+        num_heads=("self.num_attention_heads",),
+        head_dim=("self.attention_head_size",),
+        scale=(lambda module, found: found["head_dim"] ** -0.5,),
+    )
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        inner = dict(module="self")
+        return {
+            "attention_queries": Operation(("query_layer_0",), anchor="transpose", **inner),
+            "attention_keys": Derived(
+                Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys, _untranspose, "attention_keys"
+            ),
+            "attention_scores": softmax_argument(**inner),
+            "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
+            "attention_values": Operation(("torch_matmul_1",), "arg", 1, anchor="value_layer", **inner),
+            "attention_head_outputs": Operation(("context_layer_1",), anchor="permute", **inner),
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput("", 0),
+        }
+
+    def layer_kind(self, config, layer):
+        return frozenset({"block_sparse"}) if getattr(config, "attention_type", None) == "block_sparse" else frozenset()
+
+    def kind_locations(self, kind, config, engine):
+        found = super().kind_locations(kind, config, engine)
+        if "block_sparse" in kind:
+            found = {name: where for name, where in found.items() if name not in SPARSE_VALUES}
+        return found
+
+    kind_reasons = {"block_sparse": dict.fromkeys(SPARSE_VALUES, BLOCK_SPARSE)}
+    kind_notes = {
+        "*": {
+            "attention_scores": "(queries @ keys^T) / sqrt(head_dim), plus the mask where the model built one "
+            "(padding): what the softmax receives",
+            "attention_keys": "read where the scores take them (the transposed operand of queries @ keys^T), "
+            "transposed back",
+            "final_norm_output": "layernorm_embedding(the last layer_output): the stack's final norm",
+        },
+        "block_sparse": {"attention_premix": "the block-sparse attention's merged head outputs (output's input)"},
+    }
+
+
+class BigBirdPegasusDecoder(PreNormDecoder):
+    """BigBirdPegasus's decoder: Pegasus's pre-norm decoder blocks, full causal self-attention."""
+
+    final_norm = "layernorm_embedding"
+    kind_notes = {"*": {"final_norm_output": "layernorm_embedding(the last layer_output): the stack's final norm"}}
+
+
+class BigBirdPegasus(EncoderDecoder):
+    """BigBirdPegasus: Pegasus's pre-norm encoder-decoder whose encoder attends as BigBird does."""
+
+    model_types = ("bigbird_pegasus",)
+    encoder = BigBirdPegasusEncoder
+    decoder = BigBirdPegasusDecoder
+    tiny = Tiny(
+        "BigBirdPegasusConfig", "BigBirdPegasusForConditionalGeneration", {**TINY, "attention_type": "original_full"}
+    )
+
+
+# --- NLLB-MoE ---------------------------------------------------------------------------------------------------
+
+
+class NllbMoeBlocks(SparseMoE, PreNormEncoder):
+    """NLLB-MoE's MLP (`ffn`): a dense `fc2(act(fc1(x)))`, or on every sparse step a sparse mixture of experts."""
+
+    mlp = "ffn"
+    mlp_norm = "ff_layer_norm"
+    activation = "act"
+    down_projection = "fc2"
+    absent = moe_absent("NllbMoeExperts")
+    #: The config's spacing of the sparse blocks in this stack.
+    sparse_step = "encoder_sparse_step"
+
+    def moe_layer(self, config, layer):
+        step = getattr(config, self.sparse_step)
+        return step > 0 and (layer + 1) % step == 0  # NllbMoeEncoder's and NllbMoeDecoder's own rule
+
+    def locations(self):
+        return {
+            **super().locations(),
+            "mlp_input": ModuleInput(self.mlp),
+            "mlp_activation": ModuleOutput(self.activation),
+            "mlp_neurons": ModuleInput(self.down_projection),
+            "mlp_output": ModuleOutput(),  # the sparse MLP returns its output alone
+        }
+
+    class Identities(identities.Identities):
+        def mlp_module(self, block):
+            return block.get_submodule(self.family.mlp)  # a module of its own (BART's block runs its MLP itself)
+
+        def mlp_forward(self, mlp, mlp_input, **arguments):
+            return mlp(mlp_input)
+
+    kind_notes = {
+        "moe": {
+            "mlp_output": "the sparse MLP's output: NllbMoeTop2Router picks each token's top-2 experts (within each "
+            "expert's capacity), and NllbMoeExperts sums each expert's fc2(act(fc1(x))) weighted by the router",
+        }
+    }
+
+
+class NllbMoeEncoder(NllbMoeBlocks):
+    """NLLB-MoE's encoder: M2M100's pre-norm blocks, sparse MLPs every `encoder_sparse_step` blocks."""
+
+
+class NllbMoeDecoder(NllbMoeBlocks, PreNormDecoder):
+    """NLLB-MoE's decoder: pre-norm blocks with a cross-attention, sparse MLPs every `decoder_sparse_step` blocks."""
+
+    cross_attention = "cross_attention"
+    cross_attention_norm = "cross_attention_layer_norm"
+    sparse_step = "decoder_sparse_step"
+
+
+class NllbMoe(EncoderDecoder):
+    """NLLB-MoE: M2M100's pre-norm encoder-decoder with sparse mixture-of-experts MLPs."""
+
+    model_types = ("nllb-moe",)
+    encoder = NllbMoeEncoder
+    decoder = NllbMoeDecoder
+    # Block 1 of each stack is sparse, block 0 dense: both kinds are tested.
+    tiny = Tiny(
+        "NllbMoeConfig",
+        "NllbMoeForConditionalGeneration",
+        {**TINY, "num_experts": 4, "expert_capacity": 16, "encoder_sparse_step": 2, "decoder_sparse_step": 2},
+    )
