@@ -83,6 +83,10 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             raise TypeError(refusal(model.config))
         found = encoder_decoder_for(model.config.model_type) if family is None else family
         self.family: EncoderDecoder = found() if isinstance(found, type) else found
+        for path in self.family.stacks.values():  # a stack of plain modules (FSMT's) reads the model's config
+            stack_module = model.get_submodule(path)
+            if not hasattr(stack_module, "config"):
+                stack_module.config = model.config
         envoys: dict[str, type] = {}
         for name in STACKS:
             envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})

@@ -391,10 +391,12 @@ def test_the_decoders_kv_cache_is_what_earlier_steps_received_and_an_edit_lands_
     """The decoder's self-attention cache (the half of transformers' `EncoderDecoderCache` it keeps for itself): at
     each step, the keys and values the earlier steps' attention received; a cached key overwritten at the second
     step moves its logits exactly as transformers run by hand on the same edited cache; a removed position is never
-    read again (on T5, whose attention takes its mask inside position_bias, removing is refused with the reason)."""
+    read again (on T5, whose attention takes its mask inside position_bias, and FSMT, whose takes attn_mask, removing
+    is refused with the reason)."""
     model = tiny(model_type)
     attn = model.decoder.layers[1].self_attn
-    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    # use_cache: FSMT's tiny config turns it off (its plain forward masks causally only without a cache)
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, use_cache=True)
     keys, values, cached_keys, cached_values = [], [], [], []
     with torch.no_grad(), model.generate(**source(model_type), **kwargs) as tracer:
         for _ in tracer.iter[0:3]:
@@ -432,8 +434,9 @@ def test_the_decoders_kv_cache_is_what_earlier_steps_received_and_an_edit_lands_
     torch.testing.assert_close(edited[0], expected, atol=1e-5, rtol=1e-5)
     assert float((expected - unedited).abs().max()) > 1e-4  # the edit moved them, past the tolerance tenfold
     reason = model.support(1)["self_attn.attention_cache_visible"]
-    if model_type in ("t5", "mt5", "umt5"):
-        assert "position_bias" in reason
+    masked_otherwise = {"t5": "position_bias", "mt5": "position_bias", "umt5": "position_bias", "fsmt": "attn_mask"}
+    if model_type in masked_otherwise:
+        assert masked_otherwise[model_type] in reason
         return
     assert reason is None
     with torch.no_grad(), model.generate(**source(model_type), **kwargs) as tracer:

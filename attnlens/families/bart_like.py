@@ -24,9 +24,10 @@ from dataclasses import replace
 
 from ..family import EagerFunction, EncoderDecoder, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, softmax_argument
-from ..locations.views import batch_folded
-from ..parts import identities
+from ..locations.views import batch_folded, unfold_heads
+from ..parts import identities, scoring
 from ..parts.moe import SparseMoE, moe_absent
+from ..parts.notes import Joined
 from ..parts.sizes import Sizes
 from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder
 from .bert_inline import BLOCK_SPARSE, SPARSE_VALUES, _keys, _untranspose
@@ -76,7 +77,6 @@ class MvpEncoder(BartEncoder):
 
     def layer_kind(self, config, layer):
         return super().layer_kind(config, layer) | ({"prompt"} if getattr(config, "use_prompt", False) else set())
-
 
     kind_notes = {"*": MVP_NOTES, "prompt": PROMPT_NOTES}
 
@@ -235,4 +235,118 @@ class NllbMoe(EncoderDecoder):
         "NllbMoeConfig",
         "NllbMoeForConditionalGeneration",
         {**TINY, "num_experts": 4, "expert_capacity": 16, "encoder_sparse_step": 2, "decoder_sparse_step": 2},
+    )
+
+
+TRANSPOSED = Joined("served [batch, seq, ...]: FSMT's blocks run time-first, this is a transposed view")
+
+# --- FSMT -------------------------------------------------------------------------------------------------------
+
+#: The block values FSMT forms time-first, `[seq, batch, ...]`: served transposed.
+TIME_FIRST = (
+    "layer_input",
+    "attention_premix",
+    "attention_output",
+    "cross_attention_input",
+    "cross_attention_premix",
+    "cross_attention_output",
+    "layer_mid",
+    "mlp_norm_output",
+    "mlp_input",
+    "mlp_activation",
+    "mlp_neurons",
+    "mlp_output",
+    "layer_output",
+)
+
+
+def _swap_time(envoy, tensor):
+    return tensor.transpose(0, 1)
+
+
+def _swap_time_back(envoy, old, new):
+    return new.transpose(0, 1)
+
+
+def _heads_last(envoy, folded_output):
+    """`[batch * heads, seq, head_dim]` as `[batch, seq, heads, head_dim]`, a view."""
+    return unfold_heads(envoy, folded_output).transpose(1, 2)
+
+
+def _heads_folded(envoy, old, new):
+    return new.transpose(1, 2).reshape(old.shape)
+
+
+class FsmtEncoder(MvpEncoder):
+    """FSMT's encoder: BART's post-norm encoder blocks run time-first, attention of MVP's folded arithmetic."""
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        return {
+            **super().attention_locations(prefix),
+            f"{prefix}attention_queries": folded("query_states_1", "query_states.view(", "queries"),
+            f"{prefix}attention_keys": folded("key_states_3", "key_states.reshape(", "keys"),
+            f"{prefix}attention_values": folded("value_states_3", "value_states.reshape(", "values"),
+            f"{prefix}attention_head_outputs": Derived(
+                Operation(("attn_output_0",), anchor="torch.bmm(attn_probs"), _heads_last, _heads_folded, "heads"
+            ),
+        }
+
+    def locations(self):
+        found = super().locations()
+        return {
+            name: Derived(location, _swap_time, _swap_time_back, name) if name in TIME_FIRST else location
+            for name, location in found.items()
+        }
+
+    #: The blocks read and return `[seq, batch, hidden]` (the KV cache's reader takes the attention's input so).
+    time_first = True
+
+    kind_notes = {"*": dict.fromkeys(TIME_FIRST, TRANSPOSED)}
+
+
+class FsmtDecoder(FsmtEncoder, MvpDecoder):
+    """FSMT's decoder: BART's post-norm decoder blocks run time-first. FSMTModel builds the causal mask only where it
+    runs without a cache (`use_cache` False): with one, each step is one token, and a longer target read in one
+    forward attends both ways, as transformers computes it."""
+
+    class ScoreFunction(scoring.ScoreFunction):
+        def causal(self, config):
+            return not getattr(config, "use_cache", True)
+
+    kind_reasons = {
+        "*": {
+            "attention_cache_visible": "FSMT's attention takes its masks as attn_mask (causal) and key_padding_mask, "
+            "not the attention_mask keyword through which attnlens masks a removed position; edit the cached keys "
+            "and values",
+        }
+    }
+    kind_notes = {
+        "*": {
+            "attention_probabilities": lambda family, config, layer: (
+                "causal: each decoder position sees the positions up to its own (config.use_cache is False)"
+                if family.score_function().causal(config)
+                else "config.use_cache is set, and FSMTModel then builds no causal mask: a target of several tokens "
+                "read in one forward attends both ways (under generate each step is one token, which sees the cache)"
+            ),
+        }
+    }
+
+
+class Fsmt(EncoderDecoder):
+    """FSMT (fairseq's WMT19 translation models): BART's post-norm encoder-decoder run time-first."""
+
+    model_types = ("fsmt",)
+    encoder = FsmtEncoder
+    decoder = FsmtDecoder
+    tiny = Tiny(
+        "FSMTConfig",
+        "FSMTForConditionalGeneration",
+        {
+            **{k: v for k, v in TINY.items() if k != "vocab_size"},
+            "langs": ["en", "de"],
+            "src_vocab_size": 128,
+            "tgt_vocab_size": 128,
+            "num_beams": 1,  # FSMT's config asks for a beam search of 5
+            "use_cache": False,  # a plain forward masks the target causally only without a cache
+        },
     )
