@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import Miswired
 from ..family import EagerFunction, EncoderDecoder, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, softmax_argument
 from ..locations.views import batch_folded, unfold_heads
@@ -40,11 +41,23 @@ MVP_NOTES = {
     "into the batch",
     "attention_scores": "queries @ keys^T + mask (the queries carry the scale)",
 }
+MVP_EMBEDDED = (
+    "the token embedding's output, unscaled (the stack multiplies it by sqrt(d_model) where config.scale_embedding); "
+    "learned positions are added, then layernorm_embedding, before layers[0]"
+)
+NO_PROMPT_POSITION = (
+    "config.use_prompt: the keys begin with the block's config.prompt_length prompt keys (MvpPrompt), which hold no "
+    "position in the sequence"
+)
 PROMPT_NOTES = {
     "attention_keys": "the block's prompt keys (config.prompt_length of them, the same for every batch row) first, "
     "then the sequence's",
     "attention_values": "the block's prompt values first, then the sequence's",
     "attention_probabilities": "over the prompt's positions first (every query sees them all), then the sequence's",
+}
+PROMPT_CACHE = {
+    "attention_cache_keys": Joined("the sequence's keys only: each call puts the prompt's before them anew"),
+    "attention_cache_values": Joined("the sequence's values only: each call puts the prompt's before them anew"),
 }
 
 
@@ -75,18 +88,48 @@ class MvpEncoder(BartEncoder):
     def locations(self):
         return {**super().locations(), "layer_output": ModuleOutput("", 0)}  # MVP's blocks return tuples
 
-    def layer_kind(self, config, layer):
-        return super().layer_kind(config, layer) | ({"prompt"} if getattr(config, "use_prompt", False) else set())
+    #: Whether the stack's blocks take prompts where `config.use_prompt`: MvpModel builds its encoder without them
+    #: (transformers 5.19 and 5.25 hand config.use_prompt to MvpEncoder's `embed_tokens` argument).
+    prompted = False
 
-    kind_notes = {"*": MVP_NOTES, "prompt": PROMPT_NOTES}
+    def layer_kind(self, config, layer):
+        prompted = self.prompted and getattr(config, "use_prompt", False)
+        return super().layer_kind(config, layer) | ({"prompt"} if prompted else set())
+
+    def verify(self, model, layer, layer_module, attention_module):
+        built = bool(getattr(model, "use_prompt", False))
+        if built != ("prompt" in self.layer_kind(model.config, layer)):
+            raise Miswired(
+                f"family {self.name}: the stack was built {'with' if built else 'without'} MVP's prompts "
+                f"(use_prompt={built}), which the family does not expect on this config"
+            )
+        super().verify(model, layer, layer_module, attention_module)
+
+    kind_reasons = {"prompt": {"attention_key_positions": NO_PROMPT_POSITION}}
+    kind_notes = {
+        "*": {
+            **MVP_NOTES,
+            "embeddings": MVP_EMBEDDED,
+            "attention_keys": lambda family, config, layer: (
+                "the sequence's own: MvpModel builds its encoder without prompts (transformers 5.19 and 5.25 hand "
+                "config.use_prompt to MvpEncoder's embed_tokens argument); the decoder's attentions have them"
+                if getattr(config, "use_prompt", False) and not family.prompted
+                else None
+            ),
+        },
+        "prompt": PROMPT_NOTES,
+    }
 
 
 class MvpDecoder(MvpEncoder, BartDecoder):
     """MVP's decoder: BART's post-norm decoder blocks of `MvpAttention`, the cross-attention's included."""
 
+    prompted = True
+
+    kind_reasons = {"prompt": {"attention_key_positions": NO_PROMPT_POSITION}}
     kind_notes = {
-        "*": {**MVP_NOTES, **cross(MVP_NOTES)},
-        "prompt": {**PROMPT_NOTES, **cross(PROMPT_NOTES)},
+        "*": {**MVP_NOTES, **cross(MVP_NOTES), "attention_keys": None},
+        "prompt": {**PROMPT_NOTES, **cross(PROMPT_NOTES), **PROMPT_CACHE},
     }
 
 
@@ -98,6 +141,11 @@ class Mvp(EncoderDecoder):
     decoder = MvpDecoder
     tiny = Tiny("MvpConfig", "MvpForConditionalGeneration", TINY)
 
+
+BIGBIRD_EMBEDDED = (
+    "the scaled token embedding's output; learned positions are added before layers[0] (layernorm_embedding is the "
+    "stack's final norm)"
+)
 
 # --- BigBirdPegasus ---------------------------------------------------------------------------------------------
 
@@ -147,6 +195,7 @@ class BigBirdPegasusEncoder(PreNormEncoder):
             "attention_keys": "read where the scores take them (the transposed operand of queries @ keys^T), "
             "transposed back",
             "final_norm_output": "layernorm_embedding(the last layer_output): the stack's final norm",
+            "embeddings": BIGBIRD_EMBEDDED,
         },
         "block_sparse": {"attention_premix": "the block-sparse attention's merged head outputs (output's input)"},
     }
@@ -156,7 +205,12 @@ class BigBirdPegasusDecoder(PreNormDecoder):
     """BigBirdPegasus's decoder: Pegasus's pre-norm decoder blocks, full causal self-attention."""
 
     final_norm = "layernorm_embedding"
-    kind_notes = {"*": {"final_norm_output": "layernorm_embedding(the last layer_output): the stack's final norm"}}
+    kind_notes = {
+        "*": {
+            "final_norm_output": "layernorm_embedding(the last layer_output): the stack's final norm",
+            "embeddings": BIGBIRD_EMBEDDED,
+        }
+    }
 
 
 class BigBirdPegasus(EncoderDecoder):
@@ -205,10 +259,13 @@ class NllbMoeBlocks(SparseMoE, PreNormEncoder):
             return mlp(mlp_input)
 
     kind_notes = {
+        "*": {"embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0]"},
         "moe": {
-            "mlp_output": "the sparse MLP's output: NllbMoeTop2Router picks each token's top-2 experts (within each "
-            "expert's capacity), and NllbMoeExperts sums each expert's fc2(act(fc1(x))) weighted by the router",
-        }
+            "mlp_output": "the sparse MLP's output: NllbMoeTop2Router gives each token the gates of its top-2 "
+            "experts (within each expert's capacity); NllbMoeExperts (transformers 5.19, 5.25) picks the experts by "
+            "the values of the router's one-hot mask, not by expert id, so each token gets (1 - moe_token_dropout) "
+            "* (expert_1(x) * its top-1 gate + expert_0(x) * its top-2 gate), whichever experts the router chose",
+        },
     }
 
 
@@ -301,7 +358,14 @@ class FsmtEncoder(MvpEncoder):
     #: The blocks read and return `[seq, batch, hidden]` (the KV cache's reader takes the attention's input so).
     time_first = True
 
-    kind_notes = {"*": dict.fromkeys(TIME_FIRST, TRANSPOSED)}
+    kind_notes = {
+        "*": {
+            **dict.fromkeys(TIME_FIRST, TRANSPOSED),
+            "embeddings": "the token embedding's output, unscaled (the stack multiplies it by sqrt(d_model) where "
+            "config.scale_embedding), [batch, seq, hidden]; sinusoidal positions are added and the sequence turned "
+            "time-first before layers[0]",
+        }
+    }
 
 
 class FsmtDecoder(FsmtEncoder, MvpDecoder):
