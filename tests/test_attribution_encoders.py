@@ -192,7 +192,7 @@ def run_logits(model, model_type):
 def test_a_decoder_logit_adds_up_through_self_and_cross_attention(model_type):
     model = tiny_seq2seq(model_type)
     said = model.support(0).analyses["attribution"]
-    if model_type in ("bart", "plbart", "marian", "blenderbot-small", "mvp", "fsmt"):  # post-norm decoders
+    if model_type in ("bart", "plbart", "marian", "blenderbot-small", "mvp", "fsmt", "led"):  # post-norm decoders
         assert "post-norm" in said
         with pytest.raises(attnlens.Unavailable, match="post-norm"):
             attribution(model, source(model_type), target=5, decoder_input_ids=TARGET)

@@ -203,3 +203,41 @@ def test_bigbird_pegasus_block_sparse_encoder_attention_is_refused_and_the_rest_
         assert failures(model.encoder, saved["encoder"], layer) == []
         assert failures(model.decoder, saved["decoder"], layer) == []
     assert torch.equal(saved["decoder"]["logits"], reference.logits)
+
+
+# --- LED --------------------------------------------------------------------------------------------------------
+
+
+def test_leds_local_window_encoder_refuses_its_attentions_values_and_serves_the_rest_with_global_tokens_and_padding():
+    """LED's encoder attends in Longformer's local windows plus global tokens: its queries, keys, pattern and head
+    outputs are refused with that reason; with a global token and a source padded to the window (7 tokens, window
+    6: 12 positions in the blocks) its blocks' values are transformers' own (hidden states, the identities), the
+    merged heads and output included, and the decoder is served whole."""
+    model = tiny("led")
+    source = torch.arange(5, 12)[None]
+    global_mask = torch.zeros_like(source)
+    global_mask[:, 0] = 1
+    report = model.encoder.support(0)
+    for name in ("attention_queries", "attention_keys", "attention_probabilities", "attention_head_outputs"):
+        assert report[f"self_attn.{name}"].startswith("LED's encoder attends as Longformer does")
+    assert report["self_attn.attention_premix"] is None
+    assert "pads the source" in report.notes["layer_input"]
+    with pytest.raises(attnlens.Unavailable, match="Longformer"):
+        with model.trace(source, decoder_input_ids=TARGET):
+            model.encoder.layers[0].self_attn.attention_probabilities.save()
+    inputs = dict(input_ids=source, global_attention_mask=global_mask, decoder_input_ids=TARGET)
+    saved = read_stacks(model, **inputs)
+    with torch.no_grad():
+        reference = model._module(**inputs, output_hidden_states=True, output_attentions=True)
+    assert saved["encoder"][(0, "layer_input")].shape == (1, 12, 64)
+    assert reference.encoder_global_attentions is not None, "the global token took part"
+    for layer in range(2):
+        assert failures(model.encoder, saved["encoder"], layer) == []
+        assert failures(model.decoder, saved["decoder"], layer) == []
+        torch.testing.assert_close(
+            saved["encoder"][(layer, "layer_input")][:, :7], reference.encoder_hidden_states[layer][:, :7]
+        )
+        assert torch.equal(
+            saved["decoder"][(layer, "cross_attention_probabilities")], reference.cross_attentions[layer]
+        )
+    assert torch.equal(saved["decoder"]["logits"], reference.logits)

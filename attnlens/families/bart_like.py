@@ -414,3 +414,104 @@ class Fsmt(EncoderDecoder):
             "use_cache": False,  # a plain forward masks the target causally only without a cache
         },
     )
+
+
+# --- LED --------------------------------------------------------------------------------------------------------
+
+#: The encoder attention's values LED's Longformer attention never forms as attnlens's vocabulary has them.
+LOCAL_VALUES = (
+    "attention_queries",
+    "attention_keys",
+    "attention_key_positions",
+    "attention_values",
+    "attention_scores",
+    "attention_probabilities",
+    "attention_head_outputs",
+)
+LOCAL_WINDOWS = (
+    "LED's encoder attends as Longformer does (LEDEncoderSelfAttention): each query sees only the keys within "
+    "attention_window / 2 positions on either side, plus the global tokens (global_attention_mask), scored over "
+    "overlapping diagonal chunks; it never forms a query-by-key score or pattern tensor (transformers returns its "
+    "pattern as bands, [batch, heads, seq, attention_window + 1 + globals]), and attnlens does not reproduce that "
+    "attention yet. The encoder's blocks serve their inputs and outputs, the attention's merged heads "
+    "(attention_premix) and output, and the MLP's values; the decoder is served whole"
+)
+WINDOW_PADDED = Joined(
+    "the encoder pads the source with pad tokens (masked) to a multiple of config.attention_window before its "
+    "blocks, so this holds those positions too; the encoder's output drops them"
+)
+
+
+class LedEncoder(BartEncoder):
+    """LED's encoder: BART's post-norm blocks whose attention is Longformer's (`self_attn.longformer_self_attn`, local
+    windows plus global tokens), then its output projection (`self_attn.output`); the attention's own values are
+    refused."""
+
+    output_projection = "output"
+    sizes = Sizes(
+        num_heads=("longformer_self_attn.num_heads",),
+        head_dim=("longformer_self_attn.head_dim",),
+        scale=(lambda module, found: found["head_dim"] ** -0.5,),
+    )
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        return {
+            "attention_premix": ModuleInput(self.output_projection),
+            "attention_output": ModuleOutput("", 0),
+        }
+
+    def locations(self):
+        return {**super().locations(), "layer_output": ModuleOutput("", 0)}  # LED's blocks return tuples
+
+    kind_reasons = {"*": dict.fromkeys(LOCAL_VALUES, LOCAL_WINDOWS)}
+    kind_notes = {
+        "*": {
+            **{name: WINDOW_PADDED for name in TIME_FIRST if not name.startswith("cross_")},
+            "embeddings": Joined(WINDOW_PADDED.note, before=True),
+            "attention_premix": "the local-and-global attention's merged head outputs (self_attn.output's input)",
+        }
+    }
+
+
+class LedDecoder(MvpDecoder):
+    """LED's decoder: BART's post-norm decoder blocks whose attention (`LEDDecoderAttention`) is MVP's arithmetic
+    without prompts."""
+
+    prompted = False
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        return {
+            **super().attention_locations(prefix),
+            f"{prefix}attention_keys": folded("key_states_3", "key_states.reshape(*proj_shape)", "keys"),
+            f"{prefix}attention_values": folded("value_states_3", "value_states.reshape(*proj_shape)", "values"),
+            f"{prefix}attention_head_outputs": Derived(
+                Operation(("attn_output_0",), anchor="torch.bmm(attn_probs"), _heads_last, _heads_folded, "heads"
+            ),
+        }
+
+    kind_notes = {
+        "*": {
+            "embeddings": "the token embedding's output; learned positions are added, then "
+            "layernorm_embedding, before layers[0]"
+        }
+    }
+
+
+class Led(EncoderDecoder):
+    """LED (Longformer-Encoder-Decoder): BART's post-norm encoder-decoder whose encoder attends in local windows
+    with global tokens (its attention's values refused), and whose decoder is BART's."""
+
+    model_types = ("led",)
+    encoder = LedEncoder
+    decoder = LedDecoder
+    stacks = {"encoder": "led.encoder", "decoder": "led.decoder"}
+    tiny = Tiny(
+        "LEDConfig",
+        "LEDForConditionalGeneration",
+        {
+            **{k: v for k, v in TINY.items() if k != "max_position_embeddings"},
+            "attention_window": 6,  # a six-token source needs no window padding (2 fails in transformers itself)
+            "max_encoder_position_embeddings": 128,
+            "max_decoder_position_embeddings": 128,
+        },
+    )

@@ -360,7 +360,8 @@ def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Ten
         window = getattr(entry, "sliding_window", None)
         if window is not None:
             allowed &= query_positions - key_positions < window
-        implementation = getattr(module.config, "_attn_implementation", None) or "eager"
+        # an attention of its own arithmetic without a config (LED's decoder) adds its mask, as eager does
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "eager"
         mask = (
             allowed
             if implementation == "sdpa"
