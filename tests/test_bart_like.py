@@ -241,3 +241,45 @@ def test_leds_local_window_encoder_refuses_its_attentions_values_and_serves_the_
             saved["decoder"][(layer, "cross_attention_probabilities")], reference.cross_attentions[layer]
         )
     assert torch.equal(saved["decoder"]["logits"], reference.logits)
+
+
+# --- PEGASUS-X --------------------------------------------------------------------------------------------------
+
+
+def test_pegasus_xs_block_local_encoder_serves_the_sequence_stream_and_a_staggered_output_edit_lands_by_hand():
+    """PEGASUS-X's encoder attends within blocks plus global tokens: its attention's own values and merged heads are
+    refused with that reason. On a source padded to the block (7 tokens, blocks of 2: 8 positions) its blocks' values
+    are the sequence stream's (transformers' hidden states; the identities hold through norms and an MLP that also
+    run on the global tokens). Block 1 is staggered: its attention ran over the sequence padded by half a block on
+    each side, and an edit of its served output at position 3 lands where a hook puts it, at padded position 4."""
+    model = tiny("pegasus_x")
+    source = torch.arange(5, 12)[None]
+    report = model.encoder.support(1)
+    for name in ("attention_probabilities", "attention_keys", "attention_premix"):
+        assert report[f"self_attn.{name}"].startswith("PEGASUS-X's encoder attends in blocks")
+    assert "staggered" in report.notes["self_attn.attention_output"]
+    assert "staggered" not in model.encoder.support(0).notes.get("self_attn.attention_output", "")
+    saved = read_stacks(model, input_ids=source, decoder_input_ids=TARGET)
+    with torch.no_grad():
+        reference = model._module(source, decoder_input_ids=TARGET, output_hidden_states=True)
+    for layer in range(2):
+        assert saved["encoder"][(layer, "layer_input")].shape == (1, 8, 64)
+        assert torch.equal(saved["encoder"][(layer, "layer_input")], reference.encoder_hidden_states[layer])
+        assert failures(model.encoder, saved["encoder"], layer) == []
+        assert failures(model.decoder, saved["decoder"], layer) == []
+    assert torch.equal(saved["decoder"]["logits"], reference.logits)
+    with torch.no_grad(), model.trace(source, decoder_input_ids=TARGET):
+        output = model.encoder.layers[1].self_attn.attention_output
+        output[:, 3] += SHIFT
+        edited = model.logits.save()
+
+    def add_at_padded_4(output):
+        local = output[0].clone()
+        local[:, 4] += SHIFT
+        return (local, *output[1:])
+
+    inner = model._module
+    expected = hooked_logits(inner, inner.model.encoder.layers[1].self_attn, add_at_padded_4, source)
+    torch.testing.assert_close(edited, expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(expected, inner(source, decoder_input_ids=TARGET).logits, atol=1e-4)

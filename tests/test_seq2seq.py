@@ -18,7 +18,7 @@ from attnlens.values import ALL_VALUES, SUBLAYER_OF
 
 TYPES = sorted(encoder_decoders())
 #: The types whose encoder attends in local windows, its attention's pattern refused (attnlens/families/bart_like.py).
-LOCAL_ENCODERS = ("led",)
+LOCAL_ENCODERS = ("led", "pegasus_x")
 SOURCE = torch.tensor([[5, 6, 7, 8, 9, 10]])
 TARGET = torch.tensor([[2, 11, 12, 13]])
 _models: dict = {}

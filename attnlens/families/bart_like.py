@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ..errors import Miswired
 from ..family import EagerFunction, EncoderDecoder, Tiny
 from ..locations import Derived, ModuleInput, ModuleOutput, Operation, softmax_argument
@@ -416,6 +418,19 @@ class Fsmt(EncoderDecoder):
     )
 
 
+#: The encoder block values of LED and PEGASUS-X over the positions of the (padded) source.
+SEQUENCE_STREAM = (
+    "layer_input",
+    "attention_output",
+    "layer_mid",
+    "mlp_norm_output",
+    "mlp_input",
+    "mlp_activation",
+    "mlp_neurons",
+    "mlp_output",
+    "layer_output",
+)
+
 # --- LED --------------------------------------------------------------------------------------------------------
 
 #: The encoder attention's values LED's Longformer attention never forms as attnlens's vocabulary has them.
@@ -466,7 +481,7 @@ class LedEncoder(BartEncoder):
     kind_reasons = {"*": dict.fromkeys(LOCAL_VALUES, LOCAL_WINDOWS)}
     kind_notes = {
         "*": {
-            **{name: WINDOW_PADDED for name in TIME_FIRST if not name.startswith("cross_")},
+            **dict.fromkeys((*SEQUENCE_STREAM, "attention_premix"), WINDOW_PADDED),
             "embeddings": Joined(WINDOW_PADDED.note, before=True),
             "attention_premix": "the local-and-global attention's merged head outputs (self_attn.output's input)",
         }
@@ -514,4 +529,103 @@ class Led(EncoderDecoder):
             "max_encoder_position_embeddings": 128,
             "max_decoder_position_embeddings": 128,
         },
+    )
+
+
+# --- PEGASUS-X --------------------------------------------------------------------------------------------------
+
+BLOCK_LOCAL = (
+    "PEGASUS-X's encoder attends in blocks (PegasusXGlobalLocalAttention): each position's query sees the keys of its "
+    "own block of config.block_size positions (every other layer's blocks staggered by half a block) and the "
+    "config.num_global_tokens global tokens, whose stream runs beside the sequence's through every block; it never "
+    "forms one query-by-key score or pattern tensor over the sequence, and attnlens does not reproduce that attention "
+    "yet. The encoder's blocks serve the sequence stream's values (inputs, norms, the attention's output, the MLP's), "
+    "not the global tokens' stream; the decoder is served whole"
+)
+#: The values of PEGASUS-X's encoder attention attnlens does not serve: its own (as LED's), and the merged heads,
+#: which `out_proj` receives twice a block (the global tokens', then the sequence's).
+BLOCK_LOCAL_VALUES = (*LOCAL_VALUES, "attention_premix")
+BLOCK_PADDED = Joined(
+    "the encoder pads the source with zeros (masked) to a multiple of config.block_size before its blocks, so this "
+    "holds those positions too; the encoder's output drops them"
+)
+
+
+def _unstaggered(envoy, padded):
+    """A staggered block's attention output `[batch, half block + seq + half block, hidden]` as the block then uses
+    it (`unpad_local_tokens`): a view."""
+    half = envoy._module.block_size // 2
+    return padded[:, half:-half]
+
+
+def _restaggered(envoy, old, new):
+    half = envoy._module.block_size // 2
+    return torch.cat([old[:, :half], new, old[:, -half:]], dim=1)
+
+
+class PegasusXEncoder(PreNormEncoder):
+    """PEGASUS-X's encoder: pre-norm blocks over the sequence and a stream of global tokens beside it (the same norms,
+    attention and MLP, run on each), the sequence attending within local blocks and to the global tokens."""
+
+    sizes = replace(BartEncoder.sizes, scale=(1.0,))  # the queries are pre-scaled
+
+    def attention_locations(self, prefix: str = "") -> dict:
+        return {  # the norm's first call is the sequence's (global_self_attn_layer_norm is the global tokens')
+            "attention_norm_output": ModuleOutput(self.attention_norm),
+            "attention_output": ModuleOutput("", 0),  # the sequence's output (the global tokens' is item 1)
+        }
+
+    def layer_kind(self, config, layer):
+        staggered = getattr(config, "stagger_local_blocks", False) and layer % 2 == 1
+        return super().layer_kind(config, layer) | ({"staggered"} if staggered else set())
+
+    def kind_locations(self, kind, config, engine):
+        found = super().kind_locations(kind, config, engine)
+        if "staggered" in kind:
+            found = {**found, "attention_output": Derived(found["attention_output"], _unstaggered, _restaggered)}
+        return found
+
+    def locations(self):
+        return {**super().locations(), "layer_output": ModuleOutput("", 0)}  # (the sequence, the global tokens)
+
+    kind_reasons = {"*": dict.fromkeys(BLOCK_LOCAL_VALUES, BLOCK_LOCAL)}
+    kind_notes = {
+        "*": {
+            **{
+                name: BLOCK_PADDED
+                for name in TIME_FIRST
+                if not name.startswith("cross_") and name != "attention_premix"
+            },
+            "attention_norm_output": BLOCK_PADDED,
+            "embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0] "
+            "(and the source padded to a multiple of config.block_size)",
+        },
+        "staggered": {
+            "attention_output": Joined(
+                "this block's blocks are staggered: the attention ran over the sequence padded by half a block on "
+                "each side, which the block drops (a view of the rest)"
+            ),
+        },
+    }
+
+
+class PegasusXDecoder(PreNormDecoder):
+    """PEGASUS-X's decoder: Pegasus's pre-norm decoder blocks."""
+
+    kind_notes = {
+        "*": {"embeddings": "the scaled token embedding's output; sinusoidal positions are added before layers[0]"}
+    }
+
+
+class PegasusX(EncoderDecoder):
+    """PEGASUS-X: Pegasus's pre-norm encoder-decoder whose encoder attends within local blocks plus global tokens
+    (its attention's own values refused), and whose decoder is Pegasus's."""
+
+    model_types = ("pegasus_x",)
+    encoder = PegasusXEncoder
+    decoder = PegasusXDecoder
+    tiny = Tiny(
+        "PegasusXConfig",
+        "PegasusXForConditionalGeneration",
+        {**TINY, "block_size": 2, "num_global_tokens": 2, "stagger_local_blocks": True},
     )
