@@ -1,21 +1,29 @@
-"""Encoder-decoders built as BART is, with code of their own: MVP, BigBirdPegasus, NLLB-MoE and FSMT; and the ones
-whose encoders attend in local windows (LED, PEGASUS-X), refused with the reason.
+"""Encoder-decoders built as BART is, with code of their own: MVP, BigBirdPegasus, NLLB-MoE, FSMT, and LED and
+PEGASUS-X, whose encoders attend in local windows or blocks (their decoders served whole, their encoders' blocks
+without their attention's own values).
 
 - MVP: BART's post-norm blocks, whose attention (`MvpAttention`) is BART's older arithmetic, as XGLM's: the queries
-  pre-scaled, the heads folded into the batch for `torch.bmm`, no clamp. With `config.use_prompt` each stack learns
-  a prompt (`MvpPrompt`: per block, `prompt_length` keys and values per head) that the attention puts before the
-  sequence's keys and values, visible to every query; the keys, values, scores and pattern then hold the prompt's
-  positions first.
+  pre-scaled, the heads folded into the batch for `torch.bmm`, no clamp. With `config.use_prompt` the decoder learns
+  prompts (`MvpPrompt`: per block, `prompt_length` keys and values per head, for the self-attention and the
+  cross-attention) that the attention puts before the sequence's keys and values, visible to every query; the keys,
+  values, scores and pattern then hold the prompt's positions first. MvpModel builds its encoder without prompts
+  (transformers 5.19 and 5.25 hand `config.use_prompt` to MvpEncoder's `embed_tokens` argument).
 - BigBirdPegasus: Pegasus's pre-norm blocks; each stack's final norm is `layernorm_embedding`. The decoder's
   attention is BART's; the encoder's (`BigBirdPegasusEncoderAttention`) holds BERT's inline self-attention
   (`self_attn.self`: query, key, value, `(q @ k^T) / sqrt(head_dim)`) and its own output projection
   (`self_attn.output`) when `config.attention_type` is `original_full`; `block_sparse` is refused (bert_inline.py).
 - NLLB-MoE: M2M100's pre-norm blocks (`ff_layer_norm` before the MLP, `cross_attention` and its norm), whose MLP
   (`ffn`) is a sparse mixture of experts on every `encoder_sparse_step`-th / `decoder_sparse_step`-th block
-  (`NllbMoeSparseMLP`: a top-2 router, then each expert `fc2(act(fc1(x)))` on the tokens routed to it, weighted).
+  (`NllbMoeSparseMLP`: a top-2 router, then the experts on the tokens routed to them, weighted).
 - FSMT: BART's post-norm blocks, run time-first: each block reads and returns `[seq, batch, hidden]` (the stacks
   transpose around their blocks), so attnlens serves the blocks' values transposed, `[batch, seq, hidden]` (views:
-  edits land); its attention is MVP's folded arithmetic on time-first inputs.
+  edits land); its attention is MVP's folded arithmetic on time-first inputs. FSMTModel masks the decoder causally
+  only where it runs without a cache (`use_cache` off).
+- LED: BART's post-norm blocks; the encoder's attention is Longformer's (local windows plus global tokens), whose
+  queries, keys, pattern and head outputs are refused; the decoder's is MVP's arithmetic.
+- PEGASUS-X: Pegasus's pre-norm blocks; the encoder's attend within local blocks (staggered on every other block)
+  plus global tokens, whose stream runs beside the sequence's through the same norms and MLP: its blocks serve the
+  sequence stream's values, not the attention's own.
 """
 
 from __future__ import annotations
@@ -30,15 +38,15 @@ from ..locations import Derived, ModuleInput, ModuleOutput, Operation, softmax_a
 from ..locations.views import batch_folded, unfold_heads
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE, moe_absent
-from ..parts.notes import Joined
+from ..parts.notes import Joined, Note
 from ..parts.sizes import Sizes
 from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder
-from .bert_inline import BLOCK_SPARSE, SPARSE_VALUES, _keys, _untranspose
+from .bert_inline import BLOCK_SPARSE, SPARSE_VALUES
 from .xglm import folded
 
 # --- MVP ---------------------------------------------------------------------------------------------------------
 
-MVP_NOTES = {
+MVP_NOTES: dict[str, Note] = {
     "attention_queries": "pre-scaled: q_proj(x) * head_dim ** -0.5 (attn.scale is 1.0); a view of the heads folded "
     "into the batch",
     "attention_scores": "queries @ keys^T + mask (the queries carry the scale)",
@@ -51,13 +59,13 @@ NO_PROMPT_POSITION = (
     "config.use_prompt: the keys begin with the block's config.prompt_length prompt keys (MvpPrompt), which hold no "
     "position in the sequence"
 )
-PROMPT_NOTES = {
+PROMPT_NOTES: dict[str, Note] = {
     "attention_keys": "the block's prompt keys (config.prompt_length of them, the same for every batch row) first, "
     "then the sequence's",
     "attention_values": "the block's prompt values first, then the sequence's",
     "attention_probabilities": "over the prompt's positions first (every query sees them all), then the sequence's",
 }
-PROMPT_CACHE = {
+PROMPT_CACHE: dict[str, Note] = {
     "attention_cache_keys": Joined("the sequence's keys only: each call puts the prompt's before them anew"),
     "attention_cache_values": Joined("the sequence's values only: each call puts the prompt's before them anew"),
 }
@@ -152,6 +160,14 @@ BIGBIRD_EMBEDDED = (
 # --- BigBirdPegasus ---------------------------------------------------------------------------------------------
 
 
+def _last_two_swapped(envoy, transposed):
+    return transposed.transpose(-1, -2)
+
+
+def _last_two_swapped_back(envoy, old, new):
+    return new.transpose(-1, -2)
+
+
 class BigBirdPegasusEncoder(PreNormEncoder):
     """BigBirdPegasus's encoder: pre-norm blocks whose attention is BERT's inline self-attention (`self_attn.self`)
     and its output projection (`self_attn.output`), in `original_full`; `block_sparse` attention is refused."""
@@ -170,7 +186,10 @@ class BigBirdPegasusEncoder(PreNormEncoder):
         return {
             "attention_queries": Operation(("query_layer_0",), anchor="transpose", **inner),
             "attention_keys": Derived(
-                Operation(("key_layer_transpose_0",), anchor="matmul", **inner), _keys, _untranspose, "attention_keys"
+                Operation(("key_layer_transpose_0",), anchor="matmul", **inner),
+                _last_two_swapped,
+                _last_two_swapped_back,
+                "attention_keys",
             ),
             "attention_scores": softmax_argument(**inner),
             "attention_probabilities": Operation(("attention_probs_1",), anchor="dropout", **inner),
