@@ -91,6 +91,10 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
         refused = self.family.refusal(model)
         if refused is not None:
             raise TypeError(f"attnlens does not serve this {type(model).__name__}: {refused}")
+        for path in self.family.stacks.values():  # a stack of plain modules (FSMT's) reads the model's config
+            stack_module = model.get_submodule(path)
+            if not hasattr(stack_module, "config"):
+                stack_module.config = model.config
         envoys: dict[str, type] = {}
         for name in STACKS:
             envoys.update({name: StackEnvoy, **envoy_classes(f"{name}.layers")})

@@ -201,10 +201,13 @@ def test_a_decoder_logit_adds_up_through_self_and_cross_attention(model_type):
         "marian",
         "blenderbot-small",
         "speecht5",
+        "mvp",
+        "fsmt",
+        "led",
         "encoder-decoder",
         "encoder-decoder:roberta",
     )
-    if model_type in post_norm:  # post-norm decoders (BART's, SpeechT5's, BERT's and RoBERTa's)
+    if model_type in post_norm:  # post-norm decoders (BART's, MVP's, FSMT's, LED's, SpeechT5's, BERT's and RoBERTa's)
         assert "post-norm" in said
         with pytest.raises(attnlens.Unavailable, match="post-norm"):
             attribution(model, source(model_type), target=5, decoder_input_ids=TARGET)

@@ -215,6 +215,8 @@ class _Transformers:
         self.envoy, self.layer, self.args, self.kwargs = envoy, layer, args, kwargs
         self.module = envoy._module
         self.hidden = _hidden(args, kwargs)
+        if getattr(getattr(context(envoy), "family", None), "time_first", False):  # FSMT's [seq, batch, hidden]
+            self.hidden = self.hidden.transpose(0, 1)
         self.entry = cache_entry(self.module, args, kwargs, layer)
         filled = self.entry is not None and getattr(self.entry, "is_initialized", False)
         if filled and type(self.entry).__name__ not in SUPPORTED:
@@ -358,7 +360,8 @@ def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Ten
         window = getattr(entry, "sliding_window", None)
         if window is not None:
             allowed &= query_positions - key_positions < window
-        implementation = getattr(module.config, "_attn_implementation", None) or "eager"
+        # an attention of its own arithmetic without a config (LED's decoder) adds its mask, as eager does
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "eager"
         mask = (
             allowed
             if implementation == "sdpa"
