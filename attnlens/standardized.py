@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -16,13 +15,13 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from . import applications, verification
 from .access import Access, Stacks
 from .envoys import Helpful, StackEnvoy, add_model_values, envoy_classes
-from .errors import EditError, InferredFamilyWarning, Unavailable, UnknownFamily, UnknownFamilyWarning
+from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout, headless, rebased
 from .inputs import check_inputs
 from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
-from .parts.multimodal import Positions, TextOnly
+from .parts.multimodal import Positions, prompt_positions
 from .registry import family_for, resolve_family
 from .support import Support
 
@@ -356,18 +355,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
         and column in that image's grid (`attnlens.Positions`; `.on_grid(pattern_row, image)` puts a row of a
         pattern onto the image). Pass the inputs the trace takes (a processor's output, or its input_ids and the
         rest as keywords)."""
-        if isinstance(input_ids, Mapping):
-            inputs, input_ids = {**input_ids, **inputs}, input_ids["input_ids"]
-        ids = torch.as_tensor(input_ids)
-        images = getattr(self.family, "images", None)
-        if images is None:
-            if getattr(self.config, "vision_config", None) is not None:
-                raise Unavailable(
-                    f"model.positions: attnlens has not laid out how {self.family.name} prompts hold images (which "
-                    f"tokens, on which grid); its values on image tokens are served, their places in the image not"
-                )
-            images = TextOnly()
-        return images.positions(self.config, ids, inputs)
+        return prompt_positions(self.family, self.config, input_ids, inputs)
 
     # --- runs ------------------------------------------------------------------------------------------------------
 

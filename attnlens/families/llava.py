@@ -12,7 +12,9 @@ feature the projector makes, with nothing around them. The features are the towe
 -2 by default, so the last block runs but nothing reads it): under `vision_feature_select_strategy` "default" the
 class token's row is dropped and an image is its (image_size / patch_size)^2 patches, row-major; under "full" the
 class token's feature comes first, a position of kind "class" (the image's summary, on no grid), then the patches.
-The image tokens attend causally, as text does: LLaVA's mask is its text model's.
+The image tokens attend causally, as text does: LLaVA's mask is its text model's. vLLM's llava class (the tower, the
+projector, Llama's class under `language_model`) gives the same values with an image (tests_vllm/test_images.py);
+LLaVA-NeXT is not compared there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
+from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower, released_vllm
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .vision import TINY_TOWER, ClipTower
@@ -83,13 +85,12 @@ class LlavaImages(ImageTokens):
 
 #: The tiny LLaVA and LLaVA-NeXT recipes' CLIP tower: 4 x 4 patches of 8 pixels.
 TOWER = {"model_type": "clip_vision_model", **TINY_TOWER}
-#: What vLLM is said to do with LLaVA's types here.
-VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA's language model with images on vLLM with transformers")
+#: What vLLM is said to do with LLaVA-NeXT here.
+VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA-NeXT's language model with images on vLLM with transformers")
 
 
 class Llava(LanguageModelOf, Llama):
     model_types = ("llava",)
-    vllm = VLLM
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
     images = LlavaImages()
     tiny = Tiny(
@@ -104,6 +105,7 @@ class Llava(LanguageModelOf, Llama):
         },
         layouts={"full": {"vision_feature_select_strategy": "full", "image_seq_length": 17}},
     )
+    vllm = released_vllm(Llama, "llava", tiny)  # vLLM's llava (tests_vllm/test_images.py)
     kind_notes = {
         "*": {
             "attention_probabilities": "image tokens attend causally, as text does: LLaVA's mask is its text model's",

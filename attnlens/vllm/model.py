@@ -33,6 +33,7 @@ from ..inferred import Inferred
 from ..inputs import check_inputs
 from ..locations import attach
 from ..locations.vllm import kernel_geometry
+from ..parts.multimodal import Positions, prompt_positions
 from ..registry import family_for, registered, resolve_family
 from ..support import Support
 from . import inferred, media, payload, stages, static, worker
@@ -182,6 +183,13 @@ class StandardizedVLLM(Helpful, VLLM):
         read from vLLM's KV cache) and the traces whose envoys it holds (`payload`); 0 requests and traces once all
         ended."""
         return self.vllm_entrypoint.collective_rpc("attnlens_stats")
+
+    def positions(self, input_ids: Any, **inputs: Any) -> Positions:
+        """What each position of a prompt is (`StandardizedTransformer.positions`), from the prompt's token ids as
+        the processor expands them (or the processor's output) and its image inputs (`image_grid_thw`, ...): the
+        positions vLLM runs for the same prompt and image (tests_vllm/test_images.py)."""
+        config = self.vllm_entrypoint.llm_engine.model_config.hf_config  # the checkpoint's composite config
+        return prompt_positions(self.family, config, input_ids, inputs)
 
     @functools.cached_property
     def bidirectional_media(self) -> list[int]:
