@@ -436,6 +436,9 @@ class StandardizedEncoder(StandardizedTransformer):
             tokenizer = checkpoint_tokenizer(model, tokenizer, kwargs)
             model = _loaded(model, kwargs, ENCODER_HEADS[head])
         super().__init__(model, tokenizer=tokenizer, **kwargs)
+        # nnsight left-pads a model that can generate (XLM's masked LM can); an encoder pads on the right
+        if self.tokenizer is not None and self._is_causal():
+            self.tokenizer.padding_side = "right"
         # an encoder runs once over its whole input: nothing is cached or generated
         self.access.without.update(dict.fromkeys(CACHE_NAMES, NO_CACHE))
 
