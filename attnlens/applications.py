@@ -212,6 +212,8 @@ class AppliedEnvoy:
         return iter([getattr(self, name) for name in self._real._child_map])
 
     def __repr__(self) -> str:
+        if isinstance(self._call, Once):
+            return f"<block {self._call.index}, gathered: {self._real.path}>"
         return f"<application {self._call.index}: call {self._call.call} of {self._real.path}>"
 
     @property

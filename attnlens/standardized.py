@@ -23,7 +23,7 @@ from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
 from .parts.multimodal import Positions, TextOnly
-from .registry import family_for, resolve_family
+from .registry import family_for, refused_encoders, resolve_family
 from .support import Support
 
 
@@ -448,4 +448,13 @@ class StandardizedEncoder(StandardizedTransformer):
     def _unknown_family(model: torch.nn.Module, model_type: str) -> Family:
         """An encoder's family is written by hand: attnlens infers the common layout of causal decoders only."""
         refusal = "attnlens infers the common layout of causal decoders only; an encoder's family is written by hand"
-        return _unknown_layout(model, model_type, refusal, "an encoder")
+        why = refused_encoders().get(model_type)  # an encoder attnlens knows and does not serve, and why
+        try:
+            family = _unknown_layout(model, model_type, refusal, f"an encoder: {why}" if why else "an encoder")
+        except UnknownFamily as error:  # no list of blocks to serve even their inputs and outputs
+            if why is None:
+                raise
+            raise UnknownFamily(f"{error}: {why}") from None
+        if why is not None:  # a list found in such a model is not its blocks in order: their values are refused too
+            family.blocks_not_once = why
+        return family

@@ -5,21 +5,24 @@ the configurations refused (XLM built causal, FlauBERT's pre_norm) with their re
 import pytest
 import torch
 import transformers
+from test_encoders import assert_equal_to_transformers
 
 import attnlens
 from attnlens.applications import GatheredBlock
-from attnlens.registry import family_for
 
 SIZES = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, pad_token_id=0)
 PROMPT = "Hello world"
 HEADS = {"xlm": "XLMWithLMHeadModel", "flaubert": "FlaubertWithLMHeadModel"}
+#: Two languages, so that XLM has language embeddings.
+OWN = {"xlm": {"n_langs": 2}, "flaubert": {}}
 
 
-def built(model_type: str, **config) -> torch.nn.Module:
-    """The type's masked LM, tiny, with wide weights (as tests/test_encoders.py builds it)."""
-    kwargs = {k: v for k, v in {**SIZES, **family_for(model_type).tiny.kwargs, **config}.items() if v is not None}
+def built(model_type: str, head: str | None = None, **config) -> torch.nn.Module:
+    """The type's masked LM (or `head`), tiny, with wide weights (as tests/test_encoders.py builds it)."""
+    kwargs = {**SIZES, **OWN[model_type], **config}
     torch.manual_seed(0)
-    inner = getattr(transformers, HEADS[model_type])(transformers.AutoConfig.for_model(model_type, **kwargs)).eval()
+    made = getattr(transformers, head or HEADS[model_type])(transformers.AutoConfig.for_model(model_type, **kwargs))
+    inner = made.eval()
     return attnlens.models._perturbed(inner)
 
 
@@ -58,6 +61,18 @@ def test_each_block_gathers_the_models_own_modules_and_leaves_the_model_as_it_wa
         for hook in hooks:
             hook.remove()
     assert torch.equal(read[0], outputs[0]) and torch.equal(read[1], inputs[0])
+
+
+@pytest.mark.parametrize("head", ["XLMModel", "XLMForTokenClassification"])
+def test_a_bare_model_and_a_classifier_gather_the_same_blocks(head):
+    """A bare XLMModel (the paths rebased: no `transformer.` prefix, the gathered paths with them) and a classifier:
+    every identity, and transformers' own patterns and block outputs."""
+    inner = built("xlm", head)
+    model = encoder(inner)
+    assert model.layers[1]._module.self_attn is inner.get_submodule(
+        "attentions.1" if head == "XLMModel" else "transformer.attentions.1"
+    )
+    assert_equal_to_transformers(model, inner)
 
 
 def test_language_embeddings_join_the_first_block_input_as_recomputed_by_hand():
@@ -116,7 +131,14 @@ def test_a_head_ablated_moves_the_logits_as_a_hook_on_transformers_predicts(mode
     [("xlm", {"causal": True}, "config.causal"), ("flaubert", {"pre_norm": True}, "pre_norm=True does not run")],
 )
 def test_a_configuration_attnlens_does_not_serve_says_why_on_every_value(model_type, config, reason):
-    model = encoder(built(model_type, **config))
+    """XLM built causal is a decoder (`StandardizedTransformer` takes it, `StandardizedEncoder` sends it there), its
+    values unserved; FlauBERT's pre_norm an encoder whose forward transformers cannot run."""
+    inner = built(model_type, **config)
+    serves = attnlens.StandardizedTransformer if config.get("causal") else attnlens.StandardizedEncoder
+    if config.get("causal"):
+        with pytest.raises(TypeError, match="attends causally"):
+            encoder(inner)
+    model = serves(inner, tokenizer=attnlens.models.char_tokenizer())
     report = model.support(0)
     assert all(reason in report[key] for key in ("layer_input", "self_attn.attention_probabilities", "layer_output"))
     with pytest.raises(attnlens.Unavailable, match=reason.replace(".", r"\.")), model.trace(PROMPT):

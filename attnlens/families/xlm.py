@@ -57,7 +57,9 @@ def _untranspose(envoy, old, new):
 class XLM(Family):
     model_types = ("xlm",)
     vllm = encoder_on_vllm("XLM")
-    tiny = Tiny("XLMConfig", "XLMWithLMHeadModel", {"num_key_value_heads": None, "n_langs": 2})
+    # no tiny recipe: XLMWithLMHeadModel is transformers' causal LM for the type, so the suites that build every
+    # causal-LM type build it causal (refused); FlauBERT's recipe, the same code, runs the encoder suites
+    tiny = None
     layers = "transformer.attentions"  # each block's first module; `gathered` lists the block's modules
     embed_tokens = "transformer.embeddings"
     final_norm = None
@@ -118,7 +120,11 @@ class XLM(Family):
             return {value.name: refused for value in ALL_VALUES}
         return super().unavailable(config, layer, engine)
 
-    class ScoreFunction(scoring.Bidirectional):
+    class ScoreFunction(scoring.ScoreFunction):
+        def causal(self, config):
+            """Bidirectional, unless built causal (config.causal: served by no engine, `refusal` says why)."""
+            return bool(config.causal)
+
         def scores(self, heads, config, queries, keys, layer, key_mask=None):
             """`(q / sqrt(head_dim)) @ k^T` (the queries divided, as XLM computes it), the entries of padded keys
             filled with the dtype's minimum."""
