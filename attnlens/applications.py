@@ -40,7 +40,7 @@ from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .access import access_of
-from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy
+from .envoys import ABSENT, SUBLAYERS, AttentionEnvoy, LayerEnvoy, MLPEnvoy
 from .errors import OrderError, Unavailable
 from .locations import mediator
 
@@ -196,7 +196,14 @@ class AppliedEnvoy:
         made = self.__dict__["_made"]
         if name in made:
             return made[name]
-        found = getattr(self.__dict__["_real"], name)
+        try:
+            found = getattr(self.__dict__["_real"], name)
+        except AttributeError:
+            if name in SUBLAYERS and isinstance(self, LayerEnvoy):  # no such module: its values say why, as a block's
+                made[name] = ABSENT[name](self, name)
+                made[name].application = self._call.index  # `Access.layer_of` reads it
+                return made[name]
+            raise
         if not isinstance(found, Envoy):
             return positioned(found, self._call)
         role = self._roles.get(name, Envoy)

@@ -48,6 +48,8 @@ def test_each_block_gathers_the_models_own_modules_and_leaves_the_model_as_it_wa
         assert block.layer_norm2 is inner.transformer.layer_norm2[i]
     with pytest.raises(attnlens.Unavailable, match="no input or output of its own"):
         model.layers[0].output  # noqa: B018
+    with pytest.raises(attnlens.Unavailable, match="no cross-attention"), model.trace(PROMPT):
+        model.layers[1].cross_attn.attention_queries.save()  # a sublayer the block lacks says why, as a module's
     # each read lands on its own block's modules: block 1's input is block 0's output, not block 0's input
     inputs, outputs, read = [], [], []  # (a name bound in a trace body does not outlive it; a list from outside does)
     hooks = [

@@ -25,6 +25,8 @@ XLM's causal configuration (`config.causal`, its CLM checkpoints) is not served.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..family import Family, Joined, Tiny
@@ -59,7 +61,7 @@ class XLM(Family):
     vllm = encoder_on_vllm("XLM")
     # no tiny recipe: XLMWithLMHeadModel is transformers' causal LM for the type, so the suites that build every
     # causal-LM type build it causal (refused); FlauBERT's recipe, the same code, runs the encoder suites
-    tiny = None
+    tiny: ClassVar[Tiny | None] = None
     layers = "transformer.attentions"  # each block's first module; `gathered` lists the block's modules
     embed_tokens = "transformer.embeddings"
     final_norm = None
@@ -115,10 +117,11 @@ class XLM(Family):
         return CAUSAL.format(name=self.name) if config.causal else None
 
     def unavailable(self, config, layer, engine="transformers"):
+        reasons = super().unavailable(config, layer, engine)
         refused = self.refusal(config)
-        if refused is not None:
-            return {value.name: refused for value in ALL_VALUES}
-        return super().unavailable(config, layer, engine)
+        if refused is not None:  # every value the family would serve, refused; the others keep their reasons
+            return {value.name: reasons.get(value.name, refused) for value in ALL_VALUES}
+        return reasons
 
     class ScoreFunction(scoring.ScoreFunction):
         def causal(self, config):
