@@ -18,6 +18,14 @@ which is within the call. Pinning every request to `call` would not do: an opera
 softmax inside the eager attention function) is instrumented in a run only from the call on which it was first asked
 for, so its occurrences do not count M's calls. A read asked after M's output has passed that call is refused
 (`OrderError`), before nnsight is asked or, where nnsight bound it to a later call, after.
+
+Blocks that are no modules (XLM's and FlauBERT's: the model keeps each block's sublayers in parallel lists,
+`attentions[i]`, `layer_norm1[i]`, `ffns[i]`, `layer_norm2[i]`, and runs them in its own loop) are served the same
+way. Such a family says so with a method `gathered(self, config)`: for each block, its modules by the names the
+family's paths use (`{"self_attn": "transformer.attentions.0", ...}`). Block i is then a `GatheredBlock`, a module
+that holds those modules and is no part of the model (nothing calls it; the model's own tree and state dict are
+untouched), wrapped in an envoy whose children are nnsight's envoys of the real modules; each of them runs once per
+forward, so a request needs no binding (`Once`).
 """
 
 from __future__ import annotations
@@ -27,12 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from .access import access_of
-from .envoys import AttentionEnvoy, LayerEnvoy, MLPEnvoy
-from .errors import OrderError
+from .envoys import ABSENT, SUBLAYERS, AttentionEnvoy, LayerEnvoy, MLPEnvoy
+from .errors import OrderError, Unavailable
 from .locations import mediator
 
 #: nnsight's handoffs on an envoy or an operation: what a read or write of them asks the running forward for.
@@ -77,6 +86,59 @@ class Call:
             f"read after the forward had run past it; read each application's values in forward order "
             f"(model.order(layer) gives it, and layers[i] runs before layers[i + 1])"
         )
+
+
+@dataclass(frozen=True)
+class Once:
+    """Block `index` whose modules each run once per forward (a `GatheredBlock`'s): requests need no binding."""
+
+    index: int
+    block: Envoy
+    call = 0
+
+    def within(self, action: Callable[[], Any]) -> Any:
+        return action()
+
+
+class GatheredBlock(torch.nn.Module):
+    """One block of a model that keeps its blocks' sublayers in parallel lists (XLM's): those modules under the names
+    the family's paths use. No part of the model: the model's forward runs the modules, never this."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]):
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a GatheredBlock is no module of the model: the model runs its sublayers from parallel lists itself"
+        )
+
+
+class GatheredEnvoy(Envoy):
+    """The envoy of a `GatheredBlock`: nnsight's envoys of its modules as its children. The model never runs it, so
+    it has no input or output of its own to read or set."""
+
+    def _never_runs(self, *_: Any) -> Any:
+        raise Unavailable(
+            f"{self.path} is a block the model keeps as parallel lists of modules ({', '.join(self._module._modules)}"
+            f"), never run as one module: it has no input or output of its own; read its standardized values "
+            f"(layer_input, layer_output) or its modules' own (.self_attn.output)"
+        )
+
+    output = input = inputs = property(_never_runs, _never_runs)
+
+
+def gathered_blocks(root: torch.nn.Module, family: Any) -> list[GatheredBlock] | None:
+    """The blocks of `root` (the wrapped model) as its family gathers them from parallel lists (`gathered`), or None
+    where its blocks are modules of their own."""
+    declared = getattr(family, "gathered", None)  # a method of the families whose blocks are no modules
+    if declared is None:
+        return None
+    return [
+        GatheredBlock({name: root.get_submodule(path) for name, path in block.items()})
+        for block in declared(root.config)
+    ]
 
 
 class Positioned:
@@ -134,7 +196,14 @@ class AppliedEnvoy:
         made = self.__dict__["_made"]
         if name in made:
             return made[name]
-        found = getattr(self.__dict__["_real"], name)
+        try:
+            found = getattr(self.__dict__["_real"], name)
+        except AttributeError:
+            if name in SUBLAYERS and isinstance(self, LayerEnvoy):  # no such module: its values say why, as a block's
+                made[name] = ABSENT[name](self, name)
+                made[name].application = self._call.index  # `Access.layer_of` reads it
+                return made[name]
+            raise
         if not isinstance(found, Envoy):
             return positioned(found, self._call)
         role = self._roles.get(name, Envoy)
@@ -150,6 +219,8 @@ class AppliedEnvoy:
         return iter([getattr(self, name) for name in self._real._child_map])
 
     def __repr__(self) -> str:
+        if isinstance(self._call, Once):
+            return f"<block {self._call.index}, gathered: {self._real.path}>"
         return f"<application {self._call.index}: call {self._call.call} of {self._real.path}>"
 
     @property
@@ -194,16 +265,9 @@ class Applications:
     """`model.layers` where the blocks run several times per forward: application i of its block's module, as the
     family's `applications(config)` lists them. Indexing checks the range (negative indices count from the end)."""
 
-    def __init__(self, model: Envoy, paths: tuple[str, ...], roles: dict[str, type]):
+    def __init__(self, model: Envoy, calls: list[Call | Once], roles: dict[str, type]):
         self.interleaver, self.path = model.interleaver, f"{model.path}.layers"
-        seen: dict[str, int] = {}
-        self.calls = []
-        for index, path in enumerate(paths):
-            block = model
-            for part in path.split("."):  # (getattr: the renamed list's own indexing asks for the access, not yet made)
-                block = getattr(block, part)
-            self.calls.append(Call(index, block, seen.get(path, 0)))
-            seen[path] = seen.get(path, 0) + 1
+        self.calls = calls
         self._roles = roles
         self._made: dict[int, AppliedEnvoy] = {}
 
@@ -227,18 +291,40 @@ class Applications:
         return f"<{len(self)} applications of {', '.join(where)}>"
 
 
+def calls(model, paths: tuple[str, ...]) -> list[Call | Once]:
+    """Application i of the block at `paths[i]` (a path from `model`, the engine's envoy of the wrapped model): the
+    how-many-th call of that module it is."""
+    seen: dict[str, int] = {}
+    found: list[Call | Once] = []
+    for index, path in enumerate(paths):
+        block = model
+        for part in path.split("."):  # (getattr: the renamed list's own indexing asks for the access, not yet made)
+            block = getattr(block, part)
+        found.append(Call(index, block, seen.get(path, 0)))
+        seen[path] = seen.get(path, 0) + 1
+    return found
+
+
 def mount(model) -> Applications | None:
-    """Where `model`'s family runs its blocks several times per forward: `model.layers` as their applications
-    (returned); else None, and nothing changes."""
-    declared = getattr(model.family, "applications", None)  # a method of the families that run blocks repeatedly
-    paths = None if declared is None else declared(model.config)
-    if paths is None:
-        return None
+    """Where `model`'s family runs its blocks several times per forward, or keeps them in parallel lists:
+    `model.layers` as their applications, or as the gathered blocks (returned); else None, and nothing changes."""
     family = model.family
+    declared = getattr(family, "applications", None)  # a method of the families that run blocks repeatedly
+    paths = None if declared is None else declared(model.config)
+    gathered = gathered_blocks(model._module, family)
+    if paths is not None:
+        found = calls(model, tuple(paths))
+    elif gathered is not None:  # an envoy of each; its modules' envoys are the model's own (nnsight aliases them)
+        found = [
+            Once(index, GatheredEnvoy(block, path=f"{model.path}.layers.{index}", interleaver=model.interleaver))
+            for index, block in enumerate(gathered)
+        ]
+    else:
+        return None
     roles = {
         **dict.fromkeys(("self_attn", family.attention), AttentionEnvoy),
         **dict.fromkeys(("mlp", family.mlp), MLPEnvoy),
     }
-    found = Applications(model, tuple(paths), roles)
-    object.__setattr__(model, "layers", found)
-    return found
+    applications = Applications(model, found, roles)
+    object.__setattr__(model, "layers", applications)
+    return applications

@@ -562,6 +562,16 @@ class UnknownLayout(Family):
         pass
 
 
+class RefusedEncoder:
+    """An encoder attnlens knows and does not serve: its `model_types`, and why (`refused`: what its blocks do that no
+    family here reproduces). `StandardizedEncoder` loads such a model as one without a family, its kind said with the
+    reason: the block inputs and outputs where the model's structure shows a list of blocks, every other value raising
+    `Unavailable` with it (and, with no list of blocks to find, refuses it at load with it)."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    refused: ClassVar[str] = ""
+
+
 class EncoderDecoder:
     """The family of an encoder-decoder: a `Family` for each stack, with its paths from that stack's module, and where
     each stack's module is in the model (`stacks`, nnsight paths from the head model). The decoder's family names the

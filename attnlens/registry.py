@@ -12,7 +12,7 @@ import inspect
 import pkgutil
 
 from .errors import UnknownFamily
-from .family import EncoderDecoder, Family
+from .family import EncoderDecoder, Family, RefusedEncoder
 
 _BUILT_IN: dict[str, type[Family]] = {}
 _REGISTERED: dict[str, type[Family]] = {}
@@ -20,6 +20,8 @@ _REGISTERED: dict[str, type[Family]] = {}
 _ENCODER_DECODERS: dict[str, type[EncoderDecoder]] = {}
 #: The encoder-decoders attnlens knows and does not serve (an `EncoderDecoder` with `refused`), and why.
 _REFUSED_ENCODER_DECODERS: dict[str, str] = {}
+#: The encoders attnlens knows and does not serve (a `RefusedEncoder`), and why.
+_REFUSED_ENCODERS: dict[str, str] = {}
 
 
 def register(family: type[Family]) -> type[Family]:
@@ -46,6 +48,8 @@ def _built_in() -> dict[str, type[Family]]:
                     _REFUSED_ENCODER_DECODERS.update(dict.fromkeys(found.model_types, found.refused))
                 elif issubclass(found, EncoderDecoder):
                     _ENCODER_DECODERS.update(dict.fromkeys(found.model_types, found))
+                elif issubclass(found, RefusedEncoder):
+                    _REFUSED_ENCODERS.update(dict.fromkeys(found.model_types, found.refused))
     return _BUILT_IN
 
 
@@ -59,6 +63,12 @@ def refused_encoder_decoders() -> dict[str, str]:
     """Every encoder-decoder model type attnlens knows and does not serve, and why."""
     _built_in()
     return dict(_REFUSED_ENCODER_DECODERS)
+
+
+def refused_encoders() -> dict[str, str]:
+    """Every encoder model type attnlens knows and does not serve (`RefusedEncoder`), and why."""
+    _built_in()
+    return dict(_REFUSED_ENCODERS)
 
 
 def registered() -> dict[str, type[Family]]:

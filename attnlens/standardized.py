@@ -22,7 +22,7 @@ from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
 from .parts.multimodal import Positions, prompt_positions
-from .registry import family_for, resolve_family
+from .registry import family_for, refused_encoders, resolve_family
 from .support import Support
 
 
@@ -424,6 +424,9 @@ class StandardizedEncoder(StandardizedTransformer):
             tokenizer = checkpoint_tokenizer(model, tokenizer, kwargs)
             model = _loaded(model, kwargs, ENCODER_HEADS[head])
         super().__init__(model, tokenizer=tokenizer, **kwargs)
+        # nnsight left-pads a model that can generate (XLM's masked LM can); an encoder pads on the right
+        if self.tokenizer is not None and self._is_causal():
+            self.tokenizer.padding_side = "right"
         # an encoder runs once over its whole input: nothing is cached or generated
         self.access.without.update(dict.fromkeys(CACHE_NAMES, NO_CACHE))
 
@@ -433,4 +436,13 @@ class StandardizedEncoder(StandardizedTransformer):
     def _unknown_family(model: torch.nn.Module, model_type: str) -> Family:
         """An encoder's family is written by hand: attnlens infers the common layout of causal decoders only."""
         refusal = "attnlens infers the common layout of causal decoders only; an encoder's family is written by hand"
-        return _unknown_layout(model, model_type, refusal, "an encoder")
+        why = refused_encoders().get(model_type)  # an encoder attnlens knows and does not serve, and why
+        try:
+            family = _unknown_layout(model, model_type, refusal, f"an encoder: {why}" if why else "an encoder")
+        except UnknownFamily as error:  # no list of blocks to serve even their inputs and outputs
+            if why is None:
+                raise
+            raise UnknownFamily(f"{error}: {why}") from None
+        if why is not None:  # a list found in such a model is not its blocks in order: their values are refused too
+            family.blocks_not_once = why
+        return family

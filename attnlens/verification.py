@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from nnsight.intervention.envoy import Envoy
 
+from .applications import GatheredBlock, gathered_blocks
 from .checks import Checks, batch_and_length, failures, read_everything
 from .errors import AttnlensError, Miswired
 from .family import MODULE_PATHS, token_embeddings
@@ -117,8 +118,12 @@ def _module_of(location: Location) -> str | None:
     return getattr(location, "module", None)
 
 
-def blocks(root: torch.nn.Module, family) -> torch.nn.Module:
-    """The family's list of blocks in `root`, or `Miswired` saying what `layers` names instead."""
+def blocks(root: torch.nn.Module, family) -> torch.nn.ModuleList | torch.nn.Sequential | list[GatheredBlock]:
+    """The family's list of blocks in `root` (where its blocks are parallel lists of modules, XLM's, the gathered
+    blocks: `applications.gathered_blocks`), or `Miswired` saying what `layers` names instead."""
+    gathered = gathered_blocks(root, family)
+    if gathered is not None:
+        return gathered
     found = _find(root, root, family.layers, family, f"layers = {family.layers!r}")
     if not isinstance(found, (torch.nn.ModuleList, torch.nn.Sequential)):
         lists = [f"{name} ({len(m)})" for name, m in root.named_modules() if isinstance(m, torch.nn.ModuleList)]

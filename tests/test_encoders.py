@@ -195,6 +195,7 @@ def test_every_masked_lm_type_is_served_equal_to_transformers_or_refused_with_it
         model = attnlens.StandardizedEncoder(inner, tokenizer=tokenizer)
     reason = model.support(0)["self_attn.attention_probabilities"]
     assert "an encoder" in reason and "docs/extending.md" in reason
+    assert attnlens.registry.refused_encoders().get(model_type, "") in reason  # why, where attnlens knows it
     with pytest.raises(attnlens.Unavailable) as unavailable, torch.no_grad(), model.trace(PROMPT):
         model.layers[0].self_attn.attention_probabilities.save()
     assert str(unavailable.value).endswith(reason)
@@ -208,3 +209,24 @@ def test_every_masked_lm_type_is_served_equal_to_transformers_or_refused_with_it
         finally:
             hook.remove()
         assert torch.equal(outputs[0], returned[0] if torch.is_tensor(returned[0]) else returned[0][0])
+
+
+def test_an_encoder_attnlens_knows_and_does_not_serve_says_why_on_every_value_or_at_load():
+    """Funnel (`families/funnel.py`, a `RefusedEncoder`): the tiny model (whose decoder's layers are as many as the
+    config's num_hidden_layers) loads with the reason on every value of its blocks, their inputs and outputs too (the
+    list found is the decoder's, not the model's blocks in order), its embeddings and logits served; the released
+    layout (no list as long as num_hidden_layers) is refused at load with the reason."""
+    why = attnlens.registry.refused_encoders()["funnel"]
+    tokenizer = attnlens.models.char_tokenizer()
+    with pytest.warns(attnlens.UnknownFamilyWarning, match="pools the queries"):
+        model = attnlens.StandardizedEncoder(masked_lm("funnel"), tokenizer=tokenizer)
+    report = model.support(0)
+    assert report["layer_input"] == why and report["layer_output"] == why
+    assert why in report["self_attn.attention_scores"] and why in report["mlp.mlp_output"]
+    assert report["embeddings"] is None and report["logits"] is None
+    with pytest.raises(attnlens.Unavailable, match="pools the queries"), torch.no_grad(), model.trace(PROMPT):
+        model.layers[0].layer_output.save()
+    sizes = {k: v for k, v in SIZES.items() if k != "num_hidden_layers"}  # block_sizes gives it
+    released = transformers.FunnelConfig(**sizes, block_sizes=[2, 2], pad_token_id=0)
+    with pytest.raises(attnlens.UnknownFamily, match="pools the queries"), pytest.warns(attnlens.UnknownFamilyWarning):
+        attnlens.StandardizedEncoder(transformers.FunnelForMaskedLM(released).eval(), tokenizer=tokenizer)

@@ -115,9 +115,6 @@ class BertCrossAttention(CrossAttending):
     kind_reasons: dict[str, dict[str, Note]] = {
         "*": {
             "cross_attention_norm_output": POST_NORM.format(what="the cross-attention reads the stream itself"),
-            "attention_cache_visible": "BertLayer passes the attention mask to its attention positionally, not as "
-            "the attention_mask keyword through which attnlens masks a removed position; edit the cached keys and "
-            "values",
         }
     }
     kind_notes: dict[str, dict[str, Note]] = {

@@ -19,6 +19,7 @@ paged cache, read and written through the request's block table by the worker (`
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,16 +282,17 @@ class _Transformers:
             hide = check_visible(current, new, self.layer)
             if not bool(hide.any()):
                 return
-            if "attention_mask" not in self.kwargs:
+            slot = mask_slot(self.module, self.args, self.kwargs)
+            if slot is None:
                 raise EditError(
-                    f"{describe(NAMES[2], self.layer)}: {type(self.module).__name__} takes no attention_mask keyword, "
+                    f"{describe(NAMES[2], self.layer)}: {type(self.module).__name__} takes no attention_mask argument, "
                     f"through which attnlens masks a removed position. Nothing was written."
                 )
             self.entry.attnlens_removed = hide | self.removed()
             self.module._attnlens_layer = self.layer
             _watch(self.module)
-            mask = masked(self.module, self.kwargs, self.args)
-            self.envoy.inputs = (self.args, {**self.kwargs, "attention_mask": mask})
+            mask = masked(self.module, self.kwargs, self.args, slot)
+            self.envoy.inputs = with_mask(self.args, self.kwargs, slot, mask)
             return
         check_window(current, new, self.start, NAMES[which], self.layer)
         if not self.seen:
@@ -326,6 +328,27 @@ def check_visible(current: torch.Tensor, new: torch.Tensor, layer: int) -> torch
     return current & ~new
 
 
+def mask_slot(module: torch.nn.Module, args: tuple, kwargs: dict) -> int | str | None:
+    """Where this call of `module` holds its `attention_mask`: its keyword, or its position where the block passes it
+    so (BERT's blocks: `self.attention(hidden_states, attention_mask, ...)`); None where the attention takes no
+    such argument, so that no mask attnlens gives it would reach the scores."""
+    if "attention_mask" in kwargs:
+        return "attention_mask"
+    # the class's own function, unwrapped (transformers' decorators take *args, **kwargs), less `self`
+    parameters = list(inspect.signature(inspect.unwrap(type(module).forward)).parameters)[1:]
+    if "attention_mask" not in parameters:
+        return None
+    at = parameters.index("attention_mask")
+    return at if at < len(args) else "attention_mask"
+
+
+def with_mask(args: tuple, kwargs: dict, slot: int | str, mask: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with `mask` in the mask's `slot` (`mask_slot`)."""
+    if isinstance(slot, int):
+        return (*args[:slot], mask, *args[slot + 1 :]), kwargs
+    return args, {**kwargs, slot: mask}
+
+
 def _watch(module: torch.nn.Module) -> None:
     """Mask the removed positions in every later call of `module` too (a forward pre-hook, added once)."""
     if module.__dict__.get("_attnlens_hides"):
@@ -335,12 +358,15 @@ def _watch(module: torch.nn.Module) -> None:
     def hide(module, args, kwargs):
         if getattr(cache_entry(module, args, kwargs, module._attnlens_layer), "attnlens_removed", None) is None:
             return None
-        return args, {**kwargs, "attention_mask": masked(module, kwargs, args)}
+        slot = mask_slot(module, args, kwargs)
+        if slot is None:  # (not reached: the write that removed a position checked the same call)
+            return None
+        return with_mask(args, kwargs, slot, masked(module, kwargs, args, slot))
 
     module.register_forward_pre_hook(hide, with_kwargs=True)
 
 
-def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Tensor:
+def masked(module: torch.nn.Module, kwargs: dict, args: tuple = (), slot: int | str = "attention_mask") -> torch.Tensor:
     """The attention mask of this call with the removed positions masked: columns of the cache's removed positions
     hold the dtype's minimum (eager's additive mask) or False (sdpa's boolean one); a call without a mask (sdpa's
     causal shortcut) gets the causal mask built first."""
@@ -350,7 +376,7 @@ def masked(module: torch.nn.Module, kwargs: dict, args: tuple = ()) -> torch.Ten
     batch, queries = hidden.shape[:2]
     seen = entry.get_seq_length() if entry.is_initialized and entry.keys is not None else 0
     held = entry.keys.shape[-2] if seen else 0
-    mask = kwargs.get("attention_mask")
+    mask = args[slot] if isinstance(slot, int) else kwargs.get(slot)
     keys = held + queries if mask is None else mask.shape[-1]
     first = seen + queries - keys  # the position of the mask's first key column
     if mask is None:
