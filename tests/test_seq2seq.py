@@ -464,8 +464,6 @@ def test_the_decoders_kv_cache_is_what_earlier_steps_received_and_an_edit_lands_
     masked_otherwise = {
         **dict.fromkeys(("t5", "mt5", "umt5", "switch_transformers", "pop2piano"), "position_bias"),
         "fsmt": "attn_mask",
-        # BERT's block passes its mask positionally
-        **dict.fromkeys(("encoder-decoder", "encoder-decoder:roberta"), "positionally"),
     }
     if model_type in masked_otherwise:
         assert masked_otherwise[model_type] in reason
