@@ -15,9 +15,10 @@ LAYER = 1
 POSITION = 3
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2", "bert"])
 def model(request):
-    """Llama, Qwen3 (grouped heads, QK-norm) and Gemma 2 (layer 0 slides over 4 keys; soft-capped scores)."""
+    """Llama, Qwen3 (grouped heads, QK-norm), Gemma 2 (layer 0 slides over 4 keys; soft-capped scores) and BERT's
+    causal LM (its block passes the attention mask to the attention by position)."""
     return attnlens.models.tiny(request.param)
 
 
