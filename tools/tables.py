@@ -189,7 +189,9 @@ def encoder_decoder_page(family: type[EncoderDecoder], model_types: list[str]) -
     for stack, access in model.stacks.items():
         for layer in range(access.num_layers):
             columns.setdefault((stack, _cells(access.support(layer), ALL_VALUES)), []).append(layer)
-    stacks = [f"{stack}: {inspect.getdoc(getattr(family, stack)) or ''}".replace("\n", " ") for stack in model.stacks]
+    stacks = [
+        f"{stack}: {inspect.getdoc(type(model.family.stack(stack))) or ''}".replace("\n", " ") for stack in model.stacks
+    ]
     lines = [
         f"# {family.__name__}",
         "",
