@@ -2,24 +2,11 @@
 top-1 router recomputed by hand and a re-routed token's output moving the logits as a hook on plain transformers
 predicts; Pop2Piano's encoder reading its features (a composer's embedding first, under generate)."""
 
-import warnings
-
 import pytest
 import torch
+from test_seq2seq import SOURCE, TARGET, tiny
 
 import attnlens
-
-SOURCE = torch.tensor([[5, 6, 7, 8, 9, 10]])
-TARGET = torch.tensor([[2, 11, 12, 13]])
-_models: dict = {}
-
-
-def tiny(model_type: str) -> attnlens.StandardizedSeq2Seq:
-    if model_type not in _models:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _models[model_type] = attnlens.models.tiny_seq2seq(model_type)
-    return _models[model_type]
 
 
 def routed(sparse, x: torch.Tensor, rank: int = 0) -> torch.Tensor:

@@ -147,16 +147,18 @@ def _vllm(family: type[Family], model_types: list[str]) -> str:
     return line
 
 
+def _page_head(family: type[Family] | type[EncoderDecoder], model_types: list[str]) -> list[str]:
+    """A family page's title, docstring and model types."""
+    types = ", ".join(f"`{t}`" for t in model_types)
+    return [f"# {family.__name__}", "", _docstring(family), "", f"- Model types: {types}"]
+
+
 def family_page(family: type[Family], model_types: list[str]) -> tuple[str, dict[str, int]]:
     """`family`'s page, and how many values its default layout serves per engine."""
     notes = Notes()
     layouts = ["", *(family.tiny.layouts if family.tiny else ())]
     lines = [
-        f"# {family.__name__}",
-        "",
-        _docstring(family),
-        "",
-        "- Model types: " + ", ".join(f"`{t}`" for t in model_types),
+        *_page_head(family, model_types),
         "- Layouts tested: " + ", ".join(layout or "default" for layout in layouts),
         f"- vLLM: {_vllm(family, model_types)}",
         "",
@@ -193,11 +195,7 @@ def encoder_decoder_page(family: type[EncoderDecoder], model_types: list[str]) -
         f"{stack}: {inspect.getdoc(type(model.family.stack(stack))) or ''}".replace("\n", " ") for stack in model.stacks
     ]
     lines = [
-        f"# {family.__name__}",
-        "",
-        _docstring(family),
-        "",
-        "- Model types: " + ", ".join(f"`{t}`" for t in model_types),
+        *_page_head(family, model_types),
         *(f"- {line}" for line in stacks),
         "- vLLM: refused ([encoders and encoder-decoders](../encoders.md) says why)",
         "",

@@ -140,9 +140,7 @@ class BartDecoder(BartEncoder):
     def locations(self):
         return with_cross_attention(self, super().locations(), ModuleInput(self.cross_attention))
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return True
+    ScoreFunction = scoring.Causal
 
     kind_reasons = {
         "*": {
@@ -206,9 +204,7 @@ class PreNormDecoder(PreNormEncoder):
             ModuleOutput(self.cross_attention_norm),
         )
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return True
+    ScoreFunction = scoring.Causal
 
     kind_reasons = {"*": DECODER_CACHE}
     kind_notes = {

@@ -41,7 +41,7 @@ from ..parts.moe import SparseMoE, moe_absent
 from ..parts.notes import Joined, Note
 from ..parts.sizes import Sizes
 from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder
-from .bert_inline import BLOCK_SPARSE, SPARSE_VALUES
+from .bert_inline import BlockSparse
 from .xglm import folded
 
 # --- MVP ---------------------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _last_two_swapped_back(envoy, old, new):
     return new.transpose(-1, -2)
 
 
-class BigBirdPegasusEncoder(PreNormEncoder):
+class BigBirdPegasusEncoder(BlockSparse, PreNormEncoder):
     """BigBirdPegasus's encoder: pre-norm blocks whose attention is BERT's inline self-attention (`self_attn.self`)
     and its output projection (`self_attn.output`), in `original_full`; `block_sparse` attention is refused."""
 
@@ -199,16 +199,6 @@ class BigBirdPegasusEncoder(PreNormEncoder):
             "attention_output": ModuleOutput("", 0),
         }
 
-    def layer_kind(self, config, layer):
-        return frozenset({"block_sparse"}) if getattr(config, "attention_type", None) == "block_sparse" else frozenset()
-
-    def kind_locations(self, kind, config, engine):
-        found = super().kind_locations(kind, config, engine)
-        if "block_sparse" in kind:
-            found = {name: where for name, where in found.items() if name not in SPARSE_VALUES}
-        return found
-
-    kind_reasons = {"block_sparse": dict.fromkeys(SPARSE_VALUES, BLOCK_SPARSE)}
     kind_notes = {
         "*": {
             "attention_scores": "(queries @ keys^T) / sqrt(head_dim), plus the mask where the model built one "

@@ -181,7 +181,24 @@ SPARSE_VALUES = (
 )
 
 
+class BlockSparse:
+    """A family mixin for BigBird's attention (BigBird, BigBird-Pegasus's encoder): served where `config.attention_type`
+    is `original_full`, its own values refused with `BLOCK_SPARSE` where it is `block_sparse`."""
+
+    def layer_kind(self, config, layer):
+        return frozenset({"block_sparse"}) if getattr(config, "attention_type", None) == "block_sparse" else frozenset()
+
+    def kind_locations(self, kind, config, engine):
+        found = super().kind_locations(kind, config, engine)  # type: ignore[misc]
+        if "block_sparse" in kind:
+            found = {name: where for name, where in found.items() if name not in SPARSE_VALUES}
+        return found
+
+    kind_reasons = {"block_sparse": dict.fromkeys(SPARSE_VALUES, BLOCK_SPARSE)}
+
+
 class BigBird(
+    BlockSparse,
     inline_bert(
         "BigBird",
         "big_bird",
@@ -191,7 +208,7 @@ class BigBird(
         "BigBird",
         block_tuple=False,
         tiny=Tiny("BigBirdConfig", "BigBirdForCausalLM", {**Bert.tiny.kwargs, "attention_type": "original_full"}),
-    )
+    ),
 ):
     """BigBird: BERT's blocks; its `original_full` attention served, computed inline; `block_sparse` refused."""
 
@@ -201,16 +218,6 @@ class BigBird(
         "engine serves the family"
     )
 
-    def layer_kind(self, config, layer):
-        return frozenset({"block_sparse"}) if getattr(config, "attention_type", None) == "block_sparse" else frozenset()
-
-    def kind_locations(self, kind, config, engine):
-        found = super().kind_locations(kind, config, engine)
-        if "block_sparse" in kind:
-            found = {name: where for name, where in found.items() if name not in SPARSE_VALUES}
-        return found
-
-    kind_reasons = {"block_sparse": dict.fromkeys(SPARSE_VALUES, BLOCK_SPARSE)}
     kind_notes = {
         "*": {
             "attention_probabilities": lambda family, config, layer: (

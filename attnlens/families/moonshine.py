@@ -111,9 +111,7 @@ class MoonshineDecoder(MoonshineEncoder):
         norm = self.cross_attention_norm
         return with_cross_attention(self, super().locations(), ModuleInput(norm), ModuleOutput(norm))
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return True
+    ScoreFunction = scoring.Causal
 
     class Identities(identities.Identities):
         def mlp_arithmetic(self, mlp):

@@ -140,9 +140,7 @@ class T5Decoder(T5Encoder):
     def locations(self):
         return {**super().locations(), "logits": OutputField("logits")}  # read on the model: the head's output
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return True
+    ScoreFunction = scoring.Causal
 
     kind_reasons = {
         "*": {

@@ -130,10 +130,7 @@ class T5GemmaDecoder(T5GemmaEncoder):
             ModuleOutput(self.cross_attention_norm),
         )
 
-    class ScoreFunction(scoring.ScoreFunction):
-        def causal(self, config):
-            return True
-
+    class ScoreFunction(scoring.Causal):
         def cross_scores(self, heads, config, queries, keys, layer, key_mask=None):
             """The cross-attention's scores soft-capped as its eager function caps them, before the source's mask."""
             scores = self.products(queries, keys).mul_(heads.scale)

@@ -219,3 +219,12 @@ class Bidirectional(ScoreFunction):
 
     def causal(self, config) -> bool:
         return False
+
+
+class Causal(ScoreFunction):
+    """A decoder's, where its family derives from an encoder's (`Bidirectional`): each query sees the keys up to its
+    own position. (Stated as a class of its own: `ScoreFunction` itself, a base of `Bidirectional`, would give way to
+    it when a family's parts are composed.)"""
+
+    def causal(self, config) -> bool:
+        return True
