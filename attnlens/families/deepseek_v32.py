@@ -16,6 +16,7 @@ latent-attention path reads (`attnlens/vllm/mla.py`).
 
 from dataclasses import replace
 
+from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import scoring
 from .deepseek_v3 import DeepseekV3
 
@@ -31,6 +32,13 @@ DSA_REFUSAL = (
 #: The indexer's sizes in every tiny recipe: two small heads; the default `index_topk` (2048) chooses every key of
 #: the test prompt, so the identities hold on the causal mask (tests/families/test_flagships.py makes it bind).
 INDEXER_TINY = {"index_n_heads": 2, "index_head_dim": 16}
+
+
+INDEXED_CACHE = (
+    "an indexed layer's cache is a cache layer for sparse attention (transformers' DynamicIndexedLayer, or the "
+    "model's own: MiniMax M3's MiniMaxM3VLSparseCacheLayer), holding beside the keys and values the indexer's own "
+    "keys, by which it chooses the keys each query sees; attnlens does not read or edit it yet"
+)
 
 
 class Indexed:
@@ -55,6 +63,13 @@ class Indexed:
     def indexed(self, config, layer: int) -> bool:
         """Whether `layer`'s attention is made sparse by an indexer (every layer unless the layer types say)."""
         return True
+
+    def unavailable(self, config, layer, engine="transformers"):
+        reasons = super().unavailable(config, layer, engine)  # type: ignore[misc]
+        if engine == "transformers" and self.indexed(config, layer):
+            for name in CACHE_VALUES:  # (latent attention says its own reason first)
+                reasons.setdefault(name, INDEXED_CACHE)
+        return reasons
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)

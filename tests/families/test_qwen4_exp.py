@@ -124,3 +124,16 @@ def test_qwen4_exp_composite_serves_its_language_model_as_the_text_model():
     a = trace(text, lambda m: {"p": m.layers[1].self_attn.attention_probabilities, "l": m.logits})
     b = trace(composite, lambda m: {"p": m.layers[1].self_attn.attention_probabilities, "l": m.logits})
     assert torch.allclose(a["p"], b["p"], atol=1e-6) and torch.allclose(a["l"], b["l"], atol=1e-5)
+
+
+def test_qwen4_exp_an_indexed_layers_cache_is_refused_with_its_reason_where_the_read_would_be():
+    """Its indexed layers' cache is transformers' DynamicIndexedLayer: support() says so, and a read under generate
+    raises that reason (before this, support() said served and the read raised from the cache's code)."""
+    model = tiny("qwen4_exp_text")
+    indexed = next(layer for layer in range(model.num_layers) if model.family.indexed(model.config, layer))
+    reason = model.support(indexed)["self_attn.attention_cache_keys"]
+    assert reason and "DynamicIndexedLayer" in reason
+    with pytest.raises(attnlens.Unavailable, match="DynamicIndexedLayer"):
+        with torch.no_grad(), model.generate(PROMPT, max_new_tokens=2, do_sample=False, pad_token_id=0) as tracer:
+            for _ in tracer.iter[1:2]:
+                model.layers[indexed].self_attn.attention_cache_keys.save()
