@@ -26,6 +26,23 @@ from ..parts.sizes import Sizes, same_as
 POST_NORM = "BART normalises after each residual add, not before a sublayer: {what}"
 
 
+def interface_attention_locations(family: Family, prefix: str = "") -> dict:
+    """The values of an attention that calls the shared attention interface (`self_attn`, or with `prefix="cross_"`
+    `cross_attn`): the call's arguments and result, the softmax's argument, the pattern the family's eager function
+    forms, the output projection's input and the module's output."""
+    probabilities, anchor = family.eager.probabilities
+    return {
+        f"{prefix}attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
+        f"{prefix}attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
+        f"{prefix}attention_values": Operation((INTERFACE_CALL,), "arg", 3),
+        f"{prefix}attention_scores": softmax_argument(INTERFACE_CALL),
+        f"{prefix}attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=anchor),
+        f"{prefix}attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
+        f"{prefix}attention_premix": ModuleInput(family.output_projection),
+        f"{prefix}attention_output": ModuleOutput("", 0),
+    }
+
+
 class BartEncoder(Family):
     """BART's encoder: bidirectional self-attention and an MLP the block runs itself, post-norm."""
 
@@ -57,17 +74,7 @@ class BartEncoder(Family):
     def attention_locations(self, prefix: str = "") -> dict:
         """The attention values of `self_attn` (or, with `prefix="cross_"`, of `cross_attn`): BERT's eager function
         inside `BartAttention`; an unpadded encoder batch has no mask, so the scores are the softmax's argument."""
-        probabilities, probabilities_anchor = self.eager.probabilities
-        return {
-            f"{prefix}attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
-            f"{prefix}attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
-            f"{prefix}attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            f"{prefix}attention_scores": softmax_argument(INTERFACE_CALL),
-            f"{prefix}attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=probabilities_anchor),
-            f"{prefix}attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
-            f"{prefix}attention_premix": ModuleInput(self.output_projection),
-            f"{prefix}attention_output": ModuleOutput("", 0),
-        }
+        return interface_attention_locations(self, prefix)
 
     ScoreFunction = scoring.Bidirectional
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..family import EncoderDecoder, Family, Note, Tiny
-from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation, softmax_argument
+from ..locations import ModuleInput, ModuleOutput
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..locations.cache import NO_CACHE
 from ..parts import identities, scoring
-from .bart import DECODER_CACHE, with_cross_attention
+from .bart import DECODER_CACHE, interface_attention_locations, with_cross_attention
 from .gemma2 import Gemma2
 
 #: What both stacks' values are.
@@ -49,17 +49,7 @@ class T5GemmaEncoder(Family):
         """The values of `self_attn` (or, with `prefix="cross_"`, of `cross_attn`) in Gemma 2's eager function: the
         scores as the softmax receives them (soft-capped, then masked where a mask is given: an unpadded encoder's
         full layer and the cross-attention have none)."""
-        probabilities, anchor = self.eager.probabilities
-        return {
-            f"{prefix}attention_queries": Operation((INTERFACE_CALL,), "arg", 1),
-            f"{prefix}attention_keys": Operation((INTERFACE_CALL,), "arg", 2),
-            f"{prefix}attention_values": Operation((INTERFACE_CALL,), "arg", 3),
-            f"{prefix}attention_scores": softmax_argument(INTERFACE_CALL),
-            f"{prefix}attention_probabilities": Operation((INTERFACE_CALL, probabilities), anchor=anchor),
-            f"{prefix}attention_head_outputs": Operation((INTERFACE_CALL,), "output", 0),
-            f"{prefix}attention_premix": ModuleInput(self.output_projection),
-            f"{prefix}attention_output": ModuleOutput("", 0),
-        }
+        return interface_attention_locations(self, prefix)
 
     def locations(self):
         found = super().locations()
