@@ -186,8 +186,8 @@ class StandardizedSeq2Seq(Helpful, TransformersModel):
             raise Unavailable(said) from error
         if found is None:
             raise Unavailable(
-                f"model.positions: the {self.family.name} encoder reads tokens, not audio frames; its positions are "
-                f"the source's tokens"
+                f"model.positions: the {self.family.name} encoder has no convolutions over time: each of its positions "
+                f"is one of its inputs (a token, or a frame handed over as an input embedding, as Pop2Piano's)"
             )
         return found
 

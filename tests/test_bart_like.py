@@ -283,3 +283,18 @@ def test_pegasus_xs_block_local_encoder_serves_the_sequence_stream_and_a_stagger
     torch.testing.assert_close(edited, expected, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         assert not torch.allclose(expected, inner(source, decoder_input_ids=TARGET).logits, atol=1e-4)
+
+
+def test_the_embeddings_note_of_each_pre_norm_type_says_how_its_own_positions_join():
+    """mBART, Pegasus, Blenderbot and M2M100 share one family; only mBART normalises the embedded tokens, and
+    Pegasus's and M2M100's positions are sinusoidal: each type's note says its own steps (transformers' code)."""
+    from transformers import AutoConfig
+
+    from attnlens.families.bart import PreNormEncoder
+
+    said = {
+        t: PreNormEncoder().notes(AutoConfig.for_model(t), 0)["embeddings"] for t in ("mbart", "pegasus", "m2m_100")
+    }
+    said["blenderbot"] = PreNormEncoder().notes(AutoConfig.for_model("blenderbot"), 0)["embeddings"]
+    assert [t for t, note in said.items() if "layernorm_embedding" in note] == ["mbart"]
+    assert [t for t, note in said.items() if "sinusoidal" in note] == ["pegasus", "m2m_100"]

@@ -122,3 +122,12 @@ def test_speecht5_positions_are_its_waveform_in_time():
         where = (changed - features).abs().amax(1)[0].nonzero().flatten().tolist()
         covering = positions.at((sample + 0.5) / 16000)
         assert covering == sample // 10 and covering in where and set(where) <= {covering - 1, covering}, where
+
+
+@pytest.mark.parametrize("model_type", ["t5", "pop2piano"])
+def test_positions_of_an_encoder_without_convolutions_over_time_are_refused_with_what_its_positions_are(model_type):
+    """T5 reads tokens; Pop2Piano reads feature frames as input embeddings: neither has convolutions over time to
+    place its positions in seconds, and the refusal says what a position is instead."""
+    model = tiny(model_type)
+    with pytest.raises(attnlens.Unavailable, match="no convolutions over time.*a token, or a frame handed over"):
+        model.positions(torch.zeros(1, 8, 4))

@@ -43,6 +43,27 @@ def interface_attention_locations(family: Family, prefix: str = "") -> dict:
     }
 
 
+#: How each type's stacks turn the token embedding's output (`embeddings`) into layers[0]'s input.
+EMBEDDED = {
+    "bart": "learned positions are added, then layernorm_embedding",
+    "plbart": "learned positions are added, then layernorm_embedding",
+    "mbart": "learned positions are added, then layernorm_embedding",
+    "mvp": "learned positions are added, then layernorm_embedding",
+    "blenderbot-small": "layernorm_embedding normalises it, then learned positions are added",
+    "blenderbot": "learned positions are added",
+    "marian": "multiplied by sqrt(d_model) where config.scale_embedding, then sinusoidal positions are added",
+    "pegasus": "multiplied by sqrt(d_model) where config.scale_embedding, then sinusoidal positions are added",
+    "bigbird_pegasus": "learned positions are added (its layernorm_embedding is the stack's final norm)",
+    "m2m_100": "sinusoidal positions are added",
+    "whisper": "learned positions are added",
+}
+
+
+def embedded(family, config, layer) -> str:
+    steps = EMBEDDED.get(config.model_type, "its positions are added")
+    return f"the token embedding's output; {steps}, before layers[0]"
+
+
 class BartEncoder(Family):
     """BART's encoder: bidirectional self-attention and an MLP the block runs itself, post-norm."""
 
@@ -109,8 +130,7 @@ class BartEncoder(Family):
             "mlp_norm_output": "self_attn_layer_norm(layer_mid): the MLP's input and the stream its output joins",
             "mlp_activation": "what fc2 receives: activation_fn(fc1(x)), the same tensor as mlp_neurons (no gate)",
             "layer_output": "final_layer_norm(mlp_norm_output + mlp_output): post-norm",
-            "embeddings": "the (scaled) token embedding's output; learned positions are added, then "
-            "layernorm_embedding, before layers[0]",
+            "embeddings": embedded,
         }
     }
 

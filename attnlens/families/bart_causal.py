@@ -26,7 +26,7 @@ from ..family import Family, Tiny, VLLMLayout
 from ..locations import ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..values import WITH_CROSS_ATTENTION
-from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder, WhisperDecoder
+from .bart import TINY, BartDecoder, BartEncoder, PreNormDecoder, PreNormEncoder, WhisperDecoder, embedded
 from .xglm import folded
 
 VLLM = VLLMLayout(
@@ -39,25 +39,6 @@ NEVER_RUNS = (
     "where each block skips it, so it never runs (the decoder run on an encoder's states is the encoder-decoder's: "
     "attnlens.StandardizedSeq2Seq)"
 )
-
-#: How each type's decoder turns the token embedding's output (`embeddings`) into layers[0]'s input.
-EMBEDDED = {
-    "bart": "learned positions are added, then layernorm_embedding",
-    "plbart": "learned positions are added, then layernorm_embedding",
-    "mbart": "learned positions are added, then layernorm_embedding",
-    "mvp": "learned positions are added, then layernorm_embedding",
-    "blenderbot-small": "layernorm_embedding normalises it, then learned positions are added",
-    "blenderbot": "learned positions are added",
-    "marian": "multiplied by sqrt(d_model) where config.scale_embedding, then sinusoidal positions are added",
-    "pegasus": "multiplied by sqrt(d_model) where config.scale_embedding, then sinusoidal positions are added",
-    "bigbird_pegasus": "learned positions are added (its layernorm_embedding is the stack's final norm)",
-    "whisper": "learned positions are added",
-}
-
-
-def embedded(family, config, layer) -> str:
-    steps = EMBEDDED.get(config.model_type, "its positions are added")
-    return f"the token embedding's output; {steps}, before layers[0]"
 
 
 def without_cross_attention(encoder: type[Family]) -> dict:
