@@ -18,6 +18,9 @@ from .vision import QWEN_LAYOUT, QwenVisionTower
 
 
 class Qwen3_5VisionTower(QwenVisionTower):
+    """Qwen3.5's ViT (`Qwen3_5VisionModel`): Qwen2-VL's blocks and segments, `embeddings` after the learned positions
+    are added (the first block's input), the MLP's activation `act_fn` and down projection `linear_fc2`."""
+
     activation = "act_fn"
     down_projection = "linear_fc2"
     absent = {
