@@ -3,14 +3,15 @@ mixture-of-experts MLP (routed experts plus a gated shared expert) on every laye
 
 `Qwen3_5MoeForCausalLM` on a `Qwen3_5MoeTextConfig` ("qwen3_5_moe_text"). No layer has a single activation or neuron
 tensor (see Qwen3-Next). Released checkpoints ("qwen3_5_moe", `Qwen3_5MoeForConditionalGeneration`) load as the text
-model; the composite object and vLLM's multimodal class are served by `Qwen3_5MoeMultimodal`, as Qwen3.5's are.
+model; the composite object and vLLM's multimodal class are served by `Qwen3_5MoeMultimodal`, as Qwen3.5's are, with
+images on the transformers engine (Qwen3.5's tower, layout and M-RoPE: `qwen3_5.Qwen3_5Multimodal`).
 """
 
 from dataclasses import replace
 
-from ..family import Tiny, released_tiny
-from ..parts.multimodal import LanguageModelOf, released_vllm
-from .qwen3_5 import VISION
+from ..family import Tiny
+from ..parts.multimodal import LanguageModelOf
+from .qwen3_5 import Qwen3_5Multimodal, multimodal_tiny
 from .qwen3_next import Qwen3Next
 
 
@@ -58,6 +59,12 @@ class Qwen3_5Moe(Qwen3Next):
 
 
 class Qwen3_5MoeMultimodal(LanguageModelOf, Qwen3_5Moe):
+    """Qwen3.5-MoE's composite, with images as Qwen3.5's (`qwen3_5.Qwen3_5Multimodal`: the same tower, image layout
+    and interleaved M-RoPE)."""
+
     model_types = ("qwen3_5_moe",)
-    tiny = released_tiny("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe, VISION)
-    vllm = released_vllm(Qwen3_5Moe, "qwen3_5_moe", tiny)  # vLLM's Qwen3_5MoeForConditionalGeneration
+    towers = Qwen3_5Multimodal.towers
+    images = Qwen3_5Multimodal.images
+    kind_notes = Qwen3_5Multimodal.kind_notes
+    # vLLM's Qwen3_5MoeForConditionalGeneration
+    tiny, vllm = multimodal_tiny("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", Qwen3_5Moe)
