@@ -167,3 +167,11 @@ def test_gemma3_pan_and_scan_crops_are_images_of_their_own_in_pixel_values_order
     pixels[2] += 1.0
     moved = (_embeddings(model, inputs, pixels) != before).any(-1).nonzero().flatten().tolist()
     assert moved == found.of_image(2).tolist()
+
+
+def test_llava_next_under_the_full_strategy_is_refused_with_the_reason():
+    """The "full" strategy keeps each crop's class token, which transformers' packing cannot stitch (the model
+    itself raises): positions refused by name."""
+    model = attnlens.models.tiny("llava_next", vision_feature_select_strategy="full")
+    with pytest.raises(attnlens.errors.Unavailable, match="'full' keeps each crop's class token"):
+        model.positions(torch.tensor([[1, IMAGE, 2]]), image_sizes=torch.tensor([[32, 64]]))

@@ -168,8 +168,9 @@ class LlavaNextImages(ImageTokens):
         if config.vision_feature_select_strategy != "default":
             raise Unavailable(
                 f"model.positions: LLaVA-NeXT under vision_feature_select_strategy "
-                f"{config.vision_feature_select_strategy!r} keeps each tile's class token, which its tiles' grid "
-                f"(pack_image_features) does not place; attnlens lays out the 'default' strategy only"
+                f"{config.vision_feature_select_strategy!r} keeps each crop's class token, which transformers' "
+                f"pack_image_features cannot stitch into the tiles' grid (the model raises on a tiled image); "
+                f"attnlens lays out the 'default' strategy only"
             )
         sizes = inputs.get("image_sizes")
         if sizes is None:
