@@ -39,7 +39,7 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
         if towers:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
             try:  # noqa: SIM105  (plain try in a trace body, which nnsight runs as written)
                 saved["image_of"] = model.positions(prompt, **inputs).image
-            except Unavailable:  # images not placed (LLaVA-NeXT's): their rows are held to the text mask
+            except Unavailable:  # images not laid out (a family without `images`): their rows held to the text mask
                 pass
         _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none

@@ -90,7 +90,7 @@ def test_every_image_text_to_text_type_of_transformers_is_served_with_images_on_
 def test_the_types_served_with_images_name_what_is_served_or_refused_and_have_their_family_tests(outcomes):
     """Served with images: each tower served or refused, positions laid out or refused, as the family states them;
     and the family's own tests (the every-value comparisons with images) exist."""
-    assert "image positions refused: model.positions: a LLaVA-NeXT image is two grids" in outcomes["llava_next"].detail
+    assert "image positions laid out by model.positions (LlavaNextImages" in outcomes["llava_next"].detail
     assert "tower model.vision refused: Mllama's vision tower" in outcomes["mllama"].detail
     assert "an image's tokens attend to each other both ways" in outcomes["gemma3"].detail
     assert "tower model.vision served (Qwen2_5VisionTower, the model's model.visual)" in outcomes["qwen2_5_vl"].detail

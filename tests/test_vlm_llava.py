@@ -235,12 +235,16 @@ def test_llava_next_patterns_of_both_stacks_equal_transformers_attention_and_the
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert vision[0].shape == (3, 2, 17, 17)
     saved = read_everything(next_model, NEXT, **inputs)
-    assert "image_of" not in saved  # its positions are refused: the image rows are held to the causal mask
+    assert (saved["image_of"] >= 0).sum() == 16 + 4 * 9  # placed (tests/test_vlm_positions.py); held causal
     assert [failures(next_model.vision, saved["vision"], i) for i in range(2)] == [[], []]
     assert [failures(next_model, saved, i) for i in range(3)] == [[], [], []]
 
 
-def test_llava_next_positions_are_refused_with_the_reason(next_model):
-    """An image is two grids (the base view, the stitched and unpadded tiles) and newline tokens: refused by name."""
-    with pytest.raises(attnlens.errors.Unavailable, match=r"two grids .* image_newline"):
-        next_model.positions(NEXT, image_sizes=SIZES)
+def test_llava_next_positions_place_the_base_view_then_the_tiles_with_newlines(next_model):
+    """An image is two views: the base view's 4 x 4 patches, then the stitched 4 x 8 tiles (nothing cut), each row
+    ended by a newline (tests/test_vlm_positions.py lays out images the unpadding cuts, from the processor)."""
+    found = next_model.positions(NEXT, image_sizes=SIZES)
+    assert found.views == ((((4, 4), (4, 8)),),)
+    assert found.of_image(0).tolist() == list(range(2, 18))
+    assert found.spans()["newline"] == [18 + 8 + 9 * r for r in range(4)]
+    assert found.on_grid(torch.arange(NEXT.shape[1]), 0, view=1)[1].tolist() == list(range(27, 35))

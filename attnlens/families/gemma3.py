@@ -42,7 +42,11 @@ class Gemma3(Gemma2):
 class Gemma3Images(SquareGrid):
     """An image is `mm_tokens_per_image` tokens (256: SigLIP's 64 x 64 patches average-pooled to 16 x 16), between
     `boi_token_index` and `eoi_token_index`; the processor resizes every image to the tower's square (pan and scan
-    adds crops as images of their own). An image's tokens attend to each other both ways."""
+    adds crops as images of their own). An image's tokens attend to each other both ways.
+
+    Pan and scan: `model.positions` numbers each crop as an image (the original, then its crops, each one grid); it
+    cannot say which crops belong to which original, as the processor's output drops `num_crops` (its
+    `unused_input_names`)."""
 
     around = ("boi_token_index", "eoi_token_index")
     bidirectional = True

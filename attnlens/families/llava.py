@@ -29,7 +29,7 @@ from .llama import Llama
 from .vision import TINY_TOWER, ClipTower
 
 #: `Positions.kind` of a tower's class token.
-CLASS = KINDS.index("class")
+CLASS, NEWLINE = KINDS.index("class"), KINDS.index("newline")
 
 
 class LlavaImages(ImageTokens):
@@ -113,27 +113,115 @@ class Llava(LanguageModelOf, Llama):
     }
 
 
-class LlavaNextImages(ImageTokens):
-    """LLaVA-NeXT's images ("anyres"): each is its base view's (image_size / patch_size)^2 patches, then its tiles
-    stitched into one grid of the best-fitting `image_grid_pinpoints` resolution, unpadded to the image's aspect
-    (`image_sizes`: rows or columns cut from both ends), each row of it ended by an `image_newline` feature: two
-    grids of one image at two resolutions, and newline positions, all under `image_token_id`. `Positions` places an
-    image's tokens on one grid, so `positions` is refused rather than answered with one grid of the two."""
+def stitched_grid(config, image_size) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The grid of an image's tiles stitched and unpadded, as LLaVA-NeXT's `pack_image_features` cuts it from the
+    image's (height, width) `image_size`: ((rows, columns), (first row, first column) kept of the padded grid). The
+    tiles are `vision_config.image_size` squares of the best-fitting `image_grid_pinpoints` resolution
+    (`select_best_resolution`), each (image_size / patch_size)^2 patches; `unpad_image` then cuts rows (or columns)
+    from both ends, `(padded - round(kept)) // 2` each, so that the grid keeps the image's aspect."""
+    from transformers.image_processing_utils import select_best_resolution
 
-    refused = (
-        "model.positions: a LLaVA-NeXT image is two grids (its base view's (image_size / patch_size)^2 patches, "
-        "then its tiles stitched and unpadded to the image's aspect, each row ended by an image_newline token), "
-        "which attnlens's Positions (one grid per image) does not hold; its values on image tokens are served"
-    )
+    height, width = (int(n) for n in image_size)
+    tile, side = config.vision_config.image_size, config.vision_config.image_size // config.vision_config.patch_size
+    best_height, best_width = select_best_resolution((height, width), config.image_grid_pinpoints)
+    rows, cols = best_height // tile * side, best_width // tile * side
+    if width / height > cols / rows:  # wider than the padded grid: rows cut
+        cut = (rows - int(round(height * (cols / width), 7))) // 2
+        return (rows - 2 * cut, cols), (cut, 0)
+    cut = (cols - int(round(width * (rows / height), 7))) // 2
+    return (rows, cols - 2 * cut), (0, cut)
+
+
+class LlavaNextImages(ImageTokens):
+    """LLaVA-NeXT's images ("anyres"): each is two views under `image_token_id`, in this order: its base view (the
+    whole image resized to the tower's square: (image_size / patch_size)^2 patches, row-major), then its tiles
+    stitched into one grid of the best-fitting `image_grid_pinpoints` resolution and unpadded to the image's aspect
+    (`stitched_grid`, from `image_sizes`), row-major, each row ended by an `image_newline` feature (kind "newline",
+    on the row it ends)."""
+
+    def grid(self, config, inputs, image):
+        side = config.vision_config.image_size // config.vision_config.patch_size
+        return side, side
+
+    def tiny_processor(self, config, char_tokenizer):
+        from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+        image = "<image>"
+        tokenizer = char_tokenizer(
+            config.image_token_id, extra={image: config.image_token_id}, named={"image_token": image}
+        )
+        side = config.vision_config.image_size
+        images = LlavaNextImageProcessorPil(
+            size={"shortest_edge": side},
+            crop_size={"height": side, "width": side},
+            image_grid_pinpoints=config.image_grid_pinpoints,
+        )
+        return LlavaNextProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops (one less)
+        )
 
     def positions(self, config, input_ids, inputs):
-        raise Unavailable(self.refused)
+        if config.vision_feature_select_strategy != "default":
+            raise Unavailable(
+                f"model.positions: LLaVA-NeXT under vision_feature_select_strategy "
+                f"{config.vision_feature_select_strategy!r} keeps each crop's class token, which transformers' "
+                f"pack_image_features cannot stitch into the tiles' grid (the model raises on a tiled image); "
+                f"attnlens lays out the 'default' strategy only"
+            )
+        sizes = inputs.get("image_sizes")
+        if sizes is None:
+            raise ValueError(
+                "image_sizes: a LLaVA-NeXT image's tiled grid follows its size; pass the processor's image_sizes"
+            )
+        ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()
+        token, side = getattr(config, self.image_token), self.grid(config, inputs, 0)[0]
+        is_image = ids == token
+        kind, view = is_image.long(), torch.full_like(ids, -1)
+        image, row, col = (torch.full_like(ids, -1) for _ in range(3))
+        views: list[tuple[tuple[tuple[int, int], ...], ...]] = []
+        counted = 0
+        for b in range(ids.shape[0]):
+            where = is_image[b].nonzero().flatten().tolist()
+            own: list[tuple[tuple[int, int], ...]] = []
+            at = 0
+            while at < len(where):
+                if counted >= len(sizes):
+                    raise ValueError(
+                        f"input_ids: prompt {b} holds more images than image_sizes gives ({len(sizes)}): pass the "
+                        f"processor's input_ids and image_sizes together"
+                    )
+                (rows, cols), _ = stitched_grid(config, sizes[counted])
+                count = side * side + rows * (cols + 1)
+                span = torch.tensor(where[at : at + count], dtype=torch.long)
+                if len(span) < count:
+                    raise ValueError(
+                        f"input_ids: image {len(own)} of prompt {b} has {len(span)} image tokens "
+                        f"({self.image_token} = {token}) where its base view and tiles need {side} x {side} + "
+                        f"{rows} x ({cols} + 1 newline): pass the processor's input_ids unchanged"
+                    )
+                base, tiles = span[: side * side], span[side * side :]
+                image[b, span] = len(own)
+                view[b, base], view[b, tiles] = 0, 1
+                row[b, base], col[b, base] = torch.arange(side * side) // side, torch.arange(side * side) % side
+                row[b, tiles] = torch.arange(len(tiles)) // (cols + 1)
+                col[b, tiles] = torch.arange(len(tiles)) % (cols + 1)
+                newline = tiles[cols :: cols + 1]
+                kind[b, newline], col[b, newline] = NEWLINE, -1
+                own.append(((side, side), (rows, cols)))
+                at, counted = at + count, counted + 1
+            views.append(tuple(own))
+        grids = tuple(tuple(image_views[0] for image_views in own) for own in views)
+        return Positions(kind, image, row, col, grids, view, tuple(views))
 
 
 class LlavaNext(LanguageModelOf, Llama):
     """LLaVA-NeXT ("llava_next", `LlavaNextForConditionalGeneration`): LLaVA's CLIP tower over each image's anyres
     crops (its base view and its tiles, `image_sizes`), the features packed with `image_newline` tokens, a Llama
-    language model attending causally; `model.positions` is refused (two grids per image, newline tokens)."""
+    language model attending causally; `model.positions` places each image's two views (`LlavaNextImages`)."""
 
     model_types = ("llava_next",)
     vllm = VLLM

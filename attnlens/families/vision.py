@@ -132,7 +132,9 @@ class ClipTower(SiglipTower):
 QWEN_LAYOUT = (
     "one sequence of every image's patches, no batch axis in the model (served with a batch axis of one): "
     "the rows are the processor's pixel_values rows, block-major over spatial_merge_size x spatial_merge_size "
-    "blocks of each image's patch grid, images one after another"
+    "blocks of each image's patch grid, images one after another; on a prompt with videos and no images, "
+    "pixel_values_videos' rows (each video frame after frame); with both, the model runs the tower on the images, "
+    "then again on the videos, and a trace serves the first run (the images')"
 )
 
 
@@ -216,6 +218,15 @@ class PerSegment(Location):
         raise NotImplementedError  # read-only: Access refuses writes first
 
 
+def _first_run_grids(inputs: dict):
+    """The (t, h, w) grids of the tower's run that `model.vision` serves: the model runs its tower on the images
+    (`pixel_values`, `image_grid_thw`), then again on the videos (`pixel_values_videos`, `video_grid_thw`); a trace
+    reads the first run, the videos' where no images are given."""
+    if inputs.get("pixel_values") is None and inputs.get("pixel_values_videos") is not None:
+        return inputs["video_grid_thw"]
+    return inputs["image_grid_thw"]
+
+
 class QwenVisionTower(Family):
     """Qwen2-VL's ViT (`Qwen2VisionTransformerPretrainedModel`, `model.visual`): a 3-D convolution embeds each
     flattened patch (`pixel_values` [patches, C * T * P * P]); pre-norm blocks (LayerNorm `norm1`, attention with one
@@ -269,10 +280,11 @@ class QwenVisionTower(Family):
 
     def segments(self, config, inputs: dict, layer: int):
         """[1, patches]: the segment each patch of `layer`'s sequence attends within (its image), from the
-        `image_grid_thw` given, as transformers' tower computes its `cu_seqlens`; the score function's `image_of`."""
+        grids given (`_first_run_grids`: the images', else the videos', each frame a segment of its own), as
+        transformers' tower computes its `cu_seqlens`; the score function's `image_of`."""
         from transformers.vision_utils import get_vision_cu_seqlens
 
-        return _segment_ids(get_vision_cu_seqlens(inputs["image_grid_thw"]))
+        return _segment_ids(get_vision_cu_seqlens(_first_run_grids(inputs)))
 
     def locations(self):
         found = {
@@ -302,8 +314,9 @@ class QwenVisionTower(Family):
             "attention_queries": "after the 2-D rotary positions (each patch's row and column in its image)",
             "attention_keys": "after the 2-D rotary positions (each patch's row and column in its image)",
             "attention_key_positions": "each patch's index in the tower's sequence (not its rotary row and column)",
-            "attention_probabilities": "block-diagonal: each patch sees every patch of its own image and no other "
-            "(the model runs one attention call per image, split at cu_seqlens); read-only",
+            "attention_probabilities": "block-diagonal: each patch sees every patch of its own image (of its own "
+            "frame, on a video) and no other (the model runs one attention call per image or frame, split at "
+            "cu_seqlens); read-only",
             "attention_scores": "block-diagonal: the dtype's minimum off the patch's own image (the model computes "
             "nothing there: it splits the sequence at cu_seqlens); read-only",
         }
@@ -332,7 +345,7 @@ class Qwen2_5VisionTower(QwenVisionTower):
     def segments(self, config, inputs, layer):
         from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
 
-        grid = inputs["image_grid_thw"]
+        grid = _first_run_grids(inputs)
         if layer in config.fullatt_block_indexes:
             return _segment_ids(get_vision_cu_seqlens(grid))
         _, windows = get_vision_window_index(grid, config.spatial_merge_size, config.window_size, config.patch_size)
@@ -345,7 +358,8 @@ class Qwen2_5VisionTower(QwenVisionTower):
             "layer_input": "the tower's one sequence of patches in the window order (window_index: window by window, "
             "each window's merged blocks row-major), served with a batch axis of one",
             "attention_probabilities": "block-diagonal: on a windowed block each patch sees every patch of its own "
-            "window, on a full-attention block (fullatt_block_indexes) every patch of its own image; the model runs "
-            "one attention call per window (image), split at cu_seqlens; read-only",
+            "window (of a frame, on a video), on a full-attention block (fullatt_block_indexes) every patch of its "
+            "own image (frame); the model runs one attention call per window (image, frame), split at cu_seqlens; "
+            "read-only",
         }
     }

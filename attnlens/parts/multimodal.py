@@ -155,8 +155,15 @@ class LanguageModelOf:
 
 #: What a position of a multimodal prompt holds (`Positions.kind` indexes this): "class" is a vision tower's class
 #: token handed to the language model as one of an image's tokens (LLaVA's "full" feature strategy): it belongs to
-#: its image (`Positions.image`) but summarises it, a patch of no place on its grid (row and column -1).
-KINDS = ("text", "image", "special", "class")
+#: its image (`Positions.image`) but summarises it, a patch of no place on its grid (row and column -1). "newline" is
+#: a feature an image puts after each row of one of its grids (LLaVA-NeXT's `image_newline`): it belongs to its image
+#: and view, its row the one it ends, column -1. "video" is a video's token (Qwen-VL's `video_token_id`), placed as an
+#: image's is, each frame a view.
+KINDS = ("text", "image", "special", "class", "newline", "video")
+
+IMAGE, SPECIAL, VIDEO = KINDS.index("image"), KINDS.index("special"), KINDS.index("video")
+#: (rows, columns) of one grid.
+Grid = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -164,48 +171,72 @@ class Positions:
     """What each position of a prompt is, as `model.positions(...)` answers it: [batch, sequence] tensors.
 
     `kind` indexes `KINDS` (text, an image's token, a special token the processor puts around an image, a tower's
-    class token); `image` is which image of its row (0, 1, ... in prompt order; -1 off images); `row` and `col` the
-    token's place in that image's grid (-1 off images and on a class token), which `grids[b][i]` sizes: (rows,
-    columns) over the image as the processor resized it, so that a token covers a rectangle of it. `on_grid` puts a
-    row of a pattern onto an image."""
+    class token, an image's newline, a video's token); `image` is which image of its row (0, 1, ... in prompt order,
+    images and videos counted together; -1 off images); `row` and `col` the token's place in its grid (-1 off
+    images and on a class token), which `grids[b][i]` sizes: (rows, columns) over the image as the processor resized
+    it, so that a token covers a rectangle of it. `on_grid` puts a row of a pattern onto an image.
+
+    An image may be several grids, its views (`views[b][i]`, each (rows, columns); `view`: which one a token is on,
+    -1 off images): LLaVA-NeXT's base view then its tiles stitched into one grid, a video's frames (its temporal
+    patches). `grids[b][i]` is the image's first view; `of_image`, `on_grid` take the view (0 by default). Where an
+    image is one grid, `views[b][i]` is `(grids[b][i],)` and `view` is 0 on its tokens."""
 
     kind: torch.Tensor
     image: torch.Tensor
     row: torch.Tensor
     col: torch.Tensor
-    grids: tuple[tuple[tuple[int, int], ...], ...]
+    grids: tuple[tuple[Grid, ...], ...]
+    view: torch.Tensor = None  # type: ignore[assignment]  # None: filled, every image one view
+    views: tuple[tuple[tuple[Grid, ...], ...], ...] = None  # type: ignore[assignment]
 
-    def of_image(self, image: int, batch: int = 0) -> torch.Tensor:
-        """The positions of `image`'s tokens in row `batch`, row-major over its grid."""
-        where = ((self.image[batch] == image) & (self.row[batch] >= 0)).nonzero().flatten()  # not a class token
-        order = (self.row[batch, where] * self.grids[batch][image][1] + self.col[batch, where]).argsort()
+    def __post_init__(self):
+        if self.view is None:
+            object.__setattr__(self, "view", torch.where(self.image >= 0, 0, -1))
+        if self.views is None:
+            object.__setattr__(self, "views", tuple(tuple((grid,) for grid in own) for own in self.grids))
+        assert self.grids == tuple(tuple(views[0] for views in own) for own in self.views), "grids: each first view"
+
+    def of_image(self, image: int, batch: int = 0, view: int = 0) -> torch.Tensor:
+        """The positions of `image`'s tokens on its view `view` in row `batch`, row-major over that view's grid (no
+        class token, no newline)."""
+        placed = (self.row[batch] >= 0) & (self.col[batch] >= 0)
+        where = ((self.image[batch] == image) & (self.view[batch] == view) & placed).nonzero().flatten()
+        order = (self.row[batch, where] * self.views[batch][image][view][1] + self.col[batch, where]).argsort()
         return where[order]
 
-    def on_grid(self, values: torch.Tensor, image: int, batch: int = 0) -> torch.Tensor:
-        """`values` over positions (the last axis: a pattern's row, a head's attention to each key) on `image`'s grid:
-        [..., rows, columns]."""
-        rows, cols = self.grids[batch][image]
-        return values[..., self.of_image(image, batch)].reshape(*values.shape[:-1], rows, cols)
+    def on_grid(self, values: torch.Tensor, image: int, batch: int = 0, view: int = 0) -> torch.Tensor:
+        """`values` over positions (the last axis: a pattern's row, a head's attention to each key) on `image`'s grid
+        (its view `view`'s): [..., rows, columns]."""
+        rows, cols = self.views[batch][image][view]
+        return values[..., self.of_image(image, batch, view)].reshape(*values.shape[:-1], rows, cols)
 
     def spans(self, batch: int = 0) -> dict[str, list[int]]:
-        """Positions of row `batch` by what they are: "text", "special", "class" (where the row has class tokens),
-        and "image 0", "image 1", ..."""
-        found = {kind: (self.kind[batch] == k).nonzero().flatten().tolist() for k, kind in enumerate(KINDS) if k != 1}
-        if not found["class"]:
-            del found["class"]
-        for image in range(len(self.grids[batch])):
-            found[f"image {image}"] = self.of_image(image, batch).tolist()
+        """Positions of row `batch` by what they are: "text", "special", "class" and "newline" (where the row has
+        them), and "image 0", "video 1", ... (each image's placed tokens, view after view)."""
+        found = {kind: (self.kind[batch] == k).nonzero().flatten().tolist() for k, kind in enumerate(KINDS)}
+        for shown in ("class", "newline"):
+            if not found[shown]:
+                del found[shown]
+        del found["image"], found["video"]
+        video = KINDS.index("video")
+        for image, views in enumerate(self.views[batch]):
+            at = self.of_image(image, batch)
+            name = "video" if len(at) and int(self.kind[batch, at[0]]) == video else "image"
+            found[f"{name} {image}"] = torch.cat([self.of_image(image, batch, v) for v in range(len(views))]).tolist()
         return found
 
     def frame(self, batch: int = 0):
-        """Row `batch` as a pandas DataFrame: one row per position (position, kind, image, row, col)."""
+        """Row `batch` as a pandas DataFrame: one row per position (position, kind, image, view where an image has
+        several, row, col)."""
         import pandas as pd
 
+        several = any(len(views) > 1 for views in self.views[batch])
         return pd.DataFrame(
             {
                 "position": range(self.kind.shape[1]),
                 "kind": [KINDS[k] for k in self.kind[batch].tolist()],
                 "image": self.image[batch].tolist(),
+                **({"view": self.view[batch].tolist()} if several else {}),
                 "row": self.row[batch].tolist(),
                 "col": self.col[batch].tolist(),
             }
@@ -261,9 +292,13 @@ def audio_positions(encoder: torch.nn.Module, frames: int, hop_seconds: float) -
 
 class ImageTokens:
     """How a multimodal family's prompts hold images: each image a run of `image_token` ids (a config member),
-    row-major over a grid of `grid(config, inputs, image)`, between special tokens (`around`: config members)."""
+    row-major over a grid of `grid(config, inputs, image)`, between special tokens (`around`: config members); each
+    video (where the family has `video_token`) a run of those ids, frame after frame, each frame row-major over the
+    grid of `video_grid(config, inputs, video)`."""
 
     image_token: ClassVar[str] = "image_token_id"
+    #: The config member naming a video's token, or None where the family's prompts hold no videos.
+    video_token: ClassVar[str | None] = None
     around: ClassVar[tuple[str, ...]] = ()
     #: Whether an image's tokens attend to each other both ways (Gemma 3), or causally as text does.
     bidirectional: ClassVar[bool] = False
@@ -272,6 +307,10 @@ class ImageTokens:
 
     def grid(self, config, inputs: dict, image: int) -> tuple[int, int]:
         """(rows, columns) of the tokens of the `image`-th image in the batch."""
+        raise NotImplementedError
+
+    def video_grid(self, config, inputs: dict, video: int) -> tuple[int, tuple[int, int]]:
+        """(frames, (rows, columns)) of the tokens of the `video`-th video in the batch: each frame one view."""
         raise NotImplementedError
 
     def prefix(self, config, inputs: dict) -> torch.Tensor | None:
@@ -288,34 +327,51 @@ class ImageTokens:
 
     def positions(self, config, input_ids: torch.Tensor, inputs: dict) -> Positions:
         ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()  # a few ints per position: on the CPU
-        token = getattr(config, self.image_token)
+        tokens = {IMAGE: getattr(config, self.image_token)}
+        if self.video_token is not None:
+            tokens[VIDEO] = getattr(config, self.video_token)
         special = torch.zeros_like(ids, dtype=torch.bool)
         for name in self.around:
             special |= ids == getattr(config, name)
-        is_image = ids == token
-        kind = torch.where(is_image, 1, torch.where(special, 2, 0))
-        image, row, col = (torch.full_like(ids, -1) for _ in range(3))
-        grids, counted = [], 0
+        kind = torch.where(special, SPECIAL, 0)
+        for k, token in tokens.items():
+            kind[ids == token] = k
+        image, view, row, col = (torch.full_like(ids, -1) for _ in range(4))
+        views: list[tuple[tuple[Grid, ...], ...]] = []
+        counted = dict.fromkeys(tokens, 0)  # images and videos are numbered apart in the model's inputs
         for b in range(ids.shape[0]):
-            where = is_image[b].nonzero().flatten().tolist()
-            own, at = [], 0
+            where = ((kind[b] == IMAGE) | (kind[b] == VIDEO)).nonzero().flatten().tolist()
+            own: list[tuple[Grid, ...]] = []
+            at = 0
             while at < len(where):
-                rows, cols = self.grid(config, inputs, counted)
-                span = where[at : at + rows * cols]
-                if len(span) < rows * cols:
+                k = int(kind[b, where[at]])
+                grids: tuple[Grid, ...]
+                if k == IMAGE:
+                    grids = (self.grid(config, inputs, counted[k]),)
+                else:
+                    frames, grid = self.video_grid(config, inputs, counted[k])
+                    grids = (grid,) * frames
+                sizes = [rows * cols for rows, cols in grids]
+                span = torch.tensor(where[at : at + sum(sizes)], dtype=torch.long)
+                if len(span) < sum(sizes) or bool((kind[b, span] != k).any()):
+                    name = self.image_token if k == IMAGE else str(self.video_token)
+                    needs = "its grid needs" if len(grids) == 1 else f"its {len(grids)} frames need"
+                    shape = " + ".join(f"{rows} x {cols}" for rows, cols in grids)
                     raise ValueError(
-                        f"input_ids: image {len(own)} of prompt {b} has {len(span)} image tokens "
-                        f"({self.image_token} = {token}) where its grid needs {rows} x {cols}: pass the processor's "
+                        f"input_ids: {KINDS[k]} {len(own)} of prompt {b} has {int((kind[b, span] == k).sum())} "
+                        f"{KINDS[k]} tokens ({name} = {tokens[k]}) where {needs} {shape}: pass the processor's "
                         f"input_ids unchanged"
                     )
-                places = torch.tensor(span, device=ids.device)
-                image[b, places] = len(own)
-                row[b, places] = torch.arange(rows * cols, device=ids.device) // cols
-                col[b, places] = torch.arange(rows * cols, device=ids.device) % cols
-                own.append((rows, cols))
-                at, counted = at + rows * cols, counted + 1
-            grids.append(tuple(own))
-        return Positions(kind, image, row, col, tuple(grids))
+                image[b, span] = len(own)
+                for v, (piece, (rows, cols)) in enumerate(zip(span.split(sizes), grids)):
+                    view[b, piece] = v
+                    row[b, piece] = torch.arange(rows * cols) // cols
+                    col[b, piece] = torch.arange(rows * cols) % cols
+                own.append(grids)
+                at, counted[k] = at + sum(sizes), counted[k] + 1
+            views.append(tuple(own))
+        first = tuple(tuple(grids[0] for grids in own) for own in views)
+        return Positions(kind, image, row, col, first, view, tuple(views))
 
 
 class SquareGrid(ImageTokens):
