@@ -224,6 +224,8 @@ SPECIAL_TOKENS = {
 }
 #: The processor adds its video token after the tokenizer's (id 135).
 VIDEO_TOKEN_ID = 135
+#: vLLM's tiny checkpoints keep the config's own token ids (None unsets the tiny recipe's): they read text alone.
+VLLM_TOKEN_IDS = dict.fromkeys([member for _, member, _ in SPECIAL_TOKENS.values()] + ["video_token_id"])
 
 #: A tiny vision tower: 2 blocks 32 wide, 2 query heads of 16 sharing one key/value head, patches of 4 pixels pooled
 #: 2 x 2 (the processor's smallest budget, 70 soft tokens, is 280 patches).
@@ -273,8 +275,13 @@ class Gemma4Images(ImageTokens):
             raise ValueError(f"input_ids: image {image} has no image_position_ids (they hold {len(held)} images)")
         positions = torch.as_tensor(held)[image]
         real = positions[real_patches(positions)]
-        k = config.vision_config.pooling_kernel_size
+        k = self.patches_per_side(config)
         return (int(real[:, 1].max()) + 1) // k, (int(real[:, 0].max()) + 1) // k
+
+    def patches_per_side(self, config) -> int:
+        """How many of `image_position_ids`' places each image token spans along a side: the tower pools
+        `pooling_kernel_size` patches each way into one."""
+        return config.vision_config.pooling_kernel_size
 
     def positions(self, config, input_ids, inputs):
         if "pixel_values" in inputs and "mm_token_type_ids" not in inputs and self.both_ways(config):
@@ -346,6 +353,7 @@ class Gemma4(LanguageModelOf, Gemma4Text):
         model_types=("gemma4",),
         names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm)
         tiny={
+            **VLLM_TOKEN_IDS,
             "text_config": {**TEXT_CONFIG, **Gemma4Text.vllm.tiny},
             "vision_config": {
                 "model_type": "gemma4_vision",
@@ -399,20 +407,91 @@ class Gemma4(LanguageModelOf, Gemma4Text):
         return notes
 
 
+class Gemma4UnifiedImages(Gemma4Images):
+    """An image is a run of `image_token_id` tokens between `boi_token_id` and `eoi_token_id`, one per merged patch
+    (`pooling_kernel_size` squared patches flattened into one row of `pixel_values`), row-major over the image's grid
+    of merged patches as the processor resized it: `image_position_ids` holds each merged patch's column and row.
+
+    With `use_bidirectional_attention='vision'` in the text config (and `mm_token_type_ids` given) an image's tokens
+    see each other both ways on every layer, past the sliding window (the model's mask is OR(its causal or sliding
+    mask, same image)); without it every layer is causal."""
+
+    def patches_per_side(self, config) -> int:
+        return 1  # image_position_ids are the merged patches', one per token
+
+    def tiny_processor(self, config, char_tokenizer):
+        return None  # transformers' Gemma4UnifiedImageProcessor is torchvision's (not installed here), no PIL one
+
+
+#: A tiny embedder: merged patches of 2 x 2 patches of 2 pixels (48 channels), 32 wide.
+TINY_UNIFIED_VISION = {
+    "model_type": "gemma4_unified_vision",
+    "patch_size": 2,
+    "pooling_kernel_size": 2,
+    "mm_embed_dim": 32,
+    "mm_posemb_size": 16,
+    "output_proj_dims": 32,
+}
+
+
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
+    """Gemma 4 Unified: no towers. Images (and audio frames) are embedded straight into the language model's input
+    (`embed_vision`, `embed_audio`: no attention), each merged patch one image token (`Gemma4UnifiedImages`)."""
+
     model_types = ("gemma4_unified",)
+    image_inputs = ("pixel_values",)
+    images = Gemma4UnifiedImages()
     tiny = (
         "Gemma4UnifiedConfig",
         "Gemma4UnifiedForConditionalGeneration",
-        {"text_config": {"model_type": "gemma4_unified_text", **TINY_DEFAULTS, **TINY}},
+        {
+            "text_config": {
+                "model_type": "gemma4_unified_text",
+                **TINY_DEFAULTS,
+                **TINY,
+                "vocab_size": VIDEO_TOKEN_ID + 1,
+                "use_bidirectional_attention": "vision",
+            },
+            **{member: id for _, member, id in SPECIAL_TOKENS.values()},
+            "video_token_id": VIDEO_TOKEN_ID,
+            "vision_config": TINY_UNIFIED_VISION,
+        },
     )
     tiny_layouts = {}
+
+    class ScoreFunction(scoring.ScoreFunction):
+        def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
+            if Gemma4Images.both_ways(config):  # LanguageModelOf's overlay: an image both ways, on every layer
+                return super().mask(num_queries, num_keys, config, layer, *args, **kwargs)
+            text = config.get_text_config()
+            return super(LanguageModelOf.ScoreFunction, self).mask(num_queries, num_keys, text, layer, *args, **kwargs)
+
+    def notes(self, config, layer, engine="transformers"):
+        notes = super().notes(config, layer, engine)
+        if engine == "transformers" and not Gemma4Images.both_ways(config):
+            text = super(LanguageModelOf, self).notes(config.get_text_config(), layer, engine)
+            media = "text and image tokens attend causally (use_bidirectional_attention is not 'vision')"
+            notes["attention_probabilities"] = "; ".join(filter(None, (text.get("attention_probabilities"), media)))
+        if engine == "transformers":
+            notes["embeddings"] = (
+                "what layers[0] reads: the token embeddings with each image's merged patches, through embed_vision, "
+                "in its tokens' rows"
+            )
+        return notes
+
     vllm = replace(
         Gemma4UnifiedText.vllm,
         model_types=("gemma4_unified",),
         names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_unified, its Gemma4ForCausalLM as language_model
         tiny={
-            "text_config": {**tiny[2]["text_config"], **VLLM_SIZES, "use_double_wide_mlp": True},
+            **VLLM_TOKEN_IDS,
+            "text_config": {
+                "model_type": "gemma4_unified_text",
+                **TINY_DEFAULTS,
+                **TINY,
+                **VLLM_SIZES,
+                "use_double_wide_mlp": True,
+            },
             "vision_config": {
                 "model_type": "gemma4_unified_vision",
                 "mm_embed_dim": 32,
