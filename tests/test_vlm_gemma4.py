@@ -124,6 +124,25 @@ def test_without_bidirectional_vision_every_layer_is_causal_and_the_score_functi
     assert "full-attention layer" in model.support(FULL).notes["self_attn.attention_probabilities"]
 
 
+def test_the_sdpa_rebuild_masks_an_image_as_the_model_does(inputs):
+    """On sdpa with `rebuild_patterns`, the language model's patterns rebuilt from the queries and keys with the
+    family's mask equal the eager ones within 1e-5 (the image rows too: both ways on the sliding layer); the tower's
+    pattern is read in the eager function only, and refused with the reason."""
+    ids, rest = _split(inputs)
+    eager = attnlens.models.tiny("gemma4")
+    sdpa = attnlens.models.tiny("gemma4", attn_implementation="sdpa", rebuild_patterns=True)
+
+    def patterns(model):
+        with torch.no_grad(), model.trace(ids, **rest):
+            sliding = model.layers[SLIDING].self_attn.attention_probabilities.save()
+            full = model.layers[FULL].self_attn.attention_probabilities.save()
+        return sliding, full
+
+    for found, expected in zip(patterns(sdpa), patterns(eager)):
+        assert torch.allclose(found, expected, atol=1e-5)
+    assert "attn_implementation='eager'" in sdpa.vision.support(0)["self_attn.attention_probabilities"]
+
+
 def test_positions_place_every_image_token_on_its_images_own_grid(model, inputs):
     """Each image's grid is its own (6 x 10, 8 x 8), read off image_position_ids; the image tokens are placed
     row-major between the begin and end tokens; without image_position_ids or mm_token_type_ids a clear error."""
