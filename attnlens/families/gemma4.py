@@ -20,7 +20,16 @@ and optionally per-layer inputs and a mixture-of-experts branch beside the MLP.
 
 Gemma 4 Unified is this layout without per-layer inputs and without the experts branch. "gemma4" and
 "gemma4_unified" checkpoints load as `...ForConditionalGeneration`, the language model under
-`model.language_model` (`multimodal.LanguageModelOf`).
+`model.language_model` (`multimodal.LanguageModelOf`), served with images:
+
+- "gemma4": its vision tower is `model.vision` (`vision_gemma4.Gemma4VisionTower`), its image tokens placed on each
+  image's own grid (`Gemma4Images`); with `use_bidirectional_attention='vision'` an image's tokens see each other both
+  ways on the sliding layers only, within the window looking back. Its audio tower is not mounted (`towers_refused`).
+- "gemma4_unified": no tower (an embedder without attention), one image token per merged patch
+  (`Gemma4UnifiedImages`); with 'vision' an image's tokens see each other both ways on every layer, past the window.
+
+Videos (`pixel_values_videos`, `<|video|>` tokens) are not laid out: `model.positions` places their tokens as text,
+and the score function does not reproduce the model's mask over a frame's tokens (both ways, as an image's).
 """
 
 from dataclasses import replace
