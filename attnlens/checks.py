@@ -33,10 +33,11 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
     prefix = None if images is None else images.prefix(model.config, given)
     if prefix is not None:  # a prefix-LM's prefix (PaliGemma's, from its token types): it sees itself both ways
         saved["prefix"] = prefix
+    with_images = hasattr(model.family, "holds_images") and model.family.holds_images(given)  # towers' or embedder's
     with torch.no_grad(), model.trace(prompt, **inputs):
         for name in towers:
             _read_stack(getattr(model, name), None, saved.setdefault(name, {}))
-        if towers:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
+        if with_images:  # where the images sit: an image's tokens may see each other both ways (the family's mask)
             try:  # noqa: SIM105  (plain try in a trace body, which nnsight runs as written)
                 saved["image_of"] = model.positions(prompt, **inputs).image
             except Unavailable:  # images not laid out (a family without `images`): their rows held to the text mask

@@ -289,9 +289,8 @@ class StandardizedTransformer(Helpful, TransformersModel):
         self.access.tokens_seen = None if tokens is None else seen + tokens.shape[1]
         images = getattr(self.family, "images", None)
         prompt = kwargs.get("input_ids", args[0] if args else None)
-        # images only where the run gives a tower its inputs: image token ids in a text run are text to the model
-        towers = getattr(self.family, "towers", {}).values()
-        given = any(name in kwargs for tower in towers for name in tower.inputs)
+        # images only where the run gives a tower (or an embedder) its inputs: image token ids in a text run are text
+        given = hasattr(self.family, "holds_images") and self.family.holds_images(kwargs)
         self.access.image_of = (
             images.positions(self.config, prompt, kwargs).image
             if images is not None and given and images.bidirectional and prompt is not None and not seen

@@ -65,6 +65,9 @@ class LanguageModelOf:
     #: The model's towers attnlens does not mount, by name, and why (Mllama's vision tower): what
     #: `attnlens.vision_types.coverage` states for the type.
     towers_refused: ClassVar[dict[str, str]] = {}
+    #: The model's inputs that carry images into the language model where no tower reads them (Gemma 4 Unified's
+    #: embedder, which has no attention); a prompt giving one holds images, as one giving a tower's inputs does.
+    image_inputs: ClassVar[tuple[str, ...]] = ()
     #: How its prompts hold images (`ImageTokens`), what `model.positions(...)` reads; None where attnlens has not
     #: laid out this family's image tokens (its prompts are traced, their positions not placed on a grid).
     images: ClassVar[ImageTokens | None] = None
@@ -88,7 +91,7 @@ class LanguageModelOf:
 
     def kind_locations(self, kind, config, engine):
         found = super().kind_locations(kind, _text(config), engine)
-        if engine == "transformers" and self.towers:
+        if engine == "transformers" and (self.towers or self.image_inputs):
             # what the first block reads: the token embeddings with the image features in the image tokens' rows
             # (as vLLM's `embeddings` holds them); the placeholder token's own embedding never reaches a block
             found = {**found, "embeddings": ModuleInput(f"{self.layers}.0")}
@@ -142,7 +145,7 @@ class LanguageModelOf:
                 "family's image tokens (model.positions refuses them)"
             )
         notes["attention_probabilities"] = "; ".join(filter(None, (notes.get("attention_probabilities"), media)))
-        if self.towers and engine == "transformers":
+        if (self.towers or self.image_inputs) and engine == "transformers":
             notes["embeddings"] = (
                 "what layers[0] reads: the token embeddings with each image's features (the projector's output) in "
                 "its tokens' rows"
@@ -151,6 +154,12 @@ class LanguageModelOf:
 
     def unavailable(self, config, layer, engine="transformers"):
         return super().unavailable(_text(config), layer, engine)
+
+    @classmethod
+    def holds_images(cls, inputs) -> bool:
+        """Whether a run's `inputs` (the model's keyword arguments) give its towers or its embedder images."""
+        names = {name for tower in cls.towers.values() for name in tower.inputs} | set(cls.image_inputs)
+        return any(name in inputs for name in names)
 
 
 #: What a position of a multimodal prompt holds (`Positions.kind` indexes this): "class" is a vision tower's class
