@@ -24,10 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
-IMAGES = ["gemma3", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl"]
+IMAGES = ["gemma3", "llama4", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl"]
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
-    "dots3_note", "fuyu", "gemma4", "gemma4_unified", "git", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+    "dots3_note", "fuyu", "gemma4", "gemma4_unified", "git", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
 ]  # fmt: skip
 #: ... by the common layout attnlens.inferred infers on the model of the default config.
 TEXT_INFERRED = [
