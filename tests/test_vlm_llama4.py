@@ -1,11 +1,11 @@
 """Llama 4 with images on the transformers engine: both stacks against transformers' own attention weights, the
 identities, the chunked mask over image tokens, the tower's 2-D rotary queries by hand, and image positions.
 
-The tiny composite (`models.tiny_model("llama4", checkpoint=True)`, a `Llama4ForConditionalGeneration`): a 2-block
-vision tower over 32 x 32 tiles (4 x 4 patches of 8 pixels and a class token, the last of 17 rows; the pixel shuffle
-folds each 2 x 2 block of patches into one of 2 x 2 image tokens), a 3-block language model whose rotary blocks 0
-and 2 attend in chunks of 4 positions and whose block 1 is a NoPE block seeing every earlier key. `tiny("llama4")`
-is the text model (what `AutoModelForCausalLM` builds from the checkpoint); the composite is passed whole here.
+The tiny model (`models.tiny("llama4")`: the composite `Llama4ForConditionalGeneration`, the family's
+`serves_composite`; a checkpoint loaded by name builds the text model alone): a 2-block vision tower over 32 x 32
+tiles (4 x 4 patches of 8 pixels and a class token, the last of 17 rows; the pixel shuffle folds each 2 x 2 block of
+patches into one of 2 x 2 image tokens), a 3-block language model whose rotary blocks 0 and 2 attend in chunks of 4
+positions and whose block 1 is a NoPE block seeing every earlier key.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ TILED = torch.tensor([[1, 40, START, *[PATCH] * 4, TILE_X, *[PATCH] * 4, TILE_Y,
 
 @pytest.fixture(scope="module")
 def model():
-    return attnlens.StandardizedTransformer(tiny_model("llama4", checkpoint=True), tokenizer=char_tokenizer())
+    model = attnlens.models.tiny("llama4")
+    assert type(model._module).__name__ == "Llama4ForConditionalGeneration"
+    return model
 
 
 def _pixels(tiles, seed=0):
@@ -221,6 +223,27 @@ def test_an_edit_of_a_chunked_pattern_over_image_tokens_moves_the_logits_as_a_ho
     assert not torch.allclose(edited, plain, atol=1e-3)
 
 
+def test_the_sdpa_rebuild_keeps_the_chunks_over_image_tokens():
+    """On sdpa with `rebuild_patterns`, the language model's patterns rebuilt from the queries and keys with the
+    family's mask (chunks on blocks 0 and 2) equal the eager ones within 1e-5, the boundary inside image 0 kept."""
+    pixels = _pixels(2)
+
+    def patterns(implementation, rebuild):
+        module = tiny_model("llama4", checkpoint=True, attn_implementation=implementation)
+        served = attnlens.StandardizedTransformer(
+            module, tokenizer=char_tokenizer(), attn_implementation=implementation, rebuild_patterns=rebuild
+        )
+        found = []
+        with torch.no_grad(), served.trace(PROMPT, pixel_values=pixels):
+            for i in range(3):
+                found.append(served.layers[i].self_attn.attention_probabilities.save())
+        return found
+
+    for found, expected in zip(patterns("sdpa", True), patterns("eager", False)):
+        assert torch.allclose(found, expected, atol=1e-5)
+    assert (found[0, :, 8, 5:8] == 0).all()  # block 2: position 8 starts a chunk
+
+
 def test_positions_place_each_one_tile_images_tokens_on_its_grid(model):
     """Each position's kind, image, row and column: <|image_start|>, <|image|> and <|image_end|> special, the
     <|patch|> tokens on the tile's 2 x 2 grid; `on_grid` lays a row of a pattern over an image."""
@@ -266,3 +289,18 @@ def test_the_tiny_processor_expands_an_image_into_one_tile_as_llama4processor_do
     assert inputs["input_ids"].tolist() == [[68, 69, *ONE_TILE, 70, 71]]
     assert inputs["pixel_values"].shape == (1, 3, 32, 32)
     assert type(processor).__name__ == "Llama4Processor"
+
+
+def test_the_viewer_lays_a_processed_images_tokens_on_its_grid(model):
+    """`attnlens.show`'s patterns of the processor's inputs: the image on its 2 x 2 grid at the <|patch|> positions,
+    named by grid place (what `attnlens show tiny:llama4 --image FILE` draws)."""
+    from PIL import Image
+
+    from attnlens.show import patterns
+
+    processor = tiny_processor("llama4")
+    picture = Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    inputs = dict(processor(text="ab<|image|>cd", images=[picture], return_tensors="pt"))
+    shown = patterns(model, inputs, [0])
+    assert len(shown.images) == 1 and shown.images[0].positions == [4, 5, 6, 7]
+    assert shown.tokens[5] == "<image 0 0,1>"

@@ -271,7 +271,7 @@ class Llama4Images(ImageTokens):
         from transformers import Llama4Processor
 
         vision = config.vision_config
-        tokenizer = char_tokenizer(min(TINY_TOKENS.values()), extra=TINY_TOKENS)
+        tokenizer = char_tokenizer(min(TINY_TOKENS.values()), extra=TINY_TOKENS, named={"image_token": "<|image|>"})
         return Llama4Processor(
             image_processor=_one_tile_image_processor(vision.image_size),
             tokenizer=tokenizer,
@@ -323,7 +323,8 @@ class Llama4Multimodal(LanguageModelOf, Llama4):
     object, and on vLLM (its mllama4.py, the text class as `language_model`): the text model under `language_model`,
     the vision tower `vision_model` (`Llama4VisionTower`) as `model.vision`, the multimodal projector between them.
     Loaded from the checkpoint by name, transformers builds the text model (`Llama4ForCausalLM` on the text config),
-    served by `Llama4` on text; to read images, pass the `Llama4ForConditionalGeneration` built yourself.
+    served by `Llama4` on text; to read images, pass the `Llama4ForConditionalGeneration` built yourself (the tiny
+    model is that composite: `serves_composite`).
 
     With an image the language model's attention is the text model's: its mask (causal on NoPE layers, chunked on
     rotary layers: a query sees only the earlier keys of its own chunk of `attention_chunk_size` positions) is built
@@ -335,6 +336,8 @@ class Llama4Multimodal(LanguageModelOf, Llama4):
     model_types = ("llama4",)
     towers = {"vision": Tower("vision_model", Llama4VisionTower)}
     images = Llama4Images()
+    # the tiny model is the composite (what the tower and image tests read), not the text model a checkpoint loads as
+    serves_composite = True
     tiny = Tiny(
         _RELEASED.config,
         _RELEASED.model,
