@@ -439,11 +439,20 @@ MODEL_PATHS = MODULE_PATHS[:3]
 
 def headless(model: torch.nn.Module) -> bool:
     """Whether `model` is a base model without a head (`BertModel`, `LlamaModel`: the class `AutoModel` builds for its
-    config): its output holds hidden states."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    config): its output holds hidden states. A class transformers registers with a head too is not one (Llama 4's
+    `Llama4ForConditionalGeneration`, which `AutoModel` builds as well)."""
+    from transformers.models.auto import modeling_auto
 
-    names = MODEL_MAPPING_NAMES.get(getattr(model.config, "model_type", None), ())
-    return type(model).__name__ in ((names,) if isinstance(names, str) else names)
+    model_type = getattr(model.config, "model_type", None)
+
+    def named(registry) -> tuple[str, ...]:
+        names = registry.get(model_type, ())
+        return (names,) if isinstance(names, str) else tuple(names)
+
+    with_head = named(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    with_head += named(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    name = type(model).__name__
+    return name in named(modeling_auto.MODEL_MAPPING_NAMES) and name not in with_head
 
 
 def rebased(family: Family, model: torch.nn.Module) -> Family:

@@ -208,8 +208,9 @@ def tiny_model(
 
     `family` is a model type, optionally with one of the layouts of the family's `tiny` recipe: `"falcon:alibi"`.
     It is the model `AutoModelForCausalLM` builds from the recipe's checkpoint: for a released multimodal type that
-    transformers loads as its text model (Qwen3.5, Llama 4, Qwen4-Exp), that text model, on the same weights; with
-    `checkpoint`, the recipe's own class (the composite, as saved and as vLLM runs it).
+    transformers loads as its text model (Qwen3.5, Qwen4-Exp), that text model, on the same weights, unless the family
+    serves the composite (`serves_composite`: Mllama, Llama 4, whose towers it mounts); with `checkpoint`, the
+    recipe's own class (the composite, as saved and as vLLM runs it).
     """
     import transformers
 

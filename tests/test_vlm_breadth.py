@@ -25,12 +25,12 @@ DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
 IMAGES = [
-    "gemma3", "gemma4", "gemma4_unified", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl",
-    "qwen3_5", "qwen3_5_moe",
+    "gemma3", "gemma4", "gemma4_unified", "llama4", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl",
+    "qwen2_vl", "qwen3_5", "qwen3_5_moe",
 ]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
-    "dots3_note", "fuyu", "git", "llama4", "qwen4_exp",
+    "dots3_note", "fuyu", "git", "qwen4_exp",
 ]  # fmt: skip
 #: ... by the common layout attnlens.inferred infers on the model of the default config.
 TEXT_INFERRED = [

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import Family, VLLMLayout, released_tiny
+from ..errors import Unavailable
+from ..family import Family, Tiny, VLLMLayout, released_tiny
 from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
 from ..parts import identities, scoring
 from ..parts.moe import SparseMoE
-from ..parts.multimodal import VLLM_LANGUAGE_MODEL, LanguageModelOf, released_vllm
+from ..parts.multimodal import VLLM_LANGUAGE_MODEL, ImageTokens, LanguageModelOf, Positions, Tower, released_vllm
+from .vision_llama4 import Llama4VisionTower
 
 MOE_REASON = (
     "a mixture-of-experts layer: mlp.experts forms act(gate) * up for every expert over every token, "
@@ -185,30 +187,166 @@ class Llama4(SparseMoE, Family):
     }
 
 
+#: The tiny model's image tokens, past the character tokenizer's 128 ids (so no text prompt holds one), in id order.
+TINY_TOKENS = {
+    "<|image_start|>": 128,  # boi_token_index
+    "<|image_end|>": 129,  # eoi_token_index
+    "<|patch|>": 130,  # image_token_index: each holds one feature of the image
+    "<|image|>": 131,  # before the global view (an image of one tile: before its tile)
+    "<|tile_x_separator|>": 132,
+    "<|tile_y_separator|>": 133,
+}
+
+MULTI_TILE = (
+    "model.positions: a Llama 4 image cut into several tiles is several grids (each tile's <|patch|> tokens in turn, "
+    "<|tile_x_separator|> between the tiles of a row, <|tile_y_separator|> after each row, then <|image|> and the "
+    "global view's tokens: the whole image resized to one tile), which attnlens's Positions (one grid per image) does "
+    "not hold; its values on image tokens are served"
+)
+
+
+class Llama4Images(ImageTokens):
+    """An image of one tile is `<|image_start|>`, `<|image|>`, its tile's grid of `<|patch|>` tokens (one per 2 x 2
+    block of the tile's patches, row-major), `<|image_end|>`; an image of several tiles (refused: several grids) has
+    its tiles' grids before `<|image|>` and a global view's grid after it. Image tokens attend causally, as text does.
+
+    The processor expands each `<|image|>` of the text by the image's aspect ratio in tiles (`aspect_ratios`, which
+    the model does not read): one tile (1 x 1) gives the layout above; more give `ratio_h * ratio_w` tiles, each
+    `(tile / patch_size)^2 * pixel_shuffle_ratio^2` tokens, `<|tile_x_separator|>` after each tile but a row's last,
+    `<|tile_y_separator|>` after each row, then `<|image|>` and the global view. The features fill the `<|patch|>`
+    tokens (`image_token_index`) in order; the language model's mask (causal, chunked on rotary layers) is built from
+    positions alone, so image tokens see what text at their positions would."""
+
+    around = ("boi_token_index", "eoi_token_index")
+
+    def grid(self, config, inputs, image):
+        vision = config.vision_config
+        pixels = inputs.get("pixel_values")
+        height, width = pixels.shape[-2:] if pixels is not None else (vision.image_size, vision.image_size)
+        fold = round(1 / vision.pixel_shuffle_ratio)  # the pixel shuffle folds fold x fold patches into a token
+        return height // vision.patch_size // fold, width // vision.patch_size // fold
+
+    def positions(self, config, input_ids, inputs):
+        ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()
+        start, end, patch = config.boi_token_index, config.eoi_token_index, config.image_token_id
+        is_patch = ids == patch
+        kind = is_patch.long()
+        image, row, col = (torch.full_like(ids, -1) for _ in range(3))
+        rows, cols = self.grid(config, inputs, 0)  # every tile has the tower's size
+        grids = []
+        for b in range(ids.shape[0]):
+            starts, ends = ((ids[b] == token).nonzero().flatten().tolist() for token in (start, end))
+            if len(starts) != len(ends) or any(not s < e for s, e in zip(starts, ends)):
+                raise ValueError(
+                    f"input_ids: prompt {b} has {len(starts)} <|image_start|> ({start}) and {len(ends)} <|image_end|> "
+                    f"({end}) tokens, not in pairs: pass the processor's input_ids unchanged"
+                )
+            own: list[tuple[int, int]] = []
+            for s, e in zip(starts, ends):
+                inside = is_patch[b, s : e + 1]
+                runs = int((inside[1:] & ~inside[:-1]).sum() + inside[0])  # separate runs of <|patch|> tokens
+                if runs > 1:
+                    raise Unavailable(MULTI_TILE)
+                places = inside.nonzero().flatten() + s
+                if len(places) != rows * cols:
+                    raise ValueError(
+                        f"input_ids: image {len(own)} of prompt {b} has {len(places)} <|patch|> tokens "
+                        f"(image_token_index = {patch}) where its tile's grid needs {rows} x {cols}: pass the "
+                        f"processor's input_ids unchanged"
+                    )
+                kind[b, s : e + 1] = torch.where(inside, 1, 2)  # <|image_start|>, <|image|>, <|image_end|>: special
+                image[b, places] = len(own)
+                row[b, places] = torch.arange(rows * cols) // cols
+                col[b, places] = torch.arange(rows * cols) % cols
+                own.append((rows, cols))
+            if int((image[b] >= 0).sum()) != int(is_patch[b].sum()):
+                raise ValueError(
+                    f"input_ids: prompt {b} has <|patch|> tokens ({patch}) outside <|image_start|> ... <|image_end|>: "
+                    f"pass the processor's input_ids unchanged"
+                )
+            grids.append(tuple(own))
+        return Positions(kind, image, row, col, tuple(grids))
+
+    def tiny_processor(self, config, char_tokenizer):
+        from transformers import Llama4Processor
+
+        vision = config.vision_config
+        tokenizer = char_tokenizer(min(TINY_TOKENS.values()), extra=TINY_TOKENS, named={"image_token": "<|image|>"})
+        return Llama4Processor(
+            image_processor=_one_tile_image_processor(vision.image_size),
+            tokenizer=tokenizer,
+            patch_size=vision.patch_size,
+            pixel_shuffle_ratio=vision.pixel_shuffle_ratio,
+        )
+
+
+def _one_tile_image_processor(side: int):
+    """A stand-in for `Llama4ImageProcessor`, which needs torchvision (not installed here): each image resized to one
+    `side` x `side` tile (bilinear, its aspect not kept), scaled to [0, 1] and normalised with Llama 4's mean and std
+    (0.5), in float32; `aspect_ratios` (1, 1) for every image, so the processor lays each out as one tile. Llama 4's
+    own keeps the aspect (padding the rest), normalises in bfloat16 and cuts a large image into tiles."""
+    from transformers import SiglipImageProcessorPil
+    from transformers.image_utils import PILImageResampling
+
+    class OneTileImageProcessor(SiglipImageProcessorPil):
+        def preprocess(self, images, **kwargs):
+            found = super().preprocess(images, **kwargs)
+            found["aspect_ratios"] = [[1, 1]] * len(found["pixel_values"])
+            return found
+
+    return OneTileImageProcessor(
+        size={"height": side, "width": side},
+        resample=PILImageResampling.BILINEAR,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+
+
+#: The tiny model's tower: 4 x 4 patches of 8 pixels per tile (2 x 2 image tokens after the pixel shuffle), 2 blocks
+#: 32 wide; its MLP 4 times as wide, as the adapter reads the pixel-shuffled [4 * hidden] tokens at that width.
+TINY_TOWER = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+    "image_size": 32,
+    "patch_size": 8,
+    "vision_output_dim": 64,
+    "projector_input_dim": 64,
+    "projector_output_dim": 64,
+}
+_RELEASED = released_tiny("Llama4Config", "Llama4ForConditionalGeneration", Llama4, TINY_TOWER)
+
+
 class Llama4Multimodal(LanguageModelOf, Llama4):
     """Released Llama 4 checkpoints ("llama4", `Llama4ForConditionalGeneration`: Scout, Maverick) as a composite
-    object, and on vLLM (its mllama4.py, the text class as `language_model`): the text model under `language_model`.
-    Loaded from the checkpoint, transformers builds the text model (`Llama4ForCausalLM` on the text config), served by
-    `Llama4`. (The composite object's own forward on text fails in transformers 5.24: "'MoeCausalLMOutputWithPast'
-    object has no attribute 'image_outputs'"; loading the checkpoint avoids it.)"""
+    object, and on vLLM (its mllama4.py, the text class as `language_model`): the text model under `language_model`,
+    the vision tower `vision_model` (`Llama4VisionTower`) as `model.vision`, the multimodal projector between them.
+    Loaded from the checkpoint by name, transformers builds the text model (`Llama4ForCausalLM` on the text config),
+    served by `Llama4` on text; to read images, pass the `Llama4ForConditionalGeneration` built yourself (the tiny
+    model is that composite: `serves_composite`).
+
+    With an image the language model's attention is the text model's: its mask (causal on NoPE layers, chunked on
+    rotary layers: a query sees only the earlier keys of its own chunk of `attention_chunk_size` positions) is built
+    from positions alone, so an image's tokens are split by chunk boundaries as text is, and NoPE layers' temperature
+    tuning scales them by position as it does text."""
 
     # transformers' Llama4ForConditionalGeneration holds its Llama4ForCausalLM whole as `language_model`, as vLLM does
     layers, embed_tokens, final_norm = (VLLM_LANGUAGE_MODEL[part] for part in ("layers", "embed_tokens", "final_norm"))
     model_types = ("llama4",)
-    tiny = released_tiny(
-        "Llama4Config",
-        "Llama4ForConditionalGeneration",
-        Llama4,
+    towers = {"vision": Tower("vision_model", Llama4VisionTower)}
+    images = Llama4Images()
+    # the tiny model is the composite (what the tower and image tests read), not the text model a checkpoint loads as
+    serves_composite = True
+    tiny = Tiny(
+        _RELEASED.config,
+        _RELEASED.model,
         {
-            "num_hidden_layers": 1,
-            "hidden_size": 32,
-            "num_attention_heads": 2,
-            "intermediate_size": 64,
-            "image_size": 28,
-            "patch_size": 14,
-            "vision_output_dim": 64,
-            "projector_input_dim": 64,
-            "projector_output_dim": 64,
+            **_RELEASED.kwargs,
+            "text_config": {**_RELEASED.kwargs["text_config"], "vocab_size": 128 + len(TINY_TOKENS)},
+            "boi_token_index": TINY_TOKENS["<|image_start|>"],
+            "eoi_token_index": TINY_TOKENS["<|image_end|>"],
+            "image_token_index": TINY_TOKENS["<|patch|>"],
         },
     )
     vllm = released_vllm(Llama4, "llama4", tiny)  # vLLM's mllama4

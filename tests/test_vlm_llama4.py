@@ -1,0 +1,333 @@
+"""Llama 4 with images on the transformers engine: both stacks against transformers' own attention weights, the
+identities, the chunked mask over image tokens, the tower's 2-D rotary queries by hand, and image positions.
+
+The tiny model (`models.tiny("llama4")`: the composite `Llama4ForConditionalGeneration`, the family's
+`serves_composite`; a checkpoint loaded by name builds the text model alone): a 2-block vision tower over 32 x 32
+tiles (4 x 4 patches of 8 pixels and a class token, the last of 17 rows; the pixel shuffle folds each 2 x 2 block of
+patches into one of 2 x 2 image tokens), a 3-block language model whose rotary blocks 0 and 2 attend in chunks of 4
+positions and whose block 1 is a NoPE block seeing every earlier key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlens
+from attnlens.checks import failures, read_everything
+from attnlens.families.llama4 import TINY_TOKENS, Llama4
+from attnlens.models import char_tokenizer, tiny_model, tiny_processor
+
+START, END, PATCH, IMAGE, TILE_X, TILE_Y = TINY_TOKENS.values()
+ONE_TILE = [START, IMAGE, *[PATCH] * 4, END]
+#: Text, an image, text, a second image, text: 20 positions, so chunks of 4 cut both images' tokens.
+PROMPT = torch.tensor([[1, 40, 41, *ONE_TILE, 42, *ONE_TILE, 43, 44]])
+FIRST, SECOND = [5, 6, 7, 8], [13, 14, 15, 16]
+#: An image cut into 1 x 2 tiles: each tile's tokens, a separator between them, one after the row, then <|image|> and
+#: the global view's tokens (three tiles through the tower).
+TILED = torch.tensor([[1, 40, START, *[PATCH] * 4, TILE_X, *[PATCH] * 4, TILE_Y, IMAGE, *[PATCH] * 4, END, 41]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = attnlens.models.tiny("llama4")
+    assert type(model._module).__name__ == "Llama4ForConditionalGeneration"
+    return model
+
+
+def _pixels(tiles, seed=0):
+    """`tiles` tiles of pixel values, as Llama4ImageProcessor hands them (it needs torchvision, not installed here):
+    [tiles, 3, 32, 32], normalised values drawn at random."""
+    return torch.randn(tiles, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_with_two_images(model):
+    """The language model's patterns (chunked blocks 0 and 2, the NoPE block 1) and the tower's (one batch row per
+    tile) are torch.equal to `output_attentions`, the logits to the model's; the chunked blocks cut image 0's tokens
+    at position 8 (a chunk boundary), the NoPE block does not."""
+    pixels = _pixels(2)
+    module = model._module
+    with torch.no_grad():
+        own = module(input_ids=PROMPT, pixel_values=pixels, output_attentions=True)
+        # (transformers 5.19's tower indexes its output tuple as if hidden states were asked for: ask for them)
+        tower = module.vision_model(pixels, output_attentions=True, output_hidden_states=True)
+    vision, language = [], []
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
+        for i in range(2):
+            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
+        for i in range(3):
+            language.append(model.layers[i].self_attn.attention_probabilities.save())
+        logits = model.logits.save()
+    assert len(tower.attentions) == 2 and len(own.attentions) == 3
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    assert torch.equal(logits, own.logits)
+    assert vision[0].shape == (2, 2, 17, 17)  # two tiles, two heads, 16 patches and the class token each way
+    assert (vision[1] > 0).all()  # bidirectional within a tile
+    chunked, nope = language[0][0], language[1][0]
+    assert (chunked[:, 8, 5:8] == 0).all() and (chunked[:, 8, 8] > 0).all()  # position 8 starts a chunk
+    assert (nope[:, 8, 5:8] > 0).all() and (nope[:, 7, 8:] == 0).all()  # causal, no chunks
+
+
+def test_the_identities_hold_on_both_stacks_with_images(model):
+    saved = read_everything(model, PROMPT, pixel_values=_pixels(2))
+    assert [failures(model.vision, saved["vision"], i) for i in range(model.vision.num_layers)] == [[], []]
+    assert [failures(model, saved, i) for i in range(model.num_layers)] == [[], [], []]
+
+
+def test_the_checks_fail_where_the_chunks_over_image_tokens_are_ignored(model, monkeypatch):
+    """Can fail: with the family's chunks ignored (every block causal over all earlier keys), the chunked blocks'
+    scores disagree with the model's, and the entries the model masks past a chunk boundary (image rows among them)
+    would be visible yet are zero; the NoPE block, unchunked, still holds."""
+    saved = read_everything(model, PROMPT, pixel_values=_pixels(2))
+    monkeypatch.setattr(Llama4, "chunk", lambda self, config, layer: None)
+    for layer in (0, 2):
+        found = failures(model, saved, layer)
+        assert "visible entries positive" in found and "scores == family score function" in found
+    assert failures(model, saved, 1) == []
+
+
+def test_the_chunked_scores_over_image_tokens_are_the_hand_computed_ones(model):
+    """Block 0's scores equal queries @ keys^T / sqrt(head_dim) plus a mask written here: each query sees the earlier
+    keys of its own chunk of `attention_chunk_size` positions (counted from position 0), image tokens as text."""
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=_pixels(2)):
+        attn = model.layers[0].self_attn
+        q, k, scores = attn.attention_queries.save(), attn.attention_keys.save(), attn.attention_scores.save()
+    heads = model.layers[0].self_attn.heads
+    size = model.config.text_config.attention_chunk_size
+    assert size < PROMPT.shape[1]
+    where = torch.arange(PROMPT.shape[1])
+    seen = (where[None] <= where[:, None]) & (where[None] // size == where[:, None] // size)
+    mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)
+    repeated = k.repeat_interleave(heads.num_heads // heads.num_kv_heads, dim=1)
+    expected = q @ repeated.transpose(-1, -2) * heads.head_dim**-0.5 + mask
+    assert torch.allclose(scores, expected, atol=1e-5, rtol=1e-5)
+    assert not seen[8, 5] and seen[8, 8] and seen[7, 5]  # image 0's tokens straddle a boundary
+
+
+def test_the_towers_queries_are_read_after_its_2d_rotary_embedding_by_hand(model):
+    """The tower's queries and keys are q_proj and k_proj of the block's norm output turned pair by pair: the first
+    half of each head's adjacent channel pairs by (column + 1) * theta_j, the second half by (row + 1) * theta_j, over
+    the tile's 4 x 4 patches (row-major); the class token (the last row) unturned. Within 1e-5."""
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=_pixels(2)):
+        block = model.vision.layers[0]
+        normed = block.attention_norm_output.save()
+        q, k = block.self_attn.attention_queries.save(), block.self_attn.attention_keys.save()
+    attention = model._module.vision_model.model.layers[0].self_attn
+    heads, dim = attention.num_heads, attention.head_dim
+    pairs = dim // 2
+    theta = model.config.vision_config.rope_parameters["rope_theta"]
+    frequencies = theta ** -(torch.arange(0, pairs, 2)[: pairs // 2].float() / pairs)
+    place = torch.arange(16)
+    row, col = torch.cat([place // 4, torch.tensor([-1])]), torch.cat([place % 4, torch.tensor([-1])])
+    angles = torch.cat([(col + 1)[:, None] * frequencies, (row + 1)[:, None] * frequencies], dim=-1)  # [17, pairs]
+    angles[-1] = 0  # the class token
+
+    def turned(projection):
+        x = projection(normed).view(2, 17, heads, pairs, 2)
+        cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+        out = torch.stack((x[..., 0] * cos - x[..., 1] * sin, x[..., 0] * sin + x[..., 1] * cos), dim=-1)
+        return out.flatten(-2).transpose(1, 2)  # [tiles, heads, rows, head_dim]
+
+    assert torch.allclose(q, turned(attention.q_proj), atol=1e-5)
+    assert torch.allclose(k, turned(attention.k_proj), atol=1e-5)
+    plain = attention.q_proj(normed).view(2, 17, heads, dim).transpose(1, 2)
+    assert torch.allclose(q[:, :, -1], plain[:, :, -1], atol=1e-6)  # the class token
+    assert not torch.allclose(q[:, :, :-1], plain[:, :, :-1], atol=1e-2)  # the patches turned
+
+
+def test_each_image_token_holds_the_projected_pixel_shuffle_of_its_2x2_patches(model):
+    """What layers[0] reads at image token (row r, column c) of a tile is the projector's image of the adapter's
+    output for that tile's token r * 2 + c, which the pixel shuffle built from patches (2r..2r+1, 2c..2c+1) of
+    layernorm_post's output: changing one patch's row of it moves that one token only."""
+    pixels = _pixels(2)
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
+        after = model.vision.final_norm_output.save()
+        first = model.layers[0].layer_input.save()
+    vision = model._module.vision_model
+    projector = model._module.multi_modal_projector
+    with torch.no_grad():
+        features = projector(vision.vision_adapter(after[:, :-1]))  # [tiles, 4, hidden]
+        assert torch.allclose(first[0, FIRST], features[0], atol=1e-6)
+        assert torch.allclose(first[0, SECOND], features[1], atol=1e-6)
+        moved = after.clone()
+        moved[0, 1 * 4 + 2] += 1.0  # patch (1, 2): the token at (0, 1)
+        changed = (projector(vision.vision_adapter(moved[:, :-1])) - features).abs().amax(-1)
+    assert (changed[0] > 0).tolist() == [False, True, False, False] and (changed[1] == 0).all()
+
+
+def test_an_edit_of_the_towers_pattern_moves_the_logits_as_a_hook_on_plain_transformers_predicts(model):
+    """Uniform attention in the tower's last block: the logits equal plain transformers' with that block's attention
+    replaced (a forward hook) by o_proj of the mean of its values; the tower's support says why no logits."""
+    pixels = _pixels(2)
+    last = model.vision.layers[-1]
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
+        pattern = last.self_attn.attention_probabilities
+        last.self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
+        edited = model.logits.save()
+    module = model._module
+    attention = module.vision_model.model.layers[-1].self_attn
+
+    def uniform(attention, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        b, n, _ = hidden.shape
+        values = attention.v_proj(hidden).view(b, n, -1, attention.head_dim)
+        mixed = values.mean(1, keepdim=True).expand(b, n, -1, -1).reshape(b, n, -1)
+        return attention.o_proj(mixed), None
+
+    with torch.no_grad():
+        plain = module(input_ids=PROMPT, pixel_values=pixels).logits
+        hook = attention.register_forward_hook(uniform, with_kwargs=True)
+        try:
+            expected = module(input_ids=PROMPT, pixel_values=pixels).logits
+        finally:
+            hook.remove()
+    assert torch.allclose(edited, expected, atol=2e-5)  # 6.9e-6 measured: fp32 through three blocks
+    assert not torch.allclose(edited, plain, atol=1e-4)  # the edit moved them (by 1.5e-3: a tiny tower's share)
+    support = model.vision.support(0)
+    assert support["self_attn.attention_probabilities"] is None
+    assert "no logits" in support["logits"]
+    assert "2-D rotary" in support.notes["self_attn.attention_queries"]
+
+
+def test_an_edit_of_a_chunked_pattern_over_image_tokens_moves_the_logits_as_a_hook_predicts(model):
+    """Block 2's (chunked) pattern with every row put on its own chunk's first key: the logits equal plain
+    transformers' with block 2's attention replaced (a forward hook) by o_proj of that key's values per head."""
+    pixels = _pixels(2)
+    size = model.config.text_config.attention_chunk_size
+    first_of_chunk = torch.arange(PROMPT.shape[1]) // size * size
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
+        attn = model.layers[2].self_attn
+        edited_pattern = torch.zeros_like(attn.attention_probabilities)
+        edited_pattern[..., torch.arange(PROMPT.shape[1]), first_of_chunk] = 1.0
+        attn.attention_probabilities = edited_pattern
+        edited = model.logits.save()
+    module = model._module
+    attention = module.language_model.model.layers[2].self_attn
+
+    def on_chunk_start(attention, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        b, n, _ = hidden.shape
+        values = attention.v_proj(hidden).view(b, n, -1, attention.head_dim)[:, first_of_chunk]
+        values = values.repeat_interleave(attention.num_key_value_groups, dim=2)
+        return attention.o_proj(values.reshape(b, n, -1)), None
+
+    with torch.no_grad():
+        hook = attention.register_forward_hook(on_chunk_start, with_kwargs=True)
+        try:
+            expected = module(input_ids=PROMPT, pixel_values=pixels).logits
+        finally:
+            hook.remove()
+        plain = module(input_ids=PROMPT, pixel_values=pixels).logits
+    assert torch.allclose(edited, expected, atol=1e-5)
+    assert not torch.allclose(edited, plain, atol=1e-3)
+
+
+def test_temperature_tuning_binds_on_image_rows_and_every_value_still_equals_transformers():
+    """With `floor_scale` 4 the NoPE block's temperature tuning scales queries from position 3 on (image tokens among
+    them): its pattern still equals `output_attentions`, the identities hold, and its queries at image 1's tokens are
+    the unscaled ones times 1 + attn_scale * log1p(floor((p + 1) / floor_scale))."""
+    from attnlens.families.llama4 import Llama4Multimodal
+
+    text = {**Llama4Multimodal.tiny.kwargs["text_config"], "floor_scale": 4, "attn_scale": 0.5}
+    module = tiny_model("llama4", text_config=text)
+    model = attnlens.StandardizedTransformer(module, tokenizer=char_tokenizer())
+    pixels = _pixels(2)
+    with torch.no_grad():
+        own = module(input_ids=PROMPT, pixel_values=pixels, output_attentions=True)
+    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
+        normed = model.layers[1].attention_norm_output.save()
+        queries = model.layers[1].self_attn.attention_queries.save()
+        pattern = model.layers[1].self_attn.attention_probabilities.save()
+    assert torch.equal(pattern, own.attentions[1])
+    saved = read_everything(model, PROMPT, pixel_values=pixels)
+    assert [failures(model, saved, i) for i in range(model.num_layers)] == [[], [], []]
+    attention = module.language_model.model.layers[1].self_attn
+    plain = attention.q_proj(normed).view(1, PROMPT.shape[1], -1, attention.head_dim).transpose(1, 2)
+    at = torch.tensor(SECOND, dtype=torch.float32)
+    scale = 1 + 0.5 * torch.log1p(torch.floor((at + 1) / 4))
+    assert torch.allclose(queries[0, :, SECOND], plain[0, :, SECOND] * scale[:, None], atol=1e-6)
+    assert (scale > 1).all()
+
+
+def test_the_sdpa_rebuild_keeps_the_chunks_over_image_tokens():
+    """On sdpa with `rebuild_patterns`, the language model's patterns rebuilt from the queries and keys with the
+    family's mask (chunks on blocks 0 and 2) equal the eager ones within 1e-5, the boundary inside image 0 kept."""
+    pixels = _pixels(2)
+
+    def patterns(implementation, rebuild):
+        module = tiny_model("llama4", checkpoint=True, attn_implementation=implementation)
+        served = attnlens.StandardizedTransformer(
+            module, tokenizer=char_tokenizer(), attn_implementation=implementation, rebuild_patterns=rebuild
+        )
+        found = []
+        with torch.no_grad(), served.trace(PROMPT, pixel_values=pixels):
+            for i in range(3):
+                found.append(served.layers[i].self_attn.attention_probabilities.save())
+        return found
+
+    for found, expected in zip(patterns("sdpa", True), patterns("eager", False)):
+        assert torch.allclose(found, expected, atol=1e-5)
+    assert (found[0, :, 8, 5:8] == 0).all()  # block 2: position 8 starts a chunk
+
+
+def test_positions_place_each_one_tile_images_tokens_on_its_grid(model):
+    """Each position's kind, image, row and column: <|image_start|>, <|image|> and <|image_end|> special, the
+    <|patch|> tokens on the tile's 2 x 2 grid; `on_grid` lays a row of a pattern over an image."""
+    found = model.positions(PROMPT, pixel_values=_pixels(2))
+    spans = {"text": [0, 1, 2, 10, 18, 19], "special": [3, 4, 9, 11, 12, 17], "image 0": FIRST, "image 1": SECOND}
+    assert found.spans() == spans
+    assert found.grids == (((2, 2), (2, 2)),)
+    assert found.row[0, FIRST].tolist() == [0, 0, 1, 1] and found.col[0, SECOND].tolist() == [0, 1, 0, 1]
+    row = torch.arange(PROMPT.shape[1], dtype=torch.float32)
+    assert found.on_grid(row, 1).tolist() == [[13.0, 14.0], [15.0, 16.0]]
+    with pytest.raises(ValueError, match="image 1 of prompt 0 has 3 <\\|patch\\|> tokens"):
+        model.positions(torch.cat([PROMPT[:, :16], PROMPT[:, 17:]], dim=1))
+    with pytest.raises(ValueError, match="not in pairs"):
+        model.positions(PROMPT[:, :12])
+
+
+def test_an_image_of_several_tiles_is_served_its_positions_refused_with_the_reason(model):
+    """An image cut into 1 x 2 tiles and its global view: three tiles through the tower, every pattern still equal
+    to `output_attentions`; `model.positions` refuses it (several grids of one image)."""
+    pixels = _pixels(3)
+    with torch.no_grad():
+        own = model._module(input_ids=TILED, pixel_values=pixels, output_attentions=True)
+    language = []
+    with torch.no_grad(), model.trace(TILED, pixel_values=pixels):
+        tower = model.vision.layers[0].self_attn.attention_probabilities.save()
+        for i in range(3):
+            language.append(model.layers[i].self_attn.attention_probabilities.save())
+    assert tower.shape[0] == 3
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    with pytest.raises(attnlens.Unavailable, match="several grids"):
+        model.positions(TILED, pixel_values=pixels)
+
+
+def test_the_tiny_processor_expands_an_image_into_one_tile_as_llama4processor_does():
+    """`models.tiny_processor("llama4")`: transformers' Llama4Processor (its own expansion of <|image|>) with the
+    character tokenizer and a one-tile stand-in image processor (Llama4ImageProcessor needs torchvision): an image
+    becomes <|image_start|> <|image|> 4 x <|patch|> <|image_end|> and one 32 x 32 tile."""
+    from PIL import Image
+
+    processor = tiny_processor("llama4")
+    picture = Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    inputs = processor(text="ab<|image|>cd", images=[picture], return_tensors="pt")
+    assert inputs["input_ids"].tolist() == [[68, 69, *ONE_TILE, 70, 71]]
+    assert inputs["pixel_values"].shape == (1, 3, 32, 32)
+    assert type(processor).__name__ == "Llama4Processor"
+
+
+def test_the_viewer_lays_a_processed_images_tokens_on_its_grid(model):
+    """`attnlens.show`'s patterns of the processor's inputs: the image on its 2 x 2 grid at the <|patch|> positions,
+    named by grid place (what `attnlens show tiny:llama4 --image FILE` draws)."""
+    from PIL import Image
+
+    from attnlens.show import patterns
+
+    processor = tiny_processor("llama4")
+    picture = Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    inputs = dict(processor(text="ab<|image|>cd", images=[picture], return_tensors="pt"))
+    shown = patterns(model, inputs, [0])
+    assert len(shown.images) == 1 and shown.images[0].positions == [4, 5, 6, 7]
+    assert shown.tokens[5] == "<image 0 0,1>"
