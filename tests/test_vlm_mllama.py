@@ -1,9 +1,11 @@
 """Mllama (Llama 3.2 Vision) with images on the transformers engine: its cross-attention blocks under the
-cross-attention vocabulary, against transformers' own attention weights, a hand computation and the identities.
+cross-attention vocabulary, and its vision tower's two stacks (`model.vision`, `model.vision_global`), against
+transformers' own attention weights, hand computations and the identities.
 
 The tiny model (`models.tiny("mllama")`): a 3-block language model whose block 1 is a cross-attention block (tanh
 gates drawn off zero), image token 129; a vision tower over 32 x 32 tiles (4 x 4 patches of 8 pixels and a class
-token: 17 keys per tile), at most 2 tiles per image.
+token: 17 keys per tile; the tower pads each tile to 24 positions), at most 2 tiles per image, 2 local and 2 gated
+tower blocks.
 """
 
 from __future__ import annotations
