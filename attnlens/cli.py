@@ -353,24 +353,28 @@ def _with_images(spec: str, prompt: str, files: list[Path]):
         except OSError as error:
             raise CommandError(f"--image {file}: not an image this machine can read ({_line(error)})") from None
     try:
-        if spec.startswith("tiny:"):
-            from .models import tiny_processor
-
-            processor = tiny_processor(spec.removeprefix("tiny:"))
-        else:
+        processor = _tiny_processor(spec)
+        if processor is None:
             from transformers import AutoProcessor
 
             processor = AutoProcessor.from_pretrained(str(_folder(spec) or spec))
     except Exception as error:  # noqa: BLE001  a checkpoint without a processor: one line saying so
         raise CommandError(f"--image: {spec!r} has no processor that takes images ({_line(error)})") from None
-    tokenizer = getattr(processor, "tokenizer", None)
-    placeholder = getattr(tokenizer, "boi_token", None) or getattr(tokenizer, "image_token", None)
-    if placeholder is None:
-        raise CommandError(f"--image: {type(processor).__name__} names no image placeholder token")
-    if placeholder not in prompt:
-        prompt = placeholder * len(images) + prompt
-    inputs = processor(text=prompt, images=images, return_tensors="pt")
-    return dict(inputs), images
+    from .models import processor_inputs
+
+    try:
+        return processor_inputs(processor, prompt, images), images
+    except ValueError as error:
+        raise CommandError(f"--image: {error}") from None
+
+
+def _tiny_processor(spec: str):
+    """A tiny model's processor (built here: its folder holds none); None for a checkpoint, whose own loads."""
+    if not spec.startswith("tiny:"):
+        return None
+    from .models import tiny_processor
+
+    return tiny_processor(spec.removeprefix("tiny:"))
 
 
 def _prompts(source: str | None) -> list[str] | None:
@@ -440,6 +444,10 @@ def run_collect(args) -> int:
     from .collect.features import resolve
 
     resolve(args.features.split(","))  # unknown names fail before a model loads
+    try:
+        processor = _tiny_processor(args.model) if args.image_field else None
+    except ValueError as error:
+        raise CommandError(f"--image-field: {error}") from None
     corpus = Path(args.corpus).expanduser()
     if not corpus.is_file():
         raise CommandError(f"CORPUS {args.corpus}: no such file (a .jsonl, .txt or .parquet file)")
@@ -484,6 +492,8 @@ def run_collect(args) -> int:
         workers=args.workers,
         max_prompts=args.max_prompts,
         progress=True,
+        image_field=args.image_field,
+        processor=processor,
     )
     table = Table(title=f"attnlens collect · {args.out}", title_justify="left", show_header=False)
     for name, value in (
@@ -722,6 +732,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collect.add_argument("--field", default="text", help="the JSONL field or Parquet column with the text (text)")
     collect.add_argument("--key-field", default="id", help="a field kept with each row as its key (id)")
+    collect.add_argument(
+        "--image-field",
+        default=None,
+        help="a field naming each prompt's image file(s), relative to the corpus (the checkpoint's processor reads "
+        "them; the image_share feature measures the text's attention on them)",
+    )
     collect.add_argument("--shard-size", type=int, default=256, help="prompts per shard, each one commit (256)")
     collect.add_argument(
         "--batch-size", type=int, default=None, help="prompts per forward (eager, 8) or per trace (vLLM, 32)"

@@ -613,6 +613,19 @@ def _with_images(model, prompts) -> list[dict] | None:
     return found
 
 
+def image_masses(positions, each: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`summarize`'s `masses` for the `image` metric (`METRICS`) of a prompt (`positions`: `model.positions`, row 0):
+    "image": (its text rows after the first image token, every image's tokens; no row where it holds no image); with
+    `each`, also "image i": (the same rows, image i's tokens) for each image."""
+    on_image = positions.image[0] >= 0
+    first = int(on_image.nonzero()[0]) if on_image.any() else len(on_image)
+    rows = (positions.kind[0] == 0) & (torch.arange(len(on_image)) > first)
+    masses = {"image": (rows, on_image)}
+    for image in range(len(positions.grids[0]) if each else 0):
+        masses[f"image {image}"] = (rows, positions.image[0] == image)
+    return masses
+
+
 def _run_with_images(model, layers, prompts: list[dict], options: dict, *, bar, description) -> list[dict]:
     """`_run` for prompts given as the model's inputs (`_with_images`), a forward each: `model.positions` says
     where its images sit, which the score function masks by (an image's tokens both ways, where the family's do)
@@ -622,10 +635,8 @@ def _run_with_images(model, layers, prompts: list[dict], options: dict, *, bar, 
     results = []
     for inputs in prompts:
         positions = model.positions(inputs)
-        on_image = positions.image[0] >= 0
-        after = torch.arange(len(on_image)) > (int(on_image.nonzero()[0]) if on_image.any() else len(on_image))
-        masses = {"image": ((positions.kind[0] == 0) & after, on_image)}
-        image_of = positions.image if both_ways and on_image.any() else None
+        masses = image_masses(positions)
+        image_of = positions.image if both_ways and masses["image"][1].any() else None
         found: list[dict] = [{}]
         rest = {name: value for name, value in inputs.items() if name != "input_ids"}
         with torch.no_grad(), model.trace(inputs["input_ids"], **rest):

@@ -147,6 +147,19 @@ def tiny_processor(family: str):
     return processor
 
 
+def processor_inputs(processor, prompt: str, images: list) -> dict:
+    """The model's inputs for `prompt` showing `images` (PIL images), through a multimodal checkpoint's `processor`:
+    one image placeholder per image put before the prompt where the prompt holds none (the tokenizer's `boi_token` or
+    `image_token`). Raises ValueError where the processor names no placeholder."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    placeholder = getattr(tokenizer, "boi_token", None) or getattr(tokenizer, "image_token", None)
+    if placeholder is None:
+        raise ValueError(f"{type(processor).__name__} names no image placeholder token")
+    if placeholder not in prompt:
+        prompt = placeholder * len(images) + prompt
+    return dict(processor(text=prompt, images=images, return_tensors="pt"))
+
+
 def tiny_cases(causal: bool = True) -> list[str]:
     """Every registered family with a tiny recipe, by its first model type, and each of its other layouts
     (`"falcon:alibi"`): what the test suites build a tiny model of. `causal`: the decoders (every family test runs

@@ -95,7 +95,9 @@ def test_the_types_served_with_images_name_what_is_served_or_refused_and_have_th
     """Served with images: each tower served or refused, positions laid out or refused, as the family states them;
     and the family's own tests (the every-value comparisons with images) exist."""
     assert "image positions laid out by model.positions (LlavaNextImages" in outcomes["llava_next"].detail
-    assert "tower model.vision refused: Mllama's vision tower" in outcomes["mllama"].detail
+    mllama = outcomes["mllama"].detail
+    assert "tower model.vision served (MllamaVisionTower, the model's model.vision_model.transformer)" in mllama
+    assert "tower model.vision_global served (MllamaGlobalTower" in mllama and "refused" not in mllama
     assert "an image's tokens attend to each other both ways" in outcomes["gemma3"].detail
     assert "tower model.vision served (Qwen2_5VisionTower, the model's model.visual)" in outcomes["qwen2_5_vl"].detail
     suites = [p.read_text() for p in (ROOT / "tests").glob("test_v*.py") if p.name != pathlib.Path(__file__).name]

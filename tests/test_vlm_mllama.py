@@ -1,9 +1,11 @@
 """Mllama (Llama 3.2 Vision) with images on the transformers engine: its cross-attention blocks under the
-cross-attention vocabulary, against transformers' own attention weights, a hand computation and the identities.
+cross-attention vocabulary, and its vision tower's two stacks (`model.vision`, `model.vision_global`), against
+transformers' own attention weights, hand computations and the identities.
 
 The tiny model (`models.tiny("mllama")`): a 3-block language model whose block 1 is a cross-attention block (tanh
 gates drawn off zero), image token 129; a vision tower over 32 x 32 tiles (4 x 4 patches of 8 pixels and a class
-token: 17 keys per tile), at most 2 tiles per image.
+token: 17 keys per tile; the tower pads each tile to 24 positions), at most 2 tiles per image, 2 local and 2 gated
+tower blocks.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def test_support_says_which_block_kind_serves_what(model):
     assert "layers [1]" in own["cross_attention_input"]
     assert "tanh(cross_attn_attn_gate)" in cross.notes["layer_mid"]
     assert "class token" in cross.notes["cross_attn.attention_keys"]
-    assert "vision tower" in cross.notes["cross_attn.attention_keys"]  # not served, and why
+    assert "model.vision_global" in cross.notes["cross_attn.attention_keys"]
     with pytest.raises(attnlens.Unavailable, match="is a cross-attention block"):
         with torch.no_grad(), model.trace(ONE, **_inputs(ONE, ONE_IMAGE)):
             model.layers[1].self_attn.attention_probabilities.save()
@@ -197,3 +199,159 @@ def test_text_alone_skips_the_cross_block_and_the_text_model_keeps_its_family():
     assert torch.equal(out0, in2)
     text = attnlens.models.tiny("mllama_text_model")
     assert text.family.name == "Mllama" and type(text._module).__name__ == "MllamaForCausalLM"
+
+
+# --- the vision tower: model.vision (the local stack), model.vision_global (the gated stack) -------------------------
+
+#: Positions of a tile in the towers' sequences: its class token and 16 patches, then 7 padding rows (to 24).
+TILE = 24
+
+
+def _tower_attentions(model, prompt, inputs):
+    """transformers' own eager attention weights of every tower block (the local stack's, then the global's), as each
+    `MllamaVisionAttention` returns them, and the logits."""
+    vision = model._module.model.vision_model
+    blocks = [*vision.transformer.layers, *vision.global_transformer.layers]
+    found = []
+    hooks = [block.self_attn.register_forward_hook(lambda m, a, out: found.append(out[1])) for block in blocks]
+    try:
+        with torch.no_grad():
+            logits = model._module(input_ids=prompt, **inputs).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found, logits
+
+
+def test_every_pattern_of_both_tower_stacks_equals_transformers_attention(model):
+    """Each local block's (`model.vision`) and gated block's (`model.vision_global`) pattern is torch.equal to the
+    weights transformers' eager attention returns, on the two-image prompt (one image with a padding tile); the
+    towers' sequence is one per image, two tiles of 24 positions."""
+    inputs = _inputs(TWO, TWO_IMAGES)
+    expected, logits = _tower_attentions(model, TWO, inputs)
+    found = []
+    with torch.no_grad(), model.trace(TWO, **inputs):
+        for stack in (model.vision, model.vision_global):
+            for i in range(2):
+                found.append(stack.layers[i].self_attn.attention_probabilities.save())
+        own = model.logits.save()
+    assert len(expected) == 4 and all(torch.equal(a, b) for a, b in zip(found, expected))
+    assert torch.equal(own, logits)
+    assert found[0].shape == (2, 2, 2 * TILE, 2 * TILE)
+
+
+def test_the_towers_mask_only_the_pairs_of_padding_positions(model):
+    """A padding position (a tile's 7 padding rows, every position of image 1's padding tile) gets zero from every
+    padding position and weight from every real one; a real position sees every position; the score function, given
+    the padding (`segments`), gives the scores; the identities hold on every block of both stacks."""
+    inputs = _inputs(TWO, TWO_IMAGES)
+    saved = read_everything(model, TWO, **inputs)
+    padding = torch.zeros(2, 2 * TILE, dtype=torch.bool)
+    padding[:, 17:TILE] = padding[:, TILE + 17 :] = True
+    padding[1, TILE:] = True  # image 1's second tile
+    assert torch.equal(saved["vision"][(0, "segments")] < 0, padding)
+    for name in ("vision", "vision_global"):
+        pattern = saved[name][(1, "attention_probabilities")]
+        both = padding[:, :, None] & padding[:, None, :]
+        assert (pattern.transpose(0, 1)[:, both] == 0).all() and (pattern.transpose(0, 1)[:, ~both] > 0).all()
+        stack = getattr(model, name)
+        assert [failures(stack, saved[name], i) for i in range(2)] == [[], []]
+
+
+def test_the_tower_checks_fail_without_the_padding_mask(model):
+    """Can fail: with the padding left out (every position seeing every one), the score function's scores and the
+    visible entries disagree with the model's, on both stacks."""
+    saved = read_everything(model, TWO, **_inputs(TWO, TWO_IMAGES))
+    for name in ("vision", "vision_global"):
+        del saved[name][(0, "segments")]
+        found = failures(getattr(model, name), saved[name], 0)
+        assert "scores == family score function" in found and "visible entries positive" in found
+
+
+def test_the_gated_blocks_identities_see_their_gates(model, monkeypatch):
+    """Can fail: an oracle adding the global blocks' updates ungated fails both residual identities there."""
+    from attnlens.families.vision_mllama import MllamaVisionTower
+
+    saved = read_everything(model, ONE, **_inputs(ONE, ONE_IMAGE))
+    plain = attnlens.parts.identities.Identities.residual_add
+    monkeypatch.setattr(MllamaVisionTower.Identities, "residual_add", lambda self, *a, **k: plain(self, *a))
+    found = failures(model.vision_global, saved["vision_global"], 0)
+    assert "layer input + attention output == layer mid" in found and "layer mid + mlp output == layer output" in found
+    assert failures(model.vision, saved["vision"], 0) == []  # the local blocks have no gate
+
+
+@pytest.fixture(scope="module")
+def gates_open():
+    """The tiny model with its global blocks' gates at 1: transformers draws them near zero (std 0.02), where what
+    the gated blocks compute barely reaches the logits."""
+    model = attnlens.models.tiny("mllama")
+    with torch.no_grad():
+        for block in model._module.model.vision_model.global_transformer.layers:
+            block.gate_attn.fill_(1.0)
+            block.gate_ffn.fill_(1.0)
+    return model
+
+
+@pytest.mark.parametrize(("stack", "block"), [("vision", 0), ("vision_global", 1)])
+def test_an_edit_of_a_tower_pattern_moves_the_logits_as_recomputing_by_hand_predicts(gates_open, stack, block):
+    """Uniform attention in a tower block (local block 0, whose output the projector also reads; the last gated
+    block): the logits equal a hand-run of the model with that block's attention replaced by o_proj of the mean of
+    its values over every position (padding rows too), and differ from the plain logits."""
+    model = gates_open
+    inputs = _inputs(TWO, TWO_IMAGES)
+    with torch.no_grad(), model.trace(TWO, **inputs):
+        attn = getattr(model, stack).layers[block].self_attn
+        pattern = attn.attention_probabilities
+        attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
+        edited = model.logits.save()
+    vision = model._module.model.vision_model
+    module = (vision.transformer if stack == "vision" else vision.global_transformer).layers[block].self_attn
+
+    def uniform(hidden_states, attention_mask=None, **kwargs):
+        b, n, _ = hidden_states.shape
+        mixed = module.v_proj(hidden_states).mean(1, keepdim=True).expand(b, n, -1)
+        return module.o_proj(mixed), None
+
+    original = module.forward
+    module.forward = uniform
+    try:
+        with torch.no_grad():
+            expected = model._module(input_ids=TWO, **inputs).logits
+    finally:
+        module.forward = original
+    with torch.no_grad():
+        plain = model._module(input_ids=TWO, **inputs).logits
+    assert torch.allclose(edited, expected, atol=1e-5)
+    assert not torch.allclose(edited, plain, atol=1e-4)  # moved by 1e-3 (the gated block) and more
+
+
+def test_the_stacks_read_in_forward_order_local_then_global_then_the_language_model(model):
+    """`model.vision` runs before `model.vision_global`, both before the language model: read so, the global stack's
+    input is layernorm_post of the local stack's output plus the gated post-tile embedding (by hand); the reverse
+    order is refused by name."""
+    inputs = _inputs(TWO, TWO_IMAGES)
+    with torch.no_grad(), model.trace(TWO, **inputs):
+        local = model.vision.layers[-1].layer_output.save()
+        handed = model.vision_global.embeddings.save()
+        keys = model.layers[1].cross_attn.attention_keys.save()
+    vision = model._module.model.vision_model
+    with torch.no_grad():
+        tiles = vision.layernorm_post(local).reshape(2, 2, TILE, -1)  # images, tiles, positions, width
+        ratios = inputs["aspect_ratio_ids"].reshape(2, 1)
+        expected = vision.post_tile_positional_embedding(tiles, ratios).reshape(2, 2 * TILE, -1)
+    assert torch.allclose(handed, expected, atol=1e-6) and keys.shape[2] == 4 * PER_TILE
+    with pytest.raises(attnlens.OrderError, match="vision"):
+        with torch.no_grad(), model.trace(TWO, **inputs):
+            model.vision_global.layers[0].self_attn.attention_probabilities.save()
+            model.vision.layers[1].self_attn.attention_probabilities.save()
+
+
+def test_the_towers_support_says_what_they_serve(model):
+    """Both stacks serve the attention values; the notes give the layout, the padding mask and the gates; the
+    stacks' ends say where their outputs go."""
+    local, gated = model.vision.support(0), model.vision_global.support(0)
+    assert local["self_attn.attention_probabilities"] is None and gated["self_attn.attention_probabilities"] is None
+    assert "two padding positions" in local.notes["self_attn.attention_probabilities"]
+    assert "tanh(gate_attn)" in gated.notes["layer_mid"] and "layernorm_post" in gated.notes["embeddings"]
+    assert "layernorm_post" in local["final_norm_output"] and "projector" in gated["final_norm_output"]
+    assert "no logits" in local["logits"]

@@ -80,10 +80,13 @@ class Collector:
         spans: Sequence[Sequence[int | None]] = (),
         context: int | None = None,
         batch_size: int | None = None,
+        processor=None,
     ):
         from ..heads import why_not
 
         self.model = model
+        #: The checkpoint's processor, which turns a prompt with images into the model's inputs (None: text only).
+        self.processor = processor
         self.features = registry.resolve(features)
         self.names = [f.name for f in self.features]
         self.options = {"top_k": int(top_k), "rows": [int(r) for r in ([rows] if isinstance(rows, int) else rows)]}
@@ -209,11 +212,44 @@ class Collector:
             return ids, "too_long", f"{len(ids)} tokens; the engine's context takes {self.limit}"
         return ids, None, None
 
+    def with_images(self, record: Record) -> tuple[dict | None, str | None, str | None]:
+        """(the model's inputs, reason, detail) of a record with images: its text and image files through the
+        processor (`models.processor_inputs`), else why not."""
+        from PIL import Image
+
+        from ..models import processor_inputs
+
+        if self.processor is None:
+            return None, "failed", "the prompt has images and the collection was given no processor"
+        pictures = []
+        for file in record.images or ():
+            try:
+                with Image.open(file) as image:
+                    pictures.append(image.convert("RGB"))
+            except OSError as error:
+                return None, "undecodable", f"image {file}: {error}"
+        try:
+            inputs = processor_inputs(self.processor, record.text or "", pictures)
+        except Exception as error:  # noqa: BLE001  one prompt the processor refuses (its images and placeholders)
+            return None, "undecodable", f"the processor refused it: {type(error).__name__}: {error}"
+        ids = inputs["input_ids"]
+        if self.limit is not None and ids.shape[-1] > self.limit:
+            return inputs, "too_long", f"{ids.shape[-1]} tokens; the engine's context takes {self.limit}"
+        return inputs, None, None
+
     def window(self, records: Iterable[Record]) -> tuple[dict, dict, int]:
         rows = {name: [] for name in self.columns}
         errors = {name: [] for name in ERROR_COLUMNS}
         runnable: list[tuple[Record, list[int]]] = []
+        shown: list[tuple[Record, dict]] = []  # prompts with images: a forward each
         for record in records:
+            if record.images is not None:
+                inputs, reason, detail = self.with_images(record)
+                if reason is None:
+                    shown.append((record, inputs))
+                else:
+                    _error(errors, record, reason, detail, None if inputs is None else inputs["input_ids"].shape[-1])
+                continue
             ids, reason, detail = self.tokenize(record)
             if reason is None:
                 runnable.append((record, ids))
@@ -226,16 +262,23 @@ class Collector:
                 if found is not None:
                     results[record.index] = found
                     tokens += len(ids)
+        for record, inputs in shown:
+            ids = inputs["input_ids"][0].tolist()
+            found = self._run([(record, ids)], errors, lambda _, inputs=inputs: self._forward_images(inputs))[0]
+            if found is not None:
+                runnable.append((record, ids))
+                results[record.index] = found
+                tokens += len(ids)
         for record, ids in sorted(runnable, key=lambda item: item[0].index):
             if record.index in results:
                 self._rows(rows, record, len(ids), results[record.index])
         return rows, errors, tokens
 
-    def _run(self, batch, errors) -> list[dict | None]:
-        """Each prompt's {layer: {column: per-head values}}; a batch that fails runs again prompt by prompt, and a
-        prompt that fails alone goes to the errors table."""
+    def _run(self, batch, errors, forward=None) -> list[dict | None]:
+        """Each prompt's {layer: {column: per-head values}} (by `forward`, default `_forward`, on the batch's token
+        ids); a batch that fails runs again prompt by prompt, and a prompt that fails alone goes to the errors table."""
         try:
-            found = self._forward([ids for _, ids in batch])
+            found = (forward or self._forward)([ids for _, ids in batch])
         except (ImportError, NameError, SyntaxError):  # the code's fault, not a prompt's: every prompt would fail
             raise
         except Exception as error:  # one bad prompt must not stop the run (the engine stopping must)
@@ -248,7 +291,7 @@ class Collector:
                 record, ids = batch[0]
                 _error(errors, record, "failed", f"{type(error).__name__}: {' '.join(str(error).split())}", len(ids))
                 return [None]
-            return [self._run([item], errors)[0] for item in batch]
+            return [self._run([item], errors, forward)[0] for item in batch]
         for i, ((record, ids), result) in enumerate(zip(batch, found)):
             if isinstance(result, str):  # reduced in vLLM's worker, this prompt alone failed there
                 _error(errors, record, "failed", result, len(ids))
@@ -280,6 +323,23 @@ class Collector:
         with torch.no_grad(), model.trace(batch_input):
             compute(model, plan, features, options, wants, prompts, where, found, 0, self.states)
         return [entry[1] for entry in sorted(found, key=lambda entry: entry[0])]
+
+    def _forward_images(self, inputs: dict) -> list[dict]:
+        """One prompt with images (the processor's inputs), in a trace of its own: `model.positions` says where its
+        images sit, for the features that read them and for a family whose image tokens see each other both ways."""
+        if self.vllm:
+            raise Unavailable("collect: prompts with images run on the transformers engine (StandardizedTransformer)")
+        model = self.model
+        ids = inputs["input_ids"]
+        rest = {name: value for name, value in inputs.items() if name != "input_ids"}
+        positions = model.positions(inputs)
+        found: list = []
+        with torch.no_grad(), model.trace(ids, **rest):
+            compute(
+                model, self.plan, self.features, self.options, self.wants, [ids[0].tolist()], [slice(0, None)], found,
+                0, self.states, [positions],
+            )  # fmt: skip
+        return [found[0][1]]
 
     def _rows(self, rows: dict, record: Record, tokens: int, found: dict) -> None:
         keys = self.keys
@@ -341,10 +401,11 @@ def _batches(model, runnable: list, batch_size: int) -> list[list]:
     return [[runnable[i] for i in batch] for batch in batches(model, [len(ids) for _, ids in runnable], batch_size)]
 
 
-def compute(model, plan, features, options, wants, prompts, spans, found, first, states) -> None:
+def compute(model, plan, features, options, wants, prompts, spans, found, first, states, positions=None) -> None:
     """Inside a trace (on vLLM inside its worker, so only the reduced numbers leave it): per prompt of the batch
     (`prompts`: token ids), (its place, {layer: {column: per-head values}}) appended to `found`. Features with a
-    `finish` complete theirs from the values after the last layer, read once for the batch."""
+    `finish` complete theirs from the values after the last layer, read once for the batch. `positions`: each
+    prompt's `model.positions` where it holds images (None: text prompts)."""
     from ..points import unpad
 
     lengths = [len(ids) for ids in prompts]
@@ -363,7 +424,10 @@ def compute(model, plan, features, options, wants, prompts, spans, found, first,
                         f"collect needs whole prefills (turn chunked prefill off or raise "
                         f"max_num_batched_tokens)"
                     )
-            found_here = registry.features_of([attn], [layer], lengths[i], values, features, options, wants, states)
+            shown = None if positions is None else positions[i]
+            found_here = registry.features_of(
+                [attn], [layer], lengths[i], values, features, options, wants, states, shown
+            )
             results[i][layer] = found_here[layer]
     finishing = [feature for feature in features if feature.finish is not None]
     if finishing:

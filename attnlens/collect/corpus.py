@@ -23,13 +23,15 @@ PARQUET_BATCH = 1024
 @dataclass
 class Record:
     """One corpus entry: its position `index` (0-based), an optional `key` (the corpus's own id), and the prompt as
-    `text` or token ids (`ids`), or `problem`: why it cannot be one."""
+    `text` or token ids (`ids`), or `problem`: why it cannot be one; `images`: the image files the prompt shows (the
+    corpus's `image_field`), None for a text prompt."""
 
     index: int
     text: str | None = None
     ids: list[int] | None = None
     key: str | None = None
     problem: str | None = None
+    images: list[str] | None = None
 
 
 class Corpus:
@@ -38,11 +40,21 @@ class Corpus:
     `source` is a path to a JSONL, text or Parquet file (by suffix; `kind` overrides) or a `datasets.Dataset` /
     `IterableDataset`. `field` names the text of a JSONL object, a Parquet column or a dataset column (a list of
     ints there is taken as token ids); `key_field` an optional id kept with each row. In a text file each line is
-    one prompt (a blank line is an empty prompt, recorded as an error).
+    one prompt (a blank line is an empty prompt, recorded as an error). `image_field` names a field or column holding
+    the image files a prompt shows (a path, or a list of paths; relative to the corpus file's folder), where a row
+    may have images: a row without the field, or with null, is a text prompt.
     """
 
-    def __init__(self, source: Any, *, field: str = "text", key_field: str | None = "id", kind: str | None = None):
-        self.source, self.field, self.key_field = source, field, key_field
+    def __init__(
+        self,
+        source: Any,
+        *,
+        field: str = "text",
+        key_field: str | None = "id",
+        kind: str | None = None,
+        image_field: str | None = None,
+    ):
+        self.source, self.field, self.key_field, self.image_field = source, field, key_field, image_field
         if isinstance(source, (str, Path)):
             path = Path(source).expanduser()
             if not path.is_file():
@@ -77,14 +89,21 @@ class Corpus:
                     f"corpus {source}: no column {field!r}; its columns: {', '.join(names)} (choose one with field=)"
                 )
             self.key_field = key_field if key_field in names else None
+            if image_field is not None and image_field not in names:
+                raise ValueError(
+                    f"corpus {source}: no column {image_field!r} for the images; its columns: {', '.join(names)}"
+                )
+        if image_field is not None and kind == "text":
+            raise ValueError(f"corpus {source}: a text file holds no image field; give a .jsonl or .parquet corpus")
 
     def describe(self) -> str:
         """What the corpus is, for the run's identity: the file's absolute path, or a dataset's size and columns."""
+        images = f", images in {self.image_field!r}" if self.image_field else ""
         if self.path is not None:
-            return str(self.path.resolve())
+            return str(self.path.resolve()) + images
         columns = ",".join(self.source.column_names or [])
         size = len(self.source) if hasattr(self.source, "__len__") else "streamed"
-        return f"dataset of {size} rows ({columns}), column {self.field!r}"
+        return f"dataset of {size} rows ({columns}), column {self.field!r}{images}"
 
     def __len__(self) -> int:
         if self.kind == "dataset":
@@ -138,7 +157,7 @@ class Corpus:
     def _parquet(self) -> Iterator[Record]:
         import pyarrow.parquet as pq
 
-        columns = [self.field] + ([self.key_field] if self.key_field else [])
+        columns = [self.field] + [name for name in (self.key_field, self.image_field) if name]
         index = 0
         for batch in pq.ParquetFile(self.path).iter_batches(batch_size=PARQUET_BATCH, columns=columns):
             for item in batch.to_pylist():
@@ -159,12 +178,28 @@ class Corpus:
                 problem=f"undecodable: no field {self.field!r} (has {', '.join(map(str, item)) or 'none'})",
             )
         value = item[self.field]
+        images, problem = self._images(item)
+        if problem is not None:
+            return Record(index, key=key, problem=problem)
         if isinstance(value, str):
-            return Record(index, text=value, key=key)
+            return Record(index, text=value, key=key, images=images)
         if isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            if images is not None:
+                return Record(index, key=key, problem="undecodable: a prompt with images is given as text")
             return Record(index, ids=list(value), key=key)
         return Record(
             index,
             key=key,
             problem=f"undecodable: field {self.field!r} holds {type(value).__name__}, not text or a list of token ids",
         )
+
+    def _images(self, item: dict) -> tuple[list[str] | None, str | None]:
+        """(the image files of a row, resolved against the corpus file's folder, or None; why they are unusable)."""
+        value = item.get(self.image_field) if self.image_field else None
+        if value is None:
+            return None, None
+        files = [value] if isinstance(value, str) else value
+        if not isinstance(files, (list, tuple)) or not files or not all(isinstance(f, str) and f for f in files):
+            return None, f"undecodable: field {self.image_field!r} holds {value!r}, not an image path or a list of them"
+        folder = self.path.parent if self.path is not None else Path()
+        return [str(folder / Path(f).expanduser()) for f in files], None

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import heads, row_features
+from ..errors import Unavailable
+
+if TYPE_CHECKING:
+    from ..parts.multimodal import Positions
 
 #: Options every feature may read, with their defaults (part of the features' hash).
 DEFAULT_OPTIONS = {"top_k": 5, "rows": [-1]}
@@ -132,6 +137,8 @@ class Context:
     wants: dict = field(default_factory=dict)  # what summary() computes: previous-token targets, top rows
     state: object = None  # the feature's own, from its `prepare`
     _summary: dict | None = None
+    #: The prompt's `model.positions` where it holds images (None: a text prompt): which tokens are an image's.
+    positions: Positions | None = None
 
     @property
     def attn(self):
@@ -148,6 +155,18 @@ class Context:
     def access(self):
         return self.attn.interleaver.attnlens.of(self.attn)
 
+    def images(self) -> int:
+        """How many images the prompt shows (0 on a text prompt)."""
+        return 0 if self.positions is None else len(self.positions.grids[0])
+
+    def scores(self):
+        """The layer's score function as `heads.summarize` takes it, told where the prompt's images sit where the
+        family's image tokens see each other both ways (Gemma 3's)."""
+        if not self.images():
+            return heads.score_function(self.attn)
+        both_ways = getattr(getattr(self.access.family, "images", None), "bidirectional", False)
+        return heads.score_function(self.attn, self.positions.image if both_ways else None)
+
     def rows(self) -> list[int]:
         """The chosen query rows of this prompt, as positions (rows past its length are left out)."""
         return rows_of(self.options, self.tokens)
@@ -159,7 +178,7 @@ class Context:
         if self._summary is None:
             queries, keys = self.values["attention_queries"], self.values["attention_keys"]
             top_k = self.options["top_k"] if self.wants.get("top") else 0
-            scores = heads.score_function(self.attn)
+            scores = self.scores()
             if not self.wants.get("whole", True):
                 found = [
                     heads.summarize(
@@ -176,9 +195,11 @@ class Context:
             if self.wants.get("previous"):
                 rows = torch.arange(n)
                 targets["previous"] = torch.where(rows >= 1, rows - 1, -1)
+            masses = heads.image_masses(self.positions, each=True) if self.images() else None
             self._summary = heads.summarize(
-                scores, queries, keys, targets=targets, top_rows=self.rows() if top_k else (), top_k=top_k
-            )
+                scores, queries, keys, targets=targets, top_rows=self.rows() if top_k else (), top_k=top_k,
+                masses=masses,
+            )  # fmt: skip
         return self._summary
 
     def one(self, i: int) -> Context:
@@ -188,8 +209,9 @@ class Context:
         summary = None if self._summary is None else {name: v[i : i + 1] for name, v in self._summary.items()}
         values = {name: value[i : i + 1] for name, value in self.values.items()}
         return Context(
-            [self.attns[i]], [self.layers[i]], self.tokens, values, self.options, self.wants, self.state, summary
-        )
+            [self.attns[i]], [self.layers[i]], self.tokens, values, self.options, self.wants, self.state, summary,
+            self.positions,
+        )  # fmt: skip
 
     def per_query_head(self, per_kv_head: torch.Tensor) -> torch.Tensor:
         """[layers, kv_heads] -> [layers, heads]: each query head gets its key/value head's value, grouped as the
@@ -201,12 +223,21 @@ class Context:
 
 
 def features_of(
-    attns: list, layers: list[int], tokens: int, values: dict, features, options: dict, wants: dict, states=None
+    attns: list,
+    layers: list[int],
+    tokens: int,
+    values: dict,
+    features,
+    options: dict,
+    wants: dict,
+    states=None,
+    positions=None,
 ) -> dict:
     """One prompt's {layer: {column: per-head values}} on `layers`, a group that scores alike (`heads.score_groups`),
     from its values (the group's layers first, whole prompt), detached on the CPU: in a trace, or in vLLM's worker at
-    the attention op (inworker.py). Grouped features compute every layer at once; the others one layer at a time."""
-    context = Context(attns, layers, tokens, values, options, wants)
+    the attention op (inworker.py). Grouped features compute every layer at once; the others one layer at a time.
+    `positions`: the prompt's `model.positions` where it holds images."""
+    context = Context(attns, layers, tokens, values, options, wants, positions=positions)
     columns: dict[int, dict] = {layer: {} for layer in layers}
     for feature in features:
         context.state = (states or {}).get(feature.name)
@@ -249,7 +280,14 @@ def _top(context: Context) -> dict[str, torch.Tensor]:
 def _chosen_patterns(context: Context) -> list[torch.Tensor]:
     """Each chosen row's pattern, [heads, keys the row sees], scored alone by the family's score function."""
     queries, keys = context.values["attention_queries"], context.values["attention_keys"]
-    scores = heads.score_function(context.attn)
+    scores = context.scores()
+    if scores.image_of is not None:  # an image's tokens see each other both ways: past a row's own position
+        on_images = [row for row in context.rows() if scores.image_of[0, row] >= 0]
+        if on_images:
+            raise Unavailable(
+                f"rows {on_images} are image tokens, which see their image's later tokens too (the family's mask); "
+                f"pattern, span_mass and lookback read a row up to its own position: choose text rows (rows=)"
+            )
     return [
         scores(queries[:, :, row : row + 1], keys[:, :, : row + 1]).softmax(-1, dtype=torch.float32)[0, :, 0]
         for row in context.rows()
@@ -411,5 +449,32 @@ register(
         {"lookback_rows": "list<int32>", "lookback": "list<float32>"},
         _row_features("lookback", "lookback_rows"),
         scored=True,
+    )
+)
+
+
+def _image_share(context: Context) -> dict[str, torch.Tensor]:
+    """The `image` metric of `heads.METRICS` per head, and the same per image: sums of `summarize`'s image masses over
+    the rows they count."""
+    sums = context.summary()
+    layers, num_heads = context.values["attention_queries"].shape[:2]
+    if not context.images():
+        nothing = torch.full((layers, num_heads), torch.nan)
+        return {"image_share": nothing, "image_shares": torch.zeros(layers, num_heads, 0)}
+    each = [_mean(sums, f"image {i}", "image_rows") for i in range(context.images())]
+    return {"image_share": _mean(sums, "image", "image_rows"), "image_shares": torch.stack(each, -1)}
+
+
+register(
+    Feature(
+        "image_share",
+        "mean weight on image tokens from a text row after the prompt's first image token (heads' image metric: "
+        "model.positions says which tokens are an image's), and the same on each image's tokens (image_shares, "
+        "in prompt order); nan (and no image_shares) on a text prompt, nan where no text row follows an image",
+        QK,
+        {"image_share": "float32", "image_shares": "list<float32>"},
+        _image_share,
+        scored=True,
+        grouped=True,
     )
 )

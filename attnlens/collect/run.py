@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import Unavailable
+from ..family import engine_named
 from .collector import Collector, load
 from .corpus import Corpus, Record
 from .store import Store
@@ -133,6 +135,8 @@ def collect(
     workers: int | None = None,
     max_prompts: int | None = None,
     progress: bool | None = None,
+    image_field: str | None = None,
+    processor: Any = None,
 ) -> CollectResult:
     """Compute `features` of every prompt of `corpus` and write them to sharded Parquet under `out`.
 
@@ -149,6 +153,11 @@ def collect(
       trace on vLLM; `max_prompts`: stop after this many new prompts.
     - `workers`: run on Ray with this many workers, one engine each (`model` must then be a folder each worker
       loads; see docs/corpus.md).
+    - `image_field`: the JSONL field, Parquet or dataset column naming the image files a prompt shows (a path or a
+      list of paths, relative to the corpus file's folder; missing or null: a text prompt). Such a prompt runs alone
+      through `processor` (the checkpoint's, `AutoProcessor` from its folder by default; a tiny model's from
+      `attnlens.models.tiny_processor`), its images placed by `model.positions`; the `image_share` feature gives the
+      text rows' attention on them. The transformers engine only, in this process.
 
     Started again with the same arguments after a crash, it continues: committed prompts are skipped, so every
     prompt is written exactly once. A folder of another run is refused (`CollectMismatch`). Prompts that cannot run
@@ -156,7 +165,11 @@ def collect(
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1; got {shard_size}")
-    corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus, field=field, key_field=key_field)
+    corpus = (
+        corpus
+        if isinstance(corpus, Corpus)
+        else Corpus(corpus, field=field, key_field=key_field, image_field=image_field)
+    )
     options = dict(
         features=[features] if isinstance(features, str) else list(features),
         layers=layers,
@@ -166,6 +179,18 @@ def collect(
         context=context,
         batch_size=batch_size,
     )
+    if corpus.image_field is not None:
+        if workers is not None:
+            raise ValueError(
+                "collect with images runs in this process: a Ray worker would need the checkpoint's processor, which "
+                "collect builds here only (a tiny model's is built in Python, saved with no folder), and the image "
+                "files on its own machine; leave workers out"
+            )
+        if engine_named(engine) != "transformers" or getattr(getattr(model, "access", None), "engine", None) == "vllm":
+            raise Unavailable(
+                "collect: prompts with images run on the transformers engine (StandardizedTransformer); vLLM's "
+                "collection runs plain token requests, which carry no images"
+            )
     if workers is not None:
         from .ray_pool import RayPool
 
@@ -192,7 +217,9 @@ def collect(
             pool.close()
     if isinstance(model, (str, Path)):
         model = load(str(model), engine, engine_args, options["features"], layers)
-    collector = Collector(model, **options)
+    if corpus.image_field is not None and processor is None:
+        processor = _processor(model)
+    collector = Collector(model, **options, processor=processor)
     local = _Local(collector)
     return _drive(
         local,
@@ -206,6 +233,22 @@ def collect(
         max_prompts,
         progress,
     )
+
+
+def _processor(model):
+    """The processor saved with `model`'s checkpoint (`AutoProcessor`, from the folder it was loaded from)."""
+    from transformers import AutoProcessor
+
+    folder = getattr(model.config, "_name_or_path", "")
+    advice = "pass processor= (a tiny model's: attnlens.models.tiny_processor(family))"
+    if not folder:
+        raise ValueError(f"collect with images: this model has no folder to load a processor from; {advice}")
+    try:
+        return AutoProcessor.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001  no processor saved there: say what to pass
+        raise ValueError(
+            f"collect with images: no processor loads from {folder!r} ({type(error).__name__}); {advice}"
+        ) from None
 
 
 class _Local:

@@ -24,6 +24,10 @@ The keys of `cross_attn` (its `source` axis) are the vision tower's output for t
 0) followed by its patch grid row-major (`(image_size // patch_size) ** 2` patches). `model.positions(...)` returns
 `MllamaPositions`, whose `keys` (`CrossKeys`) names the image, tile, tile row and column, patch row and column of
 every key.
+
+The vision tower (`model.vision_model`) is served as two towers, `model.vision` (the local stack) and
+`model.vision_global` (the gated stack), which run in that order before the language model's blocks
+(`families.vision_mllama`).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from ..family import TINY_DEFAULTS, Tiny, VLLMLayout, after_attention
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, Operation
 from ..locations.cache import NAMES as CACHE_VALUES
 from ..parts import identities
-from ..parts.multimodal import ImageTokens, LanguageModelOf, Positions
+from ..parts.multimodal import ImageTokens, LanguageModelOf, Positions, Tower
 from ..parts.vllm import backend_refuses
 from ..values import ALL_VALUES, BY_NAME, WITH_CROSS_ATTENTION
 from .llama import Llama
+from .vision_mllama import MllamaGlobalTower, MllamaVisionTower
 
 CROSS = (
     "layer {layer} of Mllama is a cross-attention block (config.cross_attention_layers): it attends from the text "
@@ -233,25 +238,19 @@ RUNS_WITH_IMAGES = (
 )
 
 
-#: Why the vision tower is not mounted as `model.vision`.
-TOWER_REFUSED = (
-    "Mllama's vision tower (model.vision_model) is two stacks run one after the other (transformer: the local blocks; "
-    "global_transformer: gated blocks, tanh(gate_attn) and tanh(gate_ffn)), over each image's tiles with every "
-    "tile padded to a multiple of 8 positions; attnlens mounts one stack per tower, every tower placed right after "
-    "the language model's embeddings, and its mask (from the input aspect_ratio_mask: only pairs of two padding "
-    "positions are masked) is an input no tower score function takes, so its patterns could not be checked"
-)
-
-
 class MllamaMultimodal(LanguageModelOf, MllamaBlocks):
     """Mllama's composite model (`MllamaForConditionalGeneration`), with images: its cross-attention blocks serve the
-    cross-attention value set; the vision tower (`model.vision_model`) is not mounted (`TOWER_REFUSED`)."""
+    cross-attention value set; the vision tower (`model.vision_model`) is mounted as two towers, `model.vision` (its
+    local stack) and `model.vision_global` (its gated stack), run in that order (`families.vision_mllama`)."""
 
     model_types = ("mllama",)
     cross_attention = "cross_attn"
     cross_attention_norm = "input_layernorm"
     images = MllamaImages()
-    towers_refused = {"vision": TOWER_REFUSED}
+    towers = {
+        "vision": Tower("model.vision_model.transformer", MllamaVisionTower),
+        "vision_global": Tower("model.vision_model.global_transformer", MllamaGlobalTower),
+    }
     serves_composite = True
     needs_images = "its cross-attention blocks run only beside images (tests/test_vlm_mllama.py gives them)"
     tiny = Tiny(
@@ -337,6 +336,10 @@ class MllamaMultimodal(LanguageModelOf, MllamaBlocks):
         "!cross": dict.fromkeys(WITH_CROSS_ATTENTION, SELF_ONLY),
     }
     kind_notes = {
+        "*": {
+            "embeddings": "the token embeddings (what layers[0] reads): an image enters through the cross-attention "
+            "blocks' keys, not the sequence"
+        },
         "!cross": {
             "attention_probabilities": "causal, over the text and the <|image|> tokens alike: an image enters "
             "through the cross-attention blocks' keys, not the sequence",
@@ -347,8 +350,9 @@ class MllamaMultimodal(LanguageModelOf, MllamaBlocks):
             "cross_attention_input": "the block's input (layer_input): a cross-attention block has no self-attention",
             "cross_attention_queries": "from the text, after q_norm (an RMS norm per head); no rotary embedding",
             "cross_attention_keys": "from the projected vision states, after k_norm: one key per image x tile x patch "
-            "of the row (patch 0 of each tile its class token; model.positions(...).keys names each). The vision "
-            "tower that computes them is not served (no model.vision): " + TOWER_REFUSED,
+            "of the row (patch 0 of each tile its class token; model.positions(...).keys names each), from the vision "
+            "tower's output (model.vision_global's last block, padding rows dropped, beside model.vision's blocks at "
+            "intermediate_layers_indices)",
             "cross_attention_scores": "queries @ keys^T * scale + Mllama's cross-attention mask: a token sees the "
             "real tiles of the images from its own <|image|> token on (processor's cross_attention_mask); a row "
             "that sees none (a token before the first image) is unmasked: it attends to every key, padding tiles "
