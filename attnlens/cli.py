@@ -255,7 +255,7 @@ def run_show(args) -> int:
         return _show_response(args, out, png)
     if args.model is None or args.prompt is None:
         raise CommandError("show runs MODEL on PROMPT (or shows a served response: --response FILE.json)")
-    if args.layer is None:
+    if args.layer is ...:  # not given ("all" is None)
         raise CommandError("show: name the layer(s) to capture with --layer (10, 10,11, 8-11 or all)")
     layers = args.layer
     if png and (layers is None or len(layers) > 1):
@@ -302,7 +302,7 @@ def _show_response(args, out: Path, png: bool) -> int:
             f"--response: choice {args.choice} holds {sorted(numbers.arrays)}, no pattern rows to draw; ask the server "
             'for them: "attention": {"features": ["pattern"], ...}'
         )
-    layers = numbers.layers if args.layer is None else args.layer
+    layers = numbers.layers if args.layer in (None, ...) else args.layer
     missing = [layer for layer in layers if layer not in numbers.layers]
     if missing:
         raise CommandError(f"--layer {missing}: not in this response; it has layers {numbers.layers}")
@@ -634,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
     show.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to run")
     show.add_argument(
-        "--layer", type=int_list, default=None, help="layer(s): 10, or 10,11, 8-11 or all for a page (required to run)"
+        "--layer", type=int_list, default=..., help="layer(s): 10, or 10,11, 8-11 or all for a page (required to run)"
     )
     show.add_argument("--heads", type=int_list, default=None, help="heads to show: 0,3,5 or 0-3 (default: all)")
     show.add_argument("--out", type=Path, required=True, help="FILE.html or FILE.png")

@@ -149,15 +149,22 @@ def tiny_processor(family: str):
 
 def processor_inputs(processor, prompt: str, images: list) -> dict:
     """The model's inputs for `prompt` showing `images` (PIL images), through a multimodal checkpoint's `processor`:
-    one image placeholder per image put before the prompt where the prompt holds none (the tokenizer's `boi_token` or
-    `image_token`). Raises ValueError where the processor names no placeholder."""
+    one image placeholder per image put before the prompt where the prompt holds none: the first the processor takes
+    of the tokenizer's `boi_token` (Gemma 3 expands the image's start) and the `image_token` (Gemma 4, LLaVA expand
+    the image token itself). Raises ValueError where the processor names no placeholder or takes none."""
     tokenizer = getattr(processor, "tokenizer", None)
-    placeholder = getattr(tokenizer, "boi_token", None) or getattr(tokenizer, "image_token", None)
-    if placeholder is None:
+    named = (getattr(tokenizer, "boi_token", None), getattr(processor, "image_token", None))
+    placeholders = list(dict.fromkeys(filter(None, (*named, getattr(tokenizer, "image_token", None)))))
+    if not placeholders:
         raise ValueError(f"{type(processor).__name__} names no image placeholder token")
-    if placeholder not in prompt:
-        prompt = placeholder * len(images) + prompt
-    return dict(processor(text=prompt, images=images, return_tensors="pt"))
+    refusals = []
+    for placeholder in placeholders:
+        text = prompt if placeholder in prompt else placeholder * len(images) + prompt
+        try:
+            return dict(processor(text=text, images=images, return_tensors="pt"))
+        except ValueError as error:  # its count of placeholders and images disagree: not its placeholder
+            refusals.append(f"{placeholder!r}: {' '.join(str(error).split())[:200]}")
+    raise ValueError(f"{type(processor).__name__} took none of its placeholders ({'; '.join(refusals)})")
 
 
 def tiny_cases(causal: bool = True) -> list[str]:

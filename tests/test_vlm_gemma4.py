@@ -229,3 +229,23 @@ def test_the_audio_tower_is_refused_with_its_reason():
     said = coverage(AutoConfig.for_model("gemma4"))
     assert said.outcome == "images" and "tower model.vision served (Gemma4VisionTower" in said.detail
     assert "tower model.audio refused: Gemma 4's audio tower" in said.detail
+
+
+def test_attnlens_show_with_an_image_puts_gemma4s_image_token_in_the_prompt(tmp_path):
+    """Gemma 4's processor expands its image token (Gemma 3's expands the image's start): `attnlens show --image`
+    finds the placeholder the processor takes, and the page places the image's tokens on their grid."""
+    import cli_run
+    from PIL import Image
+    from test_show import page_data
+
+    picture = tmp_path / "picture.png"
+    Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()).save(
+        picture
+    )
+    page = tmp_path / "page.html"
+    run = cli_run.attnlens(
+        "show", "tiny:gemma4", "Describe this.", "--image", str(picture), "--layer", "all", "--out", str(page)
+    )
+    assert run.returncode == 0, run.stderr
+    data = page_data(page.read_text())
+    assert len(data["images"]) == 1 and data["images"][0]["rows"] * data["images"][0]["cols"] > 1
