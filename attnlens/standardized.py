@@ -21,7 +21,7 @@ from .inputs import check_inputs
 from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
-from .parts.multimodal import Positions, prompt_positions
+from .parts.multimodal import IMAGE_INPUTS, Positions, prompt_positions
 from .registry import family_for, refused_encoders, resolve_family
 from .support import Support
 
@@ -298,6 +298,7 @@ class StandardizedTransformer(Helpful, TransformersModel):
             else None
         )
         self.access.prefix = images.prefix(self.config, kwargs) if images is not None and not seen else None
+        self.access.images_given = any(kwargs.get(name) is not None for name in IMAGE_INPUTS)
 
     def _tower_access(self, name: str, tower, first_block: int) -> Access:
         """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""

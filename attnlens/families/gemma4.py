@@ -237,6 +237,11 @@ class Gemma4(LanguageModelOf, Gemma4Text):
 
 class Gemma4Unified(LanguageModelOf, Gemma4UnifiedText):
     model_types = ("gemma4_unified",)
+    refuses_images = (
+        "Gemma 4 Unified lets an image's tokens attend each other both ways (its mask, from mm_token_type_ids), "
+        "where the family's mask is causal (its image tokens are not laid out): the probabilities above the "
+        "diagonal inside an image are positive where the family's mask zeroes them"
+    )
     tiny = (
         "Gemma4UnifiedConfig",
         "Gemma4UnifiedForConditionalGeneration",
