@@ -119,8 +119,6 @@ CONFIG: dict[str, dict] = {
     "glm_ocr": MROPE,
     "glmga": MROPE,
     "got_ocr2": {"vision_config": {"image_size": 256}},
-    # the survey's sliding_window 4 fails the inferred family's load check on Idefics2 (see the report); windowless
-    "idefics2": {"text_config": {"sliding_window": None}},
     # the pixel shuffle (scale factor 2) needs an even grid: 4 x 4 patches
     "idefics3": {"vision_config": {"image_size": 64, "patch_size": 16}},
     "internvl": {"vision_config": {"image_size": 56}},
@@ -366,3 +364,20 @@ def test_the_counts():
         f"{len(equal)} equal to transformers with the identities holding, {len(REFUSED)} refused with the measured "
         f"reason ({', '.join(REFUSED)}), {len(NOT_RUN)} not traced with an image ({', '.join(NOT_RUN)})"
     )
+
+
+def test_a_window_in_a_composites_text_config_applies_over_the_image_tokens():
+    """Idefics2's language model (Mistral, the survey's sliding_window 4, in the text config: the composite config
+    has none) on the image prompt: each row sees its last 4 positions, image tokens as text, and the inferred
+    family's score function masks so (it reads the window from the text config; from the composite's it would see
+    no window, and the load-time check would refuse the family)."""
+    model = tiny("idefics2")
+    ids, inputs = image_prompt("idefics2", model)
+    assert getattr(model.config, "sliding_window", None) is None and model.config.text_config.sliding_window == 4
+    served = _served(model)
+    with torch.no_grad(), served.trace(ids, **inputs):
+        pattern = served.layers[0].self_attn.attention_probabilities.save()
+    length = ids.shape[1]
+    assert (pattern[0] > 0).sum(-1).tolist() == [[min(row + 1, 4) for row in range(length)]] * pattern.shape[1]
+    mask = served.family.score_function().mask(length, length, model.config, 0)
+    assert ((mask == 0).reshape(length, length) == (pattern[0, 0] > 0)).all()
