@@ -8,9 +8,10 @@ Three outcomes:
 - "text": the language model is served, its images' positions not laid out (no tower mounted, `model.positions`
   refuses image prompts): by the family registered for the type (or, where `AutoModelForCausalLM` loads the
   checkpoint as its text model, for the text config's type), or by the common layout `attnlens.inferred` infers on
-  the model transformers builds from the type's default config. On a prompt with images its values are served and
-  checked against transformers' own attention (`CHECKED_WITH_IMAGES`), or refused with the family's measured reason
-  (`LanguageModelOf.refuses_images`) where the model's mask differs there.
+  the model transformers builds from the type's default config. On a prompt with images, a type of
+  `CHECKED_WITH_IMAGES` has its values served and checked against transformers' own attention, or refused with the
+  family's measured reason (`LanguageModelOf.refuses_images`) where the model's mask differs there; another type is
+  served on text prompts (its image prompts unchecked).
 - "none": no family, and the common layout is refused (the check that failed is the reason), or transformers does not
   build the model from the type's default config here (the error is the reason).
 """
@@ -114,13 +115,13 @@ def coverage(config: Any) -> Coverage:
     no_images = "images are not laid out (no vision tower mounted; model.positions refuses image prompts)"
     unplaced = "image positions not laid out (no vision tower mounted; model.positions refuses image prompts)"
 
-    def on_images(served: type | None) -> str:
+    def prompts(served: type | None) -> str:  # what follows "serves the language model"
         refused = getattr(served, "refuses_images", None)
         if refused:
-            return f"values on image prompts refused: {refused}; {unplaced}"
+            return f" on text prompts; values on image prompts refused: {refused}; {unplaced}"
         if model_type in CHECKED_WITH_IMAGES:
-            return f"values on image prompts served and checked against transformers' own attention; {unplaced}"
-        return no_images
+            return f"; values on image prompts served and checked against transformers' own attention; {unplaced}"
+        return f" on text prompts; {no_images}"
 
     if family is not None and built_as_text_model(config) and not issubclass(family, LanguageModelOf):
         return Coverage(  # a text family that maps the composite type too (dots.3 Note's)
@@ -136,7 +137,7 @@ def coverage(config: Any) -> Coverage:
             model_type,
             "text",
             family.__name__,
-            f"{family.__name__} serves the language model; {on_images(family)}",
+            f"{family.__name__} serves the language model{prompts(family)}",
         )
     if built_as_text_model(config) and text_type in families:
         text = families[text_type].__name__
@@ -172,7 +173,7 @@ def coverage(config: Any) -> Coverage:
         "text",
         "Inferred",
         f"{none}; StandardizedTransformer infers the common layout on its language model ({inferred.layers}: every "
-        f"check of attnlens.inferred passes on the model of the default config) and serves it; {on_images(None)}",
+        f"check of attnlens.inferred passes on the model of the default config) and serves it{prompts(None)}",
     )
 
 
