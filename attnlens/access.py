@@ -110,6 +110,9 @@ class Access:
         #: The running prompt's prefix that attends both ways (`ImageTokens.prefix`: PaliGemma's, from its token
         #: types), where the family's mask has one (None: none, or a generation step past the prompt).
         self.prefix: torch.Tensor | None = None
+        #: Whether the running forward was given images (`multimodal.holds_images`): where the family refuses image
+        #: prompts (`LanguageModelOf.refuses_images`), a block's values are refused on it.
+        self.images_given = False
         #: What this engine's mode serves less than the family's locations (a vLLM engine running the compiled model:
         #: the attention op's values only, `vllm.static.CompiledMode`); None: all of them.
         self.mode: EngineMode | None = None
@@ -234,6 +237,11 @@ class Access:
                 said = [note for note in (notes.get(value.name), location.note) if note]
                 if said:
                     notes[value.name] = "; ".join(said)
+        refuses = getattr(self.family, "refuses_images", None)  # (`LanguageModelOf.refuses_images`)
+        if refuses:  # read on a prompt with images, a block's value raises (`_refuse_images`)
+            refused = f"refused on a prompt with images: {refuses}"
+            for value in LAYER_VALUES:
+                notes[value.name] = "; ".join(filter(None, (notes.get(value.name), refused)))
         keyed = {BY_NAME[name].key: note for name, note in notes.items() if name in BY_NAME}
         return Support(
             family=self.family.name,
@@ -303,6 +311,7 @@ class Access:
             if said is error:
                 raise
             raise said from error
+        self._refuse_images(plan)
         if plan.copy is not None and isinstance(value, torch.Tensor):
             value = self.guard(value, name, plan.layer, plan.copy)
         return value
@@ -319,12 +328,23 @@ class Access:
         if running is not None:
             self._check(running, plan)
         try:
-            location.write(envoy, self.conform(name, layer, location.read(envoy), new))
+            old = location.read(envoy)
+            self._refuse_images(plan)
+            location.write(envoy, self.conform(name, layer, old, new))
         except Exception as error:
             said = self.failure(error, plan, running, "written")
             if said is error:
                 raise
             raise said from error
+
+    def _refuse_images(self, plan: Plan) -> None:
+        """A block's value on a prompt with images, where the family refuses them (`LanguageModelOf.refuses_images`):
+        asked once the forward reached it, when the run's inputs are known."""
+        refused = getattr(self.family, "refuses_images", None) if self.images_given and plan.layer is not None else None
+        if refused is not None:
+            raise Unavailable(
+                f"{self.describe(plan.name, plan.layer)} on {self.where}, on a prompt with images: {refused}"
+            )
 
     def _check(self, running, plan: Plan) -> None:
         """The checks every read and write makes inside a trace: no copy handed out was edited in place, and the

@@ -15,6 +15,7 @@ import torch
 
 from .errors import Unavailable
 from .locations import submodule
+from .parts.multimodal import holds_images
 from .values import BY_KEY, of_scope
 
 #: Every block value, in forward order.
@@ -33,7 +34,7 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
     prefix = None if images is None else images.prefix(model.config, given)
     if prefix is not None:  # a prefix-LM's prefix (PaliGemma's, from its token types): it sees itself both ways
         saved["prefix"] = prefix
-    with_images = hasattr(model.family, "holds_images") and model.family.holds_images(given)  # towers' or embedder's
+    with_images = holds_images(model.family, given)
     with torch.no_grad(), model.trace(prompt, **inputs):
         for name in towers:
             _read_stack(getattr(model, name), None, saved.setdefault(name, {}))

@@ -21,6 +21,7 @@ import torch
 
 from .errors import AttnlensError, LocationDrift
 from .family import INTERFACE_CALL, Family, block_list, token_embeddings
+from .parts import scoring
 from .parts.moe import SparseMoE, moe_absent
 from .parts.source import compiled, operation_lines
 from .values import BY_NAME, of_scope
@@ -61,6 +62,11 @@ MASKED = ("full_attention", "sliding_attention")
 MASK_FUNCTIONS = ("create_causal_mask", "create_sliding_window_causal_mask")
 #: What a hybrid's other mixers (no softmax attention) do not serve: the attention's values but its output.
 ATTENTION_VALUES = frozenset(of_scope("attention")) - {"attention_output"}
+
+
+def _text(config):
+    """The config the language model reads: a composite config's text (decoder) config, a text config itself."""
+    return config.get_text_config(decoder=True) if config is not None else None
 
 
 class NotCommonLayout(AttnlensError):
@@ -778,6 +784,22 @@ class Inferred(SparseMoE, Family):
             )
 
     # --- what it serves ---------------------------------------------------------------------------------------------
+
+    class ScoreFunction(scoring.ScoreFunction):
+        """On a multimodal model (its config a composite one), the window and soft-cap are its language model's: the
+        text config's, as `_check_mask` reads them."""
+
+        def sliding_window(self, config, layer):
+            return super().sliding_window(_text(config), layer)
+
+        def softcap(self, config, layer):
+            return super().softcap(_text(config), layer)
+
+        def mask(self, num_queries, num_keys, config, layer, *args, **kwargs):
+            return super().mask(num_queries, num_keys, _text(config), layer, *args, **kwargs)
+
+        def scores(self, heads, config, queries, keys, layer, key_mask=None):
+            return super().scores(heads, _text(config), queries, keys, layer, key_mask)
 
     def moe_layer(self, config, layer):
         return "moe" in self.kinds[layer]

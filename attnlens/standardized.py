@@ -21,7 +21,7 @@ from .inputs import check_inputs
 from .locations import attach
 from .locations.cache import NAMES as CACHE_NAMES
 from .locations.cache import NO_CACHE, kept_by
-from .parts.multimodal import Positions, prompt_positions
+from .parts.multimodal import Positions, holds_images, prompt_positions
 from .registry import family_for, refused_encoders, resolve_family
 from .support import Support
 
@@ -290,13 +290,14 @@ class StandardizedTransformer(Helpful, TransformersModel):
         images = getattr(self.family, "images", None)
         prompt = kwargs.get("input_ids", args[0] if args else None)
         # images only where the run gives a tower (or an embedder) its inputs: image token ids in a text run are text
-        given = hasattr(self.family, "holds_images") and self.family.holds_images(kwargs)
+        given = holds_images(self.family, kwargs)
         self.access.image_of = (
             images.positions(self.config, prompt, kwargs).image
             if images is not None and given and images.bidirectional and prompt is not None and not seen
             else None
         )
         self.access.prefix = images.prefix(self.config, kwargs) if images is not None and not seen else None
+        self.access.images_given = given
 
     def _tower_access(self, name: str, tower, first_block: int) -> Access:
         """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""

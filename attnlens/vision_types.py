@@ -5,10 +5,13 @@ Three outcomes:
 
 - "images": a registered family with a vision tower (`towers`) or an image layout (`images`): prompts with images are
   served; the coverage names each tower served or refused, and whether `model.positions` lays the image tokens out.
-- "text": the language model is served on text prompts, images not laid out (no tower mounted, `model.positions`
+- "text": the language model is served, its images' positions not laid out (no tower mounted, `model.positions`
   refuses image prompts): by the family registered for the type (or, where `AutoModelForCausalLM` loads the
   checkpoint as its text model, for the text config's type), or by the common layout `attnlens.inferred` infers on
-  the model transformers builds from the type's default config.
+  the model transformers builds from the type's default config. On a prompt with images, a type of
+  `CHECKED_WITH_IMAGES` has its values served and checked against transformers' own attention, or refused with the
+  family's measured reason (`LanguageModelOf.refuses_images`) where the model's mask differs there; another type is
+  served on text prompts (its image prompts unchecked).
 - "none": no family, and the common layout is refused (the check that failed is the reason), or transformers does not
   build the model from the type's default config here (the error is the reason).
 """
@@ -21,6 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 OUTCOMES = ("images", "text", "none")
+#: The "text" types whose values on a prompt with an image were compared with transformers' own attention on a tiny
+#: model built from the type's config classes (tests/test_vlm_breadth_images.py): served there and equal, or refused
+#: where the family says why (`LanguageModelOf.refuses_images`). Another "text" type's image prompts are unchecked.
+CHECKED_WITH_IMAGES = (
+    "apertus1p5", "aria", "cosmos3_edge", "deepseek_vl", "deepseek_vl_hybrid", "ernie4_5_vl_moe", "fuyu",
+    "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "idefics2", "idefics3",
+    "internvl", "janus", "lfm2_vl", "lighton_ocr", "llava_next_video", "llava_onevision1_5", "ovis2", "ovis2_5",
+    "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen4_exp", "smolvlm",
+    "video_llama_3", "video_llava",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,16 @@ def coverage(config: Any) -> Coverage:
     if family is not None and (getattr(family, "towers", None) or getattr(family, "images", None) is not None):
         return _with_images(model_type, family)
     no_images = "images are not laid out (no vision tower mounted; model.positions refuses image prompts)"
+    unplaced = "image positions not laid out (no vision tower mounted; model.positions refuses image prompts)"
+
+    def prompts(served: type | None) -> str:  # what follows "serves the language model"
+        refused = getattr(served, "refuses_images", None)
+        if refused:
+            return f" on text prompts; values on image prompts refused: {refused}; {unplaced}"
+        if model_type in CHECKED_WITH_IMAGES:
+            return f"; values on image prompts served and checked against transformers' own attention; {unplaced}"
+        return f" on text prompts; {no_images}"
+
     if family is not None and built_as_text_model(config) and not issubclass(family, LanguageModelOf):
         return Coverage(  # a text family that maps the composite type too (dots.3 Note's)
             model_type,
@@ -114,7 +137,7 @@ def coverage(config: Any) -> Coverage:
             model_type,
             "text",
             family.__name__,
-            f"{family.__name__} serves the language model on text prompts; {no_images}",
+            f"{family.__name__} serves the language model{prompts(family)}",
         )
     if built_as_text_model(config) and text_type in families:
         text = families[text_type].__name__
@@ -150,8 +173,7 @@ def coverage(config: Any) -> Coverage:
         "text",
         "Inferred",
         f"{none}; StandardizedTransformer infers the common layout on its language model ({inferred.layers}: every "
-        f"check of attnlens.inferred passes on the model of the default config) and serves it on text prompts; "
-        f"{no_images}",
+        f"check of attnlens.inferred passes on the model of the default config) and serves it{prompts(None)}",
     )
 
 

@@ -129,5 +129,5 @@ def test_positions_of_an_encoder_without_convolutions_over_time_are_refused_with
     """T5 reads tokens; Pop2Piano reads feature frames as input embeddings: neither has convolutions over time to
     place its positions in seconds, and the refusal says what a position is instead."""
     model = tiny(model_type)
-    with pytest.raises(attnlens.Unavailable, match="no convolutions over time.*a token, or a frame handed over"):
+    with pytest.raises(attnlens.Unavailable, match=r"no convolutions over time.*a token, or a frame handed over"):
         model.positions(torch.zeros(1, 8, 4))

@@ -14,7 +14,7 @@ import transformers
 from attnlens import StandardizedTransformer
 from attnlens.errors import Unavailable
 from attnlens.models import _perturbed, char_tokenizer
-from attnlens.vision_types import coverages, image_text_types
+from attnlens.vision_types import CHECKED_WITH_IMAGES, coverages, image_text_types
 
 #: The lists are transformers 5.25's registry: run on the newest transformers only (`make test-eager-vllm` deselects it)
 pytestmark = pytest.mark.any_transformers
@@ -83,7 +83,9 @@ def test_every_image_text_to_text_type_of_transformers_is_served_with_images_on_
             towers = "tower model.vision" in said.detail or "no tower mounted" in said.detail  # (Gemma 4 Unified's)
             assert said.family and towers and "image positions" in said.detail
         elif said.outcome == "text":
-            assert said.family and "images are not laid out" in said.detail
+            assert said.family and ("images are not laid out" in said.detail or "positions not laid out" in said.detail)
+            checked = "values on image prompts served and checked" in said.detail
+            assert checked == (model_type in CHECKED_WITH_IMAGES and model_type not in ("git", "gemma4_unified"))
         else:
             assert said.family is None and f"no family for {model_type!r}" in said.detail
             building = "does not build the model" in said.detail

@@ -38,6 +38,11 @@ def _untranspose(envoy, old, new):
 
 
 class Git(Family):
+    refuses_images = (
+        "GIT prepends the image's tokens to the text (they are not in input_ids), and they attend each other "
+        "both ways, which the family's causal mask does not describe"
+    )
+
     model_types = ("git",)
     vllm = VLLMLayout(
         refusal=backend_refuses(

@@ -22,6 +22,18 @@ from ..errors import Unavailable
 from ..locations import ModuleInput
 from . import scoring
 
+#: The model inputs that carry images (a processor's output): a forward given one of them runs a prompt with images.
+IMAGE_INPUTS = ("pixel_values", "pixel_values_images", "image_patches")
+
+
+def holds_images(family: Any, inputs: Mapping) -> bool:
+    """Whether a run's `inputs` (the model's keyword arguments) give `family`'s model images: its towers' or its
+    embedder's inputs (`LanguageModelOf.towers`, `image_inputs`), or the names a model without a mounted tower reads
+    (`IMAGE_INPUTS`). Image token ids in a run without them are text."""
+    towers = getattr(family, "towers", {}).values()
+    names = {*IMAGE_INPUTS, *getattr(family, "image_inputs", ()), *(name for tower in towers for name in tower.inputs)}
+    return any(inputs.get(name) is not None for name in names)
+
 
 class Tower(NamedTuple):
     """A tower of a multimodal model beside its language model (its vision encoder): where its model is in the head
@@ -75,6 +87,11 @@ class LanguageModelOf:
     #: Mllama's cross-attention blocks), or None; the suites that build every tiny recipe and read it on text
     #: (`models.tiny_cases`) leave such a family to its own tests, which give images.
     needs_images: ClassVar[str | None] = None
+    #: Why the family's values are refused on a prompt with images (the model's mask or positions then differ from
+    #: what the family describes, as measured against transformers' own attention), or None. A family of another
+    #: base (GIT's) states it the same way: a trace given image inputs (`IMAGE_INPUTS`) raises `Unavailable` with it
+    #: on every read of a block's value, and `support()` notes it.
+    refuses_images: ClassVar[str | None] = None
     #: Whether the family serves the composite model even where `AutoModelForCausalLM` builds the text model alone
     #: from its checkpoint (Mllama: the text model, `mllama_text_model`, is a family of its own); its tiny model is
     #: then the composite.
@@ -154,12 +171,6 @@ class LanguageModelOf:
 
     def unavailable(self, config, layer, engine="transformers"):
         return super().unavailable(_text(config), layer, engine)
-
-    @classmethod
-    def holds_images(cls, inputs) -> bool:
-        """Whether a run's `inputs` (the model's keyword arguments) give its towers or its embedder images."""
-        names = {name for tower in cls.towers.values() for name in tower.inputs} | set(cls.image_inputs)
-        return any(name in inputs for name in names)
 
 
 #: What a position of a multimodal prompt holds (`Positions.kind` indexes this): "class" is a vision tower's class
