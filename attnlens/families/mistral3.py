@@ -19,94 +19,16 @@ the text model's.
 
 from __future__ import annotations
 
-import sys
-import types
-
 from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Tower
+from ..parts.multimodal import LanguageModelOf, Tower
 from ..parts.vllm import VLLMLayout
 from .mistral import Mistral
-from .vision_pixtral import PixtralTower
+from .vision_pixtral import PixtralImages, PixtralTower
 
-#: `Positions.kind` of the tokens the processor puts after an image's rows.
-SPECIAL = KINDS.index("special")
 #: The tiny recipe's [IMG] id (past the character tokenizer's 128 ids, so no text prompt holds one); its processor's
 #: [IMG_BREAK] and [IMG_END] take the two ids after it (the released tokenizer's are 10, 12, 13).
 TINY_IMAGE = 129
-
-
-def _pixtral_processor():
-    """transformers' `PixtralProcessor` class. In 5.25 its module imports one sizing function from the torchvision
-    image processor's module, which imports torchvision (not installed here); the PIL image processor's module defines
-    the same function, so that module stands in for the one import, then is taken out again."""
-    name = "transformers.models.pixtral.image_processing_pixtral"
-    try:
-        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
-    except ModuleNotFoundError as error:
-        if error.name != "torchvision":
-            raise
-        from transformers.models.pixtral import image_processing_pil_pixtral as pil
-
-        stand_in = types.ModuleType(name)
-        stand_in.get_resize_output_image_size = pil.get_resize_output_image_size  # type: ignore[attr-defined]
-        sys.modules[name] = stand_in
-        try:
-            from transformers.models.pixtral.processing_pixtral import PixtralProcessor
-        finally:
-            del sys.modules[name]
-    return PixtralProcessor
-
-
-class Mistral3Images(ImageTokens):
-    """An image is its grid of merged patches (`image_sizes` over `patch_size * spatial_merge_size`), row by row: each
-    row's `image_token_id` tokens, then one special token ([IMG_BREAK], [IMG_END] after the last row)."""
-
-    def grid(self, config, inputs, image):
-        sizes = inputs.get("image_sizes")
-        if sizes is None:
-            raise ValueError(
-                "image_sizes: Mistral 3's image grids are each image's size (pixels) over patch_size * "
-                "spatial_merge_size; pass the processor's image_sizes with the prompt"
-            )
-        if image >= len(sizes):
-            raise ValueError(
-                f"input_ids: the prompt holds more images than image_sizes gives ({len(sizes)}): pass the processor's "
-                f"input_ids and image_sizes together"
-            )
-        step = config.vision_config.patch_size * config.spatial_merge_size
-        height, width = (int(side) for side in sizes[image])
-        return height // step, width // step
-
-    def positions(self, config, input_ids, inputs):
-        found = super().positions(config, input_ids, inputs)
-        kind = found.kind
-        for b, grids in enumerate(found.grids):
-            for image, (rows, cols) in enumerate(grids):
-                where = found.of_image(image, b).view(rows, cols)
-                after = where[:, -1] + 1  # the token after each row: [IMG_BREAK], [IMG_END] after the last
-                apart = (where[:, 1:] - where[:, :-1] != 1).any(1)
-                if apart.any() or after[-1] >= kind.shape[1] or (kind[b, after] != 0).any():
-                    raise ValueError(
-                        f"input_ids: image {image} of prompt {b} is not laid out as {rows} rows of {cols} "
-                        f"{self.image_token} tokens, each followed by one [IMG_BREAK] or [IMG_END] token: pass the "
-                        f"processor's input_ids unchanged"
-                    )
-                kind[b, after] = SPECIAL
-        return found
-
-    def tiny_processor(self, config, char_tokenizer):
-        from transformers import PixtralImageProcessorPil
-
-        names = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
-        at = dict(zip(names.values(), range(config.image_token_id, config.image_token_id + 3)))
-        tokenizer = char_tokenizer(config.image_token_id, extra=at, named=names)
-        vision, merge = config.vision_config, config.spatial_merge_size
-        step = {"height": vision.patch_size * merge, "width": vision.patch_size * merge}
-        images = PixtralImageProcessorPil(size={"longest_edge": vision.image_size}, patch_size=step)
-        return _pixtral_processor()(
-            image_processor=images, tokenizer=tokenizer, patch_size=vision.patch_size, spatial_merge_size=merge
-        )
 
 
 #: The tiny recipe's Pixtral tower: 2 blocks 32 wide (2 heads of 16), patches of 4 pixels, images up to 32 x 32
@@ -130,7 +52,7 @@ class Mistral3(LanguageModelOf, Mistral):
 
     model_types = ("mistral3",)
     towers = {"vision": Tower("model.vision_tower", PixtralTower)}
-    images = Mistral3Images()
+    images = PixtralImages(needs_sizes=True)
     vllm = VLLMLayout(refusal="attnlens has not compared Mistral 3's language model on vLLM with transformers")
     tiny = Tiny(
         "Mistral3Config",

@@ -15,13 +15,19 @@ zeros off each image's block.
 
 from __future__ import annotations
 
+import sys
+import types
+
 from ..family import Family
 from ..locations import INTERFACE_CALL, ModuleInput, ModuleOutput, softmax_argument
 from ..locations.cache import NAMES as CACHE_VALUES
+from ..parts.multimodal import KINDS, ImageTokens
 from ..parts.sizes import Sizes
 from ..parts.vllm import VLLMLayout
 from .vision import QwenVisionTower
 
+#: `Positions.kind` of the tokens the processor puts after an image's rows.
+SPECIAL = KINDS.index("special")
 PIXTRAL_LAYOUT = (
     "one sequence of every image's patches, batch axis of one: each image's patch grid (its image_sizes over "
     "patch_size) row-major, images one after another"
@@ -53,8 +59,7 @@ class PixtralTower(Family):
     vllm = VLLMLayout(refusal="attnlens reads vision towers on the transformers engine only")
     absent = {
         **Family.absent,
-        "final_norm_output": "Pixtral's tower ends at its last block: the norm after it (Mistral 3's projector's "
-        "norm) belongs to the projector",
+        "final_norm_output": "Pixtral's tower ends at its last block: a norm after it (Mistral 3's) is the projector's",
     }
 
     class ScoreFunction(QwenVisionTower.ScoreFunction):
@@ -97,14 +102,98 @@ class PixtralTower(Family):
             "the patch's own image",
             "attention_probabilities": "block-diagonal: each patch sees every patch of its own image and no other "
             "(the model's mask over image_sizes); zero off its image",
-            "layer_output": "Mistral 3's projector reads hidden_states[vision_feature_layer] (-1 by default: the last "
-            "block's layer_output); the blocks after it, if any, run, but nothing reads their outputs",
+            "layer_output": "the projector reads hidden_states[vision_feature_layer] (the model config's; -1 in "
+            "Mistral 3's and Pixtral-12B's: the last block's layer_output); the blocks after it, if any, run, but "
+            "nothing reads their outputs",
         }
     }
     kind_reasons = {
         "*": {
-            "logits": "a vision tower has no logits: one block's output (Mistral 3's vision_feature_layer, the last "
-            "by default) is what the projector hands the language model",
+            "logits": "a vision tower has no logits: one block's output (the model's vision_feature_layer) is what "
+            "the projector reads",
             **dict.fromkeys(CACHE_VALUES, "a vision tower caches nothing: it runs once over each image"),
         }
     }
+
+
+def _pixtral_processor():
+    """transformers' `PixtralProcessor` class. In 5.25 its module imports one sizing function from the torchvision
+    image processor's module, which imports torchvision (not installed here); the PIL image processor's module defines
+    the same function, so that module stands in for the one import, then is taken out again."""
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+    except ModuleNotFoundError as error:
+        if error.name != "torchvision":
+            raise
+        from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+        stand_in = types.ModuleType(name)
+        stand_in.get_resize_output_image_size = pil.get_resize_output_image_size  # type: ignore[attr-defined]
+        sys.modules[name] = stand_in
+        try:
+            from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+        finally:
+            del sys.modules[name]
+    return PixtralProcessor
+
+
+class PixtralImages(ImageTokens):
+    """The Pixtral processor's layout (Mistral 3, LLaVA with a Pixtral tower): an image is its grid of merged patches
+    (`image_sizes` over `patch_size * spatial_merge_size`, no merge where the config has none), row by row: each
+    row's `image_token_id` tokens, then one special token ([IMG_BREAK], [IMG_END] after the last row).
+
+    `needs_sizes`: the model reads `image_sizes` (Mistral 3's projector does); else an image without them is the
+    padded `pixel_values`' full size, as the tower then reads it."""
+
+    def __init__(self, needs_sizes: bool = False) -> None:
+        self.needs_sizes = needs_sizes
+
+    def grid(self, config, inputs, image):
+        step = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
+        sizes = inputs.get("image_sizes")
+        if sizes is None and (self.needs_sizes or inputs.get("pixel_values") is None):
+            raise ValueError(
+                f"image_sizes: a {config.model_type} image's grid is its size (pixels) over patch_size * "
+                f"spatial_merge_size ({step}); pass the processor's image_sizes with the prompt"
+            )
+        if sizes is None:
+            rows, cols = patch_grids(config.vision_config, inputs)[image]
+            return rows * config.vision_config.patch_size // step, cols * config.vision_config.patch_size // step
+        if image >= len(sizes):
+            raise ValueError(
+                f"input_ids: the prompt holds more images than image_sizes gives ({len(sizes)}): pass the processor's "
+                f"input_ids and image_sizes together"
+            )
+        height, width = (int(side) for side in sizes[image])
+        return height // step, width // step
+
+    def positions(self, config, input_ids, inputs):
+        found = super().positions(config, input_ids, inputs)
+        kind = found.kind
+        for b, grids in enumerate(found.grids):
+            for image, (rows, cols) in enumerate(grids):
+                where = found.of_image(image, b).view(rows, cols)
+                after = where[:, -1] + 1  # the token after each row: [IMG_BREAK], [IMG_END] after the last
+                apart = (where[:, 1:] - where[:, :-1] != 1).any(1)
+                if apart.any() or after[-1] >= kind.shape[1] or (kind[b, after] != 0).any():
+                    raise ValueError(
+                        f"input_ids: image {image} of prompt {b} is not laid out as {rows} rows of {cols} "
+                        f"{self.image_token} tokens, each followed by one [IMG_BREAK] or [IMG_END] token: pass the "
+                        f"processor's input_ids unchanged"
+                    )
+                kind[b, after] = SPECIAL
+        return found
+
+    def tiny_processor(self, config, char_tokenizer):
+        from transformers import PixtralImageProcessorPil
+
+        names = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+        at = dict(zip(names.values(), range(config.image_token_id, config.image_token_id + 3)))
+        tokenizer = char_tokenizer(config.image_token_id, extra=at, named=names)
+        vision, merge = config.vision_config, getattr(config, "spatial_merge_size", 1)
+        step = {"height": vision.patch_size * merge, "width": vision.patch_size * merge}
+        images = PixtralImageProcessorPil(size={"longest_edge": vision.image_size}, patch_size=step)
+        return _pixtral_processor()(
+            image_processor=images, tokenizer=tokenizer, patch_size=vision.patch_size, spatial_merge_size=merge
+        )
