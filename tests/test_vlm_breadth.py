@@ -24,7 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
-IMAGES = ["gemma3", "llava", "llava_next", "mistral3", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl"]
+IMAGES = [
+    "gemma3", "llava", "llava_next", "llava_onevision", "mistral3", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl",
+    "vipllava",
+]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
     "dots3_note", "fuyu", "gemma4", "gemma4_unified", "git", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
@@ -33,9 +36,9 @@ TEXT_BY_FAMILY = [
 TEXT_INFERRED = [
     "apertus1p5", "aria", "cosmos3_edge", "deepseek_vl", "deepseek_vl_hybrid", "ernie4_5_vl_moe", "glm46v", "glm4v",
     "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "idefics2", "idefics3", "internvl", "janus", "lfm2_vl",
-    "lighton_ocr", "llava_next_video", "llava_onevision", "llava_onevision1_5", "ovis2", "ovis2_5",
+    "lighton_ocr", "llava_next_video", "llava_onevision1_5", "ovis2", "ovis2_5",
     "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "smolvlm",
-    "video_llama_3", "video_llava", "vipllava",
+    "video_llama_3", "video_llava",
 ]  # fmt: skip
 #: Not served: transformers does not build the model from the type's default config here (so the common layout
 #: could not be checked); every other type of the registry is not served because the common layout is refused.
