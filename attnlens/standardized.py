@@ -15,7 +15,7 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from . import applications, verification
 from .access import Access, Stacks
 from .envoys import Helpful, StackEnvoy, add_model_values, envoy_classes
-from .errors import EditError, InferredFamilyWarning, UnknownFamily, UnknownFamilyWarning
+from .errors import EditError, InferredFamilyWarning, Miswired, UnknownFamily, UnknownFamilyWarning
 from .family import Family, UnknownLayout, headless, rebased
 from .inputs import check_inputs
 from .locations import attach
@@ -303,6 +303,15 @@ class StandardizedTransformer(Helpful, TransformersModel):
         """The `Access` of tower `name` (its blocks run first, nothing of it cached)."""
         family = tower.family()
         stack = getattr(self, name)
+        try:
+            self._module.get_submodule(f"{tower.path}.{family.layers}")
+        except AttributeError:  # another tower than the family's (a LLaVA checkpoint's Pixtral tower): say which
+            held = type(self._module.get_submodule(tower.path)).__name__
+            other = getattr(self.family, "other_towers", {}).get(held)
+            raise Miswired(
+                f"family {self.family.name}: its {name} tower ({tower.path}) is a {held}, with no blocks at "
+                f"{family.layers!r} where {family.name} reads them{f'; {other}' if other else ''}"
+            ) from None
         count = len(stack.layers)
 
         def geometry(layer: int):

@@ -50,8 +50,8 @@ class LlavaImages(ImageTokens):
     def positions(self, config, input_ids, inputs):
         if inputs.get("image_sizes") is not None:
             raise Unavailable(
-                "model.positions: LLaVA given image_sizes splits its features per image size (a Pixtral-style "
-                "tower), a layout attnlens has not placed on grids; its values on image tokens are served"
+                "model.positions: LLaVA given image_sizes splits its features per image size (a Pixtral tower's "
+                "layout): serve the model with family=attnlens.families.llava_pixtral.PixtralLlava"
             )
         ids = (input_ids if input_ids.dim() == 2 else input_ids[None]).cpu()
         token, leading = getattr(config, self.image_token), self.leading(config)
@@ -92,6 +92,8 @@ VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA-NeXT's language model
 class Llava(LanguageModelOf, Llama):
     model_types = ("llava",)
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
+    #: What to do with a checkpoint of another tower, by its class (refused at load with this).
+    other_towers = {"PixtralVisionModel": "pass family=attnlens.families.llava_pixtral.PixtralLlava"}
     images = LlavaImages()
     tiny = Tiny(
         "LlavaConfig",
