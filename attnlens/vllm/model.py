@@ -308,6 +308,8 @@ def engine_settings(path: str, family: Family | type[Family] | str | None, kwarg
     text_config = config.get_text_config()
     # a multimodal checkpoint's own family where there is one (its paths are vLLM's wrapper's), else its text's
     model_type = config.model_type if config.model_type in registered() else text_config.model_type
+    if family is None and model_type != config.model_type and config.model_type in media.image_text_to_text_classes():
+        raise UnknownFamily(media.composite_refusal(config))  # vLLM's class nests the text model's
     if family is None and model_type not in registered():  # the common layout, inferred and checked for vLLM
         found: Family = inferred.infer(config, kwargs.get("model_impl", "auto"))
     else:

