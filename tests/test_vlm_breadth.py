@@ -24,7 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
-IMAGES = ["gemma3", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe"]
+IMAGES = [
+    "gemma3", "llava", "llava_next", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe",
+    "qwen3_vl", "qwen3_vl_moe",
+]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
     "dots3_note", "fuyu", "gemma4", "gemma4_unified", "git", "llama4", "qwen4_exp",
