@@ -169,6 +169,7 @@ def test_the_deepstack_addition_is_the_mergers_of_the_served_tower_blocks(model,
         assert (following[0, IMAGE_ROWS] - output[0, IMAGE_ROWS]).abs().max() > 1e-2  # not a vanishing addition
         assert f"deepstack merger {k}'s output" in model.support(k).notes["layer_output"]
     assert "layer_output" not in model.support(DEEPSTACK).notes
+    assert "deepstack merger 1" in model.vision.support(1).notes["layer_output"]
 
 
 def test_the_identities_hold_on_both_stacks_with_images_and_fail_without_the_addition(model, inputs):

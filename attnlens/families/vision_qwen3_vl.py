@@ -22,3 +22,14 @@ class Qwen3VLVisionTower(Qwen3_5VisionTower):
         "spatial_merge_size x spatial_merge_size block of patches) is the projector, not a final norm, and the "
         "deepstack mergers (deepstack_merger_list) project the outputs of the blocks in deepstack_visual_indexes",
     }
+
+    def notes(self, config, layer, engine="transformers"):
+        notes = super().notes(config, layer, engine)
+        indexes = list(getattr(config, "deepstack_visual_indexes", None) or [])
+        if layer is not None and layer in indexes:
+            k = indexes.index(layer)
+            notes["layer_output"] = (
+                f"the block's output, which the next block and deepstack merger {k} (deepstack_merger_list[{k}]) "
+                f"read: the language model adds that merger's output to the image tokens' rows after its layer {k}"
+            )
+        return notes
