@@ -314,11 +314,12 @@ def test_an_edit_of_a_layer_output_lands_before_the_deepstack_addition_as_a_hook
 def test_an_edit_of_a_deepstack_tower_block_reaches_its_merger_as_a_hook_on_transformers_predicts(model, inputs):
     """Adding to the second image's patches of tower block 0's `layer_output` (which block 1 and deepstack merger 0
     read) gives the logits a forward hook on that block gives plain transformers (torch.equal), and moves what the
-    model adds after language layer 0."""
+    model adds after language layer 0 (the merger's output, handed to the language model) on that image's rows only."""
     ids, rest = split(inputs)
     shift = torch.linspace(-1, 1, 32)
     with torch.no_grad(), model.trace(ids, **rest):
         model.vision.layers[0].layer_output[0, 16:] += shift
+        merged = model.model.visual.deepstack_merger_list[0].output.save()
         features = model.model.language_model.inputs[1]["deepstack_visual_embeds"][0].save()
         edited = model.logits.save()
 
@@ -333,4 +334,5 @@ def test_an_edit_of_a_deepstack_tower_block_reaches_its_merger_as_a_hook_on_tran
         tower = model._module.model.visual(rest["pixel_values"], grid_thw=rest["image_grid_thw"])
     assert torch.equal(edited, expected) and not torch.allclose(edited, plain, atol=1e-3)
     unedited = tower.deepstack_features[0]
+    assert torch.equal(features, merged)  # the merger's output, where the module docstring says to read it
     assert torch.equal(features[:4], unedited[:4]) and not torch.allclose(features[4:], unedited[4:], atol=1e-3)
