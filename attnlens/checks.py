@@ -14,7 +14,7 @@ import nnsight
 import torch
 
 from .errors import Unavailable
-from .locations import submodule
+from .locations import child, submodule
 from .parts.multimodal import holds_images
 from .values import BY_KEY, of_scope
 
@@ -43,6 +43,10 @@ def read_everything(model, prompt, layers=None, saved=None, **inputs):
                 saved["image_of"] = model.positions(prompt, **inputs).image
             except Unavailable:  # images not laid out (a family without `images`): their rows held to the text mask
                 pass
+        added = getattr(model.family, "added_between_blocks", None)
+        if towers and added is not None:  # handed to the language model before its first block runs
+            kwargs = child(model, added.module).inputs[1]
+            saved["added_between_blocks"] = nnsight.save((kwargs.get(added.rows), kwargs.get(added.features)))
         _read_stack(model, layers, saved)
         if model.support()["logits"] is None:  # a base model without a head has none
             saved["logits"] = model.logits.save()
@@ -299,7 +303,13 @@ def failures(model, saved, layer):
             v["layer_output"],
         )
     nxt = saved.get((layer + 1, "layer_input"))
-    if nxt is not None and "layer_output" in v:
+    rows, added = saved.get("added_between_blocks") or (None, None)
+    if nxt is not None and "layer_output" in v and added is not None and layer < len(added):
+        # the model adds features to the image tokens' rows after this block, outside it (Qwen3-VL's deepstack)
+        stream = v["layer_output"].clone()
+        stream[rows] = stream[rows] + added[layer].to(stream.dtype)
+        check("layer output + features added on the image rows == next layer input", stream, nxt)
+    elif nxt is not None and "layer_output" in v:
         check("layer output == next layer input", v["layer_output"], nxt)
     return list(check)
 

@@ -66,7 +66,10 @@ HINTS = (
     ("mlp input", "mlp and mlp_norm"),
     ("mlp(mlp input)", "mlp, or Identities.mlp_forward"),
     ("layer mid + mlp", "mlp, mlp_post_norm, or Identities.residual_add"),
-    ("next layer input", "layers, and where layer_output is read"),
+    (
+        "next layer input",
+        "layers, where layer_output is read, and added_between_blocks where the model adds features between blocks",
+    ),
     ("unembedding", "final_norm (final_norm_output is its output)"),
     ("", "activation, down_projection, or Identities.mlp_arithmetic"),  # the MLP's arithmetic, named by the family
 )

@@ -26,7 +26,7 @@ DOCS = ROOT / "docs" / "vision-language.md"
 #: Served with images: a family with a tower or an image layout.
 IMAGES = [
     "gemma3", "gemma4", "gemma4_unified", "llama4", "llava", "llava_next", "llava_onevision", "mistral3", "mllama",
-    "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "vipllava",
+    "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "vipllava",
 ]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [

@@ -47,6 +47,18 @@ class Tower(NamedTuple):
     inputs: tuple[str, ...] = ("pixel_values",)
 
 
+class AddedBetweenBlocks(NamedTuple):
+    """Features a model adds to the image tokens' rows of its language model's residual stream after some blocks,
+    outside any block (Qwen3-VL's deepstack: in the text model's loop), so that a block's `layer_output` is not the
+    next block's `layer_input` there. They reach the language model as keyword arguments of `module`'s call:
+    `features` a list whose item `i` [image tokens, hidden] is added after block `i`, `rows` the [batch, sequence]
+    mask of the rows it is added to (the image tokens, in order)."""
+
+    module: str
+    features: str
+    rows: str
+
+
 #: Where vLLM's multimodal classes hold the text model's blocks: its own text class, built as `language_model`.
 VLLM_LANGUAGE_MODEL = {
     "layers": "language_model.model.layers",
@@ -96,6 +108,9 @@ class LanguageModelOf:
     #: from its checkpoint (Mllama: the text model, `mllama_text_model`, is a family of its own); its tiny model is
     #: then the composite.
     serves_composite: ClassVar[bool] = False
+    #: What the model adds to the residual stream between its language model's blocks (`AddedBetweenBlocks`), or
+    #: None: each block's output is then the next block's input. `checks.read_everything` reads it where given.
+    added_between_blocks: ClassVar[AddedBetweenBlocks | None] = None
     embed_tokens = "model.language_model.embed_tokens"
     final_norm = "model.language_model.norm"
     #: vLLM runs these types as its own multimodal classes (gemma3_mm, gemma4_mm, ...), which build the text model's
