@@ -43,9 +43,10 @@ def plot(
     scales the colours to the largest weight shown instead of 1. Returns the path written.
 
     On a multimodal model's inputs (a prompt with images), the PNG is attention over the images: for each image (a
-    row of panels), each head's and the heads' mean attention from the query `rows=` (positions; default the last,
-    averaged over several) to the image's tokens, on the image's token grid, laid over the image; the colours run
-    to the largest weight drawn (`vmax` is the patterns')."""
+    row of panels; one per view of an image of several, LLaVA-NeXT's base view then its tiles, both over the whole
+    image, and one per frame of a video), each head's and the heads' mean attention from the query `rows=`
+    (positions; default the last, averaged over several) to the image's tokens, on the image's token grid, laid over
+    the image; the colours run to the largest weight drawn (`vmax` is the patterns')."""
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"{out}: attnlens.plot writes .png (attnlens.show(...).save writes .html)")
@@ -115,9 +116,9 @@ def figure(
 
 
 def image_heats(shown, pattern, rows=None) -> tuple[list[torch.Tensor], list[int]]:
-    """What `plot` lays over each image of a prompt: per image, [heads + 1, grid rows, grid columns], each head's
-    attention from the query positions `rows` (default the last; averaged over several) to the image's tokens on
-    its grid, then the heads' mean; and the query positions drawn."""
+    """What `plot` lays over each image of a prompt: per image (each view of one, `shown.images`), [heads + 1, grid
+    rows, grid columns], each head's attention from the query positions `rows` (default the last; averaged over
+    several) to the image's tokens on its grid, then the heads' mean; and the query positions drawn."""
     positions = pattern.query_positions
     chosen = [positions[-1]] if rows is None else [rows] if isinstance(rows, int) else list(rows)
     chosen = [row % len(shown.tokens) for row in chosen]
@@ -135,7 +136,8 @@ def image_heats(shown, pattern, rows=None) -> tuple[list[torch.Tensor], list[int
 
 
 def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, dpi):
-    """The figure of attention over a prompt's images: a row of panels per image, a column per head and the mean."""
+    """The figure of attention over a prompt's images: a row of panels per image (per view), a column per head and the
+    mean."""
     found, chosen = image_heats(shown, pattern, rows)
     heats = [heat.numpy() for heat in found]
     panels = [*(f"head {h}" for h in pattern.heads), "mean of heads"]
@@ -147,7 +149,7 @@ def _over_images(Figure, FigureCanvasAgg, shown, pattern, rows, dpi):
     drawn = None
     for number, (row_axes, image, heat) in enumerate(zip(axes, shown.images, heats)):
         height, width = image.pixels.shape[:2]
-        row_axes[0].set_ylabel(f"image {number}", fontsize=9)
+        row_axes[0].set_ylabel(image.name or f"image {number}", fontsize=9)
         for index, ax in enumerate(row_axes):
             ax.imshow(image.pixels.numpy(), interpolation="bilinear")
             drawn = ax.imshow(

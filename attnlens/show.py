@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .heads import model_name
+from .parts.multimodal import KINDS
 
 
 @dataclass
@@ -41,11 +42,17 @@ class LayerPattern:
 
 @dataclass
 class ImageShown:
-    """One image of a prompt, as a picture overlays attention on it: its pixels and where its tokens are."""
+    """One view of an image of a prompt, as a picture overlays attention on it: its pixels and where its tokens are.
+    An image of one grid is one view; LLaVA-NeXT's is two (its base view and its stitched tiles, both over the whole
+    image: the tiles' grid is unpadded to the image's aspect), a video's one per frame (temporal patch)."""
 
     pixels: torch.Tensor  #: uint8 [height, width, 3]: the image given, else what the tower saw (rescaled)
     grid: tuple[int, int]  #: (rows, columns) of its tokens over it
     positions: list[int]  #: the position of each of its tokens, row-major over the grid
+    name: str = ""  #: what it is, as labels name it: "image 0", "image 0 view 1", "video 1 frame 2"
+    image: int = 0  #: which image (or video) of the prompt
+    view: int = 0  #: which view of it (a video's frame)
+    video: bool = False  #: whether it is a video's frame
 
 
 @dataclass
@@ -153,9 +160,18 @@ def _captured_inputs(model, inputs: Mapping, layers, heads) -> tuple[dict, list[
     return {layer: (p[0] if picked is None else p[0, picked]) for layer, p in saved.items()}, picked
 
 
+def _picture(given) -> torch.Tensor:
+    """An image given (PIL or an [H, W, 3] array) as a uint8 tensor."""
+    import numpy as np
+
+    # a copy: PIL's array is read-only
+    return torch.tensor(np.asarray(given.convert("RGB") if hasattr(given, "convert") else given))
+
+
 def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[str]]:
-    """The images of a multimodal prompt (`given`: the images themselves, PIL or [H, W, 3] arrays; else the
-    processor's `pixel_values` rescaled to 0-255, which is what the tower saw), and a label for every position."""
+    """Each view of the images of a multimodal prompt (`given`: the images themselves, PIL or [H, W, 3] arrays, a
+    video as its frames; else the processor's `pixel_values` rescaled to 0-255, which is what the tower saw), and a
+    label for every position."""
     found = model.positions(inputs)
     ids = torch.as_tensor(inputs["input_ids"]).flatten().tolist()
     pictures = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
@@ -168,31 +184,57 @@ def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[st
         )
     if pictures and len(pictures) != count:
         raise ValueError(f"images= gives {len(pictures)} images for a prompt holding {count}")
-    import numpy as np
-
     shown = []
-    for image in range(count):
-        if pictures:
-            given_image = pictures[image]
-            picture = torch.tensor(  # a copy: PIL's array is read-only
-                np.asarray(given_image.convert("RGB") if hasattr(given_image, "convert") else given_image)
-            )
-        else:
-            assert isinstance(pixels, torch.Tensor)  # checked above: no pictures given, so pixel_values are pictures
-            seen = pixels[image].float()
-            low, high = seen.amin(dim=(1, 2), keepdim=True), seen.amax(dim=(1, 2), keepdim=True)
-            picture = ((seen - low) / (high - low).clamp(min=1e-6) * 255).round().permute(1, 2, 0)
-        shown.append(ImageShown(picture.to(torch.uint8), found.grids[0][image], found.of_image(image).tolist()))
+    for image, views in enumerate(found.views[0]):
+        video = int(found.kind[0, found.of_image(image)[0]]) == KINDS.index("video")
+        for view, grid in enumerate(views):
+            if pictures and video:  # a video's frames: a view (temporal patch) drawn on the first frame it covers
+                frames = pictures[image]
+                if hasattr(frames, "convert") or not len(frames) or _picture(frames[0]).dim() != 3:
+                    raise ValueError(
+                        f"images=: entry {image} is a video; pass its frames (a list of pictures or a [frames, "
+                        f"height, width, 3] array)"
+                    )
+                picture = _picture(frames[view * len(frames) // len(views)])
+            elif pictures:
+                picture = _picture(pictures[image])
+            else:
+                assert isinstance(pixels, torch.Tensor)  # checked above: without pictures, pixel_values are pictures
+                seen = pixels[image].float()
+                low, high = seen.amin(dim=(1, 2), keepdim=True), seen.amax(dim=(1, 2), keepdim=True)
+                picture = ((seen - low) / (high - low).clamp(min=1e-6) * 255).round().permute(1, 2, 0)
+            name = _view_name(image, view, len(views), video)
+            at = found.of_image(image, view=view).tolist()
+            shown.append(ImageShown(picture.to(torch.uint8), grid, at, name, image, view, video))
     return shown, labels(model, ids, found)
 
 
+def _view_name(image: int, view: int, views: int, video: bool) -> str:
+    """An image's view as labels name it: "image 0" (one view), "image 0 view 1", "video 1 frame 2"."""
+    if video:
+        return f"video {image} frame {view}"
+    return f"image {image}" if views == 1 else f"image {image} view {view}"
+
+
 def labels(model, ids, positions) -> list[str]:
-    """A label for every position of a multimodal prompt: an image's token as `<image i row,col>`, else its text."""
+    """A label for every position of a multimodal prompt: an image's token as `<image i row,col>` (`<image i view v
+    row,col>` on an image of several views: LLaVA-NeXT's base view 0 and tiles 1), a video's as `<video i frame f
+    row,col>`, an image's newline as `<newline image i view v row r>` (the row it ends), a tower's class token as
+    `<class image i>`; else its text."""
     found = []
     for position, token in enumerate(torch.as_tensor(ids).flatten().tolist()):
         image = int(positions.image[0, position])
         if image >= 0:
-            found.append(f"<image {image} {int(positions.row[0, position])},{int(positions.col[0, position])}>")
+            kind, view = KINDS[int(positions.kind[0, position])], int(positions.view[0, position])
+            name = _view_name(image, view, len(positions.views[0][image]), kind == "video")
+            row, col = int(positions.row[0, position]), int(positions.col[0, position])
+            found.append(
+                f"<newline {name} row {row}>"
+                if kind == "newline"
+                else f"<class {name}>"
+                if kind == "class"
+                else f"<{name} {row},{col}>"
+            )
         else:
             found.append(model.tokenizer.decode([token]) if model.tokenizer is not None else str(token))
     return found
@@ -346,8 +388,10 @@ def patterns(
     "decoder"; the tokens are the source's, then the target's.
 
     A multimodal model takes the prompt as its inputs (a processor's output, or a dict of input_ids, pixel_values and
-    the rest): each image's tokens are labelled `<image i row,col>`, and the images travel with the patterns to be
-    drawn under attention (`images=`: the pictures themselves; else `pixel_values` rescaled, what the tower saw).
+    the rest): each image's tokens are labelled `<image i row,col>` (see `labels` for views, videos and newlines),
+    and the images travel with the patterns to be drawn under attention, each view of an image (LLaVA-NeXT's base
+    view and tiles) and each frame of a video apart (`images=`: the pictures themselves, a video as its frames; else
+    `pixel_values` rescaled, what the tower saw).
     """
     shown_images: list[ImageShown] = []
     if images is not None and not (_is_model(source) and _with_images(prompt)):
@@ -500,7 +544,8 @@ IMAGE_SIDE = 320
 
 
 def _encode_image(image: ImageShown) -> dict:
-    """One image for the page: its RGB bytes (base64, shrunk to `IMAGE_SIDE`), its token grid, its tokens' positions."""
+    """One image (view) for the page: its RGB bytes (base64, shrunk to `IMAGE_SIDE`), its token grid, its tokens'
+    positions, what it is."""
     pixels = image.pixels.permute(2, 0, 1)[None].float()
     scale = IMAGE_SIDE / max(pixels.shape[-2:])
     if scale < 1:
@@ -513,6 +558,10 @@ def _encode_image(image: ImageShown) -> dict:
         "rows": image.grid[0],
         "cols": image.grid[1],
         "positions": image.positions,
+        "name": image.name,
+        "image": image.image,
+        "view": image.view,
+        "video": image.video,
     }
 
 

@@ -242,7 +242,7 @@
     context.putImageData(data, 0, 0);
     return canvas;
   });
-  function renderImages() {  // the enlarged head's attention from one query row over each image of the prompt
+  function renderImages() {  // the enlarged head's attention from one query row over each image (each view) shown
     if (!pictures.length) return;
     const layer = current(), column = new Map(layer.keys.map((k, c) => [k, c]));
     const row = state.query === null || state.query >= layer.queries.length ? layer.queries.length - 1 : state.query;
@@ -267,13 +267,14 @@
         const r = Math.floor(y / cellH), c = Math.floor(x / cellW), t = r * found.cols + c;
         if (r < 0 || c < 0 || r >= found.rows || c >= found.cols) return hide();
         const k = found.positions[t], w = weights[t];
+        const place = found.video ? {image: found.image, frame: found.view} : {image: found.image, view: found.view};
         showTip(event, "layer " + layer.layer + " \u00b7 head " + layer.heads[state.head] + "\nquery " + q + " " +
-          JSON.stringify(page.tokens[q]) + "\nimage " + i + " row " + r + " col " + c + " (key " + k + ")\nweight " +
-          (w >= 0.001 ? w.toFixed(3) : w.toExponential(1)), {image: i, row: r, col: c, key: k, weight: w});
+          JSON.stringify(page.tokens[q]) + "\n" + found.name + " row " + r + " col " + c + " (key " + k + ")\nweight " +
+          (w >= 0.001 ? w.toFixed(3) : w.toExponential(1)), {...place, row: r, col: c, key: k, weight: w});
       });
       canvas.addEventListener("mouseleave", hide);
       const caption = document.createElement("figcaption");
-      caption.textContent = "image " + i + " \u00b7 head " + layer.heads[state.head] + " from query " + q + " " +
+      caption.textContent = found.name + " \u00b7 head " + layer.heads[state.head] + " from query " + q + " " +
         JSON.stringify(page.tokens[q]) + " \u00b7 brightest " + largest.toFixed(3) + " (hover a row above to move)";
       figure.append(canvas, caption);
       images.append(figure);
@@ -346,7 +347,8 @@
     // the centre of cell (attributed row, column) of the attribution map, in its own pixels
     mapCell: (row, column) => [state.mapGeometry.left + (column + 0.5) * state.mapGeometry.cellW,
                                state.mapGeometry.top + (row + 0.5) * state.mapGeometry.cellH],
-    // the centre of token (row, column) of image `i`'s grid, in that image canvas's own pixels
+    // the centre of token (row, column) of the `i`-th image shown (each view of an image, each frame of a video, in
+    // order), in that image canvas's own pixels
     patch: (i, row, column) => [(column + 0.5) * page.images[i].width / page.images[i].cols,
                                 (row + 0.5) * page.images[i].height / page.images[i].rows],
   };
