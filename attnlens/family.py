@@ -482,6 +482,17 @@ def base_model_paths(family: Family | type[Family], prefix: str) -> dict[str, st
     return paths
 
 
+def final_softcap(model) -> float | None:
+    """The soft-cap on a served model's final logits (`tanh(x / cap) * cap`), or None: its text config's, under either
+    name transformers' configs give it (RecurrentGemma's `logits_soft_cap`), unless its family says the model returns
+    its logits uncapped (`uncapped_logits(model)`: transformers 5.19's PaliGemma, whatever its Gemma 2 config says)."""
+    config = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    uncapped = getattr(model.family, "uncapped_logits", None)
+    return None if uncapped is not None and uncapped(model) else cap
+
+
 def token_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module that embeds the tokens: `get_input_embeddings()`, else (a model that defines none) its one
     `Embedding` as long as the vocabulary; None where there is no such one."""

@@ -24,7 +24,7 @@ from nnsight.intervention.envoy import Envoy
 from .applications import GatheredBlock, gathered_blocks
 from .checks import Checks, batch_and_length, failures, read_everything
 from .errors import AttnlensError, Miswired
-from .family import MODULE_PATHS, token_embeddings
+from .family import MODULE_PATHS, final_softcap, token_embeddings
 from .locations import Location, child
 from .parts.identities import overrides
 from .values import BY_NAME, SUBLAYER_OF
@@ -290,8 +290,7 @@ def unembedding_failures(model, saved: dict) -> list[str]:
     expected = None
     if x.shape[-1] == weight.shape[1]:
         expected = torch.nn.functional.linear(x.to(weight.dtype), weight, getattr(head, "bias", None)).float()
-        config = model.config.get_text_config(decoder=True)
-        cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+        cap = final_softcap(model)
         if cap:
             expected = torch.tanh(expected / cap) * cap
         elif expected.shape == logits.shape:

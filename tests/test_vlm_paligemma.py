@@ -237,3 +237,33 @@ def test_key_positions_are_sequence_indices_and_the_rotary_ids_count_from_one(mo
         assert torch.allclose(rotated(positions + 1), keys, atol=1e-5)
         assert not torch.allclose(rotated(positions), keys, atol=1e-3)
     assert "plus one" in model.support(0).notes["self_attn.attention_key_positions"]
+
+
+def test_paligemma_2s_logits_cap_is_the_one_transformers_applies_and_the_checks_and_attribution_know_it(monkeypatch):
+    """transformers 5.19's PaliGemma returns lm_head's output, never capping it by the Gemma 2 text config's
+    final_logit_softcapping; 5.25's caps it. With a cap of 5 (where capping moves the tiny logits by 0.1 and more)
+    the logits identity holds and attribution adds up to the logit transformers returns; holding the model to the
+    other reading fails the identity."""
+    import inspect
+
+    from transformers import PaliGemmaForConditionalGeneration
+
+    from attnlens.verification import unembedding_failures
+
+    text = {**PaliGemma2.tiny.kwargs["text_config"], "final_logit_softcapping": 5.0}
+    raw = attnlens.models.tiny_model("paligemma", text_config=text)
+    model = attnlens.StandardizedTransformer(raw, tokenizer=attnlens.models.char_tokenizer(), family=PaliGemma2)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        own = raw(input_ids=PROMPT, **_inputs(pixels)).logits
+    capped = "final_logit_softcapping" in inspect.getsource(PaliGemmaForConditionalGeneration.forward)
+    assert (float(own.abs().max()) < 5.0) == capped  # uncapped, the tiny logits reach 6.8
+    assert (attnlens.family.final_softcap(model) is None) == (not capped)
+    saved = read_everything(model, PROMPT, **_inputs(pixels))
+    assert unembedding_failures(model, saved) == []
+    found = attnlens.attribution(model, {"input_ids": PROMPT, **_inputs(pixels)}, target=5)
+    split = 5.0 * torch.atanh(own[:, -1, 5] / 5.0) if capped else own[:, -1, 5]  # attribution splits before the cap
+    torch.testing.assert_close(found.value, split, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(found.total, found.value, atol=1e-4)
+    monkeypatch.setattr(PaliGemma2, "uncapped_logits", lambda self, model: capped)  # the other reading: it fails
+    assert unembedding_failures(model, saved) != []

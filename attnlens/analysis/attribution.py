@@ -30,6 +30,7 @@ import torch
 
 from ..checks import TOLERANCE
 from ..errors import Unavailable
+from ..family import final_softcap
 from .norms import NormForm
 from .reasons import (
     direction_reason,
@@ -95,13 +96,6 @@ class Plan:
 def _text_config(model):
     config = model.config
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def final_softcap(model) -> float | None:
-    """The soft-cap on the final logits, under either name transformers' configs give it (RecurrentGemma's
-    `logits_soft_cap`), or None."""
-    config = _text_config(model)
-    return getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
 
 
 def unembedding(model, engine: str, embeddings: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:

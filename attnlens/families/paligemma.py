@@ -32,8 +32,8 @@ PaliGemma 2 (a Gemma 2 language model: soft-capped scores, sliding layers, post-
 another text config; `PaliGemma2` serves it where passed as `family=` (the registry maps a model type to one family),
 and `PaliGemma` refuses it at load with that reason. On vLLM (the same paligemma class over its gemma2 class) it is
 PaliGemma's case, the prefix causal and the rotary positions from 0, with one more difference: vLLM soft-caps the
-logits by the text config's `final_logit_softcapping`, as Gemma 2 does, where transformers' PaliGemma returns them
-uncapped; the served logits are vLLM's, capped (tests_vllm/test_images_more.py).
+logits by the text config's `final_logit_softcapping`, as Gemma 2 does, where transformers 5.19's PaliGemma returns
+them uncapped (5.25's caps them too); the served logits are vLLM's, capped (tests_vllm/test_images_more.py).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ VLLM_PREFIX_NOTE = (
 )
 VLLM_CAPPED_LOGITS = (
     "soft-capped: vLLM's PaliGemma 2 computes them with Gemma 2's logits processor, tanh(x / cap) * cap with the text "
-    "config's final_logit_softcapping, where transformers' PaliGemmaForConditionalGeneration returns lm_head's output "
-    "uncapped (these are tanh(transformers' logits / cap) * cap; the same greedy tokens, other probabilities)"
+    "config's final_logit_softcapping, where transformers 5.19's PaliGemmaForConditionalGeneration returns lm_head's "
+    "output uncapped (these are tanh(transformers' logits / cap) * cap; the same greedy tokens, other probabilities)"
 )
 #: The values vLLM rotates by positions counted from 0 (`_one_position_on`).
 ROTATED = ("attention_queries", "attention_keys", "attention_cache_keys")
@@ -136,6 +136,15 @@ class _PaliGemma(LanguageModelOf):
     images = PaliGemmaImages()
     #: The text config's model type this family's language model family serves.
     text_type = "gemma"
+
+    def uncapped_logits(self, model) -> bool:
+        """Whether the model returns lm_head's output uncapped whatever its text config's final_logit_softcapping
+        says (PaliGemma 2's Gemma 2 config says 30; `family.final_softcap`): transformers' PaliGemma up to 5.19
+        (5.25 caps; read from its forward's code), not vLLM's, which caps as Gemma 2 does."""
+        import inspect
+
+        forward = type(model._module).forward
+        return model.access.engine == "transformers" and "final_logit_softcapping" not in inspect.getsource(forward)
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
