@@ -461,3 +461,22 @@ def test_the_viewer_draws_a_tiled_image_given_as_a_picture_and_refuses_its_tiles
     assert shown.images[0].positions == model.positions(inputs).of_image(0).tolist()
     with pytest.raises(ValueError, match="one per image"):
         patterns(model, inputs, [0])
+
+
+def test_a_tiled_image_then_a_one_tile_image_are_numbered_and_fed_in_order(model):
+    """A prompt with an image of 1 x 2 tiles then an image of one tile: four tiles through the tower (the first image's
+    two tiles and its global view, then the second image's tile); the second image is one view, and changing its
+    pixels (the fourth tile) moves `embeddings` exactly at its tokens; `aspect_ratios` count images in prompt order."""
+    prompt = torch.cat([TILED[:, :-1], torch.tensor([[*ONE_TILE, 41]])], dim=1)
+    pixels = _pixels(4)
+    found = model.positions(prompt, pixel_values=pixels, aspect_ratios=[[1, 2], [1, 1]])
+    assert found.views == ((((2, 4), (2, 2)), ((2, 2),)),)
+    with pytest.raises(ValueError, match="aspect_ratios: image 0 of prompt 0 is 1 x 1 tiles there, 1 x 2"):
+        model.positions(prompt, pixel_values=pixels, aspect_ratios=[[1, 1], [1, 2]])
+    with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
+        plain = model.embeddings.save()
+    changed = pixels.clone()
+    changed[3] += 1.0
+    with torch.no_grad(), model.trace(prompt, pixel_values=changed):
+        moved = model.embeddings.save()
+    assert ((moved - plain)[0].abs().amax(-1) > 0).nonzero().flatten().tolist() == found.of_image(1).tolist()
