@@ -177,10 +177,13 @@ def _images_of(model, inputs: Mapping, given) -> tuple[list[ImageShown], list[st
     pictures = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
     pixels = inputs.get("pixel_values")
     count = len(found.grids[0])
-    if not pictures and not (isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and pixels.shape[1] == 3):
+    # one picture per image (not Llama 4's tiles, several per image)
+    if not pictures and not (
+        isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and pixels.shape[0] == count and pixels.shape[1] == 3
+    ):
         raise ValueError(
             "images=: pass the prompt's images to draw attention over them (this model's pixel_values are not "
-            "[images, 3, height, width] pictures)"
+            "[images, 3, height, width] pictures, one per image)"
         )
     if pictures and len(pictures) != count:
         raise ValueError(f"images= gives {len(pictures)} images for a prompt holding {count}")

@@ -23,9 +23,25 @@ ONE_TILE = [START, IMAGE, *[PATCH] * 4, END]
 #: Text, an image, text, a second image, text: 20 positions, so chunks of 4 cut both images' tokens.
 PROMPT = torch.tensor([[1, 40, 41, *ONE_TILE, 42, *ONE_TILE, 43, 44]])
 FIRST, SECOND = [5, 6, 7, 8], [13, 14, 15, 16]
+
+
+def tiled(ratio_h, ratio_w):
+    """Text, an image cut into `ratio_h` x `ratio_w` tiles and its global view, text: the ids Llama4Processor writes
+    (transformers 5.25's processing_llama4.py, `_prompt_split_image`): <|image_start|>, row after row of tiles, each
+    tile's 4 <|patch|> tokens followed by <|tile_x_separator|> but a row's last, <|tile_y_separator|> after each row,
+    then <|image|>, the global view's 4 <|patch|> tokens, <|image_end|>. Written out here, not by the family's code."""
+    ids = [1, 40, START]
+    for _ in range(ratio_h):
+        for x in range(ratio_w):
+            ids += [PATCH] * 4 + ([TILE_X] if x < ratio_w - 1 else [])
+        ids.append(TILE_Y)
+    return torch.tensor([[*ids, IMAGE, *[PATCH] * 4, END, 41]])
+
+
 #: An image cut into 1 x 2 tiles: each tile's tokens, a separator between them, one after the row, then <|image|> and
 #: the global view's tokens (three tiles through the tower).
-TILED = torch.tensor([[1, 40, START, *[PATCH] * 4, TILE_X, *[PATCH] * 4, TILE_Y, IMAGE, *[PATCH] * 4, END, 41]])
+TILED = tiled(1, 2)
+LAYOUTS = [(1, 2), (2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -287,21 +303,96 @@ def test_positions_place_each_one_tile_images_tokens_on_its_grid(model):
         model.positions(PROMPT[:, :12])
 
 
-def test_an_image_of_several_tiles_is_served_its_positions_refused_with_the_reason(model):
-    """An image cut into 1 x 2 tiles and its global view: three tiles through the tower, every pattern still equal
-    to `output_attentions`; `model.positions` refuses it (several grids of one image)."""
-    pixels = _pixels(3)
+@pytest.mark.parametrize("ratio", LAYOUTS)
+def test_an_image_of_several_tiles_equals_transformers_attention(model, ratio):
+    """An image cut into tiles and its global view (`ratio_h * ratio_w + 1` tiles through the tower, in the image
+    processor's order: the tiles row-major, then the global view): every pattern of the language model equal to
+    `output_attentions`, the logits to the model's, the identities hold."""
+    prompt, pixels = tiled(*ratio), _pixels(ratio[0] * ratio[1] + 1)
     with torch.no_grad():
-        own = model._module(input_ids=TILED, pixel_values=pixels, output_attentions=True)
+        own = model._module(input_ids=prompt, pixel_values=pixels, output_attentions=True)
     language = []
-    with torch.no_grad(), model.trace(TILED, pixel_values=pixels):
+    with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
         tower = model.vision.layers[0].self_attn.attention_probabilities.save()
         for i in range(3):
             language.append(model.layers[i].self_attn.attention_probabilities.save())
-    assert tower.shape[0] == 3
+        logits = model.logits.save()
+    assert tower.shape[0] == ratio[0] * ratio[1] + 1
+    assert len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
-    with pytest.raises(attnlens.Unavailable, match="several grids"):
-        model.positions(TILED, pixel_values=pixels)
+    assert torch.equal(logits, own.logits)
+    saved = read_everything(model, prompt, pixel_values=pixels)
+    assert [failures(model, saved, i) for i in range(model.num_layers)] == [[], [], []]
+
+
+@pytest.mark.parametrize("ratio", LAYOUTS)
+def test_positions_place_a_tiled_images_tokens_on_its_tiles_stitched_and_its_global_view(model, ratio):
+    """View 0 stitches the tiles into one grid (tile (y, x)'s 2 x 2 tokens at rows 2y.., columns 2x..), view 1 is the
+    global view's 2 x 2 grid; the separators and <|image|> are special; every <|patch|> token is placed once."""
+    ratio_h, ratio_w = ratio
+    prompt = tiled(*ratio)
+    found = model.positions(prompt, pixel_values=_pixels(ratio_h * ratio_w + 1))
+    assert found.views == ((((2 * ratio_h, 2 * ratio_w), (2, 2)),),)
+    assert found.grids == (((2 * ratio_h, 2 * ratio_w),),)
+    patches = (prompt[0] == PATCH).nonzero().flatten()
+    assert sorted(found.spans()["image 0"]) == patches.tolist()
+    assert (found.kind[0, patches] == 1).all() and (found.row[0, patches] >= 0).all()
+    assert found.kind[0].tolist() == [0, 0] + [1 if t == PATCH else 2 for t in prompt[0, 2:-1].tolist()] + [0]
+    # the i-th tile's tokens are the i-th run of 4 <|patch|> tokens; the global view's the last run
+    runs = patches.view(-1, 4)
+    stitched = found.on_grid(torch.arange(prompt.shape[1]), 0)
+    for tile in range(ratio_h * ratio_w):
+        y, x = divmod(tile, ratio_w)
+        assert stitched[2 * y : 2 * y + 2, 2 * x : 2 * x + 2].flatten().tolist() == runs[tile].tolist()
+    assert found.on_grid(torch.arange(prompt.shape[1]), 0, view=1).flatten().tolist() == runs[-1].tolist()
+    assert found.view[0, runs[-1]].tolist() == [1] * 4 and (found.view[0, runs[:-1].flatten()] == 0).all()
+
+
+@pytest.mark.parametrize("ratio", LAYOUTS)
+def test_each_tiles_pixels_move_what_layers_0_reads_exactly_where_positions_put_that_tile(model, ratio):
+    """By perturbation: changing tile t's pixels (the image processor's t-th tile, row-major) moves `embeddings`
+    (what layers[0] reads) at exactly the positions view 0 puts on that tile (rows 2y.., columns 2x..); changing the
+    global view's pixels moves exactly view 1's tokens. The tower runs each tile alone, so nothing else moves."""
+    ratio_h, ratio_w = ratio
+    prompt, pixels = tiled(*ratio), _pixels(ratio_h * ratio_w + 1)
+    found = model.positions(prompt, pixel_values=pixels)
+
+    def embeddings(pixels):
+        with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
+            saved = model.embeddings.save()
+        return saved[0]
+
+    plain = embeddings(pixels)
+    placed = found.of_image(0, view=0)
+    tile_of = found.row[0, placed] // 2 * ratio_w + found.col[0, placed] // 2
+    for tile in range(ratio_h * ratio_w + 1):
+        changed = pixels.clone()
+        changed[tile] += torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(tile + 10))
+        moved = (embeddings(changed) - plain).abs().amax(-1) > 0
+        expected = placed[tile_of == tile] if tile < ratio_h * ratio_w else found.of_image(0, view=1)
+        assert moved.nonzero().flatten().tolist() == sorted(expected.tolist())
+
+
+def test_aspect_ratios_that_disagree_with_the_tokens_are_refused_by_name(model):
+    """Where the inputs give the image processor's `aspect_ratios`, they must be the tiles the tokens hold; a prompt
+    whose tokens are not the processor's layout is refused (naming input_ids)."""
+    pixels = _pixels(3)
+    agreed = model.positions(TILED, pixel_values=pixels, aspect_ratios=torch.tensor([[1, 2]]))
+    assert agreed.views == ((((2, 4), (2, 2)),),)
+    with pytest.raises(ValueError, match="aspect_ratios: image 0 of prompt 0 is 2 x 1 tiles there, 1 x 2"):
+        model.positions(TILED, pixel_values=pixels, aspect_ratios=torch.tensor([[2, 1]]))
+    with pytest.raises(ValueError, match="aspect_ratios: gives 2 images where input_ids hold 1"):
+        model.positions(TILED, pixel_values=pixels, aspect_ratios=[[1, 2], [1, 1]])
+    one_short = torch.cat([TILED[:, :5], TILED[:, 6:]], dim=1)  # a tile of 3 tokens
+    with pytest.raises(ValueError, match="input_ids: image 0 of prompt 0 has 11 <\\|patch\\|> tokens"):
+        model.positions(one_short)
+    no_global = TILED[:, : TILED.shape[1] - 7]  # the tiles without <|image|> and the global view
+    with pytest.raises(ValueError, match="not in pairs"):
+        model.positions(no_global)
+    swapped = TILED.clone()
+    swapped[0, 7] = IMAGE  # <|image|> between the row's two tiles
+    with pytest.raises(ValueError, match="not Llama4Processor's layout"):
+        model.positions(swapped)
 
 
 def test_the_tiny_processor_expands_an_image_into_one_tile_as_llama4processor_does():
@@ -318,6 +409,31 @@ def test_the_tiny_processor_expands_an_image_into_one_tile_as_llama4processor_do
     assert type(processor).__name__ == "Llama4Processor"
 
 
+@pytest.mark.parametrize("ratio", LAYOUTS)
+def test_llama4processor_writes_the_hand_built_tiled_layout(ratio):
+    """Llama4Processor itself, its image processor made to answer `ratio` tiles (`aspect_ratios`, as
+    Llama4ImageProcessor does for a wide or tall image; it needs torchvision, not installed here) and that many tiles
+    plus the global view as pixel values, expands <|image|> into exactly `tiled(ratio)`'s image tokens; it drops
+    `aspect_ratios` from its output, so positions read the tiles from the tokens."""
+    from PIL import Image
+
+    processor = tiny_processor("llama4")
+    images = processor.image_processor
+    one_tile = type(images).preprocess
+
+    def cut(*args, **kwargs):
+        found = one_tile(images, *args, **kwargs)
+        found["pixel_values"] = torch.as_tensor(found["pixel_values"]).repeat(ratio[0] * ratio[1] + 1, 1, 1, 1)
+        found["aspect_ratios"] = [list(ratio)]
+        return found
+
+    images.preprocess = cut
+    picture = Image.fromarray((torch.rand(24, 40, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    inputs = processor(text="ab<|image|>cd", images=[picture], return_tensors="pt")
+    assert inputs["input_ids"][0, 2:-2].tolist() == tiled(*ratio)[0, 2:-1].tolist()
+    assert inputs["pixel_values"].shape == (ratio[0] * ratio[1] + 1, 3, 32, 32) and "aspect_ratios" not in inputs
+
+
 def test_the_viewer_lays_a_processed_images_tokens_on_its_grid(model):
     """`attnlens.show`'s patterns of the processor's inputs: the image on its 2 x 2 grid at the <|patch|> positions,
     named by grid place (what `attnlens show tiny:llama4 --image FILE` draws)."""
@@ -331,3 +447,36 @@ def test_the_viewer_lays_a_processed_images_tokens_on_its_grid(model):
     shown = patterns(model, inputs, [0])
     assert len(shown.images) == 1 and shown.images[0].positions == [4, 5, 6, 7]
     assert shown.tokens[5] == "<image 0 0,1>"
+
+
+def test_the_viewer_draws_a_tiled_image_given_as_a_picture_and_refuses_its_tiles_as_one(model):
+    """`attnlens.show` lays a tiled image's view 0 (its tiles stitched, 2 x 4 for 1 x 2 tiles) over the picture
+    given as `images=`; without it, the pixel values (three tiles for one image) are not a picture per image."""
+    from attnlens.show import patterns
+
+    inputs = {"input_ids": TILED, "pixel_values": _pixels(3)}
+    picture = (torch.rand(32, 64, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()
+    shown = patterns(model, inputs, [0], images=[picture])
+    assert len(shown.images) == 1 and shown.images[0].grid == (2, 4)
+    assert shown.images[0].positions == model.positions(inputs).of_image(0).tolist()
+    with pytest.raises(ValueError, match="one per image"):
+        patterns(model, inputs, [0])
+
+
+def test_a_tiled_image_then_a_one_tile_image_are_numbered_and_fed_in_order(model):
+    """A prompt with an image of 1 x 2 tiles then an image of one tile: four tiles through the tower (the first image's
+    two tiles and its global view, then the second image's tile); the second image is one view, and changing its
+    pixels (the fourth tile) moves `embeddings` exactly at its tokens; `aspect_ratios` count images in prompt order."""
+    prompt = torch.cat([TILED[:, :-1], torch.tensor([[*ONE_TILE, 41]])], dim=1)
+    pixels = _pixels(4)
+    found = model.positions(prompt, pixel_values=pixels, aspect_ratios=[[1, 2], [1, 1]])
+    assert found.views == ((((2, 4), (2, 2)), ((2, 2),)),)
+    with pytest.raises(ValueError, match="aspect_ratios: image 0 of prompt 0 is 1 x 1 tiles there, 1 x 2"):
+        model.positions(prompt, pixel_values=pixels, aspect_ratios=[[1, 1], [1, 2]])
+    with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
+        plain = model.embeddings.save()
+    changed = pixels.clone()
+    changed[3] += 1.0
+    with torch.no_grad(), model.trace(prompt, pixel_values=changed):
+        moved = model.embeddings.save()
+    assert ((moved - plain)[0].abs().amax(-1) > 0).nonzero().flatten().tolist() == found.of_image(1).tolist()

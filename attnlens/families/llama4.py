@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import Unavailable
 from ..family import Family, Tiny, VLLMLayout, released_tiny
 from ..locations import Derived, ModuleOutput, child
 from ..locations.cache import with_cache
@@ -197,29 +196,44 @@ TINY_TOKENS = {
     "<|tile_y_separator|>": 133,
 }
 
-MULTI_TILE = (
-    "model.positions: a Llama 4 image cut into several tiles is several grids (each tile's <|patch|> tokens in turn, "
-    "<|tile_x_separator|> between the tiles of a row, <|tile_y_separator|> after each row, then <|image|> and the "
-    "global view's tokens: the whole image resized to one tile), which attnlens's Positions (one grid per image) does "
-    "not hold; its values on image tokens are served"
-)
+
+def _expanded(ratio: tuple[int, int], per_tile: int, tokens: dict[str, int]) -> list[int]:
+    """The ids Llama4Processor writes for an image of `ratio` (rows, columns) tiles of `per_tile` `<|patch|>` tokens
+    each (transformers' processing_llama4.py, `_prompt_split_image`), by `tokens`' ids."""
+    ratio_h, ratio_w = ratio
+    ids = [tokens["start"]]
+    if ratio_h * ratio_w > 1:
+        for _ in range(ratio_h):
+            for x in range(ratio_w):
+                ids += [tokens["patch"]] * per_tile + ([tokens["tile_x"]] if x < ratio_w - 1 else [])
+            ids.append(tokens["tile_y"])
+    return ids + [tokens["image"]] + [tokens["patch"]] * per_tile + [tokens["end"]]
 
 
 class Llama4Images(ImageTokens):
     """An image of one tile is `<|image_start|>`, `<|image|>`, its tile's grid of `<|patch|>` tokens (one per 2 x 2
-    block of the tile's patches, row-major), `<|image_end|>`; an image of several tiles (refused: several grids) has
-    its tiles' grids before `<|image|>` and a global view's grid after it. Image tokens attend causally, as text does.
+    block of the tile's patches, row-major), `<|image_end|>`; an image of several tiles has its tiles' grids before
+    `<|image|>` and a global view's grid after it, laid out as two views (its tiles stitched into one grid over the
+    image, then the global view). Image tokens attend causally, as text does.
 
     The processor expands each `<|image|>` of the text by the image's aspect ratio in tiles (`aspect_ratios`, which
-    the model does not read): one tile (1 x 1) gives the layout above; more give `ratio_h * ratio_w` tiles, each
-    `(tile / patch_size)^2 * pixel_shuffle_ratio^2` tokens, `<|tile_x_separator|>` after each tile but a row's last,
-    `<|tile_y_separator|>` after each row, then `<|image|>` and the global view. The features fill the `<|patch|>`
-    tokens (`image_token_index`) in order; the language model's mask (causal, chunked on rotary layers) is built from
-    positions alone, so image tokens see what text at their positions would."""
+    the model does not read and the processor drops from its output): one tile (1 x 1) gives the layout above; more
+    give `ratio_h * ratio_w` tiles, each `(tile / patch_size)^2 * pixel_shuffle_ratio^2` tokens, row after row of
+    tiles, `<|tile_x_separator|>` after each tile but a row's last, `<|tile_y_separator|>` after each row, then
+    `<|image|>` and the global view (the whole image resized to one tile, the last of its `pixel_values`). The
+    features fill the `<|patch|>` tokens (`image_token_index`) in order; the language model's mask (causal, chunked on
+    rotary layers) is built from positions alone, so image tokens see what text at their positions would.
+
+    `model.positions` gives an image of several tiles two views: view 0 its tiles stitched into one grid of `ratio_h *
+    rows` x `ratio_w * cols` (a tile's grid is `rows` x `cols`), over the canvas the processor cut (the image resized
+    keeping its aspect, padded to whole tiles), and view 1 the global view's grid; separators and `<|image|>` are
+    special. An image of one tile is one view, its tile. The tiles are read from the token pattern, checked against
+    `aspect_ratios` where the inputs give them (the image processor's output)."""
 
     around = ("boi_token_index", "eoi_token_index")
 
     def grid(self, config, inputs, image):
+        """(rows, columns) of one tile's tokens (every tile has the tower's size)."""
         vision = config.vision_config
         pixels = inputs.get("pixel_values")
         height, width = pixels.shape[-2:] if pixels is not None else (vision.image_size, vision.image_size)
@@ -231,9 +245,12 @@ class Llama4Images(ImageTokens):
         start, end, patch = config.boi_token_index, config.eoi_token_index, config.image_token_id
         is_patch = ids == patch
         kind = is_patch.long()
-        image, row, col = (torch.full_like(ids, -1) for _ in range(3))
-        rows, cols = self.grid(config, inputs, 0)  # every tile has the tower's size
-        grids = []
+        image, view, row, col = (torch.full_like(ids, -1) for _ in range(4))
+        rows, cols = self.grid(config, inputs, 0)
+        ratios = inputs.get("aspect_ratios")
+        ratios = None if ratios is None else [tuple(int(n) for n in ratio) for ratio in ratios]
+        counted = 0
+        views = []
         for b in range(ids.shape[0]):
             starts, ends = ((ids[b] == token).nonzero().flatten().tolist() for token in (start, end))
             if len(starts) != len(ends) or any(not s < e for s, e in zip(starts, ends)):
@@ -241,31 +258,83 @@ class Llama4Images(ImageTokens):
                     f"input_ids: prompt {b} has {len(starts)} <|image_start|> ({start}) and {len(ends)} <|image_end|> "
                     f"({end}) tokens, not in pairs: pass the processor's input_ids unchanged"
                 )
-            own: list[tuple[int, int]] = []
+            own: list[tuple[tuple[int, int], ...]] = []
             for s, e in zip(starts, ends):
-                inside = is_patch[b, s : e + 1]
-                runs = int((inside[1:] & ~inside[:-1]).sum() + inside[0])  # separate runs of <|patch|> tokens
-                if runs > 1:
-                    raise Unavailable(MULTI_TILE)
+                span = ids[b, s : e + 1]
+                inside = span == patch
+                tiles = self._tiles(span, patch, rows * cols, f"image {len(own)} of prompt {b}")
+                if ratios is not None:
+                    if counted >= len(ratios):
+                        raise ValueError(
+                            f"aspect_ratios: gives {len(ratios)} images where input_ids hold more: pass the image "
+                            f"processor's aspect_ratios for the images of input_ids"
+                        )
+                    if ratios[counted] != tiles:
+                        raise ValueError(
+                            f"aspect_ratios: image {len(own)} of prompt {b} is {ratios[counted][0]} x "
+                            f"{ratios[counted][1]} tiles there, {tiles[0]} x {tiles[1]} in input_ids' tokens: pass "
+                            f"the processor's input_ids and the image processor's aspect_ratios of the same images"
+                        )
                 places = inside.nonzero().flatten() + s
-                if len(places) != rows * cols:
-                    raise ValueError(
-                        f"input_ids: image {len(own)} of prompt {b} has {len(places)} <|patch|> tokens "
-                        f"(image_token_index = {patch}) where its tile's grid needs {rows} x {cols}: pass the "
-                        f"processor's input_ids unchanged"
-                    )
-                kind[b, s : e + 1] = torch.where(inside, 1, 2)  # <|image_start|>, <|image|>, <|image_end|>: special
+                kind[b, s : e + 1] = torch.where(inside, 1, 2)  # start, separators, <|image|>, end: special
                 image[b, places] = len(own)
-                row[b, places] = torch.arange(rows * cols) // cols
-                col[b, places] = torch.arange(rows * cols) % cols
-                own.append((rows, cols))
+                place = torch.arange(rows * cols)
+                tile_row, tile_col = place // cols, place % cols
+                if tiles == (1, 1):
+                    view[b, places], row[b, places], col[b, places] = 0, tile_row, tile_col
+                    own.append(((rows, cols),))
+                else:
+                    ratio_h, ratio_w = tiles
+                    stitched, whole = places[: -rows * cols], places[-rows * cols :]
+                    which = torch.arange(ratio_h * ratio_w).repeat_interleave(rows * cols)  # each token's tile
+                    view[b, stitched], view[b, whole] = 0, 1
+                    row[b, stitched] = which // ratio_w * rows + tile_row.repeat(ratio_h * ratio_w)
+                    col[b, stitched] = which % ratio_w * cols + tile_col.repeat(ratio_h * ratio_w)
+                    row[b, whole], col[b, whole] = tile_row, tile_col
+                    own.append(((ratio_h * rows, ratio_w * cols), (rows, cols)))
+                counted += 1
             if int((image[b] >= 0).sum()) != int(is_patch[b].sum()):
                 raise ValueError(
                     f"input_ids: prompt {b} has <|patch|> tokens ({patch}) outside <|image_start|> ... <|image_end|>: "
                     f"pass the processor's input_ids unchanged"
                 )
-            grids.append(tuple(own))
-        return Positions(kind, image, row, col, tuple(grids))
+            views.append(tuple(own))
+        if ratios is not None and counted != len(ratios):
+            raise ValueError(
+                f"aspect_ratios: gives {len(ratios)} images where input_ids hold {counted}: pass the image "
+                f"processor's aspect_ratios for the images of input_ids"
+            )
+        grids = tuple(tuple(image_views[0] for image_views in own) for own in views)
+        return Positions(kind, image, row, col, grids, view, tuple(views))
+
+    @staticmethod
+    def _tiles(span: torch.Tensor, patch: int, per_tile: int, name: str) -> tuple[int, int]:
+        """The (rows, columns) of tiles of the image whose tokens, `<|image_start|>` to `<|image_end|>`, are `span`
+        (`patch`: `<|patch|>`'s id), read from its separators: the config names neither separator nor
+        `<|image|>`, so their ids are taken from their places (`<|image|>` just before the last run of `<|patch|>`
+        tokens, `<|tile_y_separator|>` just before it, `<|tile_x_separator|>` just after the first tile) and the whole
+        span checked against Llama4Processor's expansion of those tiles."""
+        inside = span == patch
+        runs = ((inside[1:] & ~inside[:-1]).nonzero().flatten() + 1).tolist()  # where each run of <|patch|> starts
+        first, last = (runs[0], runs[-1]) if runs else (1, 1)
+        tokens = {"start": int(span[0]), "end": int(span[-1]), "patch": patch, "image": int(span[last - 1])}
+        tokens["tile_y"] = int(span[last - 2]) if last >= 2 else -1
+        tokens["tile_x"] = int(span[first + per_tile]) if first + per_tile < len(span) else -1
+        count = max(len(runs) - 1, 0)  # the runs before the global view's: the tiles (none for an image of one tile)
+        rows = int((span == tokens["tile_y"]).sum()) if count else 1
+        tiles = (rows, count // rows) if count and count % rows == 0 else (1, 1)
+        # the separators the layout holds (one tile: none; one column of tiles: no x separator), unlike the rest
+        used = ["start", "end", "patch", "image"] + ["tile_y"] * (count > 0) + ["tile_x"] * (tiles[1] > 1)
+        distinct = len({tokens[name] for name in used}) == len(used)
+        if not distinct or span.tolist() != _expanded(tiles, per_tile, tokens):
+            raise ValueError(
+                f"input_ids: {name} has {int(inside.sum())} <|patch|> tokens (image_token_index = {tokens['patch']}) "
+                f"in {len(runs)} runs, not Llama4Processor's layout of whole tiles of {per_tile} tokens (each tile's "
+                f"tokens, <|tile_x_separator|> between a row's tiles, <|tile_y_separator|> after each row, then "
+                f"<|image|> and the global view's, or <|image|> and one tile's): pass the processor's input_ids "
+                f"unchanged"
+            )
+        return tiles
 
     def tiny_processor(self, config, char_tokenizer):
         from transformers import Llama4Processor
