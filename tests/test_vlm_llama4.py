@@ -450,15 +450,17 @@ def test_the_viewer_lays_a_processed_images_tokens_on_its_grid(model):
 
 
 def test_the_viewer_draws_a_tiled_image_given_as_a_picture_and_refuses_its_tiles_as_one(model):
-    """`attnlens.show` lays a tiled image's view 0 (its tiles stitched, 2 x 4 for 1 x 2 tiles) over the picture
-    given as `images=`; without it, the pixel values (three tiles for one image) are not a picture per image."""
+    """`attnlens.show` lays a tiled image's two views over the picture given as `images=`: view 0 (its tiles stitched,
+    2 x 4 for 1 x 2 tiles) and view 1 (the global view, 2 x 2); without it, the pixel values (three tiles for one
+    image) are not a picture per image."""
     from attnlens.show import patterns
 
     inputs = {"input_ids": TILED, "pixel_values": _pixels(3)}
     picture = (torch.rand(32, 64, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()
     shown = patterns(model, inputs, [0], images=[picture])
-    assert len(shown.images) == 1 and shown.images[0].grid == (2, 4)
-    assert shown.images[0].positions == model.positions(inputs).of_image(0).tolist()
+    positions = model.positions(inputs)
+    assert [(one.view, one.grid) for one in shown.images] == [(0, (2, 4)), (1, (2, 2))]
+    assert [one.positions for one in shown.images] == [positions.of_image(0, view=v).tolist() for v in (0, 1)]
     with pytest.raises(ValueError, match="one per image"):
         patterns(model, inputs, [0])
 
