@@ -11,8 +11,8 @@ model's hidden states, the final norm's output and the logits equal, and every i
 whose model differs there (a mask the family does not describe) refuses its values on a prompt with images
 (`LanguageModelOf.refuses_images`), with the measured reason; the test holds the refusal to the measurement.
 
-The types other helpers lay out with images (gemma4, llama4, qwen3_5, qwen3_5_moe, mistral3, vipllava,
-llava_onevision) are left to their own tests.
+The types other helpers lay out with images (gemma4, llama4, qwen3_5, qwen3_5_moe, mistral3, lighton_ocr,
+internvl, vipllava, llava_onevision) are left to their own tests.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ CONFIG: dict[str, dict] = {
     "got_ocr2": {"vision_config": {"image_size": 256}},
     # the pixel shuffle (scale factor 2) needs an even grid: 4 x 4 patches
     "idefics3": {"vision_config": {"image_size": 64, "patch_size": 16}},
-    "internvl": {"vision_config": {"image_size": 56}},
     # the aligner projects the tower's features to the text model's width
     # (and a small VQ model: it generates images, which a prompt with an image does not run)
     "janus": {
@@ -123,7 +122,6 @@ CONFIG: dict[str, dict] = {
             "image_token_embed_dim": 32,
         },
     },
-    "lighton_ocr": {"vision_config": {"image_size": 64}},
     "llava_next_video": {"vision_config": {"image_size": 64, "patch_size": 16}, "image_grid_pinpoints": [[64, 64]]},
     "ovis2": {"vision_config": {"image_size": 56}},
     "ovis2_5": {"image_start_token_id": START, "image_end_token_id": END},
@@ -211,7 +209,7 @@ def image_inputs(model_type: str, model) -> dict:
     found = {"pixel_values": pixels(1, 3, side, side)}
     if model_type == "aria":
         found["pixel_mask"] = torch.ones(1, side, side, dtype=torch.bool)
-    if model_type in ("internvl", "lighton_ocr", "qianfan_ocr"):
+    if model_type == "qianfan_ocr":
         found["image_sizes"] = torch.tensor([[side, side]])
     if model_type == "deepseek_vl_hybrid":  # the SAM tower's image beside SigLIP's
         high = _side(config.high_res_vision_config.image_size)
