@@ -39,15 +39,22 @@ def built_as_text_model(config: Any) -> bool:
     )
 
 
+def _config(model: Any, kwargs: dict) -> Any:
+    """The config of a model object, or of a checkpoint (hub name or folder)."""
+    if isinstance(model, torch.nn.Module):
+        return model.config
+    from transformers import AutoConfig
+
+    config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token") if k in kwargs}
+    return AutoConfig.from_pretrained(model, **config_kwargs)
+
+
 def _model_type(model: Any, kwargs: dict) -> str:
     """The model type of the model transformers builds: a checkpoint's, or its text config's where that is what
     `AutoModelForCausalLM` builds (`built_as_text_model`)."""
     if isinstance(model, torch.nn.Module):
         return model.config.model_type
-    from transformers import AutoConfig
-
-    config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token") if k in kwargs}
-    config = AutoConfig.from_pretrained(model, **config_kwargs)
+    config = _config(model, kwargs)
     return config.get_text_config().model_type if built_as_text_model(config) else config.model_type
 
 
@@ -183,6 +190,12 @@ class StandardizedTransformer(Helpful, TransformersModel):
             try:
                 family = family_for(model_type)
             except UnknownFamily:
+                family = None
+            # a registered family may decline a checkpoint of its type built of other parts (`built_of`)
+            declined = family is not None and getattr(family, "declines", lambda config: None)(_config(model, kwargs))
+            if declined:
+                warnings.warn(f"{family.name} declines this {model_type} checkpoint: {declined}", stacklevel=2)
+            if family is None or declined:
                 model = _loaded(model, kwargs)
                 family = self._unknown_family(model, model_type)
         self.family: Family = resolve_family(family)

@@ -190,10 +190,3 @@ def test_support_says_what_the_tower_and_the_language_model_do(model):
     assert "no logits" in vision["logits"] and "projector" in vision["final_norm_output"]
     assert "causally" in model.support(0).notes["self_attn.attention_probabilities"]
 
-
-def test_a_language_model_other_than_qwen3s_is_refused_at_load():
-    """Can fail: a LightOnOCR whose language model is not Qwen3's would be served with Qwen3's arithmetic; it is
-    refused by name at load."""
-    text = {**attnlens.families.lighton_ocr.LightOnOcr.tiny.kwargs["text_config"], "model_type": "mistral"}
-    with pytest.raises(attnlens.errors.Miswired, match="language model is 'mistral'"):
-        attnlens.models.tiny("lighton_ocr", text_config=text)

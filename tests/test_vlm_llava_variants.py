@@ -17,7 +17,6 @@ import torch
 
 import attnlens
 from attnlens.checks import failures, read_everything
-from attnlens.families.vision import TINY_TOWER
 
 IMAGE = 129
 VIP = torch.tensor([[1, 40, *[IMAGE] * 16, 42, *[IMAGE] * 16, 43]])
@@ -104,9 +103,3 @@ def test_llava_onevision_patterns_of_both_stacks_equal_transformers_attention_an
     with pytest.raises(attnlens.errors.Unavailable, match=r"two grids .* bilinear .* image_newline"):
         model.positions(ONEVISION, **inputs)
 
-
-def test_llava_onevision_with_another_tower_is_refused_at_load():
-    """Can fail: a CLIP tower would be served with SigLIP's notes and no class token; refused by name at load."""
-    clip = {"model_type": "clip_vision_model", **TINY_TOWER}
-    with pytest.raises(attnlens.errors.Miswired, match="tower is 'clip_vision_model'"):
-        attnlens.models.tiny("llava_onevision", vision_config=clip)

@@ -226,10 +226,3 @@ def test_support_says_what_the_tower_and_the_language_model_do(model):
     assert "no logits" in vision["logits"] and "projector" in vision["final_norm_output"]
     assert "causally" in model.support(0).notes["self_attn.attention_probabilities"]
 
-
-def test_a_language_model_other_than_mistrals_is_refused_at_load():
-    """Can fail: a Mistral 3 whose language model is Ministral 3's (queries scaled by position) would be served
-    with Mistral's arithmetic; it is refused by name at load."""
-    text = {**attnlens.families.mistral3.Mistral3.tiny.kwargs["text_config"], "model_type": "ministral3"}
-    with pytest.raises(attnlens.errors.Miswired, match="language model is 'ministral3'"):
-        attnlens.models.tiny("mistral3", text_config=text)

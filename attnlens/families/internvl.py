@@ -210,13 +210,4 @@ class InternVL(LanguageModelOf, Qwen2):
         }
     }
 
-    def verify(self, model, layer, layer_module, attention_module):
-        """The language model is Qwen2's (InternVL 3's; InternVL 3.5's Qwen3 and GPT-OSS ones are other families'
-        arithmetic)."""
-        text = model.config.get_text_config().model_type
-        if text != "qwen2":
-            raise Miswired(
-                f"family {self.name}: this InternVL's language model is {text!r}; attnlens serves InternVL with a "
-                f"'qwen2' language model only"
-            )
-        super().verify(model, layer, layer_module, attention_module)
+    built_of = {"text": ("qwen2",)}  # InternVL 3 (3.5's Qwen3 and GPT-OSS: other arithmetic)

@@ -19,7 +19,6 @@ text model's.
 
 from __future__ import annotations
 
-from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
 from ..parts.vllm import VLLMLayout
@@ -89,13 +88,4 @@ class LightOnOcr(LanguageModelOf, Qwen3):
         }
     }
 
-    def verify(self, model, layer, layer_module, attention_module):
-        """The language model is Qwen3's and the tower Pixtral's (the only ones transformers' config defaults to)."""
-        text = model.config.get_text_config().model_type
-        tower = model.config.vision_config.model_type
-        if text != "qwen3" or tower != "pixtral":
-            raise Miswired(
-                f"family {self.name}: this LightOnOCR's language model is {text!r} and its tower {tower!r}; attnlens "
-                f"serves LightOnOCR with a 'qwen3' language model and a 'pixtral' tower only"
-            )
-        super().verify(model, layer, layer_module, attention_module)
+    built_of = {"text": ("qwen3",), "vision": ("pixtral",)}

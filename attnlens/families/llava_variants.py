@@ -19,7 +19,7 @@ one newline); a Qwen2 language model attending causally.
 
 from __future__ import annotations
 
-from ..errors import Miswired, Unavailable
+from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
 from ..parts.vllm import VLLMLayout
@@ -127,14 +127,4 @@ class LlavaOnevision(LanguageModelOf, Qwen2):
         }
     }
 
-    def verify(self, model, layer, layer_module, attention_module):
-        """The tower is SigLIP's (no class token: "full" keeps every patch) and the language model Qwen2's, as
-        released: another tower's notes and identities would not be these."""
-        tower = model.config.vision_config.model_type
-        text = model.config.get_text_config().model_type
-        if tower != "siglip_vision_model" or text != "qwen2":
-            raise Miswired(
-                f"family {self.name}: this LLaVA-OneVision's tower is {tower!r} and its language model {text!r}; "
-                f"attnlens serves it with a 'siglip_vision_model' tower and a 'qwen2' language model only"
-            )
-        super().verify(model, layer, layer_module, attention_module)
+    built_of = {"text": ("qwen2",), "vision": ("siglip_vision_model",)}  # as released

@@ -19,7 +19,6 @@ the text model's.
 
 from __future__ import annotations
 
-from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts.multimodal import LanguageModelOf, Tower
 from ..parts.vllm import VLLMLayout
@@ -70,14 +69,5 @@ class Mistral3(LanguageModelOf, Mistral):
         }
     }
 
-    def verify(self, model, layer, layer_module, attention_module):
-        """The language model is Mistral's (Ministral 3's checkpoints hold a "ministral3" one, which scales its
-        queries by position: another family's arithmetic) and the tower Pixtral's."""
-        text = model.config.get_text_config().model_type
-        tower = model.config.vision_config.model_type
-        if text != "mistral" or tower != "pixtral":
-            raise Miswired(
-                f"family {self.name}: this Mistral 3's language model is {text!r} and its tower {tower!r}; attnlens "
-                f"serves Mistral 3 with a 'mistral' language model and a 'pixtral' tower only"
-            )
-        super().verify(model, layer, layer_module, attention_module)
+    #: Ministral 3's checkpoints hold a "ministral3" language model, which scales its queries by position
+    built_of = {"text": ("mistral",), "vision": ("pixtral",)}

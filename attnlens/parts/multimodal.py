@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import Unavailable
+from ..errors import Miswired, Unavailable
 from ..locations import ModuleInput
 from . import scoring
 
@@ -104,6 +104,11 @@ class LanguageModelOf:
     #: base (GIT's) states it the same way: a trace given image inputs (`IMAGE_INPUTS`) raises `Unavailable` with it
     #: on every read of a block's value, and `support()` notes it.
     refuses_images: ClassVar[str | None] = None
+    #: The model types of the parts the family's arithmetic is, by config (`{"text": ("qwen2",), "vision": (...)}`:
+    #: the text config's, `vision_config`'s), or {} (any). A checkpoint of the type with other parts is declined
+    #: (`declines`): loaded without `family=`, it is served as a type without a family (the common layout inferred
+    #: on its language model); given the family, it is refused at load.
+    built_of: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Whether the family serves the composite model even where `AutoModelForCausalLM` builds the text model alone
     #: from its checkpoint (Mllama: the text model, `mllama_text_model`, is a family of its own); its tiny model is
     #: then the composite.
@@ -186,6 +191,21 @@ class LanguageModelOf:
 
     def unavailable(self, config, layer, engine="transformers"):
         return super().unavailable(_text(config), layer, engine)
+
+    @classmethod
+    def declines(cls, config) -> str | None:
+        """Why a checkpoint of `config` is not this family's (a part of another type than `built_of` says), or None."""
+        for part, types in cls.built_of.items():
+            found = (_text(config) if part == "text" else getattr(config, f"{part}_config")).model_type
+            if found not in types:
+                return f"its {part} model is {found!r}, where {cls.__name__} serves {' or '.join(map(repr, types))}"
+        return None
+
+    def verify(self, model, layer, layer_module, attention_module):
+        declined = self.declines(model.config)
+        if declined is not None:
+            raise Miswired(f"family {self.name}: {declined}")
+        super().verify(model, layer, layer_module, attention_module)
 
 
 #: What a position of a multimodal prompt holds (`Positions.kind` indexes this): "class" is a vision tower's class
