@@ -182,4 +182,3 @@ def test_support_says_what_the_tower_and_the_language_model_do(model):
     assert "all heads" in vision.notes["self_attn.attention_queries"]
     assert "no logits" in vision["logits"]
     assert "causally" in model.support(0).notes["self_attn.attention_probabilities"]
-

@@ -189,4 +189,3 @@ def test_support_says_what_the_tower_and_the_language_model_do(model):
     assert "last hidden state" in vision.notes["layer_output"]
     assert "no logits" in vision["logits"] and "projector" in vision["final_norm_output"]
     assert "causally" in model.support(0).notes["self_attn.attention_probabilities"]
-

@@ -102,4 +102,3 @@ def test_llava_onevision_patterns_of_both_stacks_equal_transformers_attention_an
     assert [failures(model, saved, i) for i in range(3)] == [[], [], []]
     with pytest.raises(attnlens.errors.Unavailable, match=r"two grids .* bilinear .* image_newline"):
         model.positions(ONEVISION, **inputs)
-
