@@ -25,8 +25,8 @@ DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
 IMAGES = [
-    "gemma3", "gemma4", "gemma4_unified", "idefics3", "llama4", "llava", "llava_next", "llava_onevision", "mistral3",
-    "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "smolvlm", "vipllava",
+    "gemma3", "gemma4", "gemma4_unified", "idefics2", "idefics3", "llama4", "llava", "llava_next", "llava_onevision",
+    "mistral3", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "smolvlm", "vipllava",
 ]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
@@ -35,7 +35,7 @@ TEXT_BY_FAMILY = [
 #: ... by the common layout attnlens.inferred infers on the model of the default config.
 TEXT_INFERRED = [
     "apertus1p5", "aria", "cosmos3_edge", "deepseek_vl", "deepseek_vl_hybrid", "ernie4_5_vl_moe", "glm46v", "glm4v",
-    "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "idefics2", "internvl", "janus", "lfm2_vl",
+    "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "internvl", "janus", "lfm2_vl",
     "lighton_ocr", "llava_next_video", "llava_onevision1_5", "ovis2", "ovis2_5",
     "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker",
     "video_llama_3", "video_llava",

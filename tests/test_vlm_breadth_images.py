@@ -12,7 +12,7 @@ whose model differs there (a mask the family does not describe) refuses its valu
 (`LanguageModelOf.refuses_images`), with the measured reason; the test holds the refusal to the measurement.
 
 The types other helpers lay out with images (gemma4, llama4, qwen3_5, qwen3_5_moe, mistral3, vipllava,
-llava_onevision, idefics3, smolvlm) are left to their own tests.
+llava_onevision, idefics2, idefics3, smolvlm) are left to their own tests.
 """
 
 from __future__ import annotations
@@ -350,9 +350,9 @@ def test_the_counts():
 
 def test_a_window_in_a_composites_text_config_applies_over_the_image_tokens():
     """Idefics2's language model (Mistral, the survey's sliding_window 4, in the text config: the composite config
-    has none) on the image prompt: each row sees its last 4 positions, image tokens as text, and the inferred
-    family's score function masks so (it reads the window from the text config; from the composite's it would see
-    no window, and the load-time check would refuse the family)."""
+    has none) on the image prompt: each row sees its last 4 positions, image tokens as text, and the family's score
+    function (Idefics2's, through LanguageModelOf) masks so (it reads the window from the text config; from the
+    composite's it would see no window, and the load-time check would refuse the family)."""
     model = tiny("idefics2")
     ids, inputs = image_prompt("idefics2", model)
     assert getattr(model.config, "sliding_window", None) is None and model.config.text_config.sliding_window == 4

@@ -156,3 +156,71 @@ def test_another_language_model_is_refused_at_load_by_name():
     text = {**Idefics3.tiny.kwargs["text_config"], "model_type": "mistral"}
     with pytest.raises(attnlens.errors.Miswired, match="language model is 'mistral'"):
         attnlens.models.tiny("idefics3", text_config=text)
+
+
+@pytest.fixture(scope="module")
+def idefics2():
+    """The tiny Idefics2 and the processor's inputs for "ab<image>cd" with one 100 x 120 image: four crops and the
+    whole image, each 53 x 64 pixels padded to the batch's 64 x 64 views, each 4 latent image tokens."""
+    model = attnlens.models.tiny("idefics2")
+    processor = attnlens.models.tiny_processor("idefics2")
+    image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (100, 120, 3), dtype=np.uint8))
+    inputs = dict(processor(text=["ab<image>cd"], images=[[image]], return_tensors="pt"))
+    del inputs["attention_mask"]
+    return model, inputs.pop("input_ids"), inputs
+
+
+def test_idefics2_patterns_of_both_stacks_equal_transformers_attention_and_the_identities_hold(idefics2):
+    """The tower's patterns (5 views of 3 x 4 patches, the crops' last column padding, masked as keys) and the Mistral
+    language model's (its window of 4 crossing the image tokens) torch.equal the model's; every identity of both
+    stacks holds."""
+    model, ids, inputs = idefics2
+    with torch.no_grad():
+        own = model._module(input_ids=ids, output_attentions=True, **inputs)
+        tower = model._module.model.get_image_features(**inputs, output_attentions=True)
+    saved = read_everything(model, ids, **inputs)
+    vision = saved["vision"]
+    assert all(torch.equal(vision[(i, "attention_probabilities")], tower.attentions[i]) for i in range(2))
+    assert all(torch.equal(saved[(i, "attention_probabilities")], own.attentions[i]) for i in range(3))
+    assert torch.equal(saved["logits"], own.logits)
+    assert (saved[(0, "attention_probabilities")][0] > 0).sum(-1).max() == 4  # Mistral's window, over image tokens
+    padding = vision[(0, "segments")] < 0
+    assert padding[:4, 3::4].all() and int(padding.sum()) == 12  # a crop's patches of partly padded pixels
+    assert (vision[(0, "attention_probabilities")][:4][..., 3::4] == 0).all()
+    assert [failures(model.vision, vision, i) for i in range(2)] == [[], []]
+    assert [failures(model, saved, i) for i in range(3)] == [[], [], []]
+    unmasked = {key: value for key, value in vision.items() if key[-1] != "segments"}
+    assert "scores == family score function" in failures(model.vision, unmasked, 0)
+
+
+def test_idefics2_an_edit_of_the_towers_attention_moves_the_logits_as_a_hand_run_predicts(idefics2):
+    """Uniform attention (over every key, padding included) in tower block 0: the logits equal the model run with that
+    block attending uniformly, through the resampler."""
+    model, ids, inputs = idefics2
+    with torch.no_grad():
+        plain = model._module(input_ids=ids, **inputs).logits
+    with torch.no_grad(), model.trace(ids, **inputs):
+        pattern = model.vision.layers[0].self_attn.attention_probabilities
+        model.vision.layers[0].self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
+        logits = model.logits.save()
+    module = model._module.model
+    module.vision_tower = module.vision_model  # where the hand-run finds the tower
+    try:
+        expected = logits_with_uniform_tower_attention(model, 0, ids, **inputs)
+    finally:
+        del module.vision_tower
+    print(float((expected - plain).abs().max()), float((logits - expected).abs().max()))
+    assert not torch.allclose(expected, plain, atol=1e-3)
+    assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_idefics2_positions_and_the_resampler_are_refused_with_the_reason(idefics2):
+    """The image tokens are the resampler's latents (no place on a grid): `model.positions` refuses them; the
+    resampler is named as a tower not mounted; the language model's window is the text config's."""
+    from attnlens.vision_types import coverage
+
+    model, ids, inputs = idefics2
+    with pytest.raises(attnlens.errors.Unavailable, match="perceiver resampler's resampler_n_latents"):
+        model.positions(ids, **inputs)
+    said = coverage(model.config).detail
+    assert "tower model.resampler refused" in said and "image positions refused" in said

@@ -18,14 +18,17 @@ attend causally, as text does: the mask is the text model's.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-from ..errors import Miswired
+from ..errors import Miswired, Unavailable
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts import scoring
 from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
+from .mistral import Mistral
 from .vision import SiglipTower
 
 IMAGE, SPECIAL = KINDS.index("image"), KINDS.index("special")
@@ -42,11 +45,11 @@ TINY_TOKENS = (
 )
 
 
-def real_patches(config, inputs: dict) -> torch.Tensor:
-    """[views, patches]: whether each patch of each view the tower runs on covers a real pixel, as the model derives
-    its `patch_attention_mask`: the views (`pixel_values` [batch, views, ...]) that are not all zero (the padding
-    views of a batch's shorter rows, which it drops), each patch real where `pixel_attention_mask` has a pixel in it
-    (every pixel, where none is given)."""
+def real_patches(config, inputs: dict, whole: bool = False) -> torch.Tensor:
+    """[views, patches]: whether each patch of each view the tower runs on is real, as the model derives its
+    `patch_attention_mask`: the views (`pixel_values` [batch, views, ...]) that are not all zero (the padding views
+    of a batch's shorter rows, which it drops), each patch real where `pixel_attention_mask` has a pixel in it
+    (Idefics3), or where every pixel of it is (`whole`: Idefics2); every patch where no mask is given."""
     pixels = torch.as_tensor(inputs["pixel_values"]).cpu()
     pixels = pixels.reshape(-1, *pixels.shape[2:])
     kept = (pixels == 0.0).sum(dim=(-1, -2, -3)) != pixels.shape[1:].numel()
@@ -60,13 +63,17 @@ def real_patches(config, inputs: dict) -> torch.Tensor:
     mask = torch.as_tensor(given).cpu().reshape(-1, *pixels.shape[-2:])[kept]
     side = config.patch_size
     patches = mask.unfold(1, side, side).unfold(2, side, side)
-    return (patches.sum(dim=(-1, -2)) > 0).reshape(len(mask), -1)
+    covered = patches.sum(dim=(-1, -2))
+    return (covered == side * side if whole else covered > 0).reshape(len(mask), -1)
 
 
 class IdeficsTower(SiglipTower):
     """Idefics3's vision transformer: SigLIP's block over each view (a tile, a global view: one image of the tower's
     batch); the model masks the keys of the patches that cover only padding (`pixel_attention_mask`: a view smaller
     than the batch's largest), which `segments` gives the score function."""
+
+    #: Whether a patch is real only where all its pixels are (Idefics2's rule), or where any is (Idefics3's).
+    whole_patches: ClassVar[bool] = False
 
     class ScoreFunction(scoring.Bidirectional):
         def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
@@ -86,7 +93,7 @@ class IdeficsTower(SiglipTower):
     def segments(self, config, inputs: dict, layer: int) -> torch.Tensor:
         """[views, patches]: 0 on each view's real patches, -1 on its padding (`real_patches`); the score function's
         `image_of`. (`config`: the vision config.)"""
-        return torch.where(real_patches(config, inputs), 0, -1)
+        return torch.where(real_patches(config, inputs, self.whole_patches), 0, -1)
 
     kind_notes = {
         "*": {
@@ -195,6 +202,7 @@ def tiny(config: str, model: str) -> Tiny:
                 "intermediate_size": 64,
                 "image_size": 64,
                 "patch_size": 16,
+                "initializer_range": 0.2,  # the language model's: the tower's blocks move what it hands on
             },
         },
     )
@@ -236,3 +244,88 @@ class SmolVLM(Idefics3):
     model_types = ("smolvlm",)
     vllm = VLLMLayout(refusal="attnlens has not compared SmolVLM's language model on vLLM with transformers")
     tiny = tiny("SmolVLMConfig", "SmolVLMForConditionalGeneration")
+
+
+class Idefics2Tower(IdeficsTower):
+    """Idefics2's vision transformer: Idefics3's, but a patch is real only where every pixel of it is (its
+    `patch_attention_mask` rule); the processor pads each view to the batch's largest, so its views have padding."""
+
+    whole_patches = True
+
+
+#: Why Idefics2's image tokens have no place on a grid.
+LATENTS = (
+    "each of Idefics2's image tokens is one of the perceiver resampler's resampler_n_latents learned latents, which "
+    "reads every patch of its view by cross-attention: no token has a place on the view's grid"
+)
+
+
+class Idefics2Latents(ImageTokens):
+    """Each image is one view per crop (with `do_image_splitting`: four crops, then the whole image), each
+    `<fake_token_around_image>` then the resampler's `resampler_n_latents` image tokens, a closing
+    `<fake_token_around_image>` after the last; `model.positions` is refused (`LATENTS`)."""
+
+    refused = LATENTS
+
+    def tiny_processor(self, config, char_tokenizer):
+        from transformers import Idefics2ImageProcessorPil, Idefics2Processor
+
+        # the processor adds <fake_token_around_image>, <image> (the config's image_token_id) and <end_of_utterance>
+        # to the character tokenizer, in that order: ids 128, 129, 130
+        side = config.vision_config.image_size
+        images = Idefics2ImageProcessorPil(
+            size={"longest_edge": side, "shortest_edge": side // 2}, do_image_splitting=True
+        )
+        latents = config.perceiver_config.resampler_n_latents
+        return Idefics2Processor(images, char_tokenizer(128), image_seq_len=latents)
+
+    def positions(self, config, input_ids, inputs):
+        raise Unavailable(f"model.positions: {LATENTS}")
+
+
+class Idefics2(LanguageModelOf, Mistral):
+    """Idefics2: the SigLIP-like tower as `model.vision` (each crop a view, padding patches masked as keys), the
+    perceiver resampler not mounted (`towers_refused`), a Mistral language model whose image tokens attend causally;
+    `model.positions` refused (`LATENTS`)."""
+
+    model_types = ("idefics2",)
+    layers = Idefics3.layers
+    embed_tokens = Idefics3.embed_tokens
+    final_norm = Idefics3.final_norm
+    towers = {"vision": Tower("model.vision_model", Idefics2Tower)}
+    towers_refused = {
+        "resampler": "the perceiver resampler (model.connector.perceiver_resampler: latents attending to a view's "
+        "patches and to themselves, its own stack of blocks) is not mounted: its attention is not served"
+    }
+    images = Idefics2Latents()
+    vllm = VLLMLayout(refusal="attnlens has not compared Idefics2's language model on vLLM with transformers")
+    tiny = Tiny(
+        "Idefics2Config",
+        "Idefics2ForConditionalGeneration",
+        {
+            # Mistral's tiny window (4), which the image prompt's rows cross
+            "text_config": {"model_type": "mistral", **TINY_DEFAULTS, **Mistral.tiny.kwargs, "vocab_size": 131},
+            "image_token_id": 129,
+            "vision_config": Idefics3.tiny.kwargs["vision_config"],
+            "perceiver_config": {
+                "hidden_size": TINY_DEFAULTS["hidden_size"],  # the text model's (its config warns otherwise)
+                "rms_norm_eps": 1e-6,  # Mistral's
+                "resampler_n_latents": 4,
+                "resampler_depth": 1,
+                "resampler_n_heads": 2,
+                "resampler_head_dim": 16,
+                "num_key_value_heads": 1,
+            },
+        },
+    )
+    kind_notes = Idefics3.kind_notes
+
+    def verify(self, model, layer, layer_module, attention_module):
+        """The language model is Mistral's (another text model is another family's arithmetic)."""
+        text = model.config.get_text_config().model_type
+        if text != "mistral":
+            raise Miswired(
+                f"family {self.name}: this model's language model is {text!r}; attnlens serves idefics2 with a "
+                f"'mistral' language model only"
+            )
+        super().verify(model, layer, layer_module, attention_module)
