@@ -14,6 +14,11 @@ image tokens and `<fake_token_around_image>` (an unsplit image: the global view 
 tower's last hidden states (after `post_layernorm`) pixel-shuffled: every `scale_factor` x `scale_factor` block of
 the view's patch grid becomes one token, row-major over the (side / scale_factor)^2 grid of blocks. The image tokens
 attend causally, as text does: the mask is the text model's.
+
+Idefics2 ("idefics2") has the same tower (a patch real only where all its pixels are), a Mistral language model, and
+a perceiver resampler for a connector: each view becomes `resampler_n_latents` learned latents that read all of its
+patches, so its image tokens have no place on a grid (`model.positions` refused) and the resampler's own attention
+is not mounted (`towers_refused`).
 """
 
 from __future__ import annotations
