@@ -29,9 +29,9 @@ OUTCOMES = ("images", "text", "none")
 #: where the family says why (`LanguageModelOf.refuses_images`). Another "text" type's image prompts are unchecked.
 CHECKED_WITH_IMAGES = (
     "apertus1p5", "aria", "cosmos3_edge", "deepseek_vl", "deepseek_vl_hybrid", "ernie4_5_vl_moe", "fuyu",
-    "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "idefics2", "idefics3",
+    "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2",
     "janus", "lfm2_vl", "llava_next_video", "llava_onevision1_5", "ovis2", "ovis2_5",
-    "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen4_exp", "smolvlm",
+    "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen4_exp",
     "video_llama_3", "video_llava",
 )  # fmt: skip
 

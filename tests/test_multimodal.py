@@ -31,6 +31,7 @@ OTHER_PARTS = {
     "mistral3": ({"text_config": {"model_type": "ministral3"}}, "text", "'ministral3'"),  # Ministral 3
     "lighton_ocr": ({"text_config": {"model_type": "mistral"}}, "text", "'mistral'"),
     "llava_onevision": ({"vision_config": {"model_type": "clip_vision_model"}}, "vision", "'clip_vision_model'"),
+    "idefics3": ({"text_config": {"model_type": "mistral"}}, "text", "'mistral'"),
 }
 
 

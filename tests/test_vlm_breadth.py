@@ -25,9 +25,9 @@ DOCS = ROOT / "docs" / "vision-language.md"
 
 #: Served with images: a family with a tower or an image layout.
 IMAGES = [
-    "gemma3", "gemma4", "gemma4_unified", "internvl", "lighton_ocr", "llama4", "llava", "llava_next", "llava_onevision",
-    "mistral3", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
-    "vipllava",
+    "gemma3", "gemma4", "gemma4_unified", "idefics2", "idefics3", "internvl", "lighton_ocr", "llama4", "llava",
+    "llava_next", "llava_onevision", "mistral3", "mllama", "paligemma", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
+    "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "smolvlm", "vipllava",
 ]  # fmt: skip
 #: The language model served on text prompts by a registered family.
 TEXT_BY_FAMILY = [
@@ -36,9 +36,9 @@ TEXT_BY_FAMILY = [
 #: ... by the common layout attnlens.inferred infers on the model of the default config.
 TEXT_INFERRED = [
     "apertus1p5", "aria", "cosmos3_edge", "deepseek_vl", "deepseek_vl_hybrid", "ernie4_5_vl_moe", "glm46v", "glm4v",
-    "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "idefics2", "idefics3", "janus", "lfm2_vl",
+    "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "janus", "lfm2_vl",
     "llava_next_video", "llava_onevision1_5", "ovis2", "ovis2_5",
-    "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "smolvlm",
+    "paddleocr_vl", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker",
     "video_llama_3", "video_llava",
 ]  # fmt: skip
 #: Not served: transformers does not build the model from the type's default config here (so the common layout

@@ -11,8 +11,8 @@ model's hidden states, the final norm's output and the logits equal, and every i
 whose model differs there (a mask the family does not describe) refuses its values on a prompt with images
 (`LanguageModelOf.refuses_images`), with the measured reason; the test holds the refusal to the measurement.
 
-The types other helpers lay out with images (gemma4, llama4, qwen3_5, qwen3_5_moe, mistral3, lighton_ocr,
-internvl, vipllava, llava_onevision) are left to their own tests.
+The types served with images by families of their own (towers, image layouts) are held to transformers by their
+own tests, tests/test_vlm_*.py.
 """
 
 from __future__ import annotations
@@ -107,8 +107,6 @@ CONFIG: dict[str, dict] = {
     "glm_ocr": MROPE,
     "glmga": MROPE,
     "got_ocr2": {"vision_config": {"image_size": 256}},
-    # the pixel shuffle (scale factor 2) needs an even grid: 4 x 4 patches
-    "idefics3": {"vision_config": {"image_size": 64, "patch_size": 16}},
     # the aligner projects the tower's features to the text model's width
     # (and a small VQ model: it generates images, which a prompt with an image does not run)
     "janus": {
@@ -130,7 +128,6 @@ CONFIG: dict[str, dict] = {
     "qianfan_ocr": {"vision_config": {"image_size": 56}},
     # the thinker's M-RoPE reads vision_start_token_id, which its config class does not define
     "qwen2_5_omni_thinker": {**MROPE, "vision_start_token_id": START},
-    "smolvlm": {"vision_config": {"image_size": 64, "patch_size": 16}},
     "video_llava": {"vision_config": {"image_size": 64, "patch_size": 16}},
 }
 #: The types whose image is a grid of flattened patches with `image_grid_thw` (Qwen2-VL's layout): 4 x 4 patches,
@@ -197,7 +194,7 @@ def image_inputs(model_type: str, model) -> dict:
     if model_type == "apertus1p5":  # an 8 x 8 image and its true size
         return {"pixel_values": pixels(1, 3, 8, 8), "image_sizes": torch.tensor([[8, 8]])}
     side = _side(vision.image_size)
-    if model_type in ("idefics2", "idefics3", "smolvlm"):  # [batch, images, channels, side, side], all real
+    if model_type == "idefics2":  # [batch, images, channels, side, side], all real
         return {
             "pixel_values": pixels(1, 1, 3, side, side),
             "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool),
@@ -351,9 +348,9 @@ def test_the_counts():
 
 def test_a_window_in_a_composites_text_config_applies_over_the_image_tokens():
     """Idefics2's language model (Mistral, the survey's sliding_window 4, in the text config: the composite config
-    has none) on the image prompt: each row sees its last 4 positions, image tokens as text, and the inferred
-    family's score function masks so (it reads the window from the text config; from the composite's it would see
-    no window, and the load-time check would refuse the family)."""
+    has none) on the image prompt: each row sees its last 4 positions, image tokens as text, and the family's score
+    function (Idefics2's, through LanguageModelOf) masks so (it reads the window from the text config; from the
+    composite's it would see no window, and the load-time check would refuse the family)."""
     model = tiny("idefics2")
     ids, inputs = image_prompt("idefics2", model)
     assert getattr(model.config, "sliding_window", None) is None and model.config.text_config.sliding_window == 4
