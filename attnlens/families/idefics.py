@@ -29,12 +29,11 @@ import torch
 
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts import scoring
 from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .mistral import Mistral
-from .vision import SiglipTower
+from .vision import PaddedPatches, SiglipTower
 
 IMAGE, SPECIAL = KINDS.index("image"), KINDS.index("special")
 #: The tiny recipe's added tokens, ids from 128 (after the character tokenizer's) in this order: the image token
@@ -80,20 +79,8 @@ class IdeficsTower(SiglipTower):
     #: Whether a patch is real only where all its pixels are (Idefics2's rule), or where any is (Idefics3's).
     whole_patches: ClassVar[bool] = False
 
-    class ScoreFunction(scoring.Bidirectional):
-        def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
-            mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
-            if self.image_of is None:  # no padding given: every patch sees every patch
-                return mask
-            # `image_of`: 0 on each view's real patches, -1 on its padding ([views, patches]: `segments`)
-            real = self.image_of[:, None, None, :num_keys].to(mask.device) >= 0
-            return torch.where(real, mask, torch.finfo(mask.dtype).min)
-
-        def beyond_queries_and_keys(self, config, layer):
-            return (
-                "the tower masks each view's padding patches, which pixel_attention_mask gives, not the queries and "
-                "keys"
-            )
+    ScoreFunction = PaddedPatches
+    padding_from = "pixel_attention_mask"
 
     def segments(self, config, inputs: dict, layer: int) -> torch.Tensor:
         """[views, patches]: 0 on each view's real patches, -1 on its padding (`real_patches`); the score function's

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from ..errors import Miswired
 from ..family import Family, after_attention
 from ..locations import (
@@ -44,6 +46,25 @@ TINY_TOWER = {
     "image_size": 32,
     "patch_size": 8,
 }
+
+
+class PaddedPatches(scoring.Bidirectional):
+    """A tower's scores where each image (view) of its batch may end in padding patches, masked as keys: every real
+    patch sees every real patch of its image. `image_of` is the family's `segments` ([images, patches]: 0 on real
+    patches, -1 on padding); the family's `padding_from` names the input that says which are padding."""
+
+    def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
+        mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
+        if self.image_of is None:  # no padding given: every patch sees every patch
+            return mask
+        real = self.image_of[:, None, None, :num_keys].to(mask.device) >= 0
+        return torch.where(real, mask, torch.finfo(mask.dtype).min)
+
+    def beyond_queries_and_keys(self, config, layer):
+        return (
+            f"the tower masks each image's padding patches, which {self.family.padding_from} gives, not the queries "
+            f"and keys"
+        )
 
 
 class SiglipTower(Family):

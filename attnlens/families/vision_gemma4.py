@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ..parts import scoring
 from ..parts.sizes import Sizes
 from .gemma2 import Gemma2
-from .vision import SiglipTower
+from .vision import PaddedPatches, SiglipTower
 
 
 def real_patches(image_position_ids) -> torch.Tensor:
@@ -54,19 +53,8 @@ class Gemma4VisionTower(SiglipTower):
     sizes = Sizes()  # config.num_attention_heads, config.num_key_value_heads, head_dim, scaling (1.0)
     eager = Gemma2.eager  # the eager function of Gemma 4's file: a soft-cap branch (never taken) before the mask
 
-    class ScoreFunction(scoring.Bidirectional):
-        def mask(self, num_queries, num_keys, config, layer, key_mask=None, dtype=torch.float32, device=None):
-            mask = super().mask(num_queries, num_keys, config, layer, key_mask, dtype, device)
-            if self.image_of is None:  # no padding given: every patch sees every patch
-                return mask
-            # `image_of`: 0 on each image's real patches, -1 on its padding ([images, patches]: `segments`)
-            real = self.image_of[:, None, None, :num_keys].to(mask.device) >= 0
-            return torch.where(real, mask, torch.finfo(mask.dtype).min)
-
-        def beyond_queries_and_keys(self, config, layer):
-            return (
-                "the tower masks each image's padding patches, which image_position_ids give, not the queries and keys"
-            )
+    ScoreFunction = PaddedPatches
+    padding_from = "image_position_ids"
 
     def segments(self, config, inputs: dict, layer: int) -> torch.Tensor:
         """[images, patches]: 0 on each image's real patches, -1 on its padding, from the `image_position_ids` given,
