@@ -28,9 +28,7 @@ its own loop) with transformers.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..family import TINY_DEFAULTS, Tiny
+from ..family import TINY_DEFAULTS, Tiny, VLLMLayout
 from ..parts.moe import moe_absent
 from ..parts.multimodal import AddedBetweenBlocks, LanguageModelOf, Tower
 from .qwen2_vl import POSITIONS_NOTE, TOKENS
@@ -102,7 +100,7 @@ class Qwen3VL(Deepstack, Qwen3):
         "Qwen3VLForConditionalGeneration",
         {"text_config": {"model_type": "qwen3_vl_text", **TEXT}, **TOKENS, "vision_config": VISION},
     )
-    vllm = replace(Qwen3.vllm, model_types=("qwen3_vl",), refusal=VLLM_REFUSAL)
+    vllm = VLLMLayout(refusal=VLLM_REFUSAL)
 
 
 class Qwen3VLMoe(Deepstack, Qwen3Moe):
@@ -128,4 +126,4 @@ class Qwen3VLMoe(Deepstack, Qwen3Moe):
             "vision_config": VISION,
         },
     )
-    vllm = replace(Qwen3Moe.vllm, model_types=("qwen3_vl_moe",), refusal=VLLM_REFUSAL)
+    vllm = VLLMLayout(refusal=VLLM_REFUSAL)
