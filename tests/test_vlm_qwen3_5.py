@@ -15,11 +15,10 @@ tokens) and a 96 x 64 one (6 x 4 patches, 3 x 2 tokens).
 from __future__ import annotations
 
 import itertools
-from importlib import import_module
 
-import numpy as np
 import pytest
 import torch
+from images import random_image, resampled_learned_positions, towers_own_weights_per_image
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -32,12 +31,6 @@ FIRST, SECOND = [3, 4, 5, 6], [11, 12, 13, 14, 15, 16]
 PATCHES = 16 + 24
 
 
-def picture(height, width, seed):
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module", params=TYPES)
 def model(request):
     return attnlens.StandardizedTransformer(tiny_model(request.param, checkpoint=True), tokenizer=char_tokenizer())
@@ -47,7 +40,7 @@ def model(request):
 def inputs(model):
     """The tiny processor's outputs: input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw."""
     processor = tiny_processor(model.config.model_type)
-    return dict(processor(text=[TEXT], images=[picture(64, 64, 0), picture(96, 64, 1)], return_tensors="pt"))
+    return dict(processor(text=[TEXT], images=[random_image(64, 64, 0), random_image(96, 64, 1)], return_tensors="pt"))
 
 
 def split(inputs):
@@ -96,43 +89,12 @@ def test_every_language_pattern_equals_transformers_attention_and_the_linear_lay
         model.layers[linear[0]].self_attn.attention_probabilities.save()
 
 
-def _towers_own_weights(model, inputs, monkeypatch):
-    """transformers' tower returns no attention weights (its `attentions` are the attention modules' outputs): the
-    weights its eager function returns, recorded per call (one call per image), assembled block-diagonally."""
-    module = import_module(type(model._module).__module__)
-    blocks = [block.attn for block in model._module.model.visual.blocks]
-    calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(blocks))}
-    original = module.eager_attention_forward
-
-    def recording(attention, *args, **kwargs):
-        output, weights = original(attention, *args, **kwargs)
-        for i, block in enumerate(blocks):
-            if attention is block:
-                calls[i].append(weights)
-        return output, weights
-
-    monkeypatch.setattr(module, "eager_attention_forward", recording)
-    with torch.no_grad():
-        model._module(**inputs)
-    monkeypatch.undo()
-    assembled = []
-    for pieces in calls.values():
-        whole = torch.zeros(1, pieces[0].shape[1], PATCHES, PATCHES)
-        start = 0
-        for piece in pieces:
-            whole[..., start : start + piece.shape[-1], start : start + piece.shape[-1]] = piece
-            start += piece.shape[-1]
-        assert start == PATCHES and len(pieces) == 2  # one call per image
-        assembled.append(whole)
-    return assembled
-
-
 def test_every_tower_pattern_equals_the_weights_transformers_computes(model, inputs, monkeypatch):
     """Each tower block's pattern [1, heads, patches, patches] is torch.equal to the weights transformers' eager
     function returns per image, assembled block-diagonally (zeros off each image's block); the last block's output
     is the tower's."""
     ids, rest = split(inputs)
-    expected = _towers_own_weights(model, inputs, monkeypatch)
+    expected = towers_own_weights_per_image(model, inputs, monkeypatch, PATCHES)
     found = []
     with torch.no_grad(), model.trace(ids, **rest):
         for i in range(model.vision.num_layers):
@@ -224,17 +186,9 @@ def test_the_towers_embeddings_are_the_patches_with_the_resampled_learned_positi
     with torch.no_grad(), model.trace(ids, **rest):
         embeddings = model.vision.embeddings.save()
     visual = model._module.model.visual
-    side = int(visual.pos_embed.weight.shape[0] ** 0.5)
-    grid = visual.pos_embed.weight.detach().T.reshape(1, -1, side, side)
-    pieces = []
-    for _, h, w in rest["image_grid_thw"].tolist():
-        resampled = torch.nn.functional.interpolate(grid, size=(h, w), mode="bilinear", align_corners=True)[0]
-        order = [
-            (2 * br + r, 2 * bc + c) for br in range(h // 2) for bc in range(w // 2) for r in range(2) for c in range(2)
-        ]
-        pieces.append(torch.stack([resampled[:, r, c] for r, c in order]))
+    positions = resampled_learned_positions(visual, rest["image_grid_thw"])
     with torch.no_grad():
-        expected = visual.patch_embed(rest["pixel_values"]) + torch.cat(pieces)
+        expected = visual.patch_embed(rest["pixel_values"]) + positions
     assert embeddings.shape == (1, PATCHES, 32)
     assert torch.allclose(embeddings[0], expected, atol=1e-5)
 
