@@ -17,6 +17,7 @@ from attnlens.parts.multimodal import KINDS
 
 __all__ = [
     "image_tokens_hold_projected_features",
+    "interleaved_mrope_axes",
     "logits_with_uniform_attention_within_each_image",
     "logits_with_uniform_tower_attention",
     "merged_2x2_projection",
@@ -26,6 +27,7 @@ __all__ = [
     "random_image",
     "random_images",
     "resampled_learned_positions",
+    "rotated_by_interleaved_mrope",
     "served_patterns",
     "tower_masks_two_images_from_each_other",
     "towers_own_weights_per_image",
@@ -97,6 +99,32 @@ def resampled_learned_positions(visual, grid_thw) -> torch.Tensor:
         ]
         pieces.append(torch.stack([resampled[:, r, c] for r, c in order]))
     return torch.cat(pieces)
+
+
+def interleaved_mrope_axes(config, rotary: int) -> list[int]:
+    """Which position id turns each of the `rotary` / 2 frequencies under interleaved M-RoPE (`config` a text config
+    with `rope_parameters["mrope_section"]`): frequency f by the row id (1) where f % 3 == 1 and f < 3 * section[1],
+    the column id (2) where f % 3 == 2 and f < 3 * section[2], the temporal id (0) otherwise."""
+    section = config.rope_parameters["mrope_section"]
+    return [
+        1 if f % 3 == 1 and f < 3 * section[1] else 2 if f % 3 == 2 and f < 3 * section[2] else 0
+        for f in range(rotary // 2)
+    ]
+
+
+def rotated_by_interleaved_mrope(x, positions, config) -> torch.Tensor:
+    """`x` [1, heads, seq, head_dim] rotated by hand by interleaved M-RoPE on `positions` [3, seq] (temporal, row,
+    column): its first head_dim * partial_rotary_factor dimensions (the whole head where the config has no factor),
+    each frequency by its axis's id (`interleaved_mrope_axes`); the rest passes unchanged."""
+    rope = config.rope_parameters
+    rotary = int(x.shape[-1] * rope.get("partial_rotary_factor", 1.0))
+    frequencies = 1.0 / rope["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
+    axis = interleaved_mrope_axes(config, rotary)
+    angles = positions[axis].T.float() * frequencies  # [seq, frequencies]: each frequency on its own axis's id
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    head = x[..., :rotary]
+    half = torch.cat([-head[..., rotary // 2 :], head[..., : rotary // 2]], -1)
+    return torch.cat([head * cos + half * sin, x[..., rotary:]], -1)
 
 
 def towers_own_weights_per_image(model, inputs, monkeypatch, patches: int) -> list[torch.Tensor]:

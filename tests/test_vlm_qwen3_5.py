@@ -18,7 +18,12 @@ import itertools
 
 import pytest
 import torch
-from images import random_image, resampled_learned_positions, towers_own_weights_per_image
+from images import (
+    random_image,
+    resampled_learned_positions,
+    rotated_by_interleaved_mrope,
+    towers_own_weights_per_image,
+)
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -129,25 +134,6 @@ def test_positions_place_every_image_token_on_its_grid(model, inputs):
     assert found.row[0, SECOND].tolist() == [0, 0, 1, 1, 2, 2] and found.col[0, SECOND].tolist() == [0, 1] * 3
 
 
-def _rotated(x, positions, config):
-    """`x` [1, heads, seq, head_dim] rotated by hand by interleaved M-RoPE on `positions` [3, seq] (temporal, row,
-    column): the first head_dim * partial_rotary_factor dimensions, rotary frequency f by the row id where f % 3 == 1
-    and f < 3 * section[1], the column id where f % 3 == 2 and f < 3 * section[2], the temporal id otherwise."""
-    rope = config.rope_parameters
-    rotary = int(x.shape[-1] * rope["partial_rotary_factor"])
-    section = rope["mrope_section"]
-    frequencies = 1.0 / rope["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
-    axis = [
-        1 if f % 3 == 1 and f < 3 * section[1] else 2 if f % 3 == 2 and f < 3 * section[2] else 0
-        for f in range(len(frequencies))
-    ]
-    angles = positions[axis].T.float() * frequencies  # [seq, frequencies]: each frequency on its own axis's id
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    head = x[..., :rotary]
-    half = torch.cat([-head[..., rotary // 2 :], head[..., : rotary // 2]], -1)
-    return torch.cat([head * cos + half * sin, x[..., rotary:]], -1)
-
-
 def test_the_queries_and_keys_are_rotated_by_the_multimodal_positions(model, inputs):
     """The full-attention layer's queries and keys equal, within 1e-5, its projections (q_norm, k_norm) rotated by
     hand by interleaved M-RoPE on `get_rope_index`'s ids, and not rotated by plain 1-D positions (which the model
@@ -171,10 +157,10 @@ def test_the_queries_and_keys_are_rotated_by_the_multimodal_positions(model, inp
         projected = attention.q_proj(normed).view(1, n, -1, 2 * text.head_dim)
         raw_queries = attention.q_norm(projected[..., : text.head_dim]).transpose(1, 2)
         raw_keys = attention.k_norm(attention.k_proj(normed).view(1, n, -1, text.head_dim)).transpose(1, 2)
-    assert torch.allclose(queries, _rotated(raw_queries, rope[:, 0], text), atol=1e-5)
-    assert torch.allclose(keys, _rotated(raw_keys, rope[:, 0], text), atol=1e-5)
+    assert torch.allclose(queries, rotated_by_interleaved_mrope(raw_queries, rope[:, 0], text), atol=1e-5)
+    assert torch.allclose(keys, rotated_by_interleaved_mrope(raw_keys, rope[:, 0], text), atol=1e-5)
     flat = torch.arange(n).expand(3, n)
-    assert not torch.allclose(queries, _rotated(raw_queries, flat, text), atol=1e-3)
+    assert not torch.allclose(queries, rotated_by_interleaved_mrope(raw_queries, flat, text), atol=1e-3)
     assert "not its rotary position" in model.support(layer).notes["self_attn.attention_key_positions"]
 
 
