@@ -5,6 +5,7 @@ against the projector's image of its patch; Pixtral's 2 x 2 patch merger)."""
 
 from __future__ import annotations
 
+import itertools
 from importlib import import_module
 from typing import NamedTuple
 
@@ -18,6 +19,7 @@ from attnlens.parts.multimodal import KINDS
 __all__ = [
     "image_tokens_hold_projected_features",
     "interleaved_mrope_axes",
+    "logits_with_last_qwen_tower_block_uniform_within_each_image",
     "logits_with_uniform_attention_within_each_image",
     "logits_with_uniform_tower_attention",
     "merged_2x2_projection",
@@ -125,6 +127,28 @@ def rotated_by_interleaved_mrope(x, positions, config) -> torch.Tensor:
     head = x[..., :rotary]
     half = torch.cat([-head[..., rotary // 2 :], head[..., : rotary // 2]], -1)
     return torch.cat([head * cos + half * sin, x[..., rotary:]], -1)
+
+
+def logits_with_last_qwen_tower_block_uniform_within_each_image(model, bounds, **inputs):
+    """By hand: the logits of `model`'s own module on `inputs` when the last block of its Qwen ViT
+    (`model.visual.blocks[-1].attn`) gives each image's patches (`bounds`: the segments' cumulative ends, from 0) the
+    mean of that image's values through `proj`; the block's `cu_seqlens` asserted equal to `bounds`."""
+    module = model._module.model.visual.blocks[-1].attn
+
+    def uniform(hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+        n = hidden_states.shape[0]
+        v = module.qkv(hidden_states).reshape(n, 3, module.num_heads, -1)[:, 2]
+        assert cu_seqlens.tolist() == bounds  # the model's own segments
+        mixed = torch.cat([v[a:b].mean(0, keepdim=True).expand(b - a, -1, -1) for a, b in itertools.pairwise(bounds)])
+        return module.proj(mixed.reshape(n, -1))
+
+    original = module.forward
+    module.forward = uniform
+    try:
+        with torch.no_grad():
+            return model._module(**inputs).logits
+    finally:
+        module.forward = original
 
 
 def towers_own_weights_per_image(model, inputs, monkeypatch, patches: int) -> list[torch.Tensor]:

@@ -14,11 +14,10 @@ tokens) and a 96 x 64 one (6 x 4 patches, 3 x 2 tokens).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from images import (
+    logits_with_last_qwen_tower_block_uniform_within_each_image,
     random_image,
     resampled_learned_positions,
     rotated_by_interleaved_mrope,
@@ -218,22 +217,7 @@ def test_an_edit_of_the_towers_head_outputs_moves_the_logits_as_recomputing_by_h
         means = torch.stack([values[0, :, segment == s].mean(1) for s in range(len(bounds) - 1)])
         last.self_attn.attention_head_outputs = means[segment][None]  # [1, patches, heads, head_dim]
         edited = model.logits.save()
-    module = model._module.model.visual.blocks[-1].attn
-
-    def uniform(hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-        n = hidden_states.shape[0]
-        v = module.qkv(hidden_states).reshape(n, 3, module.num_heads, -1)[:, 2]
-        assert cu_seqlens.tolist() == bounds  # the model's own segments
-        mixed = torch.cat([v[a:b].mean(0, keepdim=True).expand(b - a, -1, -1) for a, b in itertools.pairwise(bounds)])
-        return module.proj(mixed.reshape(n, -1))
-
-    original = module.forward
-    module.forward = uniform
-    try:
-        with torch.no_grad():
-            expected = model._module(**inputs).logits
-    finally:
-        module.forward = original
+    expected = logits_with_last_qwen_tower_block_uniform_within_each_image(model, bounds, **inputs)
     with torch.no_grad():
         plain = model._module(**inputs).logits
     # the means summed in another order than the hand-run's: 2.4e-5 apart at most, on logits up to 5
