@@ -20,11 +20,11 @@ __all__ = [
     "image_tokens_hold_projected_features",
     "interleaved_mrope_axes",
     "logits_with_last_qwen_tower_block_uniform_within_each_image",
-    "logits_with_uniform_attention_within_each_image",
     "logits_with_uniform_tower_attention",
     "merged_2x2_projection",
     "Patterns",
     "patterns_beside_output_attentions",
+    "pixtral_block_0_uniform_within_each_image",
     "processor_prompt",
     "random_image",
     "random_images",
@@ -211,9 +211,20 @@ def merged_2x2_projection(projector, normed, image: int, row: int, col: int, sta
     return projector.linear_2(projector.act(projector.linear_1(merged)))
 
 
-def logits_with_uniform_attention_within_each_image(model, module, bounds, prompt, **inputs):
-    """By hand: the logits of `model`'s own module on `prompt` (with `inputs`) when the Pixtral attention `module`
-    gives each image's patches (`bounds`: [start, end) per image) the mean of that image's values through o_proj."""
+def pixtral_block_0_uniform_within_each_image(model, tower, patches, prompt, heads: int = 2, **inputs):
+    """Uniform attention within each image in block 0 of the Pixtral `tower` (the model's module; `patches`: each
+    image's patch count, one sequence). Returns three logits of `prompt` (with `inputs`): served with block 0's
+    pattern written ([1, `heads`, n, n], 1 / patches on each image's block, zero between); by hand, a forward hook
+    making the block's attention the mean of each image's values through o_proj; and unedited."""
+    ends = list(itertools.accumulate(patches))
+    bounds = list(zip([0, *ends[:-1]], ends))
+    uniform = torch.zeros(1, heads, ends[-1], ends[-1])
+    for a, b in bounds:
+        uniform[..., a:b, a:b] = 1 / (b - a)
+    with torch.no_grad(), model.trace(prompt, **inputs):
+        model.vision.layers[0].self_attn.attention_probabilities = uniform
+        edited = model.logits.save()
+    module = tower.transformer.layers[0].attention
 
     def mean_per_image(hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
         values = module.v_proj(hidden_states)
@@ -225,9 +236,12 @@ def logits_with_uniform_attention_within_each_image(model, module, bounds, promp
     )
     try:
         with torch.no_grad():
-            return model._module(input_ids=prompt, **inputs).logits
+            by_hand = model._module(input_ids=prompt, **inputs).logits
     finally:
         handle.remove()
+    with torch.no_grad():
+        plain = model._module(input_ids=prompt, **inputs).logits
+    return edited, by_hand, plain
 
 
 def logits_with_uniform_tower_attention(model, block: int, prompt, **inputs):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from images import (
-    logits_with_uniform_attention_within_each_image,
     merged_2x2_projection,
     patterns_beside_output_attentions,
+    pixtral_block_0_uniform_within_each_image,
     processor_prompt,
     tower_masks_two_images_from_each_other,
 )
@@ -174,17 +174,8 @@ def test_an_edit_of_the_towers_pattern_moves_the_logits_as_a_hook_on_plain_trans
     a run of plain transformers whose block-0 attention mixes the mean of each image's values through o_proj (within
     5e-5), and differ from the unedited logits."""
     ids, inputs = prompt["input_ids"], _inputs(prompt)
-    bounds = [(0, PATCHES[0]), (PATCHES[0], sum(PATCHES))]
-    uniform = torch.zeros(1, 2, 88, 88)
-    for a, b in bounds:
-        uniform[..., a:b, a:b] = 1 / (b - a)
-    with torch.no_grad(), model.trace(ids, **inputs):
-        model.vision.layers[0].self_attn.attention_probabilities = uniform
-        edited = model.logits.save()
-    module = model._module.model.vision_tower.transformer.layers[0].attention
-    expected = logits_with_uniform_attention_within_each_image(model, module, bounds, ids, **inputs)
-    with torch.no_grad():
-        plain = model._module(input_ids=ids, **inputs).logits
+    tower = model._module.model.vision_tower
+    edited, expected, plain = pixtral_block_0_uniform_within_each_image(model, tower, PATCHES, ids, **inputs)
     assert torch.allclose(edited, expected, atol=5e-5)  # logits of a few units: 1.2e-5 apart at most
     assert not torch.allclose(expected, plain, atol=1e-3)
 
