@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from images import served_patterns
 from PIL import Image
 
 import attnlens
@@ -57,14 +58,8 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
         tower = model._module.model.vision_tower(
             rest["pixel_values"], rest["image_position_ids"], output_attentions=True
         )
-    vision, language = [], []
-    with torch.no_grad(), model.trace(ids, **rest):
-        for i in range(2):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(3):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    assert len(tower.attentions) == 2 and len(own.attentions) == 3
+    vision, language, logits = served_patterns(model, ids, **rest)
+    assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert torch.equal(logits, own.logits)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from images import logits_with_uniform_tower_attention
+from images import logits_with_uniform_tower_attention, served_patterns
 from PIL import Image
 
 import attnlens
@@ -17,27 +17,40 @@ from attnlens.checks import failures, read_everything
 TYPES = ["idefics3", "smolvlm"]
 
 
-@pytest.fixture(scope="module", params=TYPES)
-def served(request):
-    """The tiny model and the processor's inputs for "ab<image>cd" with one 100 x 120 image: 2 x 2 tiles of 64, then
-    the global view, each 2 x 2 image tokens (4 x 4 patches shuffled 2 x 2)."""
-    model = attnlens.models.tiny(request.param)
-    processor = attnlens.models.tiny_processor(request.param)
+def _served(model_type):
+    """The tiny model of `model_type`, the ids and the other inputs its tiny processor makes of "ab<image>cd" with
+    one 100 x 120 image (no attention mask)."""
+    model = attnlens.models.tiny(model_type)
+    processor = attnlens.models.tiny_processor(model_type)
     image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (100, 120, 3), dtype=np.uint8))
     inputs = dict(processor(text=["ab<image>cd"], images=[[image]], return_tensors="pt"))
     del inputs["attention_mask"]
     return model, inputs.pop("input_ids"), inputs
 
 
-def _patterns(model, ids, inputs):
-    vision, language = [], []
+@pytest.fixture(scope="module", params=TYPES)
+def served(request):
+    """The tiny model and the processor's inputs for "ab<image>cd" with one 100 x 120 image: 2 x 2 tiles of 64, then
+    the global view, each 2 x 2 image tokens (4 x 4 patches shuffled 2 x 2)."""
+    return _served(request.param)
+
+
+def _unedited_edited_and_hand_run_logits(model, ids, inputs):
+    """The model's logits; its logits with tower block 0's pattern uniform (written); and the model run by hand with
+    that block attending uniformly (`logits_with_uniform_tower_attention`, the tower at `vision_model`)."""
+    with torch.no_grad():
+        plain = model._module(input_ids=ids, **inputs).logits
     with torch.no_grad(), model.trace(ids, **inputs):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
+        pattern = model.vision.layers[0].self_attn.attention_probabilities
+        model.vision.layers[0].self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
         logits = model.logits.save()
-    return vision, language, logits
+    module = model._module.model
+    module.vision_tower = module.vision_model  # where the hand-run finds the tower
+    try:
+        expected = logits_with_uniform_tower_attention(model, 0, ids, **inputs)
+    finally:
+        del module.vision_tower
+    return plain, logits, expected
 
 
 def test_every_pattern_of_both_stacks_equals_transformers_attention(served):
@@ -47,7 +60,7 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention(served):
     with torch.no_grad():
         own = model._module(input_ids=ids, output_attentions=True, **inputs)
         tower = model._module.model.vision_model(inputs["pixel_values"][0], output_attentions=True)
-    vision, language, logits = _patterns(model, ids, inputs)
+    vision, language, logits = served_patterns(model, ids, **inputs)
     assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
@@ -96,18 +109,7 @@ def test_changing_one_tiles_pixels_moves_the_embeddings_exactly_at_its_view(serv
 def test_an_edit_of_the_towers_attention_moves_the_logits_as_a_hand_run_predicts(served):
     """Uniform attention in tower block 0: the logits equal the model run with that block attending uniformly."""
     model, ids, inputs = served
-    with torch.no_grad():
-        plain = model._module(input_ids=ids, **inputs).logits
-    with torch.no_grad(), model.trace(ids, **inputs):
-        pattern = model.vision.layers[0].self_attn.attention_probabilities
-        model.vision.layers[0].self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
-        logits = model.logits.save()
-    module = model._module.model
-    module.vision_tower = module.vision_model  # where the hand-run finds the tower
-    try:
-        expected = logits_with_uniform_tower_attention(model, 0, ids, **inputs)
-    finally:
-        del module.vision_tower
+    plain, logits, expected = _unedited_edited_and_hand_run_logits(model, ids, inputs)
     assert not torch.allclose(expected, plain, atol=1e-3)
     assert torch.allclose(logits, expected, atol=1e-5)
 
@@ -154,12 +156,7 @@ def test_a_mask_that_let_a_views_tokens_see_each_other_both_ways_would_fail(serv
 def idefics2():
     """The tiny Idefics2 and the processor's inputs for "ab<image>cd" with one 100 x 120 image: four crops and the
     whole image, each 53 x 64 pixels padded to the batch's 64 x 64 views, each 4 latent image tokens."""
-    model = attnlens.models.tiny("idefics2")
-    processor = attnlens.models.tiny_processor("idefics2")
-    image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (100, 120, 3), dtype=np.uint8))
-    inputs = dict(processor(text=["ab<image>cd"], images=[[image]], return_tensors="pt"))
-    del inputs["attention_mask"]
-    return model, inputs.pop("input_ids"), inputs
+    return _served("idefics2")
 
 
 def test_idefics2_patterns_of_both_stacks_equal_transformers_attention_and_the_identities_hold(idefics2):
@@ -189,18 +186,7 @@ def test_idefics2_an_edit_of_the_towers_attention_moves_the_logits_as_a_hand_run
     """Uniform attention (over every key, padding included) in tower block 0: the logits equal the model run with that
     block attending uniformly, through the resampler."""
     model, ids, inputs = idefics2
-    with torch.no_grad():
-        plain = model._module(input_ids=ids, **inputs).logits
-    with torch.no_grad(), model.trace(ids, **inputs):
-        pattern = model.vision.layers[0].self_attn.attention_probabilities
-        model.vision.layers[0].self_attn.attention_probabilities = torch.full_like(pattern, 1 / pattern.shape[-1])
-        logits = model.logits.save()
-    module = model._module.model
-    module.vision_tower = module.vision_model  # where the hand-run finds the tower
-    try:
-        expected = logits_with_uniform_tower_attention(model, 0, ids, **inputs)
-    finally:
-        del module.vision_tower
+    plain, logits, expected = _unedited_edited_and_hand_run_logits(model, ids, inputs)
     assert not torch.allclose(expected, plain, atol=1e-3)
     assert torch.allclose(logits, expected, atol=1e-5)
 

@@ -12,10 +12,9 @@ The prompt's images: 16 x 16 pixels (one tile) and 16 x 32 (two crops and a thum
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import patterns_beside_output_attentions, processor_prompt
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -34,10 +33,7 @@ def model():
 @pytest.fixture(scope="module")
 def prompt():
     """The processor's output for text, a 16 x 16 image, text, a 16 x 32 image, text."""
-    processor = attnlens.models.tiny_processor("internvl")
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((16, 16), (16, 32))]
-    return processor(text="A<IMG_CONTEXT>B<IMG_CONTEXT>C", images=images, return_tensors="pt")
+    return processor_prompt("internvl", "A<IMG_CONTEXT>B<IMG_CONTEXT>C", (16, 16), (16, 32))
 
 
 def _inputs(prompt):
@@ -55,19 +51,12 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
     """The tower's patterns ([tiles, heads, 17, 17]: the class token and 16 patches of each tile) and the language
     model's (image tokens causal, as text) are torch.equal to `output_attentions`; the logits equal the model's."""
     ids, inputs = prompt["input_ids"], _inputs(prompt)
-    with torch.no_grad():
-        own = model._module(input_ids=ids, output_attentions=True, **inputs)
-        tower = model._module.model.vision_tower(**inputs, output_attentions=True)
-    vision, language = [], []
-    with torch.no_grad(), model.trace(ids, **inputs):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
-    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
-    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    (vision, language, logits), own = patterns_beside_output_attentions(
+        model, model._module.model.vision_tower, ids, **inputs
+    )
+    assert len(vision) == len(own.vision) == 2 and len(language) == len(own.language) == 3
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, own.vision))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.language))
     assert torch.equal(logits, own.logits)
     assert vision[0].shape == (TILES, 2, 17, 17) and (vision[0] > 0).all()  # every position of a tile sees all
     second = language[1][0][:, SECOND][..., SECOND]

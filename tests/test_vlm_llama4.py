@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from images import served_patterns
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -67,14 +68,8 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
         own = module(input_ids=PROMPT, pixel_values=pixels, output_attentions=True)
         # (transformers 5.19's tower indexes its output tuple as if hidden states were asked for: ask for them)
         tower = module.vision_model(pixels, output_attentions=True, output_hidden_states=True)
-    vision, language = [], []
-    with torch.no_grad(), model.trace(PROMPT, pixel_values=pixels):
-        for i in range(2):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(3):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    assert len(tower.attentions) == 2 and len(own.attentions) == 3
+    vision, language, logits = served_patterns(model, PROMPT, pixel_values=pixels)
+    assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert torch.equal(logits, own.logits)

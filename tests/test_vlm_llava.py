@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention
+from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention, served_patterns
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -40,17 +40,6 @@ def pixels():
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
 
-def _patterns(model, prompt, pixels):
-    vision, language = [], []
-    with torch.no_grad(), model.trace(prompt, pixel_values=pixels):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    return vision, language, logits
-
-
 @pytest.mark.parametrize("layout", ["default", "full"])
 def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_with_two_images(
     layout, model, full, pixels
@@ -61,7 +50,7 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
     with torch.no_grad():
         own = model._module(input_ids=prompt, pixel_values=pixels, output_attentions=True)
         tower = model._module.model.vision_tower(pixels, output_attentions=True)
-    vision, language, logits = _patterns(model, prompt, pixels)
+    vision, language, logits = served_patterns(model, prompt, pixel_values=pixels)
     assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))

@@ -11,10 +11,9 @@ image 4 x 6, each row ended by [IMG_BREAK] (130), the last by [IMG_END] (131).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import patterns_beside_output_attentions, processor_prompt
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -34,9 +33,7 @@ def model():
 @pytest.fixture(scope="module")
 def prompt(model):
     processor = PixtralLlava.images.tiny_processor(model.config, attnlens.models.char_tokenizer)
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((32, 32), (16, 24))]
-    return processor(text="A[IMG]B[IMG]C", images=images, return_tensors="pt")
+    return processor_prompt(processor, "A[IMG]B[IMG]C", (32, 32), (16, 24))
 
 
 def _inputs(prompt):
@@ -48,18 +45,11 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_and_the_iden
     `output_attentions`, the logits equal; every identity of both stacks holds, and fails without the tower's
     segments (images seeing each other)."""
     ids, inputs = prompt["input_ids"], _inputs(prompt)
-    with torch.no_grad():
-        own = model._module(input_ids=ids, output_attentions=True, **inputs)
-        tower = model._module.model.vision_tower(**inputs, output_attentions=True)
-    vision, language = [], []
-    with torch.no_grad(), model.trace(ids, **inputs):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
-    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    (vision, language, logits), own = patterns_beside_output_attentions(
+        model, model._module.model.vision_tower, ids, **inputs
+    )
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, own.vision))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.language))
     assert torch.equal(logits, own.logits)
     assert vision[0].shape == (1, 2, 88, 88) and (vision[0][..., :64, 64:] == 0).all()
     saved = read_everything(model, ids, **inputs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from images import served_patterns
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -22,17 +23,6 @@ IMAGE = 129
 VIP = torch.tensor([[1, 40, *[IMAGE] * 16, 42, *[IMAGE] * 16, 43]])
 ONEVISION = torch.tensor([[1, 40, *[IMAGE] * (16 + 4 * 9), 43]])
 SIZES = torch.tensor([[32, 64]])
-
-
-def _patterns(model, prompt, **inputs):
-    vision, language = [], []
-    with torch.no_grad(), model.trace(prompt, **inputs):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    return vision, language, logits
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +41,7 @@ def test_vipllava_patterns_of_both_stacks_equal_transformers_attention_and_the_i
     with torch.no_grad():
         own = vip._module(input_ids=VIP, pixel_values=pixels, output_attentions=True)
         tower = vip._module.model.vision_tower(pixels, output_attentions=True)
-    vision, language, logits = _patterns(vip, VIP, pixel_values=pixels)
+    vision, language, logits = served_patterns(vip, VIP, pixel_values=pixels)
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert torch.equal(logits, own.logits) and vision[0].shape == (2, 2, 17, 17)
@@ -92,7 +82,7 @@ def test_llava_onevision_patterns_of_both_stacks_equal_transformers_attention_an
     with torch.no_grad():
         own = model._module(input_ids=ONEVISION, output_attentions=True, **inputs)
         tower = model._module.model.vision_tower(pixels[0], output_attentions=True)
-    vision, language, logits = _patterns(model, ONEVISION, **inputs)
+    vision, language, logits = served_patterns(model, ONEVISION, **inputs)
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert torch.equal(logits, own.logits) and vision[0].shape == (3, 2, 16, 16)

@@ -11,10 +11,15 @@ tokens) and 16 x 24 (4 x 6 patches, 2 x 3 tokens): the tower's one sequence is 6
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import (
+    merged_2x2_projection,
+    patterns_beside_output_attentions,
+    pixtral_block_0_uniform_within_each_image,
+    processor_prompt,
+    tower_masks_two_images_from_each_other,
+)
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -33,10 +38,7 @@ def model():
 @pytest.fixture(scope="module")
 def prompt():
     """The processor's output for text, a 32 x 32 image, text, a 16 x 24 image, text."""
-    processor = attnlens.models.tiny_processor("mistral3")
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((32, 32), (16, 24))]
-    return processor(text="A[IMG]B[IMG]C", images=images, return_tensors="pt")
+    return processor_prompt("mistral3", "A[IMG]B[IMG]C", (32, 32), (16, 24))
 
 
 def _inputs(prompt):
@@ -58,19 +60,12 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
     """The tower's patterns ([1, heads, 88, 88]: both images' patches one sequence) and the language model's (image
     rows causal, as text) are torch.equal to `output_attentions`; the logits equal the model's."""
     ids, inputs = prompt["input_ids"], _inputs(prompt)
-    with torch.no_grad():
-        own = model._module(input_ids=ids, output_attentions=True, **inputs)
-        tower = model._module.model.vision_tower(**inputs, output_attentions=True)
-    vision, language = [], []
-    with torch.no_grad(), model.trace(ids, **inputs):
-        for i in range(model.vision.num_layers):
-            vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
-    assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
-    assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
+    (vision, language, logits), own = patterns_beside_output_attentions(
+        model, model._module.model.vision_tower, ids, **inputs
+    )
+    assert len(vision) == len(own.vision) == 2 and len(language) == len(own.language) == 3
+    assert all(torch.equal(found, expected) for found, expected in zip(vision, own.vision))
+    assert all(torch.equal(found, expected) for found, expected in zip(language, own.language))
     assert torch.equal(logits, own.logits)
     assert vision[0].shape == (1, 2, 88, 88)
     first = language[1][0][:, FIRST][..., FIRST]
@@ -81,17 +76,7 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_on_a_prompt_
 def test_the_towers_mask_is_block_diagonal_each_patch_seeing_its_own_image_alone(model, prompt):
     """On every block, a patch's pattern is positive on its own image's patches and exactly zero on the other
     image's; the scores off the blocks are the dtype's minimum (the model's mask added)."""
-    a = PATCHES[0]
-    read = []
-    with torch.no_grad(), model.trace(prompt["input_ids"], **_inputs(prompt)):
-        for i in range(model.vision.num_layers):
-            attn = model.vision.layers[i].self_attn
-            read.append((attn.attention_scores.save(), attn.attention_probabilities.save()))
-    for scores, pattern in read:
-        assert (pattern[..., :a, :a] > 0).all() and (pattern[..., a:, a:] > 0).all()
-        assert (pattern[..., :a, a:] == 0).all() and (pattern[..., a:, :a] == 0).all()
-        assert (scores[..., :a, a:] == torch.finfo(scores.dtype).min).all()
-        assert torch.allclose(pattern[..., :a, :a].sum(-1), torch.ones(1, 2, a))  # each image its own softmax
+    tower_masks_two_images_from_each_other(model, prompt["input_ids"], PATCHES[0], **_inputs(prompt))
 
 
 def test_the_identities_hold_on_both_stacks_with_images(model, prompt):
@@ -178,9 +163,7 @@ def test_each_image_token_holds_the_merged_projected_feature_of_its_2x2_patches(
         normed = projector.norm(last[0])
         for at in (found.image[0] >= 0).nonzero().flatten().tolist():
             image, r, c = (int(t[0, at]) for t in (found.image, found.row, found.col))
-            patches = [starts[image] + (2 * r + i) * widths[image] + 2 * c + j for i in range(2) for j in range(2)]
-            merged = projector.patch_merger.merging_layer(normed[patches].T.reshape(-1))
-            expected = projector.linear_2(projector.act(projector.linear_1(merged)))
+            expected = merged_2x2_projection(projector, normed, image, r, c, starts, widths)
             assert torch.allclose(first[0, at], expected, atol=1e-5), at
         specials = found.spans()["special"]
         assert torch.equal(first[0, specials], model._module.model.language_model.embed_tokens(ids[0, specials]))
@@ -191,30 +174,8 @@ def test_an_edit_of_the_towers_pattern_moves_the_logits_as_a_hook_on_plain_trans
     a run of plain transformers whose block-0 attention mixes the mean of each image's values through o_proj (within
     5e-5), and differ from the unedited logits."""
     ids, inputs = prompt["input_ids"], _inputs(prompt)
-    bounds = [(0, PATCHES[0]), (PATCHES[0], sum(PATCHES))]
-    uniform = torch.zeros(1, 2, 88, 88)
-    for a, b in bounds:
-        uniform[..., a:b, a:b] = 1 / (b - a)
-    with torch.no_grad(), model.trace(ids, **inputs):
-        model.vision.layers[0].self_attn.attention_probabilities = uniform
-        edited = model.logits.save()
-    module = model._module.model.vision_tower.transformer.layers[0].attention
-
-    def mean_per_image(hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
-        values = module.v_proj(hidden_states)
-        mixed = torch.cat([values[:, a:b].mean(1, keepdim=True).expand(-1, b - a, -1) for a, b in bounds], 1)
-        return module.o_proj(mixed), None
-
-    handle = module.register_forward_hook(
-        lambda m, args, kwargs, out: mean_per_image(*args, **kwargs), with_kwargs=True
-    )
-    try:
-        with torch.no_grad():
-            expected = model._module(input_ids=ids, **inputs).logits
-    finally:
-        handle.remove()
-    with torch.no_grad():
-        plain = model._module(input_ids=ids, **inputs).logits
+    tower = model._module.model.vision_tower
+    edited, expected, plain = pixtral_block_0_uniform_within_each_image(model, tower, PATCHES, ids, **inputs)
     assert torch.allclose(edited, expected, atol=5e-5)  # logits of a few units: 1.2e-5 apart at most
     assert not torch.allclose(expected, plain, atol=1e-3)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention
+from images import image_tokens_hold_projected_features, logits_with_uniform_tower_attention, served_patterns
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -39,18 +39,6 @@ def _inputs(pixels):
     return {"pixel_values": pixels, "token_type_ids": TYPES}
 
 
-def _patterns(model, prompt, tower=True, **inputs):
-    vision, language = [], []
-    with torch.no_grad(), model.trace(prompt, **inputs):
-        if tower:  # (on sdpa the tower's patterns are not rebuilt)
-            for i in range(model.vision.num_layers):
-                vision.append(model.vision.layers[i].self_attn.attention_probabilities.save())
-        for i in range(model.num_layers):
-            language.append(model.layers[i].self_attn.attention_probabilities.save())
-        logits = model.logits.save()
-    return vision, language, logits
-
-
 def test_every_pattern_of_both_stacks_equals_transformers_attention_under_the_prefix_mask(model, pixels):
     """The language model's patterns and the SigLIP tower's (one per image) are torch.equal to `output_attentions`,
     the logits to the model's; the prefix (two images, the prompt) sees itself both ways, sees no suffix token, and
@@ -58,7 +46,7 @@ def test_every_pattern_of_both_stacks_equals_transformers_attention_under_the_pr
     with torch.no_grad():
         own = model._module(input_ids=PROMPT, output_attentions=True, **_inputs(pixels))
         tower = model._module.model.vision_tower(pixels, output_attentions=True)
-    vision, language, logits = _patterns(model, PROMPT, **_inputs(pixels))
+    vision, language, logits = served_patterns(model, PROMPT, **_inputs(pixels))
     assert len(vision) == len(tower.attentions) == 2 and len(language) == len(own.attentions) == 3
     assert all(torch.equal(found, expected) for found, expected in zip(vision, tower.attentions))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
@@ -143,8 +131,8 @@ def test_the_sdpa_rebuild_sees_the_prefix_both_ways(pixels):
     rows above the diagonal included."""
     eager = attnlens.models.tiny("paligemma")
     sdpa = attnlens.models.tiny("paligemma", attn_implementation="sdpa", rebuild_patterns=True)
-    _, found, _ = _patterns(sdpa, PROMPT, tower=False, **_inputs(pixels))
-    _, expected, _ = _patterns(eager, PROMPT, **_inputs(pixels))
+    _, found, _ = served_patterns(sdpa, PROMPT, tower=False, **_inputs(pixels))  # sdpa: tower patterns not rebuilt
+    _, expected, _ = served_patterns(eager, PROMPT, **_inputs(pixels))
     for rebuilt, pattern in zip(found, expected):
         assert torch.allclose(rebuilt, pattern, atol=5e-6)
         assert (rebuilt[0, :, FIRST[0], SECOND[-1]] > 0).all()
@@ -178,7 +166,7 @@ def test_paligemma_2_is_served_as_family_paligemma2_and_refused_by_the_registere
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         own = raw(input_ids=PROMPT, output_attentions=True, **_inputs(pixels))
-    _, language, logits = _patterns(model, PROMPT, **_inputs(pixels))
+    _, language, logits = served_patterns(model, PROMPT, **_inputs(pixels))
     assert all(torch.equal(found, expected) for found, expected in zip(language, own.attentions))
     assert torch.equal(logits, own.logits)
     assert model.family.score_function().sliding_window(raw.config, 0) == 4

@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from images import logits_with_last_qwen_tower_block_uniform_within_each_image
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -190,22 +191,7 @@ def test_an_edit_of_the_towers_head_outputs_moves_the_logits_as_recomputing_by_h
         means = torch.stack([values[0, :, ids == s].mean(1) for s in range(len(bounds) - 1)])  # [segments, h, d]
         last.self_attn.attention_head_outputs = means[ids][None]  # [1, patches, heads, head_dim]
         edited = model.logits.save()
-    module = model._module.model.visual.blocks[-1].attn
-
-    def uniform(hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-        n = hidden_states.shape[0]
-        v = module.qkv(hidden_states).reshape(n, 3, module.num_heads, -1)[:, 2]
-        assert cu_seqlens.tolist() == bounds  # the model's own segments
-        mixed = torch.cat([v[a:b].mean(0, keepdim=True).expand(b - a, -1, -1) for a, b in itertools.pairwise(bounds)])
-        return module.proj(mixed.reshape(n, -1))
-
-    original = module.forward
-    module.forward = uniform
-    try:
-        with torch.no_grad():
-            expected = model._module(input_ids=PROMPT, **inputs).logits
-    finally:
-        module.forward = original
+    expected = logits_with_last_qwen_tower_block_uniform_within_each_image(model, bounds, input_ids=PROMPT, **inputs)
     assert torch.allclose(edited, expected, atol=1e-5)
     with pytest.raises(attnlens.EditError, match="one softmax per image"):
         with torch.no_grad(), model.trace(PROMPT, **inputs):

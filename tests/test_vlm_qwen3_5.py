@@ -14,12 +14,15 @@ tokens) and a 96 x 64 one (6 x 4 patches, 3 x 2 tokens).
 
 from __future__ import annotations
 
-import itertools
-from importlib import import_module
-
-import numpy as np
 import pytest
 import torch
+from images import (
+    logits_with_last_qwen_tower_block_uniform_within_each_image,
+    random_image,
+    resampled_learned_positions,
+    rotated_by_interleaved_mrope,
+    towers_own_weights_per_image,
+)
 
 import attnlens
 from attnlens.checks import failures, read_everything
@@ -32,12 +35,6 @@ FIRST, SECOND = [3, 4, 5, 6], [11, 12, 13, 14, 15, 16]
 PATCHES = 16 + 24
 
 
-def picture(height, width, seed):
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module", params=TYPES)
 def model(request):
     return attnlens.StandardizedTransformer(tiny_model(request.param, checkpoint=True), tokenizer=char_tokenizer())
@@ -47,7 +44,7 @@ def model(request):
 def inputs(model):
     """The tiny processor's outputs: input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw."""
     processor = tiny_processor(model.config.model_type)
-    return dict(processor(text=[TEXT], images=[picture(64, 64, 0), picture(96, 64, 1)], return_tensors="pt"))
+    return dict(processor(text=[TEXT], images=[random_image(64, 64, 0), random_image(96, 64, 1)], return_tensors="pt"))
 
 
 def split(inputs):
@@ -96,43 +93,12 @@ def test_every_language_pattern_equals_transformers_attention_and_the_linear_lay
         model.layers[linear[0]].self_attn.attention_probabilities.save()
 
 
-def _towers_own_weights(model, inputs, monkeypatch):
-    """transformers' tower returns no attention weights (its `attentions` are the attention modules' outputs): the
-    weights its eager function returns, recorded per call (one call per image), assembled block-diagonally."""
-    module = import_module(type(model._module).__module__)
-    blocks = [block.attn for block in model._module.model.visual.blocks]
-    calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(blocks))}
-    original = module.eager_attention_forward
-
-    def recording(attention, *args, **kwargs):
-        output, weights = original(attention, *args, **kwargs)
-        for i, block in enumerate(blocks):
-            if attention is block:
-                calls[i].append(weights)
-        return output, weights
-
-    monkeypatch.setattr(module, "eager_attention_forward", recording)
-    with torch.no_grad():
-        model._module(**inputs)
-    monkeypatch.undo()
-    assembled = []
-    for pieces in calls.values():
-        whole = torch.zeros(1, pieces[0].shape[1], PATCHES, PATCHES)
-        start = 0
-        for piece in pieces:
-            whole[..., start : start + piece.shape[-1], start : start + piece.shape[-1]] = piece
-            start += piece.shape[-1]
-        assert start == PATCHES and len(pieces) == 2  # one call per image
-        assembled.append(whole)
-    return assembled
-
-
 def test_every_tower_pattern_equals_the_weights_transformers_computes(model, inputs, monkeypatch):
     """Each tower block's pattern [1, heads, patches, patches] is torch.equal to the weights transformers' eager
     function returns per image, assembled block-diagonally (zeros off each image's block); the last block's output
     is the tower's."""
     ids, rest = split(inputs)
-    expected = _towers_own_weights(model, inputs, monkeypatch)
+    expected = towers_own_weights_per_image(model, inputs, monkeypatch, PATCHES)
     found = []
     with torch.no_grad(), model.trace(ids, **rest):
         for i in range(model.vision.num_layers):
@@ -167,25 +133,6 @@ def test_positions_place_every_image_token_on_its_grid(model, inputs):
     assert found.row[0, SECOND].tolist() == [0, 0, 1, 1, 2, 2] and found.col[0, SECOND].tolist() == [0, 1] * 3
 
 
-def _rotated(x, positions, config):
-    """`x` [1, heads, seq, head_dim] rotated by hand by interleaved M-RoPE on `positions` [3, seq] (temporal, row,
-    column): the first head_dim * partial_rotary_factor dimensions, rotary frequency f by the row id where f % 3 == 1
-    and f < 3 * section[1], the column id where f % 3 == 2 and f < 3 * section[2], the temporal id otherwise."""
-    rope = config.rope_parameters
-    rotary = int(x.shape[-1] * rope["partial_rotary_factor"])
-    section = rope["mrope_section"]
-    frequencies = 1.0 / rope["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
-    axis = [
-        1 if f % 3 == 1 and f < 3 * section[1] else 2 if f % 3 == 2 and f < 3 * section[2] else 0
-        for f in range(len(frequencies))
-    ]
-    angles = positions[axis].T.float() * frequencies  # [seq, frequencies]: each frequency on its own axis's id
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    head = x[..., :rotary]
-    half = torch.cat([-head[..., rotary // 2 :], head[..., : rotary // 2]], -1)
-    return torch.cat([head * cos + half * sin, x[..., rotary:]], -1)
-
-
 def test_the_queries_and_keys_are_rotated_by_the_multimodal_positions(model, inputs):
     """The full-attention layer's queries and keys equal, within 1e-5, its projections (q_norm, k_norm) rotated by
     hand by interleaved M-RoPE on `get_rope_index`'s ids, and not rotated by plain 1-D positions (which the model
@@ -209,10 +156,10 @@ def test_the_queries_and_keys_are_rotated_by_the_multimodal_positions(model, inp
         projected = attention.q_proj(normed).view(1, n, -1, 2 * text.head_dim)
         raw_queries = attention.q_norm(projected[..., : text.head_dim]).transpose(1, 2)
         raw_keys = attention.k_norm(attention.k_proj(normed).view(1, n, -1, text.head_dim)).transpose(1, 2)
-    assert torch.allclose(queries, _rotated(raw_queries, rope[:, 0], text), atol=1e-5)
-    assert torch.allclose(keys, _rotated(raw_keys, rope[:, 0], text), atol=1e-5)
+    assert torch.allclose(queries, rotated_by_interleaved_mrope(raw_queries, rope[:, 0], text), atol=1e-5)
+    assert torch.allclose(keys, rotated_by_interleaved_mrope(raw_keys, rope[:, 0], text), atol=1e-5)
     flat = torch.arange(n).expand(3, n)
-    assert not torch.allclose(queries, _rotated(raw_queries, flat, text), atol=1e-3)
+    assert not torch.allclose(queries, rotated_by_interleaved_mrope(raw_queries, flat, text), atol=1e-3)
     assert "not its rotary position" in model.support(layer).notes["self_attn.attention_key_positions"]
 
 
@@ -224,17 +171,9 @@ def test_the_towers_embeddings_are_the_patches_with_the_resampled_learned_positi
     with torch.no_grad(), model.trace(ids, **rest):
         embeddings = model.vision.embeddings.save()
     visual = model._module.model.visual
-    side = int(visual.pos_embed.weight.shape[0] ** 0.5)
-    grid = visual.pos_embed.weight.detach().T.reshape(1, -1, side, side)
-    pieces = []
-    for _, h, w in rest["image_grid_thw"].tolist():
-        resampled = torch.nn.functional.interpolate(grid, size=(h, w), mode="bilinear", align_corners=True)[0]
-        order = [
-            (2 * br + r, 2 * bc + c) for br in range(h // 2) for bc in range(w // 2) for r in range(2) for c in range(2)
-        ]
-        pieces.append(torch.stack([resampled[:, r, c] for r, c in order]))
+    positions = resampled_learned_positions(visual, rest["image_grid_thw"])
     with torch.no_grad():
-        expected = visual.patch_embed(rest["pixel_values"]) + torch.cat(pieces)
+        expected = visual.patch_embed(rest["pixel_values"]) + positions
     assert embeddings.shape == (1, PATCHES, 32)
     assert torch.allclose(embeddings[0], expected, atol=1e-5)
 
@@ -278,22 +217,7 @@ def test_an_edit_of_the_towers_head_outputs_moves_the_logits_as_recomputing_by_h
         means = torch.stack([values[0, :, segment == s].mean(1) for s in range(len(bounds) - 1)])
         last.self_attn.attention_head_outputs = means[segment][None]  # [1, patches, heads, head_dim]
         edited = model.logits.save()
-    module = model._module.model.visual.blocks[-1].attn
-
-    def uniform(hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-        n = hidden_states.shape[0]
-        v = module.qkv(hidden_states).reshape(n, 3, module.num_heads, -1)[:, 2]
-        assert cu_seqlens.tolist() == bounds  # the model's own segments
-        mixed = torch.cat([v[a:b].mean(0, keepdim=True).expand(b - a, -1, -1) for a, b in itertools.pairwise(bounds)])
-        return module.proj(mixed.reshape(n, -1))
-
-    original = module.forward
-    module.forward = uniform
-    try:
-        with torch.no_grad():
-            expected = model._module(**inputs).logits
-    finally:
-        module.forward = original
+    expected = logits_with_last_qwen_tower_block_uniform_within_each_image(model, bounds, **inputs)
     with torch.no_grad():
         plain = model._module(**inputs).logits
     # the means summed in another order than the hand-run's: 2.4e-5 apart at most, on logits up to 5
