@@ -74,6 +74,12 @@ def save_llava_next(folder):
     )
 
 
+def square_image(seed=0, side=64):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))
+
+
 def family_saver(model_type, processor=None):
     def save(folder):
         """The family's tiny checkpoint (its vLLM text config: head size 32) as vLLM reads it, and its processor
@@ -107,6 +113,15 @@ def onevision_processor():
         num_image_tokens=16,
         vision_feature_select_strategy="full",
     )
+
+
+def qwen3_vl_processor():
+    """Qwen3-VL's tiny processor, with Qwen3-VL's video processor, which vLLM builds."""
+    import transformers
+
+    processor = attnlens.models.tiny_processor("qwen3_vl")
+    processor.video_processor = transformers.Qwen3VLVideoProcessor()
+    return processor
 
 
 def save_gemma4(folder):
@@ -187,6 +202,14 @@ CASES = {
         # vLLM's own processor is the saved one with torchvision's resizing where torchvision is installed (as in
         # .venv-vllm): pixels 0.0078 apart from the PIL processor's on the upscaled tiles (image features 1e-2 apart)
         {"mm_processor_kwargs": {"backend": "pil"}},
+    ),
+    # 64 x 64 pixels: 4 x 4 patches of 16, merged 2 x 2 into 4 image tokens; deepstack features added to their rows
+    # after layers 0 and 1 (in vLLM's text model's loop, as in transformers')
+    "qwen3_vl": (
+        family_saver("qwen3_vl", qwen3_vl_processor),
+        "Hi <|vision_start|><|image_pad|><|vision_end|> what?",
+        base._qwen_causal,
+        {"picture": square_image},
     ),
 }
 _cases: dict = {}
@@ -363,3 +386,19 @@ def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_
         attnlens.StandardizedVLLM(str(tmp_path))
     refusal = media.composite_refusal(transformers.SmolVLMConfig(text_config={"model_type": "llama"}))
     assert "SmolVLMForConditionalGeneration" in refusal and "measured: vLLM cannot run it here" in refusal
+
+
+def test_qwen3_vls_deepstack_features_reach_the_next_block_on_vllm(tmp_path_factory):
+    """vLLM adds Qwen3-VL's deepstack features in its text model's loop: what layer 1 reads is what layer 0 wrote
+    plus, on the image's rows only, deepstack merger 0's output (transformers', recomputed there)."""
+    qwen = case("qwen3_vl", tmp_path_factory)
+    vllm = qwen.vllm
+    with torch.no_grad(), vllm.trace(qwen.request()):
+        wrote = vllm.layers[0].layer_output.save()
+        read = vllm.layers[1].layer_input.save()
+    with torch.no_grad(), qwen.eager.trace(qwen.inputs["input_ids"], **qwen.causal):
+        merged = qwen.eager.model.visual.deepstack_merger_list[0].output.save()
+    rows = qwen.inputs["input_ids"][0] == 129
+    added = (read - wrote).reshape(-1, read.shape[-1])
+    assert rows.sum() == 4 and merged.abs().max() > 0.05  # (the tiny merger: features ~0.1)
+    assert close(added[rows], merged, TOLERANCE) and added[~rows].abs().max() == 0

