@@ -230,7 +230,10 @@ class SmolVLM(Idefics3):
     """SmolVLM: Idefics3's model and prompt layout (its processor writes the same tags), a Llama language model."""
 
     model_types = ("smolvlm",)
-    vllm = VLLMLayout(refusal="attnlens has not compared SmolVLM's language model on vLLM with transformers")
+    vllm = VLLMLayout(
+        refusal="attnlens has not compared SmolVLM on vLLM with transformers: vLLM's SmolVLMForConditionalGeneration "
+        "builds transformers' SmolVLMProcessor, which requires the num2words package (not installed; measured)"
+    )
     tiny = tiny("SmolVLMConfig", "SmolVLMForConditionalGeneration")
 
 
