@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..family import TINY_DEFAULTS, Tiny
+from ..family import TINY_DEFAULTS, Tiny, VLLMLayout
 from ..parts.moe import moe_absent
 from ..parts.multimodal import AddedBetweenBlocks, LanguageModelOf, Tower, released_vllm
 from .qwen2_vl import POSITIONS_NOTE, TOKENS
@@ -140,4 +140,4 @@ class Qwen3VLMoe(Deepstack, Qwen3Moe):
             "vision_config": VISION,
         },
     )
-    vllm = replace(Qwen3Moe.vllm, model_types=("qwen3_vl_moe",), refusal=VLLM_REFUSAL)
+    vllm = VLLMLayout(refusal=VLLM_REFUSAL)
