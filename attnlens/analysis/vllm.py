@@ -109,10 +109,13 @@ def projection_weights(projection, width: int) -> tuple[torch.Tensor, torch.Tens
 def unembedding(module, embeddings: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """vLLM's unembedding (`module`: its model, in the worker), its padded vocabulary whole on every rank: its
     `lm_head` (a multimodal class's is its language model's, vLLM's `get_language_model()`: Qwen3.5's
-    `language_model.lm_head`), or where the model ties its embeddings and vLLM keeps no head (Cohere's, Gemma 4's
+    `language_model.lm_head`; else the model's own, where its language model is a bare text model: Idefics3's
+    `model.text_model`), or where the model ties its embeddings and vLLM keeps no head (Cohere's, Gemma 4's
     logits are computed from `embed_tokens`) the input embeddings at `embeddings`."""
     language = module.get_language_model() if hasattr(module, "get_language_model") else module
     head = getattr(language, "lm_head", None)
+    if head is None:
+        head = getattr(module, "lm_head", None)
     config = getattr(module, "config", None)
     if head is None and config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False):
         head = module.get_submodule(embeddings)

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import Unavailable
 from ..family import TINY_DEFAULTS, Tiny
-from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower
+from ..parts.multimodal import KINDS, ImageTokens, LanguageModelOf, Positions, Tower, released_vllm
 from ..parts.vllm import VLLMLayout
 from .llama import Llama
 from .mistral import Mistral
@@ -211,8 +211,12 @@ class Idefics3(LanguageModelOf, Llama):
     final_norm = "model.text_model.norm"
     towers = {"vision": Tower("model.vision_model", IdeficsTower)}
     images = IdeficsImages()
-    vllm = VLLMLayout(refusal="attnlens has not compared Idefics3's language model on vLLM with transformers")
     tiny = tiny("Idefics3Config", "Idefics3ForConditionalGeneration")
+    #: vLLM's idefics3: its Idefics3Model holds the text model (vLLM's LlamaModel) as `model.text_model`, as
+    #: transformers' does (tests_vllm/test_images_more.py)
+    vllm = released_vllm(
+        Llama, "idefics3", tiny, names={"layers": layers, "embed_tokens": embed_tokens, "final_norm": final_norm}
+    )
     kind_notes = {
         "*": {
             "attention_probabilities": "image tokens attend causally, as text does: the mask is the text model's",
@@ -226,7 +230,10 @@ class SmolVLM(Idefics3):
     """SmolVLM: Idefics3's model and prompt layout (its processor writes the same tags), a Llama language model."""
 
     model_types = ("smolvlm",)
-    vllm = VLLMLayout(refusal="attnlens has not compared SmolVLM's language model on vLLM with transformers")
+    vllm = VLLMLayout(
+        refusal="attnlens has not compared SmolVLM on vLLM with transformers: vLLM's SmolVLMForConditionalGeneration "
+        "builds transformers' SmolVLMProcessor, which requires the num2words package (not installed; measured)"
+    )
     tiny = tiny("SmolVLMConfig", "SmolVLMForConditionalGeneration")
 
 

